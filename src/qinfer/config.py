@@ -1,0 +1,233 @@
+"""ModelConfig: one dataclass that describes every supported decoder-only family.
+
+`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` for Qwen3, Qwen2/2.5,
+Llama 3.x (and SmolLM2, which is Llama-shaped) and Mistral. It accepts both spellings
+of RoPE settings that `transformers` has written over the years:
+
+- old: `rope_theta` + `rope_scaling: {"type" | "rope_type": ..., "factor": ...}`
+- new (transformers >= 5): `rope_parameters: {"rope_type": ..., "rope_theta": ...}`
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qinfer.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding settings; see `layers/rope.py` for how each type is used."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # llama3, yarn: the context length the model was pretrained with
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of a decoder-only transformer.
+
+    `head_dim` is stored explicitly: it is not always hidden_size / num_attention_heads
+    (Qwen3-0.6B: 16 heads x 128 = 2048 against hidden 1024).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    o_bias: bool = False  # Llama `attention_bias: true` also puts one on o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ConfigError(f"layer_types holds unsupported kinds {sorted(unknown)}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types asks for sliding_attention but sliding_window is unset")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` in tokens, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read a `config.json` file (or the folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json found at {path}")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf(data)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config dict; errors name the field at fault."""
+        if not isinstance(cfg, dict):
+            raise ConfigError("config must be a JSON object")
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ConfigError(f"config field {key!r} is missing (model_type {model_type})")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        layers = int(need("num_hidden_layers"))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        sliding_window, layer_types = _sliding_window(cfg, model_type, layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2's q/k/v always have a bias and its config has no switch for it.
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope=rope_config_from_hf(cfg),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        )
+
+
+def rope_config_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """Merge `rope_theta` + `rope_scaling` (old) or `rope_parameters` (new) into a RopeConfig."""
+    params: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"config field {key!r} must be an object, got {value!r}")
+        params.update(value)
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type != "default" and params.get("factor") is None:
+        raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "llama3" and original is None:
+        raise ConfigError("rope_type 'llama3' needs 'original_max_position_embeddings'")
+    if rope_type == "yarn" and original is None:
+        original = cfg.get("max_position_embeddings")
+    optional = {
+        k: float(params[k])
+        for k in ("attention_factor", "mscale", "mscale_all_dim")
+        if params.get(k) is not None
+    }
+    return RopeConfig(
+        theta=float(theta),
+        type=rope_type,
+        factor=float(params.get("factor") or 1.0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=None if original is None else int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        **optional,
+    )
+
+
+def _sliding_window(
+    cfg: dict[str, Any], model_type: str, layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """Which layers use a sliding window, and how wide it is.
+
+    - `layer_types` (written by recent transformers) wins when present.
+    - Mistral: `sliding_window` (int or null) applies to every layer.
+    - Qwen2/Qwen3: only with `use_sliding_window`, and only for layers with index
+      >= `max_window_layers`.
+    - Llama: never.
+    """
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if model_type == "llama":
+        window = None
+    explicit = cfg.get("layer_types")
+    if explicit is not None:
+        if window is None:  # a layer_types list without a window means full attention
+            return None, (FULL_ATTENTION,) * layers
+        return int(window), tuple(explicit)
+    if window is None:
+        return None, (FULL_ATTENTION,) * layers
+    first_sliding = int(cfg.get("max_window_layers", 0)) if model_type != "mistral" else 0
+    kinds = tuple(
+        SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers)
+    )
+    return int(window), kinds

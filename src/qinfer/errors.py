@@ -1,0 +1,22 @@
+"""The errors qinfer raises on bad input.
+
+Every error carries one readable line that names the thing at fault (the file, the
+tensor, the config field, the request parameter). The CLI prints that line and exits
+with status 2 instead of showing a traceback from deep inside torch.
+"""
+
+
+class QinferError(Exception):
+    """Base class: a problem with what the user gave us, explained in one line."""
+
+
+class ConfigError(QinferError):
+    """A checkpoint's configuration is missing, malformed or unsupported."""
+
+
+class WeightsError(QinferError):
+    """A weight file or tensor is missing, corrupt or of the wrong shape."""
+
+
+class CacheError(QinferError):
+    """A KV cache was asked to hold more positions than it can."""

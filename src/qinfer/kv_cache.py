@@ -1,0 +1,270 @@
+"""Where K/V live between steps: the KV-cache protocol and its single-machine caches.
+
+Every cache answers the seed's call
+
+    keys, values, offset, mask = cache.update_and_fetch(k, v, mask_length=L, mask=mask)
+
+with k, v the new (B, Hkv, L, D) entries. It stores them and returns the whole visible
+history (B, Hkv, S, D), the offset the new entries were written at, and the mask that
+goes with the history: None, "causal" (bottom-right aligned) or a boolean
+(B, 1, L, S) tensor where True means "may attend". The attention layer never asks
+which kind of cache it got.
+
+Batched rows of different lengths are left-padded: row b starts with left_padding[b]
+pad tokens whose keys no real query may see. Positions are counted per row from its
+first real token, so a pad slot has a negative position; the mask is built from
+positions on every step:
+
+    allowed[q, k] = 0 <= pos_k <= pos_q  (and pos_q - pos_k < window for sliding layers)
+
+plus pos_k == pos_q, which lets a pad query see itself so that no row of the softmax
+is empty (an all-masked row would be NaN and poison the pad slot's K/V in later layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.errors import CacheError
+
+Mask = torch.Tensor | str | None
+_EMPTY = -(2**30)  # position of a ring slot that holds nothing yet
+
+#: Contiguous caches grow their buffers by this many positions at a time.
+GROWTH_STEP = 256
+
+
+def position_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """(B, 1, L, S) boolean mask from query positions (B, L) and key positions (B, S)."""
+    q = query_positions[:, None, :, None]  # (B, 1, L, 1)
+    k = key_positions[:, None, None, :]  # (B, 1, 1, S)
+    allowed = k >= 0
+    if causal:
+        allowed = allowed & (k <= q)
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed | (k == q)
+
+
+class _Cache:
+    """What every single-machine cache shares: offsets, left padding, the position limit."""
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_length: int,
+        window: int | None,
+        left_padding: torch.Tensor | list[int] | None,
+    ) -> None:
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.window = window
+        self.offset = 0  # slots written per row, pad slots included
+        if left_padding is not None:
+            left_padding = torch.as_tensor(left_padding, dtype=torch.long)
+            if left_padding.shape != (batch_size,):
+                raise CacheError(
+                    f"left_padding has shape {tuple(left_padding.shape)}, expected ({batch_size},)"
+                )
+        self.left_padding = left_padding
+
+    @property
+    def offsets(self) -> int | torch.Tensor:
+        """RoPE position of each row's next token: an int, or (B,) when rows are padded."""
+        if self.left_padding is None:
+            return self.offset
+        return self.offset - self.left_padding.to(self._device())
+
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _check_room(self, L: int) -> None:
+        needed = self.offset + L
+        if needed > self.max_length:
+            raise CacheError(
+                f"KV cache holds at most {self.max_length} positions; "
+                f"this step needs {needed} ({self.offset} cached + {L} new)"
+            )
+
+    def _slot_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """Positions (B, n) of stream slots (n,) once left padding is taken away."""
+        positions = slots[None, :].expand(self.batch_size, -1)
+        if self.left_padding is not None:
+            positions = positions - self.left_padding.to(slots.device)[:, None]
+        return positions
+
+    def _mask(self, mask: Mask, query_slots: torch.Tensor, key_positions: torch.Tensor) -> Mask:
+        """The caller's mask ("causal", None or a boolean tensor) merged with padding/window."""
+        is_tensor = isinstance(mask, torch.Tensor)
+        if is_tensor and mask.dtype != torch.bool:
+            raise CacheError(
+                "a mask given together with a KV cache must be boolean (True = attend)"
+            )
+        query_positions = self._slot_positions(query_slots)
+        causal = isinstance(mask, str)
+        allowed = position_mask(query_positions, key_positions, self.window, causal=causal)
+        return allowed & mask if is_tensor else allowed
+
+
+class KVCache(_Cache):
+    """A preallocated contiguous cache (B, Hkv, capacity, D) that grows in chunks.
+
+    Appending never concatenates the whole history: the buffers grow by GROWTH_STEP
+    positions at a time (a copy amortised over many steps) and each step writes in place.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 1,
+        max_length: int = 4096,
+        left_padding: torch.Tensor | list[int] | None = None,
+    ) -> None:
+        super().__init__(batch_size, max_length, None, left_padding)
+        self.keys: torch.Tensor | None = None  # (B, Hkv, capacity, D)
+        self.values: torch.Tensor | None = None
+
+    def _device(self) -> torch.device:
+        return self.keys.device if self.keys is not None else torch.device("cpu")
+
+    def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= capacity:
+            return
+        capacity = min(self.max_length, -(-needed // GROWTH_STEP) * GROWTH_STEP)
+        B, H, _, _ = k.shape
+        keys = k.new_zeros(B, H, capacity, k.shape[3])
+        values = v.new_zeros(B, H, capacity, v.shape[3])
+        if self.keys is not None:
+            keys[:, :, : self.offset] = self.keys[:, :, : self.offset]
+            values[:, :, : self.offset] = self.values[:, :, : self.offset]
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(
+        self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int, Mask]:
+        """Append k, v (B, Hkv, L, D); return the history (B, Hkv, offset + L, D)."""
+        L = k.shape[2]
+        self._check_room(L)
+        self._grow(k, v, self.offset + L)
+        start = self.offset
+        self.keys[:, :, start : start + L] = k
+        self.values[:, :, start : start + L] = v
+        self.offset += L
+        keys, values = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        if self.left_padding is None and (mask is None or isinstance(mask, str)):
+            # No padding: the bottom-right causal rule says it all (and keeps fast paths).
+            return keys, values, start, (mask if L > 1 else None)
+        slots = torch.arange(self.offset, device=k.device)
+        return keys, values, start, self._mask(mask, slots[start:], self._slot_positions(slots))
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions (speculative decoding, prefix reuse); returns how many."""
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these batch rows (rows of a batch that finished stop costing work)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if self.keys is not None:
+            self.keys = self.keys[rows.to(self.keys.device)]
+            self.values = self.values[rows.to(self.values.device)]
+        if self.left_padding is not None:
+            self.left_padding = self.left_padding[rows]
+        self.batch_size = len(rows)
+
+
+class RotatingKVCache(_Cache):
+    """A ring of `window` slots for sliding-window layers: memory stays O(window).
+
+    Decoding one token writes it over the slot of the token that just left the window
+    and returns the ring as it is (attention does not care about key order; the mask
+    is built from the positions each slot holds). A multi-token step returns the ring
+    followed by the new tokens, so every query sees its whole window, then keeps the
+    newest `window` tokens.
+    """
+
+    def __init__(
+        self,
+        window: int,
+        batch_size: int = 1,
+        max_length: int = 4096,
+        left_padding: torch.Tensor | list[int] | None = None,
+    ) -> None:
+        super().__init__(batch_size, max_length, window, left_padding)
+        self.keys: torch.Tensor | None = None  # (B, Hkv, window, D)
+        self.values: torch.Tensor | None = None
+        self.slot_positions: torch.Tensor | None = None  # (B, window) position held per slot
+
+    def _device(self) -> torch.device:
+        return self.keys.device if self.keys is not None else torch.device("cpu")
+
+    def update_and_fetch(
+        self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int, Mask]:
+        """Store k, v (B, Hkv, L, D); return (B, Hkv, window, D) for L == 1, else
+        (B, Hkv, window + L, D), with the mask that keeps each query inside its window."""
+        B, H, L, D = k.shape
+        W = self.window
+        self._check_room(L)
+        if self.keys is None:
+            self.keys = k.new_zeros(B, H, W, D)
+            self.values = v.new_zeros(B, H, W, D)
+            self.slot_positions = torch.full((B, W), _EMPTY, dtype=torch.long, device=k.device)
+        start = self.offset
+        slots = torch.arange(start, start + L, device=k.device)  # stream index of each new token
+        new_positions = self._slot_positions(slots)  # (B, L)
+        if L == 1:
+            self._write(k, v, slots, new_positions)
+            keys, values, key_positions = self.keys, self.values, self.slot_positions
+        else:
+            keys = torch.cat([self.keys, k], dim=2)
+            values = torch.cat([self.values, v], dim=2)
+            key_positions = torch.cat([self.slot_positions, new_positions], dim=1)
+            keep = slice(max(0, L - W), L)  # only the newest W tokens stay in the ring
+            self._write(k[:, :, keep], v[:, :, keep], slots[keep], new_positions[:, keep])
+        self.offset += L
+        return keys, values, start, self._mask(mask, slots, key_positions)
+
+    def _write(self, k, v, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        ring = slots % self.window
+        self.keys[:, :, ring] = k
+        self.values[:, :, ring] = v
+        self.slot_positions[:, ring] = positions
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions; only possible while nothing has been overwritten."""
+        n = min(n, self.offset)
+        if self.offset > self.window:
+            raise CacheError(
+                f"cannot rewind a sliding-window cache past its window ({self.window} tokens)"
+            )
+        self.offset -= n
+        if self.slot_positions is not None:
+            self.slot_positions[:, self.offset : self.offset + n] = _EMPTY
+        return n
+
+    def reset(self) -> None:
+        self.offset = 0
+        if self.slot_positions is not None:
+            self.slot_positions.fill_(_EMPTY)
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these batch rows."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if self.keys is not None:
+            device_rows = rows.to(self.keys.device)
+            self.keys = self.keys[device_rows]
+            self.values = self.values[device_rows]
+            self.slot_positions = self.slot_positions[device_rows]
+        if self.left_padding is not None:
+            self.left_padding = self.left_padding[rows]
+        self.batch_size = len(rows)

@@ -1,0 +1,17 @@
+"""The building blocks of a decoder layer, one concept per module."""
+
+from qinfer.layers.attention import Attention, scaled_dot_product_attention_grouped
+from qinfer.layers.linear import Linear, linear
+from qinfer.layers.mlp import MLP
+from qinfer.layers.norm import RMSNorm
+from qinfer.layers.rope import RoPE
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "Linear",
+    "RMSNorm",
+    "RoPE",
+    "linear",
+    "scaled_dot_product_attention_grouped",
+]

@@ -1,0 +1,172 @@
+"""The seed's full grouped-query attention layer (tutorial 07), in PyTorch.
+
+q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> KV cache
+-> grouped scaled-dot-product attention in fp32 -> o projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.config import ModelConfig
+from qinfer.features import Features
+from qinfer.layers.linear import linear
+from qinfer.layers.norm import RMSNorm
+from qinfer.layers.rope import RoPE
+from qinfer.weights.base import Weights
+
+Mask = torch.Tensor | str | None
+
+
+def scaled_dot_product_attention_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: Mask = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with grouped K/V heads, the reference implementation.
+
+    q: (B, Hq, L, D); k, v: (B, Hkv, S, D) with Hq = Hkv * n_rep. Query head h reads
+    KV head h // n_rep: q is reshaped to (B, Hkv, n_rep * L, D) so one matmul against
+    each KV head serves its n_rep query heads, without copying K/V per query head.
+
+    mask: None (every query sees every key); "causal", aligned bottom-right (the L queries
+    are the last L of the S keys, so query i sees keys 0 .. S - L + i); or a tensor
+    broadcastable to (B, Hq, L, S) that is boolean (True = may attend) or additive.
+    Returns (B, Hq, L, D) in q's dtype.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    n_rep = Hq // Hkv
+    q = q.reshape(B, Hkv, n_rep * L, D)  # query head h = kv_head * n_rep + r
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, n_rep * L, S)
+    scores = scores.reshape(B, Hkv, n_rep, L, S)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; use 'causal', a tensor or None")
+        mask = causal_mask(L, S, q.device)
+    if mask is not None:
+        mask = _grouped(mask, Hkv, n_rep, L, S)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.matmul(weights.reshape(B, Hkv, n_rep * L, S), v)  # (B, Hkv, n_rep * L, D)
+    return out.reshape(B, Hq, L, D)
+
+
+def causal_mask(L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(L, S) boolean, bottom-right aligned: query i may attend to keys j <= S - L + i."""
+    query = torch.arange(L, device=device)[:, None] + (S - L)
+    return torch.arange(S, device=device)[None, :] <= query
+
+
+def _grouped(mask: torch.Tensor, Hkv: int, n_rep: int, L: int, S: int) -> torch.Tensor:
+    """A mask broadcastable to (B, Hq, L, S) as one broadcastable to (B, Hkv, n_rep, L, S)."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)  # (B, 1, 1, L, S)
+    return mask.reshape(mask.shape[0], Hkv, n_rep, mask.shape[2], S)
+
+
+def _torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask):
+    """The same contract through torch's fused kernels (GQA handled by `enable_gqa`)."""
+    L, S = q.shape[2], k.shape[2]
+    is_causal = False
+    if isinstance(mask, str):
+        # torch's is_causal is top-left aligned: only equal to ours when L == S.
+        if L == S:
+            mask, is_causal = None, True
+        elif L == 1:
+            mask = None
+        else:
+            mask = causal_mask(L, S, q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+    )
+
+
+class Attention:
+    """The seed's attention layer. Shapes: x (B, L, hidden) -> (B, L, hidden)."""
+
+    def __init__(
+        self, layer_prefix: str, config: ModelConfig, weights: Weights, features: Features
+    ):
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.features = features
+
+        # The scale factor for attention scores: 1/sqrt(head_dim).
+        self.scale = self.head_dim**-0.5
+
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        prefix = f"{layer_prefix}.self_attn"
+        self.wq = weights.linear(f"{prefix}.q_proj", (q_out, self.hidden_size), config.qkv_bias)
+        self.wk = weights.linear(f"{prefix}.k_proj", (kv_out, self.hidden_size), config.qkv_bias)
+        self.wv = weights.linear(f"{prefix}.v_proj", (kv_out, self.hidden_size), config.qkv_bias)
+        self.wo = weights.linear(f"{prefix}.o_proj", (self.hidden_size, q_out), config.o_bias)
+
+        # RoPE tables are shared by every layer with the same settings (see layers/rope.py).
+        self.rope = RoPE(self.head_dim, config.max_position_embeddings, config.rope, weights.device)
+
+        # Per-head QK-norm (Qwen3): RMSNorm over head_dim, on q and k, before RoPE.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            shape = (self.head_dim,)
+            self.q_norm = RMSNorm(
+                self.head_dim, weights.tensor(f"{prefix}.q_norm.weight", shape), config.rms_norm_eps
+            )
+            self.k_norm = RMSNorm(
+                self.head_dim, weights.tensor(f"{prefix}.k_norm.weight", shape), config.rms_norm_eps
+            )
+
+    def __call__(self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask = None):
+        """x: (B, L, hidden); offsets: position of each row's first token (int or (B,));
+        cache: any object with the KV-cache protocol (`qinfer.kv_cache`); mask as in
+        `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
+        B, L, _ = x.shape
+
+        # Step 1: project to Q, K, V.  (B, L, H * D) -> (B, L, H, D)
+        projection_q = linear(x, self.wq).reshape(B, L, self.num_heads, self.head_dim)
+        projection_k = linear(x, self.wk).reshape(B, L, self.num_kv_heads, self.head_dim)
+        projection_v = linear(x, self.wv).reshape(B, L, self.num_kv_heads, self.head_dim)
+
+        # Step 2: per-head QK-norm, within each head, before RoPE.
+        if self.q_norm is not None:
+            projection_q = self.q_norm(projection_q)
+            projection_k = self.k_norm(projection_k)
+
+        # Step 3: RoPE on Q and K (not V).
+        projection_q = self.rope(projection_q, offset=offsets)
+        projection_k = self.rope(projection_k, offset=offsets)
+
+        # Step 4: (B, L, H, D) -> (B, H, L, D)
+        projection_q = projection_q.transpose(1, 2)
+        projection_k = projection_k.transpose(1, 2)
+        projection_v = projection_v.transpose(1, 2)
+
+        # Step 5: store this step's K/V and fetch the whole visible history (B, Hkv, S, D),
+        # with the mask that matches it (padding, sliding window, causal).
+        projection_k, projection_v, _, mask = cache.update_and_fetch(
+            projection_k, projection_v, mask_length=L, mask=mask
+        )
+
+        # Step 6: attention in fp32, cast back.
+        sdpa = _torch_sdpa if self.features.fast_sdpa else scaled_dot_product_attention_grouped
+        x = sdpa(
+            projection_q.float(),
+            projection_k.float(),
+            projection_v.float(),
+            self.scale,
+            mask,
+        ).to(x.dtype)
+
+        # Step 7: (B, H, L, D) -> (B, L, H * D) -> output projection.
+        x = x.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
+        return linear(x, self.wo)

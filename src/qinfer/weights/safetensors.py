@@ -1,0 +1,62 @@
+"""Hugging Face safetensors checkpoints: one `model.safetensors` or shards with an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qinfer.errors import WeightsError
+from qinfer.weights.base import Weights
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsWeights(Weights):
+    """Tensors read lazily and memory-mapped from the `.safetensors` files of a folder."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(dtype, device)
+        self.folder = Path(folder)
+        self._file_of: dict[str, Path] = {}
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise WeightsError(f"{index} is not a valid safetensors index: {e}") from None
+            files = sorted({self.folder / f for f in weight_map.values()})
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"no .safetensors files found in {self.folder}")
+        self._handles = {}
+        for file in files:
+            if not file.is_file():
+                raise WeightsError(f"weight file {file} listed in {index.name} does not exist")
+            try:
+                handle = safe_open(str(file), framework="pt")
+                keys = list(handle.keys())
+            except (SafetensorError, OSError, ValueError) as e:
+                raise WeightsError(f"corrupt safetensors file {file}: {e}") from None
+            self._handles[file] = handle
+            for key in keys:
+                self._file_of[key] = file
+        self._files = files
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def where(self, name: str) -> str:
+        if name in self._file_of:
+            return str(self._file_of[name])
+        return ", ".join(str(f) for f in self._files)
+
+    def _read(self, name: str) -> torch.Tensor:
+        file = self._file_of[name]
+        try:
+            return self._handles[file].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise WeightsError(f"cannot read tensor {name!r} from {file}: {e}") from None

@@ -115,7 +115,7 @@ class Transformer:
         if offsets is None:
             offsets = cache[0].offsets
         h = F.embedding(tokens, self.embed_tokens)  # (B, L, hidden)
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
         if last_only:
             h = h[:, -1:]

@@ -20,3 +20,11 @@ class WeightsError(QinferError):
 
 class CacheError(QinferError):
     """A KV cache was asked to hold more positions than it can."""
+
+
+class TokenizerError(QinferError):
+    """Tokenizer files are missing or unreadable, or a chat template cannot render."""
+
+
+class SamplingError(QinferError):
+    """A sampling parameter is out of range or of the wrong type."""

@@ -28,3 +28,11 @@ class TokenizerError(QinferError):
 
 class SamplingError(QinferError):
     """A sampling parameter is out of range or of the wrong type."""
+
+
+class RequestError(QinferError):
+    """A request the engine cannot serve: empty prompt, too long, bad id (HTTP 400)."""
+
+
+class EngineOverloadedError(QinferError):
+    """The engine's waiting queue is full; try again later (HTTP 503)."""

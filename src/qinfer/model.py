@@ -114,12 +114,24 @@ class Transformer:
             raise QinferError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
         if offsets is None:
             offsets = cache[0].offsets
+        self._check_positions(offsets, L)
         h = F.embedding(tokens, self.embed_tokens)  # (B, L, hidden)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
         if last_only:
             h = h[:, -1:]
         return F.linear(self.norm(h), self.lm_head).float()
+
+    def _check_positions(self, offsets: int | torch.Tensor, L: int) -> None:
+        # RoPE is tabulated up to max_position_embeddings and runs before any cache could
+        # refuse the step, so positions past the context are caught here.
+        last = (offsets if isinstance(offsets, int) else int(offsets.max())) + L - 1
+        context = self.config.max_position_embeddings
+        if last >= context:
+            raise QinferError(
+                f"position {last} is past the model's context of {context} positions "
+                "(max_position_embeddings)"
+            )
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:

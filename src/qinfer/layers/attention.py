@@ -73,21 +73,35 @@ def _grouped(mask: torch.Tensor, Hkv: int, n_rep: int, L: int, S: int) -> torch.
     return mask.reshape(mask.shape[0], Hkv, n_rep, mask.shape[2], S)
 
 
-def _torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask):
-    """The same contract through torch's fused kernels (GQA handled by `enable_gqa`)."""
-    L, S = q.shape[2], k.shape[2]
-    is_causal = False
+def torch_sdpa_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask = None
+) -> torch.Tensor:
+    """The contract of `scaled_dot_product_attention_grouped` through torch's fused kernels.
+
+    Those kernels accumulate the softmax in fp32 whatever the input dtype, so q, k, v may
+    stay in the model's dtype. A single query (decoding) folds its n_rep query heads into
+    the query axis, (B, Hq, 1, D) -> (B, Hkv, n_rep, D), so that no kernel repeats K/V per
+    query head; longer queries use `enable_gqa`.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
     if isinstance(mask, str):
-        # torch's is_causal is top-left aligned: only equal to ours when L == S.
-        if L == S:
-            mask, is_causal = None, True
-        elif L == 1:
-            mask = None
-        else:
-            mask = causal_mask(L, S, q.device)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
-    )
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; use 'causal', a tensor or None")
+        if L == S:  # torch's is_causal is top-left aligned: equal to ours only when L == S
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        mask = None if L == 1 else causal_mask(L, S, q.device)  # one query sees every key
+    if L == 1:
+        n_rep = Hq // Hkv
+        if mask is not None:  # (B, Hq or 1, 1, S) -> (B, Hkv or 1, n_rep or 1, S)
+            mask = _grouped(mask, Hkv, n_rep, 1, S).squeeze(-2)
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, Hkv, n_rep, D), k, v, attn_mask=mask, scale=scale
+        )
+        return out.reshape(B, Hq, 1, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class Attention:
@@ -157,15 +171,19 @@ class Attention:
             projection_k, projection_v, mask_length=L, mask=mask
         )
 
-        # Step 6: attention in fp32, cast back.
-        sdpa = _torch_sdpa if self.features.fast_sdpa else scaled_dot_product_attention_grouped
-        x = sdpa(
-            projection_q.float(),
-            projection_k.float(),
-            projection_v.float(),
-            self.scale,
-            mask,
-        ).to(x.dtype)
+        # Step 6: attention with the softmax in fp32, cast back. The fused kernels accumulate
+        # in fp32 themselves: handing them the cache in its own dtype avoids an fp32 copy of
+        # the whole history at every step.
+        if self.features.fast_sdpa:
+            x = torch_sdpa_grouped(projection_q, projection_k, projection_v, self.scale, mask)
+        else:
+            x = scaled_dot_product_attention_grouped(
+                projection_q.float(),
+                projection_k.float(),
+                projection_v.float(),
+                self.scale,
+                mask,
+            ).to(x.dtype)
 
         # Step 7: (B, H, L, D) -> (B, L, H * D) -> output projection.
         x = x.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)

@@ -4,5 +4,16 @@ from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.model import Transformer, load_model
+from qinfer.sampling import SamplingParams
+from qinfer.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Features", "ModelConfig", "QinferError", "Transformer", "load_model"]
+__all__ = [
+    "Features",
+    "ModelConfig",
+    "QinferError",
+    "SamplingParams",
+    "Tokenizer",
+    "Transformer",
+    "load_model",
+    "load_tokenizer",
+]

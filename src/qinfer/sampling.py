@@ -1,0 +1,360 @@
+"""Sampling: choose the next token of every row from its logits, each row with its own settings.
+
+The order of the steps is the one `transformers` uses, so its logits processors are the
+reference the tests check against:
+
+1. penalties on the raw logits:
+   - `repetition_penalty` (HF / CTRL): every id in the row's *prompt and generated* tokens
+     has its logit divided by the penalty when positive, multiplied when negative;
+   - `presence_penalty`, `frequency_penalty` (OpenAI): counted over the *generated* tokens
+     only (the ids of a history after its `prompt_len` first ones):
+     `logit -= frequency_penalty * count + presence_penalty * (count > 0)`;
+2. greedy rows (temperature 0) take the argmax of the penalised logits;
+3. the other rows: divide by temperature, keep the top_k highest, keep the smallest set
+   whose probability reaches top_p, drop tokens below min_p x the top probability; then
+   draw from the softmax with the row's own `torch.Generator` (seeded rows reproduce).
+
+Log-probabilities returned are those of the model's distribution after the penalties and
+before temperature and truncation: `log_softmax(penalised logits)`. They say how likely
+the model found each token, whatever the sampling settings, and are never -inf for the
+chosen token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qinfer.errors import SamplingError
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose tokens for one request, and when to stop.
+
+    temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off; min_p: 0 = off.
+    repetition_penalty: 1 = off (> 1 discourages repeats, HF semantics).
+    presence_penalty / frequency_penalty: 0 = off, in [-2, 2] (OpenAI semantics).
+    max_tokens: at most this many new tokens.
+    stop: strings that end generation (not included in the output).
+    stop_token_ids: ids that end generation besides the tokenizer's EOS ids.
+    ignore_eos: keep going past EOS (benchmarks).
+    seed: seeds this request's own generator, so its samples reproduce.
+    logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, low_open=True, high=1.0)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_int("top_k", self.top_k, low=0)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingError(
+                f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise SamplingError(f"stop: every stop string must be non-empty text, got {text!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the row takes the most likely token (temperature 0, or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_generation_config(
+        cls, source: str | Path | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> SamplingParams:
+        """Defaults from a checkpoint's generation_config.json, then `overrides` on top.
+
+        source: a checkpoint folder, a generation_config.json file, its dict, or None.
+        `do_sample: false` in the config means greedy (temperature 0). Overrides set to
+        None are ignored, so a server can pass request fields straight through.
+        """
+        config = _read_generation_config(source)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+            if config.get(name) is not None:
+                values[name] = config[name]
+        if config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        for name, value in overrides.items():
+            if name not in fields:
+                raise SamplingError(f"unknown sampling parameter {name!r}")
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise SamplingError(f"{name} must be a number, got {value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        left = "(" if low_open else "["
+        bounds = (
+            f"{left}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}"
+        )
+        bounds += "]" if high is not None else ")"
+        raise SamplingError(f"{name} must be in {bounds}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise SamplingError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _read_generation_config(source: str | Path | Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "generation_config.json"
+        if not path.is_file():
+            return {}
+    elif path.suffix == ".gguf":
+        return {}  # GGUF files carry no sampling defaults
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SamplingError(f"cannot read generation config {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise SamplingError(f"{path} must hold a JSON object")
+    return config
+
+
+def make_generator(params: SamplingParams, device: str | torch.device) -> torch.Generator | None:
+    """A generator seeded with `params.seed` on `device`, or None (the global RNG) without one."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+@dataclass
+class SampleResult:
+    """The chosen tokens of one step.
+
+    token_ids: (B,) long, the chosen id of each row.
+    logprobs: (B,) fp32, log-probability of each chosen id (see the module docstring).
+    top_logprobs: per row, None or the `params.logprobs` most likely (id, logprob) pairs,
+    most likely first.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+    prompt_lens: Sequence[int] | None = None,
+) -> SampleResult:
+    """Choose one token per row.
+
+    logits: (B, V) fp32, the last position's logits of each row.
+    params: B SamplingParams, one per row.
+    histories: B sequences of ids, each row's prompt followed by its generated tokens.
+    generators: B generators (None = the global RNG), see `make_generator`.
+    prompt_lens: how many leading ids of each history are prompt; presence and frequency
+    penalties count only the ids after them. None: the whole history counts as generated.
+    """
+    batch, vocab = logits.shape
+    if not (len(params) == len(histories) == len(generators) == batch):
+        raise SamplingError(
+            f"sample got {batch} rows of logits but {len(params)} params, "
+            f"{len(histories)} histories and {len(generators)} generators"
+        )
+    logits = apply_penalties(logits.float(), params, histories, prompt_lens)
+    logprobs_all = torch.log_softmax(logits, dim=-1)  # (B, V)
+
+    token_ids = logits.argmax(dim=-1)  # (B,) greedy choice; sampled rows overwrite below
+    sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        chosen = [params[b] for b in sampled_rows]
+        warped = process_logits(logits[rows], chosen)  # (R, V)
+        token_ids[rows] = _draw(warped.softmax(dim=-1), [generators[b] for b in sampled_rows])
+
+    chosen_logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # (B,)
+    return SampleResult(token_ids, chosen_logprobs, _top_logprobs(logprobs_all, params))
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (to -inf), each row with its own params.
+
+    logits: (B, V) fp32 after penalties. Returns a new (B, V) tensor; rows with temperature
+    0 are left unscaled (greedy rows take the argmax, which scaling does not move).
+    """
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.top_k > 0 for p in params):
+        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Repetition, presence and frequency penalties (see the module docstring for who counts).
+
+    logits: (B, V) fp32. Returns a new tensor; rows without penalties are copied unchanged.
+    """
+    rows = [
+        b
+        for b, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    ]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for b in rows:
+        p, history = params[b], histories[b]
+        ids = torch.as_tensor(list(history), dtype=torch.long, device=logits.device)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        if p.repetition_penalty != 1.0 and ids.numel():
+            seen = logits[b, ids]
+            logits[b, ids] = torch.where(
+                seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty
+            )
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            start = prompt_lens[b] if prompt_lens is not None else 0
+            generated = torch.as_tensor(list(history[start:]), dtype=torch.long)
+            generated = generated[(generated >= 0) & (generated < vocab)]
+            counts = torch.bincount(generated, minlength=vocab).to(logits)  # (V,)
+            logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k[b] highest logits (ties with the k-th kept); 0 = keep all.
+
+    logits: (B, V); top_k: (B,) long.
+    """
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
+    top_values = torch.topk(logits, int(k.max()), dim=-1).values  # (B, K)
+    kth = top_values.gather(1, (k - 1)[:, None])  # (B, 1)
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p[b].
+
+    logits: (B, V); top_p: (B,) in (0, 1]. The most likely token is always kept.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
+    drop_sorted = cumulative <= (1 - top_p)[:, None]
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p[b] times the row's top probability.
+
+    logits: (B, V); min_p: (B,) in [0, 1].
+    """
+    probs = logits.softmax(dim=-1)  # (B, V)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One id per row from probs (R, V), each row with its own generator."""
+    return torch.cat(
+        [
+            torch.multinomial(row[None], 1, generator=g)[0]
+            for row, g in zip(probs, generators, strict=True)
+        ]
+    )
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[list[tuple[int, float]] | None]:
+    wanted = [p.logprobs or 0 for p in params]
+    if not any(wanted):
+        return [None if p.logprobs is None else [] for p in params]
+    values, ids = torch.topk(logprobs, max(wanted), dim=-1)  # (B, n)
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        None
+        if p.logprobs is None
+        else list(zip(ids[b][: p.logprobs], values[b][: p.logprobs], strict=True))
+        for b, p in enumerate(params)
+    ]

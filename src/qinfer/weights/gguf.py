@@ -1,0 +1,262 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the config and weights of one `.gguf`.
+
+The `gguf` package's `GGUFReader` parses and memory-maps the file; this module maps
+llama.cpp's conventions onto ours:
+
+- metadata (`llama.attention.head_count`, `qwen2.rope.freq_base`, ...) -> a Hugging Face
+  style config dict -> `ModelConfig.from_hf`, so both formats share one validation;
+- tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`);
+- llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
+  RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
+- quantized blocks -> fp32, by `gguf_quants.dequantize`, one tensor at a time when the
+  model asks for it.
+
+The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
+ne = [in, out] arrives as (out, in), the layout of a Hugging Face weight.
+
+Weights load in float32 by default (ModelConfig.torch_dtype = "float32"): dequantized
+values are exact in fp32, and a smaller dtype is a choice the caller makes (`dtype=`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+
+from qinfer.config import ModelConfig, RopeConfig
+from qinfer.errors import ConfigError, WeightsError
+from qinfer.layers.rope import rope_frequencies
+from qinfer.weights.base import Weights
+from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# llama.cpp tensor name -> ours; blk.N.* names are per layer.
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Our name for a llama.cpp tensor name, or None for a tensor we do not use."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    match = LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in LAYER_NAMES:
+        return None
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{LAYER_NAMES[kind]}.{suffix}"
+
+
+def open_gguf(
+    path: str | Path,
+    dtype_for: Callable[[ModelConfig], torch.dtype],
+    device: torch.device,
+) -> tuple[ModelConfig, GGUFWeights]:
+    """The config and (lazily dequantized) weights of a `.gguf` file."""
+    path = Path(path)
+    reader = read_gguf(path)
+    config = config_from_gguf(reader, path)
+    return config, GGUFWeights(path, reader, config, dtype_for(config), device)
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    """Parse a GGUF file's header (tensors stay memory-mapped); a clear error if it is not one."""
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError, EOFError) as e:
+        raise WeightsError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The file's key-value metadata, arrays included, as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
+    """A ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
+    meta = metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+
+    def need(key: str) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise ConfigError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        if isinstance(value, list):
+            raise ConfigError(f"{path}: GGUF metadata {arch}.{key} is a per-layer list")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    rotary_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        raise ConfigError(
+            f"{path}: {arch}.rope.dimension_count is {rotary_dims} but head_dim is {head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    vocab_size = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    end_ids = [
+        meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
+    ]  # llama.cpp stops on any of these "end of generation" tokens
+    hf_config = {
+        "model_type": arch,
+        "vocab_size": vocab_size or None,
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": need("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_parameters": _rope_parameters(meta, arch),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(i) for i in end_ids if i is not None)),
+        "dtype": "float32",
+    }
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if ROPE_FREQS in tensor_names:
+        config = _with_llama3_rope(config, reader, path)
+    return config
+
+
+def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """`{arch}.rope.*` metadata -> HF `rope_parameters` (types: none, linear, yarn)."""
+    params: dict[str, Any] = {"rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0)}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        params["rope_type"] = scaling
+        params["factor"] = meta.get(f"{arch}.rope.scaling.factor")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+    return params
+
+
+def _with_llama3_rope(config: ModelConfig, reader: GGUFReader, path: Path) -> ModelConfig:
+    """Recognise the llama3 RoPE scaling that `rope_freqs.weight` encodes.
+
+    llama.cpp divides each inverse frequency by rope_freqs[i]. Its converter writes them
+    from Llama 3.1's `rope_scaling` (factor, low/high_freq_factor 1 and 4, original
+    context 8192 in every released Llama 3.x); we rebuild that config and check that it
+    yields the same frequencies, so an unfamiliar file fails loudly instead of silently.
+    """
+    stored = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    divisors = torch.from_numpy(np.array(stored.data, dtype=np.float32)).flatten()
+    base = RopeConfig(theta=config.rope.theta)
+    llama3 = RopeConfig(
+        theta=config.rope.theta,
+        type="llama3",
+        factor=float(divisors.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    default_freq, _ = rope_frequencies(config.head_dim, base)
+    llama3_freq, _ = rope_frequencies(config.head_dim, llama3)
+    if divisors.shape != default_freq.shape or not torch.allclose(
+        default_freq / divisors, llama3_freq, rtol=1e-5, atol=0
+    ):
+        raise ConfigError(
+            f"{path}: {ROPE_FREQS} holds RoPE frequency factors that match no llama3 scaling "
+            "qinfer knows (factor = max, low/high_freq_factor 1/4, original context 8192)"
+        )
+    return dataclasses.replace(config, rope=llama3)
+
+
+class GGUFWeights(Weights):
+    """The tensors of a GGUF file under our names, dequantized when `tensor(name)` asks."""
+
+    def __init__(
+        self,
+        path: Path,
+        reader: GGUFReader,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(dtype, device)
+        self.path = path
+        self._tensors: dict[str, ReaderTensor] = {}
+        for stored in reader.tensors:
+            name = hf_tensor_name(stored.name)
+            if name is None:
+                continue
+            if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
+                raise WeightsError(
+                    f"tensor {stored.name!r} in {path} has quantization type "
+                    f"{stored.tensor_type.name}, which qinfer cannot dequantize "
+                    f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
+                )
+            self._tensors[name] = stored
+        # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
+        self._rope_heads = (
+            {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+            if config.model_type == "llama"
+            else {}
+        )
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def where(self, name: str) -> str:
+        return str(self.path)
+
+    def _read(self, name: str) -> torch.Tensor:
+        stored = self._tensors[name]
+        try:
+            weight = dequantize(stored.data, stored.tensor_type, self.device)
+        except (ValueError, RuntimeError) as e:
+            raise WeightsError(
+                f"cannot read tensor {stored.name!r} ({stored.tensor_type.name}) from {self.path}: {e}"
+            ) from None
+        projection = name.split(".")[-2]
+        if projection in self._rope_heads:
+            weight = _unpermute_rows(weight, self._rope_heads[projection])
+        return weight
+
+
+def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` of a q/k projection (out, ...) or its bias.
+
+    The converter reorders each head's D rows from rotate-half pairs (i, i + D/2) to
+    adjacent pairs (2i, 2i + 1): rows viewed as (heads, 2, D/2) are stored as
+    (heads, D/2, 2). Swapping the two axes back restores the Hugging Face order.
+    """
+    rows = weight.shape[0]
+    per_head = weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])  # (H, D/2, 2, ...)
+    return per_head.transpose(1, 2).reshape(weight.shape)

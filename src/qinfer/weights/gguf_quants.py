@@ -1,0 +1,141 @@
+"""Dequantization of llama.cpp's block formats, vectorised in torch.
+
+A quantized GGUF tensor is a run of blocks; each block packs `block_size` weights into
+`type_size` bytes (fp16 scales followed by packed integers). Every dequantizer here takes
+the blocks as a uint8 tensor (n_blocks, type_size) and returns fp32 (n_blocks, block_size),
+computing in the same order as ggml's `dequantize_row_*`, so the result is bit-exact.
+
+Layouts (bytes, in file order; QK_K = 256):
+- Q8_0  (32 weights):  d:f16, q:int8[32]                      w = d * q
+- Q4_0  (32 weights):  d:f16, q:u4[32]                        w = d * (q - 8)
+- Q4_1  (32 weights):  d:f16, m:f16, q:u4[32]                 w = d * q + m
+- Q4_K  (256 weights): d, dmin:f16, scales:u6x16 (12 bytes), q:u4[256]
+                       8 sub-blocks of 32: w = d * sc[j] * q - dmin * m[j]
+- Q5_K  (256 weights): as Q4_K plus qh:u1[256] (32 bytes) holding each q's fifth bit
+- Q6_K  (256 weights): ql:u4[256], qh:u2[256], scales:int8[16], d:f16
+                       16 sub-blocks of 16: w = d * scale[j] * (q - 32)
+Packed 4-bit values: byte i holds value i in its low nibble and value i + width in its
+high nibble, where width is 16 (Q4_0/Q4_1) or 32 (the K formats, per 64 values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QK_K = 256
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """(n, 2) uint8 -> (n, 1) fp32: one little-endian fp16 per row."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _unpack(packed: torch.Tensor, width: int, bits: int) -> torch.Tensor:
+    """Split bytes into `bits`-bit fields, lowest bits first.
+
+    packed (n, G * width) -> (n, G * 8 // bits, width): each run of `width` bytes yields
+    8 // bits runs of `width` values, the first from the lowest bits of every byte.
+    """
+    n = packed.shape[0]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    fields = packed.reshape(n, -1, 1, width) >> shifts.reshape(1, 1, -1, 1)  # (n, G, 8/bits, width)
+    return (fields & ((1 << bits) - 1)).reshape(n, -1, width)
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of a Q4_K/Q5_K block: (n, 12) uint8 -> 2 x (n, 8) fp32.
+
+    Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; scales and mins 4-7
+    take their low 4 bits from bytes 8-11 and their top 2 bits from the spare bits of 0-7.
+    """
+    n = packed.shape[0]
+    low_scales, low_mins, high = packed.reshape(n, 3, 4).unbind(1)  # 3 x (n, 4)
+    scales = torch.cat([low_scales & 63, (high & 15) | ((low_scales >> 2) & 48)], dim=-1)
+    mins = torch.cat([low_mins & 63, (high >> 4) | ((low_mins >> 2) & 48)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n, 32)
+    return q * d
+
+
+def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks[:, :2])
+    q = _unpack(blocks[:, 2:], 16, 4).reshape(n, 32).to(torch.int8) - 8
+    return d * q.float()
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    q = _unpack(blocks[:, 4:], 16, 4).reshape(n, 32).float()
+    return d * q + m
+
+
+def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    scales, mins = _k_scales(blocks[:, 4:16])
+    q = _unpack(blocks[:, 16:], 32, 4).float()  # (n, 8, 32)
+    return ((d * scales)[..., None] * q - (dmin * mins)[..., None]).reshape(n, QK_K)
+
+
+def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    scales, mins = _k_scales(blocks[:, 4:16])
+    high_bit = _unpack(blocks[:, 16:48], 32, 1)  # (n, 8, 32)
+    q = (_unpack(blocks[:, 48:], 32, 4) | (high_bit << 4)).float()  # (n, 8, 32)
+    return ((d * scales)[..., None] * q - (dmin * mins)[..., None]).reshape(n, QK_K)
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    low = _unpack(blocks[:, :128], 64, 4).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 128:192], 32, 2)  # (n, 8, 32)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
+    d = _f16(blocks[:, 208:210])
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    return ((d * scales)[..., None] * q).reshape(n, QK_K)
+
+
+Q = GGMLQuantizationType
+BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q8_0: dequantize_q8_0,
+    Q.Q4_0: dequantize_q4_0,
+    Q.Q4_1: dequantize_q4_1,
+    Q.Q4_K: dequantize_q4_k,
+    Q.Q5_K: dequantize_q5_k,
+    Q.Q6_K: dequantize_q6_k,
+}
+FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTIZERS)
+
+
+def dequantize(
+    data: np.ndarray, qtype: GGMLQuantizationType, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A GGUF tensor's stored data, as the `gguf` reader maps it, -> fp32 on `device`.
+
+    data: F32/F16 as their numpy dtype; BF16 and block types as uint8 (..., row_bytes),
+    each row holding whole blocks. Returns (..., row_weights) fp32. `qtype` must be one of
+    SUPPORTED_TYPES.
+    """
+    raw = torch.from_numpy(np.array(data, copy=True)).to(
+        device
+    )  # copy: the reader's map is read-only
+    if qtype in FLOAT_TYPES:
+        # bf16 arrives as bytes (numpy has no bfloat16); view two of them as one value.
+        return raw.view(FLOAT_TYPES[qtype]).float()
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    *rows, row_bytes = raw.shape
+    blocks = raw.reshape(-1, type_size)  # (n_blocks, type_size)
+    weights = BLOCK_DEQUANTIZERS[qtype](blocks)  # (n_blocks, block_size)
+    return weights.reshape(*rows, row_bytes // type_size * block_size)

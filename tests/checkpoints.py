@@ -82,3 +82,41 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference of two tensors of the same shape."""
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
+
+
+#: A model vocabulary large enough for `build_tokenizer`'s 261 ids.
+CHAT_VOCAB_SIZE = 264
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def build_tokenizer(folder: Path) -> None:
+    """Save a tiny byte-level BPE tokenizer (one id per byte, no merges, ChatML special
+    tokens, Qwen3's <think> tags, a ChatML chat template) to `folder`, so the text-level
+    API can run on a random checkpoint built with vocab_size=CHAT_VOCAB_SIZE."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for bytes
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer.add_tokens(
+        [AddedToken("<think>", special=False), AddedToken("</think>", special=False)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "chat_template": CHATML_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -1,0 +1,350 @@
+"""The building blocks on their own: grouped attention, masks, RoPE, RMSNorm, ModelConfig."""
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from qinfer.errors import ConfigError
+from qinfer.layers.attention import (
+    causal_mask,
+    scaled_dot_product_attention_grouped,
+    torch_sdpa_grouped,
+)
+from qinfer.layers.norm import RMSNorm
+from qinfer.layers.rope import RoPE, rope_frequencies
+
+# ---------------------------------------------------------------- grouped attention
+
+
+def per_head_attention(q, k, v, scale, mask):
+    """The textbook loop: query head h attends with KV head h // n_rep; mask (L, S) bool."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    n_rep = Hq // Hkv
+    heads = []
+    for h in range(Hq):
+        scores = q[:, h] @ k[:, h // n_rep].transpose(-1, -2) * scale  # (B, L, S)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v[:, h // n_rep])
+    return torch.stack(heads, dim=1)  # (B, Hq, L, D)
+
+
+def qkv(B=2, Hq=6, Hkv=2, L=5, S=9, D=8, seed=0):
+    """Random q (B, Hq, L, D) and k, v (B, Hkv, S, D) whose KV heads differ a lot, so that
+    reading the wrong KV head for a query head changes the result."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g) * torch.arange(1, Hkv + 1)[None, :, None, None]
+    v = torch.randn(B, Hkv, S, D, generator=g) + 10 * torch.arange(Hkv)[None, :, None, None]
+    return q, k, v
+
+
+def test_query_head_h_reads_kv_head_h_floordiv_n_rep():
+    q, k, v = qkv()
+    mask = causal_mask(5, 9)
+    got = scaled_dot_product_attention_grouped(q, k, v, 0.3, "causal")
+    want = per_head_attention(q, k, v, 0.3, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The data tell the mappings apart: interleaved heads (h reads h % Hkv) give another result.
+    interleaved = [h % 2 for h in range(6)]
+    other = per_head_attention(q, k[:, interleaved], v[:, interleaved], 0.3, mask)
+    assert not torch.allclose(got, other, atol=1e-2)
+
+
+def test_causal_mask_is_bottom_right_when_queries_are_fewer_than_keys():
+    # 3 new queries after 4 cached keys: query i is at position 4 + i and sees keys 0..4+i.
+    want = torch.tensor(
+        [
+            [1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(causal_mask(3, 7), want)
+
+
+def test_causal_string_mask_means_bottom_right():
+    q, k, v = qkv(L=3, S=7)
+    got = scaled_dot_product_attention_grouped(q, k, v, 0.5, "causal")
+    want = per_head_attention(q, k, v, 0.5, causal_mask(3, 7))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def random_bool_mask(B, H, L, S, seed=3):
+    mask = torch.rand(B, H, L, S, generator=torch.Generator().manual_seed(seed)) > 0.4
+    mask[..., 0] = True  # no query may see nothing
+    return mask
+
+
+@pytest.mark.parametrize(
+    "L, S, mask",
+    [
+        pytest.param(9, 9, "causal", id="causal-L==S"),
+        pytest.param(1, 9, "causal", id="causal-L==1"),
+        pytest.param(4, 9, "causal", id="causal-1<L<S"),
+        pytest.param(4, 9, None, id="no-mask"),
+        pytest.param(4, 9, random_bool_mask(2, 1, 4, 9), id="bool-shared-heads"),
+        pytest.param(4, 9, random_bool_mask(2, 6, 4, 9), id="bool-per-head"),
+        pytest.param(1, 9, random_bool_mask(2, 1, 1, 9), id="bool-L==1"),
+        pytest.param(1, 9, random_bool_mask(2, 6, 1, 9), id="bool-per-head-L==1"),
+    ],
+)
+@pytest.mark.parametrize("Hkv", [1, 2, 6])
+def test_fast_torch_sdpa_equals_the_reference(L, S, mask, Hkv):
+    q, k, v = qkv(Hkv=Hkv, L=L, S=S)
+    want = scaled_dot_product_attention_grouped(q, k, v, 0.35, mask)
+    got = torch_sdpa_grouped(q, k, v, 0.35, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def hf_config(rope_parameters, head_dim=64, max_position_embeddings=4096):
+    return transformers.LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope_parameters,
+    )
+
+
+ROPES = {
+    "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+    "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=1024,
+    ),
+    "yarn": dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=1024
+    ),
+    "yarn-mscale": dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=512,
+        mscale=1.0,
+        mscale_all_dim=0.707,
+        beta_fast=24,
+        beta_slow=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_rope_frequencies_match_transformers(name):
+    hf = hf_config(dict(ROPES[name]))
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS[ROPES[name]["rope_type"]](hf, torch.device("cpu"))
+    config = ModelConfig.from_hf(hf.to_dict())
+    got_freq, got_scale = rope_frequencies(config.head_dim, config.rope)
+    torch.testing.assert_close(got_freq, want_freq, atol=0, rtol=1e-6)
+    assert got_scale == pytest.approx(want_scale, rel=1e-6)
+
+
+def test_default_rope_frequencies_match_transformers():
+    hf = hf_config(dict(rope_type="default", rope_theta=123456.0))
+    want, scale = _hf_default_rope(hf)
+    config = ModelConfig.from_hf(hf.to_dict())
+    got, got_scale = rope_frequencies(config.head_dim, config.rope)
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    assert got_scale == scale == 1.0
+
+
+def _hf_default_rope(hf):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+
+
+def test_rope_rotates_pairs_of_halves_by_position_times_frequency():
+    rope = RoPE(8, 64, 100.0)
+    x = torch.randn(2, 5, 3, 8)
+    got = rope(x, offset=7)
+    inv_freq = 1.0 / 100.0 ** (torch.arange(0, 8, 2).float() / 8)
+    angles = (torch.arange(7, 12).float()[:, None] * inv_freq)[None, :, None]  # (1, L, 1, 4)
+    x1, x2 = x[..., :4], x[..., 4:]
+    want = torch.cat(
+        [x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()], -1
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_per_row_offsets_equal_separate_calls():
+    rope = RoPE(16, 64, 10000.0)
+    x = torch.randn(3, 4, 2, 16)
+    got = rope(x, offset=torch.tensor([0, 5, 11]))
+    for row, offset in enumerate([0, 5, 11]):
+        torch.testing.assert_close(got[row : row + 1], rope(x[row : row + 1], offset=offset))
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def test_rms_norm_in_fp16_does_not_overflow_on_large_inputs():
+    weight = torch.linspace(0.5, 1.5, 64)
+    x = torch.full((2, 3, 64), 60000.0) * torch.linspace(-1, 1, 64)  # squares overflow fp16
+    got = RMSNorm(64, weight.half(), 1e-6)(x.half())
+    want = RMSNorm(64, weight, 1e-6)(x)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_rms_norm_matches_transformers():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    reference = Qwen3RMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        reference.weight.normal_()
+    x = torch.randn(4, 7, 32) * 3
+    got = RMSNorm(32, reference.weight.detach(), 1e-5)(x)
+    torch.testing.assert_close(got, reference(x).detach(), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- ModelConfig
+
+BASE = dict(
+    model_type="llama",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def config(**fields) -> ModelConfig:
+    return ModelConfig.from_hf({**BASE, **fields})
+
+
+LLAMA3 = dict(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param(
+            dict(rope_theta=5e5, rope_scaling=dict(type="llama3", **LLAMA3)), id="old-type"
+        ),
+        pytest.param(
+            dict(rope_theta=5e5, rope_scaling=dict(rope_type="llama3", **LLAMA3)),
+            id="old-rope_type",
+        ),
+        pytest.param(
+            dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, **LLAMA3)), id="new"
+        ),
+    ],
+)
+def test_config_reads_every_rope_spelling(fields):
+    want = RopeConfig(
+        theta=5e5,
+        type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    assert config(**fields).rope == want
+
+
+def test_config_rope_theta_alone_is_default_rope():
+    assert config(rope_theta=1e6).rope == RopeConfig(theta=1e6)
+
+
+def test_config_yarn_without_original_context_takes_max_position_embeddings():
+    rope = config(max_position_embeddings=32768, rope_scaling=dict(type="yarn", factor=4.0)).rope
+    assert rope.original_max_position_embeddings == 32768
+
+
+def test_config_unsupported_rope_type_is_named():
+    with pytest.raises(ConfigError, match="'longrope'"):
+        config(rope_scaling=dict(rope_type="longrope", factor=2.0))
+
+
+def test_config_head_dim_absent_is_hidden_over_heads():
+    assert config().head_dim == 16
+
+
+def test_config_head_dim_present_wins():
+    assert config(head_dim=128).head_dim == 128
+
+
+def test_config_qwen2_has_qkv_bias_but_no_o_bias():
+    c = config(model_type="qwen2")
+    assert c.qkv_bias and not c.o_bias and not c.qk_norm
+
+
+def test_config_qwen3_has_qk_norm():
+    c = config(model_type="qwen3")
+    assert c.qk_norm and not c.qkv_bias
+
+
+def test_config_mistral_sliding_window_applies_to_every_layer():
+    c = config(model_type="mistral", sliding_window=4096)
+    assert c.layer_types == (SLIDING_ATTENTION,) * 4
+    assert [c.window(i) for i in range(4)] == [4096] * 4
+
+
+def test_config_mistral_null_sliding_window_is_full_attention():
+    c = config(model_type="mistral", sliding_window=None)
+    assert c.layer_types == (FULL_ATTENTION,) * 4 and c.window(0) is None
+
+
+def test_config_qwen2_sliding_window_needs_use_sliding_window():
+    c = config(model_type="qwen2", sliding_window=4096, max_window_layers=2)
+    assert c.layer_types == (FULL_ATTENTION,) * 4
+
+
+def test_config_qwen2_windows_layers_from_max_window_layers_up():
+    c = config(model_type="qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    assert c.layer_types == (FULL_ATTENTION,) * 2 + (SLIDING_ATTENTION,) * 2
+    assert [c.window(i) for i in range(4)] == [None, None, 32, 32]
+
+
+def test_config_layer_types_win():
+    kinds = [SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION]
+    c = config(model_type="qwen3", use_sliding_window=True, sliding_window=16, layer_types=kinds)
+    assert c.layer_types == tuple(kinds)
+
+
+def test_config_layer_types_without_window_is_full_attention():
+    c = config(model_type="qwen3", layer_types=[FULL_ATTENTION] * 4)
+    assert c.sliding_window is None and c.window(3) is None
+
+
+def test_config_llama_never_slides():
+    assert config(sliding_window=128).layer_types == (FULL_ATTENTION,) * 4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
+def test_config_agrees_with_transformers_layer_types(family):
+    # transformers 5 computes layer_types itself; both must pick the same windowed layers.
+    hf_class = {
+        "qwen3": transformers.Qwen3Config,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    hf = hf_class(
+        **{k: v for k, v in BASE.items() if k != "model_type"},
+        use_sliding_window=True,
+        sliding_window=64,
+        max_window_layers=1,
+    )
+    got = ModelConfig.from_hf(hf.to_dict())
+    want = getattr(hf, "layer_types", None) or [SLIDING_ATTENTION] * 4
+    assert got.layer_types == tuple(want)
+
+
+def test_config_heads_not_a_multiple_of_kv_heads():
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        config(num_attention_heads=6, num_key_value_heads=4)

@@ -1,0 +1,257 @@
+"""The `qinfer` command line: one subcommand per job.
+
+    qinfer generate [--model M] PROMPT      stream a completion of PROMPT to stdout
+    qinfer chat [--model M]                 a multi-turn chat read from stdin
+    qinfer bench [--model M] [--json]       prefill / decode speed, memory, weight GB/s
+
+Each subcommand is a `Command`: a function that adds its arguments and a function that
+runs it; `COMMANDS` lists them. Adding one (say `serve`) is writing those two functions
+and appending a `Command` to the list.
+
+Any `QinferError` (bad model path, empty prompt, invalid sampling field) and any misuse
+of the command line print one line, `qinfer: error: ...`, on stderr and exit with
+status 2: never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn, TextIO
+
+from qinfer.errors import QinferError
+
+USAGE_ERROR = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name, one line of help, its arguments and what it runs."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage mistakes reported like every other error: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise QinferError(f"{message} (see: {self.prog} --help)")
+
+
+# --- arguments shared by several subcommands -------------------------------------------
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M)",
+    )
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: best)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags; those left unset fall back to the checkpoint's generation config."""
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    parser.add_argument("--system", default=None, help="a system message for the chat template")
+
+
+def load_model_and_tokenizer(args: argparse.Namespace):
+    """(path, model, tokenizer) for --model / --dtype / --device."""
+    from qinfer.checkpoint import resolve_model
+    from qinfer.model import load_model
+    from qinfer.tokenizer import load_tokenizer
+
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
+    model = load_model(path, dtype=args.dtype, device=args.device)
+    return path, model, tokenizer
+
+
+def sampling_params(args: argparse.Namespace, path):
+    from qinfer.sampling import SamplingParams
+
+    return SamplingParams.from_generation_config(
+        path,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def stream_to(out: TextIO, stream) -> None:
+    """Write a TextStream's deltas as they come, then a newline."""
+    for delta in stream:
+        out.write(delta)
+        out.flush()
+    out.write("\n")
+    out.flush()
+
+
+def print_stats(result) -> None:
+    """Token counts and speeds of one GenerationResult, on stderr (stdout holds the text)."""
+    t = result.timings
+    print(
+        f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated; "
+        f"prefill {t.prefill_tokens_per_second:.1f} tok/s, "
+        f"decode {t.decode_tokens_per_second:.1f} tok/s; finish: {result.finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+# --- qinfer generate ----------------------------------------------------------------------
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="use the prompt as-is instead of through the model's chat template",
+    )
+    parser.add_argument("prompt", help="the text to continue (or the user message)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from qinfer.generate import stream_generate
+
+    if not args.prompt:
+        raise QinferError("prompt is empty: give some text to continue")
+    path, model, tokenizer = load_model_and_tokenizer(args)
+    params = sampling_params(args, path)
+    chat = tokenizer.has_chat_template and not args.no_chat
+    if chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            prompt.insert(0, {"role": "system", "content": args.system})
+    elif args.system:
+        raise QinferError("--system needs the chat template (drop --no-chat)")
+    else:
+        prompt = args.prompt
+    stream = stream_generate(model, tokenizer, prompt, params)
+    stream_to(sys.stdout, stream)
+    print_stats(stream.result)
+    return 0
+
+
+# --- qinfer chat --------------------------------------------------------------------------
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Read user turns line by line from stdin (a terminal or a pipe) until /exit or EOF."""
+    from qinfer.generate import stream_generate
+
+    path, model, tokenizer = load_model_and_tokenizer(args)
+    if not tokenizer.has_chat_template:
+        raise QinferError(f"{path} has no chat template: use `qinfer generate --no-chat`")
+    params = sampling_params(args, path)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("(type /reset to forget the conversation, /exit to leave)", file=sys.stderr)
+    while True:
+        if interactive:
+            print(">>> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            messages = list(start)
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        stream = stream_generate(model, tokenizer, messages, params)
+        stream_to(sys.stdout, stream)
+        result = stream.result
+        # Chat templates drop past reasoning themselves; keep only the answer in history.
+        reply = result.answer if result.answer is not None else result.text
+        messages.append({"role": "assistant", "content": reply})
+        print_stats(result)
+
+
+# --- qinfer bench -------------------------------------------------------------------------
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill length")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")
+    parser.add_argument("--compare-hf", action="store_true", help="also run transformers")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from qinfer.bench import BenchSettings, format_report, run_benchmarks
+
+    settings = BenchSettings(
+        prompt_tokens=args.prompt_tokens,
+        decode_tokens=args.decode_tokens,
+        batch_size=args.batch_size,
+    )
+    report = run_benchmarks(args.model, args.dtype, args.device, settings, args.compare_hf)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+COMMANDS = [
+    Command("generate", "stream a completion of one prompt", add_generate_arguments, run_generate),
+    Command("chat", "chat with a model, one line per turn", add_chat_arguments, run_chat),
+    Command("bench", "measure prefill and decode speed", add_bench_arguments, run_bench),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qinfer", description="A small, readable inference engine.")
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = subcommands.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `qinfer` console script; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except QinferError as error:
+        print(f"qinfer: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `qinfer generate ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

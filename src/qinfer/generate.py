@@ -1,0 +1,375 @@
+"""Text in, text out: prompt -> token ids -> one model forward per step -> text.
+
+    generate(model, tokenizer, prompt, params)         -> GenerationResult
+    generate(model, tokenizer, [p1, p2, ...], params)  -> [GenerationResult, ...]
+    stream = stream_generate(model, tokenizer, prompt, params)
+    for delta in stream: ...                           # text deltas; then stream.result
+
+A prompt is a string (used as-is, or wrapped as one user message with `chat=True`) or a
+list of chat messages (always rendered with the tokenizer's chat template; template
+options such as Qwen3's `enable_thinking` pass through as keyword arguments).
+
+A batch is left-padded into one KV cache: the cache masks each row's pad slots on every
+step and keeps per-row positions, so each row gets exactly what it would get alone. The
+prompt is prefilled in one forward (only the last position's logits are computed), then
+every step runs one forward of one token per row still going; rows that finish are
+dropped from the cache (`cache.select`) so they stop costing work.
+
+A row ends with finish_reason
+    "eos"     on one of the model's end-of-sequence ids (config, generation config and
+              tokenizer together) unless `ignore_eos`,
+    "stop"    on one of `stop_token_ids`, or when the text reaches a stop string (the stop
+              string and whatever follows it are cut from the text),
+    "length"  after `max_tokens` tokens, or when the model's context is full: max_tokens
+              is cut to the room the context leaves after the (longest) prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from qinfer.detokenizer import IncrementalDetokenizer
+from qinfer.errors import QinferError
+from qinfer.model import Transformer
+from qinfer.reasoning import THINK_OPEN, prompt_opened_think, split_reasoning
+from qinfer.sampling import SamplingParams, make_generator, sample
+from qinfer.tokenizer import Tokenizer
+
+Messages = Sequence[Mapping[str, object]]
+Prompt = str | Messages
+
+#: Id written into the left-padding slots of a batch; the cache masks them, so any
+#: id inside the vocabulary will do.
+PAD_ID = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock time of one request: the prefill (up to the first token) and the decode."""
+
+    prefill_seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first (which the prefill produced) per second of decoding."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one prompt produced.
+
+    token_ids holds every generated id, including an EOS or stop id that ended the row;
+    text holds their decoded text, without special tokens and cut before a stop string.
+    reasoning / answer: for a thinking model (a vocabulary with `<think>`, as Qwen3's), the
+    text split into its `<think>...</think>` block and the answer after it (None otherwise).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    timings: Timings
+    reasoning: str | None = None
+    answer: str | None = None
+
+
+@dataclass
+class _Row:
+    """The state of one prompt while its batch runs."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None  # None: token ids only, no text
+    generator: torch.Generator | None
+    # A thinking model's prompt: whether it ended inside an open <think> block; None when
+    # the vocabulary has no <think> (no reasoning split).
+    opened_think: bool | None = None
+    history: list[int] = field(init=False)  # the prompt, then every generated id
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.history = list(self.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.history[len(self.prompt_ids) :]
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.history) - len(self.prompt_ids)
+
+    def accept(self, token: int, now: float) -> str:
+        """Record a sampled token; return the text it makes safe to show (maybe "")."""
+        if not self.generated_tokens:
+            self.first_token_at = now
+        self.history.append(token)
+        if token in self.stop_token_ids:
+            delta = self._finish("stop")
+        elif token in self.eos_ids:
+            delta = self._finish("eos")
+        else:
+            delta = self.detokenizer.push(token) if self.detokenizer else ""
+            if self.detokenizer and self.detokenizer.stopped:
+                self.finish_reason = "stop"
+            elif self.generated_tokens >= self.max_tokens:
+                delta += self._finish("length")
+        if self.finish_reason is not None:
+            self.finished_at = now
+        self.text.append(delta)
+        return delta
+
+    def _finish(self, reason: str) -> str:
+        self.finish_reason = reason
+        return self.detokenizer.finish() if self.detokenizer else ""
+
+    def result(self, started_at: float) -> GenerationResult:
+        text = "".join(self.text)
+        reasoning = answer = None
+        if self.opened_think is not None:
+            reasoning, answer = split_reasoning(text, self.opened_think)
+        timings = Timings(
+            prefill_seconds=self.first_token_at - started_at,
+            decode_seconds=self.finished_at - self.first_token_at,
+            prompt_tokens=len(self.prompt_ids),
+            generated_tokens=self.generated_tokens,
+        )
+        return GenerationResult(
+            text=text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason or "length",
+            prompt_tokens=len(self.prompt_ids),
+            generated_tokens=self.generated_tokens,
+            timings=timings,
+            reasoning=reasoning,
+            answer=answer,
+        )
+
+
+def encode_prompt(
+    tokenizer: Tokenizer, prompt: Prompt, chat: bool = False, **template_kwargs
+) -> list[int]:
+    """Token ids of a prompt: a string as-is (or as one user message when `chat`), or a
+    list of messages through the chat template (`template_kwargs` go to the template)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise QinferError("prompt is empty: give some text to continue")
+        if not chat:
+            ids = tokenizer.encode(prompt)
+            if not ids:
+                raise QinferError("prompt encodes to no tokens")
+            return ids
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise QinferError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise QinferError(f"messages[{i}] must be a dict with a 'role' and a 'content'")
+    if not tokenizer.has_chat_template:
+        raise QinferError("this tokenizer has no chat template: give a plain string prompt")
+    text = tokenizer.apply_chat_template(
+        list(prompt), add_generation_prompt=True, **template_kwargs
+    )
+    # The template writes the special tokens (BOS included) itself, as transformers does.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def eos_token_ids(model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
+    """The union of the end-of-sequence ids the model config and the tokenizer declare."""
+    return frozenset(model.config.eos_token_id) | frozenset(tokenizer.eos_token_ids)
+
+
+def generate(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: Prompt | Sequence[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    chat: bool = False,
+    **template_kwargs,
+) -> GenerationResult | list[GenerationResult]:
+    """Generate for one prompt (-> GenerationResult) or a batch (a list of prompts, each a
+    string or a list of messages -> a list of GenerationResult, in order).
+
+    params: one SamplingParams for every prompt, or one per prompt (default:
+        SamplingParams()).
+    """
+    batch = _is_batch(prompt)
+    prompts = list(prompt) if batch else [prompt]
+    if not prompts:
+        raise QinferError("the batch of prompts is empty")
+    rows = _encode_rows(model, tokenizer, prompts, params, chat, template_kwargs)
+    started_at = time.perf_counter()
+    for _ in _run(model, rows):
+        pass
+    results = [row.result(started_at) for row in rows]
+    return results if batch else results[0]
+
+
+class TextStream:
+    """Iterate for the text deltas of one prompt; `.result` (a GenerationResult) is set
+    when the iteration ends. Joined, the deltas equal `result.text`."""
+
+    def __init__(self, model: Transformer, row: _Row) -> None:
+        self._model, self._row = model, row
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        started_at = time.perf_counter()
+        for _, delta in _run(self._model, [self._row]):
+            if delta:
+                yield delta
+        self.result = self._row.result(started_at)
+
+
+def stream_generate(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: Prompt,
+    params: SamplingParams | None = None,
+    *,
+    chat: bool = False,
+    **template_kwargs,
+) -> TextStream:
+    """Like `generate` for one prompt, as a stream of text deltas. The prompt is checked
+    here, before the first delta is asked for; the model runs as the stream is read."""
+    if _is_batch(prompt):
+        raise QinferError("stream_generate takes one prompt; use generate for a batch")
+    (row,) = _encode_rows(model, tokenizer, [prompt], params, chat, template_kwargs)
+    return TextStream(model, row)
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (strings or message lists), as opposed to one list of messages."""
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        return False
+    return any(isinstance(item, Sequence) for item in prompt)
+
+
+def generate_ids(
+    model: Transformer,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    eos_ids: frozenset[int] = frozenset(),
+) -> list[GenerationResult]:
+    """Token ids in, token ids out (no tokenizer: results carry empty text). For benchmarks
+    and callers that tokenize themselves; rows end on `eos_ids` unless ignore_eos."""
+    if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
+        raise QinferError("prompt_ids must hold at least one non-empty row of token ids")
+    rows = _make_rows(model, [list(ids) for ids in prompt_ids], params, eos_ids, None)
+    started_at = time.perf_counter()
+    for _ in _run(model, rows):
+        pass
+    return [row.result(started_at) for row in rows]
+
+
+def _encode_rows(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[Prompt],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    chat: bool,
+    template_kwargs: dict,
+) -> list[_Row]:
+    encoded = [encode_prompt(tokenizer, p, chat, **template_kwargs) for p in prompts]
+    rows = _make_rows(model, encoded, params, eos_token_ids(model, tokenizer), tokenizer)
+    if tokenizer.token_to_id(THINK_OPEN) is not None:
+        for row in rows:
+            row.opened_think = prompt_opened_think(tokenizer.decode(row.prompt_ids))
+    return rows
+
+
+def _make_rows(
+    model: Transformer,
+    encoded: list[list[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    eos: frozenset[int],
+    tokenizer: Tokenizer | None,
+) -> list[_Row]:
+    if params is None:
+        params = SamplingParams()
+    params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
+    if len(params_list) != len(encoded):
+        raise QinferError(f"got {len(params_list)} SamplingParams for {len(encoded)} prompts")
+    # Left padding makes every row as long as the longest prompt; the context must hold that.
+    context = model.config.max_position_embeddings
+    width = max(len(ids) for ids in encoded)
+    if width >= context:
+        raise QinferError(
+            f"prompt has {width} tokens; the model's context ({context}) leaves no room to generate"
+        )
+    budget = context - width
+    return [
+        _Row(
+            prompt_ids=ids,
+            params=p,
+            max_tokens=budget if p.max_tokens is None else min(p.max_tokens, budget),
+            eos_ids=frozenset() if p.ignore_eos else eos,
+            stop_token_ids=frozenset(p.stop_token_ids or ()),
+            detokenizer=(
+                IncrementalDetokenizer(tokenizer, list(p.stop or ())) if tokenizer else None
+            ),
+            generator=make_generator(p, model.device),
+        )
+        for ids, p in zip(encoded, params_list, strict=True)
+    ]
+
+
+def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
+    """Run a batch of rows to their ends; yield (row index, text delta) as tokens come."""
+    lengths = [len(row.prompt_ids) for row in rows]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    tokens = torch.tensor(
+        [[PAD_ID] * pad + row.prompt_ids for pad, row in zip(padding, rows, strict=True)],
+        device=model.device,
+    )  # (B, width)
+    cache = model.make_cache(
+        len(rows),
+        left_padding=padding if any(padding) else None,
+        max_length=width + max(row.max_tokens for row in rows),
+    )
+    active = list(range(len(rows)))  # indices into rows, one per cache row
+    logits = model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+    while True:
+        going = [rows[i] for i in active]
+        sampled = sample(
+            logits,
+            [row.params for row in going],
+            [row.history for row in going],
+            [row.generator for row in going],
+            [len(row.prompt_ids) for row in going],
+        )
+        now = time.perf_counter()
+        next_ids = sampled.token_ids.tolist()
+        for i, token in zip(active, next_ids, strict=True):
+            yield i, rows[i].accept(token, now)
+        keep = [k for k, i in enumerate(active) if rows[i].finish_reason is None]
+        if not keep:
+            return
+        if len(keep) < len(active):
+            for layer_cache in cache:
+                layer_cache.select(keep)
+            active = [active[k] for k in keep]
+            next_ids = [next_ids[k] for k in keep]
+        step = torch.tensor(next_ids, device=model.device)[:, None]  # (B_active, 1)
+        logits = model(step, cache=cache)[:, -1]

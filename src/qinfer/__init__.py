@@ -3,17 +3,21 @@
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
+from qinfer.generate import GenerationResult, generate, stream_generate
 from qinfer.model import Transformer, load_model
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "Features",
+    "GenerationResult",
     "ModelConfig",
     "QinferError",
     "SamplingParams",
     "Tokenizer",
     "Transformer",
+    "generate",
     "load_model",
     "load_tokenizer",
+    "stream_generate",
 ]

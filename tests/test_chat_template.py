@@ -1,0 +1,237 @@
+"""Chat templates render byte for byte as `transformers`' apply_chat_template(tokenize=False).
+
+The reference is `AutoTokenizer.from_pretrained` on the same folder qinfer reads, holding
+Qwen3's and Llama 3.2's real templates (tests/text_assets.py).
+"""
+
+import pytest
+from text_assets import (
+    CHATML_SPECIAL,
+    LLAMA3_CHAT_TEMPLATE,
+    LLAMA3_SPECIAL,
+    QWEN3_ADDED,
+    QWEN3_CHAT_TEMPLATE,
+    save_tokenizer_folder,
+    train_tokenizer,
+)
+
+import qinfer
+from qinfer.errors import TokenizerError
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city <in °C> & wind, e.g. 東京",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+SYSTEM_MULTI_TURN = [
+    {"role": "system", "content": "You are terse. Réponds en français si besoin."},
+    {"role": "user", "content": "Hi! 👋"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "What is 2+2?"},
+]
+
+QWEN3_TOOL_TURNS = [
+    {"role": "system", "content": "Use tools when useful."},
+    {"role": "user", "content": "Weather in Paris and Tokyo?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            },
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Tokyo", "days": 2}'},
+            },
+        ],
+    },
+    {"role": "tool", "content": '{"temp": 18}'},
+    {"role": "tool", "content": '{"temp": 25}'},
+    {"role": "assistant", "content": "<think>\nBoth fetched.\n</think>\n\nParis 18, Tokyo 25."},
+    {"role": "user", "content": "Thanks"},
+]
+
+QWEN3_THINKING_HISTORY = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+    {"role": "user", "content": "times 3?"},
+    {"role": "assistant", "content": "12", "reasoning_content": "\n4*3\n"},
+]
+
+LLAMA3_TOOL_TURNS = [
+    {"role": "system", "content": "  Be helpful.  "},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": '{"temp": 18}'},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(qinfer tokenizer, transformers tokenizer) over a folder with Qwen3's template."""
+    from transformers import AutoTokenizer
+
+    folder = save_tokenizer_folder(
+        tmp_path_factory.mktemp("qwen3"),
+        train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED),
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """(qinfer tokenizer, transformers tokenizer) over a folder with Llama 3.2's template."""
+    from transformers import AutoTokenizer
+
+    folder = save_tokenizer_folder(
+        tmp_path_factory.mktemp("llama3"),
+        train_tokenizer(LLAMA3_SPECIAL),
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        template_file=True,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
+    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def assert_renders_like_transformers(pair, messages, **kwargs):
+    ours, reference = pair
+    expected = reference.apply_chat_template(messages, tokenize=False, **kwargs)
+    assert ours.apply_chat_template(messages, **kwargs) == expected
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_qwen3_system_and_multi_turn(qwen3, add_generation_prompt):
+    assert_renders_like_transformers(
+        qwen3, SYSTEM_MULTI_TURN, add_generation_prompt=add_generation_prompt
+    )
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_qwen3_enable_thinking(qwen3, enable_thinking, add_generation_prompt):
+    assert_renders_like_transformers(
+        qwen3,
+        QWEN3_THINKING_HISTORY + [{"role": "user", "content": "and minus 1?"}],
+        add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking,
+    )
+
+
+def test_qwen3_last_assistant_turn_keeps_its_reasoning(qwen3):
+    assert_renders_like_transformers(qwen3, QWEN3_THINKING_HISTORY, add_generation_prompt=False)
+
+
+def test_qwen3_tool_calls_and_tool_responses(qwen3):
+    assert_renders_like_transformers(
+        qwen3, QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=True
+    )
+
+
+def test_qwen3_null_fields_are_dropped_like_openai_clients_send_them(qwen3):
+    messages = [
+        {"role": "user", "content": "Hi", "name": None},
+        {"role": "assistant", "content": "Hello", "tool_calls": None},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert_renders_like_transformers(qwen3, messages, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_llama3_system_and_multi_turn(llama3, add_generation_prompt):
+    assert_renders_like_transformers(
+        llama3,
+        SYSTEM_MULTI_TURN,
+        add_generation_prompt=add_generation_prompt,
+        date_string="1 Jan 2026",
+    )
+
+
+def test_llama3_today_date_comes_from_strftime_now(llama3):
+    assert_renders_like_transformers(llama3, SYSTEM_MULTI_TURN, add_generation_prompt=True)
+
+
+def test_llama3_tools_are_indented_json_in_the_first_user_message(llama3):
+    assert_renders_like_transformers(
+        llama3, LLAMA3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=True, date_string="x"
+    )
+
+
+def test_rendered_prompt_encodes_to_the_same_ids(qwen3):
+    ours, reference = qwen3
+    expected = reference.apply_chat_template(
+        QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], tokenize=True, return_dict=False
+    )
+    text = ours.apply_chat_template(
+        QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=False
+    )
+    assert ours.encode(text, add_special_tokens=False) == list(expected)
+
+
+def test_template_exception_names_the_message_and_the_reason(llama3):
+    ours, _ = llama3
+    two_calls = dict(LLAMA3_TOOL_TURNS[2])
+    two_calls["tool_calls"] = two_calls["tool_calls"] * 2
+    messages = [LLAMA3_TOOL_TURNS[1], two_calls]
+    with pytest.raises(TokenizerError, match=r"messages\[1\].*assistant.*single tool-calls"):
+        ours.apply_chat_template(messages)
+
+
+def test_template_type_error_is_reported_in_one_line(qwen3):
+    ours, _ = qwen3
+    with pytest.raises(TokenizerError, match=r"chat template failed to render.*messages\[0\]"):
+        ours.apply_chat_template([{"role": "user", "content": 42}])
+
+
+def test_template_syntax_error_is_reported(qwen3):
+    tokenizer = qinfer.Tokenizer(qwen3[0].backend, chat_template="{% for m in messages %}")
+    with pytest.raises(TokenizerError, match="does not parse: line 1"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages, fault",
+    [
+        ([], "empty"),
+        (["hello"], r"messages\[0\] must be a dict"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], r"messages\[1\] has no 'role'"),
+    ],
+)
+def test_malformed_messages_are_rejected(qwen3, messages, fault):
+    with pytest.raises(TokenizerError, match=fault):
+        qwen3[0].apply_chat_template(messages)
+
+
+def test_tokenizer_without_template_says_so(qwen3):
+    tokenizer = qinfer.Tokenizer(qwen3[0].backend)
+    assert not tokenizer.has_chat_template
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_templates_cannot_reach_python_internals(qwen3):
+    escape = "{{ messages.__class__.__mro__ }}"
+    tokenizer = qinfer.Tokenizer(qwen3[0].backend, chat_template=escape)
+    with pytest.raises(TokenizerError):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -240,6 +240,9 @@ class RotatingKVCache(_Cache):
         self.values[:, :, ring] = v
         self.slot_positions[:, ring] = positions
 
+    # The buffers are made inside the model's inference mode; writing into them from
+    # outside it (trim, reset between requests) must enter that mode again.
+    @torch.inference_mode()
     def trim(self, n: int) -> int:
         """Forget the last n positions; only possible while nothing has been overwritten."""
         n = min(n, self.offset)
@@ -252,6 +255,7 @@ class RotatingKVCache(_Cache):
             self.slot_positions[:, self.offset : self.offset + n] = _EMPTY
         return n
 
+    @torch.inference_mode()
     def reset(self) -> None:
         self.offset = 0
         if self.slot_positions is not None:

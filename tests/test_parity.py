@@ -1,10 +1,23 @@
 """Logits of qinfer against transformers, in float32, on random checkpoints of each family."""
 
+import copy
+import json
+
 import pytest
 import torch
-from checkpoints import build_checkpoint
+from checkpoints import (
+    build_checkpoint,
+    load_pair,
+    max_diff,
+    random_tokens,
+    reference_logits,
+    use_features,
+)
 
 import qinfer
+
+TOLERANCE = 2e-5  # fp32; logits are of order 1
+BF16_TOLERANCE = 0.05  # a bf16 load against the fp32 reference (measured ~0.01)
 
 CASES = {
     "qwen3": ("qwen3", dict(head_dim=32)),  # head_dim != hidden / heads (64 / 4 = 16)
@@ -30,6 +43,7 @@ CASES = {
         dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
     ),
     "llama-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama-dynamic": ("llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
     "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),
     "qwen2-window": (
         "qwen2",
@@ -41,25 +55,56 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     family, overrides = CASES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    reference = build_checkpoint(folder, family, **overrides)
-    model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
-    return reference, model
+    return load_pair(tmp_path_factory.mktemp(request.param), family, **overrides)
 
 
-def reference_logits(reference, tokens):
-    with torch.no_grad():
-        return reference(tokens).logits.float()
+@pytest.fixture(scope="module")
+def tokens():
+    return random_tokens(2, 40)
 
 
 @pytest.mark.parametrize("fast_sdpa", [True, False])
-def test_logits_match_transformers(pair, fast_sdpa):
+def test_logits_match_transformers(pair, tokens, fast_sdpa):
     reference, model = pair
-    model.features = qinfer.Features(fast_sdpa=fast_sdpa)
-    for layer in model.layers:
-        layer.self_attn.features = model.features
-    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
-    got = model(tokens)
-    want = reference_logits(reference, tokens)
-    assert got.shape == want.shape
-    assert (got - want).abs().max().item() < 2e-5
+    use_features(model, qinfer.Features(fast_sdpa=fast_sdpa))
+    assert max_diff(model(tokens), reference_logits(reference, tokens)) < TOLERANCE
+
+
+def test_last_only_is_the_last_position(pair, tokens):
+    reference, model = pair
+    got = model(tokens, last_only=True)
+    assert max_diff(got, reference_logits(reference, tokens)[:, -1:]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3-for-loads")
+    return folder, build_checkpoint(folder, "qwen3", head_dim=32)
+
+
+def test_sharded_checkpoint(qwen3_folder, tmp_path, tokens):
+    _, reference = qwen3_folder
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    model = qinfer.load_model(tmp_path, dtype="float32", device="cpu")
+    assert max_diff(model(tokens), reference_logits(reference, tokens)) < TOLERANCE
+
+
+def test_bfloat16_load_stays_close_to_float32(qwen3_folder, tokens):
+    folder, reference = qwen3_folder
+    model = qinfer.load_model(folder, dtype="bfloat16", device="cpu")
+    attention = model.layers[0].self_attn
+    assert {model.embed_tokens.dtype, attention.wq.weight.dtype, attention.q_norm.weight.dtype} == {
+        torch.bfloat16
+    }
+    logits = model(tokens)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert max_diff(logits, reference_logits(reference, tokens)) < BF16_TOLERANCE
+
+
+def test_checkpoint_stored_in_bfloat16_loads_in_bfloat16(qwen3_folder, tmp_path):
+    _, reference = qwen3_folder
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = qinfer.load_model(tmp_path, device="cpu")
+    assert model.dtype == torch.bfloat16 and model.embed_tokens.dtype == torch.bfloat16

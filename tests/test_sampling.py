@@ -236,8 +236,34 @@ def test_sampling_errors_are_qinfer_errors():
     assert issubclass(SamplingError, QinferError)
 
 
-def test_a_single_stop_string_becomes_a_tuple():
-    assert SamplingParams(stop="###").stop == ("###",)
+def test_single_stop_values_become_tuples():
+    params = SamplingParams(stop="###", stop_token_ids=7)
+    assert (params.stop, params.stop_token_ids) == (("###",), (7,))
+
+
+def test_stop_of_the_wrong_kind_is_rejected():
+    with pytest.raises(SamplingError, match="stop must be a list"):
+        SamplingParams(stop={"text": "###"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_sampling_on_cuda_reproduces_and_greedy_agrees_with_cpu(logits, histories):
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05, seed=1),
+        SamplingParams(temperature=1.1, presence_penalty=0.5, frequency_penalty=0.5, seed=2),
+    ]
+    cuda_logits, rows = logits[:3].cuda(), histories[:3]
+
+    def draw():
+        generators = [make_generator(p, "cuda") for p in params]
+        return sample(cuda_logits, params, rows, generators)
+
+    first, second = draw(), draw()
+    assert torch.equal(first.token_ids, second.token_ids)
+    cpu = sample(logits[:1], params[:1], rows[:1], [None])
+    assert first.token_ids[0].item() == cpu.token_ids[0].item()
+    torch.testing.assert_close(first.logprobs[0].cpu(), cpu.logprobs[0])
 
 
 QWEN3_GENERATION_CONFIG = {

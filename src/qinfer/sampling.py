@@ -68,9 +68,11 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        # Accept one value or any sequence (a request's JSON list); store tuples (hashable).
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
+        object.__setattr__(
+            self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        )
         self._validate()
 
     def _validate(self) -> None:
@@ -131,6 +133,17 @@ class SamplingParams:
             if value is not None:
                 values[name] = value
         return cls(**values)
+
+
+def _as_tuple(name: str, value: Any, single: type) -> tuple:
+    """None -> (), one `single` value -> (value,), a list or tuple -> tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, single):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise SamplingError(f"{name} must be a list, got {type(value).__name__}")
 
 
 def _check_number(
@@ -292,9 +305,11 @@ def apply_penalties(
             )
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             start = prompt_lens[b] if prompt_lens is not None else 0
-            generated = torch.as_tensor(list(history[start:]), dtype=torch.long)
+            generated = torch.as_tensor(
+                list(history[start:]), dtype=torch.long, device=logits.device
+            )
             generated = generated[(generated >= 0) & (generated < vocab)]
-            counts = torch.bincount(generated, minlength=vocab).to(logits)  # (V,)
+            counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)  # (V,)
             logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
 

@@ -1,0 +1,15 @@
+"""The serving engine: a paged KV block pool with prefix caching, continuous batching,
+the offline `LLM` API and the `AsyncEngine` the server runs on.
+
+sequence.py (one request's tokens and blocks) -> block_manager.py (who owns which block,
+prefix caching) -> scheduler.py (who runs next) -> paged_cache.py + runner.py (one step
+through the model) -> engine.py (sampling, stopping, outputs) -> llm.py / async_engine.py.
+"""
+
+from qinfer.engine.config import EngineConfig
+from qinfer.engine.engine import Engine
+from qinfer.engine.llm import LLM
+from qinfer.engine.outputs import RequestOutput, TokenLogprob
+from qinfer.engine.stats import EngineStats
+
+__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "TokenLogprob"]

@@ -1,0 +1,69 @@
+"""The knobs of the serving engine, checked once when the engine starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from qinfer.errors import QinferError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches requests and how much memory its KV pool takes.
+
+    block_size: tokens per KV block (the unit of allocation and of prefix sharing).
+    max_num_seqs: sequences in one step (decoding or prefilling).
+    max_num_batched_tokens: tokens run through the model in one step (decode tokens
+        plus prefill chunks); long prompts are prefilled in chunks of at most this.
+    kv_cache_memory: bytes for the KV pool; default: gpu_memory_utilization of the free
+        device memory on GPU, DEFAULT_CPU_KV_MEMORY on CPU.
+    num_kv_blocks: exact pool size in blocks; overrides kv_cache_memory.
+    max_model_len: longest sequence (prompt + output); default the model's context.
+    enable_prefix_caching: reuse the K/V of full blocks shared by several prompts.
+    max_waiting_requests: requests allowed to wait; more are refused as overloaded.
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"]
+        positive += ["kv_cache_memory", "num_kv_blocks", "max_model_len"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise QinferError(
+                    f"engine argument {name} must be a positive integer, got {value!r}"
+                )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise QinferError(
+                f"engine argument gpu_memory_utilization must be in (0, 1], "
+                f"got {self.gpu_memory_utilization!r}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise QinferError(
+                f"engine argument max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f"at least max_num_seqs ({self.max_num_seqs}): every running sequence needs a token"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **engine_args) -> EngineConfig:
+        """An EngineConfig from keyword arguments, naming any unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise QinferError(
+                f"unknown engine argument {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**engine_args)
+
+
+#: KV pool size on CPU when no kv_cache_memory is given.
+DEFAULT_CPU_KV_MEMORY = 512 * 2**20

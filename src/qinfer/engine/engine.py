@@ -1,0 +1,311 @@
+"""The synchronous engine: requests in, one batched model step at a time, outputs out.
+
+    engine = Engine(model, tokenizer, EngineConfig(...))
+    engine.add_request("Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for output in engine.step(): ...
+
+Each step asks the scheduler for a batch (decode tokens of running sequences plus prefill
+chunks of new ones), runs it through the model over the paged KV pool, samples a token
+for every sequence whose pending tokens are all computed (each with its own
+SamplingParams and generator), detokenizes, checks the stop conditions, and frees the
+blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (server) wrap it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Mapping
+from collections.abc import Sequence as PySequence
+from pathlib import Path
+
+from qinfer.detokenizer import IncrementalDetokenizer
+from qinfer.engine.block_manager import BlockManager
+from qinfer.engine.config import EngineConfig
+from qinfer.engine.outputs import RequestOutput, TokenLogprob
+from qinfer.engine.runner import ModelRunner
+from qinfer.engine.scheduler import Scheduler
+from qinfer.engine.sequence import Sequence
+from qinfer.engine.stats import EngineStats, ThroughputMeter
+from qinfer.errors import QinferError, RequestError, TokenizerError
+from qinfer.generate import encode_prompt
+from qinfer.model import Transformer, load_model
+from qinfer.sampling import SamplingParams, make_generator, sample
+from qinfer.tokenizer import Tokenizer, load_tokenizer
+
+#: A prompt: text, token ids, or chat messages [{"role": ..., "content": ...}, ...].
+Prompt = str | PySequence[int] | PySequence[Mapping[str, object]]
+
+
+class Request:
+    """A sequence plus what turns its tokens into a response: params, generator, text."""
+
+    def __init__(
+        self,
+        seq: Sequence,
+        prompt: str | None,
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        generator,
+    ) -> None:
+        self.seq = seq
+        self.prompt = prompt
+        self.params = params
+        self.detokenizer = detokenizer
+        self.generator = generator  # torch.Generator for seeded sampling, or None
+        self.text = ""
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_sent_tokens = 0  # tokens already handed out in outputs
+        self.num_sent_chars = 0
+
+    def output(self) -> RequestOutput:
+        """The request as it stands, with what is new since the previous output."""
+        seq = self.seq
+        token_ids = seq.output_token_ids
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            text=self.text,
+            token_ids=token_ids,
+            delta_text=self.text[self.num_sent_chars :],
+            delta_token_ids=token_ids[self.num_sent_tokens :],
+            finished=seq.is_finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_generated_tokens=seq.num_generated_tokens,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )
+        self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(self.text)
+        return out
+
+
+class Engine:
+    """Continuous batching over a paged KV pool, one `step()` at a time (not thread-safe)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, self.config)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        context = model.config.max_position_embeddings
+        self.context_len = min(self.config.max_model_len or context, context)
+        # The longest sequence: within the context, and its K/V (all but the last token,
+        # which is never fed back) within the pool.
+        self.max_len = min(self.context_len, self.runner.num_blocks * self.config.block_size + 1)
+        self.eos_token_ids = frozenset(model.config.eos_token_id) | (
+            tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._throughput = ThroughputMeter()
+        self._counts = dict.fromkeys(
+            ["prompt", "prompt_computed", "generated", "finished", "aborted", "preempted"], 0
+        )
+
+    # -- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Check and encode a request without touching the engine's state (thread-safe)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt_text, ids = self._encode(prompt)
+        if len(ids) >= self.max_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
+                f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
+                f"{self.runner.num_blocks * self.config.block_size} tokens)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this engine was given none")
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        )
+        seq = Sequence(request_id, ids, next(self._arrivals))
+        return Request(
+            seq, prompt_text, params, detokenizer, make_generator(params, self.model.device)
+        )
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a prompt, with a clear error when it is unusable."""
+        is_ids = isinstance(prompt, PySequence) and not isinstance(prompt, str) and prompt
+        if is_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                )
+            return None, ids
+        if isinstance(prompt, str) and not prompt:
+            raise RequestError("prompt is empty: give some text or token ids")
+        if isinstance(prompt, PySequence) and not prompt:
+            raise RequestError("prompt is empty: give some text or token ids")
+        if self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: give token ids, or pass tokenizer=")
+        try:
+            ids = encode_prompt(self.tokenizer, prompt)
+        except QinferError as error:
+            raise RequestError(str(error)) from None
+        return (prompt if isinstance(prompt, str) else None), ids
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `make_request`."""
+        request_id = request.seq.request_id
+        if request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        self.requests[request_id] = request
+        self.scheduler.add(request.seq)
+        self._counts["prompt"] += request.seq.num_prompt_tokens
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt (text, token ids or chat messages); returns its request id."""
+        request = self.make_request(prompt, params, request_id)
+        self.add(request)
+        return request.seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its last output (finish_reason "abort"),
+        or None if the id is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        self._counts["aborted"] += 1
+        return request.output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch through the model; outputs of the requests that moved or finished."""
+        scheduled = self.scheduler.schedule()
+        self._counts["preempted"] += scheduled.num_preempted
+        if not scheduled.seqs:
+            return []
+        logits = self.runner.run(scheduled.seqs, scheduled.num_new)  # (B, V)
+        done_rows = []
+        for row, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_new, strict=True)):
+            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            self._counts["prompt_computed"] += min(n, prompt_left)
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if seq.num_uncomputed_tokens == 0:
+                done_rows.append(row)
+        if not done_rows:
+            return []
+        requests = [self.requests[scheduled.seqs[row].request_id] for row in done_rows]
+        result = sample(
+            logits[done_rows],
+            [r.params for r in requests],
+            [r.seq.token_ids for r in requests],
+            [r.generator for r in requests],
+            prompt_lens=[r.seq.num_prompt_tokens for r in requests],
+        )
+        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        outputs = []
+        for i, request in enumerate(requests):
+            self._accept(request, token_ids[i], logprobs[i], result.top_logprobs[i])
+            outputs.append(request.output())
+        self._throughput.add(len(requests))
+        self._counts["generated"] += len(requests)
+        return outputs
+
+    def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
+        """Append a sampled token, extend the text, and finish the request if it is done."""
+        seq, params = request.seq, request.params
+        seq.token_ids.append(token_id)
+        if request.logprobs is not None:
+            request.logprobs.append(TokenLogprob(token_id, logprob, dict(top or ())))
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return self._finish(request, "stop")
+        if token_id in params.stop_token_ids:
+            return self._finish(request, "stop", token_id)
+        if request.detokenizer is not None:
+            request.text += request.detokenizer.push(token_id)
+            if request.detokenizer.stopped:
+                return self._finish(request, "stop", request.detokenizer.matched_stop)
+        if seq.num_generated_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
+            return self._finish(request, "length")
+        return None
+
+    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        if request.detokenizer is not None:
+            request.text += request.detokenizer.finish()
+        self.scheduler.finish(request.seq)
+        self.requests.pop(request.seq.request_id, None)
+        self._counts["finished"] += 1
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager
+        queries, hits = self.scheduler.prefix_queries, self.scheduler.prefix_hits
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            kv_blocks_free=blocks.num_free_blocks,
+            kv_blocks_cached=blocks.num_cached_free_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            prompt_tokens_total=self._counts["prompt"],
+            prompt_tokens_computed_total=self._counts["prompt_computed"],
+            generation_tokens_total=self._counts["generated"],
+            requests_finished_total=self._counts["finished"],
+            requests_aborted_total=self._counts["aborted"],
+            preemptions_total=self._counts["preempted"],
+            generation_tokens_per_s=self._throughput.rate(),
+        )
+
+
+def build_engine(
+    model_or_path: Transformer | str | Path,
+    tokenizer: Tokenizer | str | Path | None,
+    dtype,
+    device,
+    engine_args: dict,
+) -> Engine:
+    """An Engine from a loaded model or a checkpoint path (whose tokenizer is loaded too,
+    when it has one and none is given)."""
+    config = EngineConfig.from_kwargs(**engine_args)
+    if isinstance(model_or_path, Transformer):
+        model = model_or_path
+    else:
+        model = load_model(model_or_path, dtype=dtype, device=device)
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(model_or_path)
+            except TokenizerError:
+                tokenizer = None  # a checkpoint without a tokenizer serves token ids only
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    return Engine(model, tokenizer, config)

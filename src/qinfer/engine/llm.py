@@ -1,0 +1,83 @@
+"""The offline API: many prompts in, their completions out, batched by the engine.
+
+llm = LLM("path/to/checkpoint", max_num_seqs=16)
+outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from qinfer.engine.engine import Engine, Prompt, build_engine
+from qinfer.engine.outputs import RequestOutput
+from qinfer.errors import RequestError
+from qinfer.model import Transformer
+from qinfer.sampling import SamplingParams
+from qinfer.tokenizer import Tokenizer
+
+
+class LLM:
+    """A model with a batching engine, for offline generation.
+
+    model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
+    tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
+        must be token ids). engine_args: see `qinfer.engine.EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        model_or_path: Transformer | str | Path,
+        tokenizer: Tokenizer | str | Path | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **engine_args,
+    ) -> None:
+        self.engine: Engine = build_engine(model_or_path, tokenizer, dtype, device, engine_args)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids or chat messages, or a list of them);
+        the outputs come back in the prompts' order. params: one for all, or one each."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        if not prompts:
+            raise RequestError("prompts is empty: give at least one prompt")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for request in requests:
+            engine.add(request)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), desc="requests", disable=not use_tqdm) as bar:
+            while len(finished) < len(requests):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [_whole(finished[r.seq.request_id]) for r in requests]
+
+
+def _is_single_prompt(prompts) -> bool:
+    """One prompt (text, a list of token ids, a list of messages) rather than a list of them."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        return isinstance(prompts, str)
+    return isinstance(prompts[0], (int, Mapping))
+
+
+def _whole(output: RequestOutput) -> RequestOutput:
+    """The final output with its deltas covering the whole completion."""
+    from dataclasses import replace
+
+    return replace(output, delta_text=output.text, delta_token_ids=output.token_ids)

@@ -1,0 +1,155 @@
+"""Where the engine's K/V live: one preallocated pool of blocks, read through block tables.
+
+`KVPool` holds the keys and values of every layer as `num_blocks * block_size` token
+slots; slot `block_id * block_size + i` holds position i of that block. `BatchLayout`
+describes one step of the engine: which slots receive the new tokens of each row and
+which slots make up each row's history. `PagedCache` is the KV-cache protocol
+(`qinfer.kv_cache`) for one layer over the pool, so the unchanged attention layer runs
+over a batch of sequences that each sit at their own offset.
+
+Rows are left-padded to the longest row of the step (as in `kv_cache`): row b's n_b new
+tokens sit in the last n_b columns, so the model's last position is each row's last
+token. This gather-based version copies each row's history (B, S, Hkv, D) out of the
+pool on every layer, padded to the longest history S and masked with `position_mask`.
+
+Sliding-window layers keep their whole history in the pool and are masked to their window
+(correct, but they use as much memory as full-attention layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.config import ModelConfig
+from qinfer.errors import CacheError
+from qinfer.kv_cache import Mask, position_mask
+
+
+class KVPool:
+    """K and V of every layer: (num_layers, num_slots, Hkv, D) each, allocated once."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (
+            config.num_hidden_layers,
+            num_blocks * block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        # Zeros, not empty: padded reads gather (masked) slots, and NaN garbage would
+        # survive a mask in a matmul.
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class BatchLayout:
+    """One step's placement of tokens in the pool, shared by every layer.
+
+    block_tables: one list of block ids per row; num_computed: tokens already in the pool
+    per row; num_new: tokens this step adds per row (left-padded to L = max(num_new)).
+    """
+
+    def __init__(
+        self,
+        block_tables: list[list[int]],
+        num_computed: list[int],
+        num_new: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        B, L = len(num_new), max(num_new)
+        computed = torch.tensor(num_computed, dtype=torch.long)
+        new = torch.tensor(num_new, dtype=torch.long)
+        total = computed + new  # (B,) history length after this step
+        S = int(total.max())
+        width = max(len(t) for t in block_tables)
+        tables = torch.zeros(B, width, dtype=torch.long)  # (B, blocks), padded with block 0
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+
+        # Row b's first new token (column L - n_b) sits at position num_computed[b]; the
+        # pad columns before it get position -1 (RoPE rotates them by whatever, unused).
+        self.offsets = computed - (L - new)  # (B,) position of column 0, as RoPE wants
+        columns = torch.arange(L)
+        is_new = columns >= (L - new)[:, None]  # (B, L) the real tokens of this step
+        query_positions = torch.where(is_new, self.offsets[:, None] + columns, -1)  # (B, L)
+
+        # The history each row reads: positions 0 .. total-1, then padding (-1).
+        key_positions = torch.arange(S).expand(B, S)  # (B, S)
+        read_slots = _slots(tables, key_positions, block_size)  # pad reads: masked
+        key_positions = torch.where(key_positions < total[:, None], key_positions, -1)
+
+        self.write_index = is_new.flatten().nonzero().squeeze(1)  # into the (B * L) columns
+        write_slots = _slots(tables, query_positions.clamp(min=0), block_size)[is_new]
+
+        self.read_slots = read_slots.to(device)  # (B, S)
+        self.write_index = self.write_index.to(device)  # (N,)
+        self.write_slots = write_slots.to(device)  # (N,) N = sum(num_new)
+        self.query_positions = query_positions.to(device)
+        self.key_positions = key_positions.to(device)
+        self.offsets = self.offsets.to(device)
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """(B, 1, L, S) boolean: causal over each row's own history, inside `window`."""
+        if window not in self._masks:
+            allowed = position_mask(self.query_positions, self.key_positions, window)
+            # A pad query sees nothing of its row; let it see the first slot so that its
+            # softmax is not empty (NaN). Its output is thrown away.
+            allowed[:, 0, :, 0] |= self.query_positions < 0
+            self._masks[window] = allowed
+        return self._masks[window]
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slots (B, n) of positions (B, n) through block tables (B, blocks)."""
+    blocks = tables.gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+class PagedCache:
+    """The KV-cache protocol for one layer over a `KVPool`, for the rows of a `BatchLayout`."""
+
+    def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None) -> None:
+        self.keys, self.values = pool.keys[layer], pool.values[layer]  # (slots, Hkv, D)
+        self.layout = layout
+        self.window = window
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self.layout.offsets
+
+    def update_and_fetch(
+        self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write the real new k, v (B, Hkv, L, D) into the pool; return each row's history
+        (B, Hkv, S, D) with its (B, 1, L, S) mask. A caller's boolean mask is combined."""
+        B, H, L, D = k.shape
+        layout = self.layout
+        if layout.query_positions.shape != (B, L):
+            raise CacheError(
+                f"paged cache laid out for {tuple(layout.query_positions.shape)} tokens, got {(B, L)}"
+            )
+        new_k = k.transpose(1, 2).reshape(B * L, H, D)[layout.write_index]  # (N, Hkv, D)
+        new_v = v.transpose(1, 2).reshape(B * L, H, D)[layout.write_index]
+        self.keys[layout.write_slots] = new_k.to(self.keys.dtype)
+        self.values[layout.write_slots] = new_v.to(self.values.dtype)
+        keys = self.keys[layout.read_slots].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D)
+        values = self.values[layout.read_slots].transpose(1, 2)
+        allowed = layout.mask(self.window)
+        if isinstance(mask, torch.Tensor):
+            allowed = allowed & mask
+        return keys, values, layout.offsets, allowed

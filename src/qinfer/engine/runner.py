@@ -1,0 +1,74 @@
+"""Runs one scheduled step through the model: sizes the KV pool, lays out the batch, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
+from qinfer.engine.paged_cache import BatchLayout, KVPool, PagedCache
+from qinfer.engine.sequence import Sequence
+from qinfer.errors import QinferError
+from qinfer.model import Transformer
+
+
+def kv_pool_blocks(model: Transformer, config: EngineConfig) -> int:
+    """How many blocks the pool gets: num_kv_blocks, else the byte budget divided by a block's
+    size (the budget: kv_cache_memory, or a share of free GPU memory, or the CPU default)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_MEMORY
+    per_block = KVPool.bytes_per_block(model.config, config.block_size, model.dtype)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise QinferError(
+            f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)"
+        )
+    return blocks
+
+
+class ModelRunner:
+    """Owns the KV pool and turns a list of (sequence, new tokens) into next-token logits."""
+
+    def __init__(self, model: Transformer, config: EngineConfig) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.pool = KVPool(
+            model.config,
+            kv_pool_blocks(model, config),
+            config.block_size,
+            model.dtype,
+            model.device,
+        )
+        self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+        """Compute the next num_new[b] tokens of each sequence (their blocks already allocated)
+        and return the fp32 logits (B, V) at each row's last new token."""
+        layout = BatchLayout(
+            [seq.block_table for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            num_new,
+            self.block_size,
+            self.model.device,
+        )
+        L = max(num_new)
+        tokens = torch.zeros(len(seqs), L, dtype=torch.long)  # (B, L), left-padded with id 0
+        for row, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
+            start = seq.num_computed_tokens
+            tokens[row, L - n :] = torch.tensor(seq.token_ids[start : start + n])
+        caches = [
+            PagedCache(self.pool, layer, layout, window)
+            for layer, window in enumerate(self.windows)
+        ]
+        logits = self.model(tokens, offsets=layout.offsets, cache=caches, last_only=True)
+        return logits[:, -1]  # (B, V)

@@ -1,0 +1,110 @@
+"""Who runs next: continuous batching over a waiting queue and a running list.
+
+Each step first serves the running sequences, oldest first: one token for a decoding
+sequence, the next chunk of its prompt for one still prefilling. When the pool has no
+block left for a running sequence, the newest running sequence is preempted: its blocks
+are freed (their full blocks stay in the prefix cache) and it goes back to the front of
+the waiting queue, to be recomputed later. Then waiting sequences are admitted, oldest
+first, while the step has tokens and sequences to spare and the pool has blocks; a long
+prompt is admitted with a first chunk and continues in later steps (chunked prefill).
+
+The oldest running sequence is never preempted by another, so every step makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from qinfer.engine.block_manager import BlockManager
+from qinfer.engine.config import EngineConfig
+from qinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """The sequences of one step and how many new tokens each runs through the model."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+
+
+class Scheduler:
+    """Picks each step's batch under max_num_seqs and max_num_batched_tokens."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found there
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+                self._preempt(self.running.pop())
+                step.num_preempted += 1
+                if seq.status is SequenceStatus.WAITING:
+                    break  # `seq` itself was the newest
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.grow(seq, seq.num_computed_tokens + n)
+                step.add(seq, n)
+                budget -= n
+                i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not step.num_preempted  # the pool is full: do not admit only to preempt
+        ):
+            seq = self.waiting[0]
+            cached = self.block_manager.allocate_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)
+                break
+            self.block_manager.grow(seq, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            step.add(seq, n)
+            budget -= n
+        return step
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,58 @@
+"""One request as the scheduler sees it: its tokens, its KV blocks, how far it is computed."""
+
+from __future__ import annotations
+
+import enum
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The token ids of one request (prompt, then generated) and the blocks holding their K/V.
+
+    `num_computed_tokens` tokens have their K/V in the pool (at positions 0 .. n-1, in the
+    blocks of `block_table`); the rest still have to run through the model. A decoding
+    sequence has exactly one uncomputed token, the one it sampled last; a preempted one
+    has none computed and prefills prompt and output again.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], arrival: int) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.arrival = arrival  # admission order: the newest is preempted first
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []  # block ids holding positions 0, B, 2B, ...
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,52 @@
+"""How the engine is doing: queue lengths, KV blocks, prefix-cache hits, throughput."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+#: Generation throughput is measured over the last this many seconds.
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (the server exposes these as Prometheus metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int  # free blocks still holding reusable prefix K/V
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found there
+    prefix_cache_hit_rate: float  # hits / queries (0 before any query)
+    prompt_tokens_total: int  # prompt tokens of the requests added
+    prompt_tokens_computed_total: int  # prompt tokens run through the model (recomputes too)
+    generation_tokens_total: int
+    requests_finished_total: int
+    requests_aborted_total: int
+    preemptions_total: int
+    generation_tokens_per_s: float
+
+
+class ThroughputMeter:
+    """Tokens per second over a sliding time window."""
+
+    def __init__(self, window_s: float = THROUGHPUT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()  # (time, tokens)
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        self._events.append((time.monotonic() if now is None else now, tokens))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+        if not self._events:
+            return 0.0
+        elapsed = max(now - self._events[0][0], 1e-3)
+        return sum(tokens for _, tokens in self._events) / elapsed

@@ -185,3 +185,11 @@ def test_left_padding_of_the_wrong_length(model):
     with pytest.raises(CacheError) as excinfo:
         model.make_cache(2, left_padding=[1, 2, 3])
     assert "left_padding" in error_line(excinfo)
+
+
+def test_select_of_a_row_the_cache_does_not_have(model):
+    cache = model.make_cache(2)
+    with pytest.raises(CacheError) as excinfo:
+        cache[0].select([0, 2])
+    message = error_line(excinfo)
+    assert "0..1" in message and "[0, 2]" in message

@@ -54,6 +54,9 @@ def position_mask(
 class _Cache:
     """What every single-machine cache shares: offsets, left padding, the position limit."""
 
+    #: The attributes holding one entry per batch row, first dimension B (see `select`).
+    _row_buffers: tuple[str, ...] = ("keys", "values")
+
     def __init__(
         self,
         batch_size: int,
@@ -72,16 +75,41 @@ class _Cache:
                     f"left_padding has shape {tuple(left_padding.shape)}, expected ({batch_size},)"
                 )
         self.left_padding = left_padding
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
     @property
     def offsets(self) -> int | torch.Tensor:
         """RoPE position of each row's next token: an int, or (B,) when rows are padded."""
         if self.left_padding is None:
             return self.offset
-        return self.offset - self.left_padding.to(self._device())
+        return self.offset - self._padding_on(self._device())
 
     def _device(self) -> torch.device:
-        raise NotImplementedError
+        return self.keys.device if self.keys is not None else torch.device("cpu")
+
+    def _padding_on(self, device: torch.device) -> torch.Tensor:
+        """left_padding (B,) on `device`, moved there once rather than copied at every step."""
+        if self.left_padding.device != device:
+            self.left_padding = self.left_padding.to(device)
+        return self.left_padding
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these batch rows (rows of a batch that finished stop costing work)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if rows.dim() != 1 or (
+            len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < self.batch_size
+        ):
+            raise CacheError(
+                f"select() takes row indices in 0..{self.batch_size - 1}, got {rows.tolist()}"
+            )
+        for name in self._row_buffers:
+            buffer = getattr(self, name)
+            if buffer is not None:
+                setattr(self, name, buffer[rows.to(buffer.device)])
+        if self.left_padding is not None:
+            self.left_padding = self.left_padding[rows.to(self.left_padding.device)]
+        self.batch_size = len(rows)
 
     def _check_room(self, L: int) -> None:
         needed = self.offset + L
@@ -95,7 +123,7 @@ class _Cache:
         """Positions (B, n) of stream slots (n,) once left padding is taken away."""
         positions = slots[None, :].expand(self.batch_size, -1)
         if self.left_padding is not None:
-            positions = positions - self.left_padding.to(slots.device)[:, None]
+            positions = positions - self._padding_on(slots.device)[:, None]
         return positions
 
     def _mask(self, mask: Mask, query_slots: torch.Tensor, key_positions: torch.Tensor) -> Mask:
@@ -125,11 +153,7 @@ class KVCache(_Cache):
         left_padding: torch.Tensor | list[int] | None = None,
     ) -> None:
         super().__init__(batch_size, max_length, None, left_padding)
-        self.keys: torch.Tensor | None = None  # (B, Hkv, capacity, D)
-        self.values: torch.Tensor | None = None
-
-    def _device(self) -> torch.device:
-        return self.keys.device if self.keys is not None else torch.device("cpu")
+        # keys, values: (B, Hkv, capacity, D), made at the first step
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
@@ -171,16 +195,6 @@ class KVCache(_Cache):
     def reset(self) -> None:
         self.offset = 0
 
-    def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only these batch rows (rows of a batch that finished stop costing work)."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        if self.keys is not None:
-            self.keys = self.keys[rows.to(self.keys.device)]
-            self.values = self.values[rows.to(self.values.device)]
-        if self.left_padding is not None:
-            self.left_padding = self.left_padding[rows]
-        self.batch_size = len(rows)
-
 
 class RotatingKVCache(_Cache):
     """A ring of `window` slots for sliding-window layers: memory stays O(window).
@@ -192,6 +206,8 @@ class RotatingKVCache(_Cache):
     newest `window` tokens.
     """
 
+    _row_buffers = ("keys", "values", "slot_positions")
+
     def __init__(
         self,
         window: int,
@@ -200,12 +216,8 @@ class RotatingKVCache(_Cache):
         left_padding: torch.Tensor | list[int] | None = None,
     ) -> None:
         super().__init__(batch_size, max_length, window, left_padding)
-        self.keys: torch.Tensor | None = None  # (B, Hkv, window, D)
-        self.values: torch.Tensor | None = None
+        # keys, values: (B, Hkv, window, D), made at the first step
         self.slot_positions: torch.Tensor | None = None  # (B, window) position held per slot
-
-    def _device(self) -> torch.device:
-        return self.keys.device if self.keys is not None else torch.device("cpu")
 
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
@@ -260,15 +272,3 @@ class RotatingKVCache(_Cache):
         self.offset = 0
         if self.slot_positions is not None:
             self.slot_positions.fill_(_EMPTY)
-
-    def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only these batch rows."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        if self.keys is not None:
-            device_rows = rows.to(self.keys.device)
-            self.keys = self.keys[device_rows]
-            self.values = self.values[device_rows]
-            self.slot_positions = self.slot_positions[device_rows]
-        if self.left_padding is not None:
-            self.left_padding = self.left_padding[rows]
-        self.batch_size = len(rows)

@@ -1,6 +1,7 @@
 """qinfer: a small, readable inference engine for Qwen3 and its relatives."""
 
 from qinfer.config import ModelConfig
+from qinfer.engine import LLM, AsyncEngine, RequestOutput
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.generate import GenerationResult, generate, stream_generate
@@ -9,6 +10,9 @@ from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "LLM",
+    "AsyncEngine",
+    "RequestOutput",
     "Features",
     "GenerationResult",
     "ModelConfig",

@@ -6,10 +6,19 @@ prefix caching) -> scheduler.py (who runs next) -> paged_cache.py + runner.py (o
 through the model) -> engine.py (sampling, stopping, outputs) -> llm.py / async_engine.py.
 """
 
+from qinfer.engine.async_engine import AsyncEngine
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.engine import Engine
 from qinfer.engine.llm import LLM
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
 from qinfer.engine.stats import EngineStats
 
-__all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "TokenLogprob"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "RequestOutput",
+    "TokenLogprob",
+]

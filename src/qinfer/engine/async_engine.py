@@ -1,0 +1,188 @@
+"""The engine for a server: requests from asyncio, model steps in a background thread.
+
+    engine = AsyncEngine("path/to/checkpoint", max_num_seqs=32)
+    async for output in engine.generate("Hello", SamplingParams(max_tokens=16)):
+        print(output.delta_text, end="")
+
+One thread owns the `Engine` and runs `step()` while there is work. The event loop never
+waits for a model step: requests are checked and encoded in the caller's thread, then
+handed to the step thread through a queue (so are aborts); outputs come back to each
+request's asyncio queue with `call_soon_threadsafe`. `stats()` returns the snapshot the
+step thread publishes after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qinfer.engine.engine import Prompt, Request, build_engine
+from qinfer.engine.outputs import RequestOutput
+from qinfer.engine.stats import EngineStats
+from qinfer.errors import EngineOverloadedError, QinferError, RequestError
+from qinfer.model import Transformer
+from qinfer.sampling import SamplingParams
+from qinfer.tokenizer import Tokenizer
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the loop that asked for them."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    """A batching engine that serves many concurrent asyncio callers (see the module doc).
+
+    Arguments as for `qinfer.LLM`; `max_waiting_requests` (an engine argument) bounds the
+    requests that may wait for a slot: beyond it `add_request` raises EngineOverloadedError.
+    """
+
+    def __init__(
+        self,
+        model_or_path: Transformer | str | Path,
+        tokenizer: Tokenizer | str | Path | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        **engine_args,
+    ) -> None:
+        self.engine = build_engine(model_or_path, tokenizer, dtype, device, engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id)
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()  # guards _streams between loop and step thread
+        self._stats = self.engine.stats()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop --------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Check, encode and queue a request (call it from a running event loop); its id.
+
+        Raises RequestError (bad request) or EngineOverloadedError (too many waiting).
+        """
+        if self._stopping:
+            raise QinferError("the engine is shut down")
+        request = self.engine.make_request(prompt, params, request_id)
+        request_id = request.seq.request_id
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise RequestError(f"request_id {request_id!r} is already in use")
+            waiting = len(self._streams) - self._stats.num_running
+            if waiting >= self.engine.config.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"the engine is overloaded: {waiting} requests are waiting "
+                    f"(max_waiting_requests={self.engine.config.max_waiting_requests})"
+                )
+            self._streams[request_id] = stream
+        self._inbox.put(("add", request))
+        return request_id
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as tokens arrive; the last has finished=True.
+        Leaving the loop early (or cancelling the task) aborts the request."""
+        request_id = self.add_request(prompt, params, request_id)
+        stream = self._streams[request_id]
+        finished = False
+        try:
+            while not finished:
+                output = await stream.outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the step thread (pending requests are aborted)."""
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join()
+
+    # -- the step thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block for work only when idle; otherwise take what arrived and step.
+            while True:
+                try:
+                    command, arg = self._inbox.get(block=not engine.has_unfinished())
+                except queue.Empty:
+                    break
+                if command == "stop":
+                    for request_id in list(engine.requests):
+                        self._deliver(engine.abort(request_id))
+                    return
+                self._apply(command, arg)
+            try:
+                outputs = engine.step()
+            except Exception as error:  # a failing step fails its requests, not the server
+                outputs = []
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
+                    self._fail(request_id, error)
+            for output in outputs:
+                self._deliver(output)
+            self._stats = engine.stats()
+
+    def _apply(self, command: str, arg) -> None:
+        if command == "add":
+            request: Request = arg
+            try:
+                self.engine.add(request)
+            except QinferError as error:
+                self._fail(request.seq.request_id, error)
+        elif command == "abort":
+            self._deliver(self.engine.abort(arg))
+        self._stats = self.engine.stats()
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        if output is None:
+            return
+        with self._streams_lock:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+        if stream is not None:
+            _post(stream, output)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _post(stream, error)
+
+
+def _post(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    """Hand an item to a stream's event loop (dropped if that loop has closed)."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+    except RuntimeError:
+        pass  # the caller's event loop is gone: nobody is listening

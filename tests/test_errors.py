@@ -193,3 +193,11 @@ def test_select_of_a_row_the_cache_does_not_have(model):
         cache[0].select([0, 2])
     message = error_line(excinfo)
     assert "0..1" in message and "[0, 2]" in message
+
+
+def test_tokens_with_more_rows_than_the_cache(model):
+    cache = model.make_cache(2)
+    with pytest.raises(CacheError) as excinfo:
+        model(torch.zeros(3, 4, dtype=torch.long), cache=cache)
+    message = error_line(excinfo)
+    assert "2 batch rows" in message and "3" in message

@@ -111,7 +111,11 @@ class _Cache:
             self.left_padding = self.left_padding[rows.to(self.left_padding.device)]
         self.batch_size = len(rows)
 
-    def _check_room(self, L: int) -> None:
+    def _check_step(self, k: torch.Tensor) -> None:
+        """Refuse new entries k (B, Hkv, L, D) of another batch size or past max_length."""
+        B, L = k.shape[0], k.shape[2]
+        if B != self.batch_size:
+            raise CacheError(f"KV cache holds {self.batch_size} batch rows; this step has {B}")
         needed = self.offset + L
         if needed > self.max_length:
             raise CacheError(
@@ -173,7 +177,7 @@ class KVCache(_Cache):
     ) -> tuple[torch.Tensor, torch.Tensor, int, Mask]:
         """Append k, v (B, Hkv, L, D); return the history (B, Hkv, offset + L, D)."""
         L = k.shape[2]
-        self._check_room(L)
+        self._check_step(k)
         self._grow(k, v, self.offset + L)
         start = self.offset
         self.keys[:, :, start : start + L] = k
@@ -226,7 +230,7 @@ class RotatingKVCache(_Cache):
         (B, Hkv, window + L, D), with the mask that keeps each query inside its window."""
         B, H, L, D = k.shape
         W = self.window
-        self._check_room(L)
+        self._check_step(k)
         if self.keys is None:
             self.keys = k.new_zeros(B, H, W, D)
             self.values = v.new_zeros(B, H, W, D)

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over the engine's async API.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the
+API key when one is set), `GET /health`, `GET /metrics`. Every request shares the one
+`AsyncEngine`, which batches them (the model runs in its own thread); the event loop only
+parses, tokenizes (in a worker thread) and relays deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qinfer.reasoning import THINK_CLOSE, prompt_opened_think
+from qinfer.sampling import SamplingParams
+from qinfer.server.completions import Completion
+from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
+from qinfer.server.metrics import ServerMetrics
+from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
+from qinfer.server.streaming import EventStreamResponse
+from qinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from qinfer.engine import AsyncEngine
+
+#: Largest request body accepted (HTTP 413 above): generous for long prompts.
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass
+class ServerSettings:
+    """What the server adds around the engine.
+
+    model_name: the id clients name in `model` (and `GET /v1/models` lists).
+    api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+    chat_template_kwargs: server-wide defaults for the chat template (a request's own
+        `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
+    default_params: sampling defaults that request fields override (typically from the
+        checkpoint's generation_config.json).
+    """
+
+    model_name: str
+    api_key: str | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    default_params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class ModelServer:
+    """The request handling behind the routes: engine, tokenizer, settings, metrics."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings):
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.metrics = ServerMetrics(engine.stats)
+        self.created = int(time.time())
+        # Only a tokenizer that knows `</think>` (Qwen3 and other thinking models) can
+        # produce a reasoning block worth splitting off the answer.
+        self.splits_reasoning = tokenizer.token_to_id(THINK_CLOSE) is not None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.settings.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(self, request: GenerationRequest) -> SamplingParams:
+        return self.settings.default_params.replace(**request.sampling_overrides())
+
+    async def chat(self, request: ChatCompletionRequest) -> Response:
+        self.check_model(request.model)
+        params = self.sampling_params(request)
+        template_kwargs = {
+            "add_generation_prompt": True,
+            **self.settings.chat_template_kwargs,
+            **(request.chat_template_kwargs or {}),
+        }
+        messages = [message.for_template() for message in request.messages]
+        # Templates and tokenizers can take milliseconds on long chats: off the event loop.
+        prompt = await run_in_threadpool(
+            self.tokenizer.apply_chat_template, messages, **template_kwargs
+        )
+        # The template wrote the special tokens itself, as transformers does.
+        prompt_ids = await run_in_threadpool(self.tokenizer.encode, prompt, False)
+        reasoning = [prompt_opened_think(prompt)] if self.splits_reasoning else None
+        completion = Completion(
+            self.engine, self.metrics, [prompt_ids], params, request.n, "chatcmpl", reasoning
+        )
+        return await self.respond(
+            completion, ChatFormat(self.tokenizer, self.settings.model_name), request
+        )
+
+    async def complete(self, request: CompletionRequest) -> Response:
+        self.check_model(request.model)
+        params = self.sampling_params(request)
+        prompts = [
+            prompt
+            if isinstance(prompt, list)
+            else await run_in_threadpool(self.tokenizer.encode, prompt)
+            for prompt in request.prompts
+        ]
+        completion = Completion(self.engine, self.metrics, prompts, params, request.n, "cmpl")
+        return await self.respond(
+            completion, TextFormat(self.tokenizer, self.settings.model_name), request
+        )
+
+    async def respond(
+        self, completion: Completion, response_format: ResponseFormat, request: GenerationRequest
+    ) -> Response:
+        """A JSON answer, or a stream of events once the first delta proves the request runs.
+
+        Waiting for the first delta lets an engine refusal (overloaded, prompt too long)
+        still answer with its own status rather than inside a 200 stream.
+        """
+        if not request.stream:
+            answers = await completion.collect()
+            return JSONResponse(response_format.response(completion, answers))
+        deltas = completion.deltas()
+        first = await anext(deltas)
+        events = response_format.events(completion, first, deltas, request.include_usage)
+        return EventStreamResponse(events)
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.settings.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "qinfer",
+                }
+            ],
+        }
+
+
+class ResponseCounter:
+    """ASGI middleware: counts answered requests by route and status for /metrics."""
+
+    def __init__(self, app: ASGIApp, server: ModelServer, routes: frozenset[str]):
+        self.app, self.server, self.routes = app, server, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        # Unknown paths share one label, so that probing clients cannot grow the metrics.
+        endpoint = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def send_and_count(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.server.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_and_count)
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body validated as `model`; 413 when it is larger than MAX_BODY_BYTES."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(
+            413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+        )
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(
+            413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+        )
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as error:
+        # Valid JSON when the failure is a field's: walk it to name that field exactly.
+        parsed = None if error.errors()[0]["type"] == "json_invalid" else json.loads(body)
+        raise from_validation_error(error, parsed) from None
+
+
+def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine`; the app shuts the engine down when it stops."""
+    server = ModelServer(engine, tokenizer, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="qinfer", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+
+    def check_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), settings.api_key):
+            raise APIError(
+                401,
+                "Missing or invalid API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+            )
+
+    authorized = [Depends(check_api_key)]
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat(await read_body(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(request: Request) -> Response:
+        return await server.complete(await read_body(request, CompletionRequest))
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    routes = frozenset(route.path for route in app.routes)
+    app.add_middleware(ResponseCounter, server=server, routes=routes)
+    return app

@@ -1,0 +1,187 @@
+"""One API request through the engine: prompts in, OpenAI choices, chunks and usage out.
+
+A request becomes `len(prompts) x n` engine requests (choice `i * n + j` is sample j of
+prompt i, seeded `seed + j`), whose streams run concurrently and are merged. Each choice
+keeps a `ChoiceState` that turns the engine's cumulative outputs into deltas of text,
+reasoning and logprobs. Streaming and non-streaming answers are both built from those
+deltas, so the two always carry the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from qinfer.reasoning import ReasoningStream
+from qinfer.sampling import SamplingParams
+from qinfer.server.metrics import RequestTimer, ServerMetrics
+
+if TYPE_CHECKING:
+    from qinfer.engine import AsyncEngine, RequestOutput, TokenLogprob
+
+
+@dataclass
+class Delta:
+    """What one engine output adds to one choice."""
+
+    index: int
+    text_offset: int = 0  # where `content` starts in the choice's whole content
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.content or self.reasoning or self.logprobs or self.finish_reason)
+
+    def extend(self, later: Delta) -> None:
+        """Append a later delta of the same choice (to build a whole answer)."""
+        self.content += later.content
+        self.reasoning += later.reasoning
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+
+
+class ChoiceState:
+    """One choice as it is generated: turns cumulative engine outputs into deltas.
+
+    reasoning: a `ReasoningStream` that splits a `<think>` block off the text (chat
+    answers of thinking models), or None to keep all text as content.
+    """
+
+    def __init__(self, index: int, reasoning: ReasoningStream | None):
+        self.index = index
+        self.reasoning = reasoning
+        self.num_logprobs = 0  # logprobs already handed out
+        self.content_length = 0  # characters of content already handed out
+        self.output: RequestOutput | None = None  # the latest engine output
+
+    def advance(self, output: RequestOutput) -> Delta:
+        """The delta of `output`, the engine's latest output for this choice."""
+        self.output = output
+        delta = Delta(self.index, text_offset=self.content_length)
+        delta.finish_reason = output.finish_reason if output.finished else None
+        if output.logprobs is not None:
+            delta.logprobs = output.logprobs[self.num_logprobs :]
+            self.num_logprobs = len(output.logprobs)
+        if self.reasoning is None:
+            delta.content = output.delta_text
+        else:
+            delta.reasoning, delta.content = self.reasoning.push(output.delta_text)
+            if output.finished:
+                tail_reasoning, tail_content = self.reasoning.finish()
+                delta.reasoning += tail_reasoning
+                delta.content += tail_content
+        self.content_length += len(delta.content)
+        return delta
+
+
+def usage(outputs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+    """OpenAI `usage` of a request's final outputs, choice `i * n + j` at position i * n + j.
+
+    The n samples of one prompt share it, so its tokens (and cached tokens) count once.
+    """
+    per_prompt = outputs[::n]
+    prompt_tokens = sum(o.num_prompt_tokens for o in per_prompt)
+    completion_tokens = sum(o.num_generated_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in per_prompt)},
+    }
+
+
+class Completion:
+    """The engine requests behind one API request, and their merged stream of deltas.
+
+    prompts: token ids of each prompt; params: the sampling of choice 0 of every prompt
+    (choice j gets `seed + j`); reasoning: split `<think>` blocks off the text (for each
+    prompt, whether it ended inside an open block).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        n: int,
+        id_prefix: str,
+        reasoning: Sequence[bool] | None = None,
+    ):
+        self.engine, self.metrics, self.n = engine, metrics, n
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.requests = []  # (request_id, prompt ids, params, ChoiceState) per choice
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                index = i * n + j
+                choice_params = (
+                    params if params.seed is None else params.replace(seed=params.seed + j)
+                )
+                splitter = None if reasoning is None else ReasoningStream(reasoning[i])
+                self.requests.append(
+                    (f"{self.id}-{index}", prompt, choice_params, ChoiceState(index, splitter))
+                )
+
+    @property
+    def choices(self) -> list[ChoiceState]:
+        return [state for *_, state in self.requests]
+
+    def usage(self) -> dict[str, Any]:
+        return usage([state.output for state in self.choices], self.n)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of all choices as the engine produces them, interleaved.
+
+        Engine errors (overloaded, bad request) surface from the first `__anext__`.
+        Closing this iterator early (the client left) aborts every unfinished request.
+        """
+        queue: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None] = (
+            asyncio.Queue()
+        )
+
+        async def pump(request_id, prompt, params, state) -> None:
+            timer = RequestTimer(self.metrics)
+            try:
+                async for output in self.engine.generate(prompt, params, request_id=request_id):
+                    timer.tokens_arrived(len(output.delta_token_ids))
+                    await queue.put((state, output))
+                timer.finished()
+                await queue.put(None)
+            except Exception as error:  # handed to the consumer, which raises it
+                await queue.put(error)
+
+        tasks = [asyncio.create_task(pump(*request)) for request in self.requests]
+        running = len(tasks)
+        try:
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    state, output = item
+                    delta = state.advance(output)
+                    if not delta.empty:
+                        yield delta
+        finally:
+            for task in tasks:
+                task.cancel()
+            for request_id, *_ in self.requests:
+                self.engine.abort(request_id)  # a no-op for finished requests
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self) -> list[Delta]:
+        """Run every choice to its end; the whole answer of each, in choice order."""
+        answers = [Delta(state.index) for state in self.choices]
+        async for delta in self.deltas():
+            answers[delta.index].extend(delta)
+        return answers

@@ -1,0 +1,133 @@
+"""What `GET /metrics` reports, in the Prometheus text format.
+
+Two sources: the server counts requests and times them (latency histograms), and the
+engine's `stats()` is read at each scrape for what only it knows (queue lengths, KV block
+use, prefix-cache hits, token totals).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from qinfer.engine import EngineStats
+
+
+#: Histogram buckets in seconds: from a fast CPU decode step to a long queued request.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's counters and gauges afresh at every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        gauges = {
+            "qinfer_requests_running": ("Requests being generated now", s.num_running),
+            "qinfer_requests_waiting": ("Requests queued for a slot", s.num_waiting),
+            "qinfer_kv_blocks_total": ("KV cache blocks in the pool", s.kv_blocks_total),
+            "qinfer_kv_blocks_used": ("KV cache blocks held by requests", s.kv_blocks_used),
+            "qinfer_kv_blocks_cached": (
+                "Free KV blocks holding reusable prefixes",
+                s.kv_blocks_cached,
+            ),
+            "qinfer_kv_cache_usage_ratio": (
+                "Fraction of KV blocks held by requests",
+                s.kv_blocks_used / max(s.kv_blocks_total, 1),
+            ),
+            "qinfer_prefix_cache_hit_rate": (
+                "Prompt tokens found in the prefix cache, as a fraction of those looked up",
+                s.prefix_cache_hit_rate,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "qinfer_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
+            "qinfer_generation_tokens": ("Tokens generated", s.generation_tokens_total),
+            "qinfer_prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_cache_queries,
+            ),
+            "qinfer_prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache",
+                s.prefix_cache_hits,
+            ),
+            "qinfer_preemptions": ("Requests preempted to free KV blocks", s.preemptions_total),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The server's own counters and latency histograms, plus the engine's view."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats]):
+        # A registry per server, not the process-wide default: two apps in one process
+        # (as in the tests) must not share or clash over metric names.
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "qinfer_http_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "qinfer_time_to_first_token_seconds",
+            "From request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "qinfer_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "qinfer_request_latency_seconds",
+            "From request arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one generation's token timings into the latency histograms."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def tokens_arrived(self, count: int) -> None:
+        """`count` new tokens arrived together (one engine output)."""
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.tokens == 0:
+            self.metrics.time_to_first_token.observe(now - self.start)
+        else:
+            # Several tokens in one output share the gap since the previous output.
+            gap = (now - self.last) / count
+            for _ in range(count):
+                self.metrics.inter_token_latency.observe(gap)
+        self.tokens += count
+        self.last = now
+
+    def finished(self) -> None:
+        self.metrics.request_latency.observe(time.perf_counter() - self.start)

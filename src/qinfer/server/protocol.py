@@ -1,0 +1,170 @@
+"""The request bodies of the OpenAI API, as validated pydantic models.
+
+Validation is strict: a field of the wrong type (`"temperature": "hot"`), a value out of
+range (`"top_p": 7`) or an unknown field is refused with a 400 naming the field, rather
+than coerced or ignored. The ranges are OpenAI's where it states one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Most choices (`n`) one request may ask for: each one is a separate engine request.
+MAX_CHOICES = 8
+
+#: Most stop strings per request (OpenAI allows 4; the engine copes with more).
+MAX_STOP_STRINGS = 16
+
+
+class StrictModel(BaseModel):
+    """No coercion between JSON types, no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class TextPart(StrictModel):
+    """A part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One turn of a conversation.
+
+    Fields beyond role and content (`name`, `tool_calls`, `reasoning_content`, ...) are
+    kept and handed to the chat template, which may read them.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it: content parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class GenerationRequest(StrictModel):
+    """The fields chat and text completions share: model, sampling, stopping, streaming."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="0 = no top-k cut")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (None = keep the server's default)."""
+        fields = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self.token_budget,
+            seed=self.seed,
+            stop=self.stop_strings or None,
+            logprobs=self.top_logprobs_count,
+        )
+        return {name: value for name, value in fields.items() if value is not None}
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """None = no logprobs; k >= 0 = the sampled token's logprob and k alternatives."""
+        raise NotImplementedError
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @property
+    def token_budget(self) -> int | None:
+        # max_completion_tokens is the newer name; it wins when both are given.
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+#: A prompt as text, or as token ids.
+Prompt = str | list[int]
+
+
+class CompletionRequest(GenerationRequest):
+    """`POST /v1/completions`: one prompt, or a batch of them (one choice group each)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    @model_validator(mode="after")
+    def _prompts_not_empty(self):
+        if not self.prompts:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The list of prompts: a lone string or a lone list of ids is one prompt."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(token, int) for token in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs

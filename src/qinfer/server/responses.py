@@ -1,0 +1,178 @@
+"""The JSON the server answers with: whole completions, stream chunks, logprobs.
+
+Chat and text completions differ only in how a choice looks (`message` / `delta` with
+`content` and `reasoning_content`, or `text`) and in their logprobs layout. Each is a
+`ResponseFormat`; everything else (ids, usage, the order of stream events) is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from qinfer.server.completions import Completion, Delta
+from qinfer.server.errors import error_from_exception
+from qinfer.server.streaming import DONE_EVENT, sse_event
+from qinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from qinfer.engine import TokenLogprob
+
+
+class ResponseFormat:
+    """How one kind of completion (chat or text) shows its choices."""
+
+    object_name: str  # of a whole response
+    chunk_object_name: str  # of a stream chunk
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str):
+        self.tokenizer, self.model_name = tokenizer, model_name
+
+    def choice(self, delta: Delta, *, stream: bool) -> dict[str, Any]:
+        """One entry of `choices`: a whole answer, or one delta of a stream."""
+        raise NotImplementedError
+
+    def opening_chunks(self, completion: Completion) -> list[dict[str, Any]]:
+        """Choices sent before any text (chat announces the assistant role)."""
+        return []
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs name it."""
+        return self.tokenizer.decode([token_id])
+
+    def response(self, completion: Completion, answers: Sequence[Delta]) -> dict[str, Any]:
+        """The whole (non-streaming) response."""
+        return {
+            **self._header(completion, self.object_name),
+            "choices": [self.choice(answer, stream=False) for answer in answers],
+            "usage": completion.usage(),
+        }
+
+    async def events(
+        self, completion: Completion, first: Delta, rest: AsyncIterator[Delta], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a stream whose first delta is already known.
+
+        An error after the stream started cannot change the HTTP status any more; it
+        goes out as an `{"error": ...}` event before `[DONE]`.
+        """
+        usage_field = {"usage": None} if include_usage else {}
+        try:
+            for choice in self.opening_chunks(completion):
+                yield sse_event(self._chunk(completion, [choice], usage_field))
+            yield sse_event(self._chunk(completion, [self.choice(first, stream=True)], usage_field))
+            async for delta in rest:
+                yield sse_event(
+                    self._chunk(completion, [self.choice(delta, stream=True)], usage_field)
+                )
+            if include_usage:
+                yield sse_event(self._chunk(completion, [], {"usage": completion.usage()}))
+        except Exception as error:
+            yield sse_event(error_from_exception(error).body())
+        finally:
+            await rest.aclose()
+        yield DONE_EVENT
+
+    def _header(self, completion: Completion, object_name: str) -> dict[str, Any]:
+        return {
+            "id": completion.id,
+            "object": object_name,
+            "created": completion.created,
+            "model": self.model_name,
+        }
+
+    def _chunk(
+        self, completion: Completion, choices: list[dict[str, Any]], usage_field: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            **self._header(completion, self.chunk_object_name),
+            "choices": choices,
+            **usage_field,
+        }
+
+
+class ChatFormat(ResponseFormat):
+    """`chat.completion`: an assistant message with `content` and `reasoning_content`."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def choice(self, delta: Delta, *, stream: bool) -> dict[str, Any]:
+        if stream:
+            message = {"content": delta.content} if delta.content else {}
+            if delta.reasoning:
+                message["reasoning_content"] = delta.reasoning
+        else:
+            message = {
+                "role": "assistant",
+                "content": delta.content,
+                "reasoning_content": delta.reasoning or None,
+            }
+        return {
+            "index": delta.index,
+            "delta" if stream else "message": message,
+            "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def opening_chunks(self, completion: Completion) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": state.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for state in completion.choices
+        ]
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        content = [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(tid, value) for tid, value in lp.top_logprobs.items()],
+            }
+            for lp in logprobs
+        ]
+        return {"content": content, "refusal": None}
+
+
+class TextFormat(ResponseFormat):
+    """`text_completion`: plain `text` per choice."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def choice(self, delta: Delta, *, stream: bool) -> dict[str, Any]:
+        return {
+            "index": delta.index,
+            "text": delta.content,
+            "logprobs": self._logprobs(delta) if delta.logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }
+
+    def _logprobs(self, delta: Delta) -> dict[str, Any]:
+        """Parallel lists: tokens, their logprobs, alternatives, character offsets."""
+        tokens = [self.token_text(lp.token_id) for lp in delta.logprobs]
+        offsets, offset = [], delta.text_offset
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in delta.logprobs],
+            "top_logprobs": [self._alternatives(lp) for lp in delta.logprobs],
+            "text_offset": offsets,
+        }
+
+    def _alternatives(self, logprob: TokenLogprob) -> dict[str, float]:
+        """{token text: logprob}; ids that decode alike (stray bytes) keep the likeliest."""
+        alternatives: dict[str, float] = {}
+        for token_id, value in sorted(logprob.top_logprobs.items(), key=lambda item: -item[1]):
+            alternatives.setdefault(self.token_text(token_id), value)
+        return alternatives

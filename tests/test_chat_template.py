@@ -199,10 +199,19 @@ def test_template_exception_names_the_message_and_the_reason(llama3):
         ours.apply_chat_template(messages)
 
 
-def test_template_type_error_is_reported_in_one_line(qwen3):
+def test_template_type_error_names_the_message_it_was_reading(qwen3):
     ours, _ = qwen3
-    with pytest.raises(TokenizerError, match=r"chat template failed to render.*messages\[0\]"):
-        ours.apply_chat_template([{"role": "user", "content": 42}])
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": 42},
+        {"role": "assistant", "content": "c"},
+    ]
+    with pytest.raises(TokenizerError) as caught:
+        ours.apply_chat_template(messages)
+    message = str(caught.value)
+    assert message.startswith("chat template failed to render at line ")
+    assert "(reading messages[2], role 'user')" in message and "\n" not in message
 
 
 def test_template_syntax_error_is_reported(qwen3):

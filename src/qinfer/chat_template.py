@@ -158,7 +158,8 @@ def render_chat_template(
                     f"{name}[{i}] must be a dict (a JSON schema), got {type(value).__name__}"
                 )
     context = {**(special_tokens or {}), **kwargs}
-    tracked = _TrackedMessages(chat)
+    tracker = _ReadTracker()
+    tracked = [_TrackedMessage(message, i, tracker) for i, message in enumerate(chat)]
     try:
         return template.render(
             messages=tracked,
@@ -168,27 +169,42 @@ def render_chat_template(
             **_plain(context),
         )
     except Exception as error:  # the template is third-party code: report, don't crash
-        raise TokenizerError(_describe_render_error(error, tracked)) from error
+        raise TokenizerError(_describe_render_error(error, tracker)) from error
 
 
-class _TrackedMessages(list):
-    """The message list, remembering which message the template read last.
+class _ReadTracker:
+    """Which message the template read last: the best answer Jinja can give to "which
+    message is at fault" when a template fails (`raise_exception("roles must alternate")`)."""
 
-    When a template fails (`raise_exception("roles must alternate")`), that message is
-    the best answer to "which message is at fault" that Jinja can give.
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self.role: str | None = None
+
+
+class _TrackedMessage(dict):
+    """One message; reading any of its fields tells the tracker the template is at it.
+
+    A dict in every other way, so templates render it exactly as a plain one.
     """
 
-    last_read: int | None = None
+    def __init__(self, fields: dict[str, Any], index: int, tracker: _ReadTracker) -> None:
+        super().__init__(fields)
+        self._index, self._tracker = index, tracker
 
-    def __iter__(self):
-        for index, message in enumerate(list.__iter__(self)):
-            self.last_read = index
-            yield message
+    def _mark(self) -> None:
+        self._tracker.index, self._tracker.role = self._index, dict.get(self, "role")
 
-    def __getitem__(self, key):
-        if isinstance(key, int):
-            self.last_read = key % len(self) if -len(self) <= key < len(self) else None
-        return list.__getitem__(self, key)
+    def __getitem__(self, key: Any) -> Any:
+        self._mark()
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self._mark()
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._mark()
+        return super().get(key, default)
 
 
 def _prepare_message(index: int, message: Any) -> dict[str, Any]:
@@ -232,7 +248,7 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _describe_render_error(error: Exception, messages: _TrackedMessages) -> str:
+def _describe_render_error(error: Exception, tracker: _ReadTracker) -> str:
     """One line: which message and which template line rendering failed on, and why."""
     lines = [
         frame.lineno
@@ -240,9 +256,8 @@ def _describe_render_error(error: Exception, messages: _TrackedMessages) -> str:
         if frame.filename == "<template>"
     ]
     where = f" at line {lines[-1]} of the template" if lines else ""
-    if messages.last_read is not None:
-        index = messages.last_read
-        where += f" (reading messages[{index}], role {messages[index]['role']!r})"
+    if tracker.index is not None:
+        where += f" (reading messages[{tracker.index}], role {tracker.role!r})"
     if isinstance(error, jinja2.TemplateError) and type(error) is jinja2.TemplateError:
         # raise_exception(...) from the template itself: its message says what is wrong.
         return f"chat template rejected the messages{where}: {error.message}"

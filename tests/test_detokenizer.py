@@ -140,3 +140,10 @@ def test_each_push_decodes_a_short_window_not_the_whole_text(byte_level):
     assert len(ids) > 300
     assert max(counting.window_sizes) <= 8  # the longest character here is 7 byte tokens
     assert "".join(deltas) == byte_level.decode(ids)
+
+
+def test_stop_string_completed_by_the_final_flush_is_still_trimmed(byte_level):
+    ids = byte_level.encode("see 🦊 run", add_special_tokens=False)
+    fox_end = next(n for n in range(len(ids)) if byte_level.decode(ids[:n]).endswith("🦊"))
+    deltas, detokenizer = stream(byte_level, ids[: fox_end - 1], stop=["e \ufffd"])
+    assert "".join(deltas) == "se" and detokenizer.matched_stop == "e \ufffd"

@@ -64,17 +64,19 @@ class IncrementalDetokenizer:
         return self._emit(self._held + new_text)
 
     def finish(self) -> str:
-        """End of generation: emit everything held back (unless a stop string matched)."""
+        """End of generation: emit what was held back, up to a stop string if one is in it.
+
+        Ids whose bytes never completed a character come out as U+FFFD, as a full decode
+        shows them. Returns "" once a stop string has matched.
+        """
         if self.stopped:
             return ""
         pending = self._held
-        if self._read < len(self._ids):  # ids whose text never completed a character
+        if self._read < len(self._ids):
             prefix_text = self._window_text(self._prefix, self._read)
             pending += self._window_text(self._prefix, len(self._ids))[len(prefix_text) :]
             self._prefix = self._read = len(self._ids)
-        self._held = ""
-        self.text += pending
-        return pending
+        return self._emit(pending, final=True)
 
     def _decode_new(self) -> str | None:
         """Text added by the ids since `_read`, or None while it ends mid-character."""
@@ -94,14 +96,17 @@ class IncrementalDetokenizer:
             self._ids[start:end], skip_special_tokens=self.skip_special_tokens
         )
 
-    def _emit(self, pending: str) -> str:
-        """Split pending text into what can go out now and what must wait; handle stops."""
+    def _emit(self, pending: str, final: bool = False) -> str:
+        """Split pending text into what can go out now and what must wait; handle stops.
+
+        final: no more text will come, so nothing is held back for a stop string.
+        """
         cut, matched = _first_stop(pending, self.stop)
         if matched is not None:
             self.stopped, self.matched_stop = True, matched
             out, self._held = pending[:cut], ""
         else:
-            keep = _stop_prefix_length(pending, self.stop)
+            keep = 0 if final else _stop_prefix_length(pending, self.stop)
             out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out

@@ -121,6 +121,14 @@ def test_corrupt_safetensors_file(copy, damage):
     assert "corrupt" in message and str(file) in message
 
 
+def test_folder_without_safetensors_files(copy):
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(WeightsError) as excinfo:
+        qinfer.load_model(copy, device="cpu")
+    message = error_line(excinfo)
+    assert ".safetensors" in message and str(copy) in message
+
+
 def test_shard_listed_in_index_but_absent(copy):
     file = copy / "model.safetensors"
     index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}

@@ -99,6 +99,19 @@ def test_fast_torch_sdpa_equals_the_reference(L, S, mask, Hkv):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("L, mask", [(1, None), (1, "bool"), (4, "causal"), (9, "causal")])
+def test_fast_torch_sdpa_in_bfloat16_stays_close_to_the_fp32_reference(L, mask):
+    # The fast path is handed the cache in the model's dtype (no fp32 copy per step); the
+    # kernels must still accumulate in fp32, leaving only bf16's rounding of the output.
+    q, k, v = qkv(L=L, S=9)
+    if mask == "bool":
+        mask = random_bool_mask(2, 1, L, 9)
+    want = scaled_dot_product_attention_grouped(q, k, v, 0.35, mask)
+    got = torch_sdpa_grouped(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.35, mask)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
+
+
 # ---------------------------------------------------------------- RoPE
 
 

@@ -1,0 +1,227 @@
+"""The batching engine against the plain single-request generator (`qinfer.generate`).
+
+Every test runs on a tiny random Qwen3 checkpoint in float32 and checks that the engine
+leaves its KV pool clean: after each test no block is held by a sequence.
+"""
+
+import random
+
+import pytest
+import torch
+from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
+
+import qinfer
+from qinfer.engine import LLM, block_manager
+from qinfer.errors import QinferError, RequestError
+from qinfer.generate import generate_ids
+from qinfer.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3-chat")
+    build_checkpoint(folder, "qwen3", vocab_size=CHAT_VOCAB_SIZE)
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return qinfer.load_model(folder, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return qinfer.load_tokenizer(folder)
+
+
+def make_llm(model, tokenizer=None, **engine_args) -> LLM:
+    return LLM(model, tokenizer, **engine_args)
+
+
+@pytest.fixture
+def pools():
+    """Every LLM a test makes; after the test, none may still hold a block."""
+    made = []
+    yield made
+    for llm in made:
+        stats = llm.engine.stats()
+        assert stats.kv_blocks_used == 0, stats
+        assert stats.num_running == stats.num_waiting == 0, stats
+
+
+def alone(model, prompt_ids, params):
+    """The reference: the prompt run alone by the plain generator (its own KVCache)."""
+    return generate_ids(model, [prompt_ids], params)[0].token_ids
+
+
+def random_prompts(seed: int, count: int, longest: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(CHAT_VOCAB_SIZE) for _ in range(rng.randint(1, longest))]
+        for _ in range(count)
+    ]
+
+
+def test_greedy_batch_with_preemption_equals_each_request_alone(model, pools):
+    rng = random.Random(0)
+    prompts = random_prompts(0, 32, longest=40)
+    params = [GREEDY.replace(max_tokens=rng.randint(1, 16)) for _ in prompts]
+    # Tiny blocks, few sequences, a small step budget (chunked prefill) and a pool that
+    # cannot hold everyone: sequences are preempted and recomputed.
+    llm = make_llm(model, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, num_kv_blocks=30)
+    pools.append(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().preemptions_total > 0
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        assert out.token_ids == alone(model, prompt, p), f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == "length" and out.num_generated_tokens == p.max_tokens
+
+
+def test_sliding_window_model_batched_equals_alone(tmp_path, pools):
+    build_checkpoint(tmp_path, "mistral", sliding_window=6, head_dim=16, vocab_size=CHAT_VOCAB_SIZE)
+    model = qinfer.load_model(tmp_path, dtype=torch.float32, device="cpu")
+    prompts = random_prompts(1, 8, longest=20)
+    params = GREEDY.replace(max_tokens=10)
+    llm = make_llm(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    pools.append(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == alone(model, prompt, params)
+
+
+def test_shared_prefix_is_served_from_the_cache(model, pools):
+    prefix = list(range(30, 70))  # 40 shared tokens: 5 blocks of 8
+    tails = random_prompts(3, 6, longest=6)
+    params = GREEDY.replace(max_tokens=4)
+    llm = make_llm(model, block_size=8, max_num_seqs=4)
+    pools.append(llm)
+    first = llm.generate([prefix + tails[0]], params, use_tqdm=False)
+    computed_before = llm.engine.stats().prompt_tokens_computed_total
+    second = llm.generate([prefix + t for t in tails[1:]], params, use_tqdm=False)
+    computed = llm.engine.stats().prompt_tokens_computed_total - computed_before
+    assert first[0].num_cached_tokens == 0
+    assert all(out.num_cached_tokens == 40 for out in second)
+    assert computed == sum(len(t) for t in tails[1:])  # only the tails ran
+    for tail, out in zip(tails[1:], second, strict=True):
+        assert out.token_ids == alone(model, prefix + tail, params)
+
+
+def test_hash_collisions_never_leak_another_prompts_kv(model, pools, monkeypatch):
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: 7)
+    prompts = random_prompts(4, 6, longest=24)
+    prompts += [p[:8] + [1, 2, 3] for p in prompts[:3]]  # share a first block, then differ
+    params = GREEDY.replace(max_tokens=5)
+    llm = make_llm(model, block_size=4, max_num_seqs=3)
+    pools.append(llm)
+    llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # every lookup collides now
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == alone(model, prompt, params)
+
+
+def test_seeded_sampling_matches_the_plain_generator_per_request(model, pools):
+    prompts = random_prompts(5, 4, longest=12)
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=12, max_tokens=6, ignore_eos=True),
+        GREEDY.replace(max_tokens=7),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=13, max_tokens=5, ignore_eos=True),
+    ]
+    llm = make_llm(model, block_size=4, max_num_seqs=4)
+    pools.append(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        assert out.token_ids == alone(model, prompt, p)
+
+
+def test_text_stop_strings_and_eos_agree_with_generate(model, tokenizer, pools):
+    prompts = ["hello there", "abc", [{"role": "user", "content": "hi"}]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, stop=["e", "a"]),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[100]),
+    ]
+    llm = make_llm(model, tokenizer, block_size=4)
+    pools.append(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        want = qinfer.generate(model, tokenizer, prompt, p)
+        assert out.text == want.text
+        assert out.token_ids == want.token_ids
+        assert out.finish_reason == ("stop" if want.finish_reason == "eos" else want.finish_reason)
+
+
+def test_logprobs_are_reported_for_every_token(model, pools):
+    llm = make_llm(model)
+    pools.append(llm)
+    (out,) = llm.generate([[5, 6, 7]], GREEDY.replace(max_tokens=4, logprobs=3), use_tqdm=False)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:
+        assert len(lp.top_logprobs) == 3 and lp.logprob == max(lp.top_logprobs.values())
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, tokenizer, pools):
+    llm = make_llm(model, tokenizer, num_kv_blocks=4, block_size=4)
+    pools.append(llm)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(RequestError, match="KV pool"):
+        llm.generate([list(range(17))], use_tqdm=False)  # 4 blocks x 4 tokens + 1
+    with pytest.raises(RequestError, match="vocabulary"):
+        llm.generate([[1, CHAT_VOCAB_SIZE]], use_tqdm=False)
+    with pytest.raises(QinferError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=0), use_tqdm=False)
+    with pytest.raises(QinferError, match="stop strings"):
+        llm.generate([[1, 2]], SamplingParams(stop=[str(i) for i in range(17)]), use_tqdm=False)
+    (out,) = llm.generate([[1, 2, 3]], GREEDY.replace(max_tokens=3), use_tqdm=False)
+    assert out.token_ids == alone(model, [1, 2, 3], GREEDY.replace(max_tokens=3))
+
+
+def test_prompt_longer_than_the_context_is_refused(model, pools):
+    llm = make_llm(model, max_model_len=16)
+    pools.append(llm)
+    with pytest.raises(RequestError, match="context 16"):
+        llm.generate([list(range(16))], use_tqdm=False)
+
+
+def test_sequence_stops_when_the_pool_is_full(model, pools):
+    llm = make_llm(model, num_kv_blocks=2, block_size=4)  # 8 positions in all
+    pools.append(llm)
+    (out,) = llm.generate([[1, 2, 3]], GREEDY.replace(max_tokens=50), use_tqdm=False)
+    assert out.finish_reason == "length" and out.num_generated_tokens == 6  # 3 + 6 - 1 = 8
+
+
+def test_abort_mid_generation_frees_the_blocks_and_others_continue(model, pools):
+    llm = make_llm(model, block_size=4)
+    pools.append(llm)
+    engine = llm.engine
+    engine.add_request([1, 2, 3, 4, 5], GREEDY.replace(max_tokens=20), request_id="victim")
+    engine.add_request([6, 7, 8], GREEDY.replace(max_tokens=6), request_id="other")
+    for _ in range(3):
+        engine.step()
+    aborted = engine.abort("victim")
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert engine.abort("victim") is None  # unknown now: ignored
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].request_id == "other"
+    assert outputs[-1].token_ids == alone(model, [6, 7, 8], GREEDY.replace(max_tokens=6))
+    assert engine.stats().requests_aborted_total == 1
+
+
+def test_stats_count_requests_tokens_and_cache(model, pools):
+    llm = make_llm(model, block_size=4)
+    pools.append(llm)
+    llm.generate([[1, 2, 3, 4, 5, 6]] * 2, GREEDY.replace(max_tokens=3), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.requests_finished_total == 2
+    assert stats.generation_tokens_total == 6
+    assert stats.prompt_tokens_total == 12
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.kv_blocks_cached >= 1

@@ -45,7 +45,10 @@ def test_decodes_and_a_new_prefill_share_a_step():
     run(scheduler.schedule())
     scheduler.add(Sequence("b", list(range(10)), arrival=1))
     step = scheduler.schedule()
-    assert [(s.request_id, n) for s, n in zip(step.seqs, step.num_new)] == [("a", 1), ("b", 5)]
+    assert [(s.request_id, n) for s, n in zip(step.seqs, step.num_new, strict=True)] == [
+        ("a", 1),
+        ("b", 5),
+    ]
 
 
 def test_newest_sequence_is_preempted_when_blocks_run_out():

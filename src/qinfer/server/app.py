@@ -8,6 +8,7 @@ parses, tokenizes (in a worker thread) and relays deltas.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -78,18 +79,18 @@ class ModelServer:
                 code="model_not_found",
             )
 
-    def sampling_params(self, request: GenerationRequest) -> SamplingParams:
-        return self.settings.default_params.replace(**request.sampling_overrides())
+    def sampling_params(self, body: GenerationRequest) -> SamplingParams:
+        return self.settings.default_params.replace(**body.sampling_overrides())
 
-    async def chat(self, request: ChatCompletionRequest) -> Response:
-        self.check_model(request.model)
-        params = self.sampling_params(request)
+    async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
+        self.check_model(body.model)
+        params = self.sampling_params(body)
         template_kwargs = {
             "add_generation_prompt": True,
             **self.settings.chat_template_kwargs,
-            **(request.chat_template_kwargs or {}),
+            **(body.chat_template_kwargs or {}),
         }
-        messages = [message.for_template() for message in request.messages]
+        messages = [message.for_template() for message in body.messages]
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
         prompt = await run_in_threadpool(
             self.tokenizer.apply_chat_template, messages, **template_kwargs
@@ -98,41 +99,57 @@ class ModelServer:
         prompt_ids = await run_in_threadpool(self.tokenizer.encode, prompt, False)
         reasoning = [prompt_opened_think(prompt)] if self.splits_reasoning else None
         completion = Completion(
-            self.engine, self.metrics, [prompt_ids], params, request.n, "chatcmpl", reasoning
+            self.engine, self.metrics, [prompt_ids], params, body.n, "chatcmpl", reasoning
         )
         return await self.respond(
-            completion, ChatFormat(self.tokenizer, self.settings.model_name), request
+            completion, ChatFormat(self.tokenizer, self.settings.model_name), body, connection
         )
 
-    async def complete(self, request: CompletionRequest) -> Response:
-        self.check_model(request.model)
-        params = self.sampling_params(request)
+    async def complete(self, body: CompletionRequest, connection: Request) -> Response:
+        self.check_model(body.model)
+        params = self.sampling_params(body)
         prompts = [
             prompt
             if isinstance(prompt, list)
             else await run_in_threadpool(self.tokenizer.encode, prompt)
-            for prompt in request.prompts
+            for prompt in body.prompts
         ]
-        completion = Completion(self.engine, self.metrics, prompts, params, request.n, "cmpl")
+        completion = Completion(self.engine, self.metrics, prompts, params, body.n, "cmpl")
         return await self.respond(
-            completion, TextFormat(self.tokenizer, self.settings.model_name), request
+            completion, TextFormat(self.tokenizer, self.settings.model_name), body, connection
         )
 
     async def respond(
-        self, completion: Completion, response_format: ResponseFormat, request: GenerationRequest
+        self,
+        completion: Completion,
+        response_format: ResponseFormat,
+        body: GenerationRequest,
+        connection: Request,
     ) -> Response:
         """A JSON answer, or a stream of events once the first delta proves the request runs.
 
         Waiting for the first delta lets an engine refusal (overloaded, prompt too long)
-        still answer with its own status rather than inside a 200 stream.
+        still answer with its own status rather than inside a 200 stream. A client that
+        leaves before its JSON answer is ready has its requests aborted, as a stream does.
         """
-        if not request.stream:
-            answers = await completion.collect()
-            return JSONResponse(response_format.response(completion, answers))
-        deltas = completion.deltas()
-        first = await anext(deltas)
-        events = response_format.events(completion, first, deltas, request.include_usage)
-        return EventStreamResponse(events)
+        if body.stream:
+            deltas = completion.deltas()
+            first = await anext(deltas)
+            return EventStreamResponse(
+                response_format.events(completion, first, deltas, body.include_usage)
+            )
+        answers = asyncio.ensure_future(completion.collect())
+        client_left = asyncio.ensure_future(wait_for_disconnect(connection))
+        try:
+            await asyncio.wait({answers, client_left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            client_left.cancel()
+            if not answers.done():
+                answers.cancel()  # closes the deltas, which aborts the engine requests
+        if answers.cancelled():
+            # 499 (nginx's "client closed request"): logged, never read by anyone.
+            return Response(status_code=499)
+        return JSONResponse(response_format.response(completion, answers.result()))
 
     def models(self) -> dict[str, Any]:
         return {
@@ -166,6 +183,12 @@ class ResponseCounter:
             await send(message)
 
         await self.app(scope, receive, send_and_count)
+
+
+async def wait_for_disconnect(connection: Request) -> None:
+    """Return when the client closes the connection (its body must have been read)."""
+    while (await connection.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, model: type[BaseModel]) -> Any:
@@ -216,11 +239,11 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
-        return await server.chat(await read_body(request, ChatCompletionRequest))
+        return await server.chat(await read_body(request, ChatCompletionRequest), request)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
-        return await server.complete(await read_body(request, CompletionRequest))
+        return await server.complete(await read_body(request, CompletionRequest), request)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:

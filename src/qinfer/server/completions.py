@@ -10,6 +10,7 @@ deltas, so the two always carry the same text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -182,6 +183,8 @@ class Completion:
     async def collect(self) -> list[Delta]:
         """Run every choice to its end; the whole answer of each, in choice order."""
         answers = [Delta(state.index) for state in self.choices]
-        async for delta in self.deltas():
-            answers[delta.index].extend(delta)
+        # aclosing: when this is cancelled (the client left), the deltas close at once.
+        async with contextlib.aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                answers[delta.index].extend(delta)
         return answers

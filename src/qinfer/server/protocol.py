@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Most choices (`n`) one request may ask for: each one is a separate engine request.
 MAX_CHOICES = 8
 
 #: Most stop strings per request (OpenAI allows 4; the engine copes with more).
 MAX_STOP_STRINGS = 16
+
+
+#: Template variables the server itself passes (the messages, the tokenizer's own tokens).
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "special_tokens", "source"})
 
 
 class StrictModel(BaseModel):
@@ -123,6 +127,14 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_names(cls, kwargs: dict[str, Any] | None):
+        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_NAMES)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
+        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

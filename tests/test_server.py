@@ -1,0 +1,685 @@
+"""The OpenAI-compatible server, end to end: the real `openai` client and raw HTTP against
+the app `qinfer serve` runs, over the real AsyncEngine on a random Qwen3 checkpoint.
+
+The checkpoint is random except for one planted path, so that a chat can be checked
+for its reasoning without a trained model: after "\\n" the model always writes
+`<think>The answer</think>\\n\\nHello<|im_end|>` (a Qwen3 thinking reply), and after the
+"\\n\\n" that closes Qwen3's empty think block (`enable_thinking=False`) it writes
+`Hello<|im_end|>`. Anywhere else it writes random text and, in practice, never stops
+before max_tokens. Expected outputs come from `qinfer.generate` (the single-request
+generator, greedy) and from `transformers` (logprobs), never from the server itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import tokenizers
+import torch
+import uvicorn
+from checkpoints import build_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+from text_assets import (
+    CHATML_SPECIAL,
+    QWEN3_ADDED,
+    QWEN3_CHAT_TEMPLATE,
+    save_tokenizer_folder,
+    train_tokenizer,
+)
+
+import qinfer
+from qinfer.engine import AsyncEngine
+from qinfer.generate import generate
+from qinfer.sampling import SamplingParams
+from qinfer.server.app import ServerSettings, create_app
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny-qwen3"
+USER = [{"role": "user", "content": "Hello world"}]
+# Engine small enough to fill: 8 rows a step, 512 positions of context.
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=160, max_model_len=512)
+
+
+# --- the checkpoint ----------------------------------------------------------------------
+
+
+def plant_path(model, path: list[int], avoid: list[int]) -> None:
+    """Make `model` (a transformers Qwen3 with untied head) follow `path` token by token.
+
+    Hidden dimension k carries "the current token is path[k]": only that token's
+    embedding has it, and only the head row of path[k + 1] reads it. The embeddings are
+    scaled up so the random layers barely move the residual stream. One more dimension,
+    present in every embedding, pushes the `avoid` tokens (the path's and EOS) down
+    everywhere else, so random text does not stumble into the path or stop.
+    """
+    steps, bias_dim = len(path) - 1, len(path) - 1
+    with torch.no_grad():
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.mul_(20)
+        embed[:, : steps + 1] = 0
+        embed[:, bias_dim] = 5.0
+        for token in avoid:
+            head[token] = 0
+            head[token, bias_dim] = -1.0
+        for k, (current, following) in enumerate(zip(path, path[1:], strict=False)):
+            embed[current, k] = 10.0
+            head[following, k] = 4.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A random Qwen3 checkpoint with a Qwen3 tokenizer and chat template, path planted."""
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
+    # "\n\n" as one token tells the end of Qwen3's empty think block from a lone "\n".
+    backend.add_tokens([tokenizers.AddedToken("\n\n", special=False, normalized=False)])
+    im_end = backend.token_to_id("<|im_end|>")
+    save_tokenizer_folder(
+        folder,
+        backend,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    model = build_checkpoint(
+        folder,
+        "qwen3",
+        vocab_size=backend.get_vocab_size(),
+        tie_word_embeddings=False,
+        eos_token_id=im_end,
+    )
+
+    def ids(text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=False).ids
+
+    think, answer = ids("<think>The answer</think>"), ids("\n\nHello")
+    path = [*ids("\n"), *think, *answer, im_end]
+    plant_path(model, path, avoid=[*ids("\n"), *think, *answer, im_end])
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return qinfer.load_tokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return qinfer.load_model(checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+# --- the server --------------------------------------------------------------------------
+
+
+class ServerThread:
+    """A uvicorn server on a free loopback port, in a background thread."""
+
+    def __init__(self, app):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.socket.close()
+
+
+def start_server(checkpoint: Path, tokenizer, **engine_args) -> tuple[ServerThread, AsyncEngine]:
+    engine = AsyncEngine(checkpoint, tokenizer, dtype="float32", **engine_args)
+    settings = ServerSettings(
+        model_name=MODEL_NAME,
+        api_key=API_KEY,
+        # Server-wide: answer without thinking unless a request asks for it.
+        chat_template_kwargs={"enable_thinking": False},
+        default_params=SamplingParams.from_generation_config(checkpoint),
+    )
+    return ServerThread(create_app(engine, tokenizer, settings)), engine
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tokenizer):
+    running, engine = start_server(checkpoint, tokenizer, **ENGINE_ARGS)
+    running.engine = engine
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as http:
+        yield http
+
+
+def offline(model, tokenizer, prompt, chat=False, **params_and_template):
+    """The reference: `qinfer.generate` on the same checkpoint (no engine, no server)."""
+    template = {k: v for k, v in params_and_template.items() if k == "enable_thinking"}
+    params = {k: v for k, v in params_and_template.items() if k != "enable_thinking"}
+    return generate(model, tokenizer, prompt, SamplingParams(**params), chat=chat, **template)
+
+
+# --- a plain server-sent-events parser ---------------------------------------------------
+
+
+def read_events(response: httpx.Response) -> list[str]:
+    """The `data` of each event of a text/event-stream (events end with a blank line)."""
+    events, data = [], []
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        else:
+            assert line.startswith(":"), f"not an SSE line: {line!r}"
+    assert not data, "the stream ended inside an event"
+    return events
+
+
+def stream_events(http: httpx.Client, path: str, body: dict) -> list[str]:
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return read_events(response)
+
+
+def streamed_text(events: list[str], field: str = "text") -> str:
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    if field == "text":
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def wait_until_idle(http: httpx.Client, timeout: float = 30) -> dict[str, float]:
+    """Metrics once the engine runs nothing and holds no KV blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metric_values(http)
+        idle = values["qinfer_requests_running"] == 0 and values["qinfer_requests_waiting"] == 0
+        if (idle and values["qinfer_kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+# --- models, health -----------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+def test_health_answers_without_api_key(server):
+    response = httpx.get(f"{server.url}/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+# --- chat ---------------------------------------------------------------------------------
+
+
+def test_chat_follows_server_default_without_thinking(client, model, tokenizer):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0)
+    expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=False)
+    message = reply.choices[0].message
+    assert message.content == expected.text == "Hello"
+    assert getattr(message, "reasoning_content", None) is None
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_chat_with_thinking_puts_reasoning_in_reasoning_content(client, model, tokenizer):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=True)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (expected.reasoning, expected.answer)
+    assert (expected.reasoning, expected.answer) == ("The answer", "Hello")
+
+
+def test_chat_usage_counts_prompt_and_completion_tokens(client, model, tokenizer):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=True)
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.completion_tokens == expected.generated_tokens
+    assert reply.usage.total_tokens == expected.prompt_tokens + expected.generated_tokens
+
+
+def test_chat_logprobs_match_transformers(client, tokenizer, hf_model):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(USER, enable_thinking=True), add_special_tokens=False
+    )
+    entries = reply.choices[0].logprobs.content
+    # Greedy: each token is the reference's argmax given the ones before it.
+    tokens = list(prompt)
+    with torch.no_grad():
+        for entry in entries:
+            logprobs = torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0, -1].float(), -1)
+            top = torch.topk(logprobs, 3)
+            best = int(top.indices[0])
+            assert entry.token == tokenizer.decode([best])
+            assert entry.logprob == pytest.approx(float(top.values[0]), abs=1e-4)
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                top.values.tolist(), abs=1e-4
+            )
+            assert entry.bytes == list(entry.token.encode())
+            tokens.append(best)
+    assert len(entries) == reply.usage.completion_tokens
+
+
+def test_chat_n_returns_n_choices(client):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0, n=2)
+    assert [(c.index, c.message.content) for c in reply.choices] == [(0, "Hello"), (1, "Hello")]
+
+
+# --- completions --------------------------------------------------------------------------
+
+PROMPT = "The quick brown fox"
+
+
+def test_completion_greedy_matches_offline_generate(client, model, tokenizer):
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0, max_tokens=12)
+    expected = offline(model, tokenizer, PROMPT, temperature=0, max_tokens=12)
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.completion_tokens == 12
+
+
+def test_completion_of_token_ids_and_of_a_batch_of_prompts(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=6)
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=["Hello", PROMPT], temperature=0, max_tokens=6
+    )
+    by_text = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", temperature=0, max_tokens=6
+    )
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text
+    assert batch.choices[1].text == by_ids.choices[0].text
+
+
+def test_stop_string_cuts_the_text(client, model, tokenizer):
+    prompt = "Why?\n"  # ends in "\n": the planted thinking reply follows
+    reply = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=20, stop=[" answer"]
+    )
+    expected = offline(model, tokenizer, prompt, temperature=0, max_tokens=20, stop=(" answer",))
+    assert reply.choices[0].text == expected.text == "<think>The"
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_a_sample_and_another_seed_does_not(client):
+    def sample(seed):
+        body = dict(model=MODEL_NAME, prompt=PROMPT, temperature=1.0, max_tokens=16, seed=seed)
+        return client.completions.create(**body).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_completion_logprobs_lists_tokens_offsets_and_alternatives(client, tokenizer):
+    # The planted reply: tokens that decode to distinct, whole characters.
+    reply = client.completions.create(
+        model=MODEL_NAME, prompt="Why?\n", temperature=0, max_tokens=6, logprobs=2
+    )
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert all(len(alternatives) <= 2 for alternatives in logprobs.top_logprobs)
+    # Greedy: the chosen token is the most likely alternative.
+    for token, value, alternatives in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert max(alternatives.values()) == pytest.approx(value)
+        assert alternatives.get(token) == pytest.approx(value)
+    offsets = [0] + [sum(map(len, logprobs.tokens[: i + 1])) for i in range(5)]
+    assert logprobs.text_offset == offsets
+
+
+def test_usage_reports_cached_prompt_tokens_on_a_repeated_prompt(client):
+    prompt = " ".join(["The weather in Paris is sunny"] * 8)  # several KV blocks
+    body = dict(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=2)
+    first = client.completions.create(**body).usage
+    second = client.completions.create(**body).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+
+
+def test_n_samples_differ_and_the_first_is_the_seeded_single_sample(client):
+    body = dict(model=MODEL_NAME, prompt=PROMPT, temperature=1.0, max_tokens=8, seed=3)
+    reply = client.completions.create(n=3, **body)
+    single = client.completions.create(**body)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.text for c in reply.choices}) == 3
+    assert reply.choices[0].text == single.choices[0].text
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # one prompt, counted once
+    assert reply.usage.completion_tokens == 3 * 8
+
+
+# --- streaming ----------------------------------------------------------------------------
+
+
+def test_streamed_completion_equals_the_non_streamed_one(client):
+    body = dict(model=MODEL_NAME, prompt=PROMPT, temperature=1.0, max_tokens=24, seed=11)
+    whole = client.completions.create(**body)
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **body)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_streamed_chat_sends_role_reasoning_and_content_deltas(client):
+    body = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    whole = client.chat.completions.create(**body).choices[0].message
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert deltas[0].role == "assistant"
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (
+        whole.reasoning_content
+    )
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sse_framing_parses_with_a_plain_parser(http):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    events = stream_events(http, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    whole = http.post("/v1/completions", json=body).json()
+    assert streamed_text(events) == whole["choices"][0]["text"]
+
+
+def test_sixteen_concurrent_streams_all_complete_with_their_own_text(server, client, http):
+    def body(i):
+        return dict(model=MODEL_NAME, prompt=f"Hello {i}", temperature=1.0, max_tokens=20, seed=i)
+
+    def stream(i):
+        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **body(i)))
+
+    with ThreadPoolExecutor(16) as pool:
+        streamed = list(pool.map(stream, range(16)))
+    one_by_one = [client.completions.create(**body(i)).choices[0].text for i in range(16)]
+    assert streamed == one_by_one
+    assert len(set(streamed)) == 16
+    assert wait_until_idle(http)["qinfer_kv_blocks_used"] == 0
+
+
+def test_client_leaving_mid_stream_aborts_and_frees_its_blocks(server, http):
+    before = server.engine.stats().requests_aborted_total
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "stream": True}
+    with httpx.Client(timeout=60) as leaving:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with leaving.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers=headers
+        ) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        # Leaving the `with` closes the connection mid-stream.
+    values = wait_until_idle(http)
+    assert values["qinfer_kv_blocks_used"] == 0
+    assert server.engine.stats().requests_aborted_total == before + 1
+
+
+def test_client_leaving_before_its_json_answer_aborts_it(server, http):
+    before = server.engine.stats().requests_aborted_total
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    assert wait_until_idle(http)["qinfer_kv_blocks_used"] == 0
+    assert server.engine.stats().requests_aborted_total == before + 1
+
+
+# --- errors -------------------------------------------------------------------------------
+
+CHAT = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4}
+
+
+def assert_error(response: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_invalid_json_is_a_400(http):
+    response = http.post(
+        "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(response, 400, code="invalid_json")
+
+
+def test_body_that_is_not_an_object_is_a_400(http):
+    assert_error(http.post("/v1/completions", json=[1, 2]), 400, code="invalid_json")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", "hot"), ("max_tokens", 2.5), ("stream", "yes"), ("n", True), ("stop", 3)],
+)
+def test_field_of_the_wrong_type_is_a_400_naming_it(http, field, value):
+    response = http.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert_error(response, 400, param=field, code="invalid_value")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 3.0),
+        ("top_p", 7),
+        ("max_tokens", 0),
+        ("n", 100),
+        ("top_logprobs", 50),
+        ("presence_penalty", -5),
+    ],
+)
+def test_out_of_range_value_is_a_400_naming_it(http, field, value):
+    body = {**CHAT, field: value, **({"logprobs": True} if field == "top_logprobs" else {})}
+    assert_error(
+        http.post("/v1/chat/completions", json=body), 400, param=field, code="invalid_value"
+    )
+
+
+def test_unknown_field_is_a_400_naming_it(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, "temprature": 0.5})
+    assert_error(response, 400, param="temprature", code="unknown_parameter")
+
+
+def test_missing_messages_is_a_400(http):
+    response = http.post("/v1/chat/completions", json={"model": MODEL_NAME})
+    assert_error(response, 400, param="messages", code="missing_required_parameter")
+
+
+def test_bad_message_role_is_a_400_naming_the_message(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "robot"}]})
+    assert_error(response, 400, param="messages.0.role")
+
+
+def test_template_kwargs_cannot_replace_the_messages(http):
+    body = {**CHAT, "chat_template_kwargs": {"messages": []}}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param="chat_template_kwargs")
+
+
+def test_unknown_model_is_a_404(http):
+    response = http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"})
+    assert_error(response, 404, param="model", code="model_not_found")
+
+
+def test_prompt_longer_than_the_context_is_a_400(http):
+    response = http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": "fox " * 600, "max_tokens": 1}
+    )
+    assert_error(response, 400)
+
+
+def test_token_id_outside_the_vocabulary_is_a_400(http):
+    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [1, 10**6]})
+    assert_error(response, 400)
+
+
+def test_oversized_body_is_a_413(http):
+    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x" * 17_000_000})
+    assert_error(response, 413, code="request_too_large")
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}]
+)
+def test_missing_or_wrong_api_key_is_a_401(server, headers):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers=headers)
+    assert_error(response, 401, code="invalid_api_key")
+
+
+def test_openai_client_raises_its_own_error_types(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=9)
+    wrong_key = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.models.list()
+
+
+def test_unknown_route_is_a_json_404(http):
+    assert_error(http.get("/v1/engines"), 404)
+
+
+def test_burst_of_bad_requests_leaves_a_concurrent_stream_intact(server, http):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 1.0, "max_tokens": 40, "seed": 5}
+    bad_bodies = [b"{", b"[]", b'{"prompt": 5}', b'{"model": "x", "prompt": "a"}'] * 8
+
+    def bad(payload):
+        headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+        return httpx.post(
+            f"{server.url}/v1/completions", content=payload, headers=headers
+        ).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        stream = pool.submit(stream_events, http, "/v1/completions", body)
+        statuses = list(pool.map(bad, bad_bodies))
+        events = stream.result()
+    assert set(statuses) == {400, 404}
+    assert (
+        streamed_text(events)
+        == http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    )
+
+
+def test_full_queue_answers_503_and_the_server_keeps_serving(checkpoint, tokenizer):
+    running, _ = start_server(checkpoint, tokenizer, max_num_seqs=1, max_waiting_requests=1)
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0)
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=running.url, headers=headers, timeout=120) as c:
+                return await asyncio.gather(
+                    *(c.post("/v1/completions", json=body) for _ in range(6))
+                )
+
+        responses = asyncio.run(burst())
+        refused = [r for r in responses if r.status_code == 503]
+        assert refused and all(r.status_code in (200, 503) for r in responses)
+        assert_error(refused[0], 503, code="overloaded")
+        after = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        assert after.choices[0].finish_reason == "length"
+    finally:
+        running.stop()
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+def test_metrics_count_requests_tokens_and_latencies(client, http):
+    before = metric_values(http)
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0)
+    after = wait_until_idle(http)
+    assert after["qinfer_generation_tokens_total"] == before["qinfer_generation_tokens_total"] + 5
+    assert after["qinfer_time_to_first_token_seconds_count"] == (
+        before["qinfer_time_to_first_token_seconds_count"] + 1
+    )
+    assert after["qinfer_inter_token_latency_seconds_count"] == (
+        before["qinfer_inter_token_latency_seconds_count"] + 4
+    )
+    assert after["qinfer_kv_cache_usage_ratio"] == 0
+    assert 0 <= after["qinfer_prefix_cache_hit_rate"] <= 1
+    families = {f.name for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert {"qinfer_http_requests", "qinfer_request_latency_seconds"} <= families

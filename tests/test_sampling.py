@@ -22,6 +22,7 @@ from qinfer.sampling import (
     make_generator,
     process_logits,
     sample,
+    sampling_distribution,
 )
 
 VOCAB = 64
@@ -157,7 +158,7 @@ def test_a_row_samples_the_same_alone_or_in_a_batch(logits, histories):
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2),
         SamplingParams(temperature=1.3, top_k=10, seed=8, presence_penalty=1.0),
-        SamplingParams(temperature=0.5, min_p=0.1, seed=9, frequency_penalty=0.5),
+        SamplingParams(temperature=0.5, top_k=40, min_p=0.1, seed=9, frequency_penalty=0.5),
     ]
     batched = sample(logits, params, histories, [make_generator(p, "cpu") for p in params])
     for b, p in enumerate(params):
@@ -173,6 +174,29 @@ def test_sample_frequencies_follow_the_tempered_distribution():
     draws = [int(sample(logits, params, [[]], [generator]).token_ids[0]) for _ in range(4000)]
     frequencies = torch.bincount(torch.tensor(draws), minlength=4) / len(draws)
     torch.testing.assert_close(frequencies, (logits[0] / 0.5).softmax(-1), atol=0.02, rtol=0)
+
+
+def test_top_k_rows_sample_from_their_candidates_with_the_full_vocabulary_probabilities(logits):
+    params = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.2, top_k=30, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=12, min_p=0.1),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
+    probs, candidates = sampling_distribution(logits, params)  # (B, K)
+    assert candidates.shape == (4, 30)
+    full = torch.zeros_like(logits).scatter(1, candidates, probs)
+    torch.testing.assert_close(full, process_logits(logits, params).softmax(dim=-1))
+
+
+def test_top_k_sample_frequencies_follow_the_truncated_distribution():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 1.5, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=0)]
+    generator = make_generator(params[0], "cpu")
+    draws = [int(sample(logits, params, [[]], [generator]).token_ids[0]) for _ in range(4000)]
+    frequencies = torch.bincount(torch.tensor(draws), minlength=6) / len(draws)
+    expected = process_logits(logits, params).softmax(dim=-1)[0]  # zero outside ids 1, 3, 4
+    torch.testing.assert_close(frequencies, expected, atol=0.02, rtol=0)
 
 
 def test_logprobs_are_of_the_penalised_distribution(logits, histories):

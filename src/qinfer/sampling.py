@@ -246,15 +246,50 @@ def sample(
     logprobs_all = torch.log_softmax(logits, dim=-1)  # (B, V)
 
     token_ids = logits.argmax(dim=-1)  # (B,) greedy choice; sampled rows overwrite below
-    sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        chosen = [params[b] for b in sampled_rows]
-        warped = process_logits(logits[rows], chosen)  # (R, V)
-        token_ids[rows] = _draw(warped.softmax(dim=-1), [generators[b] for b in sampled_rows])
+    # Rows with a top_k draw among their k best candidates, the others over the whole
+    # vocabulary: a row's draw depends only on its own logits, params and generator,
+    # never on which rows share its batch.
+    for with_top_k in (True, False):
+        rows = [b for b, p in enumerate(params) if not p.greedy and (p.top_k > 0) == with_top_k]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            token_ids[index] = _sample_rows(
+                logits[index], [params[b] for b in rows], [generators[b] for b in rows]
+            )
 
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # (B,)
     return SampleResult(token_ids, chosen_logprobs, _top_logprobs(logprobs_all, params))
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Draw one token id per row of logits (R, V) from its processed distribution -> (R,)."""
+    probs, candidates = sampling_distribution(logits, params)  # (R, K)
+    widths = [min(p.top_k or probs.shape[-1], probs.shape[-1]) for p in params]
+    picked = _draw(probs, generators, widths)  # (R,) column in K
+    return picked if candidates is None else candidates.gather(1, picked[:, None])[:, 0]
+
+
+def sampling_distribution(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each row samples from: (probs (R, K), candidate ids (R, K) or None).
+
+    When every row has a top_k, only its top max(top_k) logits can survive, so temperature,
+    top-p and min-p run on those K candidates instead of the whole vocabulary (K = 20
+    against V = 151,936 for Qwen3's defaults); the probabilities are those of
+    softmax(process_logits(logits)) at the candidates. Otherwise K = V and the candidate
+    ids are None (column i is token i).
+    logits: (R, V) fp32 after penalties, rows that sample (temperature > 0).
+    """
+    candidates = None
+    if all(p.top_k > 0 for p in params):
+        k = min(max(p.top_k for p in params), logits.shape[-1])
+        logits, candidates = torch.topk(logits, k, dim=-1)  # (R, K), most likely first
+    return process_logits(logits, params).softmax(dim=-1), candidates
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -349,14 +384,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, -math.inf)
 
 
-def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One id per row from probs (R, V), each row with its own generator."""
-    return torch.cat(
-        [
-            torch.multinomial(row[None], 1, generator=g)[0]
-            for row, g in zip(probs, generators, strict=True)
-        ]
-    )
+def _draw(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None], widths: Sequence[int]
+) -> torch.Tensor:
+    """One column per row of probs (R, K), column i with probability probs[r, i].
+
+    The exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks column i with
+    probability probs[i]; one elementwise pass instead of multinomial's cumulative sum.
+    Row r draws noise for its first widths[r] columns only (its own top_k; the columns
+    after them have probability 0), from its own generator, so a seeded row reproduces
+    whatever rows share its batch.
+    """
+    noise = torch.ones_like(probs)
+    for row, (generator, width) in enumerate(zip(generators, widths, strict=True)):
+        noise[row, :width].exponential_(generator=generator)
+    # A zero draw would turn a masked column's 0/0 into NaN, which argmax would pick.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _top_logprobs(

@@ -1,0 +1,138 @@
+"""The `qinfer` command line: generate and chat end to end in a subprocess (checked against
+the Python API on the same checkpoint), bench's report, and bad input as one line + exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
+
+import qinfer
+from qinfer import SamplingParams, generate
+from qinfer.cli import main
+
+GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A random Llama checkpoint with a ChatML tokenizer."""
+    folder = tmp_path_factory.mktemp("llama")
+    build_checkpoint(folder, "llama", vocab_size=CHAT_VOCAB_SIZE)
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def paths(folder, tmp_path_factory):
+    """Model paths for the bad-input cases: good, missing, and a folder without tokenizer."""
+    no_tokenizer = tmp_path_factory.mktemp("no_tokenizer")
+    build_checkpoint(no_tokenizer, "llama")
+    return dict(folder=folder, missing=no_tokenizer / "missing", no_tokenizer=no_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return qinfer.load_model(folder, dtype=torch.float32, device="cpu"), qinfer.load_tokenizer(
+        folder
+    )
+
+
+def expected_reply(loaded, messages) -> str:
+    model, tokenizer = loaded
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    return generate(model, tokenizer, messages, params).text
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qinfer.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_streams_the_chat_completion_to_stdout(folder, loaded):
+    done = run_cli("generate", "--model", str(folder), *GREEDY_FLAGS, "Hello there")
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout == expected_reply(loaded, [{"role": "user", "content": "Hello there"}]) + "\n"
+    )
+    assert "tok/s" in done.stderr
+
+
+def test_chat_keeps_history_and_reset_forgets_it(folder, loaded):
+    turns = "Hello\nHow are you?\n/reset\nHow are you?\n/exit\nnever read\n"
+    done = run_cli("chat", "--model", str(folder), *GREEDY_FLAGS, stdin=turns)
+    assert done.returncode == 0, done.stderr
+    first = expected_reply(loaded, [{"role": "user", "content": "Hello"}])
+    history = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "How are you?"},
+    ]
+    fresh = [{"role": "user", "content": "How are you?"}]
+    replies = [first, expected_reply(loaded, history), expected_reply(loaded, fresh)]
+    assert done.stdout == "".join(reply + "\n" for reply in replies)
+
+
+def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
+    done = run_cli("generate", "--model", str(tmp_path / "missing"), "Hi")
+    assert done.returncode == 2
+    assert done.stderr.startswith("qinfer: error: ")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["generate", "--model", "{missing}", "Hi"], "missing"),
+        (["generate", "--model", "{no_tokenizer}", "Hi"], "tokenizer"),
+        (["generate", "--model", "{folder}", ""], "empty"),
+        (["generate", "--model", "{folder}", "--temperature", "-1", "Hi"], "temperature"),
+        (["generate", "--model", "{folder}", "--top-p", "1.5", "Hi"], "top_p"),
+        (["generate", "--model", "{folder}", "--max-tokens", "0", "Hi"], "max_tokens"),
+        (["generate", "--model", "{folder}", "--max-tokens", "lots", "Hi"], "max-tokens"),
+        (["generate", "--model", "{folder}"], "prompt"),
+        (["bench", "--model", "{folder}", "--decode-tokens", "1"], "decode_tokens"),
+        (["fly"], "fly"),
+    ],
+    ids=[
+        "unknown-model",
+        "no-tokenizer",
+        "empty-prompt",
+        "negative-temperature",
+        "top-p-above-1",
+        "zero-max-tokens",
+        "non-integer-flag",
+        "missing-prompt",
+        "bench-too-few-tokens",
+        "unknown-command",
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_the_fault(paths, capsys, args, names):
+    assert main([arg.format(**paths) for arg in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qinfer: error: ") and err.count("\n") == 1
+    assert names in err
+
+
+def test_bench_json_reports_speeds_and_the_weight_bytes_transformers_counts(folder, capsys):
+    from transformers import AutoModelForCausalLM
+
+    flags = ["--prompt-tokens", "8", "--decode-tokens", "3", "--batch-size", "2"]
+    assert main(["bench", "--model", str(folder), "--dtype", "float32", *flags, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    figures = report["qinfer"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    untied = reference.get_input_embeddings().weight  # a decode step reads one row of it
+    expected = sum(p.numel() * 4 for p in reference.parameters()) - untied.numel() * 4
+    assert figures["weight_bytes_per_step"] == expected
+    for name in ("prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_bytes"):
+        assert figures[name] > 0

@@ -3,6 +3,7 @@
     qinfer generate [--model M] PROMPT      stream a completion of PROMPT to stdout
     qinfer chat [--model M]                 a multi-turn chat read from stdin
     qinfer bench [--model M] [--json]       prefill / decode speed, memory, weight GB/s
+    qinfer serve [--model M] [--port P]     the OpenAI-compatible HTTP API
 
 Each subcommand is a `Command`: a function that adds its arguments and a function that
 runs it; `COMMANDS` lists them. Adding one (say `serve`) is writing those two functions
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TextIO
 
 from qinfer.errors import QinferError
+from qinfer.server.command import add_serve_arguments, run_serve
 
 USAGE_ERROR = 2
 
@@ -224,6 +226,7 @@ COMMANDS = [
     Command("generate", "stream a completion of one prompt", add_generate_arguments, run_generate),
     Command("chat", "chat with a model, one line per turn", add_chat_arguments, run_chat),
     Command("bench", "measure prefill and decode speed", add_bench_arguments, run_bench),
+    Command("serve", "serve the OpenAI HTTP API", add_serve_arguments, run_serve),
 ]
 
 

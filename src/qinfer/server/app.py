@@ -15,9 +15,11 @@ import time
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pydantic
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -260,3 +262,44 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     routes = frozenset(route.path for route in app.routes)
     app.add_middleware(ResponseCounter, server=server, routes=routes)
     return app
+
+
+def served_name(path: Path) -> str:
+    """The default model id of a checkpoint: its folder's name, or a GGUF file's stem."""
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def serve(
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    log_level: str = "info",
+    **engine_args: Any,
+) -> None:
+    """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
+
+    engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
+    """
+    from qinfer.checkpoint import resolve_model
+    from qinfer.engine import AsyncEngine
+    from qinfer.tokenizer import load_tokenizer
+
+    path = resolve_model(model)
+    tokenizer = load_tokenizer(path)
+    engine = AsyncEngine(path, tokenizer, dtype=dtype, device=device, **engine_args)
+    settings = ServerSettings(
+        model_name=served_model_name or served_name(path),
+        api_key=api_key,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        # As OpenAI does, a request without max_tokens may run to the end of the context.
+        default_params=SamplingParams.from_generation_config(
+            path, max_tokens=engine.engine.context_len
+        ),
+    )
+    uvicorn.run(create_app(engine, tokenizer, settings), host=host, port=port, log_level=log_level)

@@ -1,0 +1,85 @@
+"""`qinfer serve`: its command-line arguments, and the server they start.
+
+Kept apart from the app so that building the `qinfer` parser does not import FastAPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+#: Engine arguments as flags: (flag, EngineConfig field, type, help).
+ENGINE_FLAGS = [
+    ("--max-num-seqs", "max_num_seqs", int, "sequences batched in one step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens run in one step"),
+    ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the context)"),
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--num-kv-blocks", "num_kv_blocks", int, "exact KV pool size in blocks"),
+    ("--kv-cache-memory", "kv_cache_memory", int, "bytes for the KV pool"),
+    ("--max-waiting-requests", "max_waiting_requests", int, "queued requests before 503"),
+]
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object such as '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from qinfer.cli import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on the /v1 routes"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the checkpoint's folder or file name)",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=json_object,
+        default=None,
+        help="server-wide chat template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    engine = parser.add_argument_group("engine")
+    for flag, name, kind, help_text in ENGINE_FLAGS:
+        engine.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    engine.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the K/V of shared prompt prefixes",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from qinfer.server.app import serve
+
+    engine_args = {name: getattr(args, name) for _, name, _, _ in ENGINE_FLAGS}
+    engine_args = {name: value for name, value in engine_args.items() if value is not None}
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        chat_template_kwargs=args.chat_template_kwargs,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **engine_args,
+    )
+    return 0

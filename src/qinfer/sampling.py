@@ -328,25 +328,28 @@ def apply_penalties(
     if not rows:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[-1]
     for b in rows:
-        p, history = params[b], histories[b]
-        ids = torch.as_tensor(list(history), dtype=torch.long, device=logits.device)
-        ids = ids[(ids >= 0) & (ids < vocab)]
-        if p.repetition_penalty != 1.0 and ids.numel():
-            seen = logits[b, ids]
-            logits[b, ids] = torch.where(
+        # Work on the distinct ids of the history (O(history), not O(vocabulary)).
+        p, history = params[b], list(histories[b])
+        if p.repetition_penalty != 1.0:
+            seen_ids, _ = _distinct_ids(history, logits)
+            seen = logits[b, seen_ids]
+            logits[b, seen_ids] = torch.where(
                 seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty
             )
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             start = prompt_lens[b] if prompt_lens is not None else 0
-            generated = torch.as_tensor(
-                list(history[start:]), dtype=torch.long, device=logits.device
-            )
-            generated = generated[(generated >= 0) & (generated < vocab)]
-            counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)  # (V,)
-            logits[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            generated_ids, counts = _distinct_ids(history[start:], logits)
+            logits[b, generated_ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
+
+
+def _distinct_ids(ids: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distinct ids inside the vocabulary, how often each occurs) on logits' device."""
+    ids_tensor = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
+    ids_tensor = ids_tensor[(ids_tensor >= 0) & (ids_tensor < logits.shape[-1])]
+    distinct, counts = torch.unique(ids_tensor, return_counts=True)
+    return distinct, counts.to(logits.dtype)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

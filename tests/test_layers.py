@@ -358,6 +358,22 @@ def test_config_agrees_with_transformers_layer_types(family):
     assert got.layer_types == tuple(want)
 
 
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("hidden_size", "wide", "must be a number"),
+        ("num_attention_heads", 0, "must be positive"),
+        ("rms_norm_eps", [1e-6], "must be a number"),
+        ("vocab_size", None, "is missing"),
+    ],
+)
+def test_config_bad_number_is_named(field, value, says):
+    with pytest.raises(ConfigError) as excinfo:
+        config(**{field: value})
+    message = str(excinfo.value)
+    assert repr(field) in message and says in message and "\n" not in message
+
+
 def test_config_heads_not_a_multiple_of_kv_heads():
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         config(num_attention_heads=6, num_key_value_heads=4)

@@ -121,31 +121,41 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
 
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ConfigError(f"config field {key!r} is missing (model_type {model_type})")
-            return cfg[key]
+        def number(key: str, default: int | float | None = None, kind: type = int) -> Any:
+            """Field `key` as a positive number; a missing field without a default is an error."""
+            value = cfg.get(key)
+            if value is None:
+                if default is None:
+                    raise ConfigError(f"config field {key!r} is missing (model_type {model_type})")
+                return default
+            try:
+                parsed = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"config field {key!r} must be a number, got {value!r}") from None
+            if parsed <= 0:
+                raise ConfigError(f"config field {key!r} must be positive, got {value!r}")
+            return parsed
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        layers = int(need("num_hidden_layers"))
+        hidden = number("hidden_size")
+        heads = number("num_attention_heads")
+        kv_heads = number("num_key_value_heads", heads)
+        head_dim = number("head_dim", hidden // heads)
+        layers = number("num_hidden_layers")
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window, layer_types = _sliding_window(cfg, model_type, layers)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=number("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=number("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=number("rms_norm_eps", 1e-6, float),
+            max_position_embeddings=number("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v always have a bias and its config has no switch for it.
             qkv_bias=True if model_type == "qwen2" else attention_bias,

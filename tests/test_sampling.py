@@ -221,6 +221,11 @@ def test_make_generator_is_none_without_a_seed():
     assert make_generator(SamplingParams(), "cpu") is None
 
 
+def test_logits_of_the_wrong_shape_are_an_error(logits):
+    with pytest.raises(SamplingError, match=r"logits of shape \(B, V\), got \(4, 1, 64\)"):
+        sample(logits[:, None], [SamplingParams()] * 4, [[]] * 4, [None] * 4)
+
+
 def test_mismatched_rows_are_an_error(logits):
     with pytest.raises(SamplingError, match="4 rows of logits but 1 params"):
         sample(logits, [SamplingParams()], [[]], [None])

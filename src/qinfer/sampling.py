@@ -9,10 +9,12 @@ reference the tests check against:
    - `presence_penalty`, `frequency_penalty` (OpenAI): counted over the *generated* tokens
      only (the ids of a history after its `prompt_len` first ones):
      `logit -= frequency_penalty * count + presence_penalty * (count > 0)`;
-2. greedy rows (temperature 0) take the argmax of the penalised logits;
+2. greedy rows (temperature 0, or top_k 1) take the argmax of the penalised logits;
 3. the other rows: divide by temperature, keep the top_k highest, keep the smallest set
    whose probability reaches top_p, drop tokens below min_p x the top probability; then
-   draw from the softmax with the row's own `torch.Generator` (seeded rows reproduce).
+   draw from the softmax with the row's own `torch.Generator` (seeded rows reproduce,
+   whichever rows share their batch). Rows with a top_k do all of this on their k best
+   candidates only, never touching the rest of the vocabulary.
 
 Log-probabilities returned are those of the model's distribution after the penalties and
 before temperature and truncation: `log_softmax(penalised logits)`. They say how likely
@@ -236,7 +238,9 @@ def sample(
     prompt_lens: how many leading ids of each history are prompt; presence and frequency
     penalties count only the ids after them. None: the whole history counts as generated.
     """
-    batch, vocab = logits.shape
+    if logits.dim() != 2:
+        raise SamplingError(f"sample expects logits of shape (B, V), got {tuple(logits.shape)}")
+    batch = logits.shape[0]
     if not (len(params) == len(histories) == len(generators) == batch):
         raise SamplingError(
             f"sample got {batch} rows of logits but {len(params)} params, "

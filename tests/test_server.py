@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +39,7 @@ from text_assets import (
 )
 
 import qinfer
+from qinfer.cli import main
 from qinfer.engine import AsyncEngine
 from qinfer.generate import generate
 from qinfer.sampling import SamplingParams
@@ -683,3 +686,40 @@ def test_metrics_count_requests_tokens_and_latencies(client, http):
     assert 0 <= after["qinfer_prefix_cache_hit_rate"] <= 1
     families = {f.name for f in text_string_to_metric_families(http.get("/metrics").text)}
     assert {"qinfer_http_requests", "qinfer_request_latency_seconds"} <= families
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+def test_qinfer_serve_command_serves_a_checkpoint(checkpoint, model, tokenizer):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "qinfer.cli", "serve", "--model", str(checkpoint)]
+    command += ["--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL_NAME]
+    command += ["--num-kv-blocks", "32", "--chat-template-kwargs", '{"enable_thinking": false}']
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            assert time.monotonic() < deadline, "qinfer serve did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0)
+        expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=False)
+        assert reply.choices[0].message.content == expected.text
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_qinfer_serve_refuses_template_kwargs_that_are_not_an_object(capsys):
+    assert main(["serve", "--chat-template-kwargs", "[1]"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("qinfer: error:") and "JSON object" in error and "\n" not in error

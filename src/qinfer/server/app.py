@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 import uvicorn
@@ -26,6 +26,8 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qinfer.checkpoint import resolve_model
+from qinfer.engine import AsyncEngine
 from qinfer.reasoning import THINK_CLOSE, prompt_opened_think
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
@@ -34,10 +36,7 @@ from qinfer.server.metrics import ServerMetrics
 from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
-from qinfer.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from qinfer.engine import AsyncEngine
+from qinfer.tokenizer import Tokenizer, load_tokenizer
 
 #: Largest request body accepted (HTTP 413 above): generous for long prompts.
 MAX_BODY_BYTES = 16 * 2**20
@@ -223,7 +222,6 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
         engine.shutdown()
 
     app = FastAPI(title="qinfer", lifespan=lifespan)
-    app.state.server = server
     install_error_handlers(app)
 
     def check_api_key(request: Request) -> None:
@@ -286,10 +284,6 @@ def serve(
 
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
-    from qinfer.checkpoint import resolve_model
-    from qinfer.engine import AsyncEngine
-    from qinfer.tokenizer import load_tokenizer
-
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
     engine = AsyncEngine(path, tokenizer, dtype=dtype, device=device, **engine_args)

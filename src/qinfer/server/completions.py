@@ -2,7 +2,7 @@
 
 A request becomes `len(prompts) x n` engine requests (choice `i * n + j` is sample j of
 prompt i, seeded `seed + j`), whose streams run concurrently and are merged. Each choice
-keeps a `ChoiceState` that turns the engine's cumulative outputs into deltas of text,
+is a `Choice` that turns the engine's cumulative outputs into deltas of text,
 reasoning and logprobs. Streaming and non-streaming answers are both built from those
 deltas, so the two always carry the same text.
 """
@@ -48,19 +48,30 @@ class Delta:
         self.finish_reason = later.finish_reason or self.finish_reason
 
 
-class ChoiceState:
-    """One choice as it is generated: turns cumulative engine outputs into deltas.
+class Choice:
+    """One choice and the engine request behind it; turns its outputs into deltas.
 
     reasoning: a `ReasoningStream` that splits a `<think>` block off the text (chat
     answers of thinking models), or None to keep all text as content.
     """
 
-    def __init__(self, index: int, reasoning: ReasoningStream | None):
-        self.index = index
-        self.reasoning = reasoning
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        reasoning: ReasoningStream | None,
+    ):
+        self.index, self.request_id = index, request_id
+        self.prompt_ids, self.params, self.reasoning = prompt_ids, params, reasoning
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
         self.output: RequestOutput | None = None  # the latest engine output
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None and self.output.finished
 
     def advance(self, output: RequestOutput) -> Delta:
         """The delta of `output`, the engine's latest output for this choice."""
@@ -119,24 +130,18 @@ class Completion:
         self.engine, self.metrics, self.n = engine, metrics, n
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.requests = []  # (request_id, prompt ids, params, ChoiceState) per choice
-        for i, prompt in enumerate(prompts):
+        self.choices = []
+        for i, prompt_ids in enumerate(prompts):
             for j in range(n):
                 index = i * n + j
-                choice_params = (
-                    params if params.seed is None else params.replace(seed=params.seed + j)
-                )
+                seeded = params if params.seed is None else params.replace(seed=params.seed + j)
                 splitter = None if reasoning is None else ReasoningStream(reasoning[i])
-                self.requests.append(
-                    (f"{self.id}-{index}", prompt, choice_params, ChoiceState(index, splitter))
+                self.choices.append(
+                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter)
                 )
-
-    @property
-    def choices(self) -> list[ChoiceState]:
-        return [state for *_, state in self.requests]
 
     def usage(self) -> dict[str, Any]:
-        return usage([state.output for state in self.choices], self.n)
+        return usage([choice.output for choice in self.choices], self.n)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of all choices as the engine produces them, interleaved.
@@ -144,22 +149,22 @@ class Completion:
         Engine errors (overloaded, bad request) surface from the first `__anext__`.
         Closing this iterator early (the client left) aborts every unfinished request.
         """
-        queue: asyncio.Queue[tuple[ChoiceState, RequestOutput] | BaseException | None] = (
-            asyncio.Queue()
-        )
+        queue: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(request_id, prompt, params, state) -> None:
+        async def pump(choice: Choice) -> None:
+            """Relay one engine request's outputs to the queue, then None (or its error)."""
             timer = RequestTimer(self.metrics)
+            stream = self.engine.generate(choice.prompt_ids, choice.params, choice.request_id)
             try:
-                async for output in self.engine.generate(prompt, params, request_id=request_id):
+                async for output in stream:
                     timer.tokens_arrived(len(output.delta_token_ids))
-                    await queue.put((state, output))
+                    await queue.put((choice, output))
                 timer.finished()
                 await queue.put(None)
             except Exception as error:  # handed to the consumer, which raises it
                 await queue.put(error)
 
-        tasks = [asyncio.create_task(pump(*request)) for request in self.requests]
+        tasks = [asyncio.create_task(pump(choice)) for choice in self.choices]
         running = len(tasks)
         try:
             while running:
@@ -169,20 +174,21 @@ class Completion:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    state, output = item
-                    delta = state.advance(output)
+                    choice, output = item
+                    delta = choice.advance(output)
                     if not delta.empty:
                         yield delta
         finally:
             for task in tasks:
                 task.cancel()
-            for request_id, *_ in self.requests:
-                self.engine.abort(request_id)  # a no-op for finished requests
+            for choice in self.choices:
+                if not choice.finished:
+                    self.engine.abort(choice.request_id)
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self) -> list[Delta]:
         """Run every choice to its end; the whole answer of each, in choice order."""
-        answers = [Delta(state.index) for state in self.choices]
+        answers = [Delta(choice.index) for choice in self.choices]
         # aclosing: when this is cancelled (the client left), the deltas close at once.
         async with contextlib.aclosing(self.deltas()) as deltas:
             async for delta in deltas:

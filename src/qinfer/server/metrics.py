@@ -44,6 +44,10 @@ class EngineCollector(Collector):
                 "Fraction of KV blocks held by requests",
                 s.kv_blocks_used / max(s.kv_blocks_total, 1),
             ),
+            "qinfer_generation_tokens_per_second": (
+                "Generated tokens per second over the last seconds",
+                s.generation_tokens_per_s,
+            ),
             "qinfer_prefix_cache_hit_rate": (
                 "Prompt tokens found in the prefix cache, as a fraction of those looked up",
                 s.prefix_cache_hit_rate,
@@ -63,6 +67,8 @@ class EngineCollector(Collector):
                 s.prefix_cache_hits,
             ),
             "qinfer_preemptions": ("Requests preempted to free KV blocks", s.preemptions_total),
+            "qinfer_requests_finished": ("Requests the engine finished", s.requests_finished_total),
+            "qinfer_requests_aborted": ("Requests aborted (client gone)", s.requests_aborted_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

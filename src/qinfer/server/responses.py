@@ -118,12 +118,12 @@ class ChatFormat(ResponseFormat):
     def opening_chunks(self, completion: Completion) -> list[dict[str, Any]]:
         return [
             {
-                "index": state.index,
+                "index": choice.index,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
-            for state in completion.choices
+            for choice in completion.choices
         ]
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:

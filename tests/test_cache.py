@@ -114,3 +114,10 @@ def test_reset_then_another_sequence(pair, tokens):
     other = random_tokens(1, 12, seed=5)
     got = feed(model, other, [7, 1, 4], cache=cache)
     assert max_diff(got, reference_logits(reference, other)) < TOLERANCE
+
+
+def test_rotating_cache_for_fewer_positions_than_its_window_is_that_small():
+    # A single forward pass of 10 tokens through a 4096-token window needs 10 slots.
+    cache = RotatingKVCache(window=4096, max_length=10)
+    cache.update_and_fetch(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4), 10, "causal")
+    assert cache.keys.shape == (1, 2, 10, 4)

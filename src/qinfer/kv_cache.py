@@ -207,7 +207,9 @@ class RotatingKVCache(_Cache):
     and returns the ring as it is (attention does not care about key order; the mask
     is built from the positions each slot holds). A multi-token step returns the ring
     followed by the new tokens, so every query sees its whole window, then keeps the
-    newest `window` tokens.
+    newest `window` tokens. Until the ring first wraps, slot i holds token i and only
+    the slots in use are returned; a cache for fewer positions than the window (a single
+    forward pass) gets a ring of that many slots.
     """
 
     _row_buffers = ("keys", "values", "slot_positions")
@@ -220,38 +222,44 @@ class RotatingKVCache(_Cache):
         left_padding: torch.Tensor | list[int] | None = None,
     ) -> None:
         super().__init__(batch_size, max_length, window, left_padding)
-        # keys, values: (B, Hkv, window, D), made at the first step
-        self.slot_positions: torch.Tensor | None = None  # (B, window) position held per slot
+        self.size = min(window, max_length)  # ring slots
+        # keys, values: (B, Hkv, size, D), made at the first step
+        self.slot_positions: torch.Tensor | None = None  # (B, size) position held per slot
 
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
     ) -> tuple[torch.Tensor, torch.Tensor, int, Mask]:
-        """Store k, v (B, Hkv, L, D); return (B, Hkv, window, D) for L == 1, else
-        (B, Hkv, window + L, D), with the mask that keeps each query inside its window."""
+        """Store k, v (B, Hkv, L, D); return the ring's slots in use (B, Hkv, <= size, D)
+        for L == 1, else those followed by the L new entries, with the mask that keeps
+        each query inside its window."""
         B, H, L, D = k.shape
-        W = self.window
         self._check_step(k)
         if self.keys is None:
-            self.keys = k.new_zeros(B, H, W, D)
-            self.values = v.new_zeros(B, H, W, D)
-            self.slot_positions = torch.full((B, W), _EMPTY, dtype=torch.long, device=k.device)
+            self.keys = k.new_zeros(B, H, self.size, D)
+            self.values = v.new_zeros(B, H, self.size, D)
+            self.slot_positions = torch.full(
+                (B, self.size), _EMPTY, dtype=torch.long, device=k.device
+            )
         start = self.offset
         slots = torch.arange(start, start + L, device=k.device)  # stream index of each new token
         new_positions = self._slot_positions(slots)  # (B, L)
         if L == 1:
             self._write(k, v, slots, new_positions)
-            keys, values, key_positions = self.keys, self.values, self.slot_positions
+            used = min(start + 1, self.size)
+            keys, values = self.keys[:, :, :used], self.values[:, :, :used]
+            key_positions = self.slot_positions[:, :used]
         else:
-            keys = torch.cat([self.keys, k], dim=2)
-            values = torch.cat([self.values, v], dim=2)
-            key_positions = torch.cat([self.slot_positions, new_positions], dim=1)
-            keep = slice(max(0, L - W), L)  # only the newest W tokens stay in the ring
+            used = min(start, self.size)
+            keys = torch.cat([self.keys[:, :, :used], k], dim=2)
+            values = torch.cat([self.values[:, :, :used], v], dim=2)
+            key_positions = torch.cat([self.slot_positions[:, :used], new_positions], dim=1)
+            keep = slice(max(0, L - self.size), L)  # only the newest tokens stay in the ring
             self._write(k[:, :, keep], v[:, :, keep], slots[keep], new_positions[:, keep])
         self.offset += L
         return keys, values, start, self._mask(mask, slots, key_positions)
 
     def _write(self, k, v, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        ring = slots % self.window
+        ring = slots % self.size
         self.keys[:, :, ring] = k
         self.values[:, :, ring] = v
         self.slot_positions[:, ring] = positions
@@ -262,7 +270,7 @@ class RotatingKVCache(_Cache):
     def trim(self, n: int) -> int:
         """Forget the last n positions; only possible while nothing has been overwritten."""
         n = min(n, self.offset)
-        if self.offset > self.window:
+        if self.offset > self.size:
             raise CacheError(
                 f"cannot rewind a sliding-window cache past its window ({self.window} tokens)"
             )

@@ -551,6 +551,8 @@ def test_field_of_the_wrong_type_is_a_400_naming_it(http, field, value):
         ("n", 100),
         ("top_logprobs", 50),
         ("presence_penalty", -5),
+        ("seed", -1),
+        ("seed", 2**64),
     ],
 )
 def test_out_of_range_value_is_a_400_naming_it(http, field, value):

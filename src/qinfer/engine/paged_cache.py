@@ -7,10 +7,10 @@ which slots make up each row's history. `PagedCache` is the KV-cache protocol
 (`qinfer.kv_cache`) for one layer over the pool, so the unchanged attention layer runs
 over a batch of sequences that each sit at their own offset.
 
-Rows are left-padded to the longest row of the step (as in `kv_cache`): row b's n_b new
-tokens sit in the last n_b columns, so the model's last position is each row's last
-token. This gather-based version copies each row's history (B, S, Hkv, D) out of the
-pool on every layer, padded to the longest history S and masked with `position_mask`.
+All rows of one forward add the same number of new tokens (the runner groups them so),
+each at its own offset. This gather-based version copies each row's history
+(B, S, Hkv, D) out of the pool on every layer, padded to the longest history S and
+masked with `position_mask` (padding keys get position -1).
 
 Sliding-window layers keep their whole history in the pool and are masked to their window
 (correct, but they use as much memory as full-attention layers).
@@ -56,61 +56,48 @@ class KVPool:
 
 
 class BatchLayout:
-    """One step's placement of tokens in the pool, shared by every layer.
+    """One forward's placement of tokens in the pool, shared by every layer.
 
     block_tables: one list of block ids per row; num_computed: tokens already in the pool
-    per row; num_new: tokens this step adds per row (left-padded to L = max(num_new)).
+    per row; num_new: tokens each row adds (the same for every row: rows are never padded
+    on the query side, see `ModelRunner`).
     """
 
     def __init__(
         self,
         block_tables: list[list[int]],
         num_computed: list[int],
-        num_new: list[int],
+        num_new: int,
         block_size: int,
         device: torch.device,
     ) -> None:
-        B, L = len(num_new), max(num_new)
-        computed = torch.tensor(num_computed, dtype=torch.long)
-        new = torch.tensor(num_new, dtype=torch.long)
-        total = computed + new  # (B,) history length after this step
+        B, L = len(block_tables), num_new
+        computed = torch.tensor(num_computed, dtype=torch.long)  # (B,)
+        total = computed + L  # (B,) history length after this step
         S = int(total.max())
         width = max(len(t) for t in block_tables)
         tables = torch.zeros(B, width, dtype=torch.long)  # (B, blocks), padded with block 0
         for row, table in enumerate(block_tables):
             tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
 
-        # Row b's first new token (column L - n_b) sits at position num_computed[b]; the
-        # pad columns before it get position -1 (RoPE rotates them by whatever, unused).
-        self.offsets = computed - (L - new)  # (B,) position of column 0, as RoPE wants
-        columns = torch.arange(L)
-        is_new = columns >= (L - new)[:, None]  # (B, L) the real tokens of this step
-        query_positions = torch.where(is_new, self.offsets[:, None] + columns, -1)  # (B, L)
-
-        # The history each row reads: positions 0 .. total-1, then padding (-1).
+        query_positions = computed[:, None] + torch.arange(L)  # (B, L)
+        # The history each row reads: positions 0 .. total-1, then padding (-1, masked;
+        # its slots point into block 0, whatever it holds).
         key_positions = torch.arange(S).expand(B, S)  # (B, S)
-        read_slots = _slots(tables, key_positions, block_size)  # pad reads: masked
+        read_slots = _slots(tables, key_positions, block_size)
         key_positions = torch.where(key_positions < total[:, None], key_positions, -1)
 
-        self.write_index = is_new.flatten().nonzero().squeeze(1)  # into the (B * L) columns
-        write_slots = _slots(tables, query_positions.clamp(min=0), block_size)[is_new]
-
+        self.offsets = computed.to(device)  # (B,) position of each row's first new token
+        self.write_slots = _slots(tables, query_positions, block_size).flatten().to(device)
         self.read_slots = read_slots.to(device)  # (B, S)
-        self.write_index = self.write_index.to(device)  # (N,)
-        self.write_slots = write_slots.to(device)  # (N,) N = sum(num_new)
         self.query_positions = query_positions.to(device)
         self.key_positions = key_positions.to(device)
-        self.offsets = self.offsets.to(device)
         self._masks: dict[int | None, torch.Tensor] = {}
 
     def mask(self, window: int | None) -> torch.Tensor:
         """(B, 1, L, S) boolean: causal over each row's own history, inside `window`."""
         if window not in self._masks:
-            allowed = position_mask(self.query_positions, self.key_positions, window)
-            # A pad query sees nothing of its row; let it see the first slot so that its
-            # softmax is not empty (NaN). Its output is thrown away.
-            allowed[:, 0, :, 0] |= self.query_positions < 0
-            self._masks[window] = allowed
+            self._masks[window] = position_mask(self.query_positions, self.key_positions, window)
         return self._masks[window]
 
 
@@ -143,10 +130,11 @@ class PagedCache:
             raise CacheError(
                 f"paged cache laid out for {tuple(layout.query_positions.shape)} tokens, got {(B, L)}"
             )
-        new_k = k.transpose(1, 2).reshape(B * L, H, D)[layout.write_index]  # (N, Hkv, D)
-        new_v = v.transpose(1, 2).reshape(B * L, H, D)[layout.write_index]
-        self.keys[layout.write_slots] = new_k.to(self.keys.dtype)
-        self.values[layout.write_slots] = new_v.to(self.values.dtype)
+        # (B, Hkv, L, D) -> (B * L, Hkv, D), row-major like write_slots
+        self.keys[layout.write_slots] = k.transpose(1, 2).reshape(B * L, H, D).to(self.keys.dtype)
+        self.values[layout.write_slots] = (
+            v.transpose(1, 2).reshape(B * L, H, D).to(self.values.dtype)
+        )
         keys = self.keys[layout.read_slots].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D)
         values = self.values[layout.read_slots].transpose(1, 2)
         allowed = layout.mask(self.window)

@@ -53,19 +53,35 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Compute the next num_new[b] tokens of each sequence (their blocks already allocated)
-        and return the fp32 logits (B, V) at each row's last new token."""
+        and return the fp32 logits (B, V) at each row's last new token.
+
+        Rows are grouped by their number of new tokens, one forward per group: the decode
+        rows (one token each) run together, and no row is padded to a longer prefill chunk
+        (padding a decode row to a 500-token chunk would cost 500x its work).
+        """
+        groups: dict[int, list[int]] = {}
+        for row, n in enumerate(num_new):
+            groups.setdefault(n, []).append(row)
+        logits = None
+        for n, rows in groups.items():
+            group_logits = self._forward([seqs[row] for row in rows], n)  # (len(rows), V)
+            if logits is None:
+                logits = group_logits.new_empty(len(seqs), group_logits.shape[-1])
+            logits[rows] = group_logits
+        return logits
+
+    def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
+        """Logits (B, V) after the next n tokens of each of these sequences."""
         layout = BatchLayout(
             [seq.block_table for seq in seqs],
             [seq.num_computed_tokens for seq in seqs],
-            num_new,
+            n,
             self.block_size,
             self.model.device,
         )
-        L = max(num_new)
-        tokens = torch.zeros(len(seqs), L, dtype=torch.long)  # (B, L), left-padded with id 0
-        for row, (seq, n) in enumerate(zip(seqs, num_new, strict=True)):
-            start = seq.num_computed_tokens
-            tokens[row, L - n :] = torch.tensor(seq.token_ids[start : start + n])
+        tokens = torch.tensor(  # (B, n)
+            [seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n] for seq in seqs]
+        )
         caches = [
             PagedCache(self.pool, layer, layout, window)
             for layer, window in enumerate(self.windows)

@@ -59,11 +59,11 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def from_validation_error(error: pydantic.ValidationError, body: Any = None) -> APIError:
+def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIError:
     """A 400 naming the first field at fault, as `messages.0.content` (dotted path).
 
-    body: the parsed request, to tell the fields of the path from pydantic's names of
-    union members (`stop.str`), which are not in it.
+    body: the parsed request (None when it is not JSON), to tell the fields of the path
+    from pydantic's names of union members (`stop.str`), which are not in it.
     """
     first = error.errors(include_url=False)[0]
     param = _field_path(first["loc"], body)
@@ -90,8 +90,8 @@ def _field_path(loc: tuple, body: Any) -> str | None:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif isinstance(node, dict) or body is None:
-            node = None  # a missing field, or no body to check against: keep the name
+        elif isinstance(node, dict):
+            node = None  # a missing field: still its name
         else:
             continue  # a union member's name: not a place in the request
         parts.append(str(part))
@@ -102,8 +102,6 @@ def error_from_exception(error: Exception) -> APIError:
     """The API error a failure becomes: bad input is the client's (4xx), the rest ours (500)."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, pydantic.ValidationError):
-        return from_validation_error(error)
     if isinstance(error, EngineOverloadedError):
         return APIError(503, str(error), code="overloaded")
     if isinstance(error, QinferError):
@@ -127,11 +125,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, error: Exception) -> JSONResponse:
         return error_from_exception(error).response()
 
-    for kind in (
-        APIError,
-        pydantic.ValidationError,
-        QinferError,
-        StarletteHTTPException,
-        Exception,
-    ):
+    for kind in (APIError, QinferError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, handle)

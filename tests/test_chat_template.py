@@ -272,3 +272,27 @@ def test_smollm2_gguf_template_renders_like_transformers():
         [messages], chat_template=template, add_generation_prompt=True
     )
     assert render_chat_template(template, messages, add_generation_prompt=True) == expected
+
+
+def test_pydantic_messages_and_tools_render_as_their_dicts(qwen3):
+    import pydantic
+
+    class Message(pydantic.BaseModel):
+        role: str
+        content: str
+
+    class Tool(pydantic.BaseModel):
+        type: str
+        function: dict
+
+    ours, _ = qwen3
+    messages = [Message(role="user", content="Weather?")]
+    expected = ours.apply_chat_template([m.model_dump() for m in messages], tools=[WEATHER_TOOL])
+    assert ours.apply_chat_template(messages, tools=[Tool(**WEATHER_TOOL)]) == expected
+
+
+def test_tool_that_is_not_a_schema_is_rejected(qwen3):
+    with pytest.raises(TokenizerError, match=r"tools\[1\] must be a dict, got str"):
+        qwen3[0].apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL, "get_weather"]
+        )

@@ -151,20 +151,19 @@ def render_chat_template(
     chat = [_prepare_message(i, message) for i, message in enumerate(messages)]
     if not chat:
         raise TokenizerError("cannot apply a chat template to an empty list of messages")
+    tools, documents = _plain(tools), _plain(documents)
     for name, values in (("tools", tools), ("documents", documents)):
         for i, value in enumerate(values or ()):
-            if not isinstance(value, Mapping):
-                raise TokenizerError(
-                    f"{name}[{i}] must be a dict (a JSON schema), got {type(value).__name__}"
-                )
+            if not isinstance(value, dict):
+                raise TokenizerError(f"{name}[{i}] must be a dict, got {type(value).__name__}")
     context = {**(special_tokens or {}), **kwargs}
     tracker = _ReadTracker()
     tracked = [_TrackedMessage(message, i, tracker) for i, message in enumerate(chat)]
     try:
         return template.render(
             messages=tracked,
-            tools=_plain(tools),
-            documents=_plain(documents),
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             **_plain(context),
         )
@@ -209,12 +208,13 @@ class _TrackedMessage(dict):
 
 def _prepare_message(index: int, message: Any) -> dict[str, Any]:
     """A plain copy of one message, as `transformers` hands it to the template."""
-    if not isinstance(message, Mapping):
+    fields = _plain(message)  # a dict, also from a pydantic model (the server's requests)
+    if not isinstance(fields, dict):
         raise TokenizerError(f"messages[{index}] must be a dict, got {type(message).__name__}")
-    if not isinstance(message.get("role"), str):
+    if not isinstance(fields.get("role"), str):
         raise TokenizerError(f"messages[{index}] has no 'role' string")
     # Keys set to None are dropped: templates test for a key's presence (`'content' in m`).
-    plain = {key: _plain(value) for key, value in message.items() if value is not None}
+    plain = {key: value for key, value in fields.items() if value is not None}
     reasoning = next((plain[k] for k in REASONING_FIELDS if plain.get(k) is not None), None)
     if reasoning is not None:
         plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}

@@ -179,3 +179,12 @@ def test_generation_config_eos_may_be_a_single_int(tmp_path):
         tmp_path, train_tokenizer(CHATML_SPECIAL), generation_config={"eos_token_id": 1}
     )
     assert qinfer.load_tokenizer(folder).eos_token_ids == {1}
+
+
+def test_tokenizer_json_alone_is_enough(tmp_path):
+    train_tokenizer(CHATML_SPECIAL).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    tokenizer = qinfer.load_tokenizer(tmp_path)
+    assert tokenizer.eos_token_ids == {2} and tokenizer.eos_token is None
+    assert not tokenizer.has_chat_template
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"

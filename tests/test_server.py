@@ -220,12 +220,11 @@ def stream_events(http: httpx.Client, path: str, body: dict) -> list[str]:
         return read_events(response)
 
 
-def streamed_text(events: list[str], field: str = "text") -> str:
+def streamed_text(events: list[str]) -> str:
+    """The text of a streamed text completion, from its events."""
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
-    if field == "text":
-        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    return "".join(c["choices"][0]["delta"].get(field) or "" for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
 
 
 def metric_values(http: httpx.Client) -> dict[str, float]:
@@ -346,6 +345,37 @@ def test_completion_greedy_matches_offline_generate(client, model, tokenizer):
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens == expected.prompt_tokens
     assert reply.usage.completion_tokens == 12
+
+
+def test_penalties_and_cuts_reach_the_sampler(client, model, tokenizer):
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    fields.update(top_k=5, top_p=0.9, min_p=0.05)
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=24,
+        presence_penalty=fields["presence_penalty"],
+        frequency_penalty=fields["frequency_penalty"],
+        top_p=fields["top_p"],
+        extra_body={k: fields[k] for k in ("repetition_penalty", "top_k", "min_p")},
+    )
+    expected = offline(model, tokenizer, PROMPT, temperature=0, max_tokens=24, **fields)
+    plain = offline(model, tokenizer, PROMPT, temperature=0, max_tokens=24)
+    assert reply.choices[0].text == expected.text != plain.text
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=0,
+        max_tokens=50,
+        max_completion_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    assert reply.usage.completion_tokens == 2
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_completion_of_token_ids_and_of_a_batch_of_prompts(client, tokenizer):

@@ -225,3 +225,20 @@ def test_stats_count_requests_tokens_and_cache(model, pools):
     assert stats.prompt_tokens_total == 12
     assert stats.kv_blocks_free == stats.kv_blocks_total
     assert stats.kv_blocks_cached >= 1
+
+
+def test_llm_loads_the_model_and_its_tokenizer_from_a_folder(folder, model, tokenizer, pools):
+    llm = LLM(folder, dtype="float32", device="cpu", block_size=4)
+    pools.append(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    (out,) = llm.generate("hello", params, use_tqdm=False)
+    assert out.text == qinfer.generate(model, tokenizer, "hello", params).text
+
+
+def test_engine_arguments_are_checked_by_name(model):
+    with pytest.raises(QinferError, match="unknown engine argument 'max_seqs'"):
+        LLM(model, max_seqs=4)
+    with pytest.raises(QinferError, match="block_size"):
+        LLM(model, block_size=0)
+    with pytest.raises(QinferError, match="holds no block"):
+        LLM(model, kv_cache_memory=10)

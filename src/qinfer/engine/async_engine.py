@@ -137,8 +137,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 if command == "stop":
-                    for request_id in list(engine.requests):
-                        self._deliver(engine.abort(request_id))
+                    self._stop()
                     return
                 self._apply(command, arg)
             try:
@@ -151,6 +150,18 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output)
             self._stats = engine.stats()
+
+    def _stop(self) -> None:
+        """Abort what runs or waits, and refuse what is still in the inbox."""
+        for request_id in list(self.engine.requests):
+            self._deliver(self.engine.abort(request_id))
+        while True:
+            try:
+                command, arg = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if command == "add":
+                self._fail(arg.seq.request_id, QinferError("the engine is shut down"))
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":

@@ -57,15 +57,20 @@ class LLM:
         engine = self.engine
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        for request in requests:
-            engine.add(request)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="requests", disable=not use_tqdm) as bar:
-            while len(finished) < len(requests):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+        try:
+            for request in requests:
+                engine.add(request)
+            with tqdm(total=len(requests), desc="requests", disable=not use_tqdm) as bar:
+                while len(finished) < len(requests):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+        except BaseException:  # an error or Ctrl-C: leave no request holding blocks
+            for request in requests:
+                engine.abort(request.seq.request_id)
+            raise
         return [_whole(finished[r.seq.request_id]) for r in requests]
 
 

@@ -19,17 +19,32 @@ def kv_pool_blocks(model: Transformer, config: EngineConfig) -> int:
     budget = config.kv_cache_memory
     if budget is None:
         if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(free * config.gpu_memory_utilization)
+            budget = _gpu_budget(model, config)
         else:
             budget = DEFAULT_CPU_KV_MEMORY
     per_block = KVPool.bytes_per_block(model.config, config.block_size, model.dtype)
     blocks = budget // per_block
     if blocks < 1:
         raise QinferError(
-            f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)"
+            f"the KV pool budget of {budget} bytes holds no block ({per_block} bytes each): "
+            "raise kv_cache_memory or gpu_memory_utilization"
         )
     return blocks
+
+
+def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
+    """Bytes for the pool on a GPU: gpu_memory_utilization of the memory free now, less the
+    activation peak of a warm-up forward as long as the longest step (kept for the steps)."""
+    device = model.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    length = min(config.max_num_batched_tokens, model.config.max_position_embeddings)
+    model(torch.zeros(1, length, dtype=torch.long, device=device), last_only=True)
+    activations = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * config.gpu_memory_utilization) - activations
 
 
 class ModelRunner:

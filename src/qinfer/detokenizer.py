@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
+        self.stop = tuple(s for s in stop or () if s)
         self.skip_special_tokens = skip_special_tokens
         self.stopped = False
         self.matched_stop: str | None = None  # which stop string ended the text

@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | None = (),
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer

@@ -11,7 +11,7 @@ BLOCK = 4
 
 def computed(manager: BlockManager, request_id: str, tokens: list[int]) -> Sequence:
     """A sequence admitted, its whole token list computed and registered."""
-    seq = Sequence(request_id, tokens, arrival=0)
+    seq = Sequence(request_id, tokens)
     manager.allocate_prefix(seq)
     manager.grow(seq, len(tokens))
     seq.num_computed_tokens = len(tokens)
@@ -21,7 +21,7 @@ def computed(manager: BlockManager, request_id: str, tokens: list[int]) -> Seque
 
 def test_grow_takes_blocks_and_free_returns_them():
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
-    seq = Sequence("a", list(range(10)), arrival=0)
+    seq = Sequence("a", list(range(10)))
     manager.grow(seq, 10)
     assert len(seq.block_table) == 3  # ceil(10 / 4)
     assert manager.num_free_blocks == 5
@@ -32,7 +32,7 @@ def test_grow_takes_blocks_and_free_returns_them():
 def test_shared_prefix_blocks_are_reference_counted():
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     first = computed(manager, "a", list(range(9)))
-    second = Sequence("b", list(range(8)) + [99, 98], arrival=1)
+    second = Sequence("b", list(range(8)) + [99, 98])
     assert manager.allocate_prefix(second) == 8
     assert second.block_table == first.block_table[:2]
     assert [manager.blocks[i].ref_count for i in second.block_table] == [2, 2]
@@ -45,7 +45,7 @@ def test_shared_prefix_blocks_are_reference_counted():
 def test_fully_cached_prompt_leaves_its_last_block_to_compute():
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     manager.free(computed(manager, "a", list(range(8))))
-    again = Sequence("b", list(range(8)), arrival=1)
+    again = Sequence("b", list(range(8)))
     assert manager.allocate_prefix(again) == 4  # not 8: the last token's logits are needed
     assert again.num_uncomputed_tokens == 4
 
@@ -53,7 +53,7 @@ def test_fully_cached_prompt_leaves_its_last_block_to_compute():
 def test_prefix_hit_stops_at_the_first_different_block():
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     manager.free(computed(manager, "a", list(range(12))))
-    other = Sequence("b", [0, 1, 2, 3, 7, 7, 7, 7, 8, 9, 10, 11, 12], arrival=1)
+    other = Sequence("b", [0, 1, 2, 3, 7, 7, 7, 7, 8, 9, 10, 11, 12])
     assert manager.allocate_prefix(other) == 4
 
 
@@ -61,7 +61,7 @@ def test_hash_collision_is_caught_by_the_stored_tokens(monkeypatch):
     monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: 0)
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     manager.free(computed(manager, "a", [1, 2, 3, 4, 5]))
-    other = Sequence("b", [5, 6, 7, 8, 9], arrival=1)
+    other = Sequence("b", [5, 6, 7, 8, 9])
     assert manager.allocate_prefix(other) == 0
 
 
@@ -71,7 +71,7 @@ def test_hash_collision_with_equal_tokens_after_another_prefix_is_a_miss(monkeyp
     monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: 0)
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     manager.free(computed(manager, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0]))
-    other = Sequence("b", [5, 6, 7, 8, 0], arrival=1)
+    other = Sequence("b", [5, 6, 7, 8, 0])
     assert manager.allocate_prefix(other) == 0
 
 
@@ -79,13 +79,13 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     manager = BlockManager(num_blocks=2, block_size=BLOCK)
     manager.free(computed(manager, "old", [1, 2, 3, 4]))
     manager.free(computed(manager, "new", [5, 6, 7, 8]))
-    taker = Sequence("c", [0], arrival=2)
+    taker = Sequence("c", [0])
     manager.grow(taker, 1)  # evicts the block of "old"
-    assert manager.allocate_prefix(Sequence("d", [1, 2, 3, 4, 0], arrival=3)) == 0
-    assert manager.allocate_prefix(Sequence("e", [5, 6, 7, 8, 0], arrival=4)) == 4
+    assert manager.allocate_prefix(Sequence("d", [1, 2, 3, 4, 0])) == 0
+    assert manager.allocate_prefix(Sequence("e", [5, 6, 7, 8, 0])) == 4
 
 
 def test_growing_past_the_pool_is_an_error():
     manager = BlockManager(num_blocks=2, block_size=BLOCK)
     with pytest.raises(Exception, match="free blocks"):
-        manager.grow(Sequence("a", list(range(9)), arrival=0), 9)
+        manager.grow(Sequence("a", list(range(9))), 9)

@@ -22,7 +22,7 @@ def run(step) -> None:
 def test_step_respects_the_sequence_budget():
     scheduler, _ = make(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(3):
-        scheduler.add(Sequence(str(i), [1, 2, 3], arrival=i))
+        scheduler.add(Sequence(str(i), [1, 2, 3]))
     step = scheduler.schedule()
     assert [s.request_id for s in step.seqs] == ["0", "1"]
     assert len(scheduler.waiting) == 1
@@ -30,7 +30,7 @@ def test_step_respects_the_sequence_budget():
 
 def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     scheduler, _ = make(max_num_seqs=2, max_num_batched_tokens=8)
-    scheduler.add(Sequence("long", list(range(20)), arrival=0))
+    scheduler.add(Sequence("long", list(range(20))))
     chunks = []
     for _ in range(3):
         step = scheduler.schedule()
@@ -41,9 +41,9 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
 
 def test_decodes_and_a_new_prefill_share_a_step():
     scheduler, _ = make(max_num_seqs=4, max_num_batched_tokens=6)
-    scheduler.add(Sequence("a", [1, 2], arrival=0))
+    scheduler.add(Sequence("a", [1, 2]))
     run(scheduler.schedule())
-    scheduler.add(Sequence("b", list(range(10)), arrival=1))
+    scheduler.add(Sequence("b", list(range(10))))
     step = scheduler.schedule()
     assert [(s.request_id, n) for s, n in zip(step.seqs, step.num_new, strict=True)] == [
         ("a", 1),
@@ -53,7 +53,7 @@ def test_decodes_and_a_new_prefill_share_a_step():
 
 def test_newest_sequence_is_preempted_when_blocks_run_out():
     scheduler, manager = make(num_blocks=2, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
-    old, new = Sequence("old", [1, 2, 3, 4], arrival=0), Sequence("new", [5, 6, 7, 8], arrival=1)
+    old, new = Sequence("old", [1, 2, 3, 4]), Sequence("new", [5, 6, 7, 8])
     scheduler.add(old)
     scheduler.add(new)
     run(scheduler.schedule())  # each holds one full block; the next token needs another
@@ -65,7 +65,7 @@ def test_newest_sequence_is_preempted_when_blocks_run_out():
 
 def test_finishing_frees_blocks_at_once():
     scheduler, manager = make(num_blocks=4)
-    seq = Sequence("a", [1, 2, 3, 4, 5], arrival=0)
+    seq = Sequence("a", [1, 2, 3, 4, 5])
     scheduler.add(seq)
     run(scheduler.schedule())
     scheduler.finish(seq)

@@ -14,7 +14,6 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections.abc import Mapping
 from collections.abc import Sequence as PySequence
@@ -111,7 +110,6 @@ class Engine:
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         )
         self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(
             ["prompt", "prompt_computed", "generated", "finished", "aborted", "preempted"], 0
@@ -141,7 +139,7 @@ class Engine:
         detokenizer = (
             IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         )
-        seq = Sequence(request_id, ids, next(self._arrivals))
+        seq = Sequence(request_id, ids)
         return Request(
             seq, prompt_text, params, detokenizer, make_generator(params, self.model.device)
         )

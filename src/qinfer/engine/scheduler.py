@@ -54,6 +54,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep:
+        """The next step: running sequences first (preempting the newest when blocks run
+        out), then waiting ones while tokens, sequence slots and blocks remain."""
         step = ScheduledStep()
         budget = self.max_num_batched_tokens
         i = 0

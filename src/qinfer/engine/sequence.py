@@ -20,11 +20,10 @@ class Sequence:
     has none computed and prefills prompt and output again.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], arrival: int) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.arrival = arrival  # admission order: the newest is preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []  # block ids holding positions 0, B, 2B, ...
         self.num_computed_tokens = 0

@@ -146,20 +146,22 @@ class Engine:
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a prompt, with a clear error when it is unusable."""
-        is_ids = isinstance(prompt, PySequence) and not isinstance(prompt, str) and prompt
-        if is_ids and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        if not isinstance(prompt, (str, PySequence)):
+            raise RequestError(
+                f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}"
+            )
+        if not prompt:
+            raise RequestError("prompt is empty: give some text or token ids")
+        if not isinstance(prompt, str) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             vocab = self.model.config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise RequestError(
                     f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
                 )
-            return None, ids
-        if isinstance(prompt, str) and not prompt:
-            raise RequestError("prompt is empty: give some text or token ids")
-        if isinstance(prompt, PySequence) and not prompt:
-            raise RequestError("prompt is empty: give some text or token ids")
+            return None, list(prompt)
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer: give token ids, or pass tokenizer=")
         try:

@@ -89,3 +89,19 @@ def test_growing_past_the_pool_is_an_error():
     manager = BlockManager(num_blocks=2, block_size=BLOCK)
     with pytest.raises(Exception, match="free blocks"):
         manager.grow(Sequence("a", list(range(9))), 9)
+
+
+def test_cached_free_block_count_follows_frees_hits_and_evictions():
+    manager = BlockManager(num_blocks=3, block_size=BLOCK)
+
+    def counted() -> int:
+        blocks = manager.blocks
+        return sum(blocks[i].content_id is not None for i in manager.free_blocks)
+
+    manager.free(computed(manager, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))  # 2 full blocks cached
+    assert manager.num_cached_free_blocks == counted() == 2
+    hit = Sequence("b", [1, 2, 3, 4, 0])
+    manager.allocate_prefix(hit)
+    assert manager.num_cached_free_blocks == counted() == 1
+    manager.grow(Sequence("c", [0] * 8), 8)  # the uncached block, then an eviction
+    assert manager.num_cached_free_blocks == counted() == 0

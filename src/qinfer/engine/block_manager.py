@@ -57,6 +57,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks nobody uses, least recently freed first (the next to be evicted).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_cached_free_blocks = 0  # free blocks still holding registered K/V
         self.cached: dict[int, int] = {}  # hash -> id of a registered block
         self._content_ids = itertools.count()
 
@@ -68,10 +69,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks no sequence uses (some still hold reusable prefix K/V)."""
         return len(self.free_blocks)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for i in self.free_blocks if self.blocks[i].content_id is not None)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Fresh blocks `seq` needs so that its table covers positions 0..num_tokens-1."""
@@ -88,7 +85,11 @@ class BlockManager:
         for _ in range(needed):
             block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
             block = self.blocks[block_id]
-            self._unregister(block)
+            if block.content_id is not None:  # evict: forget the prefix it held
+                self.num_cached_free_blocks -= 1
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.reset()
             block.ref_count = 1
             seq.block_table.append(block_id)
 
@@ -104,6 +105,7 @@ class BlockManager:
         for block in hits:
             if block.ref_count == 0:
                 del self.free_blocks[block.block_id]
+                self.num_cached_free_blocks -= 1
             block.ref_count += 1
             seq.block_table.append(block.block_id)
         seq.num_computed_tokens = seq.num_hashed_blocks = len(hits)
@@ -167,11 +169,7 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)  # nothing to keep
                 else:
                     self.free_blocks[block_id] = None  # most recently used: evicted last
+                    self.num_cached_free_blocks += 1
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-
-    def _unregister(self, block: Block) -> None:
-        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
-            del self.cached[block.hash]
-        block.reset()

@@ -2,7 +2,7 @@
 
 `KVPool` holds the keys and values of every layer as `num_blocks * block_size` token
 slots; slot `block_id * block_size + i` holds position i of that block. `BatchLayout`
-describes one step of the engine: which slots receive the new tokens of each row and
+describes one forward of the engine: which slots receive the new tokens of each row and
 which slots make up each row's history. `PagedCache` is the KV-cache protocol
 (`qinfer.kv_cache`) for one layer over the pool, so the unchanged attention layer runs
 over a batch of sequences that each sit at their own offset.
@@ -92,10 +92,15 @@ class BatchLayout:
         self.read_slots = read_slots.to(device)  # (B, S)
         self.query_positions = query_positions.to(device)
         self.key_positions = key_positions.to(device)
+        # Every row's history equally long: no key padding, bottom-right causal says it all.
+        self.dense = bool((total == S).all())
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """(B, 1, L, S) boolean: causal over each row's own history, inside `window`."""
+    def mask(self, window: int | None) -> Mask:
+        """(B, 1, L, S) boolean: causal over each row's own history, inside `window`; or
+        "causal" when that is all it says (lets attention use its causal fast paths)."""
+        if self.dense and window is None:
+            return "causal"
         if window not in self._masks:
             self._masks[window] = position_mask(self.query_positions, self.key_positions, window)
         return self._masks[window]
@@ -122,8 +127,9 @@ class PagedCache:
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write the real new k, v (B, Hkv, L, D) into the pool; return each row's history
-        (B, Hkv, S, D) with its (B, 1, L, S) mask. A caller's boolean mask is combined."""
+        """Write the new k, v (B, Hkv, L, D) into the pool; return each row's history
+        (B, Hkv, S, D) with its mask ("causal" or (B, 1, L, S) boolean). A caller's boolean
+        mask is combined with it."""
         B, H, L, D = k.shape
         layout = self.layout
         if layout.query_positions.shape != (B, L):
@@ -137,7 +143,7 @@ class PagedCache:
         )
         keys = self.keys[layout.read_slots].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D)
         values = self.values[layout.read_slots].transpose(1, 2)
-        allowed = layout.mask(self.window)
-        if isinstance(mask, torch.Tensor):
-            allowed = allowed & mask
-        return keys, values, layout.offsets, allowed
+        if isinstance(mask, torch.Tensor):  # the caller's own mask: combine explicitly
+            allowed = position_mask(layout.query_positions, layout.key_positions, self.window)
+            return keys, values, layout.offsets, allowed & mask
+        return keys, values, layout.offsets, layout.mask(self.window)

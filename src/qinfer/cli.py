@@ -206,12 +206,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers")
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        help="64 mixed requests: batching engine vs one by one (see bench/bench_engine.py)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from qinfer.bench import BenchSettings, format_report, run_benchmarks
 
+    if args.batch:
+        from qinfer.engine.benchmark import format_engine_report, run_engine_benchmark
+
+        report = run_engine_benchmark(
+            args.model, args.dtype, args.device, compare_hf=args.compare_hf
+        )
+        print(json.dumps(report, indent=2) if args.json else format_engine_report(report))
+        return 0
     settings = BenchSettings(
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,

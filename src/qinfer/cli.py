@@ -205,6 +205,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill length")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers")
     parser.add_argument(
         "--batch",
@@ -215,8 +218,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from qinfer.bench import BenchSettings, format_report, run_benchmarks
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise QinferError(f"--threads must be at least 1, got {args.threads}")
+        # On a shared machine, fewer threads than cores avoids OpenMP threads spinning
+        # while their partners wait to be scheduled.
+        torch.set_num_threads(args.threads)
     if args.batch:
         from qinfer.engine.benchmark import format_engine_report, run_engine_benchmark
 

@@ -91,6 +91,15 @@ def test_missing_tensor_names_it_and_its_file(copy):
     assert name in message and "model.safetensors" in message
 
 
+def test_untied_checkpoint_without_lm_head(copy):
+    # The good checkpoint is untied (tie_word_embeddings false): its lm_head is required.
+    assert json.loads((copy / "config.json").read_text())["tie_word_embeddings"] is False
+    rewrite_tensors(copy, lambda tensors: tensors.pop("lm_head.weight"))
+    with pytest.raises(WeightsError) as excinfo:
+        qinfer.load_model(copy, device="cpu")
+    assert "'lm_head.weight'" in error_line(excinfo)
+
+
 def test_tensor_of_wrong_shape_names_it_expected_and_got(copy):
     name = "model.layers.0.mlp.up_proj.weight"  # (intermediate 128, hidden 64)
 

@@ -64,7 +64,9 @@ class Transformer:
             )
         ]
         self.norm = RMSNorm(H, weights.tensor("model.norm.weight", (H,)), config.rms_norm_eps)
-        tied = config.tie_word_embeddings or not weights.has("lm_head.weight")
+        # Untied per config means the checkpoint must hold its own lm_head: tying it to the
+        # embeddings instead would be silently wrong output.
+        tied = config.tie_word_embeddings
         self.lm_head = self.embed_tokens if tied else weights.tensor("lm_head.weight", (V, H))
 
     def make_cache(

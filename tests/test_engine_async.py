@@ -114,3 +114,16 @@ def test_bad_requests_raise_before_streaming(engine):
         return out
 
     assert asyncio.run(main()).finished  # a finished id may be reused
+
+
+def test_shutdown_ends_open_streams_with_abort(engine):
+    async def main():
+        stream = engine.generate([1, 2, 3], GREEDY.replace(max_tokens=400))
+        first = await stream.__anext__()
+        engine.shutdown()
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not first.finished
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"

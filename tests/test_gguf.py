@@ -15,6 +15,17 @@ from qinfer.errors import ConfigError, WeightsError
 from qinfer.weights.gguf import GGUFWeights, open_gguf, read_gguf
 from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One torch thread for this module: on a machine whose cores are shared by parallel
+    test runs, torch's thread pool oversubscribed runs the SmolLM2 tests ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------- dequantization
 
 # Byte offsets of the fp16 scales in the block types `gguf.quants` cannot quantize: random

@@ -30,7 +30,13 @@ def one_torch_thread():
 
 # Byte offsets of the fp16 scales in the block types `gguf.quants` cannot quantize: random
 # bytes there would often be inf/NaN, so the synthetic blocks get finite scales.
-FP16_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+FP16_SCALE_OFFSETS = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
 
 
 def synthetic_tensor(qtype: Q, rows: int = 6, columns: int = 512) -> np.ndarray:
@@ -152,15 +158,16 @@ def tiny_llama_description(writer):
 
 
 def test_unsupported_quant_type_names_the_tensor_and_type(tmp_path):
-    weights = gguf.quants.quantize(np.ones((32, 32), np.float32), Q.Q5_0)
+    block_size, type_size = GGML_QUANT_SIZES[Q.IQ4_NL]
+    weights = np.zeros((32, 32 // block_size * type_size), np.uint8)  # a (32, 32) IQ4_NL tensor
     path = write_gguf(
-        tmp_path / "q5.gguf",
+        tmp_path / "iq4.gguf",
         "llama",
         {"blk.0.attn_q.weight": weights},
         tiny_llama_description,
-        raw_types={"blk.0.attn_q.weight": Q.Q5_0},
+        raw_types={"blk.0.attn_q.weight": Q.IQ4_NL},
     )
-    with pytest.raises(WeightsError, match=r"'blk\.0\.attn_q\.weight'.*Q5_0"):
+    with pytest.raises(WeightsError, match=r"'blk\.0\.attn_q\.weight'.*IQ4_NL"):
         qinfer.load_model(path, device="cpu")
 
 

@@ -9,7 +9,13 @@ Layouts (bytes, in file order; QK_K = 256):
 - Q8_0  (32 weights):  d:f16, q:int8[32]                      w = d * q
 - Q4_0  (32 weights):  d:f16, q:u4[32]                        w = d * (q - 8)
 - Q4_1  (32 weights):  d:f16, m:f16, q:u4[32]                 w = d * q + m
-- Q4_K  (256 weights): d, dmin:f16, scales:u6x16 (12 bytes), q:u4[256]
+- Q5_0  (32 weights):  d:f16, qh:u32 (fifth bits), q:u4[32]  w = d * (q - 16)
+- Q5_1  (32 weights):  d:f16, m:f16, qh:u32, q:u4[32]        w = d * q + m
+- Q2_K  (256 weights): scales:(u4 scale, u4 min)[16], q:u2[256], d, dmin:f16
+                       16 sub-blocks of 16: w = d * sc[j] * q - dmin * m[j]
+- Q3_K  (256 weights): hmask:u1[256], q:u2[256], scales:u6x16 (12 bytes), d:f16
+                       16 sub-blocks of 16: w = d * (sc[j] - 32) * (q - 4 * !hbit)
+- Q4_K  (256 weights): d, dmin:f16, scales:u6x8 + mins:u6x8 (12 bytes), q:u4[256]
                        8 sub-blocks of 32: w = d * sc[j] * q - dmin * m[j]
 - Q5_K  (256 weights): as Q4_K plus qh:u1[256] (32 bytes) holding each q's fifth bit
 - Q6_K  (256 weights): ql:u4[256], qh:u2[256], scales:int8[16], d:f16
@@ -79,6 +85,52 @@ def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
+def _fifth_bits(packed: torch.Tensor) -> torch.Tensor:
+    """(n, 4) uint8, one little-endian uint32 whose bit i belongs to value i -> (n, 32)."""
+    n = packed.shape[0]
+    return _unpack(packed, 4, 1).transpose(1, 2).reshape(n, 32)  # (n, bit, byte) -> value order
+
+
+def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks[:, :2])
+    low = _unpack(blocks[:, 6:], 16, 4).reshape(n, 32)
+    q = (low | (_fifth_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
+    return d * q.float()
+
+
+def dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    low = _unpack(blocks[:, 8:], 16, 4).reshape(n, 32)
+    q = (low | (_fifth_bits(blocks[:, 4:8]) << 4)).float()
+    return d * q + m
+
+
+def dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scales = blocks[:, :16]  # low nibble: scale, high nibble: min, of 16 sub-blocks of 16
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    q = _unpack(blocks[:, 16:80], 32, 2).reshape(n, 16, 16).float()
+    scale = (d * (scales & 15).float())[..., None]  # (n, 16, 1)
+    offset = (dmin * (scales >> 4).float())[..., None]
+    return (scale * q - offset).reshape(n, QK_K)
+
+
+def dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    # 16 6-bit scales: low 4 bits from bytes 96-103 (two per byte), top 2 from 104-107.
+    low = _unpack(blocks[:, 96:104], 8, 4).reshape(n, 16)
+    high = _unpack(blocks[:, 104:108], 4, 2).reshape(n, 16)
+    scales = (((low & 15) | ((high & 3) << 4)).to(torch.int8) - 32).float()
+    d = _f16(blocks[:, 108:110])
+    q_low = _unpack(blocks[:, 32:96], 32, 2).reshape(n, 16, 16)
+    # The third bit comes from hmask; a set bit means no -4 offset.
+    q_high = (_unpack(blocks[:, :32], 32, 1).reshape(n, 16, 16)) ^ 1
+    q = (q_low.to(torch.int8) - (q_high << 2).to(torch.int8)).float()
+    return ((d * scales)[..., None] * q).reshape(n, QK_K)
+
+
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
@@ -111,6 +163,10 @@ BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Te
     Q.Q8_0: dequantize_q8_0,
     Q.Q4_0: dequantize_q4_0,
     Q.Q4_1: dequantize_q4_1,
+    Q.Q5_0: dequantize_q5_0,
+    Q.Q5_1: dequantize_q5_1,
+    Q.Q2_K: dequantize_q2_k,
+    Q.Q3_K: dequantize_q3_k,
     Q.Q4_K: dequantize_q4_k,
     Q.Q5_K: dequantize_q5_k,
     Q.Q6_K: dequantize_q6_k,

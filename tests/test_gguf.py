@@ -157,6 +157,17 @@ def tiny_llama_description(writer):
     describe_model(config, "llama")(writer)
 
 
+def test_end_of_turn_tokens_join_the_eos_ids(tmp_path):
+    def describe(writer):
+        tiny_llama_description(writer)  # eos 2
+        writer.add_eot_token_id(5)  # Llama 3 Instruct's <|eot_id|> is stored like this
+        writer.add_eom_token_id(6)
+
+    path = write_gguf(tmp_path / "eot.gguf", "llama", {}, describe)
+    config, _ = open_gguf(path, lambda config: torch.float32, torch.device("cpu"))
+    assert config.eos_token_id == (2, 5, 6)
+
+
 def test_unsupported_quant_type_names_the_tensor_and_type(tmp_path):
     block_size, type_size = GGML_QUANT_SIZES[Q.IQ4_NL]
     weights = np.zeros((32, 32 // block_size * type_size), np.uint8)  # a (32, 32) IQ4_NL tensor

@@ -113,10 +113,12 @@ def small_byte_level_vocab():
     return tokens, meta["tokenizer.ggml.token_type"][:4000], merges
 
 
-def write_byte_level_gguf(path, vocab, pre):
+def write_byte_level_gguf(path, vocab, pre, more=lambda writer: None):
+    """A gpt2-model tokenizer GGUF; `more` adds metadata."""
     tokens, token_types, merges = vocab
 
     def describe(writer):
+        more(writer)
         writer.add_block_count(1)
         writer.add_context_length(64)
         writer.add_embedding_length(8)
@@ -145,6 +147,13 @@ def test_byte_level_pre_tokenizers_split_like_transformers(tmp_path, small_byte_
     for text in CORPUS:
         assert ours.encode(text) == reference.encode(text), text
         assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
+
+
+def test_end_of_turn_tokens_join_the_eos_ids(tmp_path, small_byte_level_vocab):
+    path = write_byte_level_gguf(
+        tmp_path / "tok.gguf", small_byte_level_vocab, "qwen2", lambda w: w.add_eot_token_id(7)
+    )
+    assert tokenizer_from_gguf(path).eos_token_ids == {2, 7}
 
 
 def test_unknown_pre_tokenizer_is_named(tmp_path, small_byte_level_vocab):

@@ -238,21 +238,22 @@ class Engine:
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
         """Append a sampled token, extend the text, and finish the request if it is done."""
-        seq, params = request.seq, request.params
+        seq, params, detokenizer = request.seq, request.params, request.detokenizer
         seq.token_ids.append(token_id)
         if request.logprobs is not None:
             request.logprobs.append(TokenLogprob(token_id, logprob, dict(top or ())))
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return self._finish(request, "stop")
-        if token_id in params.stop_token_ids:
-            return self._finish(request, "stop", token_id)
-        if request.detokenizer is not None:
-            request.text += request.detokenizer.push(token_id)
-            if request.detokenizer.stopped:
-                return self._finish(request, "stop", request.detokenizer.matched_stop)
+        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
+        if is_eos or token_id in params.stop_token_ids:
+            # End-of-sequence and stop tokens end the text without becoming part of it.
+            self._finish(request, "stop", None if is_eos else token_id)
+            return
+        if detokenizer is not None:
+            request.text += detokenizer.push(token_id)
+            if detokenizer.stopped:
+                self._finish(request, "stop", detokenizer.matched_stop)
+                return
         if seq.num_generated_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
-            return self._finish(request, "length")
-        return None
+            self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         request.finish_reason, request.stop_reason = reason, stop_reason

@@ -9,22 +9,24 @@
   `qinfer.generate` (sampling, stop checks and all), at batch 1 and at `batch_size` rows
   (for the batch, tokens of all rows per second). The first token, which the prefill
   produced, is not counted.
-- every figure is the fastest of `repeats` runs, after a warm-up.
 - weight GB/s: decode at batch 1 reads every weight once per token, so it is bound by
   memory bandwidth: bytes of weights read per step x steps per second, to set against
   the machine's bandwidth. The embedding table is not counted (a step reads one row of
   it) unless it doubles as the lm_head.
-- peak memory: the process's peak RSS on CPU (reset before loading when Linux allows),
-  `torch.cuda.max_memory_allocated` on CUDA.
+- peak memory: what loading the model and running each measurement once added to the
+  process: peak RSS (VmHWM, reset before loading where Linux allows) over the RSS before,
+  on CPU; `torch.cuda.max_memory_allocated` over the allocated bytes before, on CUDA.
+- every speed is the fastest of `repeats` rounds, after that warm-up.
 
 `--compare-hf` measures `transformers` on the same checkpoint (an HF folder, or a GGUF
-file through transformers' GGUF loading, which dequantizes it) in the same process, after
-qinfer's model is freed, and reports qinfer / transformers ratios: on a shared machine
-absolute times are noise, ratios from one run are evidence.
+file through transformers' GGUF loading, which dequantizes it) in the same process and
+reports qinfer / transformers ratios. The timed rounds alternate between the two engines:
+on a shared machine absolute times are noise, ratios from one run are evidence.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import resource
 import time
@@ -70,7 +72,28 @@ class EngineFigures:
     batch_decode_tokens_per_second: float  # batch_size rows, all rows' tokens
     weight_bytes_per_step: int
     weight_gb_per_second: float  # at batch 1
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # above what the process held before loading this engine
+
+
+@dataclass
+class Runner:
+    """One engine, loaded, as the benchmark drives it.
+
+    prefill: run a (1, P) prompt through the model (last-position logits only).
+    decode_seconds: greedy-generate n tokens for each row of (B, P) prompts; return the
+        seconds from the first token (which the prefill produced) to the last.
+    """
+
+    name: str
+    prefill: Callable[[torch.Tensor], object]
+    decode_seconds: Callable[[torch.Tensor, int], float]
+    weight_bytes: int
+    model: object  # the loaded model
+    peak_memory_bytes: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
 
 def run_benchmarks(
@@ -80,16 +103,29 @@ def run_benchmarks(
     settings: BenchSettings,
     compare_hf: bool = False,
 ) -> dict:
-    """Measure qinfer (and transformers with compare_hf) on one checkpoint; a JSON-ready dict."""
+    """Measure qinfer (and transformers with compare_hf) on one checkpoint; a JSON-ready dict.
+
+    Each engine is loaded and warmed up alone (its peak memory is taken then); the timed
+    runs then alternate between the engines, so that a change in the machine's load
+    touches both alike.
+    """
     path = resolve_model(model_spec)
     device = torch.device(device) if device is not None else default_device()
-    reset_peak_memory(device)
-    model = load_model(path, dtype=dtype, device=device)
-    if settings.prompt_tokens + settings.decode_tokens > model.config.max_position_embeddings:
-        raise QinferError(
-            f"prompt_tokens + decode_tokens ({settings.prompt_tokens + settings.decode_tokens}) "
-            f"exceed the model's context ({model.config.max_position_embeddings})"
+
+    def load_qinfer() -> Runner:
+        model = load_model(path, dtype=dtype, device=device)
+        needed, limit = (
+            settings.prompt_tokens + settings.decode_tokens,
+            model.config.max_position_embeddings,
         )
+        if needed > limit:
+            raise QinferError(
+                f"prompt_tokens + decode_tokens ({needed}) exceed the model's context ({limit})"
+            )
+        return qinfer_runner(model)
+
+    runners = [load_alone(load_qinfer, device, settings)]
+    model = runners[0].model
     report = {
         "model": str(path),
         "model_type": model.config.model_type,
@@ -98,19 +134,16 @@ def run_benchmarks(
         "threads": torch.get_num_threads(),
         "settings": asdict(settings),
     }
-    prompts = random_prompts(settings, model.config.vocab_size)
-    qinfer_figures = bench_qinfer(model, prompts, settings)
-    report["qinfer"] = asdict(qinfer_figures)
     if compare_hf:
-        model_dtype = model.dtype
-        del model
-        gc.collect()
-        reset_peak_memory(device)
-        reference = load_transformers(path, model_dtype, device)
-        hf_figures = bench_transformers(reference, prompts, settings)
-        report["transformers"] = asdict(hf_figures)
+        load_reference = functools.partial(transformers_runner, path, model.dtype, device)
+        runners.append(load_alone(load_reference, device, settings))
+    figures = measure(runners, settings, model.config.vocab_size)
+    for f in figures:
+        report[f.engine] = asdict(f)
+    if compare_hf:
+        ours, theirs = figures
         report["qinfer_over_transformers"] = {
-            name: round(getattr(qinfer_figures, name) / getattr(hf_figures, name), 3)
+            name: round(getattr(ours, name) / getattr(theirs, name), 3)
             for name in (
                 "prefill_tokens_per_second",
                 "decode_tokens_per_second",
@@ -128,40 +161,68 @@ def random_prompts(settings: BenchSettings, vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, shape, generator=generator)
 
 
+def load_alone(load: Callable[[], Runner], device: torch.device, settings: BenchSettings) -> Runner:
+    """Load an engine and run each measurement once (a warm-up); its peak memory is what
+    loading and running it added to what the process held before."""
+    gc.collect()
+    before = current_memory(device)
+    reset_peak_memory(device)
+    runner = load()
+    warm = random_prompts(settings, 2)  # any ids: ids 0 and 1 exist in every vocabulary
+    runner.prefill(warm[:1].to(device))
+    runner.decode_seconds(warm.to(device), 2)
+    runner.peak_memory_bytes = max(peak_memory(device) - before, 0)
+    return runner
+
+
+def measure(runners: list[Runner], settings: BenchSettings, vocab_size: int) -> list:
+    """EngineFigures per runner: the fastest of `repeats` rounds, the engines alternating."""
+    prompts = random_prompts(settings, vocab_size)
+    n = settings.decode_tokens
+    best: dict[str, dict[str, float]] = {r.name: {} for r in runners}
+    for _ in range(settings.repeats):
+        for r in runners:
+            rows = prompts.to(r.device)
+            times = {
+                "prefill": time_once(lambda r=r, rows=rows: r.prefill(rows[:1]), r.device),
+                "single": r.decode_seconds(rows[:1], n),
+                "batch": r.decode_seconds(rows, n),
+            }
+            for key, seconds in times.items():
+                best[r.name][key] = min(seconds, best[r.name].get(key, float("inf")))
+    figures = []
+    for r in runners:
+        b = best[r.name]
+        single = (n - 1) / b["single"]
+        figures.append(
+            EngineFigures(
+                engine=r.name,
+                prefill_tokens_per_second=settings.prompt_tokens / b["prefill"],
+                decode_tokens_per_second=single,
+                batch_decode_tokens_per_second=settings.batch_size * (n - 1) / b["batch"],
+                weight_bytes_per_step=r.weight_bytes,
+                weight_gb_per_second=r.weight_bytes * single / 1e9,
+                peak_memory_bytes=r.peak_memory_bytes,
+            )
+        )
+    return figures
+
+
 # --- qinfer ---------------------------------------------------------------------------
 
 
-def bench_qinfer(model: Transformer, prompts: torch.Tensor, settings: BenchSettings):
-    """EngineFigures of a loaded qinfer model; prompts (batch_size, prompt_tokens)."""
-    first = prompts[:1].to(model.device)  # (1, prompt_tokens)
+def qinfer_runner(model: Transformer) -> Runner:
+    """Prefill through the model, decode through `generate_ids` (sampling, stop checks)."""
 
-    def prefill() -> None:
-        cache = model.make_cache(1, max_length=first.shape[1])
-        model(first, cache=cache, last_only=True)
+    def prefill(prompt: torch.Tensor) -> None:
+        model(prompt, cache=model.make_cache(1, max_length=prompt.shape[1]), last_only=True)
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=settings.decode_tokens, ignore_eos=True)
+    def decode_seconds(rows: torch.Tensor, n: int) -> float:
+        greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        results = generate_ids(model, rows.tolist(), greedy)
+        return max(r.timings.decode_seconds for r in results)
 
-    def decode_tokens_per_second(rows: torch.Tensor) -> float:
-        """The best of `repeats` runs; decode time excludes the prefill's first token."""
-        seconds = min(
-            max(r.timings.decode_seconds for r in generate_ids(model, rows.tolist(), greedy))
-            for _ in range(settings.repeats)
-        )
-        return rows.shape[0] * (settings.decode_tokens - 1) / seconds
-
-    generate_ids(model, prompts[:1, :8].tolist(), greedy.replace(max_tokens=2))  # warm-up
-    prefill_seconds = best_time(prefill, settings.repeats, model.device)
-    single = decode_tokens_per_second(prompts[:1])
-    weight_bytes = weight_bytes_per_step(model)
-    return EngineFigures(
-        engine="qinfer",
-        prefill_tokens_per_second=settings.prompt_tokens / prefill_seconds,
-        decode_tokens_per_second=single,
-        batch_decode_tokens_per_second=decode_tokens_per_second(prompts),
-        weight_bytes_per_step=weight_bytes,
-        weight_gb_per_second=weight_bytes * single / 1e9,
-        peak_memory_bytes=peak_memory(model.device),
-    )
+    return Runner("qinfer", prefill, decode_seconds, weight_bytes_per_step(model), model)
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -190,62 +251,55 @@ def weight_bytes_per_step(model: Transformer) -> int:
 # --- transformers -----------------------------------------------------------------------
 
 
-def load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
-    """The same checkpoint as a transformers model (GGUF through its gguf_file loader)."""
+def transformers_runner(path: Path, dtype: torch.dtype, device: torch.device) -> Runner:
+    """The same checkpoint in transformers (GGUF through its gguf_file loader, which
+    dequantizes), driven through `model.generate` with EOS suppressed."""
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
     except ImportError:
         raise QinferError("--compare-hf needs transformers: pip install transformers") from None
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
+    model = model.to(device).eval()
 
+    class FirstStepClock(LogitsProcessor):
+        """Notes when generate first asks for a token: the prefill forward is done."""
 
-def bench_transformers(model, prompts: torch.Tensor, settings: BenchSettings) -> EngineFigures:
-    """EngineFigures of a transformers model, measured like `bench_qinfer`: decode time is
-    generate(n tokens) - generate(1 token), both greedy with EOS suppressed."""
-    device = model.device
-    prompts = prompts.to(device)
+        started: float | None = None
 
-    def run_generate(rows: torch.Tensor, new_tokens: int) -> None:
+        def __call__(self, input_ids, scores):
+            if self.started is None:
+                synchronize(device)
+                self.started = time.perf_counter()
+            return scores
+
+    @torch.inference_mode()
+    def prefill(prompt: torch.Tensor) -> None:
+        model(prompt, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def decode_seconds(rows: torch.Tensor, n: int) -> float:
+        clock = FirstStepClock()
         model.generate(
             rows,
             attention_mask=torch.ones_like(rows),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            max_new_tokens=n,
+            min_new_tokens=n,
             do_sample=False,
             pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
         )
+        synchronize(device)
+        return time.perf_counter() - clock.started
 
-    def decode_tokens_per_second(rows: torch.Tensor) -> float:
-        n, repeats = settings.decode_tokens, settings.repeats
-        with_prefill = min(time_once(lambda: run_generate(rows, n), device) for _ in range(repeats))
-        prefill_only = min(time_once(lambda: run_generate(rows, 1), device) for _ in range(repeats))
-        return rows.shape[0] * (n - 1) / (with_prefill - prefill_only)
-
-    with torch.inference_mode():
-        run_generate(prompts[:1, :8], 2)  # warm-up
-        prefill_seconds = best_time(
-            lambda: model(prompts[:1], logits_to_keep=1), settings.repeats, device
-        )
-        single = decode_tokens_per_second(prompts[:1])
-        batch = decode_tokens_per_second(prompts)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not tied:
+    if not tied:  # a step reads one row of the embedding table
         embedding = model.get_input_embeddings().weight
         weight_bytes -= embedding.numel() * embedding.element_size()
-    return EngineFigures(
-        engine="transformers",
-        prefill_tokens_per_second=settings.prompt_tokens / prefill_seconds,
-        decode_tokens_per_second=single,
-        batch_decode_tokens_per_second=batch,
-        weight_bytes_per_step=weight_bytes,
-        weight_gb_per_second=weight_bytes * single / 1e9,
-        peak_memory_bytes=peak_memory(device),
-    )
+    return Runner("transformers", prefill, decode_seconds, weight_bytes, model)
 
 
 # --- timing and memory ------------------------------------------------------------------
@@ -258,12 +312,6 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - start
-
-
-def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """The fastest of `repeats` runs (after one untimed warm-up run)."""
-    time_once(fn, device)
-    return min(time_once(fn, device) for _ in range(repeats))
 
 
 def synchronize(device: torch.device) -> None:
@@ -282,17 +330,30 @@ def reset_peak_memory(device: torch.device) -> None:
         pass  # elsewhere the peak covers the whole process
 
 
+def current_memory(device: torch.device) -> int:
+    """Bytes held now: allocated on CUDA, resident (VmRSS) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS:") or 0
+
+
 def peak_memory(device: torch.device) -> int:
     """Peak bytes since `reset_peak_memory`: allocated on CUDA, resident on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    peak = _proc_status_bytes("VmHWM:")
+    return peak or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory figure from Linux's /proc/self/status (reported in kB), None elsewhere."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # reported in kB
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    return None
 
 
 def format_report(report: dict) -> str:

@@ -19,6 +19,7 @@ Sliding-window layers keep their whole history in the pool and are masked to the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
 from qinfer.errors import CacheError
@@ -112,6 +113,13 @@ def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> to
     return blocks * block_size + positions % block_size
 
 
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool (slots, Hkv, D) read at slots (B, S) -> (B, S, Hkv, D). An embedding lookup of
+    whole rows: on CPU about 3x faster than advanced indexing."""
+    rows = pool.view(pool.shape[0], -1)  # (slots, Hkv * D)
+    return F.embedding(slots, rows).view(*slots.shape, *pool.shape[1:])
+
+
 class PagedCache:
     """The KV-cache protocol for one layer over a `KVPool`, for the rows of a `BatchLayout`."""
 
@@ -141,8 +149,8 @@ class PagedCache:
         self.values[layout.write_slots] = (
             v.transpose(1, 2).reshape(B * L, H, D).to(self.values.dtype)
         )
-        keys = self.keys[layout.read_slots].transpose(1, 2)  # (B, S, Hkv, D) -> (B, Hkv, S, D)
-        values = self.values[layout.read_slots].transpose(1, 2)
+        keys = _gather(self.keys, layout.read_slots).transpose(1, 2)  # (B, Hkv, S, D)
+        values = _gather(self.values, layout.read_slots).transpose(1, 2)
         if isinstance(mask, torch.Tensor):  # the caller's own mask: combine explicitly
             allowed = position_mask(layout.query_positions, layout.key_positions, self.window)
             return keys, values, layout.offsets, allowed & mask

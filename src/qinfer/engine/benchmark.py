@@ -22,10 +22,10 @@ import gc
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from qinfer.bench import load_transformers, reset_peak_memory, synchronize
 from qinfer.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError
@@ -107,9 +107,8 @@ def run_engine_benchmark(
         model_dtype = model.dtype
         del model
         gc.collect()
-        reset_peak_memory(device)
         report["transformers"] = _bench_transformers(
-            load_transformers(path, model_dtype, device), prompts, lengths
+            _load_transformers(path, model_dtype, device), prompts, lengths
         )
     engine_rate = report["engine"]["output_tokens_per_second"]
     for other in ("one_by_one", "transformers"):
@@ -133,6 +132,21 @@ def _bench_engine(model, prompts, params, wanted: int, engine_args: dict) -> dic
         "kv_blocks_total": stats.kv_blocks_total,
         "engine_args": {k: v for k, v in asdict(llm.engine.config).items() if v is not None},
     }
+
+
+def _load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
+    """The same checkpoint as a transformers model (a GGUF file through its gguf_file loader)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise QinferError(
+            "comparing with transformers needs it: pip install transformers"
+        ) from None
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
 
 
 def _bench_transformers(model, prompts: list[list[int]], lengths: list[int]) -> dict:
@@ -167,10 +181,13 @@ def _bench_transformers(model, prompts: list[list[int]], lengths: list[int]) -> 
 
 
 def _timed(fn, device: torch.device) -> float:
-    synchronize(device)
+    """Seconds fn takes, the device's queued work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     fn()
-    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 

@@ -142,7 +142,8 @@ class PagedCache:
         layout = self.layout
         if layout.query_positions.shape != (B, L):
             raise CacheError(
-                f"paged cache laid out for {tuple(layout.query_positions.shape)} tokens, got {(B, L)}"
+                f"paged cache laid out for (rows, tokens) {tuple(layout.query_positions.shape)}, "
+                f"got {(B, L)}"
             )
         # (B, Hkv, L, D) -> (B * L, Hkv, D), row-major like write_slots
         self.keys[layout.write_slots] = k.transpose(1, 2).reshape(B * L, H, D).to(self.keys.dtype)

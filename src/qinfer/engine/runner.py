@@ -1,4 +1,4 @@
-"""Runs one scheduled step through the model: sizes the KV pool, lays out the batch, returns logits."""
+"""One scheduled step through the model: the KV pool, its size, and the logits of each row."""
 
 from __future__ import annotations
 

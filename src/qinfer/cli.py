@@ -205,6 +205,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill length")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the best counts")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
@@ -240,6 +241,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,
         batch_size=args.batch_size,
+        repeats=args.repeats,
     )
     report = run_benchmarks(args.model, args.dtype, args.device, settings, args.compare_hf)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -22,10 +22,17 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
+
+if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
+    from qinfer.generate import GenerationResult, TextStream
+    from qinfer.model import Transformer
+    from qinfer.sampling import SamplingParams
+    from qinfer.tokenizer import Tokenizer
 
 USAGE_ERROR = 2
 
@@ -70,7 +77,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="a system message for the chat template")
 
 
-def load_model_and_tokenizer(args: argparse.Namespace):
+def load_model_and_tokenizer(
+    args: argparse.Namespace,
+) -> tuple[Path, Transformer, Tokenizer]:
     """(path, model, tokenizer) for --model / --dtype / --device."""
     from qinfer.checkpoint import resolve_model
     from qinfer.model import load_model
@@ -82,7 +91,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     return path, model, tokenizer
 
 
-def sampling_params(args: argparse.Namespace, path):
+def sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
+    """The sampling flags given, over the checkpoint's generation config."""
     from qinfer.sampling import SamplingParams
 
     return SamplingParams.from_generation_config(
@@ -95,7 +105,7 @@ def sampling_params(args: argparse.Namespace, path):
     )
 
 
-def stream_to(out: TextIO, stream) -> None:
+def stream_to(out: TextIO, stream: TextStream) -> None:
     """Write a TextStream's deltas as they come, then a newline."""
     for delta in stream:
         out.write(delta)
@@ -104,7 +114,7 @@ def stream_to(out: TextIO, stream) -> None:
     out.flush()
 
 
-def print_stats(result) -> None:
+def print_stats(result: GenerationResult) -> None:
     """Token counts and speeds of one GenerationResult, on stderr (stdout holds the text)."""
     t = result.timings
     print(

@@ -214,14 +214,10 @@ def generate(
         SamplingParams()).
     """
     batch = _is_batch(prompt)
-    prompts = list(prompt) if batch else [prompt]
-    if not prompts:
-        raise QinferError("the batch of prompts is empty")
-    rows = _encode_rows(model, tokenizer, prompts, params, chat, template_kwargs)
-    started_at = time.perf_counter()
-    for _ in _run(model, rows):
-        pass
-    results = [row.result(started_at) for row in rows]
+    rows = _encode_rows(
+        model, tokenizer, list(prompt) if batch else [prompt], params, chat, template_kwargs
+    )
+    results = _run_to_end(model, rows)
     return results if batch else results[0]
 
 
@@ -231,9 +227,13 @@ class TextStream:
 
     def __init__(self, model: Transformer, row: _Row) -> None:
         self._model, self._row = model, row
+        self._started = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        if self._started:
+            raise QinferError("a TextStream can be read only once")
+        self._started = True
         started_at = time.perf_counter()
         for _, delta in _run(self._model, [self._row]):
             if delta:
@@ -276,10 +276,7 @@ def generate_ids(
     if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
         raise QinferError("prompt_ids must hold at least one non-empty row of token ids")
     rows = _make_rows(model, [list(ids) for ids in prompt_ids], params, eos_ids, None)
-    started_at = time.perf_counter()
-    for _ in _run(model, rows):
-        pass
-    return [row.result(started_at) for row in rows]
+    return _run_to_end(model, rows)
 
 
 def _encode_rows(
@@ -332,6 +329,13 @@ def _make_rows(
         )
         for ids, p in zip(encoded, params_list, strict=True)
     ]
+
+
+def _run_to_end(model: Transformer, rows: list[_Row]) -> list[GenerationResult]:
+    started_at = time.perf_counter()
+    for _ in _run(model, rows):
+        pass
+    return [row.result(started_at) for row in rows]
 
 
 def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:

@@ -236,3 +236,11 @@ def test_one_params_per_prompt_is_enforced(qwen3):
     model, tokenizer, _ = qwen3
     with pytest.raises(QinferError, match="SamplingParams"):
         generate(model, tokenizer, PROMPTS, [GREEDY, GREEDY])
+
+
+def test_a_stream_is_read_once(qwen3):
+    model, tokenizer, _ = qwen3
+    stream = stream_generate(model, tokenizer, "Hi", GREEDY.replace(max_tokens=2))
+    list(stream)
+    with pytest.raises(QinferError, match="once"):
+        list(stream)

@@ -92,10 +92,12 @@ class Engine:
         model: Transformer,
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
+        default_params: SamplingParams | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
+        self.default_params = default_params or SamplingParams()  # for requests without any
         self.runner = ModelRunner(model, self.config)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
@@ -121,7 +123,7 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
         """Check and encode a request without touching the engine's state (thread-safe)."""
-        params = SamplingParams() if params is None else params
+        params = self.default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -296,12 +298,15 @@ def build_engine(
     engine_args: dict,
 ) -> Engine:
     """An Engine from a loaded model or a checkpoint path (whose tokenizer is loaded too,
-    when it has one and none is given)."""
+    when it has one and none is given, and whose generation_config.json gives the sampling
+    defaults of requests that bring no SamplingParams)."""
     config = EngineConfig.from_kwargs(**engine_args)
+    default_params = None
     if isinstance(model_or_path, Transformer):
         model = model_or_path
     else:
         model = load_model(model_or_path, dtype=dtype, device=device)
+        default_params = SamplingParams.from_generation_config(model_or_path)
         if tokenizer is None:
             try:
                 tokenizer = load_tokenizer(model_or_path)
@@ -309,4 +314,4 @@ def build_engine(
                 tokenizer = None  # a checkpoint without a tokenizer serves token ids only
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
-    return Engine(model, tokenizer, config)
+    return Engine(model, tokenizer, config, default_params)

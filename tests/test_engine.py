@@ -242,3 +242,35 @@ def test_engine_arguments_are_checked_by_name(model):
         LLM(model, block_size=0)
     with pytest.raises(QinferError, match="holds no block"):
         LLM(model, kv_cache_memory=10)
+
+
+def test_block_accounting_holds_through_random_adds_aborts_and_preemptions(model, pools):
+    """After every step each block's reference count equals the tables that hold it, free
+    blocks are exactly those nobody holds, and waiting sequences hold nothing."""
+    from collections import Counter
+
+    llm = make_llm(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=8)
+    pools.append(llm)
+    engine, rng = llm.engine, random.Random(7)
+    shared = list(range(100, 112))  # three full blocks many prompts start with
+    live: list[str] = []
+    for step in range(120):
+        if rng.random() < 0.4:
+            tail = random_prompts(step, 1, longest=10)[0]
+            live.append(
+                engine.add_request(shared + tail, GREEDY.replace(max_tokens=rng.randint(1, 16)))
+            )
+        if live and rng.random() < 0.1:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        manager = engine.block_manager
+        held = Counter(b for seq in engine.scheduler.running for b in seq.block_table)
+        for block in manager.blocks:
+            assert block.ref_count == held[block.block_id]
+            assert (block.ref_count == 0) == (block.block_id in manager.free_blocks)
+        assert all(not seq.block_table for seq in engine.scheduler.waiting)
+    for request_id in live:
+        engine.abort(request_id)
+    assert engine.stats().preemptions_total > 0 and engine.stats().prefix_cache_hits > 0

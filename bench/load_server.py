@@ -13,8 +13,9 @@ Per level it reports requests/s, generated tokens/s, time to first token (reques
 -> first content event) and inter-token latency (gap between content events) as
 p50/p90/p99. Each SSE event carries one engine output (usually one token), so the
 inter-token latency is per event. The peer, measured in the same run once the server is
-gone: the same chats through `qinfer.LLM` in-process (no HTTP) at the same batch size;
-server/offline tokens/s is what the HTTP layer keeps of the engine's throughput.
+gone: the same chats, at the same concurrency, through an `AsyncEngine` in this process
+(the engine the server wraps, without HTTP); server/direct tokens/s is the share of the
+engine's throughput that survives the HTTP layer.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def format_table(levels: list[dict]) -> str:
 
     lines = [
         "conc  req/s   tok/s  tokens/req |  TTFT p50  p90      p99  (ms) |"
-        "  ITL p50   p90      p99  (ms) | failed | offline tok/s  server/offline"
+        "  ITL p50   p90      p99  (ms) | failed | direct tok/s  server/direct"
     ]
     for level in levels:
         ttft, itl = level["ttft_s"], level["itl_s"]
@@ -154,32 +155,44 @@ def format_table(levels: list[dict]) -> str:
             f" {level['mean_tokens']:10.1f} | {ms(ttft, 'p50')}{ms(ttft, 'p90')}{ms(ttft, 'p99')}      |"
             f" {ms(itl, 'p50')}{ms(itl, 'p90')}{ms(itl, 'p99')}      | {level['failed']:6d} |"
         )
-        if "offline_tokens_per_s" in level:
-            offline = level["offline_tokens_per_s"]
-            lines[-1] += f" {offline:13.1f}  {level['tokens_per_s'] / offline:14.2f}"
+        if "direct_tokens_per_s" in level:
+            direct = level["direct_tokens_per_s"]
+            lines[-1] += f" {direct:12.1f}  {level['tokens_per_s'] / direct:13.2f}"
     return "\n".join(lines)
 
 
-def offline_figures(model: str | None, levels: list[dict], max_tokens: int) -> None:
-    """The peer in the same run: the same chats through `qinfer.LLM` in this process, no
-    HTTP, at each level's concurrency (max_num_seqs); adds offline tok/s to each level."""
-    from qinfer import LLM, load_model, load_tokenizer
+def direct_figures(model: str | None, levels: list[dict], max_tokens: int) -> None:
+    """The peer in the same run: the same chats through an `AsyncEngine` in this process
+    (the engine the server wraps, set up alike), no HTTP; adds direct tok/s to each level."""
     from qinfer.checkpoint import resolve_model
+    from qinfer.engine import AsyncEngine
     from qinfer.sampling import SamplingParams
 
     path = resolve_model(model)
-    weights, tokenizer = load_model(path), load_tokenizer(path)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    for level in levels:
-        chats = [
-            [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-            for i in range(level["requests"])
-        ]
-        llm = LLM(weights, tokenizer, max_num_seqs=level["concurrency"])
+
+    async def run(engine: AsyncEngine, level: dict) -> None:
+        gate = asyncio.Semaphore(level["concurrency"])
+
+        async def one(i: int) -> int:
+            chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+            tokens = 0
+            async with gate:
+                async for output in engine.generate(chat, params):
+                    tokens = output.num_generated_tokens
+            return tokens
+
         start = time.perf_counter()
-        outputs = llm.generate(chats, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        level["offline_tokens_per_s"] = sum(o.num_generated_tokens for o in outputs) / elapsed
+        tokens = await asyncio.gather(*(one(i) for i in range(level["requests"])))
+        level["direct_tokens_per_s"] = sum(tokens) / (time.perf_counter() - start)
+
+    engine = AsyncEngine(path, max_num_seqs=max(level["concurrency"] for level in levels))
+    try:
+        asyncio.run(run(engine, {"concurrency": 1, "requests": 1}))  # warm-up, as for the server
+        for level in levels:
+            asyncio.run(run(engine, level))
+    finally:
+        engine.shutdown()
 
 
 def free_port() -> int:
@@ -237,9 +250,9 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
-        "--no-offline",
+        "--no-direct",
         action="store_true",
-        help="skip the peer run (the same chats through qinfer.LLM, without HTTP)",
+        help="skip the peer run (the same chats through an in-process AsyncEngine, no HTTP)",
     )
     args = parser.parse_args()
     if not 1 <= args.requests <= 256 or not 1 <= args.max_tokens <= 512:
@@ -266,8 +279,8 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=30)
     # After the server has gone, so that the two never share the CPUs.
-    if not args.no_offline and (args.model or not args.url):
-        offline_figures(args.model, levels, args.max_tokens)
+    if not args.no_direct and (args.model or not args.url):
+        direct_figures(args.model, levels, args.max_tokens)
     print(json.dumps(levels, indent=2) if args.json else format_table(levels))
 
 

@@ -55,13 +55,13 @@ ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=160
 # --- the checkpoint ----------------------------------------------------------------------
 
 
-def plant_path(model, path: list[int], avoid: list[int]) -> None:
+def plant_path(model, path: list[int]) -> None:
     """Make `model` (a transformers Qwen3 with untied head) follow `path` token by token.
 
     Hidden dimension k carries "the current token is path[k]": only that token's
     embedding has it, and only the head row of path[k + 1] reads it. The embeddings are
     scaled up so the random layers barely move the residual stream. One more dimension,
-    present in every embedding, pushes the `avoid` tokens (the path's and EOS) down
+    present in every embedding, pushes the path's tokens (EOS last among them) down
     everywhere else, so random text does not stumble into the path or stop.
     """
     steps, bias_dim = len(path) - 1, len(path) - 1
@@ -70,7 +70,7 @@ def plant_path(model, path: list[int], avoid: list[int]) -> None:
         embed.mul_(20)
         embed[:, : steps + 1] = 0
         embed[:, bias_dim] = 5.0
-        for token in avoid:
+        for token in path:
             head[token] = 0
             head[token, bias_dim] = -1.0
         for k, (current, following) in enumerate(zip(path, path[1:], strict=False)):
@@ -106,7 +106,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
     think, answer = ids("<think>The answer</think>"), ids("\n\nHello")
     path = [*ids("\n"), *think, *answer, im_end]
-    plant_path(model, path, avoid=[*ids("\n"), *think, *answer, im_end])
+    plant_path(model, path)
     model.save_pretrained(folder)
     return folder
 

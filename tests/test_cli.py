@@ -82,6 +82,14 @@ def test_chat_keeps_history_and_reset_forgets_it(folder, loaded):
     assert done.stdout == "".join(reply + "\n" for reply in replies)
 
 
+def test_chat_reports_a_turn_too_long_for_the_context_and_goes_on(folder, loaded):
+    too_long = "x" * 600  # 600 byte tokens; the context holds 512
+    done = run_cli("chat", "--model", str(folder), *GREEDY_FLAGS, stdin=f"{too_long}\nHello\n")
+    assert done.returncode == 0, done.stderr
+    assert "qinfer: error: " in done.stderr and "context" in done.stderr
+    assert done.stdout == expected_reply(loaded, [{"role": "user", "content": "Hello"}]) + "\n"
+
+
 def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
     done = run_cli("generate", "--model", str(tmp_path / "missing"), "Hi")
     assert done.returncode == 2

@@ -170,7 +170,10 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """Read user turns line by line from stdin (a terminal or a pipe) until /exit or EOF."""
+    """Read user turns line by line from stdin (a terminal or a pipe) until /exit or EOF.
+
+    A turn the model cannot take (the conversation outgrew the context) is reported on
+    stderr and left out of the history; the chat goes on."""
     from qinfer.generate import stream_generate
 
     path, model, tokenizer = load_model_and_tokenizer(args)
@@ -197,13 +200,17 @@ def run_chat(args: argparse.Namespace) -> int:
             messages = list(start)
             print("(conversation reset)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        stream = stream_generate(model, tokenizer, messages, params)
+        turn = [*messages, {"role": "user", "content": line}]
+        try:
+            stream = stream_generate(model, tokenizer, turn, params)
+        except QinferError as error:  # e.g. the conversation outgrew the context
+            print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
+            continue
         stream_to(sys.stdout, stream)
         result = stream.result
         # Chat templates drop past reasoning themselves; keep only the answer in history.
         reply = result.answer if result.answer is not None else result.text
-        messages.append({"role": "assistant", "content": reply})
+        messages = [*turn, {"role": "assistant", "content": reply}]
         print_stats(result)
 
 

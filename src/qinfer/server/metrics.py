@@ -89,7 +89,7 @@ class ServerMetrics:
         )
         self.time_to_first_token = Histogram(
             "qinfer_time_to_first_token_seconds",
-            "From request arrival to its first generated token",
+            "From handing a request to the engine (queueing included) to its first token",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -101,7 +101,7 @@ class ServerMetrics:
         )
         self.request_latency = Histogram(
             "qinfer_request_latency_seconds",
-            "From request arrival to its last token",
+            "From handing a request to the engine to its last token",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )

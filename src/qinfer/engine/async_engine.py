@@ -78,7 +78,13 @@ class AsyncEngine:
             raise QinferError("the engine is shut down")
         request = self.engine.make_request(prompt, params, request_id)
         request_id = request.seq.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise QinferError(
+                "AsyncEngine.add_request must be called from a running asyncio event loop"
+            ) from None
+        stream = _Stream(loop, asyncio.Queue())
         with self._streams_lock:
             if request_id in self._streams:
                 raise RequestError(f"request_id {request_id!r} is already in use")

@@ -13,7 +13,7 @@ from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
 
 import qinfer
 from qinfer import SamplingParams, generate
-from qinfer.cli import main
+from qinfer.cli import build_parser, main, sampling_params
 
 GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
 
@@ -88,6 +88,13 @@ def test_chat_reports_a_turn_too_long_for_the_context_and_goes_on(folder, loaded
     assert done.returncode == 0, done.stderr
     assert "qinfer: error: " in done.stderr and "context" in done.stderr
     assert done.stdout == expected_reply(loaded, [{"role": "user", "content": "Hello"}]) + "\n"
+
+
+def test_sampling_defaults_come_from_the_generation_config_else_greedy(tmp_path):
+    args = build_parser().parse_args(["generate", "--top-k", "5", "Hi"])
+    assert sampling_params(args, tmp_path).temperature == 0.0  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    assert sampling_params(args, tmp_path) == SamplingParams(temperature=0.6, top_k=5)
 
 
 def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):

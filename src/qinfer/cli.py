@@ -68,9 +68,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags; those left unset fall back to the checkpoint's generation config."""
+    """Sampling flags; those left unset come from the checkpoint's generation config."""
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the checkpoint's; greedy without a generation_config.json)",
+    )
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
@@ -92,11 +97,13 @@ def load_model_and_tokenizer(
 
 
 def sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
-    """The sampling flags given, over the checkpoint's generation config."""
+    """The sampling flags given, over the checkpoint's generation_config.json; without one
+    (a GGUF file), greedy decoding, as transformers does."""
     from qinfer.sampling import SamplingParams
 
+    has_config = path.is_dir() and (path / "generation_config.json").is_file()
     return SamplingParams.from_generation_config(
-        path,
+        path if has_config else {"do_sample": False},
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

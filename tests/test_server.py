@@ -634,6 +634,15 @@ def test_oversized_body_is_a_413(http):
     assert_error(response, 413, code="request_too_large")
 
 
+def test_oversized_body_sent_in_chunks_is_a_413(http):
+    def chunks():  # no Content-Length: the server counts as it reads
+        for _ in range(17):
+            yield b"x" * 2**20
+
+    response = http.post("/v1/completions", content=chunks())
+    assert_error(response, 413, code="request_too_large")
+
+
 @pytest.mark.parametrize(
     "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}]
 )

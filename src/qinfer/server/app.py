@@ -194,16 +194,17 @@ async def wait_for_disconnect(connection: Request) -> None:
 
 async def read_body(request: Request, model: type[BaseModel]) -> Any:
     """The JSON body validated as `model`; 413 when it is larger than MAX_BODY_BYTES."""
+    too_large = APIError(
+        413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(
-            413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
-        )
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(
-            413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
-        )
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():  # a chunked body has no length to check upfront
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as error:

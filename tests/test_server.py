@@ -378,6 +378,12 @@ def test_max_completion_tokens_wins_over_max_tokens(client):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_completion_without_max_tokens_stops_at_sixteen_as_openai(client):
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT)
+    assert reply.usage.completion_tokens == 16
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_completion_of_token_ids_and_of_a_batch_of_prompts(client, tokenizer):
     ids = tokenizer.encode(PROMPT)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=6)

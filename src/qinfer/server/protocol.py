@@ -161,6 +161,8 @@ class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`: one prompt, or a batch of them (one choice group each)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's default for text completions (chat runs to the end of the context).
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
 
     @model_validator(mode="after")

@@ -488,6 +488,19 @@ def test_streamed_chat_sends_role_reasoning_and_content_deltas(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_streamed_logprobs_equal_the_non_streamed_ones(client):
+    body = dict(model=MODEL_NAME, messages=USER, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**body).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+
+
 def test_sse_framing_parses_with_a_plain_parser(http):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
     events = stream_events(http, "/v1/completions", body)

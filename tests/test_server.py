@@ -611,6 +611,16 @@ def test_out_of_range_value_is_a_400_naming_it(http, field, value):
     )
 
 
+def test_too_many_stop_strings_is_a_400_but_a_long_one_is_fine(http):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    too_many = http.post("/v1/completions", json={**body, "stop": ["a"] * 17})
+    assert_error(too_many, 400, param="stop", code="invalid_value")
+    long_one = http.post(
+        "/v1/completions", json={**body, "stop": "a stop string of 34 characters..."}
+    )
+    assert long_one.status_code == 200, long_one.text
+
+
 def test_unknown_field_is_a_400_naming_it(http):
     response = http.post("/v1/chat/completions", json={**CHAT, "temprature": 0.5})
     assert_error(response, 400, param="temprature", code="unknown_parameter")

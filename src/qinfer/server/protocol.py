@@ -7,16 +7,14 @@ than coerced or ignored. The ranges are OpenAI's where it states one.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qinfer.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
+
 #: Most choices (`n`) one request may ask for: each one is a separate engine request.
 MAX_CHOICES = 8
-
-#: Most stop strings per request (OpenAI allows 4; the engine copes with more).
-MAX_STOP_STRINGS = 16
-
 
 #: Template variables the server itself passes (the messages, the tokenizer's own tokens).
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "special_tokens", "source"})
@@ -73,7 +71,7 @@ class GenerationRequest(StrictModel):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     # Choice j of n samples with seed + j; torch seeds are 64-bit, so keep clear of the top.
     seed: int | None = Field(None, ge=0, le=2**62)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -126,7 +124,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")

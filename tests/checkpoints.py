@@ -31,6 +31,25 @@ WINDOWED = {
 }
 
 
+def llama3_rope(original_max_position_embeddings: int) -> dict:
+    """Config overrides for Llama 3.1's RoPE scaling (factor 8, theta 500000) of a model
+    first trained on `original_max_position_embeddings` positions."""
+    scaling = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=original_max_position_embeddings,
+    )
+    return dict(rope_scaling=scaling, rope_theta=500000.0)
+
+
+#: Config overrides for YaRN RoPE scaling, four times an original context of 128.
+YARN_ROPE = dict(
+    rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+)
+
+
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
     """Save a random `family` model (qwen3, qwen2, llama, mistral) to `folder`; return the HF model."""
     import transformers
@@ -120,3 +139,11 @@ def build_tokenizer(folder: Path) -> None:
         "pad_token": "<|endoftext|>",
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def build_chat_checkpoint(folder: Path, family: str, **overrides):
+    """`build_checkpoint` with a vocabulary of CHAT_VOCAB_SIZE plus `build_tokenizer`'s
+    tokenizer, for the text-level API; return the HF model."""
+    reference = build_checkpoint(folder, family, vocab_size=CHAT_VOCAB_SIZE, **overrides)
+    build_tokenizer(folder)
+    return reference

@@ -5,8 +5,6 @@ decode step after it, with full and sliding-window attention."""
 import pytest
 import torch
 from checkpoints import (
-    WINDOWED,
-    load_pair,
     max_diff,
     random_tokens,
     reference_logits,
@@ -21,12 +19,6 @@ DECODE_STEPS = 6
 PAD_ID = 0
 
 
-@pytest.fixture(scope="module", params=sorted(WINDOWED))
-def pair(request, tmp_path_factory):
-    family, overrides = WINDOWED[request.param]
-    return load_pair(tmp_path_factory.mktemp(request.param), family, **overrides)
-
-
 @pytest.fixture(scope="module")
 def rows():
     """Per row: its prompt followed by the tokens decoded after it, (1, length + steps)."""
@@ -34,15 +26,15 @@ def rows():
 
 
 @pytest.fixture(scope="module")
-def want(pair, rows):
+def want(windowed_pair, rows):
     """Per row: transformers' logits for the row alone, (1, length + steps, V)."""
-    reference, _ = pair
+    reference, _ = windowed_pair
     return [reference_logits(reference, row) for row in rows]
 
 
 @pytest.fixture(params=[True, False], ids=["fast-sdpa", "reference-sdpa"])
-def model(request, pair):
-    _, model = pair
+def model(request, windowed_pair):
+    _, model = windowed_pair
     use_features(model, qinfer.Features(fast_sdpa=request.param))
     return model
 

@@ -3,7 +3,7 @@ one forward over the whole sequence (transformers' fp32 logits are the reference
 
 import pytest
 import torch
-from checkpoints import WINDOWED, load_pair, max_diff, random_tokens, reference_logits
+from checkpoints import max_diff, random_tokens, reference_logits
 
 from qinfer.errors import CacheError
 from qinfer.kv_cache import GROWTH_STEP, KVCache, RotatingKVCache
@@ -12,20 +12,14 @@ TOLERANCE = 1e-4
 TOTAL = 40  # tokens per sequence: five times the widest window (8)
 
 
-@pytest.fixture(scope="module", params=sorted(WINDOWED))
-def pair(request, tmp_path_factory):
-    family, overrides = WINDOWED[request.param]
-    return load_pair(tmp_path_factory.mktemp(request.param), family, **overrides)
-
-
 @pytest.fixture(scope="module")
 def tokens():
     return random_tokens(1, TOTAL)
 
 
 @pytest.fixture(scope="module")
-def want(pair, tokens):
-    reference, _ = pair
+def want(windowed_pair, tokens):
+    reference, _ = windowed_pair
     return reference_logits(reference, tokens)
 
 
@@ -39,23 +33,23 @@ def feed(model, tokens, sizes, cache=None):
     return torch.cat(pieces, dim=1)
 
 
-def test_prefill_then_decode_one_at_a_time(pair, tokens, want):
-    _, model = pair
+def test_prefill_then_decode_one_at_a_time(windowed_pair, tokens, want):
+    _, model = windowed_pair
     prompt = 12
     got = feed(model, tokens, [prompt] + [1] * (TOTAL - prompt))
     assert max_diff(got, want) < TOLERANCE
 
 
-def test_chunked_prefill(pair, tokens, want):
-    _, model = pair
+def test_chunked_prefill(windowed_pair, tokens, want):
+    _, model = windowed_pair
     # Chunks shorter and longer than the windows (6, 8), then a few single tokens.
     got = feed(model, tokens, [5, 7, 3, 11, 9, 1, 1, 3])
     assert max_diff(got, want) < TOLERANCE
 
 
-def test_trim_then_refeed_other_tokens(pair, tokens):
+def test_trim_then_refeed_other_tokens(windowed_pair, tokens):
     """Rewind the last 4 positions, feed different tokens there: as if never fed the old ones."""
-    reference, model = pair
+    reference, model = windowed_pair
     cache = model.make_cache(1)
     model(tokens[:, :6], cache=cache)
     assert all(layer.trim(4) == 4 for layer in cache)
@@ -65,8 +59,8 @@ def test_trim_then_refeed_other_tokens(pair, tokens):
     assert max_diff(got, reference_logits(reference, rewritten)[:, 2:]) < TOLERANCE
 
 
-def test_trim_of_the_contiguous_cache_far_into_the_sequence(pair, tokens):
-    reference, model = pair
+def test_trim_of_the_contiguous_cache_far_into_the_sequence(windowed_pair, tokens):
+    reference, model = windowed_pair
     if any(model.config.window(i) for i in range(model.config.num_hidden_layers)):
         pytest.skip("a sliding-window cache cannot rewind past its window")
     cache = model.make_cache(1)
@@ -105,8 +99,8 @@ def test_rotating_cache_holds_only_its_window():
     assert cache.offset == 38
 
 
-def test_reset_then_another_sequence(pair, tokens):
-    reference, model = pair
+def test_reset_then_another_sequence(windowed_pair, tokens):
+    reference, model = windowed_pair
     cache = model.make_cache(1)
     feed(model, tokens, [20, 1, 1], cache=cache)
     for layer in cache:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
+from checkpoints import build_chat_checkpoint, build_checkpoint
 
 import qinfer
 from qinfer import SamplingParams, generate
@@ -22,8 +22,7 @@ GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32",
 def folder(tmp_path_factory):
     """A random Llama checkpoint with a ChatML tokenizer."""
     folder = tmp_path_factory.mktemp("llama")
-    build_checkpoint(folder, "llama", vocab_size=CHAT_VOCAB_SIZE)
-    build_tokenizer(folder)
+    build_chat_checkpoint(folder, "llama")
     return folder
 
 

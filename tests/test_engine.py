@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
+from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint
 
 import qinfer
 from qinfer.engine import LLM, block_manager
@@ -20,21 +20,13 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3-chat")
-    build_checkpoint(folder, "qwen3", vocab_size=CHAT_VOCAB_SIZE)
-    build_tokenizer(folder)
-    return folder
+def model(qwen3_chat_folder):
+    return qinfer.load_model(qwen3_chat_folder, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def model(folder):
-    return qinfer.load_model(folder, dtype=torch.float32, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder):
-    return qinfer.load_tokenizer(folder)
+def tokenizer(qwen3_chat_folder):
+    return qinfer.load_tokenizer(qwen3_chat_folder)
 
 
 def make_llm(model, tokenizer=None, **engine_args) -> LLM:
@@ -227,8 +219,10 @@ def test_stats_count_requests_tokens_and_cache(model, pools):
     assert stats.kv_blocks_cached >= 1
 
 
-def test_llm_loads_the_model_and_its_tokenizer_from_a_folder(folder, model, tokenizer, pools):
-    llm = LLM(folder, dtype="float32", device="cpu", block_size=4)
+def test_llm_loads_the_model_and_its_tokenizer_from_a_folder(
+    qwen3_chat_folder, model, tokenizer, pools
+):
+    llm = LLM(qwen3_chat_folder, dtype="float32", device="cpu", block_size=4)
     pools.append(llm)
     params = SamplingParams(temperature=0.0, max_tokens=6)
     (out,) = llm.generate("hello", params, use_tqdm=False)

@@ -4,7 +4,6 @@ import asyncio
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
 
 import qinfer
 from qinfer.errors import EngineOverloadedError, RequestError
@@ -14,22 +13,14 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3-async")
-    build_checkpoint(folder, "qwen3", vocab_size=CHAT_VOCAB_SIZE)
-    build_tokenizer(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return qinfer.load_model(folder, dtype=torch.float32, device="cpu")
+def model(qwen3_chat_folder):
+    return qinfer.load_model(qwen3_chat_folder, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture
-def engine(model, folder):
+def engine(model, qwen3_chat_folder):
     """An AsyncEngine that must end each test with every KV block free."""
-    engine = qinfer.AsyncEngine(model, folder, block_size=4, max_num_seqs=4)
+    engine = qinfer.AsyncEngine(model, qwen3_chat_folder, block_size=4, max_num_seqs=4)
     yield engine
     engine.shutdown()
     stats = engine.engine.stats()
@@ -40,7 +31,7 @@ async def collect(engine, prompt, params, request_id=None):
     return [out async for out in engine.generate(prompt, params, request_id)]
 
 
-def test_concurrent_streams_equal_the_offline_engine(engine, model, folder):
+def test_concurrent_streams_equal_the_offline_engine(engine, model, qwen3_chat_folder):
     prompts = ["hello", [1, 2, 3, 4, 5, 6], [{"role": "user", "content": "hi"}]]
     params = [GREEDY.replace(max_tokens=n) for n in (5, 8, 6)]
 
@@ -50,7 +41,7 @@ def test_concurrent_streams_equal_the_offline_engine(engine, model, folder):
         )
 
     streams = asyncio.run(main())
-    offline = qinfer.LLM(model, folder).generate(prompts, params, use_tqdm=False)
+    offline = qinfer.LLM(model, qwen3_chat_folder).generate(prompts, params, use_tqdm=False)
     for stream, want in zip(streams, offline, strict=True):
         assert [out.finished for out in stream] == [False] * (len(stream) - 1) + [True]
         assert sum((out.delta_token_ids for out in stream), []) == want.token_ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, build_checkpoint, build_tokenizer
+from checkpoints import build_chat_checkpoint
 
 import qinfer
 from qinfer import SamplingParams, generate, stream_generate
@@ -25,8 +25,7 @@ PROMPTS = ["Hi", "The capital of France is", "one two three four five six"]
 def pair(request, tmp_path_factory):
     """(transformers model, qinfer model, tokenizer) of one random checkpoint per family."""
     folder = tmp_path_factory.mktemp(request.param)
-    reference = build_checkpoint(folder, request.param, vocab_size=CHAT_VOCAB_SIZE)
-    build_tokenizer(folder)
+    reference = build_chat_checkpoint(folder, request.param)
     model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
     return reference, model, qinfer.load_tokenizer(folder)
 
@@ -35,10 +34,7 @@ def pair(request, tmp_path_factory):
 def qwen3(tmp_path_factory):
     """(qinfer model, tokenizer, transformers model) of a random Qwen3 with a short context."""
     folder = tmp_path_factory.mktemp("qwen3-short")
-    reference = build_checkpoint(
-        folder, "qwen3", vocab_size=CHAT_VOCAB_SIZE, max_position_embeddings=64
-    )
-    build_tokenizer(folder)
+    reference = build_chat_checkpoint(folder, "qwen3", max_position_embeddings=64)
     model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
     return model, qinfer.load_tokenizer(folder), reference
 

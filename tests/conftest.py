@@ -1,0 +1,45 @@
+"""Fixtures shared by several test modules.
+
+Checkpoints and references that cost seconds to build are built once per session and only
+read by the tests; what a test may change (a loaded model's features, an engine's KV pool)
+stays per module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+from checkpoints import WINDOWED, build_chat_checkpoint, load_pair
+from gguf_files import smollm2_path
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_folder(tmp_path_factory) -> Path:
+    """A random Qwen3 checkpoint with the ChatML byte tokenizer (read only)."""
+    folder = tmp_path_factory.mktemp("qwen3-chat")
+    build_chat_checkpoint(folder, "qwen3")
+    return folder
+
+
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
+def windowed_pair(request, tmp_path_factory):
+    """(transformers model, qinfer model in float32) of each WINDOWED family, per module."""
+    family, overrides = WINDOWED[request.param]
+    return load_pair(tmp_path_factory.mktemp(request.param), family, **overrides)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reader() -> gguf.GGUFReader:
+    """The gguf package's reader of the SmolLM2 file (parsing it takes seconds; read only)."""
+    return gguf.GGUFReader(smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' tokenizer of the SmolLM2 file, the reference (built in seconds; read only)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

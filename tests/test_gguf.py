@@ -5,14 +5,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from checkpoints import build_checkpoint
+from checkpoints import YARN_ROPE, build_checkpoint, llama3_rope
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf_files import describe_model, smollm2_path, write_gguf, write_gguf_model
 
 import qinfer
 from qinfer.errors import ConfigError, WeightsError
-from qinfer.weights.gguf import GGUFWeights, open_gguf, read_gguf
+from qinfer.weights.gguf import GGUFWeights, open_gguf
 from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
 
 
@@ -66,11 +66,6 @@ def test_dequantize_equals_gguf_reference_on_synthetic_tensors(qtype):
     assert torch.equal(ours, reference)
 
 
-@pytest.fixture(scope="module")
-def smollm2_reader():
-    return read_gguf(smollm2_path())  # the gguf package's reader (parsed once per process)
-
-
 def test_dequantize_equals_gguf_reference_on_every_smollm2_tensor_type(smollm2_reader):
     first_of_type = {}
     for tensor in smollm2_reader.tensors:
@@ -86,24 +81,9 @@ def test_dequantize_equals_gguf_reference_on_every_smollm2_tensor_type(smollm2_r
 FAMILIES = {
     "llama": ("llama", dict(tie_word_embeddings=False)),
     "llama-head-dim": ("llama", dict(head_dim=32, num_key_value_heads=1)),
-    "llama3-rope-freqs": (
-        "llama",
-        dict(
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            rope_theta=500000.0,
-        ),
-    ),
+    "llama3-rope-freqs": ("llama", llama3_rope(8192)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
-    "qwen2-yarn": (
-        "qwen2",
-        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
-    ),
+    "qwen2-yarn": ("qwen2", YARN_ROPE),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
 }
 
@@ -222,17 +202,18 @@ def test_a_truncated_gguf_is_named(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_hf_tokenizer):
     """(qinfer model, transformers model, transformers tokenizer), all fp32 on CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
     ours = qinfer.load_model(path, device="cpu")
-    folder, name = path.parent, path.name
-    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     reference.generation_config.eos_token_id = None  # greedy for a fixed number of tokens
     reference.generation_config.pad_token_id = 0
-    return ours, reference.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return ours, reference.eval(), smollm2_hf_tokenizer
 
 
 def test_smollm2_config_matches_transformers(smollm2):

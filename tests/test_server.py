@@ -272,7 +272,9 @@ def test_chat_follows_server_default_without_thinking(client, model, tokenizer):
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_chat_with_thinking_puts_reasoning_in_reasoning_content(client, model, tokenizer):
+@pytest.fixture(scope="module")
+def thinking_chat(client, model, tokenizer):
+    """(the server's greedy reply to USER with thinking on, `offline`'s result for it)."""
     reply = client.chat.completions.create(
         model=MODEL_NAME,
         messages=USER,
@@ -280,19 +282,18 @@ def test_chat_with_thinking_puts_reasoning_in_reasoning_content(client, model, t
         extra_body={"chat_template_kwargs": {"enable_thinking": True}},
     )
     expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=True)
+    return reply, expected
+
+
+def test_chat_with_thinking_puts_reasoning_in_reasoning_content(thinking_chat):
+    reply, expected = thinking_chat
     message = reply.choices[0].message
     assert (message.reasoning_content, message.content) == (expected.reasoning, expected.answer)
     assert (expected.reasoning, expected.answer) == ("The answer", "Hello")
 
 
-def test_chat_usage_counts_prompt_and_completion_tokens(client, model, tokenizer):
-    reply = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=USER,
-        temperature=0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
-    )
-    expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=True)
+def test_chat_usage_counts_prompt_and_completion_tokens(thinking_chat):
+    reply, expected = thinking_chat
     assert reply.usage.prompt_tokens == expected.prompt_tokens
     assert reply.usage.completion_tokens == expected.generated_tokens
     assert reply.usage.total_tokens == expected.prompt_tokens + expected.generated_tokens

@@ -106,7 +106,7 @@ class IncrementalDetokenizer:
             self.stopped, self.matched_stop = True, matched
             out, self._held = pending[:cut], ""
         else:
-            keep = 0 if final else _stop_prefix_length(pending, self.stop)
+            keep = 0 if final else partial_match_length(pending, self.stop)
             out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
@@ -118,12 +118,13 @@ def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
     return min(found) if found else (-1, None)
 
 
-def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of text that is the start of some stop string."""
+def partial_match_length(text: str, targets: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper start of some target: text a
+    stream must hold back, since the next delta may complete the target."""
     longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[-length:]):
+    for target in targets:
+        for length in range(min(len(target) - 1, len(text)), longest, -1):
+            if target.startswith(text[-length:]):
                 longest = length
                 break
     return longest

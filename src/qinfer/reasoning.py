@@ -17,6 +17,8 @@ always agree.
 
 from __future__ import annotations
 
+from qinfer.detokenizer import partial_match_length
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
@@ -91,19 +93,11 @@ class ReasoningStream:
             self._held = self._held[end + len(THINK_CLOSE) :]
             self._state = _AFTER_THINK
             return out
-        keep = _partial_tag_length(self._held, THINK_CLOSE)
+        keep = partial_match_length(self._held, [THINK_CLOSE])
         body = self._held[: len(self._held) - keep]
         out = body.rstrip("\n")  # newlines right before </think> are trimmed
         self._held = self._held[len(out) :]
         return out
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest tail of text that is a proper start of tag."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def split_reasoning(text: str, prompt_opened_think: bool = False) -> tuple[str, str]:

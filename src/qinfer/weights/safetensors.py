@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from qinfer.checkpoint import read_json_object
 from qinfer.errors import WeightsError
 from qinfer.weights.base import Weights
 
@@ -23,10 +23,14 @@ class SafetensorsWeights(Weights):
         self._file_of: dict[str, Path] = {}
         index = self.folder / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise WeightsError(f"{index} is not a valid safetensors index: {e}") from None
+            weight_map = read_json_object(index, WeightsError).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise WeightsError(
+                    f"{index} is not a valid safetensors index: weight_map must map "
+                    "tensor names to file names"
+                )
             files = sorted({self.folder / f for f in weight_map.values()})
         else:
             files = sorted(self.folder.glob("*.safetensors"))

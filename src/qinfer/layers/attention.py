@@ -156,9 +156,10 @@ class Attention:
             projection_q = self.q_norm(projection_q)
             projection_k = self.k_norm(projection_k)
 
-        # Step 3: RoPE on Q and K (not V).
-        projection_q = self.rope(projection_q, offset=offsets)
-        projection_k = self.rope(projection_k, offset=offsets)
+        # Step 3: RoPE on Q and K (not V), both rotated by one lookup of cos and sin.
+        cos, sin = self.rope.rotation(offsets, L, projection_q.dtype)
+        projection_q = self.rope.apply(projection_q, cos, sin)
+        projection_k = self.rope.apply(projection_k, cos, sin)
 
         # Step 4: (B, L, H, D) -> (B, H, L, D)
         projection_q = projection_q.transpose(1, 2)

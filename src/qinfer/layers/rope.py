@@ -108,23 +108,34 @@ class RoPE:
         self.cos, self.sin = _tables(dims, max_position_embeddings, rope, torch.device(device))
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """x: (B, L, H, D); offset: an int, or a (B,) tensor of each row's first position.
+        """x: (B, L, H, D); offset: an int, or a (B,) tensor of each row's first position."""
+        return self.apply(x, *self.rotation(offset, x.shape[1], x.dtype))
+
+    def rotation(
+        self, offset: int | torch.Tensor, length: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `length` positions from `offset` (an int, or a (B,) tensor of each
+        row's first position), each (1 or B, length, 1, D/2) in `dtype`. Queries and keys
+        of one step share them.
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
         """
-        B, L = x.shape[:2]
         if isinstance(offset, int):
-            cos = self.cos[offset : offset + L][None, :, None]  # (1, L, 1, D/2)
-            sin = self.sin[offset : offset + L][None, :, None]
+            cos = self.cos[offset : offset + length][None, :, None]  # (1, L, 1, D/2)
+            sin = self.sin[offset : offset + length][None, :, None]
         else:
             positions = offset.to(self.cos.device)[:, None] + torch.arange(
-                L, device=self.cos.device
+                length, device=self.cos.device
             )
             positions = positions.clamp(min=0)  # (B, L)
             cos = self.cos[positions][:, :, None]  # (B, L, 1, D/2)
             sin = self.sin[positions][:, :, None]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return cos.to(dtype), sin.to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, L, H, D) rotated by `rotation`'s cos and sin."""
         x1, x2 = x.chunk(2, dim=-1)  # (B, L, H, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

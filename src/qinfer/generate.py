@@ -193,9 +193,11 @@ def encode_prompt(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def eos_token_ids(model: Transformer, tokenizer: Tokenizer) -> frozenset[int]:
-    """The union of the end-of-sequence ids the model config and the tokenizer declare."""
-    return frozenset(model.config.eos_token_id) | frozenset(tokenizer.eos_token_ids)
+def eos_token_ids(model: Transformer, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The union of the end-of-sequence ids the model config and the tokenizer (if any)
+    declare."""
+    declared = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+    return frozenset(model.config.eos_token_id) | declared
 
 
 def generate(

@@ -28,7 +28,7 @@ from qinfer.engine.scheduler import Scheduler
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
-from qinfer.generate import encode_prompt
+from qinfer.generate import encode_prompt, eos_token_ids
 from qinfer.model import Transformer, load_model
 from qinfer.sampling import SamplingParams, make_generator, sample
 from qinfer.tokenizer import Tokenizer, load_tokenizer
@@ -108,9 +108,7 @@ class Engine:
         # The longest sequence: within the context, and its K/V (all but the last token,
         # which is never fed back) within the pool.
         self.max_len = min(self.context_len, self.runner.num_blocks * self.config.block_size + 1)
-        self.eos_token_ids = frozenset(model.config.eos_token_id) | (
-            tokenizer.eos_token_ids if tokenizer is not None else frozenset()
-        )
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests: dict[str, Request] = {}
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(

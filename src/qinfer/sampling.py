@@ -296,11 +296,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     logits: (B, V) fp32 after penalties. Returns a new (B, V) tensor; rows with temperature
     0 are left unscaled (greedy rows take the argmax, which scaling does not move).
     """
-    device = logits.device
+    device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 for p in params):
-        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
+        top_k = [p.top_k for p in params]
+        widest = max(min(k or vocab, vocab) for k in top_k)  # known here: no device sync
+        logits = apply_top_k(logits, torch.tensor(top_k, device=device), widest)
     if any(p.top_p < 1.0 for p in params):
         logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
     if any(p.min_p > 0.0 for p in params):
@@ -350,14 +352,18 @@ def _distinct_ids(ids: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, t
     return distinct, counts.to(logits.dtype)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(
+    logits: torch.Tensor, top_k: torch.Tensor, widest: int | None = None
+) -> torch.Tensor:
     """Keep each row's top_k[b] highest logits (ties with the k-th kept); 0 = keep all.
 
-    logits: (B, V); top_k: (B,) long.
+    logits: (B, V); top_k: (B,) long. widest: the largest k of any row (0 counting as V),
+    when the caller knows it on the host; otherwise it is read from the device.
     """
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # (B,)
-    top_values = torch.topk(logits, int(k.max()), dim=-1).values  # (B, K)
+    widest = int(k.max()) if widest is None else widest
+    top_values = torch.topk(logits, widest, dim=-1).values  # (B, K)
     kth = top_values.gather(1, (k - 1)[:, None])  # (B, 1)
     return logits.masked_fill(logits < kth, -math.inf)
 

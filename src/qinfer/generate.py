@@ -37,6 +37,7 @@ from qinfer.errors import QinferError
 from qinfer.model import Transformer
 from qinfer.reasoning import THINK_OPEN, prompt_opened_think, split_reasoning
 from qinfer.sampling import SamplingParams, make_generator, sample
+from qinfer.stopping import accept_token
 from qinfer.tokenizer import Tokenizer
 
 Messages = Sequence[Mapping[str, object]]
@@ -95,7 +96,6 @@ class _Row:
     params: SamplingParams
     max_tokens: int
     eos_ids: frozenset[int]
-    stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer | None  # None: token ids only, no text
     generator: torch.Generator | None
     # A thinking model's prompt: whether it ended inside an open <think> block; None when
@@ -123,24 +123,18 @@ class _Row:
         if not self.generated_tokens:
             self.first_token_at = now
         self.history.append(token)
-        if token in self.stop_token_ids:
-            delta = self._finish("stop")
-        elif token in self.eos_ids:
-            delta = self._finish("eos")
-        else:
-            delta = self.detokenizer.push(token) if self.detokenizer else ""
-            if self.detokenizer and self.detokenizer.stopped:
-                self.finish_reason = "stop"
-            elif self.generated_tokens >= self.max_tokens:
-                delta += self._finish("length")
-        if self.finish_reason is not None:
-            self.finished_at = now
-        self.text.append(delta)
-        return delta
-
-    def _finish(self, reason: str) -> str:
-        self.finish_reason = reason
-        return self.detokenizer.finish() if self.detokenizer else ""
+        step = accept_token(
+            token,
+            self.params,
+            self.eos_ids,
+            self.detokenizer,
+            self.generated_tokens,
+            self.max_tokens,
+        )
+        if step.finish_reason is not None:
+            self.finish_reason, self.finished_at = step.finish_reason, now
+        self.text.append(step.text)
+        return step.text
 
     def result(self, started_at: float) -> GenerationResult:
         text = "".join(self.text)
@@ -322,8 +316,7 @@ def _make_rows(
             prompt_ids=ids,
             params=p,
             max_tokens=budget if p.max_tokens is None else min(p.max_tokens, budget),
-            eos_ids=frozenset() if p.ignore_eos else eos,
-            stop_token_ids=frozenset(p.stop_token_ids or ()),
+            eos_ids=eos,
             detokenizer=(
                 IncrementalDetokenizer(tokenizer, list(p.stop or ())) if tokenizer else None
             ),

@@ -31,6 +31,7 @@ from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.generate import encode_prompt, eos_token_ids
 from qinfer.model import Transformer, load_model
 from qinfer.sampling import SamplingParams, make_generator, sample
+from qinfer.stopping import accept_token
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 
 #: A prompt: text, token ids, or chat messages [{"role": ..., "content": ...}, ...].
@@ -193,6 +194,8 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.detokenizer is not None:  # the text held back so far is still the reply's
+            request.text += request.detokenizer.finish()
         self._finish(request, "abort")
         self._counts["aborted"] += 1
         return request.output()
@@ -238,27 +241,26 @@ class Engine:
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
         """Append a sampled token, extend the text, and finish the request if it is done."""
-        seq, params, detokenizer = request.seq, request.params, request.detokenizer
+        seq, params = request.seq, request.params
         seq.token_ids.append(token_id)
         if request.logprobs is not None:
             request.logprobs.append(TokenLogprob(token_id, logprob, dict(top or ())))
-        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
-        if is_eos or token_id in params.stop_token_ids:
-            # End-of-sequence and stop tokens end the text without becoming part of it.
-            self._finish(request, "stop", None if is_eos else token_id)
-            return
-        if detokenizer is not None:
-            request.text += detokenizer.push(token_id)
-            if detokenizer.stopped:
-                self._finish(request, "stop", detokenizer.matched_stop)
-                return
-        if seq.num_generated_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
-            self._finish(request, "length")
+        step = accept_token(
+            token_id,
+            params,
+            self.eos_token_ids,
+            request.detokenizer,
+            seq.num_generated_tokens,
+            min(params.max_tokens, self.max_len - seq.num_prompt_tokens),
+        )
+        request.text += step.text
+        if step.finish_reason is not None:
+            # OpenAI's finish reasons: end-of-sequence is a "stop" like the others.
+            reason = "stop" if step.finish_reason == "eos" else step.finish_reason
+            self._finish(request, reason, step.stop_reason)
 
     def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         request.finish_reason, request.stop_reason = reason, stop_reason
-        if request.detokenizer is not None:
-            request.text += request.detokenizer.finish()
         self.scheduler.finish(request.seq)
         self.requests.pop(request.seq.request_id, None)
         self._counts["finished"] += 1

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
+from qinfer.cli_args import add_model_arguments, add_sampling_arguments
 from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
 
@@ -54,32 +55,7 @@ class _Parser(argparse.ArgumentParser):
         raise QinferError(f"{message} (see: {self.prog} --help)")
 
 
-# --- arguments shared by several subcommands -------------------------------------------
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="a checkpoint folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M)",
-    )
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: best)")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags; those left unset come from the checkpoint's generation config."""
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="0 = greedy (default: the checkpoint's; greedy without a generation_config.json)",
-    )
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
-    parser.add_argument("--system", default=None, help="a system message for the chat template")
+# --- helpers shared by several subcommands ---------------------------------------------
 
 
 def load_model_and_tokenizer(

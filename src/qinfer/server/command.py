@@ -9,6 +9,8 @@ import argparse
 import json
 from typing import Any
 
+from qinfer.cli_args import add_model_arguments
+
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
     ("--max-num-seqs", "max_num_seqs", int, "sequences batched in one step"),
@@ -33,8 +35,6 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from qinfer.cli import add_model_arguments
-
     add_model_arguments(parser)
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"

@@ -1,0 +1,31 @@
+"""Command-line flags several `qinfer` subcommands share: which model to load and how to
+sample. cli.py and server/command.py both add them from here."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M)",
+    )
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: best)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags; those left unset come from the checkpoint's generation config."""
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the checkpoint's; greedy without a generation_config.json)",
+    )
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    parser.add_argument("--system", default=None, help="a system message for the chat template")

@@ -30,7 +30,7 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def smollm2_tokenizers(smollm2_hf_tokenizer):
     """(ours, transformers') tokenizer of the embedded SmolLM2 GGUF."""
-    return tokenizer_from_gguf(smollm2_path()), smollm2_hf_tokenizer
+    return qinfer.load_tokenizer(smollm2_path()), smollm2_hf_tokenizer
 
 
 @pytest.mark.parametrize("text", CORPUS)
@@ -143,7 +143,7 @@ def test_byte_level_pre_tokenizers_split_like_transformers(tmp_path, small_byte_
     from transformers import AutoTokenizer
 
     path = write_byte_level_gguf(tmp_path / "tok.gguf", small_byte_level_vocab, pre)
-    ours = tokenizer_from_gguf(path)
+    ours = qinfer.load_tokenizer(path)
     reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in CORPUS:
         assert ours.encode(text) == reference.encode(text), text
@@ -154,7 +154,8 @@ def test_end_of_turn_tokens_join_the_eos_ids(tmp_path, small_byte_level_vocab):
     path = write_byte_level_gguf(
         tmp_path / "tok.gguf", small_byte_level_vocab, "qwen2", lambda w: w.add_eot_token_id(7)
     )
-    assert tokenizer_from_gguf(path).eos_token_ids == {2, 7}
+    assert tokenizer_from_gguf(path).eos_token_ids == (7,)
+    assert qinfer.load_tokenizer(path).eos_token_ids == {2, 7}
 
 
 def test_unknown_pre_tokenizer_is_named(tmp_path, small_byte_level_vocab):
@@ -237,7 +238,9 @@ SPM_CORPUS = [
 
 @pytest.mark.parametrize("text", SPM_CORPUS)
 def test_sentencepiece_vocabulary_encodes_like_sentencepiece(tmp_path, sentencepiece_model, text):
-    ours = tokenizer_from_gguf(write_sentencepiece_gguf(tmp_path / "spm.gguf", sentencepiece_model))
+    ours = qinfer.load_tokenizer(
+        write_sentencepiece_gguf(tmp_path / "spm.gguf", sentencepiece_model)
+    )
     expected = [sentencepiece_model.bos_id(), *sentencepiece_model.encode(text)]
     assert ours.encode(text) == expected
     assert ours.decode(expected, skip_special_tokens=True) == sentencepiece_model.decode(expected)

@@ -1,8 +1,5 @@
 """Tokenizer: encode/decode like `transformers`, special tokens, the EOS set, loading errors."""
 
-import sys
-import types
-
 import pytest
 from text_assets import (
     CHATML_SPECIAL,
@@ -15,6 +12,7 @@ from tokenizers import processors
 
 import qinfer
 from qinfer.errors import QinferError, TokenizerError
+from qinfer.weights import gguf_tokenizer
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -167,11 +165,26 @@ def test_encode_rejects_non_text(qwen3_folder):
 def test_gguf_path_is_read_by_the_gguf_tokenizer_builder(tmp_path, monkeypatch, qwen3_folder):
     gguf_file = tmp_path / "model.gguf"
     gguf_file.write_bytes(b"GGUF")
-    built = qinfer.load_tokenizer(qwen3_folder)
-    fake = types.ModuleType("qinfer.weights.gguf_tokenizer")
-    fake.tokenizer_from_gguf = lambda path: built if path == gguf_file else None
-    monkeypatch.setitem(sys.modules, "qinfer.weights.gguf_tokenizer", fake)
-    assert qinfer.load_tokenizer(gguf_file) is built
+    backend = qinfer.load_tokenizer(qwen3_folder).backend
+    read = gguf_tokenizer.GGUFTokenizer(
+        backend,
+        chat_template="{{ messages }}",
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        eos_token_ids=(7,),
+    )
+
+    def tokenizer_from_gguf(path):
+        assert path == gguf_file
+        return read
+
+    monkeypatch.setattr(gguf_tokenizer, "tokenizer_from_gguf", tokenizer_from_gguf)
+    tokenizer = qinfer.load_tokenizer(gguf_file)
+    assert tokenizer.backend is backend and tokenizer.chat_template == "{{ messages }}"
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert tokenizer.eos_token_ids == {7, backend.token_to_id("<|im_end|>")}
 
 
 def test_generation_config_eos_may_be_a_single_int(tmp_path):

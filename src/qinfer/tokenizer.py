@@ -14,7 +14,8 @@ Generation stops on any id in `Tokenizer.eos_token_ids`, the union of all of the
 Llama 3 Instruct ends turns with `<|eot_id|>` but names `<|end_of_text|>` as EOS token,
 and only generation_config.json lists both.
 
-A `.gguf` file carries all of this in its metadata; `qinfer.weights.gguf_tokenizer` reads it.
+A `.gguf` file carries all of this in its metadata; `qinfer.weights.gguf_tokenizer` reads it
+and `load_tokenizer` wraps what it read in the same Tokenizer.
 """
 
 from __future__ import annotations
@@ -151,7 +152,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if path.suffix == ".gguf" and path.is_file():
         from qinfer.weights.gguf_tokenizer import tokenizer_from_gguf
 
-        return tokenizer_from_gguf(path)
+        gguf = tokenizer_from_gguf(path)
+        return Tokenizer(
+            gguf.backend,
+            chat_template=gguf.chat_template,
+            bos_token=gguf.bos_token,
+            eos_token=gguf.eos_token,
+            pad_token=gguf.pad_token,
+            unk_token=gguf.unk_token,
+            eos_token_ids=gguf.eos_token_ids,
+        )
     if not path.exists():
         raise TokenizerError(f"tokenizer path {path} does not exist")
     if not path.is_dir():

@@ -1,4 +1,5 @@
-"""The tokenizer a GGUF file describes in its `tokenizer.*` metadata, as a qinfer Tokenizer.
+"""The tokenizer a GGUF file describes in its `tokenizer.*` metadata: a `tokenizers` pipeline
+and the settings around it, which `qinfer.tokenizer.load_tokenizer` wraps in its Tokenizer.
 
 A GGUF carries no `tokenizer.json`; llama.cpp stores the pieces instead:
 
@@ -16,6 +17,7 @@ ones plain added tokens, and BOS is prepended by the post-processor when `add_bo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,6 @@ from tokenizers import (
 from tokenizers import Tokenizer as Backend
 
 from qinfer.errors import QinferError, TokenizerError
-from qinfer.tokenizer import Tokenizer
 from qinfer.weights.gguf import metadata, read_gguf
 
 CONTROL, USER_DEFINED = 3, 4
@@ -63,8 +64,25 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """The tokenizer, special tokens, EOS ids and chat template stored in a `.gguf` file."""
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """What a `.gguf` file says about its tokenizer, as the arguments of
+    `qinfer.tokenizer.Tokenizer`.
+
+    eos_token_ids: the end-of-turn ids (`eot`, `eom`); the Tokenizer adds eos_token's id.
+    """
+
+    backend: Backend
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    eos_token_ids: tuple[int, ...]
+
+
+def tokenizer_from_gguf(path: str | Path) -> GGUFTokenizer:
+    """The tokenizer pipeline, special tokens, EOS ids and chat template of a `.gguf` file."""
     path = Path(path)
     try:
         meta = metadata(read_gguf(path))
@@ -97,14 +115,14 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
     end_of_generation = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
-    return Tokenizer(
+    return GGUFTokenizer(
         backend,
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token=bos,
         eos_token=token("eos"),
         pad_token=token("padding"),
         unk_token=token("unknown"),
-        eos_token_ids=[i for i in end_of_generation if i is not None],
+        eos_token_ids=tuple(i for i in end_of_generation if i is not None),
     )
 
 

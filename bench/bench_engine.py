@@ -3,7 +3,7 @@
     python bench/bench_engine.py                       # the embedded SmolLM2 GGUF
     python bench/bench_engine.py --model /tmp/qwen3-0.6b-random --compare-hf --json
 
-See `qinfer.engine.benchmark` for what is measured.
+See `qinfer.bench.engine` for what is measured.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from qinfer.engine.benchmark import Workload, format_engine_report, run_engine_benchmark
+from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
 
 
 def main() -> None:

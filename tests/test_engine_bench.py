@@ -2,7 +2,7 @@
 
 from checkpoints import build_checkpoint
 
-from qinfer.engine.benchmark import Workload, format_engine_report, run_engine_benchmark
+from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
 
 
 def test_benchmark_reports_each_way_and_the_ratios(tmp_path):

@@ -221,7 +221,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from qinfer.bench import BenchSettings, format_report, run_benchmarks
+    from qinfer.bench import (
+        BenchSettings,
+        format_engine_report,
+        format_report,
+        run_benchmarks,
+        run_engine_benchmark,
+    )
 
     if args.threads is not None:
         if args.threads < 1:
@@ -230,8 +236,6 @@ def run_bench(args: argparse.Namespace) -> int:
         # while their partners wait to be scheduled.
         torch.set_num_threads(args.threads)
     if args.batch:
-        from qinfer.engine.benchmark import format_engine_report, run_engine_benchmark
-
         report = run_engine_benchmark(
             args.model, args.dtype, args.device, compare_hf=args.compare_hf
         )

@@ -1,5 +1,6 @@
 """Throughput of the batching engine on a mixed workload, against one-by-one and transformers.
 
+    qinfer bench --batch [--model M] [--compare-hf] [--json]
     python bench/bench_engine.py [--model M] [--num-requests 64] [--compare-hf]
 
 The workload: `num_requests` random prompts with random lengths in [min, max] prompt
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qinfer.bench import load_transformers_model, time_once
+from qinfer.bench.common import load_transformers_model, time_once
 from qinfer.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError

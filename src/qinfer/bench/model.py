@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.bench.common import load_transformers_model, synchronize, time_once
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
@@ -251,20 +252,6 @@ def weight_bytes_per_step(model: Transformer) -> int:
 # --- transformers -----------------------------------------------------------------------
 
 
-def load_transformers_model(path: Path, dtype: torch.dtype, device: torch.device):
-    """The same checkpoint as a transformers model, in eval mode on `device` (a GGUF file
-    through its gguf_file loader, which dequantizes)."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise QinferError("--compare-hf needs transformers: pip install transformers") from None
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
-
-
 def transformers_runner(path: Path, dtype: torch.dtype, device: torch.device) -> Runner:
     """The same checkpoint in transformers, driven through `model.generate` with EOS
     suppressed."""
@@ -309,21 +296,7 @@ def transformers_runner(path: Path, dtype: torch.dtype, device: torch.device) ->
     return Runner("transformers", prefill, decode_seconds, weight_bytes, model)
 
 
-# --- timing and memory ------------------------------------------------------------------
-
-
-def time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds fn takes, waiting for the device to finish."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# --- memory -----------------------------------------------------------------------------
 
 
 def reset_peak_memory(device: torch.device) -> None:

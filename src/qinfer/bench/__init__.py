@@ -1,0 +1,19 @@
+"""Benchmarks: how fast qinfer runs, set against transformers on the same checkpoint.
+
+model.py (`qinfer bench`): one model's prefill and decode speed, peak memory and weight
+bandwidth. engine.py (`qinfer bench --batch`, bench/bench_engine.py): the batching engine's
+throughput on a mixed workload, against one-by-one generation. common.py: the timer and the
+transformers loader both use. The library itself imports none of this.
+"""
+
+from qinfer.bench.engine import Workload, format_engine_report, run_engine_benchmark
+from qinfer.bench.model import BenchSettings, format_report, run_benchmarks
+
+__all__ = [
+    "BenchSettings",
+    "Workload",
+    "format_engine_report",
+    "format_report",
+    "run_benchmarks",
+    "run_engine_benchmark",
+]

@@ -113,7 +113,7 @@ def test_tensors_are_dequantized_only_when_asked(tmp_path, monkeypatch):
     read = []
     original = GGUFWeights._read
     monkeypatch.setattr(GGUFWeights, "_read", lambda self, n: read.append(n) or original(self, n))
-    _, weights = open_gguf(path, lambda config: torch.float32, torch.device("cpu"))
+    _, weights = open_gguf(path, lambda config, quantized: torch.float32, torch.device("cpu"))
     assert read == []
     weights.tensor("model.layers.1.mlp.up_proj.weight")
     assert read == ["model.layers.1.mlp.up_proj.weight"]
@@ -144,7 +144,7 @@ def test_end_of_turn_tokens_join_the_eos_ids(tmp_path):
         writer.add_eom_token_id(6)
 
     path = write_gguf(tmp_path / "eot.gguf", "llama", {}, describe)
-    config, _ = open_gguf(path, lambda config: torch.float32, torch.device("cpu"))
+    config, _ = open_gguf(path, lambda config, quantized: torch.float32, torch.device("cpu"))
     assert config.eos_token_id == (2, 5, 6)
 
 
@@ -203,11 +203,12 @@ def test_a_truncated_gguf_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_hf_tokenizer):
-    """(qinfer model, transformers model, transformers tokenizer), all fp32 on CPU."""
+    """(qinfer model, transformers model, transformers tokenizer), all fp32 on CPU: the file
+    dequantized to fp32 (dtype float32), the reference path."""
     from transformers import AutoModelForCausalLM
 
     path = smollm2_path()
-    ours = qinfer.load_model(path, device="cpu")
+    ours = qinfer.load_model(path, dtype="float32", device="cpu")
     reference = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     )

@@ -82,9 +82,11 @@ def test_half_precision_load_stays_close_to_float32(qwen3_folder, tokens, dtype)
     folder, reference = qwen3_folder
     model = qinfer.load_model(folder, dtype=dtype, device="cpu")
     attention = model.layers[0].self_attn
-    assert {model.embed_tokens.dtype, attention.wq.weight.dtype, attention.q_norm.weight.dtype} == {
-        dtype
-    }
+    assert {
+        model.embed_tokens.weight.dtype,
+        attention.wqkv.weight.dtype,
+        attention.q_norm.weight.dtype,
+    } == {dtype}
     logits = model(tokens)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert max_diff(logits, reference_logits(reference, tokens)) < HALF_TOLERANCE
@@ -103,4 +105,4 @@ def test_checkpoint_stored_in_bfloat16_loads_in_bfloat16(qwen3_folder, tmp_path)
     _, reference = qwen3_folder
     copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path)
     model = qinfer.load_model(tmp_path, device="cpu")
-    assert model.dtype == torch.bfloat16 and model.embed_tokens.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16 and model.embed_tokens.weight.dtype == torch.bfloat16

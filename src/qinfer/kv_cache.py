@@ -4,6 +4,9 @@ Every cache answers the seed's call
 
     keys, values, offset, mask = cache.update_and_fetch(k, v, mask_length=L, mask=mask)
 
+and `cache.attend(q, k, v, scale, mask, sdpa)`, which the attention layer calls: by default
+(`Attends`) the call above followed by `sdpa` over the history.
+
 with k, v the new (B, Hkv, L, D) entries. It stores them and returns the whole visible
 history (B, Hkv, S, D), the offset the new entries were written at, and the mask that
 goes with the history: None, "causal" (bottom-right aligned) or a boolean
@@ -89,7 +92,33 @@ class StepMasks:
         self._masks.clear()
 
 
-class _Cache:
+#: An attention function: (q (B, Hq, L, D), k, v (B, Hkv, S, D), scale, mask) -> (B, Hq, L, D).
+Sdpa = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Mask], torch.Tensor]
+
+
+class Attends:
+    """The default `attend` of every cache: store, fetch the visible history, attend over it.
+
+    A cache that can attend where its K/V live (a paged pool read in place) overrides it;
+    the attention layer only ever calls `cache.attend`.
+    """
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        mask: Mask,
+        sdpa: Sdpa,
+    ) -> torch.Tensor:
+        """q (B, Hq, L, D) against the history after storing k, v (B, Hkv, L, D);
+        returns (B, Hq, L, D) in q's dtype."""
+        keys, values, _, mask = self.update_and_fetch(k, v, mask_length=q.shape[2], mask=mask)
+        return sdpa(q, keys, values, scale, mask)
+
+
+class _Cache(Attends):
     """What every single-machine cache shares: offsets, left padding, the position limit."""
 
     #: The attributes holding one entry per batch row, first dimension B (see `select`).

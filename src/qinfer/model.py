@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from qinfer.config import ModelConfig
@@ -20,7 +19,10 @@ from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention, Mask
 from qinfer.layers.mlp import MLP
 from qinfer.layers.norm import RMSNorm
-from qinfer.weights import Weights, open_checkpoint
+from qinfer.linear import linear
+from qinfer.linear.compute import compute_dtype
+from qinfer.linear.int4 import GROUP_SIZES
+from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
 
 
 class Block:
@@ -56,7 +58,8 @@ class Transformer:
         self.features = features or Features()
         self.dtype, self.device = weights.dtype, weights.device
         V, H = config.vocab_size, config.hidden_size
-        self.embed_tokens = weights.tensor("model.embed_tokens.weight", (V, H))
+        # The embedding table is a Linear too (read by rows): quantized like the rest.
+        self.embed_tokens = weights.linear("model.embed_tokens", (V, H), bias=False, rows=True)
         self.layers = [
             Block(f"model.layers.{i}", config, weights, self.features)
             for i in tqdm(
@@ -66,8 +69,9 @@ class Transformer:
         self.norm = RMSNorm(H, weights.tensor("model.norm.weight", (H,)), config.rms_norm_eps)
         # Untied per config means the checkpoint must hold its own lm_head: tying it to the
         # embeddings instead would be silently wrong output.
+        # A tied head is the embedding's Linear itself: stored (and quantized) once.
         tied = config.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else weights.tensor("lm_head.weight", (V, H))
+        self.lm_head = self.embed_tokens if tied else weights.linear("lm_head", (V, H), bias=False)
 
     def make_cache(
         self,
@@ -108,6 +112,9 @@ class Transformer:
             cache left off (0 without a cache).
         cache: from `make_cache`; without one, the call sees only these tokens.
         mask: "causal" (the default) or a boolean (B, 1, L, S) tensor.
+
+        Checks its inputs (ids inside the vocabulary, positions inside the context: host
+        syncs), then runs `forward`.
         """
         tokens = self._check_tokens(tokens)
         B, L = tokens.shape
@@ -118,12 +125,29 @@ class Transformer:
         if offsets is None:
             offsets = cache[0].offsets
         self._check_positions(offsets, L)
-        h = F.embedding(tokens, self.embed_tokens)  # (B, L, hidden)
+        return self.forward(tokens.to(self.device, torch.long), offsets, cache, mask, last_only)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        offsets: int | torch.Tensor,
+        cache: list,
+        mask: Mask = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """`__call__` without its checks and without host syncs, for callers that built the
+        inputs themselves (the engine's runner, generate's decode loop, benchmarks).
+
+        tokens (B, L) long on the model's device; offsets and cache as in `__call__`.
+        Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
+        """
+        h = self.embed_tokens.rows(tokens)  # (B, L, hidden)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
         if last_only:
             h = h[:, -1:]
-        return F.linear(self.norm(h), self.lm_head).float()
+        return linear(self.norm(h), self.lm_head).float()
 
     def _check_positions(self, offsets: int | torch.Tensor, L: int) -> None:
         # RoPE is tabulated up to max_position_embeddings and runs before any cache could
@@ -143,15 +167,15 @@ class Transformer:
             raise QinferError(f"tokens must be integer ids, got dtype {tokens.dtype}")
         if tokens.numel() == 0:
             raise QinferError("tokens is empty: give at least one token per row")
-        # Checked where the ids are, before the copy: ids built on the host (the engine's,
-        # each decode step's) then cost no device round trip.
+        # Checked where the ids are, before the copy: ids built on the host then cost no
+        # device round trip.
         low, high = (int(end) for end in torch.aminmax(tokens))
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
             raise QinferError(
                 f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
-        return tokens.to(self.device, torch.long)
+        return tokens
 
 
 _DTYPES = {
@@ -165,19 +189,22 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig, device: torch.device):
-    """The dtype to load weights in: as asked, else the checkpoint's (fp16 becomes bf16 on CPU,
-    where fp16 matmuls are slow), else float32."""
+def resolve_dtype(
+    dtype: str | torch.dtype | None,
+    config: ModelConfig,
+    device: torch.device,
+    quantized: bool = False,
+) -> torch.dtype:
+    """The compute dtype: as asked, else chosen from the checkpoint's stored dtype, the device
+    and whether the weights are quantized (`qinfer.linear.compute.compute_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is not None:
         if dtype not in _DTYPES:
             raise QinferError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
         return _DTYPES[dtype]
-    chosen = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
-    if chosen == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
-    return chosen
+    stored = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
+    return compute_dtype(stored, device, quantized)
 
 
 def default_device() -> torch.device:
@@ -186,14 +213,62 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | None, bool]:
+    """load_model's `quantize` as (what to quantize dense weights to, keep GGUF blocks)."""
+    if quantize is None:
+        return None, True
+    if quantize == "none":
+        return None, False
+    if quantize not in QUANTIZE_KINDS:
+        raise QinferError(
+            f"unknown quantize {quantize!r}; use one of none, {', '.join(QUANTIZE_KINDS)}"
+        )
+    if quantize == "int4" and group_size not in GROUP_SIZES:
+        raise QinferError(
+            f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
+        )
+    return Quantize(quantize, group_size), False
+
+
+def _check_device(quantize: Quantize | None, keep_blocks: bool, device: torch.device) -> None:
+    if (quantize is not None or keep_blocks) and device.type not in ("cpu", "cuda"):
+        if quantize is None:
+            raise QinferError(
+                f"quantized GGUF weights run on cpu and cuda, not {device.type}: "
+                "pass quantize='none' to dequantize them"
+            )
+        raise QinferError(f"quantize={quantize.kind!r} runs on cpu and cuda, not {device.type}")
+
+
 def load_model(
     path: str | Path,
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     features: Features | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> Transformer:
-    """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file."""
+    """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
+
+    dtype: the compute dtype (activations and dense weights); by default chosen from the
+        checkpoint, the device and the quantization (see `resolve_dtype`).
+    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0 blocks unless dtype is
+        float32; other weights stay dense), "none" (everything dense: the reference),
+        "int8" (per output channel) or "int4" (groups of `group_size` input columns).
+    """
     device = torch.device(device) if device is not None else default_device()
-    config, weights = open_checkpoint(path, lambda c: resolve_dtype(dtype, c, device), device)
+    scheme, keep_blocks = quantize_choice(quantize, group_size)
+    _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
+
+    def dtype_for(config: ModelConfig, quantized: bool) -> torch.dtype:
+        chosen = resolve_dtype(dtype, config, device, quantized)
+        if quantized and device.type == "cuda" and chosen != torch.bfloat16:
+            raise QinferError(
+                f"quantized weights on cuda compute in bfloat16, not {chosen}: "
+                "drop dtype or pass quantize='none'"
+            )
+        return chosen
+
+    config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
     return Transformer(config, weights, features)

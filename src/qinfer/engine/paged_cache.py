@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
 from qinfer.errors import CacheError
-from qinfer.kv_cache import Mask, position_mask
+from qinfer.kv_cache import Attends, Mask, position_mask
 
 
 class KVPool:
@@ -120,7 +120,7 @@ def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return F.embedding(slots, rows).view(*slots.shape, *pool.shape[1:])
 
 
-class PagedCache:
+class PagedCache(Attends):
     """The KV-cache protocol for one layer over a `KVPool`, for the rows of a `BatchLayout`."""
 
     def __init__(self, pool: KVPool, layer: int, layout: BatchLayout, window: int | None) -> None:

@@ -1,10 +1,10 @@
 """The building blocks of a decoder layer, one concept per module."""
 
 from qinfer.layers.attention import Attention, scaled_dot_product_attention_grouped
-from qinfer.layers.linear import Linear, linear
 from qinfer.layers.mlp import MLP
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE
+from qinfer.linear import Linear, linear
 
 __all__ = [
     "MLP",

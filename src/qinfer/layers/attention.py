@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
 from qinfer.features import Features
-from qinfer.layers.linear import linear
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE
+from qinfer.linear import linear
 from qinfer.weights.base import Weights
 
 Mask = torch.Tensor | str | None
@@ -56,6 +56,14 @@ def scaled_dot_product_attention_grouped(
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     out = torch.matmul(weights.reshape(B, Hkv, n_rep * L, S), v)  # (B, Hkv, n_rep * L, D)
     return out.reshape(B, Hq, L, D)
+
+
+def reference_sdpa_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask = None
+) -> torch.Tensor:
+    """The reference path as the layer runs it: q, k, v in fp32, the result cast back."""
+    out = scaled_dot_product_attention_grouped(q.float(), k.float(), v.float(), scale, mask)
+    return out.to(q.dtype)
 
 
 def causal_mask(L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -115,15 +123,21 @@ class Attention:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.features = features
+        # Both give the same result (the tests hold them to it); the fused one is faster.
+        self.sdpa = torch_sdpa_grouped if features.fast_sdpa else reference_sdpa_fp32
 
         # The scale factor for attention scores: 1/sqrt(head_dim).
         self.scale = self.head_dim**-0.5
 
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         prefix = f"{layer_prefix}.self_attn"
-        self.wq = weights.linear(f"{prefix}.q_proj", (q_out, self.hidden_size), config.qkv_bias)
-        self.wk = weights.linear(f"{prefix}.k_proj", (kv_out, self.hidden_size), config.qkv_bias)
-        self.wv = weights.linear(f"{prefix}.v_proj", (kv_out, self.hidden_size), config.qkv_bias)
+        # q, k and v loaded as one projection (rows stacked): one kernel call per step.
+        self.qkv_sizes = [q_out, kv_out, kv_out]
+        self.wqkv = weights.linear(
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            [(n, self.hidden_size) for n in self.qkv_sizes],
+            config.qkv_bias,
+        )
         self.wo = weights.linear(f"{prefix}.o_proj", (self.hidden_size, q_out), config.o_bias)
 
         # RoPE tables are shared by every layer with the same settings (see layers/rope.py).
@@ -146,10 +160,12 @@ class Attention:
         `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
         B, L, _ = x.shape
 
-        # Step 1: project to Q, K, V.  (B, L, H * D) -> (B, L, H, D)
-        projection_q = linear(x, self.wq).reshape(B, L, self.num_heads, self.head_dim)
-        projection_k = linear(x, self.wk).reshape(B, L, self.num_kv_heads, self.head_dim)
-        projection_v = linear(x, self.wv).reshape(B, L, self.num_kv_heads, self.head_dim)
+        # Step 1: project to Q, K, V (one fused projection, split into its three parts).
+        # (B, L, (Hq + 2 Hkv) * D) -> 3 x (B, L, H * D) -> (B, L, H, D)
+        projection_q, projection_k, projection_v = linear(x, self.wqkv).split(self.qkv_sizes, -1)
+        projection_q = projection_q.reshape(B, L, self.num_heads, self.head_dim)
+        projection_k = projection_k.reshape(B, L, self.num_kv_heads, self.head_dim)
+        projection_v = projection_v.reshape(B, L, self.num_kv_heads, self.head_dim)
 
         # Step 2: per-head QK-norm, within each head, before RoPE.
         if self.q_norm is not None:
@@ -166,25 +182,13 @@ class Attention:
         projection_k = projection_k.transpose(1, 2)
         projection_v = projection_v.transpose(1, 2)
 
-        # Step 5: store this step's K/V and fetch the whole visible history (B, Hkv, S, D),
-        # with the mask that matches it (padding, sliding window, causal).
-        projection_k, projection_v, _, mask = cache.update_and_fetch(
-            projection_k, projection_v, mask_length=L, mask=mask
-        )
-
-        # Step 6: attention with the softmax in fp32, cast back. The fused kernels accumulate
-        # in fp32 themselves: handing them the cache in its own dtype avoids an fp32 copy of
-        # the whole history at every step.
-        if self.features.fast_sdpa:
-            x = torch_sdpa_grouped(projection_q, projection_k, projection_v, self.scale, mask)
-        else:
-            x = scaled_dot_product_attention_grouped(
-                projection_q.float(),
-                projection_k.float(),
-                projection_v.float(),
-                self.scale,
-                mask,
-            ).to(x.dtype)
+        # Steps 5-6: the cache stores this step's K/V and attends over the whole visible
+        # history with the mask that matches it (padding, sliding window, causal). Its
+        # default (`kv_cache.Attends.attend`) is the seed's two calls:
+        #     keys, values, _, mask = cache.update_and_fetch(k, v, mask_length=L, mask=mask)
+        #     x = sdpa(q, keys, values, scale, mask)      # (B, Hq, L, D)
+        # a paged cache may instead attend where its K/V already live.
+        x = cache.attend(projection_q, projection_k, projection_v, self.scale, mask, self.sdpa)
 
         # Step 7: (B, H, L, D) -> (B, L, H * D) -> output projection.
         x = x.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)

@@ -6,89 +6,18 @@ rotates each pair (x1[i], x2[i]) by the angle p * inv_freq[i]:
     out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
 The RoPE types differ only in `inv_freq` (and yarn in a scale on cos/sin), computed by
-`rope_frequencies`. cos/sin are tabulated once per (head_dim, settings, device) for every
+`qinfer.rope_scaling.rope_frequencies`. cos/sin are tabulated once per (head_dim, settings, device) for every
 position up to max_position_embeddings and shared by all layers.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from qinfer.config import RopeConfig
-
-
-def rope_frequencies(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    """inv_freq (dims/2,) in fp32 and the factor that scales cos/sin, for one RoPE type.
-
-    - default: theta^(-2i/dims)
-    - linear: positions interpolated by `factor` (inv_freq / factor)
-    - dynamic: NTK-aware; equal to default for positions within max_position_embeddings,
-      the only positions this engine serves
-    - llama3: low frequencies divided by `factor`, high ones kept, a smooth ramp between
-    - yarn: per-dimension blend of interpolation and extrapolation, cos/sin scaled by
-      the attention factor 0.1 * ln(factor) + 1 (or as configured)
-    """
-    exponent = torch.arange(0, dims, 2, dtype=torch.int64).float() / dims  # (dims/2,)
-    inv_freq = 1.0 / (rope.theta**exponent)
-    if rope.type in ("default", "dynamic"):
-        return inv_freq, 1.0
-    if rope.type == "linear":
-        return inv_freq / rope.factor, 1.0
-    if rope.type == "llama3":
-        return _llama3(inv_freq, rope), 1.0
-    if rope.type == "yarn":
-        return _yarn(dims, rope)
-    raise ValueError(f"unsupported rope type {rope.type!r}")
-
-
-def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
-    old_context = rope.original_max_position_embeddings
-    low_freq_wavelen = old_context / rope.low_freq_factor
-    high_freq_wavelen = old_context / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths (low frequencies) are interpolated, short ones kept as they are.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_context / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _yarn(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = rope.attention_factor
-    if attention_factor is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attention_factor = mscale(rope.factor, rope.mscale) / mscale(
-                rope.factor, rope.mscale_all_dim
-            )
-        else:
-            attention_factor = mscale(rope.factor)
-
-    def correction_dim(rotations: float) -> float:
-        # The dimension whose wavelength makes `rotations` turns over the original context.
-        original = rope.original_max_position_embeddings
-        return (dims * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dims - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dims // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = rope.theta ** (torch.arange(0, dims, 2).float() / dims)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
-    extrapolation_weight = 1 - ramp
-    inv_freq = interpolation * ramp + extrapolation * extrapolation_weight
-    return inv_freq, float(attention_factor)
+from qinfer.rope_scaling import rope_frequencies
 
 
 class RoPE:
@@ -105,7 +34,15 @@ class RoPE:
             rope = RopeConfig(theta=float(rope))
         self.dims = dims
         self.max_positions = max_position_embeddings
-        self.cos, self.sin = _tables(dims, max_position_embeddings, rope, torch.device(device))
+        self.tables = _tables(dims, max_position_embeddings, rope, torch.device(device))
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.tables.cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.tables.sin
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """x: (B, L, H, D); offset: an int, or a (B,) tensor of each row's first position."""
@@ -116,22 +53,12 @@ class RoPE:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of `length` positions from `offset` (an int, or a (B,) tensor of each
         row's first position), each (1 or B, length, 1, D/2) in `dtype`. Queries and keys
-        of one step share them.
+        of one step share them, and so do the layers: the tables remember the last lookup.
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
         """
-        if isinstance(offset, int):
-            cos = self.cos[offset : offset + length][None, :, None]  # (1, L, 1, D/2)
-            sin = self.sin[offset : offset + length][None, :, None]
-        else:
-            positions = offset.to(self.cos.device)[:, None] + torch.arange(
-                length, device=self.cos.device
-            )
-            positions = positions.clamp(min=0)  # (B, L)
-            cos = self.cos[positions][:, :, None]  # (B, L, 1, D/2)
-            sin = self.sin[positions][:, :, None]
-        return cos.to(dtype), sin.to(dtype)
+        return self.tables.rotation(offset, length, dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,11 +67,47 @@ class RoPE:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class _Tables:
+    """cos and sin (length, dims/2) of one RoPE setting, shared by every layer using it.
+
+    Every layer of a forward asks for the same positions: the last lookup is kept, keyed by
+    the offset (an int, or the very tensor object the model passes to all its layers).
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin  # fp32
+        self._by_dtype = {torch.float32: (cos, sin)}
+        self._last: tuple[object, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def rotation(
+        self, offset: int | torch.Tensor, length: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last
+        if last is not None and _same_offset(last[0], offset) and last[1:3] == (length, dtype):
+            return last[3], last[4]
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = self._by_dtype[dtype]
+        if isinstance(offset, int):
+            cos = cos[offset : offset + length][None, :, None]  # (1, L, 1, D/2)
+            sin = sin[offset : offset + length][None, :, None]
+        else:
+            positions = offset.to(cos.device)[:, None] + torch.arange(length, device=cos.device)
+            positions = positions.clamp(min=0)  # (B, L)
+            cos = cos[positions][:, :, None]  # (B, L, 1, D/2)
+            sin = sin[positions][:, :, None]
+        self._last = (offset, length, dtype, cos, sin)
+        return cos, sin
+
+
+def _same_offset(a: int | torch.Tensor, b: int | torch.Tensor) -> bool:
+    """The same int, or the same tensor object (held by the memo, so never a recycled one)."""
+    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
+
+
 @functools.lru_cache(maxsize=16)
-def _tables(
-    dims: int, length: int, rope: RopeConfig, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (length, dims/2) in fp32, shared by every layer with these settings."""
+def _tables(dims: int, length: int, rope: RopeConfig, device: torch.device) -> _Tables:
+    """The cos/sin tables of one setting, in fp32, shared by every layer with these settings."""
     inv_freq, scale = rope_frequencies(dims, rope)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, dims/2)
-    return (angles.cos() * scale).to(device), (angles.sin() * scale).to(device)
+    return _Tables((angles.cos() * scale).to(device), (angles.sin() * scale).to(device))

@@ -9,20 +9,27 @@ import torch
 
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.weights.base import Weights
+from qinfer.weights.base import QUANTIZE_KINDS, Quantize, Weights
 from qinfer.weights.safetensors import SafetensorsWeights
 
-__all__ = ["SafetensorsWeights", "Weights", "open_checkpoint"]
+__all__ = ["QUANTIZE_KINDS", "Quantize", "SafetensorsWeights", "Weights", "open_checkpoint"]
+
+#: dtype_for(config, quantized) -> the compute dtype, once the config (and its stored
+#: dtype) is known and whether the weights will be quantized.
+DtypeChoice = Callable[[ModelConfig, bool], torch.dtype]
 
 
 def open_checkpoint(
     path: str | Path,
-    dtype_for: Callable[[ModelConfig], torch.dtype],
+    dtype_for: DtypeChoice,
     device: torch.device,
+    quantize: Quantize | None = None,
+    keep_gguf_blocks: bool = True,
 ) -> tuple[ModelConfig, Weights]:
     """The config and weights of a Hugging Face folder or a GGUF file.
 
-    dtype_for: picks the load dtype once the config (and its stored dtype) is known.
+    quantize: weight-only quantization of the dense weights at load; a GGUF file keeps
+    its own quantized blocks unless told otherwise (see `weights.gguf.open_gguf`).
     """
     path = Path(path)
     if not path.exists():
@@ -30,8 +37,9 @@ def open_checkpoint(
     if path.is_file() and path.suffix == ".gguf":
         from qinfer.weights.gguf import open_gguf  # the gguf reader is only needed here
 
-        return open_gguf(path, dtype_for, device)
+        return open_gguf(path, dtype_for, device, quantize, keep_gguf_blocks)
     if not path.is_dir():
         raise QinferError(f"model path {path} is neither a checkpoint folder nor a .gguf file")
     config = ModelConfig.from_file(path)
-    return config, SafetensorsWeights(path, dtype_for(config), device)
+    dtype = dtype_for(config, quantize is not None)
+    return config, SafetensorsWeights(path, dtype, device, quantize)

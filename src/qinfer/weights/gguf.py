@@ -8,14 +8,17 @@ llama.cpp's conventions onto ours:
 - tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`);
 - llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
   RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
-- quantized blocks -> fp32, by `gguf_quants.dequantize`, one tensor at a time when the
-  model asks for it.
+- quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
+  Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0 becomes
+  int8 per output channel, re-rounded), else dequantized to fp32 by
+  `gguf_quants.dequantize`, one tensor at a time when the model asks for it.
 
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
 ne = [in, out] arrives as (out, in), the layout of a Hugging Face weight.
 
-Weights load in float32 by default (ModelConfig.torch_dtype = "float32"): dequantized
-values are exact in fp32, and a smaller dtype is a choice the caller makes (`dtype=`).
+By default the blocks are kept and the activations are bf16 (the int kernels are fast only
+with bf16 activations). `dtype="float32"` (or `quantize="none"`) dequantizes every tensor
+to fp32 instead: exact values, the reference the tests compare with transformers.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
-from qinfer.layers.rope import rope_frequencies
-from qinfer.weights.base import Weights
-from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
+from qinfer.linear import StoredWeight, quantize_int8
+from qinfer.rope_scaling import rope_frequencies
+from qinfer.weights.base import Quantize, Weights
+from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -61,6 +65,8 @@ LAYER_NAMES = {
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
+# Block types a kernel reads as they are: int4 groups, and Q8_0 as int8 rows.
+KEPT_TYPES = (*INT4_GROUPS, GGMLQuantizationType.Q8_0)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -76,14 +82,24 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 def open_gguf(
     path: str | Path,
-    dtype_for: Callable[[ModelConfig], torch.dtype],
+    dtype_for: Callable[[ModelConfig, bool], torch.dtype],
     device: torch.device,
+    quantize: Quantize | None = None,
+    keep_blocks: bool = True,
 ) -> tuple[ModelConfig, GGUFWeights]:
-    """The config and (lazily dequantized) weights of a `.gguf` file."""
+    """The config and (lazily read) weights of a `.gguf` file.
+
+    keep_blocks: keep Q4_0/Q4_1/Q4_K/Q8_0 tensors quantized (unless the compute dtype is
+    fp32, which asks for the exact dequantized reference); other types are dequantized,
+    and `quantize` then applies to them.
+    """
     path = Path(path)
     reader = read_gguf(path)
     config = config_from_gguf(reader, path)
-    return config, GGUFWeights(path, reader, config, dtype_for(config), device)
+    kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in reader.tensors)
+    dtype = dtype_for(config, kept or quantize is not None)
+    keep = kept and dtype != torch.float32
+    return config, GGUFWeights(path, reader, config, dtype, device, quantize, keep)
 
 
 def read_gguf(path: Path) -> GGUFReader:
@@ -236,9 +252,12 @@ class GGUFWeights(Weights):
         config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device | str,
+        quantize: Quantize | None = None,
+        keep_blocks: bool = False,
     ) -> None:
-        super().__init__(dtype, device)
+        super().__init__(dtype, device, quantize)
         self.path = path
+        self.keep_blocks = keep_blocks
         self._tensors: dict[str, ReaderTensor] = {}
         for stored in reader.tensors:
             name = hf_tensor_name(stored.name)
@@ -266,16 +285,34 @@ class GGUFWeights(Weights):
 
     def _read(self, name: str) -> torch.Tensor:
         stored = self._tensors[name]
+        return self._unpermuted(name, self._decode(stored, dequantize))
+
+    def _stored(self, name: str) -> StoredWeight:
+        stored = self._tensors[name]
+        if self.keep_blocks and stored.tensor_type in INT4_GROUPS:
+            groups = self._decode(stored, int4_groups)
+            groups.q, groups.scales, groups.zeros = (
+                self._unpermuted(name, t) for t in (groups.q, groups.scales, groups.zeros)
+            )
+            return groups
+        if self.keep_blocks and stored.tensor_type == GGMLQuantizationType.Q8_0:
+            return quantize_int8(self._read(name))  # per-block scales -> one per row
+        return self._read(name)
+
+    def _decode(self, stored: ReaderTensor, decode: Callable) -> Any:
         try:
-            weight = dequantize(stored.data, stored.tensor_type, self.device)
+            return decode(stored.data, stored.tensor_type, self.device)
         except (ValueError, RuntimeError) as e:
             raise WeightsError(
                 f"cannot read tensor {stored.name!r} ({stored.tensor_type.name}) from {self.path}: {e}"
             ) from None
+
+    def _unpermuted(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """q/k rows (and their scales) of a llama file back in rotate-half order."""
         projection = name.split(".")[-2]
         if projection in self._rope_heads:
-            weight = _unpermute_rows(weight, self._rope_heads[projection])
-        return weight
+            return _unpermute_rows(rows, self._rope_heads[projection])
+        return rows
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qinfer.linear import Int4Groups
+
 QK_K = 256
 
 
@@ -158,6 +160,32 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales)[..., None] * q).reshape(n, QK_K)
 
 
+def int4_groups_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """w = d * (q - 8): scale d, zero 0."""
+    n = blocks.shape[0]
+    d = _f16(blocks[:, :2])
+    q = _unpack(blocks[:, 2:], 16, 4).reshape(n, 32)
+    return q, d, torch.zeros_like(d)
+
+
+def int4_groups_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """w = d * q + m = (q - 8) * d + (m + 8d)."""
+    n = blocks.shape[0]
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    q = _unpack(blocks[:, 4:], 16, 4).reshape(n, 32)
+    return q, d, m + 8 * d
+
+
+def int4_groups_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Sub-block j: w = (d sc_j) q - dmin m_j = (q - 8) * (d sc_j) + (8 d sc_j - dmin m_j)."""
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    scales, mins = _k_scales(blocks[:, 4:16])
+    q = _unpack(blocks[:, 16:], 32, 4).reshape(n, QK_K)
+    scale = d * scales  # (n, 8)
+    return q, scale, 8 * scale - dmin * mins
+
+
 Q = GGMLQuantizationType
 BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q8_0: dequantize_q8_0,
@@ -171,8 +199,19 @@ BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Te
     Q.Q5_K: dequantize_q5_k,
     Q.Q6_K: dequantize_q6_k,
 }
+#: Block types that are int4 groups of 32 exactly: (q, scale, zero) per block.
+INT4_GROUPS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    Q.Q4_0: int4_groups_q4_0,
+    Q.Q4_1: int4_groups_q4_1,
+    Q.Q4_K: int4_groups_q4_k,
+}
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTIZERS)
+
+
+def _blocks(data: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """The reader's (read-only) map of a tensor, copied into a torch tensor on `device`."""
+    return torch.from_numpy(np.array(data, copy=True)).to(device)
 
 
 def dequantize(
@@ -184,9 +223,7 @@ def dequantize(
     each row holding whole blocks. Returns (..., row_weights) fp32. `qtype` must be one of
     SUPPORTED_TYPES.
     """
-    raw = torch.from_numpy(np.array(data, copy=True)).to(
-        device
-    )  # copy: the reader's map is read-only
+    raw = _blocks(data, device)
     if qtype in FLOAT_TYPES:
         # bf16 arrives as bytes (numpy has no bfloat16); view two of them as one value.
         return raw.view(FLOAT_TYPES[qtype]).float()
@@ -195,3 +232,17 @@ def dequantize(
     blocks = raw.reshape(-1, type_size)  # (n_blocks, type_size)
     weights = BLOCK_DEQUANTIZERS[qtype](blocks)  # (n_blocks, block_size)
     return weights.reshape(*rows, row_bytes // type_size * block_size)
+
+
+def int4_groups(
+    data: np.ndarray, qtype: GGMLQuantizationType, device: torch.device | str = "cpu"
+) -> Int4Groups:
+    """A 2-D Q4_0 / Q4_1 / Q4_K tensor (rows, row_bytes) as int4 groups of 32, with no
+    rounding: `Int4Groups.dequantize()` equals `dequantize(data, qtype)` bit for bit
+    wherever the zero (m + 8d, 8 d sc - dmin m) is exact in fp32, which fp16 inputs of
+    comparable size always are."""
+    raw = _blocks(data, device)
+    rows, row_bytes = raw.shape
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    q, scales, zeros = INT4_GROUPS[qtype](raw.reshape(-1, type_size))
+    return Int4Groups(q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1))

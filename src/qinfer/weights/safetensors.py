@@ -9,7 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import WeightsError
-from qinfer.weights.base import Weights
+from qinfer.weights.base import Quantize, Weights
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -17,8 +17,14 @@ INDEX_FILE = "model.safetensors.index.json"
 class SafetensorsWeights(Weights):
     """Tensors read lazily and memory-mapped from the `.safetensors` files of a folder."""
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(dtype, device)
+    def __init__(
+        self,
+        folder: str | Path,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quantize: Quantize | None = None,
+    ) -> None:
+        super().__init__(dtype, device, quantize)
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
         index = self.folder / INDEX_FILE

@@ -1,0 +1,46 @@
+"""What every kind of Linear answers: apply it, read rows of it, and show the weight it holds."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from qinfer.errors import WeightsError
+
+
+class Linear(ABC):
+    """y = x W^T + b for a weight W (out_features, in_features) stored in some form.
+
+    bias: (out_features,) in the compute dtype, or None. `dequantize()` is the weight the
+    kernel multiplies by, in fp32: the reference every kind is tested against.
+    """
+
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in_features) -> (..., out_features), in x's dtype."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """The weight (out_features, in_features) in fp32, as the kernel sees it."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of weight (and scales, and bias) a forward reads."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of W at `ids` (...,) -> (..., in_features): an embedding lookup."""
+        raise WeightsError(f"{type(self).__name__} weights cannot serve embedding lookups")
+
+    def _bias_nbytes(self) -> int:
+        return 0 if self.bias is None else self.bias.nbytes
+
+
+def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    """(..., in_features) -> (..., out_features): the layers' one call, whatever w's kind."""
+    return w(x)

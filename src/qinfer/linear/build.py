@@ -1,0 +1,70 @@
+"""From stored weights to one Linear: the choice of kind, made once at load time."""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.linear.base import Linear
+from qinfer.linear.concat import ConcatLinear
+from qinfer.linear.dense import DenseLinear
+from qinfer.linear.int4 import Int4Groups, Int4Linear
+from qinfer.linear.int8 import Int8Linear, Int8Rows
+
+#: A weight as a checkpoint reader hands it over: dense (any float dtype) or quantized.
+StoredWeight = torch.Tensor | Int8Rows | Int4Groups
+
+
+def make_linear(
+    parts: list[StoredWeight],
+    biases: list[torch.Tensor | None],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Linear:
+    """One Linear whose output is the parts' outputs side by side (rows stacked).
+
+    Parts of one kind are stacked into a single weight, so a fused q/k/v or gate/up
+    projection is one kernel call; parts of different kinds (or int4 groups of different
+    sizes) become a ConcatLinear. biases: one per part (all None: no bias); dense weights
+    and biases are cast to the compute dtype and moved to the device.
+    """
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                b if b is not None else torch.zeros(_rows(p))
+                for p, b in zip(parts, biases, strict=True)
+            ]
+        ).to(device, dtype)
+    kinds = {type(p) if not isinstance(p, torch.Tensor) else torch.Tensor for p in parts}
+    if len(kinds) > 1 or (kinds == {Int4Groups} and len({p.group_size for p in parts}) > 1):
+        return ConcatLinear(
+            [
+                make_linear([p], [b], dtype, device)
+                for p, b in zip(parts, _split(bias, parts), strict=True)
+            ]
+        )
+    first = parts[0]
+    if isinstance(first, Int4Groups):
+        stored = Int4Groups(
+            *(
+                torch.cat([getattr(p, f) for p in parts]).to(device)
+                for f in ("q", "scales", "zeros")
+            )
+        )
+        return Int4Linear(stored, bias, dtype)
+    if isinstance(first, Int8Rows):
+        stored = Int8Rows(
+            *(torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales"))
+        )
+        return Int8Linear(stored, bias, dtype)
+    return DenseLinear(torch.cat(parts).to(device, dtype), bias)
+
+
+def _rows(part: StoredWeight) -> int:
+    return part.shape[0]
+
+
+def _split(bias: torch.Tensor | None, parts: list[StoredWeight]) -> list[torch.Tensor | None]:
+    if bias is None:
+        return [None] * len(parts)
+    return list(bias.split([_rows(p) for p in parts]))

@@ -1,0 +1,133 @@
+"""int4 weights in groups: W = (q - 8) * scale + zero, one (scale, zero) per `group_size`
+consecutive input columns of each row (torch's "tinygemm" convention).
+
+This is exactly llama.cpp's Q4_0 (zero 0), Q4_1 (w = d q + m: scale d, zero m + 8d) and
+Q4_K (sub-blocks of 32 with their own scale and min) when the group is 32, so GGUF files
+keep their bits (`qinfer.weights.gguf_quants.int4_groups`). The kernels multiply in one
+fused step, (q - 8) * scale + zero rounded once, the value ggml's dequantization gives.
+
+Kernels: `aten._weight_int4pack_mm_for_cpu` (rows a multiple of 16, groups of 32, 64, 128
+or 256; fast only with bf16 activations) and `aten._weight_int4pack_mm` on CUDA (bf16).
+Weights with a row count that is not a multiple of 16 are padded with zero rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.errors import WeightsError
+from qinfer.linear.base import Linear
+
+#: Group sizes torch's int4 kernels accept.
+GROUP_SIZES = (32, 64, 128, 256)
+_ROW_MULTIPLE = 16  # the CPU packing takes rows in tiles of 16
+
+
+@dataclass
+class Int4Groups:
+    """A weight as int4 groups: q (N, K) uint8 in 0..15, scales and zeros (N, K / group) fp32."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32, rounded once as the kernels' fused multiply-add rounds."""
+        g = self.group_size
+        scales = self.scales.double().repeat_interleave(g, dim=1)
+        zeros = self.zeros.double().repeat_interleave(g, dim=1)
+        return ((self.q.double() - 8) * scales + zeros).float()
+
+
+def int4_kernel_supports(shape: tuple[int, int], group_size: int) -> str | None:
+    """Why an (out, in) weight cannot take int4 groups of group_size, or None if it can."""
+    if group_size not in GROUP_SIZES:
+        return (
+            f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
+        )
+    if shape[1] % group_size:
+        return f"int4 group size {group_size} does not divide its {shape[1]} input features"
+    return None
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int4Groups:
+    """Asymmetric int4 per group: the group's min maps to q = 0 and its max to q = 15."""
+    reason = int4_kernel_supports(tuple(weight.shape), group_size)
+    if reason is not None:
+        raise WeightsError(f"cannot quantize {name}: {reason}")
+    N, K = weight.shape
+    w = weight.float().reshape(N, K // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)  # (N, groups)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15)
+    # w ~= q * scale + low = (q - 8) * scale + (low + 8 * scale)
+    return Int4Groups(q.to(torch.uint8).reshape(N, K), scales, low + 8 * scales)
+
+
+class Int4Linear(Linear):
+    """A packed int4 weight with its (K / group, N, 2) scales and zeros, bias (N,) or None."""
+
+    def __init__(self, stored: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        q, scales, zeros = stored.q, stored.scales, stored.zeros
+        self.out_features, self.in_features = q.shape
+        self.group_size = stored.group_size
+        padding = -self.out_features % _ROW_MULTIPLE
+        if padding:  # zero rows: q = 8, scale = zero = 0
+            q = torch.cat([q, q.new_full((padding, q.shape[1]), 8)])
+            scales = torch.cat([scales, scales.new_zeros(padding, scales.shape[1])])
+            zeros = torch.cat([zeros, zeros.new_zeros(padding, zeros.shape[1])])
+        self._padded = bool(padding)
+        # (N, groups) x 2 -> (groups, N, 2), the kernels' layout
+        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.to(dtype)
+        self.packed = _pack(q)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # (M, K): the kernels take 2-D activations
+        if flat.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed, self.group_size, self.scales_and_zeros
+            )
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(
+                flat, self.packed, self.group_size, self.scales_and_zeros
+            )
+        if self._padded:
+            y = y[:, : self.out_features]
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """Run the kernel on the identity: (K, K) @ W^T gives W^T, as the kernel computes it."""
+        eye = torch.eye(
+            self.in_features, dtype=self.scales_and_zeros.dtype, device=self.packed.device
+        )
+        y = self(eye)
+        if self.bias is not None:
+            y = y - self.bias
+        return y.float().T
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + self._bias_nbytes()
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) uint8 values 0..15 -> the device kernel's packed layout."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    # CUDA: two values per byte, even columns in the high nibble; K tiles of 16 * inner_k_tiles.
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (N, K / 2)
+    inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)

@@ -16,6 +16,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -138,3 +140,32 @@ def write_gguf_model(model, path: Path, arch: str) -> Path:
     if config.rope_parameters.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(config)
     return write_gguf(path, arch, tensors, describe_model(config, arch))
+
+
+# Byte offsets of the fp16 scales in the block types `gguf.quants` cannot quantize: random
+# bytes there would often be inf/NaN, so the synthetic blocks get finite scales.
+FP16_SCALE_OFFSETS = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+
+
+def synthetic_tensor(qtype: Q, rows: int = 6, columns: int = 512) -> np.ndarray:
+    """A (rows, columns) tensor of `qtype` as the GGUF reader maps it (bytes for block types)."""
+    rng = np.random.default_rng(int(qtype))
+    values = rng.standard_normal((rows, columns)).astype(np.float32)
+    if qtype == Q.F32:
+        return values
+    if qtype == Q.F16:
+        return values.astype(np.float16)
+    if qtype not in FP16_SCALE_OFFSETS:
+        return gguf.quants.quantize(values, qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * columns // block_size, type_size), dtype=np.uint8)
+    for offset in FP16_SCALE_OFFSETS[qtype]:
+        scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)

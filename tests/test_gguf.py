@@ -8,7 +8,13 @@ import torch
 from checkpoints import YARN_ROPE, build_checkpoint, llama3_rope
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf_files import describe_model, smollm2_path, write_gguf, write_gguf_model
+from gguf_files import (
+    describe_model,
+    smollm2_path,
+    synthetic_tensor,
+    write_gguf,
+    write_gguf_model,
+)
 
 import qinfer
 from qinfer.errors import ConfigError, WeightsError
@@ -27,34 +33,6 @@ def one_torch_thread():
 
 
 # ---------------------------------------------------------------- dequantization
-
-# Byte offsets of the fp16 scales in the block types `gguf.quants` cannot quantize: random
-# bytes there would often be inf/NaN, so the synthetic blocks get finite scales.
-FP16_SCALE_OFFSETS = {
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-}
-
-
-def synthetic_tensor(qtype: Q, rows: int = 6, columns: int = 512) -> np.ndarray:
-    """A (rows, columns) tensor of `qtype` as the GGUF reader maps it (bytes for block types)."""
-    rng = np.random.default_rng(int(qtype))
-    values = rng.standard_normal((rows, columns)).astype(np.float32)
-    if qtype == Q.F32:
-        return values
-    if qtype == Q.F16:
-        return values.astype(np.float16)
-    if qtype not in FP16_SCALE_OFFSETS:
-        return gguf.quants.quantize(values, qtype)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (rows * columns // block_size, type_size), dtype=np.uint8)
-    for offset in FP16_SCALE_OFFSETS[qtype]:
-        scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)

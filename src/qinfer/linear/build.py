@@ -27,6 +27,11 @@ def make_linear(
     sizes) become a ConcatLinear. biases: one per part (all None: no bias); dense weights
     and biases are cast to the compute dtype and moved to the device.
     """
+    kinds = {type(p) if not isinstance(p, torch.Tensor) else torch.Tensor for p in parts}
+    if len(kinds) > 1 or (kinds == {Int4Groups} and len({p.group_size for p in parts}) > 1):
+        return ConcatLinear(
+            [make_linear([p], [b], dtype, device) for p, b in zip(parts, biases, strict=True)]
+        )
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat(
@@ -35,14 +40,6 @@ def make_linear(
                 for p, b in zip(parts, biases, strict=True)
             ]
         ).to(device, dtype)
-    kinds = {type(p) if not isinstance(p, torch.Tensor) else torch.Tensor for p in parts}
-    if len(kinds) > 1 or (kinds == {Int4Groups} and len({p.group_size for p in parts}) > 1):
-        return ConcatLinear(
-            [
-                make_linear([p], [b], dtype, device)
-                for p, b in zip(parts, _split(bias, parts), strict=True)
-            ]
-        )
     first = parts[0]
     if isinstance(first, Int4Groups):
         stored = Int4Groups(
@@ -62,9 +59,3 @@ def make_linear(
 
 def _rows(part: StoredWeight) -> int:
     return part.shape[0]
-
-
-def _split(bias: torch.Tensor | None, parts: list[StoredWeight]) -> list[torch.Tensor | None]:
-    if bias is None:
-        return [None] * len(parts)
-    return list(bias.split([_rows(p) for p in parts]))

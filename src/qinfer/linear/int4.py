@@ -94,7 +94,12 @@ class Int4Linear(Linear):
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (M, K): the kernels take 2-D activations
+        y = self._matmul(x.reshape(-1, self.in_features))  # the kernels take 2-D activations
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, N) without the bias."""
         if flat.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group_size, self.scales_and_zeros
@@ -103,20 +108,12 @@ class Int4Linear(Linear):
             y = torch.ops.aten._weight_int4pack_mm(
                 flat, self.packed, self.group_size, self.scales_and_zeros
             )
-        if self._padded:
-            y = y[:, : self.out_features]
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y[:, : self.out_features] if self._padded else y
 
     def dequantize(self) -> torch.Tensor:
         """Run the kernel on the identity: (K, K) @ W^T gives W^T, as the kernel computes it."""
-        eye = torch.eye(
-            self.in_features, dtype=self.scales_and_zeros.dtype, device=self.packed.device
-        )
-        y = self(eye)
-        if self.bias is not None:
-            y = y - self.bias
-        return y.float().T
+        dtype, device = self.scales_and_zeros.dtype, self.packed.device
+        return self._matmul(torch.eye(self.in_features, dtype=dtype, device=device)).float().T
 
     @property
     def nbytes(self) -> int:

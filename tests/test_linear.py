@@ -1,0 +1,176 @@
+"""The Linear family: each kernel path against the fp32 weight it claims to hold.
+
+References: `gguf.quants.dequantize` for GGUF blocks kept as int4 groups (bit for bit), and
+`F.linear` in fp32 over `dequantize()` for every kernel. Tolerances for bf16 paths come from
+bf16's 8-bit mantissa: the activations are rounded to bf16 before the kernel (the reference
+gets the same rounded activations) and the output is rounded to bf16, a relative error of
+2^-9 per value, plus a different summation order; 1% of the output's scale bounds both.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf_files import synthetic_tensor
+
+from qinfer.errors import WeightsError
+from qinfer.linear import (
+    ConcatLinear,
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+)
+from qinfer.weights.gguf import open_gguf
+from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
+
+
+def weight(rows: int = 48, columns: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def activations(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def assert_matches_dequantized(w, x: torch.Tensor) -> None:
+    """w(x) against F.linear in fp32 over w.dequantize(), the same activations."""
+    expected = F.linear(x.float(), w.dequantize(), None if w.bias is None else w.bias.float())
+    got = w(x)
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    scale = expected.abs().max().item()
+    tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=tolerance * scale)
+
+
+# ------------------------------------------------------------- GGUF blocks kept as int4
+
+
+@pytest.mark.parametrize("qtype", list(INT4_GROUPS), ids=lambda t: t.name)
+def test_int4_groups_of_gguf_blocks_dequantize_bit_identically(qtype):
+    data = synthetic_tensor(qtype, rows=32, columns=512)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    groups = int4_groups(data, qtype)
+    assert groups.group_size == 32
+    assert torch.equal(groups.dequantize(), reference)
+    # ... and as the CPU kernel multiplies by them (fp32 activations: no rounding of scales)
+    assert torch.equal(Int4Linear(groups, None, torch.float32).dequantize(), reference)
+
+
+def test_smollm2_projections_keep_their_q4_1_bits(smollm2_reader):
+    """Every Q4_1 projection of one layer (q/k rows unpermuted as for the dense path)."""
+    from gguf_files import smollm2_path
+
+    _, weights = open_gguf(smollm2_path(), lambda config, quantized: torch.bfloat16, "cpu")
+    assert weights.keep_blocks
+    for name in [n for n in weights.names() if n.startswith("model.layers.3.")]:
+        if not name.endswith("proj.weight"):
+            continue
+        kernel = Int4Linear(weights._stored(name), None, torch.float32)
+        assert torch.equal(kernel.dequantize(), weights._read(name)), name
+
+
+# ------------------------------------------------------------------ kernel paths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int4_kernel_matches_its_dequantized_weight(dtype, rows):
+    w = Int4Linear(quantize_int4(weight(), 32), torch.randn(48).to(dtype), dtype)
+    assert_matches_dequantized(w, activations(rows, 256, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_kernel_matches_its_dequantized_weight(dtype, rows):
+    w = Int8Linear(quantize_int8(weight()), None, dtype)
+    assert_matches_dequantized(w, activations(rows, 256, dtype))
+
+
+def test_int4_rows_not_a_multiple_of_16_are_padded():
+    w = Int4Linear(quantize_int4(weight(rows=24), 64), None, torch.bfloat16)
+    x = activations(3, 256, torch.bfloat16)
+    assert w(x).shape == (3, 24)
+    assert_matches_dequantized(w, x)
+
+
+def test_batched_activations_keep_their_leading_shape():
+    w = Int4Linear(quantize_int4(weight(), 32), None, torch.bfloat16)
+    x = activations(6, 256, torch.bfloat16).reshape(2, 3, 256)
+    torch.testing.assert_close(w(x), w(x.reshape(6, 256)).reshape(2, 3, 48), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_quantize_int4_error_is_at_most_half_a_step(group_size):
+    w = weight()
+    groups = quantize_int4(w, group_size)
+    step = groups.scales.repeat_interleave(group_size, dim=1)
+    assert ((groups.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert int(groups.q.min()) >= 0 and int(groups.q.max()) <= 15
+
+
+def test_quantize_int8_error_is_at_most_half_a_step():
+    w = weight()
+    rows = quantize_int8(w)
+    assert ((rows.dequantize() - w).abs() <= rows.scales[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_rows_serve_embedding_lookups():
+    w = Int8Linear(quantize_int8(weight()), None, torch.bfloat16)
+    ids = torch.tensor([[3, 0, 47]])
+    expected = w.dequantize()[ids].to(torch.bfloat16)
+    torch.testing.assert_close(w.rows(ids), expected, rtol=0, atol=0)
+
+
+def test_int4_refuses_embedding_lookups():
+    w = Int4Linear(quantize_int4(weight(), 32), None, torch.bfloat16)
+    with pytest.raises(WeightsError, match="Int4Linear weights cannot serve embedding lookups"):
+        w.rows(torch.tensor([1]))
+
+
+@pytest.mark.parametrize(
+    "group_size, message",
+    [(48, "must be one of 32, 64, 128, 256, got 48"), (64, "64 does not divide its 96 input")],
+)
+def test_quantize_int4_refuses_a_group_that_does_not_fit(group_size, message):
+    with pytest.raises(WeightsError, match=f"cannot quantize q_proj: .*{message}"):
+        quantize_int4(weight(columns=96), group_size, "q_proj")
+
+
+# --------------------------------------------------------------- fused projections
+
+
+def test_parts_of_one_kind_become_one_kernel():
+    parts = [quantize_int4(weight(seed=s), 32) for s in range(3)]
+    fused = make_linear(parts, [None] * 3, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(fused, Int4Linear) and fused.out_features == 144
+    x = activations(2, 256, torch.bfloat16)
+    alone = [Int4Linear(p, None, torch.bfloat16)(x) for p in parts]
+    torch.testing.assert_close(fused(x), torch.cat(alone, -1), rtol=0, atol=0)
+
+
+def test_parts_of_different_kinds_run_side_by_side():
+    parts = [quantize_int4(weight(seed=0), 32), weight(seed=1), quantize_int8(weight(seed=2))]
+    biases = [None, torch.ones(48), None]
+    fused = make_linear(parts, biases, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(fused, ConcatLinear)
+    assert [type(p) for p in fused.parts] == [Int4Linear, DenseLinear, Int8Linear]
+    assert fused.parts[1].bias is not None and fused.parts[0].bias is None
+    x = activations(3, 256, torch.bfloat16)
+    bias = torch.cat([torch.zeros(48), torch.ones(48), torch.zeros(48)])
+    expected = F.linear(x.float(), fused.dequantize(), bias)
+    torch.testing.assert_close(fused(x).float(), expected, rtol=0, atol=1e-2)
+
+
+def test_gguf_q8_0_becomes_int8_rows_within_half_a_row_step():
+    data = synthetic_tensor(Q.Q8_0, rows=8, columns=256)
+    exact = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
+    rows = quantize_int8(exact)
+    assert ((rows.dequantize() - exact).abs() <= rows.scales[:, None] / 2 + 1e-7).all()
+    assert np.array_equal(rows.q.shape, exact.shape)

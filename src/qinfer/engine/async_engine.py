@@ -53,9 +53,16 @@ class AsyncEngine:
         *,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
+        quantize: str | None = None,
+        group_size: int = 32,
         **engine_args,
     ) -> None:
-        self.engine = build_engine(model_or_path, tokenizer, dtype, device, engine_args)
+        self.engine = build_engine(
+            model_or_path,
+            tokenizer,
+            dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
+            engine_args,
+        )
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id)
         self._streams: dict[str, _Stream] = {}

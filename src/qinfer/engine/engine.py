@@ -293,19 +293,19 @@ class Engine:
 def build_engine(
     model_or_path: Transformer | str | Path,
     tokenizer: Tokenizer | str | Path | None,
-    dtype,
-    device,
+    load_args: dict,
     engine_args: dict,
 ) -> Engine:
     """An Engine from a loaded model or a checkpoint path (whose tokenizer is loaded too,
     when it has one and none is given, and whose generation_config.json gives the sampling
-    defaults of requests that bring no SamplingParams)."""
+    defaults of requests that bring no SamplingParams). load_args: `load_model`'s keywords
+    (dtype, device, quantize, group_size) for a path."""
     config = EngineConfig.from_kwargs(**engine_args)
     default_params = None
     if isinstance(model_or_path, Transformer):
         model = model_or_path
     else:
-        model = load_model(model_or_path, dtype=dtype, device=device)
+        model = load_model(model_or_path, **load_args)
         default_params = SamplingParams.from_generation_config(model_or_path)
         if tokenizer is None:
             try:

@@ -25,7 +25,8 @@ class LLM:
 
     model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
-        must be token ids). engine_args: see `qinfer.engine.EngineConfig`.
+        must be token ids). dtype, device, quantize, group_size: as for `qinfer.load_model`,
+    when a path is given. engine_args: see `qinfer.engine.EngineConfig`.
     """
 
     def __init__(
@@ -35,9 +36,16 @@ class LLM:
         *,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
+        quantize: str | None = None,
+        group_size: int = 32,
         **engine_args,
     ) -> None:
-        self.engine: Engine = build_engine(model_or_path, tokenizer, dtype, device, engine_args)
+        self.engine: Engine = build_engine(
+            model_or_path,
+            tokenizer,
+            dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
+            engine_args,
+        )
 
     def generate(
         self,

@@ -14,15 +14,12 @@ import json
 import torch
 
 from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
+from qinfer.cli_args import add_model_arguments, load_arguments
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model", default=None, help="checkpoint folder or .gguf (default SmolLM2)"
-    )
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
+    add_model_arguments(parser)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument(
         "--prompt-tokens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX")
@@ -42,8 +39,7 @@ def main() -> None:
     workload = Workload(args.num_requests, *args.prompt_tokens, *args.output_tokens)
     report = run_engine_benchmark(
         args.model,
-        args.dtype,
-        args.device,
+        load_arguments(args),
         workload,
         compare_hf=args.compare_hf,
         one_by_one=not args.skip_one_by_one,

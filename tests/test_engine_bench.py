@@ -8,8 +8,9 @@ from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
 def test_benchmark_reports_each_way_and_the_ratios(tmp_path):
     build_checkpoint(tmp_path, "llama")
     workload = Workload(4, 2, 6, 1, 3, seed=1)
+    load_args = {"dtype": "float32", "device": "cpu"}
     report = run_engine_benchmark(
-        str(tmp_path), "float32", "cpu", workload, compare_hf=True, max_num_seqs=2
+        str(tmp_path), load_args, workload, compare_hf=True, max_num_seqs=2
     )
     _, lengths = workload.draw(256)
     assert report["output_tokens"] == sum(lengths)

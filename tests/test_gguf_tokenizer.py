@@ -8,7 +8,7 @@ from gguf_files import smollm2_path, write_gguf
 
 import qinfer
 from qinfer.errors import TokenizerError
-from qinfer.weights.gguf import metadata
+from qinfer.weights.gguf import read_gguf
 from qinfer.weights.gguf_tokenizer import tokenizer_from_gguf
 
 CORPUS = [
@@ -96,9 +96,9 @@ def test_load_tokenizer_reads_a_gguf_file(smollm2_tokenizers):
 
 
 @pytest.fixture(scope="module")
-def small_byte_level_vocab(smollm2_reader):
+def small_byte_level_vocab():
     """SmolLM2's first 4000 tokens, their token types, and the merges that stay inside them."""
-    meta = metadata(smollm2_reader)
+    meta = read_gguf(smollm2_path()).metadata
     tokens = meta["tokenizer.ggml.tokens"][:4000]
     known = set(tokens)
     merges = [

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from qinfer.cli_args import add_model_arguments, add_sampling_arguments
+from qinfer.cli_args import add_model_arguments, add_sampling_arguments, load_arguments
 from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
 
@@ -61,14 +61,14 @@ class _Parser(argparse.ArgumentParser):
 def load_model_and_tokenizer(
     args: argparse.Namespace,
 ) -> tuple[Path, Transformer, Tokenizer]:
-    """(path, model, tokenizer) for --model / --dtype / --device."""
+    """(path, model, tokenizer) for --model / --dtype / --device / --quantize / --group-size."""
     from qinfer.checkpoint import resolve_model
     from qinfer.model import load_model
     from qinfer.tokenizer import load_tokenizer
 
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
-    model = load_model(path, dtype=args.dtype, device=args.device)
+    model = load_model(path, **load_arguments(args))
     return path, model, tokenizer
 
 
@@ -236,9 +236,7 @@ def run_bench(args: argparse.Namespace) -> int:
         # while their partners wait to be scheduled.
         torch.set_num_threads(args.threads)
     if args.batch:
-        report = run_engine_benchmark(
-            args.model, args.dtype, args.device, compare_hf=args.compare_hf
-        )
+        report = run_engine_benchmark(args.model, load_arguments(args), compare_hf=args.compare_hf)
         print(json.dumps(report, indent=2) if args.json else format_engine_report(report))
         return 0
     settings = BenchSettings(
@@ -247,7 +245,7 @@ def run_bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         repeats=args.repeats,
     )
-    report = run_benchmarks(args.model, args.dtype, args.device, settings, args.compare_hf)
+    report = run_benchmarks(args.model, load_arguments(args), settings, args.compare_hf)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

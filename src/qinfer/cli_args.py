@@ -12,8 +12,33 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a checkpoint folder, a .gguf file or a hub id (default: the embedded SmolLM2-135M)",
     )
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="compute dtype: float32, bfloat16 or float16 (default: measured for this device; "
+        "float32 dequantizes a GGUF file, the exact reference)",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: best)")
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        choices=["none", "int8", "int4"],
+        help="weight-only quantization at load (default: a GGUF file keeps its Q4/Q8 blocks, "
+        "other weights stay dense; none: everything dense)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=32, help="input columns per int4 scale (32 to 256)"
+    )
+
+
+def load_arguments(args: argparse.Namespace) -> dict:
+    """`qinfer.load_model`'s keywords from the flags of `add_model_arguments`."""
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "quantize": args.quantize,
+        "group_size": args.group_size,
+    }
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

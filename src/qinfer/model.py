@@ -7,6 +7,7 @@ which tensors the checkpoint holds.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention, Mask
 from qinfer.layers.mlp import MLP
 from qinfer.layers.norm import RMSNorm
-from qinfer.linear import linear
+from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
@@ -72,6 +73,18 @@ class Transformer:
         # A tied head is the embedding's Linear itself: stored (and quantized) once.
         tied = config.tie_word_embeddings
         self.lm_head = self.embed_tokens if tied else weights.linear("lm_head", (V, H), bias=False)
+
+    def linears(self) -> dict[str, Linear]:
+        """Every projection by name; a tied head appears once, as `embed_tokens`."""
+        found = {"embed_tokens": self.embed_tokens}
+        for i, block in enumerate(self.layers):
+            for part in ("self_attn", "mlp"):
+                for name, value in vars(getattr(block, part)).items():
+                    if isinstance(value, Linear):
+                        found[f"layers.{i}.{part}.{name}"] = value
+        if self.lm_head is not self.embed_tokens:
+            found["lm_head"] = self.lm_head
+        return found
 
     def make_cache(
         self,
@@ -271,4 +284,19 @@ def load_model(
         return chosen
 
     config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
-    return Transformer(config, weights, features)
+    model = Transformer(config, weights, features)
+    _release_freed_memory()
+    return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the load's freed buffers (dequantized copies, file reads) back to the OS.
+
+    glibc keeps freed heap memory for reuse, and its threshold for returning large blocks
+    grows as they are freed: without this, a 100 MB GGUF model keeps ~170 MB of dead load
+    buffers resident (measured on SmolLM2). A no-op where the C library has no malloc_trim.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,15 +1,54 @@
-"""What both benchmarks share: timing a call on a device, and loading the transformers
-model they compare qinfer against."""
+"""What both benchmarks share: loading qinfer and describing what it runs on, timing a call
+on a device, and loading the transformers model they compare qinfer against."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
+from qinfer.linear.compute import bf16_matmul_is_fast, cpu_flags
+from qinfer.model import Transformer, default_device, load_model
+
+
+def load_qinfer(model_spec: str | None, load_args: dict | None) -> tuple[Path, Transformer]:
+    """The checkpoint's path and the model, loaded with `load_model`'s keywords."""
+    path = resolve_model(model_spec)
+    load_args = dict(load_args or {})
+    device = load_args.pop("device", None)
+    device = torch.device(device) if device is not None else default_device()
+    return path, load_model(path, device=device, **load_args)
+
+
+def describe_setup(model: Transformer) -> dict:
+    """What the figures depend on: device, threads, compute dtype and why, CPU features,
+    and how many linear layers of each kind the model holds."""
+    kinds = Counter(type(w).__name__ for w in model.linears().values())
+    setup = {
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "linear_kinds": dict(sorted(kinds.items())),
+    }
+    if model.device.type == "cpu":
+        setup["cpu_flags"] = cpu_flags()
+        setup["bf16_matmul_is_fast"] = bf16_matmul_is_fast(model.device)
+    return setup
+
+
+def format_setup(report: dict) -> str:
+    """One line of `describe_setup`."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in report["linear_kinds"].items())
+    line = f"{report['dtype']} on {report['device']}, {report['threads']} threads; linear: {kinds}"
+    if "cpu_flags" in report:
+        fast = "fast" if report["bf16_matmul_is_fast"] else "slow"
+        line += f"\nCPU flags: {' '.join(report['cpu_flags']) or '-'} (bf16 GEMM measured {fast})"
+    return line
 
 
 def time_once(fn: Callable[[], object], device: torch.device) -> float:

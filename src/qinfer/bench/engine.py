@@ -25,12 +25,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qinfer.bench.common import load_transformers_model, time_once
-from qinfer.checkpoint import resolve_model
+from qinfer.bench.common import (
+    describe_setup,
+    format_setup,
+    load_qinfer,
+    load_transformers_model,
+    time_once,
+)
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
-from qinfer.model import default_device, load_model
 from qinfer.sampling import SamplingParams
 
 
@@ -71,27 +75,24 @@ class Workload:
 
 def run_engine_benchmark(
     model_spec: str | None,
-    dtype: str | None = None,
-    device: str | None = None,
+    load_args: dict | None = None,
     workload: Workload | None = None,
     compare_hf: bool = False,
     one_by_one: bool = True,
     **engine_args,
 ) -> dict:
     """Measure the workload through the engine, one by one and (compare_hf) transformers;
-    a JSON-ready dict with output tokens/s of each and the engine's ratios to the others."""
+    a JSON-ready dict with output tokens/s of each and the engine's ratios to the others.
+    load_args: `load_model`'s keywords (dtype, device, quantize, ...)."""
     workload = workload or Workload()
-    path = resolve_model(model_spec)
-    device = torch.device(device) if device is not None else default_device()
-    model = load_model(path, dtype=dtype, device=device)
+    path, model = load_qinfer(model_spec, load_args)
+    device = model.device
     prompts, lengths = workload.draw(model.config.vocab_size)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
     wanted = sum(lengths)
     report = {
         "model": str(path),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
+        **describe_setup(model),
         "workload": asdict(workload),
         "output_tokens": wanted,
     }
@@ -169,7 +170,8 @@ def format_engine_report(report: dict) -> str:
     """The report as a few lines: tokens/s of each way, and the engine's ratios."""
     w = report["workload"]
     lines = [
-        f"{report['model']}, {report['dtype']} on {report['device']}, {report['threads']} threads",
+        report["model"],
+        format_setup(report),
         f"{w['num_requests']} requests: prompts {w['min_prompt_tokens']}-{w['max_prompt_tokens']} "
         f"tokens, outputs {w['min_output_tokens']}-{w['max_output_tokens']} tokens "
         f"({report['output_tokens']} output tokens in all)",

@@ -36,12 +36,19 @@ from pathlib import Path
 
 import torch
 
-from qinfer.bench.common import load_transformers_model, synchronize, time_once
+from qinfer.bench.common import (
+    describe_setup,
+    format_setup,
+    load_qinfer,
+    load_transformers_model,
+    synchronize,
+    time_once,
+)
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
 from qinfer.layers.rope import RoPE
-from qinfer.model import Transformer, default_device, load_model
+from qinfer.model import Transformer, default_device
 from qinfer.sampling import SamplingParams
 
 
@@ -99,8 +106,7 @@ class Runner:
 
 def run_benchmarks(
     model_spec: str | None,
-    dtype: str | None,
-    device: str | None,
+    load_args: dict | None,
     settings: BenchSettings,
     compare_hf: bool = False,
 ) -> dict:
@@ -108,13 +114,12 @@ def run_benchmarks(
 
     Each engine is loaded and warmed up alone (its peak memory is taken then); the timed
     runs then alternate between the engines, so that a change in the machine's load
-    touches both alike.
+    touches both alike. load_args: `load_model`'s keywords (dtype, device, quantize, ...).
     """
     path = resolve_model(model_spec)
-    device = torch.device(device) if device is not None else default_device()
 
-    def load_qinfer() -> Runner:
-        model = load_model(path, dtype=dtype, device=device)
+    def load() -> Runner:
+        _, model = load_qinfer(str(path), load_args)
         needed, limit = (
             settings.prompt_tokens + settings.decode_tokens,
             model.config.max_position_embeddings,
@@ -125,14 +130,13 @@ def run_benchmarks(
             )
         return qinfer_runner(model)
 
-    runners = [load_alone(load_qinfer, device, settings)]
+    device = torch.device((load_args or {}).get("device") or default_device())
+    runners = [load_alone(load, device, settings)]
     model = runners[0].model
     report = {
         "model": str(path),
         "model_type": model.config.model_type,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
+        **describe_setup(model),
         "settings": asdict(settings),
     }
     if compare_hf:
@@ -352,8 +356,8 @@ def format_report(report: dict) -> str:
     if len(engines) == 2:
         header += f"{'ratio':>10}"
     lines = [
-        f"{report['model']} ({report['model_type']}), {report['dtype']} on {report['device']}, "
-        f"{report['threads']} threads, {s['decode_tokens']} tokens decoded per row",
+        f"{report['model']} ({report['model_type']}), {s['decode_tokens']} tokens decoded per row",
+        format_setup(report),
         header,
     ]
     for label, key, scale in rows:

@@ -31,12 +31,21 @@ class Int8Rows:
         return self.q.float() * self.scales[:, None]
 
 
+#: Rows quantized at a time: a 150k-row embedding then needs no fp32 copy of itself.
+CHUNK_ROWS = 4096
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Rows:
     """Symmetric per-row int8: scale = max|w| / 127, q = round(w / scale)."""
+    chunks = [_quantize_rows(rows) for rows in weight.split(CHUNK_ROWS)]
+    return Int8Rows(torch.cat([q for q, _ in chunks]), torch.cat([s for _, s in chunks]))
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # (N,)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return Int8Rows(q, scales)
+    return q, scales
 
 
 class Int8Linear(Linear):

@@ -278,16 +278,27 @@ def serve(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     dtype: str | None = None,
     device: str | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
     log_level: str = "info",
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
 
+    dtype, device, quantize, group_size: as for `qinfer.load_model`.
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    engine = AsyncEngine(path, tokenizer, dtype=dtype, device=device, **engine_args)
+    engine = AsyncEngine(
+        path,
+        tokenizer,
+        dtype=dtype,
+        device=device,
+        quantize=quantize,
+        group_size=group_size,
+        **engine_args,
+    )
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),
         api_key=api_key,

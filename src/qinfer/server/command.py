@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from qinfer.cli_args import add_model_arguments
+from qinfer.cli_args import add_model_arguments, load_arguments
 
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
@@ -77,8 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         chat_template_kwargs=args.chat_template_kwargs,
-        dtype=args.dtype,
-        device=args.device,
+        **load_arguments(args),
         enable_prefix_caching=args.enable_prefix_caching,
         **engine_args,
     )

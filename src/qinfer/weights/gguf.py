@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader
 
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
-from qinfer.linear import StoredWeight, quantize_int8
+from qinfer.linear import Int8Rows, StoredWeight, quantize_int8
+from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
@@ -94,16 +97,46 @@ def open_gguf(
     and `quantize` then applies to them.
     """
     path = Path(path)
-    reader = read_gguf(path)
-    config = config_from_gguf(reader, path)
-    kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in reader.tensors)
+    file = read_gguf(path)
+    config = config_from_gguf(file, path)
+    kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
     dtype = dtype_for(config, kept or quantize is not None)
     keep = kept and dtype != torch.float32
-    return config, GGUFWeights(path, reader, config, dtype, device, quantize, keep)
+    return config, GGUFWeights(file, config, dtype, device, quantize, keep)
 
 
-def read_gguf(path: Path) -> GGUFReader:
-    """Parse a GGUF file's header (tensors stay memory-mapped); a clear error if it is not one.
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie in a GGUF file, and how the `gguf` reader shapes them:
+    numpy (row-major) order, block types as uint8 (rows, row_bytes)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF header: the metadata as Python values and where each tensor lies."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+    def read(self, tensor: TensorInfo) -> np.ndarray:
+        """A tensor's stored data, read from the file rather than mapped, so that the file's
+        pages do not stay resident in this process once the model holds its own copy."""
+        count = math.prod(tensor.shape)
+        data = np.fromfile(self.path, dtype=tensor.dtype, count=count, offset=tensor.offset)
+        if data.size != count:
+            raise WeightsError(f"{self.path} ends inside tensor {tensor.name!r}")
+        return data.reshape(tensor.shape)
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file's header; a clear error if it is not one.
 
     Parsing takes seconds (the reader walks a 50k-token vocabulary in Python), so the last
     two files read are kept: loading a model and then its tokenizer parses the file once.
@@ -116,9 +149,16 @@ def read_gguf(path: Path) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed_gguf(path: Path, mtime_ns: int, size: int) -> GGUFReader:
-    """One file's reader; mtime and size are part of the key so a rewritten file is re-read."""
-    return _PlainArrayReader(path)
+def _parsed_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    """One file's header; mtime and size are part of the key so a rewritten file is re-read.
+    The `gguf` reader (tens of MB of per-field arrays for a large vocabulary) is dropped."""
+    reader = _PlainArrayReader(path)
+    tensors = [
+        TensorInfo(t.name, t.tensor_type, t.data.shape, t.data.dtype, int(t.data_offset))
+        for t in reader.tensors
+    ]
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    return GGUFFile(path, metadata, tensors)
 
 
 class _PlainArrayReader(GGUFReader):
@@ -137,14 +177,9 @@ class _PlainArrayReader(GGUFReader):
         self._array = np.asarray(mapped)
 
 
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    """The file's key-value metadata, arrays included, as Python values."""
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
-def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
+def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
     """A ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
-    meta = metadata(reader)
+    meta = file.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(
@@ -167,7 +202,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
             f"{path}: {arch}.rope.dimension_count is {rotary_dims} but head_dim is {head_dim}; "
             "partial rotary embeddings are not supported"
         )
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t.name for t in file.tensors}
     vocab_size = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     end_ids = [
         meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
@@ -194,7 +229,7 @@ def config_from_gguf(reader: GGUFReader, path: Path) -> ModelConfig:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if ROPE_FREQS in tensor_names:
-        config = _with_llama3_rope(config, reader, path)
+        config = _with_llama3_rope(config, file, path)
     return config
 
 
@@ -211,7 +246,7 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return params
 
 
-def _with_llama3_rope(config: ModelConfig, reader: GGUFReader, path: Path) -> ModelConfig:
+def _with_llama3_rope(config: ModelConfig, file: GGUFFile, path: Path) -> ModelConfig:
     """Recognise the llama3 RoPE scaling that `rope_freqs.weight` encodes.
 
     llama.cpp divides each inverse frequency by rope_freqs[i]. Its converter writes them
@@ -219,8 +254,8 @@ def _with_llama3_rope(config: ModelConfig, reader: GGUFReader, path: Path) -> Mo
     context 8192 in every released Llama 3.x); we rebuild that config and check that it
     yields the same frequencies, so an unfamiliar file fails loudly instead of silently.
     """
-    stored = next(t for t in reader.tensors if t.name == ROPE_FREQS)
-    divisors = torch.from_numpy(np.array(stored.data, dtype=np.float32)).flatten()
+    stored = next(t for t in file.tensors if t.name == ROPE_FREQS)
+    divisors = torch.from_numpy(file.read(stored).astype(np.float32)).flatten()
     base = RopeConfig(theta=config.rope.theta)
     llama3 = RopeConfig(
         theta=config.rope.theta,
@@ -247,8 +282,7 @@ class GGUFWeights(Weights):
 
     def __init__(
         self,
-        path: Path,
-        reader: GGUFReader,
+        file: GGUFFile,
         config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -256,16 +290,16 @@ class GGUFWeights(Weights):
         keep_blocks: bool = False,
     ) -> None:
         super().__init__(dtype, device, quantize)
-        self.path = path
+        self.file, self.path = file, file.path
         self.keep_blocks = keep_blocks
-        self._tensors: dict[str, ReaderTensor] = {}
-        for stored in reader.tensors:
+        self._tensors: dict[str, TensorInfo] = {}
+        for stored in file.tensors:
             name = hf_tensor_name(stored.name)
             if name is None:
                 continue
             if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
                 raise WeightsError(
-                    f"tensor {stored.name!r} in {path} has quantization type "
+                    f"tensor {stored.name!r} in {self.path} has quantization type "
                     f"{stored.tensor_type.name}, which qinfer cannot dequantize "
                     f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
                 )
@@ -296,12 +330,20 @@ class GGUFWeights(Weights):
             )
             return groups
         if self.keep_blocks and stored.tensor_type == GGMLQuantizationType.Q8_0:
-            return quantize_int8(self._read(name))  # per-block scales -> one per row
+            # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
+            # large embedding never exists in fp32 whole.
+            data = self.file.read(stored)
+            chunks = [
+                quantize_int8(dequantize(rows, stored.tensor_type, self.device))
+                for rows in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
+            ]
+            q = self._unpermuted(name, torch.cat([c.q for c in chunks]))
+            return Int8Rows(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
         return self._read(name)
 
-    def _decode(self, stored: ReaderTensor, decode: Callable) -> Any:
+    def _decode(self, stored: TensorInfo, decode: Callable) -> Any:
         try:
-            return decode(stored.data, stored.tensor_type, self.device)
+            return decode(self.file.read(stored), stored.tensor_type, self.device)
         except (ValueError, RuntimeError) as e:
             raise WeightsError(
                 f"cannot read tensor {stored.name!r} ({stored.tensor_type.name}) from {self.path}: {e}"

@@ -210,8 +210,10 @@ SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTIZERS)
 
 
 def _blocks(data: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """The reader's (read-only) map of a tensor, copied into a torch tensor on `device`."""
-    return torch.from_numpy(np.array(data, copy=True)).to(device)
+    """A tensor's stored data as a torch tensor on `device` (a read-only map is copied)."""
+    if not data.flags.writeable:
+        data = data.copy()
+    return torch.from_numpy(data).to(device)
 
 
 def dequantize(

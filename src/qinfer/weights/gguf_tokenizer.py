@@ -33,7 +33,7 @@ from tokenizers import (
 from tokenizers import Tokenizer as Backend
 
 from qinfer.errors import QinferError, TokenizerError
-from qinfer.weights.gguf import metadata, read_gguf
+from qinfer.weights.gguf import read_gguf
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -85,7 +85,7 @@ def tokenizer_from_gguf(path: str | Path) -> GGUFTokenizer:
     """The tokenizer pipeline, special tokens, EOS ids and chat template of a `.gguf` file."""
     path = Path(path)
     try:
-        meta = metadata(read_gguf(path))
+        meta = read_gguf(path).metadata
     except QinferError as e:
         raise TokenizerError(str(e)) from None
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -6,6 +6,8 @@ q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> KV cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -123,8 +125,6 @@ class Attention:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.features = features
-        # Both give the same result (the tests hold them to it); the fused one is faster.
-        self.sdpa = torch_sdpa_grouped if features.fast_sdpa else reference_sdpa_fp32
 
         # The scale factor for attention scores: 1/sqrt(head_dim).
         self.scale = self.head_dim**-0.5
@@ -153,6 +153,12 @@ class Attention:
             self.k_norm = RMSNorm(
                 self.head_dim, weights.tensor(f"{prefix}.k_norm.weight", shape), config.rms_norm_eps
             )
+
+    @property
+    def sdpa(self) -> Callable[..., torch.Tensor]:
+        """The attention function `features` asks for: both give the same result (the tests
+        hold them to it); torch's fused one is faster."""
+        return torch_sdpa_grouped if self.features.fast_sdpa else reference_sdpa_fp32
 
     def __call__(self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask = None):
         """x: (B, L, hidden); offsets: position of each row's first token (int or (B,));

@@ -1,0 +1,164 @@
+"""Quantized models: loading with `quantize=`, GGUF files keeping their blocks, and the
+decode path's contract (no host syncs in `Transformer.forward`).
+
+References: the same model with every Linear replaced by a dense fp32 one holding the
+quantized kernel's own weights (`dequantize()`), which must give the same logits to fp32
+precision; and the fp32 dequantized GGUF (the path tested against transformers), whose
+greedy tokens the fast path must follow except at near-ties its numerical error explains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import build_checkpoint, random_tokens
+from gguf_files import smollm2_path
+
+import qinfer
+from qinfer.errors import QinferError, WeightsError
+from qinfer.generate import generate_ids
+from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
+from qinfer.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    build_checkpoint(folder, "qwen3", tie_word_embeddings=True, head_dim=32)
+    return folder
+
+
+def densified(model: qinfer.Transformer) -> qinfer.Transformer:
+    """The model with each Linear swapped for a dense fp32 copy of the weight it computes with."""
+    for name, w in model.linears().items():
+        *path, attribute = name.split(".")
+        owner = model
+        for part in path:
+            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+        dense = DenseLinear(w.dequantize(), None if w.bias is None else w.bias.float())
+        if w is model.lm_head:
+            model.lm_head = dense
+        setattr(owner, attribute, dense)
+    return model
+
+
+@pytest.mark.parametrize("quantize, kind", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_quantized_model_computes_with_its_own_weights(qwen3_folder, quantize, kind):
+    quantized = qinfer.load_model(qwen3_folder, dtype="float32", quantize=quantize, device="cpu")
+    assert isinstance(quantized.layers[0].mlp.gate_up, kind)
+    reference = densified(
+        qinfer.load_model(qwen3_folder, dtype="float32", quantize=quantize, device="cpu")
+    )
+    tokens = random_tokens(2, 12)
+    torch.testing.assert_close(quantized(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_head_is_quantized_once_as_int8_rows(qwen3_folder):
+    model = qinfer.load_model(qwen3_folder, quantize="int4", device="cpu")
+    assert model.lm_head is model.embed_tokens and isinstance(model.lm_head, Int8Linear)
+    assert model.dtype == torch.bfloat16  # int kernels are fast only with bf16 activations
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_bf16_logits_stay_close_to_float32(qwen3_folder, quantize):
+    """A sanity bound from the formats, not parity. Rounding to a step s leaves an error of
+    std s / sqrt(12) per weight. Gaussian weights: an int4 group of 32 spans ~4 std in 15
+    steps (error ~0.08 of the weights' std), an int8 row of 128 ~5.5 std in 254 steps
+    (~0.006). The logits pass ~8 such matmuls (2 layers of q/k/v, o, gate/up, down, and
+    the head), which add up in quadrature: ~0.22 (int4), ~0.02 (int8); bf16 activations
+    add ~2^-9 per value."""
+    reference = qinfer.load_model(qwen3_folder, dtype="float32", device="cpu")
+    model = qinfer.load_model(qwen3_folder, quantize=quantize, device="cpu")
+    tokens = random_tokens(2, 12)
+    expected, got = reference(tokens), model(tokens)
+    relative = (got - expected).norm() / expected.norm()
+    print(f"{quantize}: relative logit error {relative:.4f}")
+    assert relative < {"int8": 0.04, "int4": 0.3}[quantize]
+
+
+def test_quantize_choices_are_checked(qwen3_folder):
+    with pytest.raises(QinferError, match="unknown quantize 'int3'; use one of none, int8, int4"):
+        qinfer.load_model(qwen3_folder, quantize="int3", device="cpu")
+    with pytest.raises(
+        QinferError, match="int4 group size must be one of 32, 64, 128, 256, got 48"
+    ):
+        qinfer.load_model(qwen3_folder, quantize="int4", group_size=48, device="cpu")
+    # hidden 64: a group of 128 does not divide the q/k/v projection's 64 input features
+    with pytest.raises(
+        WeightsError, match=r"cannot quantize 'model.layers.0.self_attn.q_proj.weight': .*128"
+    ):
+        qinfer.load_model(qwen3_folder, quantize="int4", group_size=128, device="cpu")
+    with pytest.raises(QinferError, match="quantize='int8' runs on cpu and cuda, not meta"):
+        qinfer.load_model(qwen3_folder, quantize="int8", device="meta")
+
+
+# ------------------------------------------------------------- the embedded SmolLM2
+
+
+def test_smollm2_keeps_its_blocks_and_computes_in_bf16():
+    model = qinfer.load_model(smollm2_path(), device="cpu")
+    assert model.dtype == torch.bfloat16
+    kinds = {type(w) for name, w in model.linears().items() if name.startswith("layers.")}
+    assert kinds == {Int4Linear}  # every projection is Q4_1: int4 groups of 32, bit for bit
+    assert isinstance(model.lm_head, Int8Linear)  # Q8_0 embedding, tied: int8 rows
+    weight_bytes = sum(w.nbytes for w in model.linears().values())
+    assert weight_bytes < 1.05 * smollm2_path().stat().st_size
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+def test_smollm2_greedy_follows_float32_except_at_near_ties():
+    """32 greedy tokens of the kept-blocks bf16 model against the fp32 dequantized model.
+    Where they part, the reference's top choice must lead the fast path's choice by less
+    than the logit error measured at that very position: a near-tie, reported, not a bug."""
+    path = smollm2_path()
+    tokenizer = qinfer.load_tokenizer(path)
+    fast = qinfer.load_model(path, device="cpu")
+    reference = qinfer.load_model(path, dtype="float32", device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    agreed = 0
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        ours = generate_ids(fast, [ids], greedy)[0].token_ids
+        theirs = generate_ids(reference, [ids], greedy)[0].token_ids
+        if ours == theirs:
+            agreed += 1
+            continue
+        n = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        prefix = torch.tensor([ids + theirs[:n]])
+        expected, got = reference(prefix)[0, -1], fast(prefix)[0, -1]
+        lead = expected[theirs[n]] - expected[ours[n]]
+        error = (got - expected).abs().max()
+        print(
+            f"{prompt!r}: parted after {n} tokens at a near-tie (lead {lead:.3f}, error {error:.3f})"
+        )
+        assert 0 <= lead <= 2 * error, (prompt, n, float(lead), float(error))
+    assert agreed >= 1
+
+
+# ------------------------------------------------------------- the decode contract
+
+
+def test_forward_never_syncs_with_the_host(qwen3_folder, monkeypatch):
+    """`forward` is what the runner and decode loops call every step: nothing in it may read
+    a tensor's value back to Python (which waits for the device)."""
+    model = qinfer.load_model(qwen3_folder, dtype="float32", device="cpu")
+    for padding in (None, [0, 3]):
+        cache = model.make_cache(2, left_padding=padding)
+        model(random_tokens(2, 6), cache=cache)  # the checked prefill
+        step = random_tokens(2, 1)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("host sync inside Transformer.forward")
+
+        with monkeypatch.context() as patch:
+            for method in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+                patch.setattr(torch.Tensor, method, refuse)
+            logits = model.forward(step, cache[0].offsets, cache)
+        assert logits.shape == (2, 1, 256)

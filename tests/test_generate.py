@@ -63,9 +63,15 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, tokens, **kwargs):
-        logits = self.model(tokens, **kwargs)[:, -1:]  # (B, 1, V); runs the cache as usual
-        forced = torch.full_like(logits, -1e4)
+    def __call__(self, tokens, **kwargs):  # the checked prefill
+        return self.scripted(self.model(tokens, **kwargs))
+
+    def forward(self, tokens, *args, **kwargs):  # the decode steps
+        return self.scripted(self.model.forward(tokens, *args, **kwargs))
+
+    def scripted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits (its cache ran as usual) replaced by the script's next token."""
+        forced = torch.full_like(logits[:, -1:], -1e4)  # (B, 1, V)
         forced[..., self.script[self.steps]] = 0.0
         self.steps += 1
         return forced
@@ -99,9 +105,9 @@ def test_rows_that_finish_early_leave_the_batch(qwen3):
     rows_per_forward = []
 
     class Counting(Scripted):
-        def __call__(self, tokens, **kwargs):
-            rows_per_forward.append(tokens.shape[0])
-            return self.model(tokens, **kwargs)
+        def scripted(self, logits):
+            rows_per_forward.append(logits.shape[0])
+            return logits
 
     lengths = [3, 12, 6]
     params = [GREEDY.replace(max_tokens=n) for n in lengths]

@@ -370,5 +370,7 @@ def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
                 layer_cache.select(keep)
             active = [active[k] for k in keep]
             next_ids = [next_ids[k] for k in keep]
-        step = torch.tensor(next_ids)[:, None]  # (B_active, 1)
-        logits = model(step, cache=cache)[:, -1]
+        # Sampled ids lie in the vocabulary and max_tokens keeps every position inside the
+        # context: decode steps skip __call__'s checks (and their host syncs).
+        step = torch.tensor(next_ids, device=model.device)[:, None]  # (B_active, 1)
+        logits = model.forward(step, cache[0].offsets, cache)[:, -1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class RMSNorm:
@@ -17,6 +18,6 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # fp16/bf16 squares overflow or lose precision: compute the statistics in fp32,
         # then cast back before the weight multiply (the order transformers uses).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one call.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)

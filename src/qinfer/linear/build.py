@@ -42,19 +42,21 @@ def make_linear(
         ).to(device, dtype)
     first = parts[0]
     if isinstance(first, Int4Groups):
-        stored = Int4Groups(
-            *(
-                torch.cat([getattr(p, f) for p in parts]).to(device)
-                for f in ("q", "scales", "zeros")
-            )
+        fields = (
+            _stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales", "zeros")
         )
-        return Int4Linear(stored, bias, dtype)
+        return Int4Linear(Int4Groups(*fields), bias, dtype)
     if isinstance(first, Int8Rows):
-        stored = Int8Rows(
-            *(torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales"))
-        )
-        return Int8Linear(stored, bias, dtype)
-    return DenseLinear(torch.cat(parts).to(device, dtype), bias)
+        fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
+        return Int8Linear(Int8Rows(*fields), bias, dtype)
+    return DenseLinear(_stacked(parts, device).to(dtype), bias)
+
+
+def _stacked(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' rows stacked, on device; a lone tensor is not copied (a 150k-row
+    embedding would briefly exist twice)."""
+    stacked = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return stacked.to(device)
 
 
 def _rows(part: StoredWeight) -> int:

@@ -319,6 +319,8 @@ def apply_penalties(
     """Repetition, presence and frequency penalties (see the module docstring for who counts).
 
     logits: (B, V) fp32. Returns a new tensor; rows without penalties are copied unchanged.
+    The rows with penalties are processed together, at the ids of their histories only
+    (O(history) per row, not O(vocabulary)), without waiting on the device.
     """
     rows = [
         b
@@ -327,29 +329,45 @@ def apply_penalties(
     ]
     if not rows:
         return logits
+    device, vocab = logits.device, logits.shape[-1]
+
+    def per_row(field: str) -> torch.Tensor:  # (R, 1)
+        return torch.tensor([getattr(params[b], field) for b in rows], device=device)[:, None]
+
+    index = torch.tensor(rows, device=device)
+    # (R, V + 1): the rows with penalties, and a spare column that padding ids point to.
+    # Several entries may name one id: they scatter the same value, so the result is defined.
+    picked = torch.cat([logits[index], logits.new_zeros(len(rows), 1)], dim=1)
+    seen = _padded_ids([histories[b] for b in rows], vocab, device)  # prompt and generated
+    values, repetition = picked.gather(1, seen), per_row("repetition_penalty")
+    picked.scatter_(1, seen, torch.where(values < 0, values * repetition, values / repetition))
+    starts = [0 if prompt_lens is None else prompt_lens[b] for b in rows]
+    generated = _padded_ids(
+        [histories[b][start:] for b, start in zip(rows, starts, strict=True)], vocab, device
+    )
+    ordered = generated.sort(dim=1).values  # occurrences of each entry's id in its row:
+    counts = torch.searchsorted(ordered, generated, right=True) - torch.searchsorted(
+        ordered, generated
+    )
+    penalty = per_row("frequency_penalty") * counts + per_row("presence_penalty")
+    picked.scatter_(1, generated, picked.gather(1, generated) - penalty)
     logits = logits.clone()
-    for b in rows:
-        # Work on the distinct ids of the history (O(history), not O(vocabulary)).
-        p, history = params[b], list(histories[b])
-        if p.repetition_penalty != 1.0:
-            seen_ids, _ = _distinct_ids(history, logits)
-            seen = logits[b, seen_ids]
-            logits[b, seen_ids] = torch.where(
-                seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty
-            )
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            start = prompt_lens[b] if prompt_lens is not None else 0
-            generated_ids, counts = _distinct_ids(history[start:], logits)
-            logits[b, generated_ids] -= p.frequency_penalty * counts + p.presence_penalty
+    logits[index] = picked[:, :vocab]
     return logits
 
 
-def _distinct_ids(ids: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(distinct ids inside the vocabulary, how often each occurs) on logits' device."""
-    ids_tensor = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
-    ids_tensor = ids_tensor[(ids_tensor >= 0) & (ids_tensor < logits.shape[-1])]
-    distinct, counts = torch.unique(ids_tensor, return_counts=True)
-    return distinct, counts.to(logits.dtype)
+def _padded_ids(
+    histories: Sequence[Sequence[int]], vocab: int, device: torch.device | str
+) -> torch.Tensor:
+    """(R, longest) long: the ids of R histories, padded, with padding and ids outside the
+    vocabulary replaced by `vocab` (the spare column of `apply_penalties`)."""
+    width = max(1, max(len(history) for history in histories))
+    ids = torch.tensor(
+        [list(history) + [vocab] * (width - len(history)) for history in histories],
+        dtype=torch.long,
+        device=device,
+    )
+    return torch.where((ids >= 0) & (ids < vocab), ids, vocab)
 
 
 def apply_top_k(

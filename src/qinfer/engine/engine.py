@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as PySequence
 from pathlib import Path
 
+from qinfer.checkpoint import resolve_model
 from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
@@ -129,6 +130,11 @@ class Engine:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt_text, ids = self._encode(prompt)
+        # The model runs these ids unchecked (`ModelRunner.run`): refuse bad ones here.
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.max_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
@@ -156,12 +162,6 @@ class Engine:
         if not isinstance(prompt, str) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            vocab = self.model.config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(
-                    f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-                )
             return None, list(prompt)
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer: give token ids, or pass tokenizer=")
@@ -211,20 +211,21 @@ class Engine:
         self._counts["preempted"] += scheduled.num_preempted
         if not scheduled.seqs:
             return []
-        logits = self.runner.run(scheduled.seqs, scheduled.num_new)  # (B, V)
-        done_rows = []
-        for row, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_new, strict=True)):
+        # (R, V): one row per sequence whose pending tokens are now all computed, in order
+        logits = self.runner.run(scheduled.seqs, scheduled.num_new)
+        done = []
+        for seq, n in zip(scheduled.seqs, scheduled.num_new, strict=True):
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
-                done_rows.append(row)
-        if not done_rows:
+                done.append(seq)
+        if not done:
             return []
-        requests = [self.requests[scheduled.seqs[row].request_id] for row in done_rows]
+        requests = [self.requests[seq.request_id] for seq in done]
         result = sample(
-            logits[done_rows],
+            logits,
             [r.params for r in requests],
             [r.seq.token_ids for r in requests],
             [r.generator for r in requests],
@@ -291,25 +292,27 @@ class Engine:
 
 
 def build_engine(
-    model_or_path: Transformer | str | Path,
+    model_or_path: Transformer | str | Path | None,
     tokenizer: Tokenizer | str | Path | None,
     load_args: dict,
     engine_args: dict,
 ) -> Engine:
-    """An Engine from a loaded model or a checkpoint path (whose tokenizer is loaded too,
+    """An Engine from a loaded model or a checkpoint (None: the embedded SmolLM2; a path or
+    hub id, as `qinfer.checkpoint.resolve_model` finds it), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
-    defaults of requests that bring no SamplingParams). load_args: `load_model`'s keywords
-    (dtype, device, quantize, group_size) for a path."""
+    defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
+    (dtype, device, quantize, group_size) for a checkpoint."""
     config = EngineConfig.from_kwargs(**engine_args)
     default_params = None
     if isinstance(model_or_path, Transformer):
         model = model_or_path
     else:
-        model = load_model(model_or_path, **load_args)
-        default_params = SamplingParams.from_generation_config(model_or_path)
+        path = resolve_model(None if model_or_path is None else str(model_or_path))
+        model = load_model(path, **load_args)
+        default_params = SamplingParams.from_generation_config(path)
         if tokenizer is None:
             try:
-                tokenizer = load_tokenizer(model_or_path)
+                tokenizer = load_tokenizer(path)
             except TokenizerError:
                 tokenizer = None  # a checkpoint without a tokenizer serves token ids only
     if isinstance(tokenizer, (str, Path)):

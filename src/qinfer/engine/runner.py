@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
-from qinfer.engine.paged_cache import BatchLayout, KVPool, PagedCache
+from qinfer.engine.paged_cache import KVPool, PagedCache, StepLayout
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
@@ -67,39 +67,27 @@ class ModelRunner:
         return self.pool.num_blocks
 
     def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
-        """Compute the next num_new[b] tokens of each sequence (their blocks already allocated)
-        and return the fp32 logits (B, V) at each row's last new token.
+        """Run the next num_new[b] tokens of each sequence (their blocks already allocated)
+        through the model in one forward.
 
-        Rows are grouped by their number of new tokens, one forward per group: the decode
-        rows (one token each) run together, and no row is padded to a longer prefill chunk
-        (padding a decode row to a 500-token chunk would cost 500x its work).
+        Returns the fp32 logits (R, V) after the last new token of each sequence that reaches
+        its end with them (num_new[b] == seq.num_uncomputed_tokens), in the order of seqs; a
+        prompt chunk that leaves more of its prompt for later steps gets none. Token ids are
+        not checked here: the engine checked every prompt when it came in, and sampled ids
+        come from the logits, inside the vocabulary.
         """
-        groups: dict[int, list[int]] = {}
-        for row, n in enumerate(num_new):
-            groups.setdefault(n, []).append(row)
-        logits = None
-        for n, rows in groups.items():
-            group_logits = self._forward([seqs[row] for row in rows], n)  # (len(rows), V)
-            if logits is None:
-                logits = group_logits.new_empty(len(seqs), group_logits.shape[-1])
-            logits[rows] = group_logits
-        return logits
-
-    def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
-        """Logits (B, V) after the next n tokens of each of these sequences."""
-        layout = BatchLayout(
+        starts = [seq.num_computed_tokens for seq in seqs]
+        layout = StepLayout(
+            [seq.token_ids[i : i + n] for seq, i, n in zip(seqs, starts, num_new, strict=True)],
+            starts,
             [seq.block_table for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            n,
+            [n == seq.num_uncomputed_tokens for seq, n in zip(seqs, num_new, strict=True)],
             self.block_size,
             self.model.device,
-        )
-        tokens = torch.tensor(  # (B, n)
-            [seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n] for seq in seqs]
         )
         caches = [
             PagedCache(self.pool, layer, layout, window)
             for layer, window in enumerate(self.windows)
         ]
-        logits = self.model(tokens, offsets=layout.offsets, cache=caches, last_only=True)
-        return logits[:, -1]  # (B, V)
+        logits = self.model.forward(layout.tokens, layout.positions, caches, last_only=True)
+        return logits[: layout.num_logits, -1]  # (R, V)

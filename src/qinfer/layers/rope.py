@@ -45,15 +45,19 @@ class RoPE:
         return self.tables.sin
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """x: (B, L, H, D); offset: an int, or a (B,) tensor of each row's first position."""
+        """x: (B, L, H, D); offset: an int, a (B,) tensor of each row's first position, or a
+        (B, L) tensor of every token's position."""
         return self.apply(x, *self.rotation(offset, x.shape[1], x.dtype))
 
     def rotation(
         self, offset: int | torch.Tensor, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of `length` positions from `offset` (an int, or a (B,) tensor of each
-        row's first position), each (1 or B, length, 1, D/2) in `dtype`. Queries and keys
-        of one step share them, and so do the layers: the tables remember the last lookup.
+        """cos and sin of `length` positions, each (1 or B, length, 1, D/2) in `dtype`.
+
+        offset: an int or a (B,) tensor of each row's first position, or a (B, length) tensor
+        of every token's own position (the engine packs the tokens of several sequences into
+        one row). Queries and keys of one step share the result, and so do the layers: the
+        tables remember the last lookup.
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
@@ -92,7 +96,9 @@ class _Tables:
             cos = cos[offset : offset + length][None, :, None]  # (1, L, 1, D/2)
             sin = sin[offset : offset + length][None, :, None]
         else:
-            positions = offset.to(cos.device)[:, None] + torch.arange(length, device=cos.device)
+            positions = offset.to(cos.device)
+            if positions.dim() == 1:  # each row's first position, then the next length - 1
+                positions = positions[:, None] + torch.arange(length, device=cos.device)
             positions = positions.clamp(min=0)  # (B, L)
             cos = cos[positions][:, :, None]  # (B, L, 1, D/2)
             sin = sin[positions][:, :, None]

@@ -90,7 +90,9 @@ def test_tensors_are_dequantized_only_when_asked(tmp_path, monkeypatch):
     path = write_gguf_model(reference, tmp_path / "model.gguf", "qwen3")
     read = []
     original = GGUFWeights._read
-    monkeypatch.setattr(GGUFWeights, "_read", lambda self, n: read.append(n) or original(self, n))
+    monkeypatch.setattr(
+        GGUFWeights, "_read", lambda self, n, *part: read.append(n) or original(self, n, *part)
+    )
     _, weights = open_gguf(path, lambda config, quantized: torch.float32, torch.device("cpu"))
     assert read == []
     weights.tensor("model.layers.1.mlp.up_proj.weight")

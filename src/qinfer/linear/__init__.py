@@ -5,7 +5,9 @@
 
 Which kind a projection is (dense, int8 per channel, int4 groups, or several of them side by
 side) is decided once, where the weights are loaded (`qinfer.weights`); the layers only ever
-call `linear(x, w)`. Quantizing a model is then a different `Linear`, never a new model.
+call `linear(x, w)`. Quantizing a model is then a different `Linear`, never a new model. Under tensor
+parallelism a rank holds part of each weight, and the kinds in `parallel.py` join the
+ranks' results inside their call.
 """
 
 from qinfer.linear.base import Linear, linear
@@ -14,6 +16,7 @@ from qinfer.linear.concat import ConcatLinear
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.int4 import Int4Linear, int4_kernel_supports, quantize_int4
 from qinfer.linear.int8 import Int8Linear, quantize_int8
+from qinfer.linear.parallel import RowParallelLinear, VocabParallelLinear
 
 __all__ = [
     "ConcatLinear",
@@ -23,7 +26,9 @@ __all__ = [
     "Int8Linear",
     "Int8Rows",
     "Linear",
+    "RowParallelLinear",
     "StoredWeight",
+    "VocabParallelLinear",
     "int4_kernel_supports",
     "linear",
     "make_linear",

@@ -41,6 +41,15 @@ class Int4Groups:
     def group_size(self) -> int:
         return self.q.shape[1] // self.scales.shape[1]
 
+    def columns(self, start: int, stop: int) -> Int4Groups:
+        """Input columns start:stop, which begin and end on group boundaries."""
+        g = self.group_size
+        return Int4Groups(
+            self.q[:, start:stop],
+            self.scales[:, start // g : stop // g],
+            self.zeros[:, start // g : stop // g],
+        )
+
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32, rounded once as the kernels' fused multiply-add rounds."""
         g = self.group_size

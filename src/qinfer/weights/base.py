@@ -4,7 +4,8 @@ Names are always the Hugging Face ones (`model.layers.0.self_attn.q_proj.weight`
 format with other names (GGUF) maps them. `tensor` gives a dense tensor in the compute
 dtype on the requested device (norm weights); `linear` gives a callable `qinfer.linear.Linear`
 whose kind (dense, int8, int4 groups) follows the file and the `Quantize` choice. Every
-error names the tensor and the file.
+error names the tensor and the file. Under tensor parallelism `linear(..., shard=)` reads only
+a rank's part of a projection (`qinfer.parallel.Shard`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from qinfer.errors import WeightsError
 from qinfer.linear import (
     Int4Groups,
     Linear,
+    RowParallelLinear,
     StoredWeight,
+    VocabParallelLinear,
     make_linear,
     quantize_int4,
     quantize_int8,
 )
+from qinfer.parallel import Shard
 
 QUANTIZE_KINDS = ("int8", "int4")
+
+#: The whole of a dimension, as a slice (a reader's `rows` and `columns` default).
+ALL = slice(None)
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,20 @@ class Weights(ABC):
         """The file a tensor lives in (or would be expected in), for error messages."""
 
     @abstractmethod
-    def _read(self, name: str) -> torch.Tensor:
-        """The stored tensor, in whatever dtype the file holds it; `name` is known to exist."""
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """The stored tensor's shape in weights ((out, in) for a projection), from the file's
+        header: nothing is read. `name` is known to exist."""
 
-    def _stored(self, name: str) -> StoredWeight:
-        """The weight as stored: dense here; a reader that keeps quantized blocks overrides."""
-        return self._read(name)
+    @abstractmethod
+    def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
+        """The stored tensor, or the given rows and columns of it (a tensor-parallel rank's
+        part), in whatever dtype the file holds it; `name` is known to exist. A reader reads
+        only what it is asked for wherever the format allows."""
+
+    def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
+        """The weight (or its rows and columns) as stored: dense here; a reader that keeps
+        quantized blocks overrides."""
+        return self._read(name, rows, columns)
 
     def has(self, name: str) -> bool:
         return name in self._name_set()
@@ -72,23 +87,25 @@ class Weights(ABC):
             self._names_cache = set(self.names())
         return self._names_cache
 
-    def _check(self, name: str, t: StoredWeight, shape: tuple[int, ...] | None) -> None:
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise WeightsError(
-                f"tensor {name!r} in {self.where(name)} has shape {tuple(t.shape)}, "
-                f"expected {tuple(shape)}"
-            )
-
-    def _require(self, name: str) -> None:
+    def _checked_shape(self, name: str, expected: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The stored shape of `name`, which must exist and match `expected` when given."""
         if not self.has(name):
             raise WeightsError(f"tensor {name!r} not found in {self.where(name)}")
+        shape = tuple(self._shape(name))
+        if expected is not None and shape != tuple(expected):
+            raise WeightsError(
+                f"tensor {name!r} in {self.where(name)} has shape {shape}, "
+                f"expected {tuple(expected)}"
+            )
+        return shape
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Load `name` dense, check its shape when given, cast to dtype and move to device."""
-        self._require(name)
-        t = self._read(name)
-        self._check(name, t, shape)
-        return t.to(device=self.device, dtype=self.dtype)
+    def tensor(
+        self, name: str, shape: tuple[int, ...] | None = None, rows: slice = ALL
+    ) -> torch.Tensor:
+        """Load `name` (or its `rows`) dense, check its whole shape when given, cast to dtype
+        and move to device."""
+        self._checked_shape(name, shape)
+        return self._read(name, rows).to(device=self.device, dtype=self.dtype)
 
     def linear(
         self,
@@ -97,6 +114,7 @@ class Weights(ABC):
         bias: bool | None = None,
         *,
         rows: bool = False,
+        shard: Shard | None = None,
     ) -> Linear:
         """The projection `prefix.weight` (out, in) with its bias `prefix.bias` (out,).
 
@@ -107,29 +125,52 @@ class Weights(ABC):
             when the checkpoint has it.
         rows: the table also serves embedding lookups (`Linear.rows`), so it must be of a
             kind that can read single rows (dense or int8).
+        shard: this rank's part under tensor parallelism (None: the whole). Only that part
+            is read and quantized; shape still names the whole stored weights. "out": rows
+            `shard.ranges[i]` of part i and of its bias, a plain Linear; "in" (one prefix):
+            columns `shard.ranges[0]`, a `RowParallelLinear` holding the whole bias; "vocab":
+            rows `shard.ranges[0]`, a `VocabParallelLinear`.
         """
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
         shapes = [shape] * len(prefixes) if shape is None or isinstance(shape[0], int) else shape
         parts, biases = [], []
-        for part_prefix, part_shape in zip(prefixes, shapes, strict=True):
+        for part_prefix, part_shape, (part_rows, part_columns) in zip(
+            prefixes, shapes, _slices(shard, len(prefixes)), strict=True
+        ):
             name = f"{part_prefix}.weight"
-            self._require(name)
-            weight = self._stored(name)
-            self._check(name, weight, part_shape)
-            parts.append(self._quantized(name, weight, rows))
+            whole = self._checked_shape(name, part_shape)
+            weight = self._stored(name, part_rows, part_columns)
+            split = "" if part_columns == ALL else f" split over {shard.parallel.world_size} ranks"
+            parts.append(self._quantized(f"{name!r}{split}", weight, rows))
             bias_name = f"{part_prefix}.bias"
             wanted = self.has(bias_name) if bias is None else bias
-            biases.append(self.tensor(bias_name, tuple(weight.shape[:1])) if wanted else None)
-        return make_linear(parts, biases, self.dtype, self.device)
+            biases.append(self.tensor(bias_name, whole[:1], part_rows) if wanted else None)
+        if shard is None or shard.split == "out":
+            return make_linear(parts, biases, self.dtype, self.device)
+        if shard.split == "in":  # the bias joins once, after the ranks' sums are added
+            local = make_linear(parts, [None], self.dtype, self.device)
+            return RowParallelLinear(local, biases[0], shard.parallel)
+        local = make_linear(parts, biases, self.dtype, self.device)
+        return VocabParallelLinear(local, shard.ranges[0], whole[0], shard.parallel)
 
-    def _quantized(self, name: str, weight: StoredWeight, rows: bool) -> StoredWeight:
-        """The weight in the kind it will be used in (see `Quantize`)."""
+    def _quantized(self, what: str, weight: StoredWeight, rows: bool) -> StoredWeight:
+        """The weight in the kind it will be used in (see `Quantize`); `what` names it."""
         if isinstance(weight, torch.Tensor):
             if self.quantize is None:
                 return weight
             if self.quantize.kind == "int4" and not rows:
-                return quantize_int4(weight, self.quantize.group_size, f"{name!r}")
+                return quantize_int4(weight, self.quantize.group_size, what)
             return quantize_int8(weight)
         if rows and isinstance(weight, Int4Groups):
             return quantize_int8(weight.dequantize())
         return weight
+
+
+def _slices(shard: Shard | None, parts: int) -> list[tuple[slice, slice]]:
+    """(rows, columns) of each part's stored weight that this rank reads."""
+    if shard is None:
+        return [(ALL, ALL)] * parts
+    if shard.split == "in":
+        columns = shard.ranges[0]
+        return [(ALL, slice(columns.start, columns.stop))]
+    return [(slice(r.start, r.stop), ALL) for r in shard.ranges]

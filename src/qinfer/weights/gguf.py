@@ -34,14 +34,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
-from qinfer.linear import Int8Rows, StoredWeight, quantize_int8
+from qinfer.linear import Int4Groups, Int8Rows, StoredWeight, quantize_int8
 from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.rope_scaling import rope_frequencies
-from qinfer.weights.base import Quantize, Weights
+from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -116,6 +116,18 @@ class TensorInfo:
     dtype: np.dtype
     offset: int
 
+    @property
+    def block(self) -> tuple[int, int]:
+        """(weights, stored columns) of one block: a block type's bytes ((32, 18) for Q4_0),
+        BF16's two bytes (1, 2); F32 and F16, which numpy holds as they are, (1, 1)."""
+        return GGML_QUANT_SIZES[self.tensor_type] if self.dtype == np.uint8 else (1, 1)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """The shape in weights ((out, in) for a projection), whatever the type."""
+        weights, stored = self.block
+        return (*self.shape[:-1], self.shape[-1] // stored * weights)
+
 
 @dataclass(frozen=True)
 class GGUFFile:
@@ -125,14 +137,26 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
 
-    def read(self, tensor: TensorInfo) -> np.ndarray:
-        """A tensor's stored data, read from the file rather than mapped, so that the file's
-        pages do not stay resident in this process once the model holds its own copy."""
-        count = math.prod(tensor.shape)
-        data = np.fromfile(self.path, dtype=tensor.dtype, count=count, offset=tensor.offset)
+    def read(self, tensor: TensorInfo, rows: slice = ALL, columns: slice = ALL) -> np.ndarray:
+        """A tensor's stored data, or some of its rows and stored columns (bytes, for block
+        types). Whole rows are read from the file rather than mapped, so that the file's pages
+        do not stay resident in this process once the model holds its own copy; a run of
+        columns is copied out of a mapping dropped right after."""
+        first, last, _ = rows.indices(tensor.shape[0])
+        row_shape = tensor.shape[1:]
+        row_bytes = math.prod(row_shape) * tensor.dtype.itemsize
+        offset = tensor.offset + first * row_bytes
+        if columns != ALL:
+            try:
+                mapped = np.memmap(self.path, tensor.dtype, "r", offset, (last - first, *row_shape))
+            except ValueError:  # the mapping would reach past the end of the file
+                raise WeightsError(f"{self.path} ends inside tensor {tensor.name!r}") from None
+            return np.array(mapped[:, columns])
+        count = (last - first) * math.prod(row_shape)
+        data = np.fromfile(self.path, dtype=tensor.dtype, count=count, offset=offset)
         if data.size != count:
             raise WeightsError(f"{self.path} ends inside tensor {tensor.name!r}")
-        return data.reshape(tensor.shape)
+        return data.reshape(last - first, *row_shape)
 
 
 def read_gguf(path: Path) -> GGUFFile:
@@ -305,11 +329,8 @@ class GGUFWeights(Weights):
                 )
             self._tensors[name] = stored
         # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
-        self._rope_heads = (
-            {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-            if config.model_type == "llama"
-            else {}
-        )
+        self._permuted = ("q_proj", "k_proj") if config.model_type == "llama" else ()
+        self._head_dim = config.head_dim
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -317,14 +338,19 @@ class GGUFWeights(Weights):
     def where(self, name: str) -> str:
         return str(self.path)
 
-    def _read(self, name: str) -> torch.Tensor:
-        stored = self._tensors[name]
-        return self._unpermuted(name, self._decode(stored, dequantize))
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name].weight_shape
 
-    def _stored(self, name: str) -> StoredWeight:
+    def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
+        stored = self._tensors[name]
+        data, within = self._blocks(stored, rows, columns)
+        return self._unpermuted(name, self._decode(stored, dequantize, data)[..., within])
+
+    def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
         stored = self._tensors[name]
         if self.keep_blocks and stored.tensor_type in INT4_GROUPS:
-            groups = self._decode(stored, int4_groups)
+            data, within = self._blocks(stored, rows, columns)
+            groups = self._int4_columns(name, self._decode(stored, int4_groups, data), within)
             groups.q, groups.scales, groups.zeros = (
                 self._unpermuted(name, t) for t in (groups.q, groups.scales, groups.zeros)
             )
@@ -332,38 +358,61 @@ class GGUFWeights(Weights):
         if self.keep_blocks and stored.tensor_type == GGMLQuantizationType.Q8_0:
             # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
             # large embedding never exists in fp32 whole.
-            data = self.file.read(stored)
+            data, within = self._blocks(stored, rows, columns)
             chunks = [
-                quantize_int8(dequantize(rows, stored.tensor_type, self.device))
-                for rows in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
+                quantize_int8(dequantize(chunk, stored.tensor_type, self.device)[:, within])
+                for chunk in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
             ]
             q = self._unpermuted(name, torch.cat([c.q for c in chunks]))
             return Int8Rows(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
-        return self._read(name)
+        return self._read(name, rows, columns)
 
-    def _decode(self, stored: TensorInfo, decode: Callable) -> Any:
+    def _blocks(self, stored: TensorInfo, rows: slice, columns: slice) -> tuple[np.ndarray, slice]:
+        """The stored data of `rows`, in the whole blocks that cover `columns`, and where
+        `columns` lie in the weights those blocks decode to."""
+        if columns == ALL:
+            return self.file.read(stored, rows), ALL
+        weights, stored_columns = stored.block
+        start, stop, _ = columns.indices(stored.weight_shape[-1])
+        first, last = start // weights, -(-stop // weights)  # blocks
+        data = self.file.read(stored, rows, slice(first * stored_columns, last * stored_columns))
+        return data, slice(start - first * weights, stop - first * weights)
+
+    def _int4_columns(self, name: str, groups: Int4Groups, within: slice) -> Int4Groups:
+        """The int4 groups of the columns `within` (whole groups, or one clear error)."""
+        if within == ALL:
+            return groups
+        g = groups.group_size
+        if within.start % g or within.stop % g:
+            raise WeightsError(
+                f"tensor {name!r} in {self.path} cannot be split between tensor-parallel "
+                f"ranks at its input columns: its int4 groups of {g} columns would straddle "
+                f"a rank's share of {within.stop - within.start} columns"
+            )
+        return groups.columns(within.start, within.stop)
+
+    def _decode(self, stored: TensorInfo, decode: Callable, data: np.ndarray) -> Any:
         try:
-            return decode(self.file.read(stored), stored.tensor_type, self.device)
+            return decode(data, stored.tensor_type, self.device)
         except (ValueError, RuntimeError) as e:
             raise WeightsError(
                 f"cannot read tensor {stored.name!r} ({stored.tensor_type.name}) from {self.path}: {e}"
             ) from None
 
     def _unpermuted(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """q/k rows (and their scales) of a llama file back in rotate-half order."""
-        projection = name.split(".")[-2]
-        if projection in self._rope_heads:
-            return _unpermute_rows(rows, self._rope_heads[projection])
+        """q/k rows (and their scales) of a llama file back in rotate-half order; whole
+        heads, so a tensor-parallel rank's rows unpermute alone."""
+        if name.split(".")[-2] in self._permuted:
+            return _unpermute_rows(rows, self._head_dim)
         return rows
 
 
-def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def _unpermute_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Undo llama.cpp's `LlamaModel.permute` of a q/k projection (out, ...) or its bias.
 
     The converter reorders each head's D rows from rotate-half pairs (i, i + D/2) to
     adjacent pairs (2i, 2i + 1): rows viewed as (heads, 2, D/2) are stored as
     (heads, D/2, 2). Swapping the two axes back restores the Hugging Face order.
     """
-    rows = weight.shape[0]
-    per_head = weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])  # (H, D/2, 2, ...)
+    per_head = weight.reshape(-1, head_dim // 2, 2, *weight.shape[1:])  # (H, D/2, 2, ...)
     return per_head.transpose(1, 2).reshape(weight.shape)

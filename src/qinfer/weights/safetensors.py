@@ -9,13 +9,14 @@ from safetensors import SafetensorError, safe_open
 
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import WeightsError
-from qinfer.weights.base import Quantize, Weights
+from qinfer.weights.base import ALL, Quantize, Weights
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsWeights(Weights):
-    """Tensors read lazily and memory-mapped from the `.safetensors` files of a folder."""
+    """Tensors read lazily and memory-mapped from the `.safetensors` files of a folder; a
+    tensor-parallel rank's part of a tensor is read alone (`get_slice`)."""
 
     def __init__(
         self,
@@ -64,9 +65,16 @@ class SafetensorsWeights(Weights):
             return str(self._file_of[name])
         return ", ".join(str(f) for f in self._files)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
+        """The tensor, or only the bytes of its rows and columns (`get_slice`)."""
         file = self._file_of[name]
         try:
-            return self._handles[file].get_tensor(name)
+            if rows == ALL and columns == ALL:
+                return self._handles[file].get_tensor(name)
+            stored = self._handles[file].get_slice(name)
+            return stored[rows] if len(stored.get_shape()) == 1 else stored[rows, columns]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise WeightsError(f"cannot read tensor {name!r} from {file}: {e}") from None

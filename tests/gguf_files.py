@@ -123,11 +123,13 @@ def llama3_rope_freqs(config) -> np.ndarray:
     return np.array(divisors, dtype=np.float32)
 
 
-def write_gguf_model(model, path: Path, arch: str) -> Path:
-    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3) to an F32 GGUF."""
+def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) -> Path:
+    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3) to an F32 GGUF, or one
+    whose layers' projections are quantized to `layer_type` (Q4_0, Q8_0: what `gguf.quants`
+    writes)."""
     config = model.config
     names = gguf.get_tensor_name_map(ARCHES[arch], config.num_hidden_layers)
-    tensors = {}
+    tensors, raw_types = {}, {}
     for hf_name, value in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -136,10 +138,13 @@ def write_gguf_model(model, path: Path, arch: str) -> Path:
             array = converter_permute(array, config.num_attention_heads)
         if arch == "llama" and ".k_proj." in hf_name:
             array = converter_permute(array, config.num_key_value_heads)
-        tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = array
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if layer_type is not None and name.startswith("blk.") and array.ndim == 2:
+            array, raw_types[name] = gguf.quants.quantize(array, layer_type), layer_type
+        tensors[name] = array
     if config.rope_parameters.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(config)
-    return write_gguf(path, arch, tensors, describe_model(config, arch))
+    return write_gguf(path, arch, tensors, describe_model(config, arch), raw_types)
 
 
 # Byte offsets of the fp16 scales in the block types `gguf.quants` cannot quantize: random

@@ -3,6 +3,11 @@
 One class serves Qwen3, Qwen2/2.5, Llama 3.x, SmolLM2 and Mistral; their differences
 (QK-norm, biases, tied heads, RoPE scaling, sliding windows) live in ModelConfig and in
 which tensors the checkpoint holds.
+
+Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
+part of the weights and runs the same forward; the collectives sit in the row- and
+vocab-parallel Linears (`qinfer.linear.parallel`), so the code below reads the same at
+any world size.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from qinfer.layers.norm import RMSNorm
 from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.int4 import GROUP_SIZES
+from qinfer.parallel import Parallel
 from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
 
 
@@ -32,7 +38,12 @@ class Block:
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual."""
 
     def __init__(
-        self, layer_prefix: str, config: ModelConfig, weights: Weights, features: Features
+        self,
+        layer_prefix: str,
+        config: ModelConfig,
+        weights: Weights,
+        features: Features,
+        parallel: Parallel,
     ):
         hidden, eps = (config.hidden_size,), config.rms_norm_eps
         self.input_layernorm = RMSNorm(
@@ -40,13 +51,13 @@ class Block:
             weights.tensor(f"{layer_prefix}.input_layernorm.weight", hidden),
             eps,
         )
-        self.self_attn = Attention(layer_prefix, config, weights, features)
+        self.self_attn = Attention(layer_prefix, config, weights, features, parallel)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size,
             weights.tensor(f"{layer_prefix}.post_attention_layernorm.weight", hidden),
             eps,
         )
-        self.mlp = MLP(layer_prefix, config, weights)
+        self.mlp = MLP(layer_prefix, config, weights, parallel)
 
     def __call__(self, x: torch.Tensor, offsets, cache, mask: Mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), offsets, cache, mask)
@@ -54,17 +65,36 @@ class Block:
 
 
 class Transformer:
-    """A loaded model. Call it on token ids (B, L) to get fp32 logits (B, L, vocab)."""
+    """A loaded model. Call it on token ids (B, L) to get fp32 logits (B, L, vocab).
 
-    def __init__(self, config: ModelConfig, weights: Weights, features: Features | None = None):
+    parallel: this process's place in a tensor-parallel group (default: a single process).
+    Each rank then holds its part of the weights and every rank calls the model with the
+    same inputs, in the same order; each gets the whole logits.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        features: Features | None = None,
+        parallel: Parallel | None = None,
+    ):
         self.config = config
         self.features = features or Features()
+        self.parallel = parallel or Parallel()
+        self.parallel.check_model(
+            config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+        )
         self.dtype, self.device = weights.dtype, weights.device
         V, H = config.vocab_size, config.hidden_size
-        # The embedding table is a Linear too (read by rows): quantized like the rest.
-        self.embed_tokens = weights.linear("model.embed_tokens", (V, H), bias=False, rows=True)
+        # The embedding table is a Linear too (read by rows): quantized like the rest, split
+        # by vocabulary rows under tensor parallelism.
+        vocab = self.parallel.split_vocab(V)
+        self.embed_tokens = weights.linear(
+            "model.embed_tokens", (V, H), bias=False, rows=True, shard=vocab
+        )
         self.layers = [
-            Block(f"model.layers.{i}", config, weights, self.features)
+            Block(f"model.layers.{i}", config, weights, self.features, self.parallel)
             for i in tqdm(
                 range(config.num_hidden_layers), desc="loading layers", leave=False, disable=None
             )
@@ -74,7 +104,11 @@ class Transformer:
         # embeddings instead would be silently wrong output.
         # A tied head is the embedding's Linear itself: stored (and quantized) once.
         tied = config.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else weights.linear("lm_head", (V, H), bias=False)
+        self.lm_head = (
+            self.embed_tokens
+            if tied
+            else weights.linear("lm_head", (V, H), bias=False, shard=vocab)
+        )
 
     def linears(self) -> dict[str, Linear]:
         """Every projection by name; a tied head appears once, as `embed_tokens`."""
@@ -263,6 +297,7 @@ def load_model(
     features: Features | None = None,
     quantize: str | None = None,
     group_size: int = 32,
+    parallel: Parallel | None = None,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -271,6 +306,9 @@ def load_model(
     quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0 blocks unless dtype is
         float32; other weights stay dense), "none" (everything dense: the reference),
         "int8" (per output channel) or "int4" (groups of `group_size` input columns).
+    parallel: this process's rank in a tensor-parallel group (default: a single process);
+        only the rank's part of each projection is read (see `qinfer.parallel`). A world
+        size that does not split the heads or the FFN evenly is refused before loading.
     """
     device = torch.device(device) if device is not None else default_device()
     scheme, keep_blocks = quantize_choice(quantize, group_size)
@@ -287,7 +325,7 @@ def load_model(
 
     with _returning_freed_memory():
         config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
-        return Transformer(config, weights, features)
+        return Transformer(config, weights, features, parallel)
 
 
 #: glibc's mallopt parameter, and the ceiling its own adaptive threshold grows to.

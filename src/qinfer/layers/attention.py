@@ -2,6 +2,10 @@
 
 q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> KV cache
 -> grouped scaled-dot-product attention in fp32 -> o projection.
+
+Under tensor parallelism (`qinfer.parallel`) a rank holds Hq / N query heads and the KV heads
+they read: q/k/v are column-parallel (the rank's heads), QK-norm, RoPE and attention run on
+those heads alone, and o_proj is row-parallel (its call all-reduces the ranks' sums).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from qinfer.features import Features
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE
 from qinfer.linear import linear
+from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
 
 Mask = torch.Tensor | str | None
@@ -115,30 +120,52 @@ def torch_sdpa_grouped(
 
 
 class Attention:
-    """The seed's attention layer. Shapes: x (B, L, hidden) -> (B, L, hidden)."""
+    """The seed's attention layer. Shapes: x (B, L, hidden) -> (B, L, hidden).
+
+    num_heads and num_kv_heads are this rank's (all of them in a single process).
+    """
 
     def __init__(
-        self, layer_prefix: str, config: ModelConfig, weights: Weights, features: Features
+        self,
+        layer_prefix: str,
+        config: ModelConfig,
+        weights: Weights,
+        features: Features,
+        parallel: Parallel = SINGLE,
     ):
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim = D = config.head_dim
         self.features = features
+        # This rank's heads: Hq / N query heads and their KV heads (Hkv / N, or one shared
+        # with other ranks when Hkv < N).
+        q_heads, kv_heads = parallel.attention_heads(
+            config.num_attention_heads, config.num_key_value_heads
+        )
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
 
         # The scale factor for attention scores: 1/sqrt(head_dim).
         self.scale = self.head_dim**-0.5
 
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Each head is D consecutive rows of its projection (columns of o_proj).
+        q_rows = range(q_heads.start * D, q_heads.stop * D)
+        kv_rows = range(kv_heads.start * D, kv_heads.stop * D)
+        q_out = config.num_attention_heads * D
+        kv_out = config.num_key_value_heads * D
         prefix = f"{layer_prefix}.self_attn"
         # q, k and v loaded as one projection (rows stacked): one kernel call per step.
-        self.qkv_sizes = [q_out, kv_out, kv_out]
+        self.qkv_sizes = [len(q_rows), len(kv_rows), len(kv_rows)]
         self.wqkv = weights.linear(
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            [(n, self.hidden_size) for n in self.qkv_sizes],
+            [(q_out, self.hidden_size), (kv_out, self.hidden_size), (kv_out, self.hidden_size)],
             config.qkv_bias,
+            shard=parallel.split_out(q_rows, kv_rows, kv_rows),
         )
-        self.wo = weights.linear(f"{prefix}.o_proj", (self.hidden_size, q_out), config.o_bias)
+        self.wo = weights.linear(
+            f"{prefix}.o_proj",
+            (self.hidden_size, q_out),
+            config.o_bias,
+            shard=parallel.split_in(q_rows),
+        )
 
         # RoPE tables are shared by every layer with the same settings (see layers/rope.py).
         self.rope = RoPE(self.head_dim, config.max_position_embeddings, config.rope, weights.device)
@@ -167,7 +194,8 @@ class Attention:
         B, L, _ = x.shape
 
         # Step 1: project to Q, K, V (one fused projection, split into its three parts).
-        # (B, L, (Hq + 2 Hkv) * D) -> 3 x (B, L, H * D) -> (B, L, H, D)
+        # (B, L, (Hq + 2 Hkv) * D) -> 3 x (B, L, H * D) -> (B, L, H, D); Hq and Hkv are
+        # this rank's heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
         projection_q, projection_k, projection_v = linear(x, self.wqkv).split(self.qkv_sizes, -1)
         projection_q = projection_q.reshape(B, L, self.num_heads, self.head_dim)
         projection_k = projection_k.reshape(B, L, self.num_kv_heads, self.head_dim)
@@ -196,6 +224,8 @@ class Attention:
         # a paged cache may instead attend where its K/V already live.
         x = cache.attend(projection_q, projection_k, projection_v, self.scale, mask, self.sdpa)
 
-        # Step 7: (B, H, L, D) -> (B, L, H * D) -> output projection.
+        # Step 7: (B, Hq, L, D) -> (B, L, Hq * D) -> output projection -> (B, L, hidden).
+        # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
+        # sum, and its call all-reduces the ranks' sums (the layer's one collective).
         x = x.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
         return linear(x, self.wo)

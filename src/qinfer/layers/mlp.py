@@ -1,4 +1,9 @@
-"""The SwiGLU feed-forward network: down(silu(gate(x)) * up(x))."""
+"""The SwiGLU feed-forward network: down(silu(gate(x)) * up(x)).
+
+Under tensor parallelism (`qinfer.parallel`) a rank holds intermediate / N of the FFN
+channels: gate/up are column-parallel (its channels), down is row-parallel (its call
+all-reduces the ranks' sums).
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,31 @@ import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
 from qinfer.linear import linear
+from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
 
 
 class MLP:
-    """(B, L, hidden) -> (B, L, intermediate) -> (B, L, hidden)."""
+    """(B, L, hidden) -> (B, L, intermediate / N) -> (B, L, hidden); N = 1 in one process."""
 
-    def __init__(self, layer_prefix: str, config: ModelConfig, weights: Weights) -> None:
+    def __init__(
+        self, layer_prefix: str, config: ModelConfig, weights: Weights, parallel: Parallel = SINGLE
+    ) -> None:
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        channels = parallel.shard_range(inter, "FFN channels")  # this rank's
         prefix = f"{layer_prefix}.mlp"
         # gate and up loaded as one projection (rows stacked): one kernel call per step.
         self.gate_up = weights.linear(
-            [f"{prefix}.gate_proj", f"{prefix}.up_proj"], (inter, hidden), bias
+            [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+            (inter, hidden),
+            bias,
+            shard=parallel.split_out(channels, channels),
         )
-        self.down = weights.linear(f"{prefix}.down_proj", (hidden, inter), bias)
+        self.down = weights.linear(
+            f"{prefix}.down_proj", (hidden, inter), bias, shard=parallel.split_in(channels)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up).chunk(
-            2, dim=-1
-        )  # (B, L, 2 * inter) -> 2 x (B, L, inter)
-        return linear(F.silu(gate) * up, self.down)
+        # (B, L, 2 * inter / N) -> 2 x (B, L, inter / N)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down)  # row-parallel: all-reduced (B, L, hidden)

@@ -41,6 +41,7 @@ CHECKPOINTS = {
         dict(**llama3_rope(64), tie_word_embeddings=True, vocab_size=255),
     ),
     "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4)),  # q/k/v biases
+    "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),  # rotating caches
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.

@@ -157,7 +157,8 @@ class Transformer:
     ) -> torch.Tensor:
         """tokens (B, L) -> logits (B, L, vocab) in fp32 ((B, 1, vocab) with last_only).
 
-        offsets: position of each row's first token (int or (B,)); by default where the
+        offsets: position of each row's first token (int or (B,)), or of every token ((B, L),
+            as the engine's packed steps give them); by default where the
             cache left off (0 without a cache).
         cache: from `make_cache`; without one, the call sees only these tokens.
         mask: "causal" (the default) or a boolean (B, 1, L, S) tensor.
@@ -201,7 +202,10 @@ class Transformer:
     def _check_positions(self, offsets: int | torch.Tensor, L: int) -> None:
         # RoPE is tabulated up to max_position_embeddings and runs before any cache could
         # refuse the step, so positions past the context are caught here.
-        last = (offsets if isinstance(offsets, int) else int(offsets.max())) + L - 1
+        if isinstance(offsets, int):
+            last = offsets + L - 1
+        else:  # (B,) first positions, or (B, L) positions of every token
+            last = int(offsets.max()) + (L - 1 if offsets.dim() == 1 else 0)
         context = self.config.max_position_embeddings
         if last >= context:
             raise QinferError(

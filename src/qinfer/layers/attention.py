@@ -188,7 +188,8 @@ class Attention:
         return torch_sdpa_grouped if self.features.fast_sdpa else reference_sdpa_fp32
 
     def __call__(self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask = None):
-        """x: (B, L, hidden); offsets: position of each row's first token (int or (B,));
+        """x: (B, L, hidden); offsets: position of each row's first token (int or (B,)), or
+        of every token ((B, L));
         cache: any object with the KV-cache protocol (`qinfer.kv_cache`); mask as in
         `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
         B, L, _ = x.shape

@@ -2,7 +2,7 @@
 
 On CPU, torch's weight-only kernel (`aten._weight_int8pack_mm`) reads the int8 weight and
 multiplies by bf16 activations; it is fast only with bf16 activations (measured 30-100x
-slower with fp32 ones, see docs/PERFORMANCE.md). On other devices the weight is widened to
+slower with fp32 ones: `python bench/linear_kernels.py`). On other devices the weight is widened to
 the activations' dtype at each call (correct, not a fast path).
 """
 

@@ -246,3 +246,15 @@ def test_a_stream_is_read_once(qwen3):
     list(stream)
     with pytest.raises(QinferError, match="once"):
         list(stream)
+
+
+def test_token_ids_are_a_prompt_as_for_the_engine(qwen3):
+    model, tokenizer, _ = qwen3
+    ids = tokenizer.encode("The capital of France is")
+    by_text = generate(model, tokenizer, "The capital of France is", GREEDY.replace(max_tokens=6))
+    by_ids = generate(model, tokenizer, ids, GREEDY.replace(max_tokens=6))
+    assert by_ids.token_ids == by_text.token_ids and by_ids.text == by_text.text
+    batch = generate(model, tokenizer, [ids, "Hi"], GREEDY.replace(max_tokens=6))
+    assert batch[0].token_ids == by_text.token_ids
+    with pytest.raises(QinferError, match="outside the vocabulary"):
+        generate(model, tokenizer, [1, model.config.vocab_size], GREEDY)

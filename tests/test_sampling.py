@@ -337,3 +337,36 @@ def test_unknown_override_is_rejected():
 def test_invalid_value_in_generation_config_names_the_field():
     with pytest.raises(SamplingError, match="top_p"):
         SamplingParams.from_generation_config({"top_p": 0.0})
+
+
+class BanEvenIds:
+    """A logits processor that forbids every even id and records what it is told."""
+
+    def __init__(self):
+        self.accepted, self.released = [], False
+
+    def __call__(self, logits):
+        logits[0::2] = float("-inf")
+        return logits
+
+    def accept(self, token_id):
+        self.accepted.append(token_id)
+
+    def release(self):
+        self.released = True
+
+
+def test_logits_processors_run_per_row_before_the_penalties(logits, histories):
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] * 4
+    generators = [None] * 4
+    processors = [[BanEvenIds()], [], [BanEvenIds()], []]
+    original = logits.clone()
+    result = sample(logits, params, histories, generators, logits_processors=processors)
+    assert torch.equal(logits, original)  # the caller's logits are left alone
+    plain = sample(logits, params, histories, generators)
+    banned = original.clone()
+    banned[[0, 2], 0::2] = float("-inf")
+    expected = apply_penalties(banned, params, histories).argmax(dim=-1)
+    assert result.token_ids.tolist() == expected.tolist()
+    assert all(t % 2 == 1 for t in result.token_ids[[0, 2]].tolist())
+    assert result.token_ids[[1, 3]].tolist() == plain.token_ids[[1, 3]].tolist()

@@ -73,13 +73,12 @@ def load_model_and_tokenizer(
 
 
 def sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
-    """The sampling flags given, over the checkpoint's generation_config.json; without one
-    (a GGUF file), greedy decoding, as transformers does."""
+    """The sampling flags given, over the checkpoint's defaults (the rule of
+    `SamplingParams.from_generation_config`, the same as the engine and server use)."""
     from qinfer.sampling import SamplingParams
 
-    has_config = path.is_dir() and (path / "generation_config.json").is_file()
     return SamplingParams.from_generation_config(
-        path if has_config else {"do_sample": False},
+        path,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -48,7 +48,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=None,
-        help="0 = greedy (default: the checkpoint's; greedy without a generation_config.json)",
+        help="0 = greedy (default: the checkpoint's generation_config.json; 1 without one)",
     )
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)

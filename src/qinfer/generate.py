@@ -5,9 +5,12 @@
     stream = stream_generate(model, tokenizer, prompt, params)
     for delta in stream: ...                           # text deltas; then stream.result
 
-A prompt is a string (used as-is, or wrapped as one user message with `chat=True`) or a
-list of chat messages (always rendered with the tokenizer's chat template; template
-options such as Qwen3's `enable_thinking` pass through as keyword arguments).
+A prompt is a string (used as-is, or wrapped as one user message with `chat=True`), a
+list of token ids (used as-is), or a list of chat messages (always rendered with the
+tokenizer's chat template; template options such as Qwen3's `enable_thinking` pass
+through as keyword arguments); see `qinfer.prompts`. Each row's per-request state
+(params, generator, detokenizer, stop rule, a grammar's mask) is a
+`qinfer.request_state.RequestState`, the same the engine uses.
 
 A batch is left-padded into one KV cache: the cache masks each row's pad slots on every
 step and keeps per-row positions, so each row gets exactly what it would get alone. The
@@ -27,21 +30,18 @@ A row ends with finish_reason
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
-from qinfer.reasoning import THINK_OPEN, prompt_opened_think, split_reasoning
-from qinfer.sampling import SamplingParams, make_generator, sample
-from qinfer.stopping import accept_token
+from qinfer.prompts import Prompt, encode_prompt, eos_token_ids, is_batch
+from qinfer.reasoning import prompt_opened_think, split_reasoning, splits_reasoning
+from qinfer.request_state import RequestState, sample_next
+from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
-
-Messages = Sequence[Mapping[str, object]]
-Prompt = str | Messages
 
 #: Id written into the left-padding slots of a batch; the cache masks them, so any
 #: id inside the vocabulary will do.
@@ -74,7 +74,7 @@ class GenerationResult:
 
     token_ids holds every generated id, including an EOS or stop id that ended the row;
     text holds their decoded text, without special tokens and cut before a stop string.
-    reasoning / answer: for a thinking model (a vocabulary with `<think>`, as Qwen3's), the
+    reasoning / answer: for a thinking model (a vocabulary with `</think>`, as Qwen3's), the
     text split into its `<think>...</think>` block and the answer after it (None otherwise).
     """
 
@@ -90,108 +90,45 @@ class GenerationResult:
 
 @dataclass
 class _Row:
-    """The state of one prompt while its batch runs."""
+    """One prompt while its batch runs: its RequestState, plus timing and reasoning."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    eos_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer | None  # None: token ids only, no text
-    generator: torch.Generator | None
+    state: RequestState
     # A thinking model's prompt: whether it ended inside an open <think> block; None when
-    # the vocabulary has no <think> (no reasoning split).
+    # the vocabulary has no </think> (no reasoning split).
     opened_think: bool | None = None
-    history: list[int] = field(init=False)  # the prompt, then every generated id
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
     first_token_at: float = 0.0
     finished_at: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.history = list(self.prompt_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.history[len(self.prompt_ids) :]
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.history) - len(self.prompt_ids)
-
     def accept(self, token: int, now: float) -> str:
         """Record a sampled token; return the text it makes safe to show (maybe "")."""
-        if not self.generated_tokens:
+        if not self.state.num_generated_tokens:
             self.first_token_at = now
-        self.history.append(token)
-        step = accept_token(
-            token,
-            self.params,
-            self.eos_ids,
-            self.detokenizer,
-            self.generated_tokens,
-            self.max_tokens,
-        )
-        if step.finish_reason is not None:
-            self.finish_reason, self.finished_at = step.finish_reason, now
-        self.text.append(step.text)
-        return step.text
+        text = self.state.accept(token)
+        if self.state.finished:
+            self.finished_at = now
+        return text
 
     def result(self, started_at: float) -> GenerationResult:
-        text = "".join(self.text)
+        state = self.state
         reasoning = answer = None
         if self.opened_think is not None:
-            reasoning, answer = split_reasoning(text, self.opened_think)
+            reasoning, answer = split_reasoning(state.text, self.opened_think)
         timings = Timings(
             prefill_seconds=self.first_token_at - started_at,
             decode_seconds=self.finished_at - self.first_token_at,
-            prompt_tokens=len(self.prompt_ids),
-            generated_tokens=self.generated_tokens,
+            prompt_tokens=state.num_prompt_tokens,
+            generated_tokens=state.num_generated_tokens,
         )
         return GenerationResult(
-            text=text,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason or "length",
-            prompt_tokens=len(self.prompt_ids),
-            generated_tokens=self.generated_tokens,
+            text=state.text,
+            token_ids=state.output_token_ids,
+            finish_reason=state.finish_reason or "length",
+            prompt_tokens=state.num_prompt_tokens,
+            generated_tokens=state.num_generated_tokens,
             timings=timings,
             reasoning=reasoning,
             answer=answer,
         )
-
-
-def encode_prompt(
-    tokenizer: Tokenizer, prompt: Prompt, chat: bool = False, **template_kwargs
-) -> list[int]:
-    """Token ids of a prompt: a string as-is (or as one user message when `chat`), or a
-    list of messages through the chat template (`template_kwargs` go to the template)."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise QinferError("prompt is empty: give some text to continue")
-        if not chat:
-            ids = tokenizer.encode(prompt)
-            if not ids:
-                raise QinferError("prompt encodes to no tokens")
-            return ids
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, Sequence) or not prompt:
-        raise QinferError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, message in enumerate(prompt):
-        if not isinstance(message, Mapping) or "role" not in message:
-            raise QinferError(f"messages[{i}] must be a dict with a 'role' and a 'content'")
-    if not tokenizer.has_chat_template:
-        raise QinferError("this tokenizer has no chat template: give a plain string prompt")
-    text = tokenizer.apply_chat_template(
-        list(prompt), add_generation_prompt=True, **template_kwargs
-    )
-    # The template writes the special tokens (BOS included) itself, as transformers does.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def eos_token_ids(model: Transformer, tokenizer: Tokenizer | None) -> frozenset[int]:
-    """The union of the end-of-sequence ids the model config and the tokenizer (if any)
-    declare."""
-    declared = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-    return frozenset(model.config.eos_token_id) | declared
 
 
 def generate(
@@ -203,13 +140,13 @@ def generate(
     chat: bool = False,
     **template_kwargs,
 ) -> GenerationResult | list[GenerationResult]:
-    """Generate for one prompt (-> GenerationResult) or a batch (a list of prompts, each a
-    string or a list of messages -> a list of GenerationResult, in order).
+    """Generate for one prompt (-> GenerationResult) or a batch (a list of prompts, each
+    text, token ids or a list of messages -> a list of GenerationResult, in order).
 
     params: one SamplingParams for every prompt, or one per prompt (default:
         SamplingParams()).
     """
-    batch = _is_batch(prompt)
+    batch = is_batch(prompt)
     rows = _encode_rows(
         model, tokenizer, list(prompt) if batch else [prompt], params, chat, template_kwargs
     )
@@ -248,17 +185,10 @@ def stream_generate(
 ) -> TextStream:
     """Like `generate` for one prompt, as a stream of text deltas. The prompt is checked
     here, before the first delta is asked for; the model runs as the stream is read."""
-    if _is_batch(prompt):
+    if is_batch(prompt):
         raise QinferError("stream_generate takes one prompt; use generate for a batch")
     (row,) = _encode_rows(model, tokenizer, [prompt], params, chat, template_kwargs)
     return TextStream(model, row)
-
-
-def _is_batch(prompt) -> bool:
-    """A list of prompts (strings or message lists), as opposed to one list of messages."""
-    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
-        return False
-    return any(isinstance(item, Sequence) for item in prompt)
 
 
 def generate_ids(
@@ -283,11 +213,12 @@ def _encode_rows(
     chat: bool,
     template_kwargs: dict,
 ) -> list[_Row]:
-    encoded = [encode_prompt(tokenizer, p, chat, **template_kwargs) for p in prompts]
+    vocab = model.config.vocab_size
+    encoded = [encode_prompt(tokenizer, p, chat, vocab, **template_kwargs) for p in prompts]
     rows = _make_rows(model, encoded, params, eos_token_ids(model, tokenizer), tokenizer)
-    if tokenizer.token_to_id(THINK_OPEN) is not None:
-        for row in rows:
-            row.opened_think = prompt_opened_think(tokenizer.decode(row.prompt_ids))
+    if splits_reasoning(tokenizer):
+        for row, ids in zip(rows, encoded, strict=True):
+            row.opened_think = prompt_opened_think(tokenizer.decode(ids))
     return rows
 
 
@@ -313,14 +244,15 @@ def _make_rows(
     budget = context - width
     return [
         _Row(
-            prompt_ids=ids,
-            params=p,
-            max_tokens=budget if p.max_tokens is None else min(p.max_tokens, budget),
-            eos_ids=eos,
-            detokenizer=(
-                IncrementalDetokenizer(tokenizer, list(p.stop or ())) if tokenizer else None
-            ),
-            generator=make_generator(p, model.device),
+            RequestState.create(
+                list(ids),
+                p,
+                min(p.max_tokens, budget),
+                eos,
+                tokenizer,
+                model.device,
+                model.config.vocab_size,
+            )
         )
         for ids, p in zip(encoded, params_list, strict=True)
     ]
@@ -335,34 +267,28 @@ def _run_to_end(model: Transformer, rows: list[_Row]) -> list[GenerationResult]:
 
 def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
     """Run a batch of rows to their ends; yield (row index, text delta) as tokens come."""
-    lengths = [len(row.prompt_ids) for row in rows]
+    prompts = [list(row.state.token_ids) for row in rows]  # nothing generated yet
+    lengths = [len(ids) for ids in prompts]
     width = max(lengths)
     padding = [width - n for n in lengths]
     # Token ids are built on the host: the model checks them there and copies them over.
     tokens = torch.tensor(
-        [[PAD_ID] * pad + row.prompt_ids for pad, row in zip(padding, rows, strict=True)]
+        [[PAD_ID] * pad + ids for pad, ids in zip(padding, prompts, strict=True)]
     )  # (B, width)
     cache = model.make_cache(
         len(rows),
         left_padding=padding if any(padding) else None,
-        max_length=width + max(row.max_tokens for row in rows),
+        max_length=width + max(row.state.max_tokens for row in rows),
     )
     active = list(range(len(rows)))  # indices into rows, one per cache row
     logits = model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
     while True:
-        going = [rows[i] for i in active]
-        sampled = sample(
-            logits,
-            [row.params for row in going],
-            [row.history for row in going],
-            [row.generator for row in going],
-            [len(row.prompt_ids) for row in going],
-        )
+        sampled = sample_next(logits, [rows[i].state for i in active])
         now = time.perf_counter()
         next_ids = sampled.token_ids.tolist()
         for i, token in zip(active, next_ids, strict=True):
             yield i, rows[i].accept(token, now)
-        keep = [k for k, i in enumerate(active) if rows[i].finish_reason is None]
+        keep = [k for k, i in enumerate(active) if not rows[i].state.finished]
         if not keep:
             return
         if len(keep) < len(active):

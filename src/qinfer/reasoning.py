@@ -27,6 +27,12 @@ THINK_CLOSE = "</think>"
 _START, _REASONING, _AFTER_THINK, _ANSWER = "start", "reasoning", "after_think", "answer"
 
 
+def splits_reasoning(tokenizer) -> bool:
+    """True for a thinking model's tokenizer: one whose vocabulary has `</think>` (Qwen3,
+    and the models whose template opens the block, which write only `</think>`)."""
+    return tokenizer.token_to_id(THINK_CLOSE) is not None
+
+
 def prompt_opened_think(prompt: str) -> bool:
     """True when the prompt ends inside an open `<think>` block (the model continues it)."""
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)

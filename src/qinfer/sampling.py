@@ -3,7 +3,9 @@
 The order of the steps is the one `transformers` uses, so its logits processors are the
 reference the tests check against:
 
-1. penalties on the raw logits:
+0. each row's own logits processors (`LogitsProcessor`, a grammar's mask for one), in
+   order, on the raw logits;
+1. penalties:
    - `repetition_penalty` (HF / CTRL): every id in the row's *prompt and generated* tokens
      has its logit divided by the penalty when positive, multiplied when negative;
    - `presence_penalty`, `frequency_penalty` (OpenAI): counted over the *generated* tokens
@@ -25,11 +27,12 @@ chosen token.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +41,8 @@ from qinfer.errors import SamplingError
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+#: The fields that constrain the output; a request sets at most one.
+CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,11 @@ class SamplingParams:
     ignore_eos: keep going past EOS (benchmarks).
     seed: seeds this request's own generator, so its samples reproduce.
     logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
+
+    At most one constraint on the output (see `qinfer.grammar`): json_schema (a dict or
+    its JSON text; objects without `additionalProperties` get false, as OpenAI's strict
+    mode does), regex (the whole output matches it), grammar (Lark, or GBNF), choice
+    (the output is exactly one of these strings).
     """
 
     temperature: float = 1.0
@@ -68,10 +78,18 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept one value or any sequence (a request's JSON list); store tuples (hashable).
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _as_tuple("choice", self.choice, str))
+        if isinstance(self.json_schema, Mapping):  # stored as text, so params stay hashable
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
         object.__setattr__(
             self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
         )
@@ -101,6 +119,28 @@ class SamplingParams:
                 raise SamplingError(f"stop: every stop string must be non-empty text, got {text!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise SamplingError(f"give at most one of {', '.join(CONSTRAINTS)}; got {given}")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingError(f"{name} must be non-empty text, got {value!r}")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise SamplingError(f"choice must be a list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def constraint(self) -> tuple[str, str | tuple[str, ...]] | None:
+        """(field name, value) of the output constraint, or None."""
+        for name in CONSTRAINTS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +160,11 @@ class SamplingParams:
         source: a checkpoint folder, a generation_config.json file, its dict, or None.
         `do_sample: false` in the config means greedy (temperature 0). Overrides set to
         None are ignored, so a server can pass request fields straight through.
+
+        The one rule for defaults, used alike by the CLI, `LLM`, the engine and the
+        server: a checkpoint without generation_config.json (a GGUF file, a folder without
+        one) gets the plain SamplingParams() defaults, temperature 1 and no truncation, as
+        the OpenAI API and vLLM do. Pass temperature=0 for greedy decoding.
         """
         config = _read_generation_config(source)
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -201,6 +246,22 @@ def make_generator(params: SamplingParams, device: str | torch.device) -> torch.
     return generator
 
 
+class LogitsProcessor(Protocol):
+    """Per-request logits changes applied before the penalties (a grammar's mask).
+
+    A processor belongs to one request: `__call__` gets that request's row of logits
+    (V,) and returns it changed (it may change it in place); `accept` is told every token
+    the request accepts, in order; `release` frees what it holds when the request ends
+    (finished or aborted), after which it is not called again.
+    """
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
 @dataclass
 class SampleResult:
     """The chosen tokens of one step.
@@ -222,6 +283,7 @@ def sample(
     histories: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
     prompt_lens: Sequence[int] | None = None,
+    logits_processors: Sequence[Sequence[LogitsProcessor]] | None = None,
 ) -> SampleResult:
     """Choose one token per row.
 
@@ -231,6 +293,7 @@ def sample(
     generators: B generators (None = the global RNG), see `make_generator`.
     prompt_lens: how many leading ids of each history are prompt; presence and frequency
     penalties count only the ids after them. None: the whole history counts as generated.
+    logits_processors: B sequences (maybe empty) of the processors of each row, or None.
     """
     if logits.dim() != 2:
         raise SamplingError(f"sample expects logits of shape (B, V), got {tuple(logits.shape)}")
@@ -240,7 +303,13 @@ def sample(
             f"sample got {batch} rows of logits but {len(params)} params, "
             f"{len(histories)} histories and {len(generators)} generators"
         )
-    logits = apply_penalties(logits.float(), params, histories, prompt_lens)
+    logits = logits.float()
+    if logits_processors is not None and any(logits_processors):
+        logits = logits.clone()  # the processors may write in place
+        for b, processors in enumerate(logits_processors):
+            for processor in processors:
+                logits[b] = processor(logits[b])
+    logits = apply_penalties(logits, params, histories, prompt_lens)
     logprobs_all = torch.log_softmax(logits, dim=-1)  # (B, V)
 
     token_ids = logits.argmax(dim=-1)  # (B,) greedy choice; sampled rows overwrite below

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from qinfer.engine.engine import Prompt, Request, build_engine
+from qinfer.engine.engine import Request, build_engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.stats import EngineStats
 from qinfer.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.model import Transformer
+from qinfer.prompts import Prompt
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
 

@@ -15,12 +15,9 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from collections.abc import Sequence as PySequence
 from pathlib import Path
 
 from qinfer.checkpoint import resolve_model
-from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
@@ -29,60 +26,53 @@ from qinfer.engine.scheduler import Scheduler
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
-from qinfer.generate import encode_prompt, eos_token_ids
 from qinfer.model import Transformer, load_model
-from qinfer.sampling import SamplingParams, make_generator, sample
-from qinfer.stopping import accept_token
+from qinfer.prompts import Prompt, encode_prompt, eos_token_ids
+from qinfer.request_state import RequestState, sample_next
+from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer, load_tokenizer
-
-#: A prompt: text, token ids, or chat messages [{"role": ..., "content": ...}, ...].
-Prompt = str | PySequence[int] | PySequence[Mapping[str, object]]
 
 
 class Request:
-    """A sequence plus what turns its tokens into a response: params, generator, text."""
+    """A sequence plus what turns its tokens into a response: its RequestState (params,
+    generator, text, stop rule, processors), its logprobs and what was already sent.
 
-    def __init__(
-        self,
-        seq: Sequence,
-        prompt: str | None,
-        params: SamplingParams,
-        detokenizer: IncrementalDetokenizer | None,
-        generator,
-    ) -> None:
+    The state appends sampled ids to the sequence's own token list."""
+
+    def __init__(self, seq: Sequence, prompt: str | None, state: RequestState) -> None:
         self.seq = seq
         self.prompt = prompt
-        self.params = params
-        self.detokenizer = detokenizer
-        self.generator = generator  # torch.Generator for seeded sampling, or None
-        self.text = ""
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+        self.state = state
+        self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
+        self.finish_reason: str | None = None  # OpenAI's: EOS is a "stop"
         self.num_sent_tokens = 0  # tokens already handed out in outputs
         self.num_sent_chars = 0
 
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
     def output(self) -> RequestOutput:
         """The request as it stands, with what is new since the previous output."""
-        seq = self.seq
+        seq, text = self.seq, self.state.text
         token_ids = seq.output_token_ids
         out = RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            text=self.text,
+            text=text,
             token_ids=token_ids,
-            delta_text=self.text[self.num_sent_chars :],
+            delta_text=text[self.num_sent_chars :],
             delta_token_ids=token_ids[self.num_sent_tokens :],
             finished=seq.is_finished,
             finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            stop_reason=self.state.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_generated_tokens=seq.num_generated_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
-        self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(self.text)
+        self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out
 
 
@@ -129,47 +119,31 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt_text, ids = self._encode(prompt)
-        # The model runs these ids unchecked (`ModelRunner.run`): refuse bad ones here.
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        # The model runs these ids unchecked (`ModelRunner.run`): encode_prompt checks them.
+        try:
+            ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.model.config.vocab_size)
+        except QinferError as error:
+            raise RequestError(str(error)) from None
         if len(ids) >= self.max_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.runner.num_blocks * self.config.block_size} tokens)"
             )
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this engine was given none")
-        detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
-        )
         seq = Sequence(request_id, ids)
-        return Request(
-            seq, prompt_text, params, detokenizer, make_generator(params, self.model.device)
-        )
-
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a prompt, with a clear error when it is unusable."""
-        if not isinstance(prompt, (str, PySequence)):
-            raise RequestError(
-                f"prompt must be text, token ids or chat messages, got {type(prompt).__name__}"
-            )
-        if not prompt:
-            raise RequestError("prompt is empty: give some text or token ids")
-        if not isinstance(prompt, str) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
-        if self.tokenizer is None:
-            raise RequestError("this engine has no tokenizer: give token ids, or pass tokenizer=")
         try:
-            ids = encode_prompt(self.tokenizer, prompt)
+            state = RequestState.create(
+                seq.token_ids,
+                params,
+                min(params.max_tokens, self.max_len - len(ids)),
+                self.eos_token_ids,
+                self.tokenizer,
+                self.model.device,
+                self.model.config.vocab_size,
+            )
         except QinferError as error:
             raise RequestError(str(error)) from None
-        return (prompt if isinstance(prompt, str) else None), ids
+        return Request(seq, prompt if isinstance(prompt, str) else None, state)
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request`."""
@@ -194,8 +168,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.detokenizer is not None:  # the text held back so far is still the reply's
-            request.text += request.detokenizer.finish()
+        request.state.abort()  # the text held back so far is still the reply's
         self._finish(request, "abort")
         self._counts["aborted"] += 1
         return request.output()
@@ -224,13 +197,7 @@ class Engine:
         if not done:
             return []
         requests = [self.requests[seq.request_id] for seq in done]
-        result = sample(
-            logits,
-            [r.params for r in requests],
-            [r.seq.token_ids for r in requests],
-            [r.generator for r in requests],
-            prompt_lens=[r.seq.num_prompt_tokens for r in requests],
-        )
+        result = sample_next(logits, [r.state for r in requests])
         token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
         outputs = []
         for i, request in enumerate(requests):
@@ -242,26 +209,17 @@ class Engine:
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
         """Append a sampled token, extend the text, and finish the request if it is done."""
-        seq, params = request.seq, request.params
-        seq.token_ids.append(token_id)
         if request.logprobs is not None:
             request.logprobs.append(TokenLogprob(token_id, logprob, dict(top or ())))
-        step = accept_token(
-            token_id,
-            params,
-            self.eos_token_ids,
-            request.detokenizer,
-            seq.num_generated_tokens,
-            min(params.max_tokens, self.max_len - seq.num_prompt_tokens),
-        )
-        request.text += step.text
-        if step.finish_reason is not None:
+        state = request.state
+        state.accept(token_id)
+        if state.finished:
             # OpenAI's finish reasons: end-of-sequence is a "stop" like the others.
-            reason = "stop" if step.finish_reason == "eos" else step.finish_reason
-            self._finish(request, reason, step.stop_reason)
+            self._finish(request, "stop" if state.finish_reason == "eos" else state.finish_reason)
 
-    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        request.finish_reason, request.stop_reason = reason, stop_reason
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.state.finish(reason)  # releases its processors (a grammar's matcher)
         self.scheduler.finish(request.seq)
         self.requests.pop(request.seq.request_id, None)
         self._counts["finished"] += 1

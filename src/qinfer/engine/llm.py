@@ -6,16 +6,17 @@ outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from qinfer.engine.engine import Engine, Prompt, build_engine
+from qinfer.engine.engine import Engine, build_engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.errors import RequestError
 from qinfer.model import Transformer
+from qinfer.prompts import Prompt, is_batch
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
 
@@ -55,9 +56,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt (text, token ids or chat messages, or a list of them);
         the outputs come back in the prompts' order. params: one for all, or one each."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        if not prompts:
+        if isinstance(prompts, (list, tuple)) and not prompts:
             raise RequestError("prompts is empty: give at least one prompt")
+        prompts = list(prompts) if is_batch(prompts) else [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
@@ -80,13 +81,6 @@ class LLM:
                 engine.abort(request.seq.request_id)
             raise
         return [_whole(finished[r.seq.request_id]) for r in requests]
-
-
-def _is_single_prompt(prompts) -> bool:
-    """One prompt (text, a list of token ids, a list of messages) rather than a list of them."""
-    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-        return isinstance(prompts, str)
-    return isinstance(prompts[0], (int, Mapping))
 
 
 def _whole(output: RequestOutput) -> RequestOutput:

@@ -28,7 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
-from qinfer.reasoning import THINK_CLOSE, prompt_opened_think
+from qinfer.prompts import encode_prompt
+from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
@@ -67,9 +68,7 @@ class ModelServer:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
-        # Only a tokenizer that knows `</think>` (Qwen3 and other thinking models) can
-        # produce a reasoning block worth splitting off the answer.
-        self.splits_reasoning = tokenizer.token_to_id(THINK_CLOSE) is not None
+        self.splits_reasoning = splits_reasoning(tokenizer)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -87,18 +86,17 @@ class ModelServer:
         self.check_model(body.model)
         params = self.sampling_params(body)
         template_kwargs = {
-            "add_generation_prompt": True,
             **self.settings.chat_template_kwargs,
             **(body.chat_template_kwargs or {}),
         }
         messages = [message.for_template() for message in body.messages]
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
-        prompt = await run_in_threadpool(
-            self.tokenizer.apply_chat_template, messages, **template_kwargs
+        prompt_ids = await run_in_threadpool(
+            encode_prompt, self.tokenizer, messages, **template_kwargs
         )
-        # The template wrote the special tokens itself, as transformers does.
-        prompt_ids = await run_in_threadpool(self.tokenizer.encode, prompt, False)
-        reasoning = [prompt_opened_think(prompt)] if self.splits_reasoning else None
+        reasoning = None
+        if self.splits_reasoning:
+            reasoning = [prompt_opened_think(self.tokenizer.decode(prompt_ids))]
         completion = Completion(
             self.engine, self.metrics, [prompt_ids], params, body.n, "chatcmpl", reasoning
         )
@@ -110,9 +108,7 @@ class ModelServer:
         self.check_model(body.model)
         params = self.sampling_params(body)
         prompts = [
-            prompt
-            if isinstance(prompt, list)
-            else await run_in_threadpool(self.tokenizer.encode, prompt)
+            await run_in_threadpool(encode_prompt, self.tokenizer, prompt)
             for prompt in body.prompts
         ]
         completion = Completion(self.engine, self.metrics, prompts, params, body.n, "cmpl")

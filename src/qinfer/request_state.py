@@ -1,0 +1,143 @@
+"""One request while it generates: the state `generate` and the engine share.
+
+    state = RequestState.create(token_ids, params, max_tokens, eos_ids, tokenizer, device)
+    result = sample_next(logits, [state, ...])        # one token per state
+    delta = state.accept(token_id)                     # text it makes safe to show
+    state.finish_reason                                # None while it goes on
+
+A state holds what turns sampled ids into a response: the SamplingParams, the request's
+own generator (seeded sampling), the detokenizer (text and stop strings), the stop rule
+(`qinfer.stopping`) and the logits processors (a grammar's mask). It owns no KV cache:
+`generate` keeps rows in one batch cache, the engine keeps blocks in its paged pool. A
+preempted engine request keeps its state untouched (its tokens are recomputed, not
+re-sampled), so a grammar's matcher stays where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qinfer.detokenizer import IncrementalDetokenizer
+from qinfer.errors import QinferError
+from qinfer.sampling import LogitsProcessor, SampleResult, SamplingParams, make_generator, sample
+from qinfer.stopping import accept_token
+from qinfer.tokenizer import Tokenizer
+
+
+class RequestState:
+    """Params, generator, detokenizer, stop rule and logits processors of one request.
+
+    token_ids: the list holding the prompt's ids; `accept` appends every sampled id to
+    it (the engine passes its Sequence's own list, so both see the same tokens).
+    max_tokens: the budget, already cut to the room the context leaves.
+    """
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_ids: frozenset[int],
+        detokenizer: IncrementalDetokenizer | None,
+        generator: torch.Generator | None,
+        logits_processors: Sequence[LogitsProcessor] = (),
+    ) -> None:
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids
+        self.detokenizer = detokenizer  # None: token ids only, no text
+        self.generator = generator  # None: the global RNG
+        self.logits_processors = list(logits_processors)
+        self.text = ""
+        self.finish_reason: str | None = None  # "eos", "stop", "length" or "abort"
+        self.stop_reason: str | int | None = None  # the stop string or id that ended it
+
+    @classmethod
+    def create(
+        cls,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_ids: frozenset[int],
+        tokenizer: Tokenizer | None,
+        device: str | torch.device,
+        vocab_size: int,
+    ) -> RequestState:
+        """A state with its detokenizer, generator and processors built from `params`.
+
+        vocab_size: the width of the model's logits (a grammar masks every id past the
+        tokenizer's own vocabulary). Raises a QinferError for params that need a
+        tokenizer (stop strings, a grammar) when there is none, or an invalid grammar.
+        """
+        if params.stop and tokenizer is None:
+            raise QinferError("stop strings need a tokenizer; none was given")
+        detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop)) if tokenizer else None
+        processors = []
+        if params.constraint is not None:
+            from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
+
+            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids, vocab_size))
+        generator = make_generator(params, device)
+        return cls(token_ids, params, max_tokens, eos_ids, detokenizer, generator, processors)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def accept(self, token_id: int) -> str:
+        """Record a sampled token; return the text it makes safe to show (maybe "")."""
+        self.token_ids.append(token_id)
+        for processor in self.logits_processors:
+            processor.accept(token_id)
+        step = accept_token(
+            token_id,
+            self.params,
+            self.eos_ids,
+            self.detokenizer,
+            self.num_generated_tokens,
+            self.max_tokens,
+        )
+        self.text += step.text
+        if step.finish_reason is not None:
+            self.finish(step.finish_reason, step.stop_reason)
+        return step.text
+
+    def abort(self) -> str:
+        """End the request now ("abort"); return the text the detokenizer held back."""
+        tail = self.detokenizer.finish() if self.detokenizer is not None else ""
+        self.text += tail
+        self.finish("abort")
+        return tail
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark the request finished and release its processors (once)."""
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason = reason, stop_reason
+        for processor in self.logits_processors:
+            processor.release()
+        self.logits_processors = []
+
+
+def sample_next(logits: torch.Tensor, states: Sequence[RequestState]) -> SampleResult:
+    """One token for each state from its row of logits (R, V), with its own params,
+    history, generator and processors."""
+    return sample(
+        logits,
+        [s.params for s in states],
+        [s.token_ids for s in states],
+        [s.generator for s in states],
+        prompt_lens=[s.num_prompt_tokens for s in states],
+        logits_processors=[s.logits_processors for s in states],
+    )

@@ -118,7 +118,27 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use the prompt as-is instead of through the model's chat template",
     )
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="the output is JSON valid under the JSON schema in FILE",
+    )
+    constraint.add_argument(
+        "--regex", default=None, help="the whole output matches this regular expression"
+    )
     parser.add_argument("prompt", help="the text to continue (or the user message)")
+
+
+def read_json_schema(file: str | None) -> str | None:
+    """The text of the --json-schema file (checked when the request is made), or None."""
+    if file is None:
+        return None
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as error:
+        raise QinferError(f"cannot read the JSON schema {file}: {error.strerror}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -126,8 +146,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise QinferError("prompt is empty: give some text to continue")
+    schema = read_json_schema(args.json_schema)
     path, model, tokenizer = load_model_and_tokenizer(args)
-    params = sampling_params(args, path)
+    params = sampling_params(args, path).replace(json_schema=schema, regex=args.regex)
     chat = tokenizer.has_chat_template and not args.no_chat
     if chat:
         prompt = [{"role": "user", "content": args.prompt}]

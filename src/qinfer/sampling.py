@@ -89,7 +89,8 @@ class SamplingParams:
         if self.choice is not None:
             object.__setattr__(self, "choice", _as_tuple("choice", self.choice, str))
         if isinstance(self.json_schema, Mapping):  # stored as text, so params stay hashable
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
+            # (keys in the schema's order: the model writes properties in that order)
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         object.__setattr__(
             self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
         )

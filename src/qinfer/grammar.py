@@ -1,0 +1,194 @@
+"""Constrained decoding: a grammar as one logits processor, with `llguidance`.
+
+A request with one of SamplingParams' constraints gets a `GrammarProcessor`:
+
+    json_schema   the output is one JSON value valid under the schema
+    regex         the whole output matches the regular expression (Rust regex syntax)
+    grammar       the output is a sentence of the grammar (Lark, or llama.cpp's GBNF)
+    choice        the output is exactly one of the strings
+
+Every step, before the penalties, the processor asks its matcher (llguidance's
+`LLMatcher`, which tracks the output so far against the grammar) for the set of tokens
+that keep the output a valid prefix, as a bitmask over the tokenizer's vocabulary, and
+sets every other logit to -inf: every id the mask forbids, and every id past the
+tokenizer's own vocabulary (a model's lm_head may be wider, Qwen3's is). When the
+output is complete, only the end-of-sequence ids stay allowed, so a constrained request
+ends with "eos" (or "length" when max_tokens runs out first: a truncated output is the
+one way to get an unparsable one). After each sampled token the matcher advances;
+when the request ends (finished, aborted) it is released. A preempted engine request
+keeps its processor as it is: its tokens are recomputed, never re-sampled.
+
+JSON schemas are compiled with bounded whitespace (at most `MAX_JSON_WHITESPACE`
+characters between tokens, so a model cannot pad forever) and in strict mode: an object
+schema without `additionalProperties` gets `false`, as OpenAI's structured outputs do
+(write `"additionalProperties": true` to allow other keys).
+
+An invalid constraint (a schema llguidance cannot compile, a malformed regex or
+grammar) is a `SamplingError` naming the field, raised when the request is made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import llguidance
+import llguidance.torch
+import torch
+
+from qinfer.errors import SamplingError
+from qinfer.sampling import SamplingParams
+from qinfer.tokenizer import Tokenizer
+
+#: The most whitespace characters a JSON output may put between two tokens.
+MAX_JSON_WHITESPACE = 2
+
+# Keywords whose value is a schema, a map of names to schemas, or a list of schemas.
+_SCHEMA_KEYWORDS = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+)
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+class GrammarProcessor:
+    """A `sampling.LogitsProcessor` that masks every token the grammar does not allow.
+
+    matcher: llguidance's matcher of this request; tokenizer_vocab: the ids it knows
+    (0 .. tokenizer_vocab - 1); eos_ids: allowed alone when the matcher is in error.
+    """
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, eos_ids: frozenset[int]
+    ) -> None:
+        self.matcher: llguidance.LLMatcher | None = matcher
+        self.tokenizer_vocab = tokenizer_vocab
+        self.eos_ids = eos_ids
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+    ) -> GrammarProcessor:
+        """The processor of `params.constraint`, or a SamplingError naming the field.
+
+        vocab_size: the width of the model's logits (checked against the tokenizer's).
+        """
+        name, value = params.constraint
+        if tokenizer is None:
+            raise SamplingError(f"{name} needs a tokenizer; none was given")
+        ll_tokenizer = _ll_tokenizer(tokenizer, eos_ids)
+        matcher = llguidance.LLMatcher(ll_tokenizer, compile_constraint(name, value), log_level=0)
+        if matcher.is_error():
+            raise SamplingError(f"{name} is invalid: {_one_line(matcher.get_error())}")
+        return cls(matcher, ll_tokenizer.vocab_size, eos_ids)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (V,) with every token the grammar forbids at -inf (in place)."""
+        allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        if self.matcher is None or self.matcher.is_error():
+            # Cannot happen while the mask is obeyed; end the request rather than the engine.
+            allowed[[t for t in self.eos_ids if t < len(allowed)]] = True
+        else:
+            llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
+            known = min(self.tokenizer_vocab, len(allowed))
+            allowed[:known] = unpack_bitmask(self._bitmask[0], self.tokenizer_vocab)[:known]
+        return logits.masked_fill_(~allowed.to(logits.device), -math.inf)
+
+    def accept(self, token_id: int) -> None:
+        """Advance the matcher past the sampled token."""
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+
+    def release(self) -> None:
+        """Drop the matcher (the request ended)."""
+        self.matcher = None
+
+
+def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:
+    """A bitmask (W,) int32, bit j of word i for id 32 i + j, as (size,) bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (words[:, None] >> shifts) & 1  # (W, 32)
+    return bits.flatten()[:size].bool()
+
+
+def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
+    """llguidance's grammar text for one of SamplingParams' constraints (see the module
+    docstring); a SamplingError naming the field when it cannot be read."""
+    try:
+        if name == "json_schema":
+            schema = json.loads(value)
+            if not isinstance(schema, dict):
+                raise SamplingError(f"json_schema must be a JSON object, got {value!r}")
+            whitespace = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                strict_schema(schema), defaults={"whitespace_pattern": whitespace}
+            )
+        if name == "choice":
+            return llguidance.grammar_from("choice", list(value))
+        return llguidance.grammar_from("grammar" if name == "grammar" else "regex", value)
+    except (ValueError, TypeError) as error:  # json's and llguidance's parse errors
+        raise SamplingError(f"{name} is invalid: {_one_line(str(error))}") from None
+
+
+def strict_schema(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema without
+    `additionalProperties` gets `"additionalProperties": false`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    for key in _SCHEMA_KEYWORDS:
+        if isinstance(schema.get(key), dict):
+            out[key] = strict_schema(schema[key])
+    for key in _SCHEMA_MAP_KEYWORDS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LIST_KEYWORDS:
+        if isinstance(schema.get(key), list):
+            out[key] = [strict_schema(sub) for sub in schema[key]]
+    return out
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line message (with a caret diagram) as one line."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip()) or "unknown"
+
+
+# llguidance's view of a tokenizer takes ~0.2 s to build (longer for 150k vocabularies):
+# built once per tokenizer and set of EOS ids.
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict] = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _ll_tokenizer(tokenizer: Tokenizer, eos_ids: Iterable[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over the same `tokenizers` pipeline and vocabulary (added
+    tokens included), ending on `eos_ids`."""
+    eos = tuple(sorted(eos_ids))
+    with _LL_TOKENIZERS_LOCK:
+        built = _LL_TOKENIZERS.setdefault(tokenizer, {})
+        if eos not in built:
+            built[eos] = llguidance.LLTokenizer(
+                tokenizer.backend.to_str(),
+                n_vocab=tokenizer.vocab_size,
+                eos_token=list(eos) or None,
+            )
+        return built[eos]

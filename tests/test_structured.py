@@ -1,0 +1,222 @@
+"""Constrained decoding: outputs under a JSON schema, a regex or a choice, checked by an
+independent judge (`jsonschema`, `re.fullmatch`, membership), on the real SmolLM2 and a
+random Qwen3 (whose lm_head is wider than its tokenizer).
+
+Every constrained sample is drawn at temperature 1 with its own seed; the same prompts
+without the constraint must include failures, so each check could fail. Then: the mask
+past the tokenizer's vocabulary, the matcher released on finish and abort, the
+validation errors, `qinfer.generate` and `qinfer generate --json-schema / --regex`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from checkpoints import CHAT_VOCAB_SIZE, build_chat_checkpoint
+from gguf_files import smollm2_path
+
+import qinfer
+from qinfer import LLM, SamplingParams, generate
+from qinfer.cli import main
+from qinfer.errors import QinferError, SamplingError
+from qinfer.grammar import GrammarProcessor, strict_schema
+from qinfer.prompts import eos_token_ids
+
+SAMPLES = 32
+
+#: Nested: an object in an object, an array of objects, enums, bounded numbers and strings
+#: (bounded, so that 256 tokens hold a whole answer even from a random model).
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "address": {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+                "kind": {"enum": ["home", "work"]},
+            },
+            "required": ["zip", "kind"],
+        },
+        "pets": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+            },
+            "maxItems": 1,
+        },
+    },
+    "required": ["name", "age", "address"],
+}
+REGEX = r"[A-Z][a-z]{1,4}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe so"]
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(smollm2_path(), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    build_chat_checkpoint(folder, "qwen3")
+    model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
+    return model, qinfer.load_tokenizer(folder), folder
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3"])
+def llm(request, smollm2, qwen3):
+    if request.param == "smollm2":
+        return smollm2
+    model, tokenizer, _ = qwen3
+    return LLM(model, tokenizer, max_num_seqs=SAMPLES)
+
+
+def sampled(**fields) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, seed=seed, **fields) for seed in range(SAMPLES)]
+
+
+def valid_json(text: str) -> bool:
+    """The text parses and validates under SCHEMA, with no keys SCHEMA does not name."""
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return set(value) <= set(SCHEMA["properties"])  # strict mode's additionalProperties
+
+
+def test_json_schema_outputs_all_validate_and_free_outputs_do_not(llm):
+    outputs = llm.generate(
+        [MESSAGES] * SAMPLES, sampled(max_tokens=256, json_schema=SCHEMA), use_tqdm=False
+    )
+    bad = [o.text for o in outputs if o.finish_reason != "stop" or not valid_json(o.text)]
+    assert not bad, bad[:3]
+    assert len({o.text for o in outputs}) > SAMPLES // 4  # sampled, not one forced answer
+    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=64)[:8], use_tqdm=False)
+    assert not all(valid_json(o.text) for o in free)
+
+
+def test_regex_outputs_fullmatch_and_free_outputs_do_not(llm):
+    outputs = llm.generate(
+        [MESSAGES] * SAMPLES, sampled(max_tokens=16, regex=REGEX), use_tqdm=False
+    )
+    assert all(re.fullmatch(REGEX, o.text) for o in outputs), [o.text for o in outputs][:5]
+    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=16)[:8], use_tqdm=False)
+    assert not all(re.fullmatch(REGEX, o.text) for o in free)
+
+
+def test_choice_outputs_are_one_of_the_choices_and_free_outputs_are_not(llm):
+    outputs = llm.generate(
+        [MESSAGES] * SAMPLES, sampled(max_tokens=8, choice=CHOICES), use_tqdm=False
+    )
+    assert all(o.text in CHOICES for o in outputs), [o.text for o in outputs][:5]
+    assert len({o.text for o in outputs}) > 1
+    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=8)[:8], use_tqdm=False)
+    assert not all(o.text in CHOICES for o in free)
+
+
+def test_generate_takes_the_same_constraints(qwen3):
+    model, tokenizer, _ = qwen3
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=256) for s in range(6)]
+    results = generate(
+        model, tokenizer, [MESSAGES] * 6, [p.replace(json_schema=SCHEMA) for p in params]
+    )
+    assert all(r.finish_reason == "eos" and valid_json(r.text) for r in results)
+    (one,) = generate(model, tokenizer, [MESSAGES], params[0].replace(regex=REGEX))
+    assert re.fullmatch(REGEX, one.text)
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_masked(qwen3):
+    model, tokenizer, _ = qwen3
+    assert tokenizer.vocab_size < model.config.vocab_size == CHAT_VOCAB_SIZE
+    params = SamplingParams(regex="[a-z]+")
+    processor = GrammarProcessor.create(
+        params, tokenizer, eos_token_ids(model, tokenizer), CHAT_VOCAB_SIZE
+    )
+    masked = processor(torch.zeros(CHAT_VOCAB_SIZE))
+    allowed = torch.isfinite(masked).nonzero()[:, 0].tolist()
+    assert allowed == [tokenizer.encode(c)[0] for c in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def test_the_matcher_is_released_when_a_request_finishes_or_is_aborted(qwen3):
+    model, tokenizer, _ = qwen3
+    engine = LLM(model, tokenizer).engine
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=64, json_schema=SCHEMA)
+    kept = engine.add_request(MESSAGES, params)
+    aborted = engine.add_request(MESSAGES, params)
+    engine.step()
+    processors = {rid: engine.requests[rid].state.logits_processors[0] for rid in (kept, aborted)}
+    assert all(p.matcher is not None for p in processors.values())
+    engine.abort(aborted)
+    assert processors[aborted].matcher is None and processors[kept].matcher is not None
+    while engine.has_unfinished():
+        engine.step()
+    assert processors[kept].matcher is None
+
+
+def test_strict_mode_closes_objects_that_do_not_say_otherwise():
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object"},
+            "b": {"type": "object", "additionalProperties": True},
+        },
+        "$defs": {"c": {"properties": {}}},
+    }
+    strict = strict_schema(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["a"]["additionalProperties"] is False
+    assert strict["properties"]["b"]["additionalProperties"] is True
+    assert strict["$defs"]["c"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(json_schema={"type": "nope"}), "json_schema is invalid"),
+        (dict(json_schema="{not json"), "json_schema is invalid"),
+        (dict(regex="[a-"), "regex is invalid"),
+        (dict(grammar="start: missing_rule"), "grammar is invalid"),
+        (dict(choice=[]), "choice must be"),
+        (dict(regex="a", choice=["a"]), "at most one of"),
+    ],
+)
+def test_a_bad_constraint_is_one_error_naming_the_field(qwen3, fields, message):
+    model, tokenizer, _ = qwen3
+    with pytest.raises(QinferError, match=message):
+        generate(model, tokenizer, "Hi", SamplingParams(**fields))
+
+
+def test_a_constraint_needs_a_tokenizer(qwen3):
+    model, _, _ = qwen3
+    with pytest.raises(QinferError, match="regex needs a tokenizer"):
+        LLM(model).generate([[1, 2]], SamplingParams(regex="a"), use_tqdm=False)
+
+
+def test_sampling_params_reject_two_constraints_before_any_request():
+    with pytest.raises(SamplingError, match="at most one of json_schema, regex, grammar, choice"):
+        SamplingParams(json_schema={"type": "object"}, regex="a")
+
+
+def test_cli_json_schema_and_regex(qwen3, tmp_path, capsys):
+    _, _, folder = qwen3
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    common = ["generate", "--model", str(folder), "--dtype", "float32", "--device", "cpu"]
+    common += ["--max-tokens", "256", "--seed", "3"]
+    assert main([*common, "--json-schema", str(schema_file), "Describe a person"]) == 0
+    assert valid_json(capsys.readouterr().out.strip())
+    assert main([*common, "--regex", REGEX, "A code"]) == 0
+    assert re.fullmatch(REGEX, capsys.readouterr().out.strip())
+    assert main([*common, "--json-schema", str(tmp_path / "missing.json"), "Hi"]) == 2

@@ -102,7 +102,7 @@ def test_json_schema_outputs_all_validate_and_free_outputs_do_not(llm):
     bad = [o.text for o in outputs if o.finish_reason != "stop" or not valid_json(o.text)]
     assert not bad, bad[:3]
     assert len({o.text for o in outputs}) > SAMPLES // 4  # sampled, not one forced answer
-    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=64)[:8], use_tqdm=False)
+    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=24)[:4], use_tqdm=False)
     assert not all(valid_json(o.text) for o in free)
 
 
@@ -111,7 +111,7 @@ def test_regex_outputs_fullmatch_and_free_outputs_do_not(llm):
         [MESSAGES] * SAMPLES, sampled(max_tokens=16, regex=REGEX), use_tqdm=False
     )
     assert all(re.fullmatch(REGEX, o.text) for o in outputs), [o.text for o in outputs][:5]
-    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=16)[:8], use_tqdm=False)
+    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=16)[:4], use_tqdm=False)
     assert not all(re.fullmatch(REGEX, o.text) for o in free)
 
 
@@ -121,7 +121,7 @@ def test_choice_outputs_are_one_of_the_choices_and_free_outputs_are_not(llm):
     )
     assert all(o.text in CHOICES for o in outputs), [o.text for o in outputs][:5]
     assert len({o.text for o in outputs}) > 1
-    free = llm.generate([MESSAGES] * 8, sampled(max_tokens=8)[:8], use_tqdm=False)
+    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=8)[:4], use_tqdm=False)
     assert not all(o.text in CHOICES for o in free)
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from qinfer.errors import SamplingError
@@ -101,15 +102,17 @@ class GrammarProcessor:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (V,) with every token the grammar forbids at -inf (in place)."""
-        allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        known = min(self.tokenizer_vocab, logits.shape[-1])
         if self.matcher is None or self.matcher.is_error():
             # Cannot happen while the mask is obeyed; end the request rather than the engine.
-            allowed[[t for t in self.eos_ids if t < len(allowed)]] = True
+            forbidden = torch.ones(known, dtype=torch.bool)
+            forbidden[[t for t in self.eos_ids if t < known]] = False
         else:
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
-            known = min(self.tokenizer_vocab, len(allowed))
-            allowed[:known] = unpack_bitmask(self._bitmask[0], self.tokenizer_vocab)[:known]
-        return logits.masked_fill_(~allowed.to(logits.device), -math.inf)
+            forbidden = ~unpack_bitmask(self._bitmask[0], known)
+        logits[known:] = -math.inf  # ids the tokenizer cannot produce
+        logits[:known].masked_fill_(forbidden.to(logits.device), -math.inf)
+        return logits
 
     def accept(self, token_id: int) -> None:
         """Advance the matcher past the sampled token."""
@@ -122,10 +125,9 @@ class GrammarProcessor:
 
 
 def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:
-    """A bitmask (W,) int32, bit j of word i for id 32 i + j, as (size,) bool."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (words[:, None] >> shifts) & 1  # (W, 32)
-    return bits.flatten()[:size].bool()
+    """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")  # (32 W,)
+    return torch.from_numpy(bits[:size].astype(bool))
 
 
 def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:

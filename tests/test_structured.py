@@ -4,7 +4,8 @@ random Qwen3 (whose lm_head is wider than its tokenizer).
 
 Every constrained sample is drawn at temperature 1 with its own seed; the same prompts
 without the constraint must include failures, so each check could fail. Then: the mask
-past the tokenizer's vocabulary, the matcher released on finish and abort, the
+against a brute-force check over the whole vocabulary, the mask past the tokenizer's
+vocabulary, the matcher released on finish and abort, the
 validation errors, `qinfer.generate` and `qinfer generate --json-schema / --regex`.
 """
 
@@ -220,3 +221,39 @@ def test_cli_json_schema_and_regex(qwen3, tmp_path, capsys):
     assert main([*common, "--regex", REGEX, "A code"]) == 0
     assert re.fullmatch(REGEX, capsys.readouterr().out.strip())
     assert main([*common, "--json-schema", str(tmp_path / "missing.json"), "Hi"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "language", "path"),
+    [
+        (dict(choice=["ab", "a1", "b c"]), {"ab", "a1", "b c"}, "b c"),
+        (
+            dict(regex="(ab|a[0-9])c?"),
+            {"ab", "abc"} | {f"a{d}{c}" for d in "0123456789" for c in ("", "c")},
+            "a7c",
+        ),
+        (dict(json_schema={"enum": ["x", 12]}), {'"x"', "12"}, '"x"'),
+    ],
+)
+def test_the_mask_is_exactly_the_tokens_that_keep_a_valid_prefix(qwen3, fields, language, path):
+    """Brute force over the whole vocabulary of the byte-level tokenizer: a token is allowed
+    iff the text with it is a prefix of a word of the (finite) language, and EOS iff the
+    text is a word; checked at every step along `path`."""
+    model, tokenizer, _ = qwen3
+    eos = eos_token_ids(model, tokenizer)
+    processor = GrammarProcessor.create(SamplingParams(**fields), tokenizer, eos, CHAT_VOCAB_SIZE)
+    texts = {t: tokenizer.decode([t]) for t in range(tokenizer.vocab_size)}
+    text = ""
+    for step in range(len(path) + 1):
+        allowed = set(
+            torch.isfinite(processor(torch.zeros(CHAT_VOCAB_SIZE))).nonzero()[:, 0].tolist()
+        )
+        expected = {
+            t for t, piece in texts.items() if any(w.startswith(text + piece) for w in language)
+        }
+        if text in language:
+            expected |= eos
+        assert allowed == expected, (text, sorted(allowed ^ expected))
+        if step < len(path):
+            processor.accept(tokenizer.encode(path[step])[0])
+            text += path[step]

@@ -55,6 +55,7 @@ class AsyncEngine:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         group_size: int = 32,
+        tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
@@ -62,6 +63,7 @@ class AsyncEngine:
             tokenizer,
             dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
             engine_args,
+            tensor_parallel_size,
         )
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id)
@@ -137,6 +139,7 @@ class AsyncEngine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join()
+        self.engine.close()
 
     # -- the step thread ---------------------------------------------------------------------
 

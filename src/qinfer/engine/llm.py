@@ -26,7 +26,9 @@ class LLM:
     model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids). dtype, device, quantize, group_size: as for `qinfer.load_model`,
-    when a path is given. engine_args: see `qinfer.engine.EngineConfig`.
+    when a path is given. tensor_parallel_size: ranks the checkpoint is split over (N - 1
+    worker processes, see `qinfer.distributed`; `close()` or this process's exit stops
+    them). engine_args: see `qinfer.engine.EngineConfig`.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class LLM:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         group_size: int = 32,
+        tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine: Engine = build_engine(
@@ -45,6 +48,7 @@ class LLM:
             tokenizer,
             dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
             engine_args,
+            tensor_parallel_size,
         )
 
     def generate(
@@ -80,6 +84,10 @@ class LLM:
                 engine.abort(request.seq.request_id)
             raise
         return [_whole(finished[r.seq.request_id]) for r in requests]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        self.engine.close()
 
 
 def _is_single_prompt(prompts) -> bool:

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from checkpoints import build_chat_checkpoint
+from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
 from qinfer.distributed import TensorParallelError
+from qinfer.engine import AsyncEngine
+from qinfer.server.app import ServerSettings, create_app
 
 #: Small pools and blocks, so that a few short prompts share blocks and get preempted.
 ENGINE_ARGS = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
@@ -98,3 +106,108 @@ def test_a_worker_killed_mid_generation_ends_the_group_with_one_line(checkpoint)
         assert time.monotonic() - started < 20
     finally:
         llm.close()
+
+
+# -- the command line and the server -----------------------------------------------------
+
+CLI_GREEDY = ["--dtype", "float32", "--device", "cpu", "--temperature", "0", "--max-tokens", "12"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "qinfer.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generate_at_tp2_prints_the_tp1_text(checkpoint):
+    texts = []
+    for size in (1, 2):
+        done = run_cli(
+            "generate", "--model", str(checkpoint), *CLI_GREEDY,
+            "--tensor-parallel-size", str(size), "Hello there",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        texts.append(done.stdout)
+    assert texts[1] == texts[0] and texts[0].strip()
+
+
+def test_cli_refuses_a_size_that_does_not_divide_in_one_line(checkpoint):
+    done = run_cli("generate", "--model", str(checkpoint), "--tensor-parallel-size", "3", "Hi")
+    assert done.returncode == 2
+    assert done.stderr == (
+        "qinfer: error: 4 query heads do not divide into 3 ranks; use 1, 2 or 4 ranks\n"
+    )
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (its resource tracker excluded)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            children.append(int(entry.name))
+    return children
+
+
+def test_server_at_tp2_answers_and_exits_when_its_worker_dies(checkpoint):
+    port = free_port()
+    command = [sys.executable, "-m", "qinfer.cli", "serve", "--model", str(checkpoint)]
+    command += ["--dtype", "float32", "--device", "cpu", "--port", str(port)]
+    command += ["--tensor-parallel-size", "2", "--num-kv-blocks", "64"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            assert time.monotonic() < deadline, "qinfer serve did not start"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.completions.create(
+            model=checkpoint.name, prompt="Hello there", max_tokens=12, temperature=0
+        )
+        llm = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=64)
+        (expected,) = llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0))
+        assert reply.choices[0].text == expected.text
+
+        (worker,) = spawned_children(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        server.wait(timeout=30)  # the watch stops the idle server
+        assert server.returncode == 2
+        error = "qinfer: error: tensor-parallel rank 1 died (killed by SIGKILL)"
+        assert error in server.stderr.read().decode().splitlines()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_health_turns_503_when_a_worker_of_an_idle_engine_dies(checkpoint):
+    engine = AsyncEngine(
+        checkpoint, dtype="float32", device="cpu", tensor_parallel_size=2, num_kv_blocks=64
+    )
+    try:
+        http = TestClient(create_app(engine, engine.tokenizer, ServerSettings("qwen3")))
+        assert http.get("/health").status_code == 200
+        (worker,) = engine.engine.runner.group.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["message"] == "tensor-parallel rank 1 died (killed by SIGKILL)"
+    finally:
+        engine.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

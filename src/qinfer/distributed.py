@@ -16,8 +16,9 @@ for as long as rank 0 serves, and a rank 0 that dies closes its sockets, which e
 
 Faults: a rank that fails to load makes every rank raise one line naming it and why
 (`load_on_every_rank`); a spawned worker that dies is named by `failure`, which rank 0
-calls when a collective fails; Ctrl-C reaches every process of the terminal, and spawned
-workers are daemons, ended when rank 0 exits.
+calls when a collective fails, and by `watch`, which tells a server whose rank 0 is idle;
+Ctrl-C reaches every process of the terminal, and spawned workers are daemons, ended when
+rank 0 exits.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
@@ -68,28 +71,48 @@ class TensorParallelGroup:
     device: torch.device
     control: dist.ProcessGroup
     workers: list[BaseProcess] = field(default_factory=list)
+    closing: bool = field(default=False, init=False)  # workers exiting now is no fault
 
     def failure(self, error: BaseException) -> TensorParallelError:
         """The one-line error for a failed collective: the worker that died, if one did
         (waiting up to EXIT_GRACE_S for it to be gone), else the collective's own message."""
-        for rank, process in enumerate(self.workers, start=1):
+        for process in self.workers:
             process.join(EXIT_GRACE_S / len(self.workers))
             if process.exitcode is not None:
-                return TensorParallelError(
-                    f"tensor-parallel rank {rank} died ({_exit_reason(process.exitcode)})"
-                )
+                return self._died(process)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return TensorParallelError(f"tensor-parallel collective failed: {first_line}")
+
+    def watch(self, on_death: Callable[[TensorParallelError], None]) -> None:
+        """Call on_death (from a daemon thread) when a spawned worker exits before `close`,
+        so that rank 0 learns of it even while it runs no step."""
+
+        def wait_for_an_exit() -> None:
+            by_sentinel = {process.sentinel: process for process in self.workers}
+            dead = by_sentinel[wait(list(by_sentinel))[0]]
+            dead.join()  # its sentinel is ready: it has exited; join reads its exit code
+            if not self.closing:
+                on_death(self._died(dead))
+
+        threading.Thread(target=wait_for_an_exit, name="qinfer-tp-watch", daemon=True).start()
 
     def close(self) -> None:
         """Leave the group; rank 0 then waits for its workers (they stop on their own once
         told to, see `engine.step_channel`) and ends any that do not."""
+        self.closing = True
         if dist.is_initialized():
             dist.destroy_process_group()
         for process in self.workers:
             process.join(EXIT_GRACE_S)
             if process.is_alive():
                 process.terminate()
+
+    def _died(self, process: BaseProcess) -> TensorParallelError:
+        """'tensor-parallel rank 1 died (killed by SIGKILL)' for an exited worker."""
+        rank = self.workers.index(process) + 1
+        code = process.exitcode
+        why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return TensorParallelError(f"tensor-parallel rank {rank} died ({why})")
 
 
 def init_tensor_parallel(
@@ -189,21 +212,20 @@ def _spawned_worker(
 
 
 def _run_worker(group: TensorParallelGroup, worker: Callable[[TensorParallelGroup], None]) -> None:
+    """Run `worker` on this rank. A QinferError (a failed load: rank 0 has gathered it and
+    reports it) exits with status 1 quietly; a collective's RuntimeError (rank 0 is gone)
+    prints one line first."""
     try:
         worker(group)
-    except QinferError as error:
-        # Rank 0 names this rank and the reason; a line here helps under torchrun.
-        print(f"qinfer: tensor-parallel rank {group.parallel.rank}: {error}", file=sys.stderr)
+    except QinferError:
+        sys.exit(1)
+    except RuntimeError as error:
+        first_line = (str(error).strip().splitlines() or ["RuntimeError"])[0]
+        print(f"qinfer: tensor-parallel rank {group.parallel.rank}: {first_line}", file=sys.stderr)
         sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _exit_reason(exitcode: int) -> str:
-    if exitcode < 0:
-        return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
 
 
 def _free_port() -> int:

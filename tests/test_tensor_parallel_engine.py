@@ -22,6 +22,7 @@ from checkpoints import build_chat_checkpoint
 from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
+from qinfer.bench import Workload, run_engine_benchmark
 from qinfer.distributed import TensorParallelError
 from qinfer.engine import AsyncEngine
 from qinfer.server.app import ServerSettings, create_app
@@ -106,6 +107,15 @@ def test_a_worker_killed_mid_generation_ends_the_group_with_one_line(checkpoint)
         assert time.monotonic() - started < 20
     finally:
         llm.close()
+
+
+def test_engine_benchmark_at_tp2_reports_the_bytes_all_reduced_per_token(checkpoint):
+    workload = Workload(num_requests=4, max_prompt_tokens=32, max_output_tokens=8)
+    load_args = dict(dtype="float32", device="cpu")
+    report = run_engine_benchmark(str(checkpoint), load_args, workload, tensor_parallel_size=2)
+    assert report["tensor_parallel_size"] == 2 and "one_by_one" not in report
+    assert report["allreduce_bytes_per_token"] == (2 * 2 + 1) * 64 * 4  # 2 layers, hidden 64
+    assert report["engine"]["output_tokens_per_second"] > 0
 
 
 # -- the command line and the server -----------------------------------------------------

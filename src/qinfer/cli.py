@@ -258,9 +258,16 @@ def run_bench(args: argparse.Namespace) -> int:
         # while their partners wait to be scheduled.
         torch.set_num_threads(args.threads)
     if args.batch:
-        report = run_engine_benchmark(args.model, load_arguments(args), compare_hf=args.compare_hf)
+        report = run_engine_benchmark(
+            args.model,
+            load_arguments(args),
+            compare_hf=args.compare_hf,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
         print(json.dumps(report, indent=2) if args.json else format_engine_report(report))
         return 0
+    if args.tensor_parallel_size != 1:
+        raise QinferError("bench runs the model in one process: use --batch (the engine) at TP > 1")
     settings = BenchSettings(
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,

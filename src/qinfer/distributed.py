@@ -131,7 +131,8 @@ def init_tensor_parallel(
         if world != size:
             raise QinferError(f"tensor parallel size is {size} but torchrun started {world} ranks")
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-        group = _join(rank, size, local_rank, device, "env://")
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        group = _join(rank, size, local_rank, local_size, device, "env://")
         if rank != 0:
             _run_worker(group, worker)
             sys.exit(0)
@@ -149,7 +150,7 @@ def init_tensor_parallel(
     ]
     for process in workers:
         process.start()
-    group = _join(0, size, 0, device, f"tcp://127.0.0.1:{port}")
+    group = _join(0, size, 0, size, device, f"tcp://127.0.0.1:{port}")
     group.workers = workers
     return group
 
@@ -174,9 +175,15 @@ def load_on_every_rank(group: TensorParallelGroup, load: Callable[[], T]) -> T:
 
 
 def _join(
-    rank: int, size: int, local_rank: int, device: str | torch.device | None, init_method: str
+    rank: int,
+    size: int,
+    local_rank: int,
+    local_size: int,
+    device: str | torch.device | None,
+    init_method: str,
 ) -> TensorParallelGroup:
-    """init_process_group (NCCL on CUDA, gloo on CPU) and the gloo control group."""
+    """init_process_group (NCCL on CUDA, gloo on CPU) and the gloo control group; local_rank
+    of the local_size ranks on this machine picks the GPU (or shares the CPU cores)."""
     from qinfer.model import default_device
 
     device = torch.device(device) if device is not None else default_device()
@@ -184,8 +191,8 @@ def _join(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
-        # The ranks share this machine's cores.
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+        # The ranks on this machine share its cores.
+        torch.set_num_threads(max(1, torch.get_num_threads() // local_size))
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=init_method,
@@ -206,7 +213,7 @@ def _spawned_worker(
 ) -> None:
     """A spawned rank: join the group on the loopback port, run `worker`, leave."""
     try:
-        _run_worker(_join(rank, size, rank, device, f"tcp://127.0.0.1:{port}"), worker)
+        _run_worker(_join(rank, size, rank, size, device, f"tcp://127.0.0.1:{port}"), worker)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 reports it
         sys.exit(130)
 

@@ -14,8 +14,8 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
-import atexit
 import uuid
+import weakref
 from collections.abc import Mapping
 from collections.abc import Sequence as PySequence
 from functools import partial
@@ -109,6 +109,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.default_params = default_params or SamplingParams()  # for requests without any
         self.runner = ModelRunner(model, self.config, group)
+        # close() on demand, else when the engine is collected or the interpreter exits
+        self._close = weakref.finalize(self, self.runner.close)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -213,7 +215,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; nothing at world 1)."""
-        self.runner.close()
+        self._close()
 
     # -- the step -------------------------------------------------------------------------
 
@@ -318,7 +320,8 @@ def build_engine(
 
     tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.distributed`:
     N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
-    the workers are stopped by `Engine.close()` or when this process exits.
+    the workers are stopped by `Engine.close()`, or when the engine is collected or this
+    process exits.
     """
     config = EngineConfig.from_kwargs(**engine_args)
     if isinstance(model_or_path, Transformer):
@@ -336,9 +339,7 @@ def build_engine(
     worker = partial(follow_engine, path, load_args, config)
     group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
-    engine = Engine(model, tokenizer, config, default_params, group)
-    atexit.register(engine.close)
-    return engine
+    return Engine(model, tokenizer, config, default_params, group)
 
 
 def follow_engine(

@@ -23,8 +23,14 @@ from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
 from qinfer.bench import Workload, run_engine_benchmark
-from qinfer.distributed import TensorParallelError
+from qinfer.distributed import (
+    TensorParallelError,
+    TensorParallelGroup,
+    init_tensor_parallel,
+    load_on_every_rank,
+)
 from qinfer.engine import AsyncEngine
+from qinfer.errors import WeightsError
 from qinfer.server.app import ServerSettings, create_app
 
 #: Small pools and blocks, so that a few short prompts share blocks and get preempted.
@@ -116,6 +122,28 @@ def test_engine_benchmark_at_tp2_reports_the_bytes_all_reduced_per_token(checkpo
     assert report["tensor_parallel_size"] == 2 and "one_by_one" not in report
     assert report["allreduce_bytes_per_token"] == (2 * 2 + 1) * 64 * 4  # 2 layers, hidden 64
     assert report["engine"]["output_tokens_per_second"] > 0
+
+
+def fail_to_load(group: TensorParallelGroup) -> None:
+    """A worker (spawned: a module-level function) whose shard does not load."""
+
+    def load() -> None:
+        raise WeightsError("model.layers.0.mlp.down_proj.weight is missing")
+
+    load_on_every_rank(group, load)
+
+
+def test_a_worker_that_fails_to_load_is_named_in_one_line_on_rank_0():
+    group = init_tensor_parallel(2, "cpu", fail_to_load)
+    try:
+        with pytest.raises(TensorParallelError) as failed:
+            load_on_every_rank(group, lambda: "rank 0 loaded")
+    finally:
+        group.close()
+    assert str(failed.value) == (
+        "tensor-parallel rank 1 failed to load: model.layers.0.mlp.down_proj.weight is missing"
+    )
+    assert group.workers[0].exitcode == 1
 
 
 # -- the command line and the server -----------------------------------------------------

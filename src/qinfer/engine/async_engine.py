@@ -12,8 +12,8 @@ step thread publishes after every step.
 
 Under tensor parallelism a worker that dies (during a step, or while the engine is idle:
 the group's watch) fails the engine for good: running requests fail, new ones are
-refused, `failure` holds the one-line error and `on_failure` is called with it (the
-server then stops).
+refused, `failure` holds the one-line error and `on_failure`, if set, is called with it
+(the server then stops).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class AsyncEngine:
 
     Arguments as for `qinfer.LLM`; `max_waiting_requests` (an engine argument) bounds the
     requests that may wait for a slot: beyond it `add_request` raises EngineOverloadedError.
-    on_failure: called (from another thread) with the error that ended a tensor-parallel
-    group, once.
+    on_failure: None, or a function called once (from another thread) with the error
+    that ended a tensor-parallel group; set it, then check `failure`, to miss none.
     """
 
     def __init__(
@@ -64,7 +64,6 @@ class AsyncEngine:
         quantize: str | None = None,
         group_size: int = 32,
         tensor_parallel_size: int = 1,
-        on_failure: Callable[[TensorParallelError], None] | None = None,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
@@ -81,7 +80,7 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._stopping = False
         self.failure: TensorParallelError | None = None
-        self._on_failure = on_failure
+        self.on_failure: Callable[[TensorParallelError], None] | None = None
         if self.engine.runner.group is not None:
             self.engine.runner.group.watch(self._fail_group)
         self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
@@ -189,8 +188,8 @@ class AsyncEngine:
     def _fail_group(self, error: TensorParallelError) -> None:
         if self.failure is None:
             self.failure = error
-            if self._on_failure is not None:
-                self._on_failure(error)
+            if self.on_failure is not None:
+                self.on_failure(error)
 
     def _stop(self, error: QinferError | None = None) -> None:
         """Abort what runs or waits (or, given the error that ended the engine, fail it with

@@ -303,7 +303,6 @@ def serve(
         quantize=quantize,
         group_size=group_size,
         tensor_parallel_size=tensor_parallel_size,
-        on_failure=lambda error: setattr(server, "should_exit", True),
         **engine_args,
     )
     settings = ServerSettings(
@@ -317,6 +316,8 @@ def serve(
     )
     app = create_app(engine, tokenizer, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    server.run()
+    engine.on_failure = lambda error: setattr(server, "should_exit", True)
+    if engine.failure is None:  # a worker may have died already
+        server.run()
     if engine.failure is not None:
         raise engine.failure

@@ -43,6 +43,7 @@ def main() -> None:
         workload,
         compare_hf=args.compare_hf,
         one_by_one=not args.skip_one_by_one,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

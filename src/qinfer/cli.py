@@ -30,10 +30,14 @@ from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
 
 if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
-    from qinfer.generate import GenerationResult, TextStream
+    from qinfer.engine.llm import EngineTextStream
+    from qinfer.generate import GenerationResult, Prompt, TextStream
     from qinfer.model import Transformer
     from qinfer.sampling import SamplingParams
     from qinfer.tokenizer import Tokenizer
+
+    #: One prompt in, its text deltas out (`.result` once read).
+    Streamer = Callable[[Prompt, SamplingParams], TextStream | EngineTextStream]
 
 USAGE_ERROR = 2
 
@@ -70,6 +74,28 @@ def load_model_and_tokenizer(
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     model = load_model(path, **load_arguments(args))
     return path, model, tokenizer
+
+
+def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
+    """(path, tokenizer, stream) for the model flags: at --tensor-parallel-size 1 the plain
+    generator over a loaded model (`stream_generate`); above, a batching engine whose rank
+    0 this process is (`LLM.stream`), its workers following each step."""
+    from functools import partial
+
+    from qinfer.checkpoint import resolve_model
+    from qinfer.engine.llm import LLM
+    from qinfer.generate import stream_generate
+    from qinfer.tokenizer import load_tokenizer
+
+    if args.tensor_parallel_size == 1:
+        path, model, tokenizer = load_model_and_tokenizer(args)
+        return path, tokenizer, partial(stream_generate, model, tokenizer)
+    path = resolve_model(args.model)
+    tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
+    llm = LLM(
+        path, tokenizer, tensor_parallel_size=args.tensor_parallel_size, **load_arguments(args)
+    )
+    return path, tokenizer, llm.stream
 
 
 def sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
@@ -142,12 +168,10 @@ def read_json_schema(file: str | None) -> str | None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from qinfer.generate import stream_generate
-
     if not args.prompt:
         raise QinferError("prompt is empty: give some text to continue")
     schema = read_json_schema(args.json_schema)
-    path, model, tokenizer = load_model_and_tokenizer(args)
+    path, tokenizer, stream_generate = load_streamer(args)
     params = sampling_params(args, path).replace(json_schema=schema, regex=args.regex)
     chat = tokenizer.has_chat_template and not args.no_chat
     if chat:
@@ -158,7 +182,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise QinferError("--system needs the chat template (drop --no-chat)")
     else:
         prompt = args.prompt
-    stream = stream_generate(model, tokenizer, prompt, params)
+    stream = stream_generate(prompt, params)
     stream_to(sys.stdout, stream)
     print_stats(stream.result)
     return 0
@@ -177,9 +201,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     A turn the model cannot take (the conversation outgrew the context) is reported on
     stderr and left out of the history; the chat goes on."""
-    from qinfer.generate import stream_generate
-
-    path, model, tokenizer = load_model_and_tokenizer(args)
+    path, tokenizer, stream_generate = load_streamer(args)
     if not tokenizer.has_chat_template:
         raise QinferError(f"{path} has no chat template: use `qinfer generate --no-chat`")
     params = sampling_params(args, path)
@@ -205,7 +227,7 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         turn = [*messages, {"role": "user", "content": line}]
         try:
-            stream = stream_generate(model, tokenizer, turn, params)
+            stream = stream_generate(turn, params)
         except QinferError as error:  # e.g. the conversation outgrew the context
             print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
             continue
@@ -256,9 +278,16 @@ def run_bench(args: argparse.Namespace) -> int:
         # while their partners wait to be scheduled.
         torch.set_num_threads(args.threads)
     if args.batch:
-        report = run_engine_benchmark(args.model, load_arguments(args), compare_hf=args.compare_hf)
+        report = run_engine_benchmark(
+            args.model,
+            load_arguments(args),
+            compare_hf=args.compare_hf,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
         print(json.dumps(report, indent=2) if args.json else format_engine_report(report))
         return 0
+    if args.tensor_parallel_size != 1:
+        raise QinferError("bench runs the model in one process: use --batch (the engine) at TP > 1")
     settings = BenchSettings(
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,

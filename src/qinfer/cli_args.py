@@ -29,6 +29,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-size", type=int, default=32, help="input columns per int4 scale (32 to 256)"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes (one GPU each on CUDA): N - 1 workers are "
+        "spawned here, or, under torchrun, its ranks are used (default: 1)",
+    )
 
 
 def load_arguments(args: argparse.Namespace) -> dict:

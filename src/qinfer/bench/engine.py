@@ -15,6 +15,10 @@ serve it, in one process on one model:
   everyone; only the tokens the requests asked for are counted.
 
 Output tokens/s = tokens the requests asked for / wall seconds, prefill included.
+
+With tensor_parallel_size N > 1 (`--tensor-parallel-size N`) only the engine runs, over N
+ranks, and the report adds the bytes each token all-reduces: two (hidden,) vectors per
+layer and one for the embedding lookup, in the compute dtype.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from qinfer.bench.common import (
     load_transformers_model,
     time_once,
 )
+from qinfer.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
@@ -79,13 +84,26 @@ def run_engine_benchmark(
     workload: Workload | None = None,
     compare_hf: bool = False,
     one_by_one: bool = True,
+    tensor_parallel_size: int = 1,
     **engine_args,
 ) -> dict:
     """Measure the workload through the engine, one by one and (compare_hf) transformers;
     a JSON-ready dict with output tokens/s of each and the engine's ratios to the others.
-    load_args: `load_model`'s keywords (dtype, device, quantize, ...)."""
+    load_args: `load_model`'s keywords (dtype, device, quantize, ...). tensor_parallel_size
+    N > 1: the engine alone, over N ranks."""
     workload = workload or Workload()
-    path, model = load_qinfer(model_spec, load_args)
+    if tensor_parallel_size == 1:
+        path, model = load_qinfer(model_spec, load_args)
+        llm = LLM(model, **engine_args)
+    else:
+        if compare_hf:
+            raise QinferError("--compare-hf runs in one process: drop --tensor-parallel-size")
+        one_by_one = False  # the plain generator runs in one process
+        path = resolve_model(model_spec)
+        llm = LLM(
+            path, tensor_parallel_size=tensor_parallel_size, **(load_args or {}), **engine_args
+        )
+        model = llm.engine.model
     device = model.device
     prompts, lengths = workload.draw(model.config.vocab_size)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in lengths]
@@ -97,7 +115,15 @@ def run_engine_benchmark(
         "output_tokens": wanted,
     }
 
-    report["engine"] = _bench_engine(model, prompts, params, wanted, engine_args)
+    if tensor_parallel_size > 1:
+        config = model.config
+        report["tensor_parallel_size"] = tensor_parallel_size
+        report["allreduce_bytes_per_token"] = (
+            (2 * config.num_hidden_layers + 1) * config.hidden_size * model.dtype.itemsize
+        )
+    report["engine"] = _bench_engine(llm, prompts, params, wanted)
+    llm.close()
+    del llm  # its KV pool, before the other ways run
     if one_by_one:
         seconds = time_once(
             lambda: [generate_ids(model, [p], [sp]) for p, sp in zip(prompts, params, strict=True)],
@@ -120,11 +146,11 @@ def run_engine_benchmark(
     return report
 
 
-def _bench_engine(model, prompts, params, wanted: int, engine_args: dict) -> dict:
+def _bench_engine(llm: LLM, prompts, params, wanted: int) -> dict:
     """All requests given to one LLM at once (after a small warm-up run)."""
-    llm = LLM(model, **engine_args)
     llm.generate(prompts[:2], [p.replace(max_tokens=2) for p in params[:2]], use_tqdm=False)
-    seconds = time_once(lambda: llm.generate(prompts, params, use_tqdm=False), model.device)
+    device = llm.engine.model.device
+    seconds = time_once(lambda: llm.generate(prompts, params, use_tqdm=False), device)
     stats = llm.engine.stats()
     return {
         "seconds": seconds,
@@ -176,6 +202,11 @@ def format_engine_report(report: dict) -> str:
         f"tokens, outputs {w['min_output_tokens']}-{w['max_output_tokens']} tokens "
         f"({report['output_tokens']} output tokens in all)",
     ]
+    if "tensor_parallel_size" in report:
+        lines.append(
+            f"tensor parallel over {report['tensor_parallel_size']} ranks: "
+            f"{report['allreduce_bytes_per_token']} bytes all-reduced per token"
+        )
     for name in ("engine", "one_by_one", "transformers"):
         if name in report:
             figures = report[name]

@@ -9,6 +9,11 @@ waits for a model step: requests are checked and encoded in the caller's thread,
 handed to the step thread through a queue (so are aborts); outputs come back to each
 request's asyncio queue with `call_soon_threadsafe`. `stats()` returns the snapshot the
 step thread publishes after every step.
+
+Under tensor parallelism a worker that dies (during a step, or while the engine is idle:
+the group's watch) fails the engine for good: running requests fail, new ones are
+refused, `failure` holds the one-line error and `on_failure`, if set, is called with it
+(the server then stops).
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qinfer.distributed import TensorParallelError
 from qinfer.engine.engine import Request, build_engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.stats import EngineStats
@@ -45,6 +51,8 @@ class AsyncEngine:
 
     Arguments as for `qinfer.LLM`; `max_waiting_requests` (an engine argument) bounds the
     requests that may wait for a slot: beyond it `add_request` raises EngineOverloadedError.
+    on_failure: None, or a function called once (from another thread) with the error
+    that ended a tensor-parallel group; set it, then check `failure`, to miss none.
     """
 
     def __init__(
@@ -56,6 +64,7 @@ class AsyncEngine:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         group_size: int = 32,
+        tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
@@ -63,6 +72,7 @@ class AsyncEngine:
             tokenizer,
             dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
             engine_args,
+            tensor_parallel_size,
         )
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id)
@@ -70,6 +80,10 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()  # guards _streams between loop and step thread
         self._stats = self.engine.stats()
         self._stopping = False
+        self.failure: TensorParallelError | None = None
+        self.on_failure: Callable[[TensorParallelError], None] | None = None
+        if self.engine.runner.group is not None:
+            self.engine.runner.group.watch(self._fail_group)
         self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
         self._thread.start()
 
@@ -82,6 +96,8 @@ class AsyncEngine:
 
         Raises RequestError (bad request) or EngineOverloadedError (too many waiting).
         """
+        if self.failure is not None:
+            raise self.failure
         if self._stopping:
             raise QinferError("the engine is shut down")
         request = self.engine.make_request(prompt, params, request_id)
@@ -138,6 +154,7 @@ class AsyncEngine:
         self._stopping = True
         self._inbox.put(("stop", None))
         self._thread.join()
+        self.engine.close()
 
     # -- the step thread ---------------------------------------------------------------------
 
@@ -156,6 +173,10 @@ class AsyncEngine:
                 self._apply(command, arg)
             try:
                 outputs = engine.step()
+            except TensorParallelError as error:  # the group is gone: so is the engine
+                self._fail_group(error)
+                self._stop(error)
+                return
             except Exception as error:  # a failing step fails its requests, not the server
                 outputs = []
                 for request_id in list(engine.requests):
@@ -165,17 +186,28 @@ class AsyncEngine:
                 self._deliver(output)
             self._stats = engine.stats()
 
-    def _stop(self) -> None:
-        """Abort what runs or waits, and refuse what is still in the inbox."""
+    def _fail_group(self, error: TensorParallelError) -> None:
+        if self.failure is None:
+            self.failure = error
+            if self.on_failure is not None:
+                self.on_failure(error)
+
+    def _stop(self, error: QinferError | None = None) -> None:
+        """Abort what runs or waits (or, given the error that ended the engine, fail it with
+        that error), and refuse what is still in the inbox."""
         for request_id in list(self.engine.requests):
-            self._deliver(self.engine.abort(request_id))
+            output = self.engine.abort(request_id)
+            if error is None:
+                self._deliver(output)
+            else:
+                self._fail(request_id, error)
         while True:
             try:
                 command, arg = self._inbox.get(block=False)
             except queue.Empty:
                 break
             if command == "add":
-                self._fail(arg.seq.request_id, QinferError("the engine is shut down"))
+                self._fail(arg.seq.request_id, error or QinferError("the engine is shut down"))
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":

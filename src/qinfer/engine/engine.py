@@ -15,9 +15,12 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 from __future__ import annotations
 
 import uuid
+import weakref
+from functools import partial
 from pathlib import Path
 
 from qinfer.checkpoint import resolve_model
+from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
@@ -77,7 +80,11 @@ class Request:
 
 
 class Engine:
-    """Continuous batching over a paged KV pool, one `step()` at a time (not thread-safe)."""
+    """Continuous batching over a paged KV pool, one `step()` at a time (not thread-safe).
+
+    group: under tensor parallelism, the group whose rank 0 this is (model is rank 0's
+    shard; the workers follow each step, see `ModelRunner`); `close()` stops them.
+    """
 
     def __init__(
         self,
@@ -85,12 +92,15 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         default_params: SamplingParams | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.default_params = default_params or SamplingParams()  # for requests without any
-        self.runner = ModelRunner(model, self.config)
+        self.runner = ModelRunner(model, self.config, group)
+        # close() on demand, else when the engine is collected or the interpreter exits
+        self._close = weakref.finalize(self, self.runner.close)
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -176,6 +186,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; nothing at world 1)."""
+        self._close()
+
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -254,25 +268,59 @@ def build_engine(
     tokenizer: Tokenizer | str | Path | None,
     load_args: dict,
     engine_args: dict,
+    tensor_parallel_size: int = 1,
 ) -> Engine:
     """An Engine from a loaded model or a checkpoint (None: the embedded SmolLM2; a path or
     hub id, as `qinfer.checkpoint.resolve_model` finds it), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
     defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
-    (dtype, device, quantize, group_size) for a checkpoint."""
+    (dtype, device, quantize, group_size) for a checkpoint.
+
+    tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.distributed`:
+    N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
+    the workers are stopped by `Engine.close()`, or when the engine is collected or this
+    process exits.
+    """
     config = EngineConfig.from_kwargs(**engine_args)
-    default_params = None
     if isinstance(model_or_path, Transformer):
-        model = model_or_path
-    else:
-        path = resolve_model(None if model_or_path is None else str(model_or_path))
-        model = load_model(path, **load_args)
-        default_params = SamplingParams.from_generation_config(path)
-        if tokenizer is None:
-            try:
-                tokenizer = load_tokenizer(path)
-            except TokenizerError:
-                tokenizer = None  # a checkpoint without a tokenizer serves token ids only
+        if tensor_parallel_size != 1:
+            raise QinferError(
+                "tensor_parallel_size needs a checkpoint, not a loaded model: "
+                "every rank loads its own part"
+            )
+        return Engine(model_or_path, _tokenizer(tokenizer, None), config)
+    path = resolve_model(None if model_or_path is None else str(model_or_path))
+    tokenizer = _tokenizer(tokenizer, path)
+    default_params = SamplingParams.from_generation_config(path)
+    if tensor_parallel_size == 1:
+        return Engine(load_model(path, **load_args), tokenizer, config, default_params)
+    worker = partial(follow_engine, path, load_args, config)
+    group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
+    model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
+    return Engine(model, tokenizer, config, default_params, group)
+
+
+def follow_engine(
+    path: Path, load_args: dict, config: EngineConfig, group: TensorParallelGroup
+) -> None:
+    """A worker rank of a tensor-parallel engine: load its shard, size the same pool as
+    every rank, and run rank 0's steps until it stops."""
+    model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
+    ModelRunner(model, config, group).follow()
+
+
+def _load_shard(path: Path, load_args: dict, group: TensorParallelGroup) -> Transformer:
+    return load_model(path, **{**load_args, "device": group.device}, parallel=group.parallel)
+
+
+def _tokenizer(tokenizer: Tokenizer | str | Path | None, path: Path | None) -> Tokenizer | None:
+    """The tokenizer given (or loaded from its path), else the checkpoint's at path, else
+    None: a checkpoint without a tokenizer serves token ids only."""
     if isinstance(tokenizer, (str, Path)):
-        tokenizer = load_tokenizer(tokenizer)
-    return Engine(model, tokenizer, config, default_params)
+        return load_tokenizer(tokenizer)
+    if tokenizer is None and path is not None:
+        try:
+            return load_tokenizer(path)
+        except TokenizerError:
+            return None
+    return tokenizer

@@ -50,7 +50,11 @@ SPLIT_KEYS = 1024
 
 
 class KVPool:
-    """K and V of every layer: (num_layers, num_slots, Hkv, D) each, allocated once."""
+    """K and V of every layer: (num_layers, num_slots, Hkv, D) each, allocated once.
+
+    num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
+    under tensor parallelism, `Parallel.attention_heads`).
+    """
 
     def __init__(
         self,
@@ -59,12 +63,13 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_kv_heads: int | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (
             config.num_hidden_layers,
             num_blocks * block_size,
-            config.num_key_value_heads,
+            num_kv_heads or config.num_key_value_heads,
             config.head_dim,
         )
         # Zeros, not empty: padded reads take (masked) slots, and NaN garbage would
@@ -73,9 +78,13 @@ class KVPool:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> int:
+        """Bytes one block takes across all layers, keys and values (of num_kv_heads KV
+        heads; default: the config's)."""
+        heads = num_kv_heads or config.num_key_value_heads
+        per_token = 2 * config.num_hidden_layers * heads * config.head_dim
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 

@@ -1,19 +1,39 @@
-"""One scheduled step through the model: the KV pool, its size, and the logits of each row."""
+"""One scheduled step through the model: the KV pool, its size, and the logits of each row.
+
+Under tensor parallelism every rank has a runner with a pool of the same number of blocks
+holding its own KV heads; rank 0's `run` broadcasts each step (`StepChannel`) before
+running it, and the workers' `follow` runs the same steps.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from qinfer.distributed import TensorParallelGroup
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from qinfer.engine.paged_cache import KVPool, PagedCache, StepLayout
 from qinfer.engine.sequence import Sequence
+from qinfer.engine.step_channel import StepChannel, StepInputs
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
 
 
-def kv_pool_blocks(model: Transformer, config: EngineConfig) -> int:
+def kv_heads(model: Transformer) -> int:
+    """KV heads this rank's pool holds (all of them in a single process)."""
+    config = model.config
+    _, heads = model.parallel.attention_heads(
+        config.num_attention_heads, config.num_key_value_heads
+    )
+    return len(heads)
+
+
+def kv_pool_blocks(
+    model: Transformer, config: EngineConfig, channel: StepChannel | None = None
+) -> int:
     """How many blocks the pool gets: num_kv_blocks, else the byte budget divided by a block's
-    size (the budget: kv_cache_memory, or a share of free GPU memory, or the CPU default)."""
+    size (the budget: kv_cache_memory, or a share of free GPU memory, or the CPU default; a
+    block holds this rank's KV heads). With a channel (tensor parallelism), the fewest any
+    rank can hold, so that every rank allocates the same block ids."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     budget = config.kv_cache_memory
@@ -22,8 +42,12 @@ def kv_pool_blocks(model: Transformer, config: EngineConfig) -> int:
             budget = _gpu_budget(model, config)
         else:
             budget = DEFAULT_CPU_KV_MEMORY
-    per_block = KVPool.bytes_per_block(model.config, config.block_size, model.dtype)
+    per_block = KVPool.bytes_per_block(
+        model.config, config.block_size, model.dtype, kv_heads(model)
+    )
     blocks = budget // per_block
+    if channel is not None:
+        blocks = channel.min(blocks)
     if blocks < 1:
         raise QinferError(
             f"the KV pool budget of {budget} bytes holds no block ({per_block} bytes each): "
@@ -48,17 +72,29 @@ def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    """Owns the KV pool and turns a list of (sequence, new tokens) into next-token logits."""
+    """Owns the KV pool and turns a list of (sequence, new tokens) into next-token logits.
 
-    def __init__(self, model: Transformer, config: EngineConfig) -> None:
+    group: the tensor-parallel group when the model is one rank's shard (None: a single
+    process, no communication). Rank 0's runner `run`s the steps, the others `follow`.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         self.model = model
         self.block_size = config.block_size
+        self.group = group
+        self.channel = None if group is None else StepChannel(group)
         self.pool = KVPool(
             model.config,
-            kv_pool_blocks(model, config),
+            kv_pool_blocks(model, config, self.channel),
             config.block_size,
             model.dtype,
             model.device,
+            kv_heads(model),
         )
         self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
 
@@ -74,14 +110,31 @@ class ModelRunner:
         its end with them (num_new[b] == seq.num_uncomputed_tokens), in the order of seqs; a
         prompt chunk that leaves more of its prompt for later steps gets none. Token ids are
         not checked here: the engine checked every prompt when it came in, and sampled ids
-        come from the logits, inside the vocabulary.
+        come from the logits, inside the vocabulary. Under tensor parallelism a rank that
+        died or a collective that failed raises a `TensorParallelError` naming it.
         """
         starts = [seq.num_computed_tokens for seq in seqs]
-        layout = StepLayout(
+        step = StepInputs(
             [seq.token_ids[i : i + n] for seq, i, n in zip(seqs, starts, num_new, strict=True)],
             starts,
             [seq.block_table for seq in seqs],
             [n == seq.num_uncomputed_tokens for seq, n in zip(seqs, num_new, strict=True)],
+        )
+        if self.group is None:
+            return self.forward(step)
+        try:
+            self.channel.send(step)
+            return self.forward(step)
+        except RuntimeError as error:  # torch.distributed's errors
+            raise self.group.failure(error) from None
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """One step through the model over this rank's pool -> fp32 logits (R, V)."""
+        layout = StepLayout(
+            step.new_tokens,
+            step.num_computed,
+            step.block_tables,
+            step.wants_logits,
             self.block_size,
             self.model.device,
         )
@@ -91,3 +144,18 @@ class ModelRunner:
         ]
         logits = self.model.forward(layout.tokens, layout.positions, caches, last_only=True)
         return logits[: layout.num_logits, -1]  # (R, V)
+
+    def follow(self) -> None:
+        """A worker rank: run rank 0's steps, in its order, until it stops."""
+        while (step := self.channel.receive()) is not None:
+            self.forward(step)
+
+    def close(self) -> None:
+        """Rank 0: stop the workers and leave the group (nothing at world 1); idempotent."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                self.channel.stop()
+            except RuntimeError:  # a worker is gone already
+                pass
+            group.close()

@@ -247,8 +247,10 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
         return server.models()
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if engine.failure is not None:  # a tensor-parallel worker died: the server is stopping
+            return JSONResponse({"status": "error", "message": str(engine.failure)}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -276,12 +278,15 @@ def serve(
     device: str | None = None,
     quantize: str | None = None,
     group_size: int = 32,
+    tensor_parallel_size: int = 1,
     log_level: str = "info",
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
 
     dtype, device, quantize, group_size: as for `qinfer.load_model`.
+    tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
+    `/health` answers 503, the server stops and this raises its `TensorParallelError`.
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
     path = resolve_model(model)
@@ -293,6 +298,7 @@ def serve(
         device=device,
         quantize=quantize,
         group_size=group_size,
+        tensor_parallel_size=tensor_parallel_size,
         **engine_args,
     )
     settings = ServerSettings(
@@ -304,4 +310,10 @@ def serve(
             path, max_tokens=engine.engine.context_len
         ),
     )
-    uvicorn.run(create_app(engine, tokenizer, settings), host=host, port=port, log_level=log_level)
+    app = create_app(engine, tokenizer, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    engine.on_failure = lambda error: setattr(server, "should_exit", True)
+    if engine.failure is None:  # a worker may have died already
+        server.run()
+    if engine.failure is not None:
+        raise engine.failure

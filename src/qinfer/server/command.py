@@ -78,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         chat_template_kwargs=args.chat_template_kwargs,
         **load_arguments(args),
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         **engine_args,
     )

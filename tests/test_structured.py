@@ -176,7 +176,7 @@ def test_strict_mode_closes_objects_that_do_not_say_otherwise():
     }
     strict = strict_schema(schema)
     assert strict["additionalProperties"] is False
-    assert strict["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["properties"]["a"]  # any object
     assert strict["properties"]["b"]["additionalProperties"] is True
     assert strict["$defs"]["c"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left alone

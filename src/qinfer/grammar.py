@@ -20,8 +20,8 @@ keeps its processor as it is: its tokens are recomputed, never re-sampled.
 
 JSON schemas are compiled with bounded whitespace (at most `MAX_JSON_WHITESPACE`
 characters between tokens, so a model cannot pad forever) and in strict mode: an object
-schema without `additionalProperties` gets `false`, as OpenAI's structured outputs do
-(write `"additionalProperties": true` to allow other keys).
+schema that lists `properties` without `additionalProperties` gets `false`, as OpenAI's
+structured outputs require (write `"additionalProperties": true` to allow other keys).
 
 An invalid constraint (a schema llguidance cannot compile, a malformed regex or
 grammar) is a `SamplingError` naming the field, raised when the request is made.
@@ -150,13 +150,13 @@ def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
 
 
 def strict_schema(schema: Any) -> Any:
-    """A copy of a JSON schema in which every object schema without
-    `additionalProperties` gets `"additionalProperties": false`."""
+    """A copy of a JSON schema in which every object schema that lists `properties`
+    without `additionalProperties` gets `"additionalProperties": false` (a bare
+    `{"type": "object"}` still means any object)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    is_object = schema.get("type") == "object" or "properties" in schema
-    if is_object and "additionalProperties" not in schema:
+    if "properties" in schema and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     for key in _SCHEMA_KEYWORDS:
         if isinstance(schema.get(key), dict):

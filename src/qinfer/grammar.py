@@ -85,12 +85,8 @@ class GrammarProcessor:
         params: SamplingParams,
         tokenizer: Tokenizer | None,
         eos_ids: frozenset[int],
-        vocab_size: int,
     ) -> GrammarProcessor:
-        """The processor of `params.constraint`, or a SamplingError naming the field.
-
-        vocab_size: the width of the model's logits (checked against the tokenizer's).
-        """
+        """The processor of `params.constraint`, or a SamplingError naming the field."""
         name, value = params.constraint
         if tokenizer is None:
             raise SamplingError(f"{name} needs a tokenizer; none was given")
@@ -125,7 +121,8 @@ class GrammarProcessor:
 
 
 def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:
-    """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool."""
+    """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool
+    (the words' bytes read little-endian, as they lie in memory on every torch host)."""
     bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")  # (32 W,)
     return torch.from_numpy(bits[:size].astype(bool))
 

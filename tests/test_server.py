@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -795,3 +796,92 @@ def test_qinfer_serve_refuses_template_kwargs_that_are_not_an_object(capsys):
     assert main(["serve", "--chat-template-kwargs", "[1]"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("qinfer: error:") and "JSON object" in error and "\n" not in error
+
+
+# --- structured outputs ------------------------------------------------------------------
+
+REPLY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 8},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["answer", "score"],
+}
+
+
+def follows_reply_schema(text: str) -> bool:
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, REPLY_SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return set(value) <= set(REPLY_SCHEMA["properties"])
+
+
+def test_response_format_json_schema_with_the_openai_client(client):
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=1.0,
+        seed=0,
+        n=4,
+        max_tokens=200,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "reply", "schema": REPLY_SCHEMA, "strict": True},
+        },
+    )
+    assert all(c.finish_reason == "stop" for c in reply.choices)
+    assert all(follows_reply_schema(c.message.content) for c in reply.choices)
+    free = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=20)
+    assert not follows_reply_schema(free.choices[0].message.content)
+
+
+def test_response_format_streams_the_same_json(client):
+    body = dict(
+        model=MODEL_NAME,
+        messages=USER,
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+        response_format={"type": "json_object"},
+    )
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    stream = client.chat.completions.create(**body, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == whole and isinstance(json.loads(whole), dict)
+
+
+def test_vllm_guided_fields_in_extra_body(client):
+    regex = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=20,
+        extra_body={"guided_regex": "[a-z]{3}-[0-9]"},
+    )
+    assert re.fullmatch("[a-z]{3}-[0-9]", regex.choices[0].message.content)
+    choice = client.completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=8, extra_body={"guided_choice": ["up", "down"]}
+    )
+    assert choice.choices[0].text in ("up", "down")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"guided_json": {"type": "nope"}}, "json_schema is invalid"),
+        ({"guided_regex": "[a-"}, "regex is invalid"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one of"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    ],
+)
+def test_a_bad_constraint_is_a_400_and_the_server_keeps_serving(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=USER, max_tokens=4, extra_body=extra
+        )
+    assert client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2).choices

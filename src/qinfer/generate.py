@@ -251,7 +251,6 @@ def _make_rows(
                 eos,
                 tokenizer,
                 model.device,
-                model.config.vocab_size,
             )
         )
         for ids, p in zip(encoded, params_list, strict=True)

@@ -20,8 +20,8 @@ keeps its processor as it is: its tokens are recomputed, never re-sampled.
 
 JSON schemas are compiled with bounded whitespace (at most `MAX_JSON_WHITESPACE`
 characters between tokens, so a model cannot pad forever) and in strict mode: an object
-schema without `additionalProperties` gets `false`, as OpenAI's structured outputs do
-(write `"additionalProperties": true` to allow other keys).
+schema that lists `properties` without `additionalProperties` gets `false`, as OpenAI's
+structured outputs require (write `"additionalProperties": true` to allow other keys).
 
 An invalid constraint (a schema llguidance cannot compile, a malformed regex or
 grammar) is a `SamplingError` naming the field, raised when the request is made.
@@ -85,12 +85,8 @@ class GrammarProcessor:
         params: SamplingParams,
         tokenizer: Tokenizer | None,
         eos_ids: frozenset[int],
-        vocab_size: int,
     ) -> GrammarProcessor:
-        """The processor of `params.constraint`, or a SamplingError naming the field.
-
-        vocab_size: the width of the model's logits (checked against the tokenizer's).
-        """
+        """The processor of `params.constraint`, or a SamplingError naming the field."""
         name, value = params.constraint
         if tokenizer is None:
             raise SamplingError(f"{name} needs a tokenizer; none was given")
@@ -125,7 +121,8 @@ class GrammarProcessor:
 
 
 def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:
-    """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool."""
+    """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool
+    (the words' bytes read little-endian, as they lie in memory on every torch host)."""
     bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")  # (32 W,)
     return torch.from_numpy(bits[:size].astype(bool))
 
@@ -150,13 +147,13 @@ def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
 
 
 def strict_schema(schema: Any) -> Any:
-    """A copy of a JSON schema in which every object schema without
-    `additionalProperties` gets `"additionalProperties": false`."""
+    """A copy of a JSON schema in which every object schema that lists `properties`
+    without `additionalProperties` gets `"additionalProperties": false` (a bare
+    `{"type": "object"}` still means any object)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    is_object = schema.get("type") == "object" or "properties" in schema
-    if is_object and "additionalProperties" not in schema:
+    if "properties" in schema and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     for key in _SCHEMA_KEYWORDS:
         if isinstance(schema.get(key), dict):

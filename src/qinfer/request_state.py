@@ -65,13 +65,11 @@ class RequestState:
         eos_ids: frozenset[int],
         tokenizer: Tokenizer | None,
         device: str | torch.device,
-        vocab_size: int,
     ) -> RequestState:
         """A state with its detokenizer, generator and processors built from `params`.
 
-        vocab_size: the width of the model's logits (a grammar masks every id past the
-        tokenizer's own vocabulary). Raises a QinferError for params that need a
-        tokenizer (stop strings, a grammar) when there is none, or an invalid grammar.
+        Raises a QinferError for params that need a tokenizer (stop strings, a grammar)
+        when there is none, or for an invalid grammar.
         """
         if params.stop and tokenizer is None:
             raise QinferError("stop strings need a tokenizer; none was given")
@@ -80,7 +78,7 @@ class RequestState:
         if params.constraint is not None:
             from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
 
-            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids, vocab_size))
+            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids))
         generator = make_generator(params, device)
         return cls(token_ids, params, max_tokens, eos_ids, detokenizer, generator, processors)
 

@@ -60,9 +60,9 @@ class SamplingParams:
     logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
 
     At most one constraint on the output (see `qinfer.grammar`): json_schema (a dict or
-    its JSON text; objects without `additionalProperties` get false, as OpenAI's strict
-    mode does), regex (the whole output matches it), grammar (Lark, or GBNF), choice
-    (the output is exactly one of these strings).
+    its JSON text; objects listing properties without `additionalProperties` get false,
+    as OpenAI's strict mode does), regex (the whole output matches it), grammar (Lark, or
+    GBNF), choice (the output is exactly one of these strings).
     """
 
     temperature: float = 1.0

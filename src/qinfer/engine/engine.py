@@ -149,7 +149,6 @@ class Engine:
                 self.eos_token_ids,
                 self.tokenizer,
                 self.model.device,
-                self.model.config.vocab_size,
             )
         except QinferError as error:
             raise RequestError(str(error)) from None

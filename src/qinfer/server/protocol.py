@@ -57,8 +57,44 @@ class ChatMessage(BaseModel):
         return message
 
 
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: the schema the reply follows.
+
+    The reply always follows it in strict mode (`strict` is accepted either way): objects
+    that list properties without `additionalProperties` get false, as OpenAI's do.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """`response_format`: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+    def reply_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must follow, or None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.json_schema is None else self.json_schema.schema_
+
+
 class GenerationRequest(StrictModel):
-    """The fields chat and text completions share: model, sampling, stopping, streaming."""
+    """The fields chat and text completions share: model, sampling, stopping, streaming,
+    and vLLM's constraint fields (`extra_body` in the openai client): guided_json,
+    guided_regex, guided_choice, guided_grammar, at most one of them."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -76,6 +112,10 @@ class GenerationRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -105,8 +145,19 @@ class GenerationRequest(StrictModel):
             seed=self.seed,
             stop=self.stop_strings or None,
             logprobs=self.top_logprobs_count,
+            **self.constraint(),
         )
         return {name: value for name, value in fields.items() if value is not None}
+
+    def constraint(self) -> dict[str, Any]:
+        """The SamplingParams constraint fields (json_schema, regex, choice, grammar) this
+        request sets; SamplingParams refuses more than one."""
+        return dict(
+            json_schema=self.guided_json,
+            regex=self.guided_regex,
+            choice=self.guided_choice,
+            grammar=self.guided_grammar,
+        )
 
     @property
     def token_budget(self) -> int | None:
@@ -126,6 +177,7 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -140,6 +192,19 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        schema = None if self.response_format is None else self.response_format.reply_schema()
+        if schema is not None and self.guided_json is not None:
+            raise ValueError("give response_format or guided_json, not both")
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        fields = super().constraint()
+        if self.response_format is not None and self.response_format.reply_schema() is not None:
+            fields["json_schema"] = self.response_format.reply_schema()
+        return fields
 
     @property
     def token_budget(self) -> int | None:

@@ -91,9 +91,10 @@ def test_chat_reports_a_turn_too_long_for_the_context_and_goes_on(folder, loaded
 
 def test_sampling_defaults_come_from_the_generation_config_as_the_engine_s(tmp_path):
     """The CLI follows the one rule the engine and server use: without a
-    generation_config.json, SamplingParams() (temperature 1)."""
+    generation_config.json, greedy (transformers' default GenerationConfig)."""
     args = build_parser().parse_args(["generate", "--top-k", "5", "Hi"])
-    assert sampling_params(args, tmp_path) == SamplingParams(top_k=5)  # no generation_config
+    greedy = SamplingParams(temperature=0.0, top_k=5)
+    assert sampling_params(args, tmp_path) == greedy  # no generation_config
     (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
     assert sampling_params(args, tmp_path) == SamplingParams(temperature=0.6, top_k=5)
 

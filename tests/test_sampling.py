@@ -325,8 +325,10 @@ def test_do_sample_false_means_greedy():
     assert params.greedy and params.temperature == 0.0
 
 
-def test_folder_without_generation_config_gives_plain_defaults(tmp_path):
-    assert SamplingParams.from_generation_config(tmp_path) == SamplingParams()
+def test_folder_without_generation_config_decodes_greedily(tmp_path):
+    """As transformers' generate does with its default GenerationConfig (do_sample false)."""
+    assert SamplingParams.from_generation_config(tmp_path) == SamplingParams(temperature=0.0)
+    assert SamplingParams.from_generation_config(None, temperature=0.7).temperature == 0.7
 
 
 def test_unknown_override_is_rejected():

@@ -164,8 +164,8 @@ class SamplingParams:
 
         The one rule for defaults, used alike by the CLI, `LLM`, the engine and the
         server: a checkpoint without generation_config.json (a GGUF file, a folder without
-        one) gets the plain SamplingParams() defaults, temperature 1 and no truncation, as
-        the OpenAI API and vLLM do. Pass temperature=0 for greedy decoding.
+        one) decodes greedily, as transformers' `generate` does with its default
+        GenerationConfig (do_sample false). Pass a temperature to sample.
         """
         config = _read_generation_config(source)
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -173,7 +173,7 @@ class SamplingParams:
         for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
             if config.get(name) is not None:
                 values[name] = config[name]
-        if config.get("do_sample") is False:
+        if not config or config.get("do_sample") is False:
             values["temperature"] = 0.0
         for name, value in overrides.items():
             if name not in fields:

@@ -16,8 +16,6 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +29,7 @@ import torch
 import uvicorn
 from checkpoints import build_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import start_serve_command
 from text_assets import (
     CHATML_SPECIAL,
     QWEN3_ADDED,
@@ -765,24 +764,12 @@ def test_metrics_count_requests_tokens_and_latencies(client, http):
 
 
 def test_qinfer_serve_command_serves_a_checkpoint(checkpoint, model, tokenizer):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "qinfer.cli", "serve", "--model", str(checkpoint)]
-    command += ["--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL_NAME]
-    command += ["--num-kv-blocks", "32", "--chat-template-kwargs", '{"enable_thinking": false}']
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server, url = start_serve_command(
+        *("--model", str(checkpoint), "--api-key", API_KEY, "--served-model-name", MODEL_NAME),
+        *("--num-kv-blocks", "32", "--chat-template-kwargs", '{"enable_thinking": false}'),
+        timeout=120,
+    )
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            assert time.monotonic() < deadline, "qinfer serve did not start"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0)
         expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=False)

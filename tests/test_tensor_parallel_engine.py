@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from checkpoints import build_chat_checkpoint
+from server_process import start_serve_command
 from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
@@ -191,22 +190,11 @@ def spawned_children(pid: int) -> list[int]:
 
 
 def test_server_at_tp2_answers_and_exits_when_its_worker_dies(checkpoint):
-    port = free_port()
-    command = [sys.executable, "-m", "qinfer.cli", "serve", "--model", str(checkpoint)]
-    command += ["--dtype", "float32", "--device", "cpu", "--port", str(port)]
-    command += ["--tensor-parallel-size", "2", "--num-kv-blocks", "64"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve_command(
+        *("--model", str(checkpoint), "--dtype", "float32", "--device", "cpu"),
+        *("--tensor-parallel-size", "2", "--num-kv-blocks", "64"),
+    )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            assert time.monotonic() < deadline, "qinfer serve did not start"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.completions.create(
             model=checkpoint.name, prompt="Hello there", max_tokens=12, temperature=0
@@ -243,9 +231,3 @@ def test_health_turns_503_when_a_worker_of_an_idle_engine_dies(checkpoint):
         assert health.json()["message"] == "tensor-parallel rank 1 died (killed by SIGKILL)"
     finally:
         engine.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -58,7 +58,7 @@ class Request:
     def output(self) -> RequestOutput:
         """The request as it stands, with what is new since the previous output."""
         seq, text = self.seq, self.state.text
-        token_ids = seq.output_token_ids
+        token_ids = self.state.output_token_ids
         out = RequestOutput(
             request_id=seq.request_id,
             prompt=self.prompt,
@@ -72,7 +72,7 @@ class Request:
             stop_reason=self.state.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
-            num_generated_tokens=seq.num_generated_tokens,
+            num_generated_tokens=self.state.num_generated_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)

@@ -24,7 +24,14 @@ import qinfer
 from qinfer import LLM, SamplingParams, generate
 from qinfer.cli import main
 from qinfer.errors import QinferError, SamplingError
-from qinfer.grammar import GrammarProcessor, strict_schema
+from qinfer.grammar import (
+    ANSWER,
+    MAY_THINK,
+    THINKING,
+    GrammarProcessor,
+    strict_schema,
+    thinking_phase,
+)
 from qinfer.prompts import eos_token_ids
 
 SAMPLES = 32
@@ -59,6 +66,12 @@ SCHEMA = {
 REGEX = r"[A-Z][a-z]{1,4}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe so"]
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def answer_prompt(llm: LLM) -> str:
+    """MESSAGES through the chat template with thinking off (Qwen3's writes an empty
+    `<think></think>`), so the constraint applies from the first token."""
+    return llm.engine.tokenizer.apply_chat_template(MESSAGES, enable_thinking=False)
 
 
 @pytest.fixture(scope="module")
@@ -98,31 +111,31 @@ def valid_json(text: str) -> bool:
 
 def test_json_schema_outputs_all_validate_and_free_outputs_do_not(llm):
     outputs = llm.generate(
-        [MESSAGES] * SAMPLES, sampled(max_tokens=256, json_schema=SCHEMA), use_tqdm=False
+        [answer_prompt(llm)] * SAMPLES, sampled(max_tokens=256, json_schema=SCHEMA), use_tqdm=False
     )
     bad = [o.text for o in outputs if o.finish_reason != "stop" or not valid_json(o.text)]
     assert not bad, bad[:3]
     assert len({o.text for o in outputs}) > SAMPLES // 4  # sampled, not one forced answer
-    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=24)[:4], use_tqdm=False)
+    free = llm.generate([answer_prompt(llm)] * 4, sampled(max_tokens=24)[:4], use_tqdm=False)
     assert not all(valid_json(o.text) for o in free)
 
 
 def test_regex_outputs_fullmatch_and_free_outputs_do_not(llm):
     outputs = llm.generate(
-        [MESSAGES] * SAMPLES, sampled(max_tokens=16, regex=REGEX), use_tqdm=False
+        [answer_prompt(llm)] * SAMPLES, sampled(max_tokens=16, regex=REGEX), use_tqdm=False
     )
     assert all(re.fullmatch(REGEX, o.text) for o in outputs), [o.text for o in outputs][:5]
-    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=16)[:4], use_tqdm=False)
+    free = llm.generate([answer_prompt(llm)] * 4, sampled(max_tokens=16)[:4], use_tqdm=False)
     assert not all(re.fullmatch(REGEX, o.text) for o in free)
 
 
 def test_choice_outputs_are_one_of_the_choices_and_free_outputs_are_not(llm):
     outputs = llm.generate(
-        [MESSAGES] * SAMPLES, sampled(max_tokens=8, choice=CHOICES), use_tqdm=False
+        [answer_prompt(llm)] * SAMPLES, sampled(max_tokens=8, choice=CHOICES), use_tqdm=False
     )
     assert all(o.text in CHOICES for o in outputs), [o.text for o in outputs][:5]
     assert len({o.text for o in outputs}) > 1
-    free = llm.generate([MESSAGES] * 4, sampled(max_tokens=8)[:4], use_tqdm=False)
+    free = llm.generate([answer_prompt(llm)] * 4, sampled(max_tokens=8)[:4], use_tqdm=False)
     assert not all(o.text in CHOICES for o in free)
 
 
@@ -130,11 +143,81 @@ def test_generate_takes_the_same_constraints(qwen3):
     model, tokenizer, _ = qwen3
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=256) for s in range(6)]
     results = generate(
-        model, tokenizer, [MESSAGES] * 6, [p.replace(json_schema=SCHEMA) for p in params]
+        model,
+        tokenizer,
+        [MESSAGES] * 6,
+        [p.replace(json_schema=SCHEMA) for p in params],
+        enable_thinking=False,
     )
     assert all(r.finish_reason == "eos" and valid_json(r.text) for r in results)
-    (one,) = generate(model, tokenizer, [MESSAGES], params[0].replace(regex=REGEX))
+    (one,) = generate(
+        model, tokenizer, [MESSAGES], params[0].replace(regex=REGEX), enable_thinking=False
+    )
     assert re.fullmatch(REGEX, one.text)
+
+
+class Forced:
+    """The random Qwen3 made to say `script` (one token per forward), then left to its own
+    logits: what a thinking model writes before its answer, known in advance."""
+
+    def __init__(self, model, script: list[int]):
+        self.model, self.script, self.steps = model, script, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, tokens, **kwargs):  # the prefill
+        return self.forced(self.model(tokens, **kwargs))
+
+    def forward(self, tokens, *args, **kwargs):  # the decode steps
+        return self.forced(self.model.forward(tokens, *args, **kwargs))
+
+    def forced(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.steps >= len(self.script):
+            return logits
+        forced = torch.full_like(logits[:, -1:], -1e4)  # (B, 1, V)
+        forced[..., self.script[self.steps]] = 0.0
+        self.steps += 1
+        return forced
+
+
+THOUGHT = "<think>Let me think: a person.</think>\n\n"
+
+
+def test_a_thinking_model_thinks_freely_and_the_grammar_starts_after_the_block(qwen3):
+    model, tokenizer, _ = qwen3
+    script = tokenizer.encode(THOUGHT, add_special_tokens=False)
+    assert tokenizer.decode(script[:1]) == "<think>"  # the token, as Qwen3 writes it
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=300, json_schema=SCHEMA)
+        (result,) = generate(Forced(model, script), tokenizer, [MESSAGES], params)
+        assert result.text.startswith(THOUGHT), result.text  # free text the grammar forbids
+        assert result.finish_reason == "eos" and valid_json(result.answer), result.text
+        assert result.reasoning == "Let me think: a person."
+
+
+def test_with_thinking_off_the_grammar_applies_from_the_first_token(qwen3):
+    model, tokenizer, _ = qwen3
+    script = tokenizer.encode(THOUGHT, add_special_tokens=False)
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=300, json_schema=SCHEMA)
+        (result,) = generate(
+            Forced(model, script), tokenizer, [MESSAGES], params, enable_thinking=False
+        )
+        assert result.finish_reason == "eos" and valid_json(result.text), result.text
+        assert result.answer == result.text
+
+
+def test_the_thinking_phase_follows_the_prompt(qwen3):
+    model, tokenizer, _ = qwen3
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    thinking_on = tokenizer.apply_chat_template(MESSAGES)
+    thinking_off = tokenizer.apply_chat_template(MESSAGES, enable_thinking=False)
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")
+    assert thinking_phase(tokenizer, ids(thinking_on)) == MAY_THINK
+    assert thinking_phase(tokenizer, ids(thinking_off)) == ANSWER
+    assert thinking_phase(tokenizer, ids(thinking_on + "<think>\n")) == THINKING
+    assert thinking_phase(tokenizer, ids(thinking_on + "<think>a</think>b\n")) == MAY_THINK
 
 
 def test_ids_past_the_tokenizer_vocabulary_are_masked(qwen3):
@@ -213,10 +296,11 @@ def test_cli_json_schema_and_regex(qwen3, tmp_path, capsys):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
     common = ["generate", "--model", str(folder), "--dtype", "float32", "--device", "cpu"]
-    common += ["--max-tokens", "256", "--seed", "3"]
-    assert main([*common, "--json-schema", str(schema_file), "Describe a person"]) == 0
+    common += ["--max-tokens", "256", "--seed", "3", "--no-chat"]
+    closed = "Describe a person.<think>\n\n</think>\n\n"  # no thinking: constrained from the start
+    assert main([*common, "--json-schema", str(schema_file), closed]) == 0
     assert valid_json(capsys.readouterr().out.strip())
-    assert main([*common, "--regex", REGEX, "A code"]) == 0
+    assert main([*common, "--regex", REGEX, "A code.<think>\n\n</think>\n\n"]) == 0
     assert re.fullmatch(REGEX, capsys.readouterr().out.strip())
     assert main([*common, "--json-schema", str(tmp_path / "missing.json"), "Hi"]) == 2
 

@@ -23,6 +23,13 @@ characters between tokens, so a model cannot pad forever) and in strict mode: an
 schema that lists `properties` without `additionalProperties` gets `false`, as OpenAI's
 structured outputs require (write `"additionalProperties": true` to allow other keys).
 
+A thinking model (Qwen3) thinks freely: no constraint inside `<think>...</think>`, the
+grammar starts after it (`thinking_phase` says where a request starts). While the model
+thinks the processor neither masks nor advances its matcher, so llguidance never sees the
+thinking tokens; after `</think>` the template's "\n\n" may come before the grammar's first
+token, and is not given to the matcher either. A prompt that ends with the block closed
+(Qwen3's `enable_thinking=False` writes an empty one) is constrained from the first token.
+
 An invalid constraint (a schema llguidance cannot compile, a malformed regex or
 grammar) is a `SamplingError` naming the field, raised when the request is made.
 """
@@ -42,6 +49,7 @@ import numpy as np
 import torch
 
 from qinfer.errors import SamplingError
+from qinfer.reasoning import THINK_CLOSE, THINK_OPEN, prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
 
@@ -63,20 +71,56 @@ _SCHEMA_KEYWORDS = (
 _SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
+# Where a request is with respect to a thinking model's `<think>...</think>` block:
+ANSWER = "answer"  # the grammar constrains every token
+MAY_THINK = "may_think"  # the first token: the grammar's, or `<think>` to open the block
+THINKING = "thinking"  # no constraint until `</think>`
+AFTER_THINK = "after_think"  # the grammar's, or the next token of the template's separator
+#: What Qwen3's template writes between `</think>` and the answer.
+THINK_SEPARATOR = "\n\n"
+
+
+def thinking_phase(tokenizer: Tokenizer, prompt_ids: list[int]) -> str:
+    """The phase a constrained request starts in: THINKING when its prompt ends inside an
+    open `<think>`, MAY_THINK when a thinking model may open one itself, ANSWER otherwise
+    (not a thinking model, or the prompt ends with the block closed, as Qwen3's template
+    writes it with `enable_thinking=False`)."""
+    if not splits_reasoning(tokenizer):
+        return ANSWER
+    prompt = tokenizer.decode(prompt_ids)
+    if prompt_opened_think(prompt):
+        return THINKING
+    if prompt.rstrip().endswith(THINK_CLOSE) or tokenizer.token_to_id(THINK_OPEN) is None:
+        return ANSWER
+    return MAY_THINK
+
 
 class GrammarProcessor:
     """A `sampling.LogitsProcessor` that masks every token the grammar does not allow.
 
     matcher: llguidance's matcher of this request; tokenizer_vocab: the ids it knows
     (0 .. tokenizer_vocab - 1); eos_ids: allowed alone when the matcher is in error.
+    phase: where the request starts (see `thinking_phase`); think_ids: the ids of
+    `<think>` and `</think>`, and separator: {id: text} of the tokens that spell a prefix
+    of THINK_SEPARATOR, for a phase other than ANSWER.
     """
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, eos_ids: frozenset[int]
+        self,
+        matcher: llguidance.LLMatcher,
+        tokenizer_vocab: int,
+        eos_ids: frozenset[int],
+        phase: str = ANSWER,
+        think_ids: tuple[int | None, int | None] = (None, None),
+        separator: dict[int, str] | None = None,
     ) -> None:
         self.matcher: llguidance.LLMatcher | None = matcher
         self.tokenizer_vocab = tokenizer_vocab
         self.eos_ids = eos_ids
+        self.phase = phase
+        self.think_open, self.think_close = think_ids
+        self.separator = separator or {}
+        self._separator_left = THINK_SEPARATOR
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
 
     @classmethod
@@ -85,8 +129,10 @@ class GrammarProcessor:
         params: SamplingParams,
         tokenizer: Tokenizer | None,
         eos_ids: frozenset[int],
+        prompt_ids: list[int] | None = None,
     ) -> GrammarProcessor:
-        """The processor of `params.constraint`, or a SamplingError naming the field."""
+        """The processor of `params.constraint`, or a SamplingError naming the field;
+        given the prompt's ids, it holds back while a thinking model thinks."""
         name, value = params.constraint
         if tokenizer is None:
             raise SamplingError(f"{name} needs a tokenizer; none was given")
@@ -94,11 +140,24 @@ class GrammarProcessor:
         matcher = llguidance.LLMatcher(ll_tokenizer, compile_constraint(name, value), log_level=0)
         if matcher.is_error():
             raise SamplingError(f"{name} is invalid: {_one_line(matcher.get_error())}")
-        return cls(matcher, ll_tokenizer.vocab_size, eos_ids)
+        phase = ANSWER if prompt_ids is None else thinking_phase(tokenizer, prompt_ids)
+        if phase == ANSWER:
+            return cls(matcher, ll_tokenizer.vocab_size, eos_ids)
+        think_ids = (tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE))
+        separator = {}
+        for end in range(1, len(THINK_SEPARATOR) + 1):
+            ids = tokenizer.encode(THINK_SEPARATOR[:end], add_special_tokens=False)
+            if len(ids) == 1:
+                separator[ids[0]] = THINK_SEPARATOR[:end]
+        return cls(matcher, ll_tokenizer.vocab_size, eos_ids, phase, think_ids, separator)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (V,) with every token the grammar forbids at -inf (in place)."""
+        """logits (V,) with every token the grammar forbids at -inf (in place); while the
+        model thinks, only the ids past the tokenizer's vocabulary."""
         known = min(self.tokenizer_vocab, logits.shape[-1])
+        if self.phase == THINKING:
+            logits[known:] = -math.inf
+            return logits
         if self.matcher is None or self.matcher.is_error():
             # Cannot happen while the mask is obeyed; end the request rather than the engine.
             forbidden = torch.ones(known, dtype=torch.bool)
@@ -106,12 +165,35 @@ class GrammarProcessor:
         else:
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
             forbidden = ~unpack_bitmask(self._bitmask[0], known)
+            forbidden[[t for t in self._unconstrained_ids() if t < known]] = False
         logits[known:] = -math.inf  # ids the tokenizer cannot produce
         logits[:known].masked_fill_(forbidden.to(logits.device), -math.inf)
         return logits
 
+    def _unconstrained_ids(self) -> list[int]:
+        """The ids allowed besides the grammar's: `<think>` as the first token of a model
+        that may think, the rest of the separator right after `</think>`."""
+        if self.phase == MAY_THINK:
+            return [self.think_open]
+        if self.phase == AFTER_THINK:
+            left = self._separator_left
+            return [t for t, text in self.separator.items() if left.startswith(text)]
+        return []
+
     def accept(self, token_id: int) -> None:
-        """Advance the matcher past the sampled token."""
+        """Advance the matcher past the sampled token (or the thinking phase past it)."""
+        if self.phase == THINKING:
+            if token_id == self.think_close:
+                self.phase = AFTER_THINK
+            return
+        if token_id in self._unconstrained_ids():
+            if self.phase == MAY_THINK:
+                self.phase = THINKING
+            else:
+                self._separator_left = self._separator_left[len(self.separator[token_id]) :]
+                self.phase = AFTER_THINK if self._separator_left else ANSWER
+            return
+        self.phase = ANSWER
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
 

@@ -78,7 +78,7 @@ class RequestState:
         if params.constraint is not None:
             from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
 
-            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids))
+            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids, token_ids))
         generator = make_generator(params, device)
         return cls(token_ids, params, max_tokens, eos_ids, detokenizer, generator, processors)
 

@@ -16,13 +16,17 @@ from qinfer.linear.compute import bf16_matmul_is_fast, cpu_flags
 from qinfer.model import Transformer, default_device, load_model
 
 
+def bench_device(load_args: dict | None) -> torch.device:
+    """The device `load_model`'s keywords ask for, else the best one."""
+    device = (load_args or {}).get("device")
+    return torch.device(device) if device is not None else default_device()
+
+
 def load_qinfer(model_spec: str | None, load_args: dict | None) -> tuple[Path, Transformer]:
     """The checkpoint's path and the model, loaded with `load_model`'s keywords."""
     path = resolve_model(model_spec)
-    load_args = dict(load_args or {})
-    device = load_args.pop("device", None)
-    device = torch.device(device) if device is not None else default_device()
-    return path, load_model(path, device=device, **load_args)
+    load_args = {**(load_args or {}), "device": bench_device(load_args)}
+    return path, load_model(path, **load_args)
 
 
 def describe_setup(model: Transformer) -> dict:

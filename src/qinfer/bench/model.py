@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from qinfer.bench.common import (
+    bench_device,
     describe_setup,
     format_setup,
     load_qinfer,
@@ -48,7 +49,7 @@ from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
 from qinfer.layers.rope import RoPE
-from qinfer.model import Transformer, default_device
+from qinfer.model import Transformer
 from qinfer.sampling import SamplingParams
 
 
@@ -130,7 +131,7 @@ def run_benchmarks(
             )
         return qinfer_runner(model)
 
-    device = torch.device((load_args or {}).get("device") or default_device())
+    device = bench_device(load_args)
     runners = [load_alone(load, device, settings)]
     model = runners[0].model
     report = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -339,3 +340,31 @@ def test_the_mask_is_exactly_the_tokens_that_keep_a_valid_prefix(qwen3, fields, 
         if step < len(path):
             processor.accept(tokenizer.encode(path[step])[0])
             text += path[step]
+
+
+def test_the_next_mask_is_computed_on_a_worker_thread_after_each_token(qwen3, monkeypatch):
+    """The mask of step t is started when token t-1 is accepted (the model runs meanwhile)
+    by the grammar's worker threads, never by the sampling thread; `release` drops a mask
+    still pending."""
+    model, tokenizer, _ = qwen3
+    threads: list[str] = []
+    fill = qinfer.grammar.llguidance.torch.fill_next_token_bitmask
+
+    def recording_fill(matcher, bitmask):
+        threads.append(threading.current_thread().name)
+        fill(matcher, bitmask)
+
+    monkeypatch.setattr(qinfer.grammar.llguidance.torch, "fill_next_token_bitmask", recording_fill)
+    eos = eos_token_ids(model, tokenizer)
+    processor = GrammarProcessor.create(SamplingParams(choice=["abc"]), tokenizer, eos)
+    for piece in "abc":
+        allowed = torch.isfinite(processor(torch.zeros(CHAT_VOCAB_SIZE))).nonzero()[:, 0]
+        assert tokenizer.encode(piece)[0] in allowed.tolist()
+        processor.accept(tokenizer.encode(piece)[0])
+    assert set(
+        torch.isfinite(processor(torch.zeros(CHAT_VOCAB_SIZE))).nonzero()[:, 0].tolist()
+    ) == set(eos)
+    assert len(threads) == 4 and all(name.startswith("qinfer-mask") for name in threads)
+    processor.accept(sorted(eos)[0])
+    processor.release()
+    assert processor._next_mask is None and processor.matcher is None

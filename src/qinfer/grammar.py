@@ -10,12 +10,15 @@ A request with one of SamplingParams' constraints gets a `GrammarProcessor`:
 Every step, before the penalties, the processor asks its matcher (llguidance's
 `LLMatcher`, which tracks the output so far against the grammar) for the set of tokens
 that keep the output a valid prefix, as a bitmask over the tokenizer's vocabulary, and
-sets every other logit to -inf: every id the mask forbids, and every id past the
-tokenizer's own vocabulary (a model's lm_head may be wider, Qwen3's is). When the
-output is complete, only the end-of-sequence ids stay allowed, so a constrained request
-ends with "eos" (or "length" when max_tokens runs out first: a truncated output is the
-one way to get an unparsable one). After each sampled token the matcher advances;
-when the request ends (finished, aborted) it is released. A preempted engine request
+sets every other logit to -inf, as well as every id past the tokenizer's own vocabulary
+(a model's lm_head may be wider, Qwen3's is). The set depends only on the tokens already
+accepted, so it is computed on a worker thread as soon as the previous token is accepted
+(or the request is made), while the model computes the step's logits; the sampler then
+only waits for it, if at all, and applies it. When the output is complete, only the
+end-of-sequence ids stay allowed, so a constrained request ends with "eos" (or "length"
+when max_tokens runs out first: a truncated output is the one way to get an unparsable
+one). After each sampled token the matcher advances; when the request ends (finished,
+aborted) it is released. A preempted engine request
 keeps its processor as it is: its tokens are recomputed, never re-sampled.
 
 JSON schemas are compiled with bounded whitespace (at most `MAX_JSON_WHITESPACE`
@@ -38,9 +41,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
 from typing import Any
 
 import llguidance
@@ -122,6 +128,8 @@ class GrammarProcessor:
         self.separator = separator or {}
         self._separator_left = THINK_SEPARATOR
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
+        self._next_mask: Future[torch.Tensor] | None = None  # being computed by the worker
+        self._start_mask()
 
     @classmethod
     def create(
@@ -155,20 +163,37 @@ class GrammarProcessor:
         """logits (V,) with every token the grammar forbids at -inf (in place); while the
         model thinks, only the ids past the tokenizer's vocabulary."""
         known = min(self.tokenizer_vocab, logits.shape[-1])
-        if self.phase == THINKING:
-            logits[known:] = -math.inf
-            return logits
-        if self.matcher is None or self.matcher.is_error():
-            # Cannot happen while the mask is obeyed; end the request rather than the engine.
-            forbidden = torch.ones(known, dtype=torch.bool)
-            forbidden[[t for t in self.eos_ids if t < known]] = False
-        else:
-            llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
-            forbidden = ~unpack_bitmask(self._bitmask[0], known)
-            forbidden[[t for t in self._unconstrained_ids() if t < known]] = False
         logits[known:] = -math.inf  # ids the tokenizer cannot produce
-        logits[:known].masked_fill_(forbidden.to(logits.device), -math.inf)
+        if self.phase != THINKING:
+            forbidden = self._take_mask()[:known]  # (known,) bool
+            logits[:known].masked_fill_(forbidden.to(logits.device), -math.inf)
         return logits
+
+    def _start_mask(self) -> None:
+        """Start computing the next step's mask on the worker thread (nothing to compute
+        while the model thinks)."""
+        if self.phase != THINKING and self._next_mask is None:
+            self._next_mask = _mask_worker().submit(self._forbidden, self.matcher)
+
+    def _take_mask(self) -> torch.Tensor:
+        """The next step's forbidden ids (tokenizer_vocab,) bool: the worker's result,
+        or computed here when none was started."""
+        future, self._next_mask = self._next_mask, None
+        return future.result() if future is not None else self._forbidden(self.matcher)
+
+    def _forbidden(self, matcher: llguidance.LLMatcher | None) -> torch.Tensor:
+        """(tokenizer_vocab,) bool, True for the ids `matcher` forbids after the tokens
+        accepted so far. Runs on the worker thread; reads only state that `accept` does
+        not change before this result is taken."""
+        if matcher is None or matcher.is_error():
+            # Cannot happen while the mask is obeyed; end the request rather than the engine.
+            forbidden = torch.ones(self.tokenizer_vocab, dtype=torch.bool)
+            forbidden[[t for t in self.eos_ids if t < self.tokenizer_vocab]] = False
+            return forbidden
+        llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask)
+        forbidden = ~unpack_bitmask(self._bitmask[0], self.tokenizer_vocab)
+        forbidden[self._unconstrained_ids()] = False
+        return forbidden
 
     def _unconstrained_ids(self) -> list[int]:
         """The ids allowed besides the grammar's: `<think>` as the first token of a model
@@ -181,7 +206,14 @@ class GrammarProcessor:
         return []
 
     def accept(self, token_id: int) -> None:
-        """Advance the matcher past the sampled token (or the thinking phase past it)."""
+        """Advance the matcher past the sampled token (or the thinking phase past it),
+        then start computing the next step's mask."""
+        if self._next_mask is not None:  # the worker must be done with the matcher
+            self._take_mask()
+        self._advance(token_id)
+        self._start_mask()
+
+    def _advance(self, token_id: int) -> None:
         if self.phase == THINKING:
             if token_id == self.think_close:
                 self.phase = AFTER_THINK
@@ -198,8 +230,19 @@ class GrammarProcessor:
             self.matcher.consume_token(token_id)
 
     def release(self) -> None:
-        """Drop the matcher (the request ended)."""
+        """Drop the matcher (the request ended), and the mask computed for it."""
+        if self._next_mask is not None:
+            self._next_mask.cancel()  # a mask already running finishes unread
+            self._next_mask = None
         self.matcher = None
+
+
+@cache
+def _mask_worker() -> ThreadPoolExecutor:
+    """The threads that compute masks while the model runs. llguidance's mask (and torch's
+    kernels) run without Python's lock, so a mask and a forward overlap; a few threads let
+    the rows of one batch compute theirs side by side."""
+    return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="qinfer-mask")
 
 
 def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:

@@ -96,10 +96,14 @@ class ChatMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it: content parts joined into one string."""
+        """The message as a chat template reads it: content parts joined into one string;
+        a call's arguments decoded; an assistant turn of only calls has content "" (OpenAI
+        clients send null, which Qwen's template cannot read)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        if self.tool_calls and self.content is None:
+            message["content"] = ""
         return message
 
 

@@ -128,20 +128,16 @@ def _generic_turn(message: dict[str, Any]) -> dict[str, Any]:
             "content": f"<tool_response>\n{message.get('content')}\n</tool_response>",
         }
     if message.get("role") == "assistant" and message.get("tool_calls"):
-        blocks = [
-            TOOL_CALL_OPEN
-            + "\n"
-            + json.dumps(
-                {"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
-                ensure_ascii=False,
-            )
-            + "\n"
-            + TOOL_CALL_CLOSE
-            for call in message["tool_calls"]
-        ]
+        blocks = [_hermes_block(call["function"]) for call in message["tool_calls"]]
         text = "\n".join(filter(None, [message.get("content") or "", *blocks]))
         return {"role": "assistant", "content": text}
     return message
+
+
+def _hermes_block(function: Mapping[str, Any]) -> str:
+    """One call as a hermes block (arguments decoded: the server decodes them)."""
+    call = {"name": function["name"], "arguments": function["arguments"]}
+    return f"{TOOL_CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
 def tool_call_grammar(

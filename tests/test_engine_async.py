@@ -118,3 +118,28 @@ def test_shutdown_ends_open_streams_with_abort(engine):
     first, rest = asyncio.run(main())
     assert not first.finished
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
+
+
+def test_a_grammar_compiles_off_the_event_loop(engine, monkeypatch):
+    """Compiling a large schema takes up to seconds: it runs in a worker thread, so the
+    loop keeps relaying other streams meanwhile."""
+    import threading
+
+    from qinfer.grammar import GrammarProcessor
+
+    compiled_on = []
+    create = GrammarProcessor.create.__func__
+
+    def spy(cls, *args, **kwargs):
+        compiled_on.append(threading.current_thread())
+        return create(cls, *args, **kwargs)
+
+    monkeypatch.setattr(GrammarProcessor, "create", classmethod(spy))
+
+    async def main():
+        params = GREEDY.replace(max_tokens=3, ignore_eos=False, regex="[a-z]{3}")
+        return threading.current_thread(), await collect(engine, "hello", params)
+
+    loop_thread, outputs = asyncio.run(main())
+    assert len(compiled_on) == 1 and compiled_on[0] is not loop_thread
+    assert outputs[-1].finished and len(outputs[-1].text) == 3

@@ -129,6 +129,7 @@ class GrammarProcessor:
         self._separator_left = THINK_SEPARATOR
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
         self._next_mask: Future[torch.Tensor] | None = None  # being computed by the worker
+        _PROCESSORS.add(self)
         self._start_mask()
 
     @classmethod
@@ -245,6 +246,16 @@ def _mask_worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="qinfer-mask")
 
 
+# Every processor made, weakly: `live_matchers` counts those still holding a matcher.
+_PROCESSORS: weakref.WeakSet[GrammarProcessor] = weakref.WeakSet()
+
+
+def live_matchers() -> int:
+    """How many grammar matchers are alive now: those of running requests, plus any a
+    finished request failed to release (a leak; the server reports this as a gauge)."""
+    return sum(1 for processor in list(_PROCESSORS) if processor.matcher is not None)
+
+
 def unpack_bitmask(words: torch.Tensor, size: int) -> torch.Tensor:
     """A bitmask (W,) int32 on the host, bit j of word i for id 32 i + j, as (size,) bool
     (the words' bytes read little-endian, as they lie in memory on every torch host)."""
@@ -260,6 +271,12 @@ def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
             schema = json.loads(value)
             if not isinstance(schema, dict):
                 raise SamplingError(f"json_schema must be a JSON object, got {value!r}")
+            cycle = ref_cycle(schema)
+            if cycle is not None:
+                raise SamplingError(
+                    f"json_schema is invalid: $ref {' -> '.join(cycle)} refers back to "
+                    "itself before describing any value"
+                )
             whitespace = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
             return llguidance.LLMatcher.grammar_from_json_schema(
                 strict_schema(schema), defaults={"whitespace_pattern": whitespace}
@@ -275,21 +292,85 @@ def strict_schema(schema: Any) -> Any:
     """A copy of a JSON schema in which every object schema that lists `properties`
     without `additionalProperties` gets `"additionalProperties": false` (a bare
     `{"type": "object"}` still means any object)."""
+    return _with_additional_properties(schema, False)
+
+
+def lenient_schema(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object schema that lists `properties`
+    without `additionalProperties` gets `true`, JSON Schema's own default, written out so
+    that strict mode leaves it open (OpenAI's `strict: false`)."""
+    return _with_additional_properties(schema, True)
+
+
+def _with_additional_properties(schema: Any, allowed: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     if "properties" in schema and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
+        out["additionalProperties"] = allowed
     for key in _SCHEMA_KEYWORDS:
         if isinstance(schema.get(key), dict):
-            out[key] = strict_schema(schema[key])
+            out[key] = _with_additional_properties(schema[key], allowed)
     for key in _SCHEMA_MAP_KEYWORDS:
         if isinstance(schema.get(key), dict):
-            out[key] = {name: strict_schema(sub) for name, sub in schema[key].items()}
+            out[key] = {
+                name: _with_additional_properties(sub, allowed) for name, sub in schema[key].items()
+            }
     for key in _SCHEMA_LIST_KEYWORDS:
         if isinstance(schema.get(key), list):
-            out[key] = [strict_schema(sub) for sub in schema[key]]
+            out[key] = [_with_additional_properties(sub, allowed) for sub in schema[key]]
     return out
+
+
+# Keywords whose schemas apply to the same value as the schema holding them.
+_SAME_VALUE_KEYWORDS = ("allOf", "anyOf", "oneOf")
+
+
+def ref_cycle(schema: dict[str, Any]) -> list[str] | None:
+    """A chain of local `$ref`s that leads back to its start while still describing the
+    same value (`{"$ref": "#"}`, two definitions naming each other), or None. Such a
+    schema never says what the value is; llguidance compiles it and then fails at the
+    first token. Recursion through properties or items (a tree) is fine."""
+
+    def resolve(ref: str) -> Any:
+        node: Any = schema
+        for part in ref.removeprefix("#").split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def follow(node: Any, chain: list[str]) -> list[str] | None:
+        if not isinstance(node, dict):
+            return None
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref in chain:
+                return [*chain, ref]
+            found = follow(resolve(ref), [*chain, ref])
+            if found is not None:
+                return found
+        for key in _SAME_VALUE_KEYWORDS:
+            for sub in node.get(key) if isinstance(node.get(key), list) else ():
+                found = follow(sub, chain)
+                if found is not None:
+                    return found
+        return None
+
+    def nodes(value: Any):
+        if isinstance(value, dict):
+            yield value
+            for item in value.values():
+                yield from nodes(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from nodes(item)
+
+    return next((c for node in nodes(schema) if (c := follow(node, [])) is not None), None)
 
 
 def _one_line(message: str) -> str:

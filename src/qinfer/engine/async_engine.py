@@ -96,11 +96,17 @@ class AsyncEngine:
 
         Raises RequestError (bad request) or EngineOverloadedError (too many waiting).
         """
+        self._check_serving()
+        return self._enqueue(self.engine.make_request(prompt, params, request_id))
+
+    def _check_serving(self) -> None:
         if self.failure is not None:
             raise self.failure
         if self._stopping:
             raise QinferError("the engine is shut down")
-        request = self.engine.make_request(prompt, params, request_id)
+
+    def _enqueue(self, request: Request) -> str:
+        """Hand a request made by `make_request` to the step thread; its id."""
         request_id = request.seq.request_id
         try:
             loop = asyncio.get_running_loop()
@@ -127,7 +133,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last has finished=True.
         Leaving the loop early (or cancelling the task) aborts the request."""
-        request_id = self.add_request(prompt, params, request_id)
+        self._check_serving()
+        # Encoding the prompt and compiling a grammar (about a second for a large schema
+        # over a 150k vocabulary) run in a worker thread: other streams keep flowing.
+        request = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id)
+        request_id = self._enqueue(request)
         stream = self._streams[request_id]
         finished = False
         try:

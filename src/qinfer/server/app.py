@@ -38,6 +38,7 @@ from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Gen
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.tokenizer import Tokenizer, load_tokenizer
+from qinfer.tool_calls import ToolUse, tool_call_format, tool_call_grammar, tool_prompt
 
 #: Largest request body accepted (HTTP 413 above): generous for long prompts.
 MAX_BODY_BYTES = 16 * 2**20
@@ -69,6 +70,7 @@ class ModelServer:
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self.splits_reasoning = splits_reasoning(tokenizer)
+        self.tool_format = tool_call_format(tokenizer)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -89,16 +91,40 @@ class ModelServer:
             **self.settings.chat_template_kwargs,
             **(body.chat_template_kwargs or {}),
         }
-        messages = [message.for_template() for message in body.messages]
+        tools = body.offered_tools()
+        messages, tool_kwargs = tool_prompt(
+            self.tool_format, [message.for_template() for message in body.messages], tools
+        )
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
         prompt_ids = await run_in_threadpool(
-            encode_prompt, self.tokenizer, messages, **template_kwargs
+            encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
         )
+        names = tuple(tool["function"]["name"] for tool in tools or ())
+        tool_use = ToolUse(self.tool_format, names, body.forced_tool) if tools else None
+        if tools and body.forced_tool is not None:
+            # The call is forced by a grammar in the model's own wrapping. A named tool
+            # is one call; "required" may make several unless parallel_tool_calls is false.
+            callable_tools = [
+                t for t in tools if body.forced_tool in ("required", t["function"]["name"])
+            ]
+            parallel = body.forced_tool == "required" and body.parallel_tool_calls is not False
+            params = params.replace(
+                grammar=tool_call_grammar(
+                    self.tool_format, callable_tools, self.tokenizer, parallel
+                )
+            )
         reasoning = None
         if self.splits_reasoning:
             reasoning = [prompt_opened_think(self.tokenizer.decode(prompt_ids))]
         completion = Completion(
-            self.engine, self.metrics, [prompt_ids], params, body.n, "chatcmpl", reasoning
+            self.engine,
+            self.metrics,
+            [prompt_ids],
+            params,
+            body.n,
+            "chatcmpl",
+            reasoning,
+            tool_use,
         )
         return await self.respond(
             completion, ChatFormat(self.tokenizer, self.settings.model_name), body, connection

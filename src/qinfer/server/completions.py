@@ -3,14 +3,15 @@
 A request becomes `len(prompts) x n` engine requests (choice `i * n + j` is sample j of
 prompt i, seeded `seed + j`), whose streams run concurrently and are merged. Each choice
 is a `Choice` that turns the engine's cumulative outputs into deltas of text,
-reasoning and logprobs. Streaming and non-streaming answers are both built from those
-deltas, so the two always carry the same text.
+reasoning, tool calls and logprobs. Streaming and non-streaming answers are both built from
+those deltas, so the two always carry the same text and the same calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from qinfer.reasoning import ReasoningStream
 from qinfer.sampling import SamplingParams
 from qinfer.server.metrics import RequestTimer, ServerMetrics
+from qinfer.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
     from qinfer.engine import AsyncEngine, RequestOutput, TokenLogprob
@@ -33,17 +35,25 @@ class Delta:
     text_offset: int = 0  # where `content` starts in the choice's whole content
     content: str = ""
     reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.content or self.reasoning or self.logprobs or self.finish_reason)
+        return not (
+            self.content or self.reasoning or self.tool_calls or self.logprobs or self.finish_reason
+        )
 
     def extend(self, later: Delta) -> None:
         """Append a later delta of the same choice (to build a whole answer)."""
         self.content += later.content
         self.reasoning += later.reasoning
+        for call in later.tool_calls:  # a call's first delta, or more of its arguments
+            if call.index < len(self.tool_calls):
+                self.tool_calls[call.index].arguments += call.arguments
+            else:
+                self.tool_calls.append(dataclasses.replace(call))
         self.logprobs += later.logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
 
@@ -53,6 +63,7 @@ class Choice:
 
     reasoning: a `ReasoningStream` that splits a `<think>` block off the text (chat
     answers of thinking models), or None to keep all text as content.
+    tools: the tools the request offers, whose calls are parsed out of the content, or None.
     """
 
     def __init__(
@@ -62,9 +73,12 @@ class Choice:
         prompt_ids: list[int],
         params: SamplingParams,
         reasoning: ReasoningStream | None,
+        tools: ToolUse | None = None,
     ):
         self.index, self.request_id = index, request_id
         self.prompt_ids, self.params, self.reasoning = prompt_ids, params, reasoning
+        self.tools = tools
+        self.tool_parser: ToolCallParser | None = None if tools is None else tools.parser()
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
         self.output: RequestOutput | None = None  # the latest engine output
@@ -89,6 +103,15 @@ class Choice:
                 tail_reasoning, tail_content = self.reasoning.finish()
                 delta.reasoning += tail_reasoning
                 delta.content += tail_content
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.push(delta.content)
+            if output.finished:
+                tail = self.tool_parser.finish()
+                parsed.content += tail.content
+                parsed.tool_calls += tail.tool_calls
+                made_calls = self.tool_parser.num_calls > 0
+                delta.finish_reason = self.tools.finish_reason(delta.finish_reason, made_calls)
+            delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
         self.content_length += len(delta.content)
         return delta
 
@@ -114,7 +137,8 @@ class Completion:
 
     prompts: token ids of each prompt; params: the sampling of choice 0 of every prompt
     (choice j gets `seed + j`); reasoning: split `<think>` blocks off the text (for each
-    prompt, whether it ended inside an open block).
+    prompt, whether it ended inside an open block); tools: parse tool calls out of the
+    content (chat requests that offer tools).
     """
 
     def __init__(
@@ -126,6 +150,7 @@ class Completion:
         n: int,
         id_prefix: str,
         reasoning: Sequence[bool] | None = None,
+        tools: ToolUse | None = None,
     ):
         self.engine, self.metrics, self.n = engine, metrics, n
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -137,7 +162,7 @@ class Completion:
                 seeded = params if params.seed is None else params.replace(seed=params.seed + j)
                 splitter = None if reasoning is None else ReasoningStream(reasoning[i])
                 self.choices.append(
-                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter)
+                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter, tools)
                 )
 
     def usage(self) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qinfer.grammar import live_matchers
+
 if TYPE_CHECKING:
     from qinfer.engine import EngineStats
 
@@ -51,6 +53,10 @@ class EngineCollector(Collector):
             "qinfer_prefix_cache_hit_rate": (
                 "Prompt tokens found in the prefix cache, as a fraction of those looked up",
                 s.prefix_cache_hit_rate,
+            ),
+            "qinfer_grammar_matchers_live": (
+                "Grammar matchers of constrained requests alive in this process",
+                live_matchers(),
             ),
         }
         for name, (doc, value) in gauges.items():

@@ -7,17 +7,33 @@ than coerced or ignored. The ranges are OpenAI's where it states one.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from qinfer.grammar import lenient_schema
+from qinfer.prompts import Prompt
 from qinfer.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 #: Most choices (`n`) one request may ask for: each one is a separate engine request.
 MAX_CHOICES = 8
 
 #: Template variables the server itself passes (the messages, the tokenizer's own tokens).
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "special_tokens", "source"})
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "special_tokens", "source", "tools"})
+#: Largest output constraint (schema, regex, grammar, choices) compiled, as JSON bytes:
+#: llguidance needs seconds for schemas near a megabyte, and fails past its symbol limit.
+MAX_CONSTRAINT_BYTES = 256 * 2**10
+#: Most tools one request may offer.
+MAX_TOOLS = 128
+#: The request fields that constrain the output, and the SamplingParams field each sets.
+CONSTRAINT_FIELDS = {
+    "response_format": "json_schema",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class StrictModel(BaseModel):
@@ -37,31 +53,66 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    """The function of a call in an assistant message: its name and arguments, which
+    OpenAI clients send as JSON text and templates read as an object (decoded here)."""
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    @field_validator("arguments")
+    @classmethod
+    def _decode_arguments(cls, arguments: str | dict[str, Any]) -> dict[str, Any]:
+        if isinstance(arguments, dict):
+            return arguments
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON ({error.msg})") from None
+        if not isinstance(decoded, dict):
+            raise ValueError("must be a JSON object")
+        return decoded
+
+
+class AssistantToolCall(StrictModel):
+    """One entry of an assistant message's `tool_calls` (a call the model made)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     """One turn of a conversation.
 
-    Fields beyond role and content (`name`, `tool_calls`, `reasoning_content`, ...) are
-    kept and handed to the chat template, which may read them.
+    Fields beyond role, content and tool_calls (`name`, `tool_call_id`,
+    `reasoning_content`, ...) are kept and handed to the chat template, which may read them.
     """
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it: content parts joined into one string."""
+        """The message as a chat template reads it: content parts joined into one string;
+        a call's arguments decoded; an assistant turn of only calls has content "" (OpenAI
+        clients send null, which Qwen's template cannot read)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        if self.tool_calls and self.content is None:
+            message["content"] = ""
         return message
 
 
 class JsonSchemaFormat(StrictModel):
     """`response_format.json_schema`: the schema the reply follows.
 
-    The reply always follows it in strict mode (`strict` is accepted either way): objects
-    that list properties without `additionalProperties` get false, as OpenAI's do.
+    The reply always follows the schema. In strict mode (the default here, and `strict:
+    true`) objects that list properties without `additionalProperties` get false, as
+    OpenAI's do; with `strict: false` they stay open, as JSON Schema reads them.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
@@ -88,7 +139,37 @@ class ResponseFormat(StrictModel):
         """The JSON schema the reply must follow, or None for plain text."""
         if self.type == "json_object":
             return {"type": "object"}
-        return None if self.json_schema is None else self.json_schema.schema_
+        if self.json_schema is None:
+            return None
+        schema = self.json_schema.schema_
+        return lenient_schema(schema) if self.json_schema.strict is False else schema
+
+
+class FunctionDefinition(StrictModel):
+    """A function the model may call: name, description, JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this tool."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class GenerationRequest(StrictModel):
@@ -123,6 +204,31 @@ class GenerationRequest(StrictModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint_of_bounded_size(self):
+        given = self.constraint_fields()
+        if len(given) > 1:
+            names = ", ".join(name for name in CONSTRAINT_FIELDS if hasattr(self, name))
+            raise ValueError(f"give at most one of {names}; got {' and '.join(given)}")
+        for name, value in given.items():
+            size = len(value.encode() if isinstance(value, str) else json.dumps(value).encode())
+            if size > MAX_CONSTRAINT_BYTES:
+                raise ValueError(
+                    f"{name} is {size} bytes; constraints of at most "
+                    f"{MAX_CONSTRAINT_BYTES} bytes are compiled"
+                )
+        return self
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """{request field: value} of the output constraints this request sets."""
+        values = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -150,14 +256,9 @@ class GenerationRequest(StrictModel):
         return {name: value for name, value in fields.items() if value is not None}
 
     def constraint(self) -> dict[str, Any]:
-        """The SamplingParams constraint fields (json_schema, regex, choice, grammar) this
-        request sets; SamplingParams refuses more than one."""
-        return dict(
-            json_schema=self.guided_json,
-            regex=self.guided_regex,
-            choice=self.guided_choice,
-            grammar=self.guided_grammar,
-        )
+        """The SamplingParams constraint field (json_schema, regex, choice, grammar) this
+        request sets, if any."""
+        return {CONSTRAINT_FIELDS[name]: value for name, value in self.constraint_fields().items()}
 
     @property
     def token_budget(self) -> int | None:
@@ -178,6 +279,9 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -194,17 +298,39 @@ class ChatCompletionRequest(GenerationRequest):
         return self
 
     @model_validator(mode="after")
-    def _one_constraint(self):
-        schema = None if self.response_format is None else self.response_format.reply_schema()
-        if schema is not None and self.guided_json is not None:
-            raise ValueError("give response_format or guided_json, not both")
+    def _tool_choice_names_an_offered_tool(self):
+        choice = self.tool_choice
+        if self.forced_tool is not None and not self.tools:
+            raise ValueError("tool_choice requires tools: give the tools it may call")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {tool.function.name for tool in self.tools}:
+                raise ValueError(
+                    f"tool_choice names {choice.function.name!r}, which is not one of the tools"
+                )
+        if self.forced_tool is not None and self.constraint_fields():
+            field = next(iter(self.constraint_fields()))
+            raise ValueError(
+                f"tool_choice forces a tool call, whose grammar cannot be combined with {field}"
+            )
         return self
 
-    def constraint(self) -> dict[str, Any]:
-        fields = super().constraint()
-        if self.response_format is not None and self.response_format.reply_schema() is not None:
-            fields["json_schema"] = self.response_format.reply_schema()
-        return fields
+    def constraint_fields(self) -> dict[str, Any]:
+        fields = super().constraint_fields()
+        schema = None if self.response_format is None else self.response_format.reply_schema()
+        return fields if schema is None else {"response_format": schema, **fields}
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools shown to the model (None when there are none or tool_choice is "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def forced_tool(self) -> str | None:
+        """ "required" (some tool must be called), a tool's name (that one), or None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     @property
     def token_budget(self) -> int | None:
@@ -214,10 +340,6 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-#: A prompt as text, or as token ids.
-Prompt = str | list[int]
 
 
 class CompletionRequest(GenerationRequest):

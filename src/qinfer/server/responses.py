@@ -1,7 +1,7 @@
 """The JSON the server answers with: whole completions, stream chunks, logprobs.
 
 Chat and text completions differ only in how a choice looks (`message` / `delta` with
-`content` and `reasoning_content`, or `text`) and in their logprobs layout. Each is a
+`content`, `reasoning_content` and `tool_calls`, or `text`) and in their logprobs layout. Each is a
 `ResponseFormat`; everything else (ids, usage, the order of stream events) is shared.
 """
 
@@ -92,7 +92,8 @@ class ResponseFormat:
 
 
 class ChatFormat(ResponseFormat):
-    """`chat.completion`: an assistant message with `content` and `reasoning_content`."""
+    """`chat.completion`: an assistant message with `content`, `reasoning_content` and
+    `tool_calls` (in a stream: a call's index, id and name once, then its arguments)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -102,12 +103,17 @@ class ChatFormat(ResponseFormat):
             message = {"content": delta.content} if delta.content else {}
             if delta.reasoning:
                 message["reasoning_content"] = delta.reasoning
+            if delta.tool_calls:
+                message["tool_calls"] = [call.as_openai(whole=False) for call in delta.tool_calls]
         else:
             message = {
                 "role": "assistant",
-                "content": delta.content,
+                # OpenAI's content is null when the reply is only tool calls.
+                "content": delta.content or (None if delta.tool_calls else ""),
                 "reasoning_content": delta.reasoning or None,
             }
+            if delta.tool_calls:
+                message["tool_calls"] = [call.as_openai(whole=True) for call in delta.tool_calls]
         return {
             "index": delta.index,
             "delta" if stream else "message": message,

@@ -1,0 +1,438 @@
+"""Tool calls in each model family's own format: the prompt, the grammar, the parser.
+
+A chat request may offer tools (OpenAI's `{"type": "function", "function": {"name",
+"description", "parameters"}}`). How a model sees them and writes its calls depends on
+what it was trained on; `tool_call_format` reads that off the chat template:
+
+    hermes        Qwen3, Qwen2.5 (the template writes `<tool_call>`): the template renders
+                  the tools itself; the model answers with one or more blocks
+                      <tool_call>
+                      {"name": "get_weather", "arguments": {"city": "Paris"}}
+                      </tool_call>
+                  separated by newlines, possibly after some text.
+    llama3_json   Llama 3.x (the template asks for `{"name", "parameters"}`): the template
+                  renders the tools; the whole reply is one JSON object
+                      {"name": "get_weather", "parameters": {"city": "Paris"}}
+                  optionally after `<|python_tag|>`. One call per turn (Llama 3's
+                  template refuses several).
+    generic       every other template (the embedded SmolLM2's has no tool support): the
+                  tools are described in a system message (`GENERIC_TOOLS_PROMPT`) that
+                  asks for the hermes blocks above, and replies are parsed the same way;
+                  earlier calls and tool results are written into the history as those
+                  blocks and `<tool_response>` user turns, which any template renders.
+
+`tool_call_grammar` builds the llguidance Lark grammar that forces a call in the model's
+own wrapping (`tool_choice` "required", or a named tool): JSON valid under the tool's
+`parameters`, tags that are single tokens in the vocabulary (Qwen's `<tool_call>`) named
+by id, whitespace bounded as in every JSON constraint. `ToolCallParser` turns the
+streamed reply into content and call deltas: text goes out as content except a tail that
+may be the start of a tag. A call whose syntax a grammar forces goes out as soon as its
+header `{"name": "...", "arguments": ` is read (its id and name once), then its arguments
+as they arrive. An unforced call (`tool_choice` "auto") goes out when its block ends and
+parses whole as a call of an offered tool; any other block (malformed JSON, an unknown
+tool) is returned as content, as written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qinfer.detokenizer import partial_match_length
+from qinfer.grammar import MAX_JSON_WHITESPACE, strict_schema
+from qinfer.tokenizer import Tokenizer
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+#: The system message that describes tools to a template without tool support.
+GENERIC_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How one family writes tool calls (see the module docstring).
+
+    name: "hermes", "llama3_json" or "generic". tagged: calls sit between
+    `<tool_call>` and `</tool_call>` (else the reply is one bare JSON object).
+    arguments_key: the JSON key of the arguments. in_template: the chat template renders
+    the tools (`tools=`); else they go in a system message. parallel: several calls a turn.
+    """
+
+    name: str
+    tagged: bool
+    arguments_key: str
+    in_template: bool
+    parallel: bool
+
+
+HERMES = ToolCallFormat("hermes", True, "arguments", in_template=True, parallel=True)
+LLAMA3_JSON = ToolCallFormat("llama3_json", False, "parameters", in_template=True, parallel=False)
+GENERIC = ToolCallFormat("generic", True, "arguments", in_template=False, parallel=True)
+
+
+def tool_call_format(tokenizer: Tokenizer) -> ToolCallFormat:
+    """The format of the tokenizer's chat template (see the module docstring)."""
+    template = tokenizer.chat_template or ""
+    if TOOL_CALL_OPEN in template:
+        return HERMES
+    if '"parameters"' in template and "<|start_header_id|>" in template:
+        return LLAMA3_JSON
+    return GENERIC
+
+
+def tool_prompt(
+    fmt: ToolCallFormat,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template kwargs) that show `tools` (None: no tools) to the model.
+
+    A template that renders tools gets them as `tools=`; for the generic format they are
+    described in the system message (added, or appended to the first one) and the
+    history's calls and tool results are rewritten as hermes blocks.
+    """
+    messages = [dict(message) for message in messages]
+    if fmt.in_template:
+        return messages, ({"tools": list(tools)} if tools else {})
+    history = [_generic_turn(message) for message in messages]
+    if not tools:
+        return history, {}
+    described = GENERIC_TOOLS_PROMPT.format(
+        tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    )
+    if history and history[0].get("role") == "system":
+        first = history[0]
+        history[0] = {**first, "content": f"{first.get('content') or ''}\n\n{described}"}
+    else:
+        history.insert(0, {"role": "system", "content": described})
+    return history, {}
+
+
+def _generic_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """One history message as a template without tool support can render it."""
+    if message.get("role") == "tool":
+        return {
+            "role": "user",
+            "content": f"<tool_response>\n{message.get('content')}\n</tool_response>",
+        }
+    if message.get("role") == "assistant" and message.get("tool_calls"):
+        blocks = [_hermes_block(call["function"]) for call in message["tool_calls"]]
+        text = "\n".join(filter(None, [message.get("content") or "", *blocks]))
+        return {"role": "assistant", "content": text}
+    return message
+
+
+def _hermes_block(function: Mapping[str, Any]) -> str:
+    """One call as a hermes block (arguments decoded: the server decodes them)."""
+    call = {"name": function["name"], "arguments": function["arguments"]}
+    return f"{TOOL_CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def tool_call_grammar(
+    fmt: ToolCallFormat,
+    tools: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    parallel: bool = True,
+) -> str:
+    """An llguidance Lark grammar: one call (or, with `parallel` in a format that allows
+    it, one or more) of one of `tools`, in the model's own wrapping.
+
+    tools: OpenAI function tools; a tool's `parameters` schema (any object when absent)
+    constrains its arguments, closed as in strict mode when the tool says `strict: true`.
+    """
+    schemas = [_call_schema(fmt, tool["function"]) for tool in tools]
+    call_json = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    whitespace = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
+    call_json = {**call_json, "x-guidance": {"whitespace_pattern": whitespace}}
+    lines = ["%llguidance {}", f"call_json: %json {json.dumps(call_json)}"]
+    if not fmt.tagged:
+        lines.append("start: call_json")
+        return "\n".join(lines) + "\n"
+    open_tag, close_tag = _tag(tokenizer, TOOL_CALL_OPEN), _tag(tokenizer, TOOL_CALL_CLOSE)
+    lines.append(f'call: {open_tag} "\\n" call_json "\\n" {close_tag}')
+    lines.append('start: call ("\\n" call)*' if parallel and fmt.parallel else "start: call")
+    return "\n".join(lines) + "\n"
+
+
+def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call of `function`: its name, then its arguments."""
+    parameters = function.get("parameters") or {"type": "object"}
+    if function.get("strict"):
+        parameters = strict_schema(parameters)
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, fmt.arguments_key: parameters},
+        "required": ["name", fmt.arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def _tag(tokenizer: Tokenizer, tag: str) -> str:
+    """A tag in Lark: by id when it is one token (llguidance treats added tokens as
+    special: only the id matches them), else as text."""
+    token_id = tokenizer.token_to_id(tag)
+    return json.dumps(tag) if token_id is None else f"<[{token_id}]>"
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools one request offers, in the model's format, and whether a call is forced.
+
+    forced: "required" (some tool), a tool's name (that tool), or None (`auto`).
+    """
+
+    fmt: ToolCallFormat
+    tool_names: tuple[str, ...]
+    forced: str | None = None
+
+    def parser(self) -> ToolCallParser:
+        """A parser for one reply (one per choice)."""
+        return ToolCallParser(self.fmt, self.tool_names, forced=self.forced is not None)
+
+    def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
+        """OpenAI's finish reason: "tool_calls" when a reply that stopped made calls, but
+        "stop" when a named tool was forced (as OpenAI answers)."""
+        if reason != "stop" or not made_calls or self.forced not in (None, "required"):
+            return reason
+        return "tool_calls"
+
+
+# --- parsing replies -----------------------------------------------------------------
+
+
+@dataclass
+class ToolCallDelta:
+    """What one stretch of a reply adds to the call at `index` (OpenAI's stream shape):
+    its id and name the first time, then fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def as_openai(self, whole: bool) -> dict[str, Any]:
+        """The `tool_calls` entry of a message (whole) or of a stream delta."""
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.name is not None:
+            function = {"name": self.name, **function}
+        entry: dict[str, Any] = {} if whole else {"index": self.index}
+        if self.id is not None:
+            entry |= {"id": self.id, "type": "function"}
+        return {**entry, "function": function}
+
+
+@dataclass
+class ParsedDelta:
+    """The content and tool-call deltas of one stretch of a reply."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+# Where the parser is: in plain text, in a call whose header is not yet read, in its
+# arguments, after them (until the block closes).
+_TEXT, _BLOCK, _ARGUMENTS, _AFTER = "text", "block", "arguments", "after"
+
+
+class ToolCallParser:
+    """Splits a streamed reply into content and tool-call deltas (module docstring).
+
+    tool_names: the tools offered; a call naming another is content. forced: a grammar
+    forces the calls' syntax, so they stream from their header on (else each call waits
+    for its block's end, to be checked whole).
+    `push(text)` and `finish()` return a ParsedDelta; `push` may hold text back.
+    """
+
+    def __init__(self, fmt: ToolCallFormat, tool_names: Sequence[str], forced: bool) -> None:
+        self.fmt, self.tool_names, self.forced = fmt, frozenset(tool_names), forced
+        self.num_calls = 0
+        self._state = _TEXT
+        self._held = ""  # text not yet handed out
+        self._block = ""  # the current block's text (after its opening tag)
+        self._started = False  # the untagged format: the reply's first character was read
+        self._header = re.compile(
+            r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"'
+            + re.escape(fmt.arguments_key)
+            + r'"\s*:\s*(?=\S)'  # through the first character of the arguments
+        )
+        self._scan = _ValueScanner()
+        self._steps = {
+            _TEXT: self._in_text,
+            _BLOCK: self._in_block,
+            _ARGUMENTS: self._in_arguments,
+            _AFTER: self._in_after,
+        }
+
+    def push(self, text: str) -> ParsedDelta:
+        self._held += text
+        out = ParsedDelta()
+        while True:  # one delta may cross several states
+            state, held = self._state, self._held
+            self._steps[state](out)
+            if self._state == state and self._held == held:
+                return out
+
+    def finish(self) -> ParsedDelta:
+        """The end of the reply: what was held, or a pending block, goes out."""
+        out = self.push("")
+        if self._state == _BLOCK:
+            self._close_block(self._block + self._held, out, closed=False)
+        elif self._state == _TEXT:
+            out.content += self._held
+        self._held, self._state = "", _TEXT
+        return out
+
+    # -- the states -------------------------------------------------------------------
+
+    def _in_text(self, out: ParsedDelta) -> None:
+        if self.num_calls:  # the newlines between and after calls are no content
+            self._held = self._held.lstrip()
+        if not self.fmt.tagged:
+            self._untagged_start(out)
+            return
+        start = self._held.find(TOOL_CALL_OPEN)
+        if start >= 0:
+            out.content += self._held[:start]
+            self._held = self._held[start + len(TOOL_CALL_OPEN) :]
+            self._block, self._state = "", _BLOCK
+            return
+        keep = partial_match_length(self._held, [TOOL_CALL_OPEN])
+        out.content += self._held[: len(self._held) - keep]
+        self._held = self._held[len(self._held) - keep :]
+
+    def _untagged_start(self, out: ParsedDelta) -> None:
+        """A bare-JSON call is the whole reply: decide from its first characters."""
+        if self._started:
+            out.content, self._held = out.content + self._held, ""
+            return
+        head = self._held.lstrip()
+        if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+            return  # not yet known
+        self._started = True
+        call = head.removeprefix(PYTHON_TAG).lstrip()
+        if call.startswith("{") or not call:
+            self._held, self._block, self._state = call, "", _BLOCK
+        else:
+            out.content, self._held = out.content + self._held, ""
+
+    def _in_block(self, out: ParsedDelta) -> None:
+        self._block, self._held = self._block + self._held, ""
+        end = self._block.find(TOOL_CALL_CLOSE) if self.fmt.tagged else -1
+        header = self._header.match(self._block) if self.forced else None
+        if header and (end < 0 or header.end() <= end):
+            name = json.loads(header.group(1))
+            if name in self.tool_names:
+                out.tool_calls.append(self._open_call(name))
+                self._held, self._state = self._block[header.end() :], _ARGUMENTS
+                self._scan = _ValueScanner()
+                return
+        if end >= 0:
+            rest = self._block[end + len(TOOL_CALL_CLOSE) :]
+            self._close_block(self._block[:end], out, closed=True)
+            self._held, self._state = rest, _TEXT
+
+    def _in_arguments(self, out: ParsedDelta) -> None:
+        end = self._held.find(TOOL_CALL_CLOSE) if self.fmt.tagged else -1
+        scanned = self._held if end < 0 else self._held[:end]
+        length = self._scan.feed(scanned)
+        if length:
+            out.tool_calls.append(ToolCallDelta(self.num_calls - 1, arguments=scanned[:length]))
+        self._held = self._held[length:]
+        if self._scan.done:
+            self._state = _AFTER
+        elif end >= 0:  # the block closed inside the arguments: they stay as written
+            self._held, self._state = self._held[end - length + len(TOOL_CALL_CLOSE) :], _TEXT
+
+    def _in_after(self, out: ParsedDelta) -> None:
+        """After the arguments: skip to the end of the block (`}` then the closing tag)."""
+        if not self.fmt.tagged:
+            brace = self._held.find("}")
+            if brace >= 0:
+                self._held, self._state = self._held[brace + 1 :], _TEXT
+            return
+        end = self._held.find(TOOL_CALL_CLOSE)
+        if end >= 0:
+            self._held, self._state = self._held[end + len(TOOL_CALL_CLOSE) :], _TEXT
+
+    # -- calls --------------------------------------------------------------------------
+
+    def _open_call(self, name: str) -> ToolCallDelta:
+        self.num_calls += 1
+        return ToolCallDelta(self.num_calls - 1, id=f"call_{uuid.uuid4().hex[:24]}", name=name)
+
+    def _close_block(self, block: str, out: ParsedDelta, closed: bool) -> None:
+        """A block whose header did not parse: a call if it parses whole, else content."""
+        call = _parse_call(block, self.fmt.arguments_key)
+        if call is not None and call[0] in self.tool_names:
+            delta = self._open_call(call[0])
+            delta.arguments = json.dumps(call[1], ensure_ascii=False)
+            out.tool_calls.append(delta)
+            return
+        if self.fmt.tagged:
+            block = TOOL_CALL_OPEN + block + (TOOL_CALL_CLOSE if closed else "")
+        out.content += block
+
+
+def _parse_call(text: str, arguments_key: str) -> tuple[str, Any] | None:
+    """(name, arguments) of one whole call's JSON, or None when it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters")))
+    return None if arguments is None else (value["name"], arguments)
+
+
+class _ValueScanner:
+    """Finds where one JSON value ends in streamed text: tracks strings and nesting,
+    nothing more (the grammar, or the caller, checks the rest)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = self.started = self.done = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of `text` belong to the value (all, until it ends)."""
+        for i, char in enumerate(text):
+            if self.done:
+                return i
+            if not self.started:
+                if char.isspace():
+                    continue
+                self.started = True
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    self.done = self.depth == 0
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                if self.depth == 0:  # a bare value ends at its object's brace
+                    self.done = True
+                    return i
+                self.depth -= 1
+                self.done = self.depth <= 0
+            elif self.depth == 0 and char == ",":
+                self.done = True
+                return i
+        return len(text)

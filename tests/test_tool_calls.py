@@ -1,0 +1,586 @@
+"""Tool calling: prompts through each template, grammars in each wrapping, the parser, and
+`qinfer serve` answering the real `openai` client.
+
+The server runs a random Qwen3 checkpoint with Qwen3's real template (tests/text_assets.py),
+so its replies are noise unless something forces them: the calls a test expects come from
+a grammar (`tool_choice` required or named, or a test's own `guided_grammar`), never
+from a mock of the server. Template renderings are checked against `transformers`'
+`apply_chat_template(..., tools=...)` on the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import jsonschema
+import llguidance
+import openai
+import pytest
+from checkpoints import CHATML_TEMPLATE, build_checkpoint
+from server_process import start_serve_command
+from text_assets import (
+    CHATML_SPECIAL,
+    LLAMA3_CHAT_TEMPLATE,
+    LLAMA3_SPECIAL,
+    QWEN3_ADDED,
+    QWEN3_CHAT_TEMPLATE,
+    save_tokenizer_folder,
+    train_tokenizer,
+)
+
+import qinfer
+from qinfer.grammar import _ll_tokenizer
+from qinfer.server.protocol import ChatCompletionRequest
+from qinfer.tool_calls import (
+    GENERIC,
+    HERMES,
+    LLAMA3_JSON,
+    ToolCallParser,
+    tool_call_format,
+    tool_call_grammar,
+    tool_prompt,
+)
+
+CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": CITY, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": CITY},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+USER = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+#: A turn as the openai client sends it back: arguments as JSON text, tool results by id.
+ROUND_TRIP = [
+    {"role": "system", "content": "Use tools."},
+    *USER,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18}'},
+]
+
+
+# --- the parser --------------------------------------------------------------------------
+
+
+def parse(fmt, text: str, step: int, forced: bool, names=("get_weather", "get_time")):
+    """(content, [(name, arguments)], calls' deltas) of `text` pushed `step` characters at a time."""
+    parser = ToolCallParser(fmt, names, forced)
+    deltas = [parser.push(text[i : i + step]) for i in range(0, len(text), step)]
+    deltas.append(parser.finish())
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, list] = {}
+    call_deltas = [c for d in deltas for c in d.tool_calls]
+    for c in call_deltas:
+        if c.id is not None:
+            assert c.index not in calls and c.name is not None
+            calls[c.index] = [c.name, ""]
+        calls[c.index][1] += c.arguments
+    return content, [tuple(call) for call in calls.values()], call_deltas
+
+
+TWO_CALLS = (
+    'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"}ris", '
+    '"n": [1, {"a": 2}]}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+    '{"city": "Tokyo"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("step", [1, 2, 7, 10_000])
+def test_two_hermes_calls_parse_alike_however_the_text_is_split(step, forced):
+    content, calls, _ = parse(HERMES, TWO_CALLS, step, forced)
+    assert content == "Let me look."
+    assert [name for name, _ in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0][1]) == {"city": 'Pa"}ris', "n": [1, {"a": 2}]}
+    assert json.loads(calls[1][1]) == {"city": "Tokyo"}
+
+
+def test_forced_calls_stream_their_arguments_in_fragments():
+    _, _, deltas = parse(HERMES, TWO_CALLS, 3, forced=True)
+    assert sum(1 for d in deltas if d.index == 0 and d.arguments) > 3
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "get_weather", "arguments": {city: Paris}}',  # malformed JSON
+        '{"name": "rm_rf", "arguments": {}}',  # a tool that was not offered
+        "not json at all",
+    ],
+)
+def test_an_unforced_block_that_is_not_a_call_is_content(block):
+    text = f"Hi <tool_call>\n{block}\n</tool_call> bye"
+    assert parse(HERMES, text, 3, forced=False)[:2] == (text, [])
+
+
+def test_a_half_written_tag_is_held_back_until_known():
+    parser = ToolCallParser(HERMES, ["get_weather"], forced=False)
+    assert parser.push("Hello <tool_").content == "Hello "
+    assert parser.push("box>").content == "<tool_box>"
+
+
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", "  "])
+@pytest.mark.parametrize("forced", [True, False])
+def test_llama3_json_call_optionally_after_python_tag(prefix, forced):
+    text = prefix + '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    content, calls, _ = parse(LLAMA3_JSON, text, 2, forced)
+    assert content == "" and calls[0][0] == "get_weather"
+    assert json.loads(calls[0][1]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("text", ["Paris is sunny {really}", '{"answer": 1}'])
+def test_llama3_text_or_other_json_is_content(text):
+    assert parse(LLAMA3_JSON, text, 2, forced=False)[:2] == (text, [])
+
+
+# --- templates ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = save_tokenizer_folder(
+        tmp_path_factory.mktemp("qwen3-tools"),
+        train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED),
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llama3_pair(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = save_tokenizer_folder(
+        tmp_path_factory.mktemp("llama3-tools"),
+        train_tokenizer(LLAMA3_SPECIAL),
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
+    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def server_prompt(tokenizer, body: dict) -> str:
+    """The prompt text the server renders for a request body (its own code path)."""
+    request = ChatCompletionRequest.model_validate_json(json.dumps(body))
+    messages, kwargs = tool_prompt(
+        tool_call_format(tokenizer),
+        [m.for_template() for m in request.messages],
+        request.offered_tools(),
+    )
+    return tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def decoded(messages: list[dict]) -> list[dict]:
+    """The messages as the templates expect them: each call's arguments decoded, the
+    content of a turn of only calls "" rather than null."""
+    out = json.loads(json.dumps(messages))
+    for message in out:
+        for call in message.get("tool_calls") or ():
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        if message.get("tool_calls") and message["content"] is None:
+            message["content"] = ""
+    return out
+
+
+@pytest.mark.parametrize("pair", ["qwen3_pair", "llama3_pair"])
+def test_tool_round_trip_renders_like_transformers(pair, request):
+    ours, reference = request.getfixturevalue(pair)
+    expected = reference.apply_chat_template(
+        decoded(ROUND_TRIP), tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert server_prompt(ours, {"messages": ROUND_TRIP, "tools": TOOLS}) == expected
+    assert "get_time" in expected and "temp" in expected
+
+
+def test_formats_are_read_off_the_templates(qwen3_pair, llama3_pair, tmp_path):
+    plain = save_tokenizer_folder(
+        tmp_path, train_tokenizer(CHATML_SPECIAL), chat_template=CHATML_TEMPLATE
+    )
+    assert tool_call_format(qwen3_pair[0]) is HERMES
+    assert tool_call_format(llama3_pair[0]) is LLAMA3_JSON
+    assert tool_call_format(qinfer.load_tokenizer(plain)) is GENERIC
+
+
+def test_generic_format_describes_tools_in_the_system_message_and_rewrites_history():
+    messages, kwargs = tool_prompt(GENERIC, decoded(ROUND_TRIP), TOOLS)
+    assert kwargs == {}
+    system = messages[0]["content"]
+    assert system.startswith("Use tools.\n\n# Tools")
+    assert all(json.dumps(tool) in system for tool in TOOLS) and "<tool_call>" in system
+    assert messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
+    assert messages[3] == {
+        "role": "user",
+        "content": '<tool_response>\n{"temp": 18}\n</tool_response>',
+    }
+
+
+def test_tool_choice_none_shows_no_tools(qwen3_pair):
+    ours, reference = qwen3_pair
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "none"}
+    expected = reference.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert server_prompt(ours, body) == expected
+
+
+def test_strict_false_leaves_objects_open():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}
+    for strict, additional in ((False, True), (True, None), (None, None)):
+        body["response_format"]["json_schema"] = {"name": "r", "schema": schema, "strict": strict}
+        request = ChatCompletionRequest.model_validate(body)
+        assert (
+            json.loads(json.dumps(request.constraint()["json_schema"])).get("additionalProperties")
+            == additional
+        )
+
+
+# --- grammars ----------------------------------------------------------------------------
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher of `grammar` takes `text` (as the tokenizer encodes it)
+    through to an accepting state."""
+    matcher = llguidance.LLMatcher(
+        _ll_tokenizer(tokenizer, tokenizer.eos_token_ids),
+        llguidance.grammar_from("grammar", grammar),
+        log_level=0,
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_hermes_grammar_names_the_tags_by_id_and_follows_the_schemas(qwen3_pair):
+    tokenizer = qwen3_pair[0]
+    grammar = tool_call_grammar(HERMES, TOOLS, tokenizer, parallel=True)
+    assert f"<[{tokenizer.token_to_id('<tool_call>')}]>" in grammar
+    one = hermes_call("get_weather", {"city": "Paris", "days": 2})
+    two = one + "\n" + hermes_call("get_time", {"city": "Tokyo"})
+    assert accepts(tokenizer, grammar, one) and accepts(tokenizer, grammar, two)
+    assert not accepts(tokenizer, grammar, hermes_call("get_weather", {"city": "Rome"}))
+    assert not accepts(tokenizer, grammar, hermes_call("get_weather", {"city": "Paris", "x": 1}))
+    assert not accepts(tokenizer, grammar, hermes_call("delete_all", {}))
+    assert not accepts(tokenizer, grammar, "Sure. " + one)
+    single = tool_call_grammar(HERMES, TOOLS, tokenizer, parallel=False)
+    assert accepts(tokenizer, single, one) and not accepts(tokenizer, single, two)
+
+
+def test_llama3_grammar_is_one_bare_json_call(llama3_pair):
+    tokenizer = llama3_pair[0]
+    grammar = tool_call_grammar(LLAMA3_JSON, [TIME], tokenizer)
+    call = {"name": "get_time", "parameters": {"city": "Paris"}}
+    assert accepts(tokenizer, grammar, json.dumps(call))
+    assert not accepts(tokenizer, grammar, json.dumps({**call, "name": "get_weather"}))
+    assert not accepts(tokenizer, grammar, json.dumps(call) + "; " + json.dumps(call))
+
+
+# --- the server --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(openai client, httpx client, tokenizer, checkpoint folder) of `qinfer serve` on a
+    random Qwen3 with Qwen3's template."""
+    folder = tmp_path_factory.mktemp("tools-qwen3")
+    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
+    save_tokenizer_folder(
+        folder,
+        backend,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    eos = backend.token_to_id("<|im_end|>")
+    # Tools make long prompts for a 400-token vocabulary: 4096 positions of context.
+    build_checkpoint(
+        folder,
+        "qwen3",
+        vocab_size=backend.get_vocab_size(),
+        eos_token_id=eos,
+        max_position_embeddings=4096,
+    )
+    process, url = start_serve_command(
+        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"),
+        timeout=120,
+    )
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        yield client, http, qinfer.load_tokenizer(folder), folder
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def chat(client, **fields):
+    extra = {**NO_THINKING, **fields.pop("extra_body", {})}
+    fields.setdefault("max_tokens", 200)
+    return client.chat.completions.create(model="tiny", messages=USER, extra_body=extra, **fields)
+
+
+def streamed(client, **fields):
+    """(content, {index: [id, name, arguments]}, finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in chat(client, stream=True, **fields):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or ():
+            if call.id is not None:
+                assert call.index not in calls, "a call's id and name come once"
+                calls[call.index] = [call.id, call.function.name, ""]
+            calls[call.index][2] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def valid_call(call, tools=TOOLS) -> bool:
+    (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    return True
+
+
+def forcing_grammar(tokenizer, text_parts: list[str | None]) -> str:
+    """A Lark grammar that forces exactly this text; None stands for a tag token in turn
+    (<tool_call>, </tool_call>, <tool_call>, ...), named by id."""
+    tags = [tokenizer.token_to_id("<tool_call>"), tokenizer.token_to_id("</tool_call>")]
+    items, tag = [], 0
+    for part in text_parts:
+        if part is None:
+            items.append(f"<[{tags[tag % 2]}]>")
+            tag += 1
+        else:
+            items.append(json.dumps(part))
+    return "start: " + " ".join(items)
+
+
+def two_call_reply(tokenizer) -> str:
+    call = '\n{"name": "%s", "arguments": {"city": "%s"}}\n'
+    parts = ["Let me look.", None, call % ("get_weather", "Paris"), None, "\n", None]
+    return forcing_grammar(tokenizer, [*parts, call % ("get_time", "Tokyo"), None])
+
+
+def test_auto_parses_two_calls_whole_and_streamed(served):
+    client, _, tokenizer, _ = served
+    fields = dict(tools=TOOLS, extra_body={"guided_grammar": two_call_reply(tokenizer)})
+    reply = chat(client, **fields).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content == "Let me look."
+    calls = reply.message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.function.arguments) for c in calls] == [
+        {"city": "Paris"},
+        {"city": "Tokyo"},
+    ]
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    content, stream_calls, finish = streamed(client, **fields)
+    assert (content, finish) == ("Let me look.", "tool_calls")
+    assert [(name, args) for _, name, args in stream_calls.values()] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_tool_choice_none_returns_the_same_text_as_content(served):
+    client, _, tokenizer, _ = served
+    reply = chat(
+        client,
+        tools=TOOLS,
+        tool_choice="none",
+        extra_body={"guided_grammar": two_call_reply(tokenizer)},
+    ).choices[0]
+    assert reply.message.tool_calls is None and reply.finish_reason == "stop"
+    assert reply.message.content.startswith("Let me look.<tool_call>\n")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_always_makes_a_valid_call_streamed_alike(served, seed):
+    client, _, _, _ = served
+    fields = dict(
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed
+    )
+    reply = chat(client, **fields).choices[0]
+    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    assert valid_call(reply.message.tool_calls[0])
+    _, calls, finish = streamed(client, **fields)
+    call = reply.message.tool_calls[0]
+    assert finish == "tool_calls"
+    assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+def test_a_named_tool_is_called_and_ends_with_stop(served):
+    client, _, _, _ = served
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    reply = chat(client, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=5).choices[0]
+    assert reply.finish_reason == "stop"
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_time" and valid_call(call)
+
+
+def test_tool_results_go_back_through_the_template(served):
+    client, _, _, folder = served
+    from transformers import AutoTokenizer
+
+    reply = client.chat.completions.create(
+        model="tiny", messages=ROUND_TRIP, tools=TOOLS, max_tokens=1, extra_body=NO_THINKING
+    )
+    reference = AutoTokenizer.from_pretrained(folder)
+    text = reference.apply_chat_template(
+        decoded(ROUND_TRIP),
+        tools=TOOLS,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    assert reply.usage.prompt_tokens == len(reference.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice forces a tool call, whose grammar cannot be combined with response_format",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "got response_format and guided_regex",
+        ),
+    ],
+)
+def test_conflicting_requests_are_a_400_naming_the_fields(served, fields, message):
+    _, http, _, _ = served
+    body = {"model": "tiny", "messages": USER, "tools": TOOLS, **fields}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_history_arguments_that_are_not_json_are_a_400_naming_them(served):
+    _, http, _, _ = served
+    messages = json.loads(json.dumps(ROUND_TRIP))
+    messages[2]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
+    response = http.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
+    error = response.json()["error"]
+    assert response.status_code == 400
+    assert error["param"] == "messages.2.tool_calls.0.function.arguments"
+
+
+HUGE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        f"field_{i:06d}": {"type": "string", "description": "x" * 60} for i in range(12_000)
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "nope"}, "json_schema is invalid"),
+        ({"type": "object", "dependentSchemas": {"a": {}}}, "Unimplemented keys"),
+        (HUGE_SCHEMA, "bytes; constraints of at most"),
+        (
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a",
+            },
+            "refers back to itself",
+        ),
+    ],
+    ids=["invalid", "unsupported-keyword", "1MB", "recursive-ref"],
+)
+def test_bad_schemas_are_400s_and_the_server_keeps_serving(served, schema, message):
+    client, _, _, _ = served
+    assert len(json.dumps(HUGE_SCHEMA)) > 2**20
+    with pytest.raises(openai.BadRequestError, match=message):
+        chat(client, max_tokens=4, extra_body={"guided_json": schema})
+    assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def live_matchers(http) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("qinfer_grammar_matchers_live "):
+            return float(line.split()[1])
+    raise AssertionError("no qinfer_grammar_matchers_live in /metrics")
+
+
+def test_aborting_200_constrained_streams_frees_every_matcher(served):
+    _, http, _, _ = served
+    body = {
+        "model": "tiny",
+        "messages": USER,
+        "max_tokens": 400,
+        "stream": True,
+        "guided_regex": "[a-z ]{400}",
+        **NO_THINKING,
+    }
+    baseline = live_matchers(http)
+    for i in range(200):
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            if i == 0:
+                assert live_matchers(http) == baseline + 1  # the gauge sees a live one
+    deadline = time.monotonic() + 30
+    while live_matchers(http) != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_matchers(http) == baseline
+
+
+def test_the_default_model_calls_tools_in_the_generic_format():
+    """`qinfer serve` with no model (the embedded SmolLM2, whose template knows no tools)."""
+    process, url = start_serve_command(timeout=120)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "What is the weather in Tokyo?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=100,
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert all(valid_call(call) for call in choice.message.tool_calls)

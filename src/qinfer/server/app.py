@@ -3,8 +3,9 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, and qinfer's
 own `POST /v1/inspect` (behind the API key when one is set), `GET /health`, `GET /metrics`,
 and the web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves). Every request shares the one
-`AsyncEngine`, which batches them (the model runs in its own thread); the event loop only
+`server/static/`, which ask for the key once and send it to /v1 themselves).
+
+Every request shares the one `AsyncEngine`, which batches them (the model runs in its own thread); the event loop only
 parses, tokenizes (in a worker thread) and relays deltas.
 """
 

@@ -43,6 +43,7 @@ class InspectRequest(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def prompt_for_encoding(self) -> str | list[int] | list[dict[str, Any]]:
+        """The prompt as `encode_prompt` takes it (messages as the chat template reads them)."""
         if (
             isinstance(self.prompt, list)
             and self.prompt

@@ -5,8 +5,8 @@ own `POST /v1/inspect` (behind the API key when one is set), `GET /health`, `GET
 and the web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
 `server/static/`, which ask for the key once and send it to /v1 themselves).
 
-Every request shares the one `AsyncEngine`, which batches them (the model runs in its own thread); the event loop only
-parses, tokenizes (in a worker thread) and relays deltas.
+Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
+thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
 """
 
 from __future__ import annotations

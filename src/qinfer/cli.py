@@ -3,7 +3,9 @@
     qinfer generate [--model M] PROMPT      stream a completion of PROMPT to stdout
     qinfer chat [--model M]                 a multi-turn chat read from stdin
     qinfer bench [--model M] [--json]       prefill / decode speed, memory, weight GB/s
-    qinfer serve [--model M] [--port P]     the OpenAI-compatible HTTP API
+    qinfer serve [--model M] [--port P]     the OpenAI-compatible HTTP API (and web pages)
+    qinfer inspect PROMPT --layer L --head H --out attn.png
+                                            one head's attention as a PNG heatmap
 
 Each subcommand is a `Command`: a function that adds its arguments and a function that
 runs it; `COMMANDS` lists them. Adding one (say `serve`) is writing those two functions
@@ -299,11 +301,56 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- qinfer inspect ----------------------------------------------------------------------
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("prompt", help="the text to inspect (as-is; --chat: as a user message)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser.add_argument("--layer", type=int, default=0, help="the layer (default: 0)")
+    parser.add_argument("--head", type=int, default=0, help="the query head (default: 0)")
+    parser.add_argument("--top-k", type=int, default=5, help="next-token candidates printed")
+    parser.add_argument("--out", default=None, help="write the heatmap to this PNG file")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print the tokens and the next-token candidates; draw the head's attention to --out
+    (the inspector page's heatmap)."""
+    from qinfer.inspection import inspect_tokens
+    from qinfer.prompts import encode_prompt
+
+    if args.tensor_parallel_size != 1:
+        raise QinferError(
+            "inspect runs the whole model in one process: drop --tensor-parallel-size"
+        )
+    _, model, tokenizer = load_model_and_tokenizer(args)
+    ids = encode_prompt(tokenizer, args.prompt, chat=args.chat, vocab_size=model.config.vocab_size)
+    seen = inspect_tokens(model, ids, [args.layer], [args.head], args.top_k)
+    texts = [tokenizer.decode([token_id]) for token_id in ids]
+    print(" | ".join(texts))
+    print(f"next token after {texts[-1]!r}:")
+    for token_id, prob in zip(
+        seen.next_tokens.ids[-1].tolist(), seen.next_tokens.probs[-1].tolist(), strict=True
+    ):
+        print(f"  {prob:7.2%}  {tokenizer.decode([token_id])!r}")
+    if args.out is not None:
+        from qinfer.heatmap import write_attention_png
+
+        title = f"layer {args.layer}, head {args.head}"
+        write_attention_png(seen.attention[args.layer][0], texts, args.out, title)
+        print(f"wrote {args.out} ({title})", file=sys.stderr)
+    return 0
+
+
 COMMANDS = [
     Command("generate", "stream a completion of one prompt", add_generate_arguments, run_generate),
     Command("chat", "chat with a model, one line per turn", add_chat_arguments, run_chat),
     Command("bench", "measure prefill and decode speed", add_bench_arguments, run_bench),
     Command("serve", "serve the OpenAI HTTP API", add_serve_arguments, run_serve),
+    Command(
+        "inspect", "show a prompt's attention and predictions", add_inspect_arguments, run_inspect
+    ),
 ]
 
 

@@ -31,7 +31,14 @@ class SamplingError(QinferError):
 
 
 class RequestError(QinferError):
-    """A request the engine cannot serve: empty prompt, too long, bad id (HTTP 400)."""
+    """A request the engine cannot serve: empty prompt, too long, bad id (HTTP 400).
+
+    param: the request field at fault, when one is (the server's error names it).
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloadedError(QinferError):

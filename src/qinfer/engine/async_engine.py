@@ -8,7 +8,8 @@ One thread owns the `Engine` and runs `step()` while there is work. The event lo
 waits for a model step: requests are checked and encoded in the caller's thread, then
 handed to the step thread through a queue (so are aborts); outputs come back to each
 request's asyncio queue with `call_soon_threadsafe`. `stats()` returns the snapshot the
-step thread publishes after every step.
+step thread publishes after every step. `run_with_model(fn)` runs other work on the model
+(an inspection) in that thread too, between two steps, so it never races a step.
 
 Under tensor parallelism a worker that dies (during a step, or while the engine is idle:
 the group's watch) fails the engine for good: running requests fail, new ones are
@@ -24,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +38,8 @@ from qinfer.model import Transformer
 from qinfer.prompts import Prompt
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,7 +79,8 @@ class AsyncEngine:
             tensor_parallel_size,
         )
         self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", id)
+        # ("add", Request) | ("abort", id) | ("call", _ModelCall) | ("stop", None)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()  # guards _streams between loop and step thread
         self._stats = self.engine.stats()
@@ -151,6 +156,21 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def run_with_model(self, fn: Callable[[Transformer], T]) -> T:
+        """fn(model) run in the step thread between two steps; its result (or exception).
+
+        The event loop waits without blocking; the engine's requests pause for the call's
+        length. fn must not keep the model's state changed (it gets the engine's model).
+        """
+        if self.failure is not None:
+            raise self.failure
+        if self._stopping:
+            raise QinferError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        call = _ModelCall(fn, loop, loop.create_future())
+        self._inbox.put(("call", call))
+        return await call.result
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
@@ -216,8 +236,11 @@ class AsyncEngine:
                 command, arg = self._inbox.get(block=False)
             except queue.Empty:
                 break
+            refusal = error or QinferError("the engine is shut down")
             if command == "add":
-                self._fail(arg.seq.request_id, error or QinferError("the engine is shut down"))
+                self._fail(arg.seq.request_id, refusal)
+            elif command == "call":
+                arg.settle(None, refusal)
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":
@@ -228,6 +251,12 @@ class AsyncEngine:
                 self._fail(request.seq.request_id, error)
         elif command == "abort":
             self._deliver(self.engine.abort(arg))
+        elif command == "call":
+            call: _ModelCall = arg
+            try:
+                call.settle(call.fn(self.engine.runner.model), None)
+            except Exception as error:  # the caller's to report; the engine goes on
+                call.settle(None, error)
         self._stats = self.engine.stats()
 
     def _deliver(self, output: RequestOutput | None) -> None:
@@ -245,6 +274,31 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             _post(stream, error)
+
+
+@dataclass
+class _ModelCall:
+    """A function to run on the model in the step thread, and where its result goes."""
+
+    fn: Callable[[Transformer], Any]
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        """Hand the result (or the error) to the caller's loop; a caller gone is ignored."""
+
+        def deliver() -> None:
+            if self.result.done():  # the caller was cancelled (its client left)
+                return
+            if error is None:
+                self.result.set_result(value)
+            else:
+                self.result.set_exception(error)
+
+        try:
+            self.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:
+            pass  # the caller's event loop is gone
 
 
 def _post(stream: _Stream, item: RequestOutput | BaseException) -> None:

@@ -44,6 +44,23 @@ def scaled_dot_product_attention_grouped(
     broadcastable to (B, Hq, L, S) that is boolean (True = may attend) or additive.
     Returns (B, Hq, L, D) in q's dtype.
     """
+    B, Hq, L, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    weights = attention_weights_grouped(q, k, scale, mask).to(v.dtype)  # (B, Hq, L, S)
+    # (B, Hq, L, S) -> (B, Hkv, n_rep * L, S): each KV head's n_rep query heads in one matmul
+    out = torch.matmul(weights.reshape(B, Hkv, -1, S), v)  # (B, Hkv, n_rep * L, D)
+    return out.reshape(B, Hq, L, v.shape[-1])
+
+
+def attention_weights_grouped(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask: Mask = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask): the attention weights of the reference path, in fp32.
+
+    q: (B, Hq, L, D); k: (B, Hkv, S, D); mask as in `scaled_dot_product_attention_grouped`.
+    Returns (B, Hq, L, S): row (h, i) is how query i of head h spreads over the S keys
+    (sums to 1; zero where the mask forbids).
+    """
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     n_rep = Hq // Hkv
@@ -60,9 +77,7 @@ def scaled_dot_product_attention_grouped(
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.matmul(weights.reshape(B, Hkv, n_rep * L, S), v)  # (B, Hkv, n_rep * L, D)
-    return out.reshape(B, Hq, L, D)
+    return torch.softmax(scores.float(), dim=-1).reshape(B, Hq, L, S)
 
 
 def reference_sdpa_fp32(

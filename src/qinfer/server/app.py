@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine's async API.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the
-API key when one is set), `GET /health`, `GET /metrics`. Every request shares the one
-`AsyncEngine`, which batches them (the model runs in its own thread); the event loop only
-parses, tokenizes (in a worker thread) and relays deltas.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, and qinfer's
+own `POST /v1/inspect` (behind the API key when one is set), `GET /health`, `GET /metrics`,
+and the web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
+`server/static/`, which ask for the key once and send it to /v1 themselves).
+
+Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
+thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import pydantic
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +37,7 @@ from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
+from qinfer.server.inspection import InspectRequest, encode_and_inspect, inspection_json
 from qinfer.server.metrics import ServerMetrics
 from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
@@ -42,6 +47,9 @@ from qinfer.tool_calls import ToolUse, tool_call_format, tool_call_grammar, tool
 
 #: Largest request body accepted (HTTP 413 above): generous for long prompts.
 MAX_BODY_BYTES = 16 * 2**20
+
+#: The web pages' files (HTML, CSS, JavaScript: no build step, nothing fetched elsewhere).
+STATIC_FILES = Path(__file__).parent / "static"
 
 
 @dataclass
@@ -174,6 +182,22 @@ class ModelServer:
             return Response(status_code=499)
         return JSONResponse(response_format.response(completion, answers.result()))
 
+    async def inspect(self, body: InspectRequest) -> dict[str, Any]:
+        """The inspection `body` asks for, computed in the engine's step thread (between two
+        steps: never beside one), its JSON built off the event loop."""
+        self.check_model(body.model)
+        template_kwargs = {
+            **self.settings.chat_template_kwargs,
+            **(body.chat_template_kwargs or {}),
+        }
+        inspection = await self.engine.run_with_model(
+            lambda model: encode_and_inspect(model, self.tokenizer, body, template_kwargs)
+        )
+        model_config = self.engine.engine.runner.model.config
+        return await run_in_threadpool(
+            inspection_json, inspection, self.tokenizer, self.settings.model_name, model_config
+        )
+
     def models(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -271,6 +295,20 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.post("/v1/inspect", dependencies=authorized)
+    async def inspect(request: Request) -> dict[str, Any]:
+        return await server.inspect(await read_body(request, InspectRequest))
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC_FILES / "chat.html")
+
+    @app.get("/inspect", include_in_schema=False)
+    async def inspect_page() -> FileResponse:
+        return FileResponse(STATIC_FILES / "inspect.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_FILES), name="static")
 
     @app.get("/health")
     async def health() -> Response:

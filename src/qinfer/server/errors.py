@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qinfer.errors import EngineOverloadedError, QinferError
+from qinfer.errors import EngineOverloadedError, QinferError, RequestError
 
 log = logging.getLogger("qinfer.server")
 
@@ -107,7 +107,8 @@ def error_from_exception(error: Exception) -> APIError:
     if isinstance(error, QinferError):
         # Raised by the text layer or the engine on input the protocol's own checks do
         # not see: a prompt longer than the context, a template that cannot render.
-        return APIError(400, str(error), code="invalid_value")
+        param = error.param if isinstance(error, RequestError) else None
+        return APIError(400, str(error), param=param, code="invalid_value")
     if isinstance(error, StarletteHTTPException):
         # Unknown routes (404) and wrong methods (405) from the router itself.
         message = (

@@ -1,0 +1,104 @@
+"""`POST /v1/inspect` (qinfer's own endpoint): a prompt's tokens, attention weights,
+next-token probabilities and logit lens, as JSON (see docs/INSPECT.md).
+
+The request is checked here (types) and by `qinfer.inspection.check_inspection` (what
+depends on the model: layers, heads, the prompt's length), each refusal a 400 naming its
+field. The forward runs in the engine's step thread between two steps
+(`AsyncEngine.run_with_model`), never beside a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field
+
+from qinfer.config import ModelConfig
+from qinfer.inspection import Inspection, TopTokens, inspect_tokens
+from qinfer.model import Transformer
+from qinfer.prompts import encode_prompt
+from qinfer.server.protocol import ChatMessage, StrictModel
+from qinfer.tokenizer import Tokenizer
+
+#: Digits kept of each probability and weight: enough to sum to 1 within 1e-5, and a
+#: third of the bytes of a full float.
+DIGITS = 6
+
+
+class InspectRequest(StrictModel):
+    """The body of `POST /v1/inspect`.
+
+    prompt: text (encoded as-is, no chat template), token ids, or chat messages (rendered
+        with the chat template, ending where the reply begins).
+    layers: whose attention weights to return; heads: which query heads (default all).
+    top_k: candidates listed per position, for the next token and each layer's lens.
+    """
+
+    model: str | None = None
+    prompt: str | list[int] | list[ChatMessage]
+    layers: list[int] = Field(default_factory=lambda: [0])
+    heads: list[int] | None = None
+    top_k: int = 5
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def prompt_for_encoding(self) -> str | list[int] | list[dict[str, Any]]:
+        """The prompt as `encode_prompt` takes it (messages as the chat template reads them)."""
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], ChatMessage)
+        ):
+            return [message.for_template() for message in self.prompt]
+        return self.prompt
+
+
+def encode_and_inspect(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    body: InspectRequest,
+    template_kwargs: Mapping[str, Any],
+) -> Inspection:
+    """The inspection `body` asks for (run it where the model may be used)."""
+    ids = encode_prompt(
+        tokenizer, body.prompt_for_encoding(), vocab_size=model.config.vocab_size, **template_kwargs
+    )
+    return inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
+
+
+def inspection_json(
+    inspection: Inspection, tokenizer: Tokenizer, model_name: str, config: ModelConfig
+) -> dict[str, Any]:
+    """The response body (documented in docs/INSPECT.md)."""
+
+    def candidates(top: TopTokens) -> list[list[dict[str, Any]]]:
+        return [
+            [
+                {"id": token_id, "text": tokenizer.decode([token_id]), "prob": round(prob, DIGITS)}
+                for token_id, prob in zip(ids, probs, strict=True)
+            ]
+            for ids, probs in zip(top.ids.tolist(), top.probs.tolist(), strict=True)
+        ]
+
+    return {
+        "object": "inspection",
+        "model": model_name,
+        "num_layers": config.num_hidden_layers,
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": config.num_key_value_heads,
+        "tokens": [
+            {"id": token_id, "text": tokenizer.decode([token_id])}
+            for token_id in inspection.token_ids
+        ],
+        "attention": [
+            {
+                "layer": layer,
+                "heads": inspection.heads,
+                # [head][query][key]: row i is how token i spreads its attention over 0..i
+                "weights": weights.round(decimals=DIGITS).tolist(),
+            }
+            for layer, weights in inspection.attention.items()
+        ],
+        "next_tokens": candidates(inspection.next_tokens),
+        "logit_lens": [candidates(top) for top in inspection.logit_lens],
+    }

@@ -1,0 +1,130 @@
+// Talking to the server's /v1 API from the pages: the API key, JSON requests, errors, and
+// server-sent events. The key is asked for once (when the server answers 401) and kept in
+// localStorage; it is sent as "Authorization: Bearer <key>", as the OpenAI clients do.
+
+const KEY_STORAGE = "qinfer.apiKey";
+
+export class APIError extends Error {
+  // status: the HTTP status (0 when the server could not be reached).
+  constructor(message, status) {
+    super(message);
+    this.status = status;
+  }
+}
+
+export function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) || "";
+}
+
+function headers() {
+  const result = { "Content-Type": "application/json" };
+  if (apiKey()) result.Authorization = `Bearer ${apiKey()}`;
+  return result;
+}
+
+// The one-line message of an error response ({"error": {"message": ...}}, OpenAI's shape).
+async function errorOf(response) {
+  let message = `${response.status} ${response.statusText}`;
+  try {
+    const body = await response.json();
+    if (body && body.error && body.error.message) message = body.error.message;
+  } catch {
+    // not JSON: the status line says it
+  }
+  if (response.status === 401) showKeyBar(message);
+  return new APIError(message, response.status);
+}
+
+// fetch() with the key; a non-2xx answer throws APIError with the server's message.
+export async function request(method, path, body, signal) {
+  let response;
+  try {
+    response = await fetch(path, {
+      method,
+      headers: headers(),
+      body: body === undefined ? undefined : JSON.stringify(body),
+      signal,
+    });
+  } catch (error) {
+    if (error.name === "AbortError") throw error;
+    throw new APIError(`The server did not answer (${error.message})`, 0);
+  }
+  if (!response.ok) throw await errorOf(response);
+  return response;
+}
+
+export async function getJSON(path) {
+  return (await request("GET", path)).json();
+}
+
+export async function postJSON(path, body, signal) {
+  return (await request("POST", path, body, signal)).json();
+}
+
+// The JSON payloads of a text/event-stream, until "[DONE]". An {"error": ...} event (a
+// failure after the stream began) throws APIError.
+export async function* events(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event
+        .split("\n")
+        .filter((line) => line.startsWith("data:"))
+        .map((line) => line.slice(5).replace(/^ /, ""))
+        .join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      const payload = JSON.parse(data);
+      if (payload.error) throw new APIError(payload.error.message, 500);
+      yield payload;
+    }
+  }
+}
+
+// The bar at the top of every page that asks for the API key (shown after a 401).
+export function showKeyBar(reason) {
+  const bar = document.getElementById("key-bar");
+  if (!bar) return;
+  bar.hidden = false;
+  bar.querySelector(".key-reason").textContent = reason || "This server needs an API key.";
+  const input = bar.querySelector("input");
+  input.value = apiKey();
+  input.focus();
+}
+
+// Wire the key bar's form; onSaved runs after a new key is stored.
+export function setUpKeyBar(onSaved) {
+  const bar = document.getElementById("key-bar");
+  bar.querySelector("form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    localStorage.setItem(KEY_STORAGE, bar.querySelector("input").value.trim());
+    bar.hidden = true;
+    onSaved();
+  });
+  document.getElementById("key-button").addEventListener("click", () => showKeyBar("API key"));
+}
+
+// The served model's id (GET /v1/models), shown in the header.
+export async function showModelName() {
+  const label = document.getElementById("model-name");
+  try {
+    const models = await getJSON("/v1/models");
+    label.textContent = models.data[0].id;
+    return models.data[0].id;
+  } catch (error) {
+    label.textContent = error.status === 401 ? "API key needed" : "server unreachable";
+    return null;
+  }
+}
+
+// How a token shows on the page: whitespace made visible, so "\n" and " " are not blank.
+export function tokenLabel(text) {
+  return text.replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/ /g, "·") || "∅";
+}

@@ -51,11 +51,13 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen2, llama, mistral) to `folder`; return the HF model."""
+    """Save a random `family` model (qwen3, qwen3_moe, qwen2, llama, mistral) to `folder`;
+    return the HF model."""
     import transformers
 
     classes = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),

@@ -19,8 +19,18 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
+#: A small Qwen3-MoE: top-2 of 8 experts; layer 1 has a dense MLP (mlp_only_layers).
+QWEN3_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    head_dim=16,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
-#: sliding window on every layer, and a window only on the upper layers.
+#: sliding window on every layer, a window only on the upper layers, and experts.
 WINDOWED = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     "mistral-window": ("mistral", dict(sliding_window=8)),
@@ -28,6 +38,7 @@ WINDOWED = {
         "qwen2",
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
+    "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
 }
 
 

@@ -238,3 +238,20 @@ def test_a_world_that_does_not_split_the_experts_is_refused(tmp_path):
     refusal = "30 expert FFN channels do not divide into 4 ranks; use 1, 2, 3, 5, 6, 10, 15 or 30"
     with pytest.raises(QinferError, match=refusal):
         qinfer.load_model(tmp_path, device="cpu", parallel=Parallel(0, 4))
+
+
+def test_a_rank_holds_its_share_of_every_experts_channels(moe_folder):
+    """Tensor parallelism splits each expert's FFN width like the dense MLP's (the two-rank
+    logits are checked in tests/test_tensor_parallel.py); the router is whole on each rank."""
+    whole = qinfer.load_model(moe_folder[0], dtype="float32", device="cpu").layers[0].mlp
+    gate, up = whole.gate_up.weight.chunk(2, dim=1)  # (8, 32, 64) each
+    for rank in range(2):
+        model = qinfer.load_model(
+            moe_folder[0], dtype="float32", device="cpu", parallel=Parallel(rank, 2)
+        )
+        part, channels = model.layers[0].mlp, slice(16 * rank, 16 * (rank + 1))
+        assert torch.equal(
+            part.gate_up.weight, torch.cat([gate[:, channels], up[:, channels]], dim=1)
+        )
+        assert torch.equal(part.down.weight, whole.down.weight[:, :, channels])
+        assert torch.equal(part.router.weight, whole.router.weight)

@@ -74,6 +74,12 @@ class SparseMoE:
             ]
         )
 
+    @property
+    def active_nbytes(self) -> int:
+        """Bytes of weights one token reads: the router and its k experts' projections."""
+        experts = self.gate_up.nbytes + self.down.nbytes
+        return self.router.nbytes + experts * self.top_k // self.num_experts
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, k) in x's dtype, experts (T, k) long): each token's
         k most probable experts, most probable first, and the weights of their outputs."""

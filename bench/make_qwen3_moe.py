@@ -6,7 +6,7 @@ parameters per token, to compare the cost of routing and grouping.
     qinfer bench --model /tmp/qwen3-moe-dense-twin
 
 The MoE has Qwen3-0.6B's attention and vocabulary, 8 layers of 32 experts of width 384, 4
-picked per token (~0.47 B parameters, ~0.94 GB in bfloat16; Qwen3-30B-A3B has 48 layers of
+picked per token (0.51 B parameters, 1.0 GB in bfloat16; Qwen3-30B-A3B has 48 layers of
 128 experts of width 768, 8 picked, which does not fit a small machine). The twin's dense
 MLP is 4 x 384 = 1536 wide: the same weights are read per token at batch 1. No tokenizer
 is saved: `qinfer bench` works on token ids.

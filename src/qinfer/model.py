@@ -49,7 +49,7 @@ class Block:
         weights: Weights,
         features: Features,
         parallel: Parallel,
-        layer: int = 0,
+        layer: int,
     ):
         hidden, eps = (config.hidden_size,), config.rms_norm_eps
         self.input_layernorm = RMSNorm(

@@ -29,6 +29,9 @@ QWEN3_MOE = dict(
     mlp_only_layers=[1],
 )
 
+#: A small Qwen2-MoE: the same experts, plus the shared expert every token goes through.
+QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=48)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
 #: sliding window on every layer, a window only on the upper layers, and experts.
 WINDOWED = {
@@ -62,7 +65,7 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen3_moe, qwen2, llama, mistral) to `folder`;
+    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral) to `folder`;
     return the HF model."""
     import transformers
 
@@ -70,6 +73,7 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }

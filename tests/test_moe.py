@@ -1,5 +1,5 @@
-"""Qwen3-MoE: the mixture-of-experts feed-forward against transformers in fp32 (safetensors
-and GGUF), in the engine, quantized, and without host syncs.
+"""Qwen3-MoE (and Qwen2-MoE's shared expert): the mixture-of-experts feed-forward against
+transformers in fp32 (safetensors and GGUF), in the engine, quantized, and without host syncs.
 
 Cache invariance and left-padded batches run on the same family through `WINDOWED`
 (tests/test_cache.py, tests/test_batch.py); two tensor-parallel ranks in
@@ -10,6 +10,7 @@ import pytest
 import torch
 from checkpoints import (
     CHAT_VOCAB_SIZE,
+    QWEN2_MOE,
     QWEN3_MOE,
     build_checkpoint,
     load_pair,
@@ -34,20 +35,24 @@ from qinfer.sampling import SamplingParams
 
 TOLERANCE = 2e-5  # fp32; logits are of order 1
 
-#: Which layers have experts, and how their k weights are scaled.
+#: Which layers have experts, and how their k weights are scaled: (family, overrides).
 CASES = {
     # layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); weights keep their softmax share
-    "dense-layer-1": dict(QWEN3_MOE, norm_topk_prob=False),
+    "dense-layer-1": ("qwen3_moe", dict(QWEN3_MOE, norm_topk_prob=False)),
     # only layer 1 sparse (decoder_sparse_step 2); the k weights renormalised to sum 1
-    "sparse-step-2": dict(
-        QWEN3_MOE, mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=True
+    "sparse-step-2": (
+        "qwen3_moe",
+        dict(QWEN3_MOE, mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=True),
     ),
+    # Qwen2-MoE: q/k/v biases, no QK-norm, a shared expert behind a sigmoid gate
+    "qwen2-moe-shared-expert": ("qwen2_moe", QWEN2_MOE),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
-    return load_pair(tmp_path_factory.mktemp(request.param), "qwen3_moe", **CASES[request.param])
+    family, overrides = CASES[request.param]
+    return load_pair(tmp_path_factory.mktemp(request.param), family, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +68,7 @@ def test_logits_match_transformers(pair, tokens):
 def test_layers_have_experts_where_transformers_has_them(pair):
     reference, model = pair
     theirs = [
-        type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in reference.model.layers
+        type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in reference.model.layers
     ]
     assert [isinstance(layer.mlp, SparseMoE) for layer in model.layers] == theirs
     assert [isinstance(layer.mlp, MLP) for layer in model.layers] == [not s for s in theirs]

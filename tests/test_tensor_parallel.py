@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoints import QWEN3_MOE, build_checkpoint, llama3_rope, max_diff, random_tokens
+from checkpoints import QWEN2_MOE, QWEN3_MOE, build_checkpoint, llama3_rope, max_diff, random_tokens
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
@@ -44,6 +44,7 @@ CHECKPOINTS = {
     "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),  # rotating caches
     # experts' FFN split by channels (64: a rank's 32 down columns are one int4 group)
     "qwen3-moe": ("qwen3_moe", dict(QWEN3_MOE, moe_intermediate_size=64)),
+    "qwen2-moe": ("qwen2_moe", QWEN2_MOE),  # the shared expert split like the experts
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.

@@ -1,6 +1,6 @@
 """The decoder-only transformer: embed -> N x Block(attention, MLP) -> norm -> lm_head.
 
-One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x, SmolLM2 and Mistral; their
+One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2 and Mistral; their
 differences (QK-norm, biases, tied heads, RoPE scaling, sliding windows, experts) live in
 ModelConfig and in which tensors the checkpoint holds.
 
@@ -92,8 +92,12 @@ class Transformer:
         self.parallel.check_model(
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
         )
-        if config.moe is not None:
+        if config.moe is not None:  # refused before loading, like the sizes above
             self.parallel.shard_range(config.moe.moe_intermediate_size, "expert FFN channels")
+            if config.moe.shared_expert_intermediate_size:
+                self.parallel.shard_range(
+                    config.moe.shared_expert_intermediate_size, "shared expert FFN channels"
+                )
         self.dtype, self.device = weights.dtype, weights.device
         V, H = config.vocab_size, config.hidden_size
         # The embedding table is a Linear too (read by rows): quantized like the rest, split

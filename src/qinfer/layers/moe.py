@@ -1,9 +1,10 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE): a router picks k of E SwiGLU experts for
-each token and adds their outputs, weighted by its probabilities.
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): a router picks k of E SwiGLU
+experts for each token and adds their outputs, weighted by its probabilities.
 
     probs = softmax(x W_router^T)            (T, E), in fp32
     top, chosen = topk(probs, k)             (T, k); top renormalised to sum 1 if norm_topk_prob
     y[t] = sum_j top[t, j] * expert_{chosen[t, j]}(x[t])
+         (+ sigmoid(x[t] w_shared_gate) * shared(x[t]): Qwen2-MoE's shared expert)
     expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
 Each expert runs only on the tokens routed to it: the T * k (token, expert) pairs are sorted
@@ -15,7 +16,8 @@ routing and the run lengths stay on the device, so dense experts run without a h
 Tensor parallelism (`qinfer.parallel`): a rank holds moe_intermediate / N channels of every
 expert (gate/up rows, down columns), as the dense MLP splits its FFN; the router is
 replicated, so every rank routes alike, and the ranks' partial sums are all-reduced once,
-after the experts' outputs are combined. Expert parallelism (ranks holding whole experts)
+after the experts' outputs are combined. A shared expert is split the same way and joins
+the same all-reduce. Expert parallelism (ranks holding whole experts)
 is not implemented.
 """
 
@@ -46,39 +48,36 @@ class SparseMoE:
         # The router stays dense under quantization (its choices are discrete: a rounded
         # weight could send a token elsewhere) and whole on every rank.
         self.router = DenseLinear(weights.tensor(f"{prefix}.gate.weight", (experts, hidden)))
-        channels = parallel.shard_range(inter, "expert FFN channels")  # this rank's
-        names = [f"{prefix}.experts.{e}" for e in range(experts)]
-        # Each expert's gate and up loaded as one projection (rows stacked), like the MLP's.
-        self.gate_up = make_grouped_linear(
-            [
-                weights.linear(
-                    [f"{name}.gate_proj", f"{name}.up_proj"],
-                    (inter, hidden),
-                    bias=False,
-                    shard=parallel.split_out(channels, channels),
-                )
-                for name in names
-            ]
-        )
-        self.down = make_grouped_linear(
-            [
-                _partial_sums(
-                    weights.linear(
-                        f"{name}.down_proj",
-                        (hidden, inter),
-                        bias=False,
-                        shard=parallel.split_in(channels),
-                    )
-                )
-                for name in names
-            ]
-        )
+        experts_ffn = [
+            _ffn(f"{prefix}.experts.{e}", inter, "expert FFN channels", hidden, weights, parallel)
+            for e in range(experts)
+        ]
+        self.gate_up = make_grouped_linear([gate_up for gate_up, _ in experts_ffn])
+        self.down = make_grouped_linear([down for _, down in experts_ffn])
+        # Qwen2-MoE's shared expert, and its (1, hidden) gate kept dense and whole like the router.
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        shared = moe.shared_expert_intermediate_size
+        if shared:
+            self.shared_gate_up, self.shared_down = _ffn(
+                f"{prefix}.shared_expert",
+                shared,
+                "shared expert FFN channels",
+                hidden,
+                weights,
+                parallel,
+            )
+            self.shared_gate = DenseLinear(
+                weights.tensor(f"{prefix}.shared_expert_gate.weight", (1, hidden))
+            )
 
     @property
     def active_nbytes(self) -> int:
-        """Bytes of weights one token reads: the router and its k experts' projections."""
+        """Bytes of weights one token reads: the router, its k experts' projections and the
+        shared expert."""
         experts = self.gate_up.nbytes + self.down.nbytes
-        return self.router.nbytes + experts * self.top_k // self.num_experts
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate]
+        shared_bytes = sum(w.nbytes for w in shared if w is not None)
+        return self.router.nbytes + experts * self.top_k // self.num_experts + shared_bytes
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> (weights (T, k) in x's dtype, experts (T, k) long): each token's
@@ -104,10 +103,29 @@ class SparseMoE:
         # (not with index_add_, whose atomic adds on GPUs sum in no fixed order).
         out = torch.empty_like(out).index_copy_(0, order, out).view(B * L, self.top_k, H)
         mixed = (out * top[..., None]).sum(dim=1)  # (T, hidden): this rank's partial sum
+        if self.shared_gate is not None:
+            gate, up = linear(flat, self.shared_gate_up).chunk(2, dim=-1)  # 2 x (T, shared / N)
+            shared = linear(F.silu(gate) * up, self.shared_down)  # (T, hidden), partial sum
+            mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
         return self.parallel.all_reduce_sum(mixed).view(B, L, H)
 
 
-def _partial_sums(down: Linear) -> Linear:
-    """A row-parallel rank's own projection, whose output is its partial sum: the experts'
-    partial sums are all-reduced once, after they are combined (`SparseMoE.__call__`)."""
-    return down.local if isinstance(down, RowParallelLinear) else down
+def _ffn(
+    prefix: str, width: int, what: str, hidden: int, weights: Weights, parallel: Parallel
+) -> tuple[Linear, Linear]:
+    """One SwiGLU FFN's projections, this rank's share of its `width` channels (`what` names
+    them in a refusal): gate and up loaded as one projection (rows stacked), as the MLP's;
+    down split by its input channels, the rank's own part, whose output is a partial sum.
+    The partial sums of all experts are all-reduced once, after they are combined
+    (`SparseMoE.__call__`)."""
+    channels = parallel.shard_range(width, what)
+    gate_up = weights.linear(
+        [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        (width, hidden),
+        bias=False,
+        shard=parallel.split_out(channels, channels),
+    )
+    down = weights.linear(
+        f"{prefix}.down_proj", (hidden, width), bias=False, shard=parallel.split_in(channels)
+    )
+    return gate_up, down.local if isinstance(down, RowParallelLinear) else down

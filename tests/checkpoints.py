@@ -30,7 +30,7 @@ QWEN3_MOE = dict(
 )
 
 #: A small Qwen2-MoE: the same experts, plus the shared expert every token goes through.
-QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=48)
+QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=64)
 
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
 #: sliding window on every layer, a window only on the upper layers, and experts.

@@ -35,6 +35,7 @@ ARCHES = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
 }
 
@@ -84,6 +85,8 @@ def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
             writer.add_expert_count(config.num_experts)
             writer.add_expert_used_count(config.num_experts_per_tok)
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         rope = config.rope_parameters
@@ -149,9 +152,9 @@ def stacked_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) -> Path:
-    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3, qwen3moe) to an F32
-    GGUF, or one whose layers' projections (and experts) are quantized to `layer_type`
-    (Q4_0, Q8_0: what `gguf.quants` writes)."""
+    """Convert a `transformers` model of `arch` (llama, qwen2, qwen2moe, qwen3, qwen3moe) to
+    an F32 GGUF, or one whose layers' projections (and experts) are quantized to
+    `layer_type` (Q4_0, Q8_0: what `gguf.quants` writes)."""
     config = model.config
     names = gguf.get_tensor_name_map(ARCHES[arch], config.num_hidden_layers)
     tensors, raw_types = {}, {}
@@ -166,8 +169,9 @@ def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) 
         if arch == "llama" and ".k_proj." in hf_name:
             array = converter_permute(array, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        # The router (ffn_gate_inp) stays F32, as llama.cpp's converter keeps it.
-        quantized = name.startswith("blk.") and array.ndim >= 2 and ".ffn_gate_inp." not in name
+        # The routers' gates (ffn_gate_inp, ffn_gate_inp_shexp) stay F32, as llama.cpp's
+        # converter keeps them.
+        quantized = name.startswith("blk.") and array.ndim >= 2 and ".ffn_gate_inp" not in name
         if layer_type is not None and quantized:
             array, raw_types[name] = gguf.quants.quantize(array, layer_type), layer_type
         tensors[name] = array

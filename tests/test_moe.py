@@ -171,27 +171,33 @@ def test_quantized_bf16_logits_stay_close_to_float32(moe_folder, quantize, bound
 
 # --------------------------------------------------------------------------- GGUF
 
-#: llama.cpp's qwen3moe has experts on every layer and renormalises the k weights.
-GGUF_MOE = dict(QWEN3_MOE, mlp_only_layers=[], norm_topk_prob=True)
+#: GGUF architecture -> (family, overrides). llama.cpp's MoE architectures have experts on
+#: every layer; they renormalise the k weights for qwen3moe and not for qwen2moe.
+GGUF_CASES = {
+    "qwen3moe": ("qwen3_moe", dict(QWEN3_MOE, mlp_only_layers=[], norm_topk_prob=True)),
+    "qwen2moe": ("qwen2_moe", dict(QWEN2_MOE, mlp_only_layers=[], norm_topk_prob=False)),
+}
 
 
-@pytest.fixture(scope="module")
-def gguf_pair(tmp_path_factory):
-    """(the folder of a random checkpoint, its transformers model)."""
-    folder = tmp_path_factory.mktemp("qwen3moe-hf")
-    return folder, build_checkpoint(folder, "qwen3_moe", **GGUF_MOE)
+@pytest.fixture(scope="module", params=sorted(GGUF_CASES))
+def gguf_pair(request, tmp_path_factory):
+    """(GGUF architecture, the folder of a random checkpoint, its transformers model)."""
+    family, overrides = GGUF_CASES[request.param]
+    folder = tmp_path_factory.mktemp(f"{request.param}-hf")
+    return request.param, folder, build_checkpoint(folder, family, **overrides)
 
 
 def test_gguf_stacked_experts_give_transformers_logits(gguf_pair, tmp_path, tokens):
-    folder, reference = gguf_pair
-    path = write_gguf_model(reference, tmp_path / "model.gguf", "qwen3moe")
+    arch, folder, reference = gguf_pair
+    path = write_gguf_model(reference, tmp_path / "model.gguf", arch)
     model = qinfer.load_model(path, device="cpu")
     assert model.config.moe == ModelConfig.from_file(folder).moe
     assert max_diff(model(tokens), reference_logits(reference, tokens)) < TOLERANCE
 
 
 def test_gguf_experts_keep_their_q4_0_blocks(gguf_pair, tmp_path, tokens):
-    path = write_gguf_model(gguf_pair[1], tmp_path / "model.gguf", "qwen3moe", Q.Q4_0)
+    arch, _, reference = gguf_pair
+    path = write_gguf_model(reference, tmp_path / "model.gguf", arch, Q.Q4_0)
     model = qinfer.load_model(path, device="cpu")
     moe = model.layers[0].mlp
     assert all(isinstance(p, Int4Linear) for p in moe.gate_up.parts + moe.down.parts)

@@ -47,9 +47,9 @@ from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 #: GGUF architecture -> Hugging Face model_type, where they differ.
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 # llama.cpp tensor name -> ours; blk.N.* names are per layer.
 GLOBAL_NAMES = {
@@ -70,6 +70,10 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 #: Stacked expert tensors (experts, out, in) -> each expert's projection.
 EXPERT_NAMES = {
@@ -276,9 +280,9 @@ def _experts(
     """`{arch}.expert_*` metadata -> HF mixture-of-experts fields (none without experts).
 
     A layer has experts when the file holds its router (`blk.N.ffn_gate_inp`); the others
-    are dense. llama.cpp always renormalises the k routing weights of qwen3moe (as every
-    released Qwen3-MoE config asks, `norm_topk_prob: true`) unless `expert_weights_norm`
-    says otherwise.
+    are dense. Unless `expert_weights_norm` says otherwise, the k routing weights are
+    renormalised for qwen3moe and not for qwen2moe, as llama.cpp does (and as the released
+    configs ask: `norm_topk_prob` true for Qwen3-MoE, false for Qwen2-MoE).
     """
     if meta.get(f"{arch}.expert_count") is None:
         return {}
@@ -287,7 +291,8 @@ def _experts(
         "num_experts": need("expert_count"),
         "num_experts_per_tok": need("expert_used_count"),
         "moe_intermediate_size": need("expert_feed_forward_length"),
-        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
+        "shared_expert_intermediate_size": meta.get(f"{arch}.expert_shared_feed_forward_length"),
         "mlp_only_layers": [
             i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
         ],

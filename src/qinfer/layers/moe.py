@@ -17,8 +17,7 @@ Tensor parallelism (`qinfer.parallel`): a rank holds moe_intermediate / N channe
 expert (gate/up rows, down columns), as the dense MLP splits its FFN; the router is
 replicated, so every rank routes alike, and the ranks' partial sums are all-reduced once,
 after the experts' outputs are combined. A shared expert is split the same way and joins
-the same all-reduce. Expert parallelism (ranks holding whole experts)
-is not implemented.
+the same all-reduce. Expert parallelism (ranks holding whole experts) is not implemented.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
-ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 #: GGUF architecture -> Hugging Face model_type, where they differ.
 MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 

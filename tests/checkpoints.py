@@ -19,8 +19,21 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
+#: A small Qwen3-MoE: top-2 of 8 experts; layer 1 has a dense MLP (mlp_only_layers).
+QWEN3_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    head_dim=16,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+)
+
+#: A small Qwen2-MoE: the same experts, plus the shared expert every token goes through.
+QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=64)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
-#: sliding window on every layer, and a window only on the upper layers.
+#: sliding window on every layer, a window only on the upper layers, and experts.
 WINDOWED = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     "mistral-window": ("mistral", dict(sliding_window=8)),
@@ -28,6 +41,7 @@ WINDOWED = {
         "qwen2",
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
+    "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
 }
 
 
@@ -51,12 +65,15 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen2, llama, mistral) to `folder`; return the HF model."""
+    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral) to `folder`;
+    return the HF model."""
     import transformers
 
     classes = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }

@@ -2,8 +2,9 @@
 
 `write_gguf_model` converts a `transformers` model the way llama.cpp's
 convert_hf_to_gguf.py does (its tensor names from `gguf.get_tensor_name_map`, llama's
-q/k rows permuted, Llama 3 RoPE scaling as `rope_freqs.weight`), so qinfer's reader is
-checked against an independent writer.
+q/k rows permuted, Llama 3 RoPE scaling as `rope_freqs.weight`, each layer's experts
+stacked into one (experts, out, in) tensor per projection), so qinfer's reader is checked
+against an independent writer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ ARCHES = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
 }
 
 
@@ -78,6 +81,12 @@ def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_vocab_size(config.vocab_size)
+        if getattr(config, "num_experts", None):
+            writer.add_expert_count(config.num_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         rope = config.rope_parameters
@@ -123,23 +132,47 @@ def llama3_rope_freqs(config) -> np.ndarray:
     return np.array(divisors, dtype=np.float32)
 
 
+def stacked_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The state with each layer's experts as llama.cpp's converter stacks them for
+    Qwen2/3-MoE: one (experts, out, in) tensor per projection (`mlp.experts.gate_proj.weight`).
+
+    transformers holds them stacked already, gate and up fused: `mlp.experts.gate_up_proj`
+    (experts, 2 * inter, hidden), gate's rows first, and `mlp.experts.down_proj`."""
+    stacked = {}
+    for name, array in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = np.split(array, 2, axis=1)
+            stacked[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            stacked[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            stacked[f"{name}.weight"] = array
+        else:
+            stacked[name] = array
+    return stacked
+
+
 def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) -> Path:
-    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3) to an F32 GGUF, or one
-    whose layers' projections are quantized to `layer_type` (Q4_0, Q8_0: what `gguf.quants`
-    writes)."""
+    """Convert a `transformers` model of `arch` (llama, qwen2, qwen2moe, qwen3, qwen3moe) to
+    an F32 GGUF, or one whose layers' projections (and experts) are quantized to
+    `layer_type` (Q4_0, Q8_0: what `gguf.quants` writes)."""
     config = model.config
     names = gguf.get_tensor_name_map(ARCHES[arch], config.num_hidden_layers)
     tensors, raw_types = {}, {}
-    for hf_name, value in model.state_dict().items():
+    state = {
+        name: value.detach().float().numpy().copy() for name, value in model.state_dict().items()
+    }
+    for hf_name, array in stacked_experts(state).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        array = value.detach().float().numpy().copy()
         if arch == "llama" and ".q_proj." in hf_name:
             array = converter_permute(array, config.num_attention_heads)
         if arch == "llama" and ".k_proj." in hf_name:
             array = converter_permute(array, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if layer_type is not None and name.startswith("blk.") and array.ndim == 2:
+        # The routers' gates (ffn_gate_inp, ffn_gate_inp_shexp) stay F32, as llama.cpp's
+        # converter keeps them.
+        quantized = name.startswith("blk.") and array.ndim >= 2 and ".ffn_gate_inp" not in name
+        if layer_type is not None and quantized:
             array, raw_types[name] = gguf.quants.quantize(array, layer_type), layer_type
         tensors[name] = array
     if config.rope_parameters.get("rope_type") == "llama3":

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoints import build_checkpoint, llama3_rope, max_diff, random_tokens
+from checkpoints import QWEN2_MOE, QWEN3_MOE, build_checkpoint, llama3_rope, max_diff, random_tokens
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
@@ -42,12 +42,16 @@ CHECKPOINTS = {
     ),
     "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4)),  # q/k/v biases
     "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),  # rotating caches
+    # experts' FFN split by channels (64: a rank's 32 down columns are one int4 group)
+    "qwen3-moe": ("qwen3_moe", dict(QWEN3_MOE, moe_intermediate_size=64)),
+    "qwen2-moe": ("qwen2_moe", QWEN2_MOE),  # the shared expert split like the experts
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.
 LOADS = {
     **{name: (name, {}) for name in CHECKPOINTS},
     "qwen3-int4": ("qwen3", dict(quantize="int4")),
+    "qwen3-moe-int4": ("qwen3-moe", dict(quantize="int4")),  # experts looped, not grouped
     "llama-gguf-q4_0": ("llama-gguf", {}),  # Q4_0 blocks dequantized: shards in whole blocks
 }
 

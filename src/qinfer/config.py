@@ -1,7 +1,7 @@
 """ModelConfig: one dataclass that describes every supported decoder-only family.
 
-`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` for Qwen3, Qwen2/2.5,
-Llama 3.x (and SmolLM2, which is Llama-shaped) and Mistral. It accepts both spellings
+`ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` for Qwen3, Qwen3-MoE,
+Qwen2/2.5, Qwen2-MoE, Llama 3.x (and SmolLM2, which is Llama-shaped) and Mistral. It accepts both spellings
 of RoPE settings that `transformers` has written over the years:
 
 - old: `rope_theta` + `rope_scaling: {"type" | "rope_type": ..., "factor": ...}`
@@ -10,6 +10,7 @@ of RoPE settings that `transformers` has written over the years:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ from typing import Any
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral")
+#: The mixture-of-experts families (their experts: `MoeConfig`).
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -42,6 +45,28 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE); see `layers/moe.py`.
+
+    num_experts: experts per sparse layer, each a SwiGLU FFN of `moe_intermediate_size`.
+    num_experts_per_tok: how many the router picks for each token (top-k).
+    norm_topk_prob: rescale the k picked probabilities to sum to 1 (else they keep the
+        share of the softmax over all experts they had).
+    sparse_layers: which layers have experts; the others have the dense MLP of
+        `ModelConfig.intermediate_size` (`decoder_sparse_step`, `mlp_only_layers`).
+    shared_expert_intermediate_size: Qwen2-MoE's shared expert, a SwiGLU FFN every token
+        goes through, scaled by a sigmoid gate (0: none, as in Qwen3-MoE).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -90,6 +116,10 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds unsupported kinds {sorted(unknown)}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types asks for sliding_attention but sliding_window is unset")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer `layer` in tokens, or None for full attention."""
@@ -153,17 +183,21 @@ class ModelConfig:
             rms_norm_eps=number("rms_norm_eps", 1e-6, float),
             max_position_embeddings=number("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2's q/k/v always have a bias and its config has no switch for it.
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
+            # Qwen2's q/k/v always have a bias and its config has no switch for it
+            # (Qwen2-MoE's has one, `qkv_bias`, true by default).
+            qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(
+                model_type, attention_bias
+            ),
+            o_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=rope_config_from_hf(cfg),
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            moe=moe_config_from_hf(cfg, layers, number) if model_type in MOE_MODEL_TYPES else None,
         )
 
 
@@ -209,6 +243,35 @@ def rope_config_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def moe_config_from_hf(cfg: dict[str, Any], layers: int, number: Callable) -> MoeConfig:
+    """The experts of a `qwen3_moe` or `qwen2_moe` config. A layer i is sparse when it is not in
+    `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step`, as in
+    transformers; `num_experts` is also spelt `num_local_experts` (transformers 5 writes it
+    so). number(key, default) reads a positive number, naming the field when it is not."""
+    experts = number("num_experts", cfg.get("num_local_experts"))
+    top_k = number("num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(
+            f"config field 'num_experts_per_tok' ({top_k}) is more than num_experts ({experts})"
+        )
+    step = number("decoder_sparse_step", 1)
+    shared_key = "shared_expert_intermediate_size"  # Qwen2-MoE; absent or 0: no shared expert
+    shared = number(shared_key) if cfg.get(shared_key) else 0
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError(
+            f"config field 'mlp_only_layers' must be a list of layer indices, got {dense!r}"
+        )
+    return MoeConfig(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=number("moe_intermediate_size"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=shared,
+    )
+
+
 def _sliding_window(
     cfg: dict[str, Any], model_type: str, layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
@@ -221,7 +284,8 @@ def _sliding_window(
     - Llama: never.
     """
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    qwen = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+    if model_type in qwen and not cfg.get("use_sliding_window", False):
         window = None
     if model_type == "llama":
         window = None

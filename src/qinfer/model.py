@@ -1,8 +1,8 @@
 """The decoder-only transformer: embed -> N x Block(attention, MLP) -> norm -> lm_head.
 
-One class serves Qwen3, Qwen2/2.5, Llama 3.x, SmolLM2 and Mistral; their differences
-(QK-norm, biases, tied heads, RoPE scaling, sliding windows) live in ModelConfig and in
-which tensors the checkpoint holds.
+One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2 and Mistral; their
+differences (QK-norm, biases, tied heads, RoPE scaling, sliding windows, experts) live in
+ModelConfig and in which tensors the checkpoint holds.
 
 Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
 part of the weights and runs the same forward; the collectives sit in the row- and
@@ -26,16 +26,21 @@ from qinfer.features import Features
 from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention, Mask
 from qinfer.layers.mlp import MLP
+from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm
 from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
+from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.parallel import Parallel
 from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
 
 
 class Block:
-    """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual."""
+    """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
+
+    layer: the layer's index; its MLP is a mixture of experts where the config says so.
+    """
 
     def __init__(
         self,
@@ -44,6 +49,7 @@ class Block:
         weights: Weights,
         features: Features,
         parallel: Parallel,
+        layer: int,
     ):
         hidden, eps = (config.hidden_size,), config.rms_norm_eps
         self.input_layernorm = RMSNorm(
@@ -57,7 +63,8 @@ class Block:
             weights.tensor(f"{layer_prefix}.post_attention_layernorm.weight", hidden),
             eps,
         )
-        self.mlp = MLP(layer_prefix, config, weights, parallel)
+        sparse = config.sparse(layer)
+        self.mlp = (SparseMoE if sparse else MLP)(layer_prefix, config, weights, parallel)
 
     def __call__(self, x: torch.Tensor, offsets, cache, mask: Mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), offsets, cache, mask)
@@ -85,6 +92,12 @@ class Transformer:
         self.parallel.check_model(
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
         )
+        if config.moe is not None:  # refused before loading, like the sizes above
+            self.parallel.shard_range(config.moe.moe_intermediate_size, "expert FFN channels")
+            if config.moe.shared_expert_intermediate_size:
+                self.parallel.shard_range(
+                    config.moe.shared_expert_intermediate_size, "shared expert FFN channels"
+                )
         self.dtype, self.device = weights.dtype, weights.device
         V, H = config.vocab_size, config.hidden_size
         # The embedding table is a Linear too (read by rows): quantized like the rest, split
@@ -94,7 +107,7 @@ class Transformer:
             "model.embed_tokens", (V, H), bias=False, rows=True, shard=vocab
         )
         self.layers = [
-            Block(f"model.layers.{i}", config, weights, self.features, self.parallel)
+            Block(f"model.layers.{i}", config, weights, self.features, self.parallel, i)
             for i in tqdm(
                 range(config.num_hidden_layers), desc="loading layers", leave=False, disable=None
             )
@@ -110,13 +123,14 @@ class Transformer:
             else weights.linear("lm_head", (V, H), bias=False, shard=vocab)
         )
 
-    def linears(self) -> dict[str, Linear]:
-        """Every projection by name; a tied head appears once, as `embed_tokens`."""
+    def linears(self) -> dict[str, Linear | GroupedLinear]:
+        """Every projection by name (a mixture of experts' projections as one grouped Linear
+        each); a tied head appears once, as `embed_tokens`."""
         found = {"embed_tokens": self.embed_tokens}
         for i, block in enumerate(self.layers):
             for part in ("self_attn", "mlp"):
                 for name, value in vars(getattr(block, part)).items():
-                    if isinstance(value, Linear):
+                    if isinstance(value, Linear | GroupedLinear):
                         found[f"layers.{i}.{part}.{name}"] = value
         if self.lm_head is not self.embed_tokens:
             found["lm_head"] = self.lm_head

@@ -48,6 +48,7 @@ from qinfer.bench.common import (
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.generate import generate_ids
+from qinfer.layers.moe import SparseMoE
 from qinfer.layers.rope import RoPE
 from qinfer.model import Transformer
 from qinfer.sampling import SamplingParams
@@ -233,7 +234,8 @@ def qinfer_runner(model: Transformer) -> Runner:
 
 def weight_bytes_per_step(model: Transformer) -> int:
     """Bytes of weights one decode step reads: every layer's tensors, the final norm and
-    the lm_head (RoPE tables are not weights; the embedding table only when tied)."""
+    the lm_head (RoPE tables are not weights; the embedding table only when tied); of a
+    mixture of experts, the router and the k experts one token uses (`active_nbytes`)."""
     sizes: dict[int, int] = {}  # data_ptr -> bytes, so shared tensors count once
     visited: set[int] = set()
 
@@ -241,7 +243,9 @@ def weight_bytes_per_step(model: Transformer) -> int:
         if id(obj) in visited or isinstance(obj, RoPE):
             return
         visited.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, SparseMoE):
+            sizes[-id(obj)] = obj.active_nbytes  # keyed apart from any tensor's address
+        elif isinstance(obj, torch.Tensor):
             sizes[obj.data_ptr()] = obj.numel() * obj.element_size()
         elif isinstance(obj, (list, tuple)):
             for item in obj:

@@ -6,6 +6,9 @@ llama.cpp's conventions onto ours:
 - metadata (`llama.attention.head_count`, `qwen2.rope.freq_base`, ...) -> a Hugging Face
   style config dict -> `ModelConfig.from_hf`, so both formats share one validation;
 - tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`);
+  a mixture of experts' stacked tensors (`blk.3.ffn_gate_exps.weight`, (experts, out, in))
+  -> one tensor per expert (`model.layers.3.mlp.experts.7.gate_proj.weight`), each a view
+  of its slice of the file;
 - llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
   RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
@@ -44,7 +47,9 @@ from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+#: GGUF architecture -> Hugging Face model_type, where they differ.
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 # llama.cpp tensor name -> ours; blk.N.* names are per layer.
 GLOBAL_NAMES = {
@@ -64,6 +69,17 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+#: Stacked expert tensors (experts, out, in) -> each expert's projection.
+EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
@@ -232,7 +248,7 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
         meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
     ]  # llama.cpp stops on any of these "end of generation" tokens
     hf_config = {
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size or None,
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
@@ -247,6 +263,7 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(int(i) for i in end_ids if i is not None)),
         "dtype": "float32",
+        **_experts(meta, arch, need, tensor_names),
     }
     try:
         config = ModelConfig.from_hf(hf_config)
@@ -255,6 +272,31 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
     if ROPE_FREQS in tensor_names:
         config = _with_llama3_rope(config, file, path)
     return config
+
+
+def _experts(
+    meta: dict[str, Any], arch: str, need: Callable[[str], Any], tensor_names: set[str]
+) -> dict[str, Any]:
+    """`{arch}.expert_*` metadata -> HF mixture-of-experts fields (none without experts).
+
+    A layer has experts when the file holds its router (`blk.N.ffn_gate_inp`); the others
+    are dense. Unless `expert_weights_norm` says otherwise, the k routing weights are
+    renormalised for qwen3moe and not for qwen2moe, as llama.cpp does (and as the released
+    configs ask: `norm_topk_prob` true for Qwen3-MoE, false for Qwen2-MoE).
+    """
+    if meta.get(f"{arch}.expert_count") is None:
+        return {}
+    layers = int(need("block_count"))
+    return {
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
+        "shared_expert_intermediate_size": meta.get(f"{arch}.expert_shared_feed_forward_length"),
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+        ],
+    }
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -318,8 +360,9 @@ class GGUFWeights(Weights):
         self.keep_blocks = keep_blocks
         self._tensors: dict[str, TensorInfo] = {}
         for stored in file.tensors:
+            experts = _expert_tensors(stored)
             name = hf_tensor_name(stored.name)
-            if name is None:
+            if name is None and not experts:
                 continue
             if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
                 raise WeightsError(
@@ -327,7 +370,10 @@ class GGUFWeights(Weights):
                     f"{stored.tensor_type.name}, which qinfer cannot dequantize "
                     f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
                 )
-            self._tensors[name] = stored
+            if experts:
+                self._tensors.update(experts)
+            else:
+                self._tensors[name] = stored
         # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
         self._permuted = ("q_proj", "k_proj") if config.model_type == "llama" else ()
         self._head_dim = config.head_dim
@@ -405,6 +451,23 @@ class GGUFWeights(Weights):
         if name.split(".")[-2] in self._permuted:
             return _unpermute_rows(rows, self._head_dim)
         return rows
+
+
+def _expert_tensors(stored: TensorInfo) -> dict[str, TensorInfo]:
+    """A stacked expert tensor (experts, out, in) as one (out, in) tensor per expert under
+    our names, each where its slice lies in the file ({} for any other tensor)."""
+    match = LAYER_TENSOR.fullmatch(stored.name)
+    if match is None or match.group(2) not in EXPERT_NAMES or len(stored.shape) != 3:
+        return {}
+    layer, kind, suffix = match.groups()
+    experts, *shape = stored.shape
+    size = math.prod(shape) * stored.dtype.itemsize  # bytes of one expert
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[kind]}.{suffix}": dataclasses.replace(
+            stored, name=f"{stored.name}[{e}]", shape=tuple(shape), offset=stored.offset + e * size
+        )
+        for e in range(experts)
+    }
 
 
 def _unpermute_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:

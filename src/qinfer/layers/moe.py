@@ -1,0 +1,130 @@
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): a router picks k of E SwiGLU
+experts for each token and adds their outputs, weighted by its probabilities.
+
+    probs = softmax(x W_router^T)            (T, E), in fp32
+    top, chosen = topk(probs, k)             (T, k); top renormalised to sum 1 if norm_topk_prob
+    y[t] = sum_j top[t, j] * expert_{chosen[t, j]}(x[t])
+         (+ sigmoid(x[t] w_shared_gate) * shared(x[t]): Qwen2-MoE's shared expert)
+    expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+Each expert runs only on the tokens routed to it: the T * k (token, expert) pairs are sorted
+by expert, the tokens' rows gathered in that order, and each expert's projections applied to
+its run of rows by a grouped Linear (`qinfer.linear.grouped`). No shape depends on the
+routing and the run lengths stay on the device, so dense experts run without a host sync
+(quantized ones wait once per projection for the run lengths: `LoopedLinear`).
+
+Tensor parallelism (`qinfer.parallel`): a rank holds moe_intermediate / N channels of every
+expert (gate/up rows, down columns), as the dense MLP splits its FFN; the router is
+replicated, so every rank routes alike, and the ranks' partial sums are all-reduced once,
+after the experts' outputs are combined. A shared expert is split the same way and joins
+the same all-reduce. Expert parallelism (ranks holding whole experts) is not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.config import ModelConfig
+from qinfer.linear import DenseLinear, Linear, RowParallelLinear, linear
+from qinfer.linear.grouped import make_grouped_linear
+from qinfer.parallel import SINGLE, Parallel
+from qinfer.weights.base import Weights
+
+
+class SparseMoE:
+    """(B, L, hidden) -> (B, L, hidden) through the k experts the router picks per token."""
+
+    def __init__(
+        self, layer_prefix: str, config: ModelConfig, weights: Weights, parallel: Parallel = SINGLE
+    ) -> None:
+        moe = config.moe
+        hidden, inter, experts = config.hidden_size, moe.moe_intermediate_size, moe.num_experts
+        self.num_experts, self.top_k = experts, moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.parallel = parallel
+        prefix = f"{layer_prefix}.mlp"
+        # The router stays dense under quantization (its choices are discrete: a rounded
+        # weight could send a token elsewhere) and whole on every rank.
+        self.router = DenseLinear(weights.tensor(f"{prefix}.gate.weight", (experts, hidden)))
+        experts_ffn = [
+            _ffn(f"{prefix}.experts.{e}", inter, "expert FFN channels", hidden, weights, parallel)
+            for e in range(experts)
+        ]
+        self.gate_up = make_grouped_linear([gate_up for gate_up, _ in experts_ffn])
+        self.down = make_grouped_linear([down for _, down in experts_ffn])
+        # Qwen2-MoE's shared expert, and its (1, hidden) gate kept dense and whole like the router.
+        self.shared_gate_up = self.shared_down = self.shared_gate = None
+        shared = moe.shared_expert_intermediate_size
+        if shared:
+            self.shared_gate_up, self.shared_down = _ffn(
+                f"{prefix}.shared_expert",
+                shared,
+                "shared expert FFN channels",
+                hidden,
+                weights,
+                parallel,
+            )
+            self.shared_gate = DenseLinear(
+                weights.tensor(f"{prefix}.shared_expert_gate.weight", (1, hidden))
+            )
+
+    @property
+    def active_nbytes(self) -> int:
+        """Bytes of weights one token reads: the router, its k experts' projections and the
+        shared expert."""
+        experts = self.gate_up.nbytes + self.down.nbytes
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate]
+        shared_bytes = sum(w.nbytes for w in shared if w is not None)
+        return self.router.nbytes + experts * self.top_k // self.num_experts + shared_bytes
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (weights (T, k) in x's dtype, experts (T, k) long): each token's
+        k most probable experts, most probable first, and the weights of their outputs."""
+        probs = linear(x, self.router).softmax(dim=-1, dtype=torch.float32)  # (T, E)
+        top, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), chosen
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, H = x.shape
+        flat = x.reshape(B * L, H)  # (T, hidden)
+        top, chosen = self.route(flat)
+        # Pair p is token p // k's slot p % k; sorted by expert (stable: by token within one).
+        order = chosen.flatten().argsort(stable=True)  # (T * k,)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, chosen.flatten(), torch.ones_like(order))  # (E,) pairs each
+        routed = flat.index_select(0, order // self.top_k)  # (T * k, hidden), by expert
+        gate, up = self.gate_up(routed, counts).chunk(2, dim=-1)  # 2 x (T * k, inter / N)
+        out = self.down(F.silu(gate) * up, counts)  # (T * k, hidden) by expert
+        # Back in pair order, then each token's k outputs weighted and added in slot order
+        # (not with index_add_, whose atomic adds on GPUs sum in no fixed order).
+        out = torch.empty_like(out).index_copy_(0, order, out).view(B * L, self.top_k, H)
+        mixed = (out * top[..., None]).sum(dim=1)  # (T, hidden): this rank's partial sum
+        if self.shared_gate is not None:
+            gate, up = linear(flat, self.shared_gate_up).chunk(2, dim=-1)  # 2 x (T, shared / N)
+            shared = linear(F.silu(gate) * up, self.shared_down)  # (T, hidden), partial sum
+            mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
+        return self.parallel.all_reduce_sum(mixed).view(B, L, H)
+
+
+def _ffn(
+    prefix: str, width: int, what: str, hidden: int, weights: Weights, parallel: Parallel
+) -> tuple[Linear, Linear]:
+    """One SwiGLU FFN's projections, this rank's share of its `width` channels (`what` names
+    them in a refusal): gate and up loaded as one projection (rows stacked), as the MLP's;
+    down split by its input channels, the rank's own part, whose output is a partial sum.
+    The partial sums of all experts are all-reduced once, after they are combined
+    (`SparseMoE.__call__`)."""
+    channels = parallel.shard_range(width, what)
+    gate_up = weights.linear(
+        [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+        (width, hidden),
+        bias=False,
+        shard=parallel.split_out(channels, channels),
+    )
+    down = weights.linear(
+        f"{prefix}.down_proj", (hidden, width), bias=False, shard=parallel.split_in(channels)
+    )
+    return gate_up, down.local if isinstance(down, RowParallelLinear) else down

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import httpx
 import jsonschema
@@ -353,25 +354,46 @@ def served(tmp_path_factory):
     process.wait(timeout=30)
 
 
-def chat(client, **fields):
-    extra = {**NO_THINKING, **fields.pop("extra_body", {})}
+def chat(client, thinking: bool = False, **fields):
+    """A chat about USER; thinking: leave Qwen3's thinking on (its template's default)."""
+    extra = {**({} if thinking else NO_THINKING), **fields.pop("extra_body", {})}
     fields.setdefault("max_tokens", 200)
     return client.chat.completions.create(model="tiny", messages=USER, extra_body=extra, **fields)
 
 
+@dataclass
+class StreamedChoice:
+    """One choice of a stream, put together from its deltas; calls: {index: [id, name,
+    arguments]}."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+def streamed_choices(client, **fields) -> dict[int, StreamedChoice]:
+    """Each choice of a streamed chat, by index."""
+    choices: dict[int, StreamedChoice] = {}
+    for chunk in chat(client, stream=True, **fields):
+        for delta_choice in chunk.choices:
+            choice = choices.setdefault(delta_choice.index, StreamedChoice())
+            delta = delta_choice.delta
+            choice.reasoning += getattr(delta, "reasoning_content", None) or ""
+            choice.content += delta.content or ""
+            for call in delta.tool_calls or ():
+                if call.id is not None:
+                    assert call.index not in choice.calls, "a call's id and name come once"
+                    choice.calls[call.index] = [call.id, call.function.name, ""]
+                choice.calls[call.index][2] += call.function.arguments or ""
+            choice.finish_reason = delta_choice.finish_reason or choice.finish_reason
+    return choices
+
+
 def streamed(client, **fields):
     """(content, {index: [id, name, arguments]}, finish_reason) of a streamed chat."""
-    content, calls, finish = "", {}, None
-    for chunk in chat(client, stream=True, **fields):
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for call in choice.delta.tool_calls or ():
-            if call.id is not None:
-                assert call.index not in calls, "a call's id and name come once"
-                calls[call.index] = [call.id, call.function.name, ""]
-            calls[call.index][2] += call.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, calls, finish
+    choice = streamed_choices(client, **fields)[0]
+    return choice.content, choice.calls, choice.finish_reason
 
 
 def valid_call(call, tools=TOOLS) -> bool:
@@ -444,6 +466,64 @@ def test_required_always_makes_a_valid_call_streamed_alike(served, seed):
     call = reply.message.tool_calls[0]
     assert finish == "tool_calls"
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+#: Seeds of eight samples each (choice j seeded seed + j) for the thinking tests; the first
+#: already shows every ending on this CPU, the others are there should another CPU's
+#: rounding draw otherwise.
+THINKING_SEEDS = (16, 24, 32, 40, 48, 56)
+
+
+def reply_ending(reasoning: str | None, content: str | None, calls, finish: str) -> str:
+    """How one reply of a thinking model under tool_choice "required" ended, checked on the
+    way: "called" (after thinking or not: valid calls, no content), or "stop" / "length"
+    inside the think block (EOS or max_tokens before `</think>`: no calls, no content)."""
+    assert "</think>" not in (reasoning or "")  # the block ends at the first one
+    if finish == "tool_calls":
+        assert calls and not content, (content, calls)
+        return "thought, then called" if reasoning else "called"
+    assert finish in ("stop", "length") and not calls and not content, (finish, content, calls)
+    return finish
+
+
+def test_thinking_then_a_required_call_or_a_clear_end_inside_the_block(served):
+    """Qwen3 thinks unconstrained (its template's default); the call's grammar starts after
+    `</think>`. A random model may think and then call, call at once, or end inside the
+    block by EOS ("stop") or max_tokens ("length"): each is a well-formed reply, and the
+    stream carries the same reasoning and calls as the whole answer."""
+    client, _, _, _ = served
+    endings = set()
+    for seed in THINKING_SEEDS:
+        fields = dict(
+            thinking=True, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, n=8
+        )
+        whole = chat(client, max_tokens=600, **fields).choices
+        stream = streamed_choices(client, max_tokens=600, **fields)
+        for choice in whole:
+            message = choice.message
+            reasoning = getattr(message, "reasoning_content", None)
+            endings.add(
+                reply_ending(reasoning, message.content, message.tool_calls, choice.finish_reason)
+            )
+            assert all(valid_call(call) for call in message.tool_calls or ())
+            streamed_choice = stream[choice.index]
+            assert streamed_choice.reasoning == (reasoning or "")
+            assert streamed_choice.finish_reason == choice.finish_reason
+            assert [(name, args) for _, name, args in streamed_choice.calls.values()] == [
+                (call.function.name, call.function.arguments) for call in message.tool_calls or ()
+            ]
+        if endings == {"thought, then called", "called", "stop", "length"}:
+            return
+    pytest.fail(f"{len(THINKING_SEEDS) * 8} samples ended only as {sorted(endings)}")
+
+
+def test_thinking_off_makes_every_required_call_at_once(served):
+    client, _, _, _ = served
+    fields = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=16, n=8)
+    for choice in chat(client, max_tokens=600, **fields).choices:
+        assert getattr(choice.message, "reasoning_content", None) is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert all(valid_call(call) for call in choice.message.tool_calls)
 
 
 def test_a_named_tool_is_called_and_ends_with_stop(served):

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from server_process import start_serve_command
 
+import qinfer
 from qinfer.inspection import MAX_INSPECT_TOKENS
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -245,3 +246,101 @@ def test_inspector_shows_a_refused_request_as_an_error(page):
     page.click("#inspect")
     page.wait_for_selector("#status.error")
     assert f"inspection takes 1 to {MAX_INSPECT_TOKENS}" in page.text_content("#status")
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_chat_folder):
+    """`qinfer serve` on a random Qwen3 whose tokenizer has Qwen3's <think> tags."""
+    process, url = start_serve_command("--model", str(qwen3_chat_folder), timeout=120)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def thinking_grammar(folder: Path) -> str:
+    """A Lark grammar for a reply as Qwen3 writes one when it thinks: the `<think>` token,
+    free reasoning, `</think>`, then a free answer (the tags by id: llguidance matches
+    added tokens only by id). Free parts keep the model's own greedy choices."""
+    tokenizer = qinfer.load_tokenizer(folder)
+    think_open, think_close = (tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    return (
+        f'start: <[{think_open}]> "\\n" REASONING "\\n" <[{think_close}]> "\\n\\n" ANSWER\n'
+        "REASONING: /[a-z][a-z ]{40,80}[a-z]/\n"
+        "ANSWER: /[A-Z][a-z ,]{10,30}[.]/\n"
+    )
+
+
+def test_reasoning_streams_into_a_collapsible_block_apart_from_the_answer(
+    browser, qwen3_server, qwen3_chat_folder
+):
+    """The real server's reasoning_content deltas: a random Qwen3 is made to think by a
+    grammar the test adds to the page's request (thinking off, so the prompt closes the
+    block and the grammar applies from the first token, `<think>` included)."""
+    grammar = thinking_grammar(qwen3_chat_folder)
+
+    def force_thinking(route):
+        body = json.loads(route.request.post_data)
+        body["guided_grammar"] = grammar
+        route.continue_(post_data=json.dumps(body))
+
+    context = browser.new_context(base_url=qwen3_server, viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        page.route("**/v1/chat/completions", force_thinking)
+        page.goto("/")
+        page.fill("#temperature", "0")
+        page.dispatch_event("#temperature", "change")
+        page.select_option("#thinking", "off")
+        # Each change of the page: (reasoning shown, answer shown, block open).
+        page.evaluate(
+            """() => {
+            window.seen = [];
+            new MutationObserver(() => {
+                const last = document.querySelector('.message.assistant:last-child');
+                const block = last?.querySelector('details.reasoning');
+                if (block) window.seen.push([
+                    block.querySelector('.reasoning-text').textContent.length,
+                    last.querySelector('.content').textContent.length, block.open]);
+            }).observe(document.getElementById('messages'), {subtree: true, childList: true,
+                                                             characterData: true});
+        }"""
+        )
+        send(page, QUESTION)
+        wait_for_answer(page)
+        seen = page.evaluate("window.seen")
+        reply = api_reply(qwen3_server, grammar)
+        # While the model thought, part of its reasoning showed in an open block, no answer yet.
+        final = len(reply["reasoning_content"])
+        assert any(0 < r < final and not a and is_open for r, a, is_open in seen), seen
+        last = page.locator(".message.assistant:last-child")
+        block = last.locator("details.reasoning")
+        assert block.locator("summary").text_content() == "Thought"
+        assert not block.evaluate("details => details.open")  # folded once the answer came
+        assert block.locator(".reasoning-text").text_content() == reply["reasoning_content"]
+        assert last.locator(".content").text_content() == reply["content"]
+        assert "<think>" not in last.text_content() and reply["content"]
+        saved = conversation(page)[-1]
+        assert (saved["reasoning"], saved["content"]) == (
+            reply["reasoning_content"],
+            reply["content"],
+        )
+        block.locator("summary").click()
+        assert block.evaluate("details => details.open")
+        assert block.locator(".reasoning-text").is_visible()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=ARTIFACTS / "chat-reasoning.png")
+    finally:
+        context.close()
+
+
+def api_reply(url: str, grammar: str) -> dict:
+    """The API's greedy answer to the page's request (thinking off, the same grammar)."""
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "guided_grammar": grammar,
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    return response.json()["choices"][0]["message"]

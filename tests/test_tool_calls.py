@@ -23,10 +23,7 @@ from checkpoints import CHATML_TEMPLATE, build_checkpoint
 from server_process import start_serve_command
 from text_assets import (
     CHATML_SPECIAL,
-    LLAMA3_CHAT_TEMPLATE,
-    LLAMA3_SPECIAL,
-    QWEN3_ADDED,
-    QWEN3_CHAT_TEMPLATE,
+    save_qwen3_tokenizer,
     save_tokenizer_folder,
     train_tokenizer,
 )
@@ -170,34 +167,6 @@ def test_llama3_text_or_other_json_is_content(text):
 # --- templates ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen3_pair(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("qwen3-tools"),
-        train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED),
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def llama3_pair(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("llama3-tools"),
-        train_tokenizer(LLAMA3_SPECIAL),
-        chat_template=LLAMA3_CHAT_TEMPLATE,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
 def server_prompt(tokenizer, body: dict) -> str:
     """The prompt text the server renders for a request body (its own code path)."""
     request = ChatCompletionRequest.model_validate_json(json.dumps(body))
@@ -326,14 +295,7 @@ def served(tmp_path_factory):
     """(openai client, httpx client, tokenizer, checkpoint folder) of `qinfer serve` on a
     random Qwen3 with Qwen3's template."""
     folder = tmp_path_factory.mktemp("tools-qwen3")
-    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
-    save_tokenizer_folder(
-        folder,
-        backend,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
+    backend = save_qwen3_tokenizer(folder)
     eos = backend.token_to_id("<|im_end|>")
     # Tools make long prompts for a 400-token vocabulary: 4096 positions of context.
     build_checkpoint(

@@ -101,6 +101,23 @@ def send(page, text: str) -> None:
     page.press("#prompt", "Enter")
 
 
+def watch_answer(page, snapshot: str) -> None:
+    """From now on, each time the conversation changes, append `snapshot` (a JavaScript
+    expression over `last`, the last assistant message) to `window.seen`, unless it is
+    empty: what a person would have seen while the answer streamed."""
+    page.evaluate(
+        f"""() => {{
+        window.seen = [];
+        new MutationObserver(() => {{
+            const last = document.querySelector('.message.assistant:last-child');
+            const value = last && ({snapshot});
+            if (value) window.seen.push(value);
+        }}).observe(document.getElementById('messages'), {{subtree: true, childList: true,
+                                                          characterData: true}});
+    }}"""
+    )
+
+
 def wait_for_answer(page) -> None:
     """Until the answer being streamed has finished (its footer shows)."""
     page.wait_for_selector("#send:not([hidden])")
@@ -115,25 +132,17 @@ def test_chat_asks_for_the_key_and_streams_the_greedy_answer(page, api):
     page.click("#key-bar button")
     model = api.get("/v1/models").json()["data"][0]["id"]
     page.wait_for_function(f"document.getElementById('model-name').textContent === {model!r}")
+    assert page.locator("header nav a.current").text_content() == "Chat"
 
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "40")
     page.dispatch_event("#max-tokens", "change")
-    # Record the answer's text each time the page changes it, to see it arrive in pieces.
-    page.evaluate(
-        """() => {
-        window.seenLengths = [];
-        new MutationObserver(() => {
-            const answer = document.querySelector('.message.assistant:last-child .content');
-            if (answer) window.seenLengths.push(answer.textContent.length);
-        }).observe(document.getElementById('messages'), {subtree: true, childList: true,
-                                                         characterData: true});
-    }"""
-    )
+    # The answer's length each time the page changes it, to see it arrive in pieces.
+    watch_answer(page, "last.querySelector('.content')?.textContent.length")
     send(page, QUESTION)
     wait_for_answer(page)
 
-    seen = page.evaluate("window.seenLengths")
+    seen = page.evaluate("window.seen")
     assert len({n for n in seen if n > 0}) >= 3, f"the answer did not stream: {seen}"
     answer = conversation(page)[-1]
     expected = api.post(
@@ -225,6 +234,7 @@ def test_inspector_draws_the_heatmap_and_the_next_token_bars(page, api):
     page.fill("#top-k", "5")
     page.click("#inspect")
     page.wait_for_selector("#results:not([hidden])")
+    assert page.locator("header nav a.current").text_content() == "Inspector"
     assert heatmap_colours(page) > 20
     heads = api.post("/v1/inspect", json={"prompt": "x"}).json()["num_heads"]
     assert page.locator(".head-thumb").count() == heads
@@ -292,19 +302,12 @@ def test_reasoning_streams_into_a_collapsible_block_apart_from_the_answer(
         page.fill("#temperature", "0")
         page.dispatch_event("#temperature", "change")
         page.select_option("#thinking", "off")
-        # Each change of the page: (reasoning shown, answer shown, block open).
-        page.evaluate(
-            """() => {
-            window.seen = [];
-            new MutationObserver(() => {
-                const last = document.querySelector('.message.assistant:last-child');
-                const block = last?.querySelector('details.reasoning');
-                if (block) window.seen.push([
-                    block.querySelector('.reasoning-text').textContent.length,
-                    last.querySelector('.content').textContent.length, block.open]);
-            }).observe(document.getElementById('messages'), {subtree: true, childList: true,
-                                                             characterData: true});
-        }"""
+        # Each change of the page: [reasoning shown, answer shown, block open].
+        watch_answer(
+            page,
+            """(block => block && [block.querySelector('.reasoning-text').textContent.length,
+                                  last.querySelector('.content').textContent.length, block.open]
+               )(last.querySelector('details.reasoning'))""",
         )
         send(page, QUESTION)
         wait_for_answer(page)

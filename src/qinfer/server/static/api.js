@@ -12,7 +12,7 @@ export class APIError extends Error {
   }
 }
 
-export function apiKey() {
+function apiKey() {
   return localStorage.getItem(KEY_STORAGE) || "";
 }
 
@@ -53,7 +53,7 @@ export async function request(method, path, body, signal) {
   return response;
 }
 
-export async function getJSON(path) {
+async function getJSON(path) {
   return (await request("GET", path)).json();
 }
 
@@ -89,7 +89,7 @@ export async function* events(response) {
 }
 
 // The bar at the top of every page that asks for the API key (shown after a 401).
-export function showKeyBar(reason) {
+function showKeyBar(reason) {
   const bar = document.getElementById("key-bar");
   if (!bar) return;
   bar.hidden = false;
@@ -99,8 +99,39 @@ export function showKeyBar(reason) {
   input.focus();
 }
 
+// The header of every page (the pages, the served model, the key button) and the key bar
+// under it. A constant: nothing from the server or the model goes through innerHTML.
+const HEADER = `
+  <header class="top">
+    <span class="brand">qinfer</span>
+    <nav>
+      <a href="/">Chat</a>
+      <a href="/inspect">Inspector</a>
+    </nav>
+    <span id="model-name" class="model-name">…</span>
+    <button id="key-button" type="button" class="ghost" title="Set the API key">Key</button>
+  </header>
+  <div id="key-bar" class="key-bar" hidden>
+    <form>
+      <span class="key-reason"></span>
+      <input type="password" name="key" placeholder="API key" autocomplete="off" aria-label="API key">
+      <button type="submit">Save key</button>
+    </form>
+  </div>`;
+
+// Draw the header and the key bar at the top of the page, mark the page's own link, and
+// show the served model (asking for the key if the server wants one).
+export function setUpPage() {
+  document.body.insertAdjacentHTML("afterbegin", HEADER);
+  for (const link of document.querySelectorAll("header.top nav a")) {
+    if (link.getAttribute("href") === location.pathname) link.classList.add("current");
+  }
+  setUpKeyBar(showModelName);
+  showModelName();
+}
+
 // Wire the key bar's form; onSaved runs after a new key is stored.
-export function setUpKeyBar(onSaved) {
+function setUpKeyBar(onSaved) {
   const bar = document.getElementById("key-bar");
   bar.querySelector("form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -112,7 +143,7 @@ export function setUpKeyBar(onSaved) {
 }
 
 // The served model's id (GET /v1/models), shown in the header.
-export async function showModelName() {
+async function showModelName() {
   const label = document.getElementById("model-name");
   try {
     const models = await getJSON("/v1/models");

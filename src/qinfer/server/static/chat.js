@@ -5,7 +5,7 @@
 // <think> block, split by the server into reasoning_content) shows in a collapsible block;
 // Stop aborts the fetch, which closes the connection, and the server aborts the request.
 
-import { APIError, events, request, setUpKeyBar, showModelName } from "./api.js";
+import { APIError, events, request, setUpPage } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
 
 const CHAT_STORAGE = "qinfer.chat";
@@ -238,8 +238,7 @@ function newChat() {
 }
 
 loadSettings();
-setUpKeyBar(showModelName);
-showModelName();
+setUpPage();
 $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) send(event);

@@ -2,7 +2,7 @@
 // token strip, every head's attention as a thumbnail, the chosen head's heatmap, the
 // next-token bars of the chosen position, and the logit lens (layers x positions).
 
-import { postJSON, setUpKeyBar, showModelName, tokenLabel } from "./api.js";
+import { postJSON, setUpPage, tokenLabel } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 const view = { data: null, head: 0, position: 0 };
@@ -223,7 +223,6 @@ async function inspect(event) {
 }
 
 drawLegend();
-setUpKeyBar(showModelName);
-showModelName();
+setUpPage();
 $("inspect-form").addEventListener("submit", inspect);
 $("layer").addEventListener("change", () => view.data && inspect());

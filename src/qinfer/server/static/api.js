@@ -1,6 +1,7 @@
 // Talking to the server's /v1 API from the pages: the API key, JSON requests, errors, and
 // server-sent events. The key is asked for once (when the server answers 401) and kept in
 // localStorage; it is sent as "Authorization: Bearer <key>", as the OpenAI clients do.
+// `setUpPage` draws every page's header, with the served model and the key bar.
 
 const KEY_STORAGE = "qinfer.apiKey";
 
@@ -148,14 +149,7 @@ async function showModelName() {
   try {
     const models = await getJSON("/v1/models");
     label.textContent = models.data[0].id;
-    return models.data[0].id;
   } catch (error) {
     label.textContent = error.status === 401 ? "API key needed" : "server unreachable";
-    return null;
   }
-}
-
-// How a token shows on the page: whitespace made visible, so "\n" and " " are not blank.
-export function tokenLabel(text) {
-  return text.replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/ /g, "·") || "∅";
 }

@@ -7,6 +7,7 @@
 
 import { APIError, events, request, setUpPage } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
+import { element } from "./dom.js";
 
 const CHAT_STORAGE = "qinfer.chat";
 const SETTINGS_STORAGE = "qinfer.chatSettings";
@@ -25,13 +26,6 @@ function loadMessages() {
 
 function saveMessages() {
   localStorage.setItem(CHAT_STORAGE, JSON.stringify(chat.messages));
-}
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
 }
 
 // --- settings -------------------------------------------------------------------------

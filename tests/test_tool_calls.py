@@ -126,6 +126,13 @@ def test_two_hermes_calls_parse_alike_however_the_text_is_split(step, forced):
     assert json.loads(calls[1][1]) == {"city": "Tokyo"}
 
 
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_text_after_calls_keeps_its_spaces_however_the_text_is_split(step, forced):
+    content, calls, _ = parse(HERMES, TWO_CALLS + "\n\nDone, and  ok.", step, forced)
+    assert content == "Let me look.Done, and  ok." and len(calls) == 2
+
+
 def test_forced_calls_stream_their_arguments_in_fragments():
     _, _, deltas = parse(HERMES, TWO_CALLS, 3, forced=True)
     assert sum(1 for d in deltas if d.index == 0 and d.arguments) > 3

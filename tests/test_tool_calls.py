@@ -445,7 +445,7 @@ THINKING_SEEDS = (16, 24, 32, 40, 48, 56)
 
 def reply_ending(reasoning: str | None, content: str | None, calls, finish: str) -> str:
     """How one reply of a thinking model under tool_choice "required" ended, checked on the
-    way: "called" (after thinking or not: valid calls, no content), or "stop" / "length"
+    way: "thought, then called" or "called" (calls, no content), or "stop" / "length"
     inside the think block (EOS or max_tokens before `</think>`: no calls, no content)."""
     assert "</think>" not in (reasoning or "")  # the block ends at the first one
     if finish == "tool_calls":

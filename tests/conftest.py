@@ -13,6 +13,7 @@ import gguf
 import pytest
 from checkpoints import WINDOWED, build_chat_checkpoint, load_pair
 from gguf_files import smollm2_path
+from text_assets import save_llama3_tokenizer, save_qwen3_tokenizer, tokenizer_pair
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +22,21 @@ def qwen3_chat_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("qwen3-chat")
     build_chat_checkpoint(folder, "qwen3")
     return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(tmp_path_factory):
+    """(qinfer tokenizer, transformers tokenizer) over a folder with Qwen3's template (read only)."""
+    folder = tmp_path_factory.mktemp("qwen3-tokenizer")
+    save_qwen3_tokenizer(folder)
+    return tokenizer_pair(folder)
+
+
+@pytest.fixture(scope="session")
+def llama3_pair(tmp_path_factory):
+    """(qinfer tokenizer, transformers tokenizer) over a folder with Llama 3.2's template
+    (read only)."""
+    return tokenizer_pair(save_llama3_tokenizer(tmp_path_factory.mktemp("llama3-tokenizer")))
 
 
 @pytest.fixture(scope="module", params=sorted(WINDOWED))

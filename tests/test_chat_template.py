@@ -1,19 +1,11 @@
 """Chat templates render byte for byte as `transformers`' apply_chat_template(tokenize=False).
 
 The reference is `AutoTokenizer.from_pretrained` on the same folder qinfer reads, holding
-Qwen3's and Llama 3.2's real templates (tests/text_assets.py).
+Qwen3's and Llama 3.2's real templates (tests/text_assets.py; the `qwen3_pair` and
+`llama3_pair` fixtures of tests/conftest.py).
 """
 
 import pytest
-from text_assets import (
-    CHATML_SPECIAL,
-    LLAMA3_CHAT_TEMPLATE,
-    LLAMA3_SPECIAL,
-    QWEN3_ADDED,
-    QWEN3_CHAT_TEMPLATE,
-    save_tokenizer_folder,
-    train_tokenizer,
-)
 
 import qinfer
 from qinfer.chat_template import render_chat_template
@@ -85,37 +77,6 @@ LLAMA3_TOOL_TURNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """(qinfer tokenizer, transformers tokenizer) over a folder with Qwen3's template."""
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("qwen3"),
-        train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED),
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def llama3(tmp_path_factory):
-    """(qinfer tokenizer, transformers tokenizer) over a folder with Llama 3.2's template."""
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("llama3"),
-        train_tokenizer(LLAMA3_SPECIAL),
-        chat_template=LLAMA3_CHAT_TEMPLATE,
-        template_file=True,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
 def assert_renders_like_transformers(pair, messages, **kwargs):
     ours, reference = pair
     expected = reference.apply_chat_template(messages, tokenize=False, **kwargs)
@@ -123,64 +84,70 @@ def assert_renders_like_transformers(pair, messages, **kwargs):
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_qwen3_system_and_multi_turn(qwen3, add_generation_prompt):
+def test_qwen3_system_and_multi_turn(qwen3_pair, add_generation_prompt):
     assert_renders_like_transformers(
-        qwen3, SYSTEM_MULTI_TURN, add_generation_prompt=add_generation_prompt
+        qwen3_pair, SYSTEM_MULTI_TURN, add_generation_prompt=add_generation_prompt
     )
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_qwen3_enable_thinking(qwen3, enable_thinking, add_generation_prompt):
+def test_qwen3_enable_thinking(qwen3_pair, enable_thinking, add_generation_prompt):
     assert_renders_like_transformers(
-        qwen3,
+        qwen3_pair,
         QWEN3_THINKING_HISTORY + [{"role": "user", "content": "and minus 1?"}],
         add_generation_prompt=add_generation_prompt,
         enable_thinking=enable_thinking,
     )
 
 
-def test_qwen3_last_assistant_turn_keeps_its_reasoning(qwen3):
-    assert_renders_like_transformers(qwen3, QWEN3_THINKING_HISTORY, add_generation_prompt=False)
-
-
-def test_qwen3_tool_calls_and_tool_responses(qwen3):
+def test_qwen3_last_assistant_turn_keeps_its_reasoning(qwen3_pair):
     assert_renders_like_transformers(
-        qwen3, QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=True
+        qwen3_pair, QWEN3_THINKING_HISTORY, add_generation_prompt=False
     )
 
 
-def test_qwen3_null_fields_are_dropped_like_openai_clients_send_them(qwen3):
+def test_qwen3_tool_calls_and_tool_responses(qwen3_pair):
+    assert_renders_like_transformers(
+        qwen3_pair, QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=True
+    )
+
+
+def test_qwen3_null_fields_are_dropped_like_openai_clients_send_them(qwen3_pair):
     messages = [
         {"role": "user", "content": "Hi", "name": None},
         {"role": "assistant", "content": "Hello", "tool_calls": None},
         {"role": "user", "content": "Bye"},
     ]
-    assert_renders_like_transformers(qwen3, messages, add_generation_prompt=True)
+    assert_renders_like_transformers(qwen3_pair, messages, add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_llama3_system_and_multi_turn(llama3, add_generation_prompt):
+def test_llama3_system_and_multi_turn(llama3_pair, add_generation_prompt):
     assert_renders_like_transformers(
-        llama3,
+        llama3_pair,
         SYSTEM_MULTI_TURN,
         add_generation_prompt=add_generation_prompt,
         date_string="1 Jan 2026",
     )
 
 
-def test_llama3_today_date_comes_from_strftime_now(llama3):
-    assert_renders_like_transformers(llama3, SYSTEM_MULTI_TURN, add_generation_prompt=True)
+def test_llama3_today_date_comes_from_strftime_now(llama3_pair):
+    assert_renders_like_transformers(llama3_pair, SYSTEM_MULTI_TURN, add_generation_prompt=True)
 
 
-def test_llama3_tools_are_indented_json_in_the_first_user_message(llama3):
+def test_llama3_tools_are_indented_json_in_the_first_user_message(llama3_pair):
     assert_renders_like_transformers(
-        llama3, LLAMA3_TOOL_TURNS, tools=[WEATHER_TOOL], add_generation_prompt=True, date_string="x"
+        llama3_pair,
+        LLAMA3_TOOL_TURNS,
+        tools=[WEATHER_TOOL],
+        add_generation_prompt=True,
+        date_string="x",
     )
 
 
-def test_rendered_prompt_encodes_to_the_same_ids(qwen3):
-    ours, reference = qwen3
+def test_rendered_prompt_encodes_to_the_same_ids(qwen3_pair):
+    ours, reference = qwen3_pair
     expected = reference.apply_chat_template(
         QWEN3_TOOL_TURNS, tools=[WEATHER_TOOL], tokenize=True, return_dict=False
     )
@@ -190,8 +157,8 @@ def test_rendered_prompt_encodes_to_the_same_ids(qwen3):
     assert ours.encode(text, add_special_tokens=False) == list(expected)
 
 
-def test_template_exception_names_the_message_and_the_reason(llama3):
-    ours, _ = llama3
+def test_template_exception_names_the_message_and_the_reason(llama3_pair):
+    ours, _ = llama3_pair
     two_calls = dict(LLAMA3_TOOL_TURNS[2])
     two_calls["tool_calls"] = two_calls["tool_calls"] * 2
     messages = [LLAMA3_TOOL_TURNS[1], two_calls]
@@ -199,8 +166,8 @@ def test_template_exception_names_the_message_and_the_reason(llama3):
         ours.apply_chat_template(messages)
 
 
-def test_template_type_error_names_the_message_it_was_reading(qwen3):
-    ours, _ = qwen3
+def test_template_type_error_names_the_message_it_was_reading(qwen3_pair):
+    ours, _ = qwen3_pair
     messages = [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
@@ -214,8 +181,8 @@ def test_template_type_error_names_the_message_it_was_reading(qwen3):
     assert "(reading messages[2], role 'user')" in message and "\n" not in message
 
 
-def test_template_syntax_error_is_reported(qwen3):
-    tokenizer = qinfer.Tokenizer(qwen3[0].backend, chat_template="{% for m in messages %}")
+def test_template_syntax_error_is_reported(qwen3_pair):
+    tokenizer = qinfer.Tokenizer(qwen3_pair[0].backend, chat_template="{% for m in messages %}")
     with pytest.raises(TokenizerError, match="does not parse: line 1"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -228,32 +195,32 @@ def test_template_syntax_error_is_reported(qwen3):
         ([{"role": "user", "content": "a"}, {"content": "b"}], r"messages\[1\] has no 'role'"),
     ],
 )
-def test_malformed_messages_are_rejected(qwen3, messages, fault):
+def test_malformed_messages_are_rejected(qwen3_pair, messages, fault):
     with pytest.raises(TokenizerError, match=fault):
-        qwen3[0].apply_chat_template(messages)
+        qwen3_pair[0].apply_chat_template(messages)
 
 
-def test_tokenizer_without_template_says_so(qwen3):
-    tokenizer = qinfer.Tokenizer(qwen3[0].backend)
+def test_tokenizer_without_template_says_so(qwen3_pair):
+    tokenizer = qinfer.Tokenizer(qwen3_pair[0].backend)
     assert not tokenizer.has_chat_template
     with pytest.raises(TokenizerError, match="no chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_templates_cannot_reach_python_internals(qwen3):
+def test_templates_cannot_reach_python_internals(qwen3_pair):
     escape = "{{ messages.__class__.__mro__ }}"
-    tokenizer = qinfer.Tokenizer(qwen3[0].backend, chat_template=escape)
+    tokenizer = qinfer.Tokenizer(qwen3_pair[0].backend, chat_template=escape)
     with pytest.raises(TokenizerError):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 @pytest.mark.parametrize("alias", ["reasoning_content", "thinking", "reasoning"])
-def test_reasoning_under_any_of_its_names_reaches_the_template(qwen3, alias):
+def test_reasoning_under_any_of_its_names_reaches_the_template(qwen3_pair, alias):
     messages = [
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4", alias: "add them"},
     ]
-    assert_renders_like_transformers(qwen3, messages, add_generation_prompt=False)
+    assert_renders_like_transformers(qwen3_pair, messages, add_generation_prompt=False)
 
 
 def test_smollm2_gguf_template_renders_like_transformers(smollm2_reader):
@@ -268,7 +235,7 @@ def test_smollm2_gguf_template_renders_like_transformers(smollm2_reader):
     assert render_chat_template(template, messages, add_generation_prompt=True) == expected
 
 
-def test_pydantic_messages_and_tools_render_as_their_dicts(qwen3):
+def test_pydantic_messages_and_tools_render_as_their_dicts(qwen3_pair):
     import pydantic
 
     class Message(pydantic.BaseModel):
@@ -279,14 +246,14 @@ def test_pydantic_messages_and_tools_render_as_their_dicts(qwen3):
         type: str
         function: dict
 
-    ours, _ = qwen3
+    ours, _ = qwen3_pair
     messages = [Message(role="user", content="Weather?")]
     expected = ours.apply_chat_template([m.model_dump() for m in messages], tools=[WEATHER_TOOL])
     assert ours.apply_chat_template(messages, tools=[Tool(**WEATHER_TOOL)]) == expected
 
 
-def test_tool_that_is_not_a_schema_is_rejected(qwen3):
+def test_tool_that_is_not_a_schema_is_rejected(qwen3_pair):
     with pytest.raises(TokenizerError, match=r"tools\[1\] must be a dict, got str"):
-        qwen3[0].apply_chat_template(
+        qwen3_pair[0].apply_chat_template(
             [{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL, "get_weather"]
         )

@@ -125,7 +125,7 @@ def test_bad_inspections_name_their_field(pair, tokens, asked, param):
     _, model = pair
     with pytest.raises(RequestError) as refused:
         inspect_tokens(model, tokens, **asked)
-    assert refused.value.param == param
+    assert refused.value.param == param and str(refused.value).startswith(param)
 
 
 def test_a_prompt_past_the_cap_is_refused(pair):
@@ -182,7 +182,8 @@ def test_served_inspection_equals_the_direct_one(server, qwen3_chat_folder):
 def test_bad_inspect_requests_are_400s_naming_the_field(server, asked, param):
     response = server.post("/v1/inspect", json={"prompt": "Hello", **asked})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"]
     assert server.get("/health").status_code == 200
 
 

@@ -33,8 +33,7 @@ from server_process import start_serve_command
 from text_assets import (
     CHATML_SPECIAL,
     QWEN3_ADDED,
-    QWEN3_CHAT_TEMPLATE,
-    save_tokenizer_folder,
+    save_qwen3_tokenizer,
     train_tokenizer,
 )
 
@@ -86,13 +85,7 @@ def checkpoint(tmp_path_factory) -> Path:
     # "\n\n" as one token tells the end of Qwen3's empty think block from a lone "\n".
     backend.add_tokens([tokenizers.AddedToken("\n\n", special=False, normalized=False)])
     im_end = backend.token_to_id("<|im_end|>")
-    save_tokenizer_folder(
-        folder,
-        backend,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
+    save_qwen3_tokenizer(folder, backend)
     model = build_checkpoint(
         folder,
         "qwen3",

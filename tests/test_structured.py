@@ -368,3 +368,31 @@ def test_the_next_mask_is_computed_on_a_worker_thread_after_each_token(qwen3, mo
     processor.accept(sorted(eos)[0])
     processor.release()
     assert processor._next_mask is None and processor.matcher is None
+
+
+def test_strict_false_lets_a_reply_carry_keys_the_schema_does_not_name(qwen3):
+    """response_format's `strict: false` through the server's own request model: the model
+    is made to write an extra key, which the lenient grammar lets through and strict mode
+    masks (the model then closes the object instead)."""
+    from qinfer.server.protocol import ChatCompletionRequest
+
+    model, tokenizer, _ = qwen3
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    script = tokenizer.encode('{"a": "x", "b": 1}', add_special_tokens=False)
+    replies = {}
+    for strict in (False, True):
+        json_schema = {"name": "reply", "schema": schema, "strict": strict}
+        request = ChatCompletionRequest.model_validate(
+            {
+                "messages": MESSAGES,
+                "response_format": {"type": "json_schema", "json_schema": json_schema},
+            }
+        )
+        params = SamplingParams(max_tokens=40, **request.constraint())
+        (result,) = generate(
+            Forced(model, script), tokenizer, [MESSAGES], params, enable_thinking=False
+        )
+        assert result.finish_reason == "eos", result.text
+        replies[strict] = json.loads(result.text)
+    assert replies[False] == {"a": "x", "b": 1}
+    assert replies[True] == {"a": "x"}

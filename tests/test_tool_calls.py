@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 import httpx
 import jsonschema
@@ -22,10 +23,7 @@ from checkpoints import CHATML_TEMPLATE, build_checkpoint
 from server_process import start_serve_command
 from text_assets import (
     CHATML_SPECIAL,
-    LLAMA3_CHAT_TEMPLATE,
-    LLAMA3_SPECIAL,
-    QWEN3_ADDED,
-    QWEN3_CHAT_TEMPLATE,
+    save_qwen3_tokenizer,
     save_tokenizer_folder,
     train_tokenizer,
 )
@@ -128,6 +126,13 @@ def test_two_hermes_calls_parse_alike_however_the_text_is_split(step, forced):
     assert json.loads(calls[1][1]) == {"city": "Tokyo"}
 
 
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("step", [1, 3, 10_000])
+def test_text_after_calls_keeps_its_spaces_however_the_text_is_split(step, forced):
+    content, calls, _ = parse(HERMES, TWO_CALLS + "\n\nDone, and  ok.", step, forced)
+    assert content == "Let me look.Done, and  ok." and len(calls) == 2
+
+
 def test_forced_calls_stream_their_arguments_in_fragments():
     _, _, deltas = parse(HERMES, TWO_CALLS, 3, forced=True)
     assert sum(1 for d in deltas if d.index == 0 and d.arguments) > 3
@@ -167,34 +172,6 @@ def test_llama3_text_or_other_json_is_content(text):
 
 
 # --- templates ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3_pair(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("qwen3-tools"),
-        train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED),
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def llama3_pair(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    folder = save_tokenizer_folder(
-        tmp_path_factory.mktemp("llama3-tools"),
-        train_tokenizer(LLAMA3_SPECIAL),
-        chat_template=LLAMA3_CHAT_TEMPLATE,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-    )
-    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
 
 
 def server_prompt(tokenizer, body: dict) -> str:
@@ -325,14 +302,7 @@ def served(tmp_path_factory):
     """(openai client, httpx client, tokenizer, checkpoint folder) of `qinfer serve` on a
     random Qwen3 with Qwen3's template."""
     folder = tmp_path_factory.mktemp("tools-qwen3")
-    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
-    save_tokenizer_folder(
-        folder,
-        backend,
-        chat_template=QWEN3_CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
+    backend = save_qwen3_tokenizer(folder)
     eos = backend.token_to_id("<|im_end|>")
     # Tools make long prompts for a 400-token vocabulary: 4096 positions of context.
     build_checkpoint(
@@ -353,25 +323,46 @@ def served(tmp_path_factory):
     process.wait(timeout=30)
 
 
-def chat(client, **fields):
-    extra = {**NO_THINKING, **fields.pop("extra_body", {})}
+def chat(client, thinking: bool = False, **fields):
+    """A chat about USER; thinking: leave Qwen3's thinking on (its template's default)."""
+    extra = {**({} if thinking else NO_THINKING), **fields.pop("extra_body", {})}
     fields.setdefault("max_tokens", 200)
     return client.chat.completions.create(model="tiny", messages=USER, extra_body=extra, **fields)
 
 
+@dataclass
+class StreamedChoice:
+    """One choice of a stream, put together from its deltas; calls: {index: [id, name,
+    arguments]}."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+def streamed_choices(client, **fields) -> dict[int, StreamedChoice]:
+    """Each choice of a streamed chat, by index."""
+    choices: dict[int, StreamedChoice] = {}
+    for chunk in chat(client, stream=True, **fields):
+        for delta_choice in chunk.choices:
+            choice = choices.setdefault(delta_choice.index, StreamedChoice())
+            delta = delta_choice.delta
+            choice.reasoning += getattr(delta, "reasoning_content", None) or ""
+            choice.content += delta.content or ""
+            for call in delta.tool_calls or ():
+                if call.id is not None:
+                    assert call.index not in choice.calls, "a call's id and name come once"
+                    choice.calls[call.index] = [call.id, call.function.name, ""]
+                choice.calls[call.index][2] += call.function.arguments or ""
+            choice.finish_reason = delta_choice.finish_reason or choice.finish_reason
+    return choices
+
+
 def streamed(client, **fields):
     """(content, {index: [id, name, arguments]}, finish_reason) of a streamed chat."""
-    content, calls, finish = "", {}, None
-    for chunk in chat(client, stream=True, **fields):
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for call in choice.delta.tool_calls or ():
-            if call.id is not None:
-                assert call.index not in calls, "a call's id and name come once"
-                calls[call.index] = [call.id, call.function.name, ""]
-            calls[call.index][2] += call.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, calls, finish
+    choice = streamed_choices(client, **fields)[0]
+    return choice.content, choice.calls, choice.finish_reason
 
 
 def valid_call(call, tools=TOOLS) -> bool:
@@ -444,6 +435,64 @@ def test_required_always_makes_a_valid_call_streamed_alike(served, seed):
     call = reply.message.tool_calls[0]
     assert finish == "tool_calls"
     assert [(n, a) for _, n, a in calls.values()] == [(call.function.name, call.function.arguments)]
+
+
+#: Seeds of eight samples each (choice j seeded seed + j) for the thinking tests; the first
+#: already shows every ending on this CPU, the others are there should another CPU's
+#: rounding draw otherwise.
+THINKING_SEEDS = (16, 24, 32, 40, 48, 56)
+
+
+def reply_ending(reasoning: str | None, content: str | None, calls, finish: str) -> str:
+    """How one reply of a thinking model under tool_choice "required" ended, checked on the
+    way: "thought, then called" or "called" (calls, no content), or "stop" / "length"
+    inside the think block (EOS or max_tokens before `</think>`: no calls, no content)."""
+    assert "</think>" not in (reasoning or "")  # the block ends at the first one
+    if finish == "tool_calls":
+        assert calls and not content, (content, calls)
+        return "thought, then called" if reasoning else "called"
+    assert finish in ("stop", "length") and not calls and not content, (finish, content, calls)
+    return finish
+
+
+def test_thinking_then_a_required_call_or_a_clear_end_inside_the_block(served):
+    """Qwen3 thinks unconstrained (its template's default); the call's grammar starts after
+    `</think>`. A random model may think and then call, call at once, or end inside the
+    block by EOS ("stop") or max_tokens ("length"): each is a well-formed reply, and the
+    stream carries the same reasoning and calls as the whole answer."""
+    client, _, _, _ = served
+    endings = set()
+    for seed in THINKING_SEEDS:
+        fields = dict(
+            thinking=True, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, n=8
+        )
+        whole = chat(client, max_tokens=600, **fields).choices
+        stream = streamed_choices(client, max_tokens=600, **fields)
+        for choice in whole:
+            message = choice.message
+            reasoning = getattr(message, "reasoning_content", None)
+            endings.add(
+                reply_ending(reasoning, message.content, message.tool_calls, choice.finish_reason)
+            )
+            assert all(valid_call(call) for call in message.tool_calls or ())
+            streamed_choice = stream[choice.index]
+            assert streamed_choice.reasoning == (reasoning or "")
+            assert streamed_choice.finish_reason == choice.finish_reason
+            assert [(name, args) for _, name, args in streamed_choice.calls.values()] == [
+                (call.function.name, call.function.arguments) for call in message.tool_calls or ()
+            ]
+        if endings == {"thought, then called", "called", "stop", "length"}:
+            return
+    pytest.fail(f"{len(THINKING_SEEDS) * 8} samples ended only as {sorted(endings)}")
+
+
+def test_thinking_off_makes_every_required_call_at_once(served):
+    client, _, _, _ = served
+    fields = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=16, n=8)
+    for choice in chat(client, max_tokens=600, **fields).choices:
+        assert getattr(choice.message, "reasoning_content", None) is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert all(valid_call(call) for call in choice.message.tool_calls)
 
 
 def test_a_named_tool_is_called_and_ends_with_stop(served):

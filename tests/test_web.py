@@ -16,6 +16,7 @@ import httpx
 import pytest
 from server_process import start_serve_command
 
+import qinfer
 from qinfer.inspection import MAX_INSPECT_TOKENS
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -100,6 +101,23 @@ def send(page, text: str) -> None:
     page.press("#prompt", "Enter")
 
 
+def watch_answer(page, snapshot: str) -> None:
+    """From now on, each time the conversation changes, append `snapshot` (a JavaScript
+    expression over `last`, the last assistant message) to `window.seen`, unless it is
+    empty: what a person would have seen while the answer streamed."""
+    page.evaluate(
+        f"""() => {{
+        window.seen = [];
+        new MutationObserver(() => {{
+            const last = document.querySelector('.message.assistant:last-child');
+            const value = last && ({snapshot});
+            if (value) window.seen.push(value);
+        }}).observe(document.getElementById('messages'), {{subtree: true, childList: true,
+                                                          characterData: true}});
+    }}"""
+    )
+
+
 def wait_for_answer(page) -> None:
     """Until the answer being streamed has finished (its footer shows)."""
     page.wait_for_selector("#send:not([hidden])")
@@ -114,25 +132,17 @@ def test_chat_asks_for_the_key_and_streams_the_greedy_answer(page, api):
     page.click("#key-bar button")
     model = api.get("/v1/models").json()["data"][0]["id"]
     page.wait_for_function(f"document.getElementById('model-name').textContent === {model!r}")
+    assert page.locator("header nav a.current").text_content() == "Chat"
 
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "40")
     page.dispatch_event("#max-tokens", "change")
-    # Record the answer's text each time the page changes it, to see it arrive in pieces.
-    page.evaluate(
-        """() => {
-        window.seenLengths = [];
-        new MutationObserver(() => {
-            const answer = document.querySelector('.message.assistant:last-child .content');
-            if (answer) window.seenLengths.push(answer.textContent.length);
-        }).observe(document.getElementById('messages'), {subtree: true, childList: true,
-                                                         characterData: true});
-    }"""
-    )
+    # The answer's length each time the page changes it, to see it arrive in pieces.
+    watch_answer(page, "last.querySelector('.content')?.textContent.length")
     send(page, QUESTION)
     wait_for_answer(page)
 
-    seen = page.evaluate("window.seenLengths")
+    seen = page.evaluate("window.seen")
     assert len({n for n in seen if n > 0}) >= 3, f"the answer did not stream: {seen}"
     answer = conversation(page)[-1]
     expected = api.post(
@@ -224,6 +234,7 @@ def test_inspector_draws_the_heatmap_and_the_next_token_bars(page, api):
     page.fill("#top-k", "5")
     page.click("#inspect")
     page.wait_for_selector("#results:not([hidden])")
+    assert page.locator("header nav a.current").text_content() == "Inspector"
     assert heatmap_colours(page) > 20
     heads = api.post("/v1/inspect", json={"prompt": "x"}).json()["num_heads"]
     assert page.locator(".head-thumb").count() == heads
@@ -245,3 +256,96 @@ def test_inspector_shows_a_refused_request_as_an_error(page):
     page.click("#inspect")
     page.wait_for_selector("#status.error")
     assert f"inspection takes 1 to {MAX_INSPECT_TOKENS}" in page.text_content("#status")
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_chat_folder):
+    """`qinfer serve` on a random Qwen3 whose tokenizer has Qwen3's <think> tags."""
+    process, url = start_serve_command("--model", str(qwen3_chat_folder), timeout=120)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def thinking_grammar(folder: Path) -> str:
+    """A Lark grammar for a reply as Qwen3 writes one when it thinks: the `<think>` token,
+    free reasoning, `</think>`, then a free answer (the tags by id: llguidance matches
+    added tokens only by id). Free parts keep the model's own greedy choices."""
+    tokenizer = qinfer.load_tokenizer(folder)
+    think_open, think_close = (tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
+    return (
+        f'start: <[{think_open}]> "\\n" REASONING "\\n" <[{think_close}]> "\\n\\n" ANSWER\n'
+        "REASONING: /[a-z][a-z ]{80,160}[a-z]/\n"
+        "ANSWER: /[A-Z][a-z ,]{10,30}[.]/\n"
+    )
+
+
+def test_reasoning_streams_into_a_collapsible_block_apart_from_the_answer(
+    browser, qwen3_server, qwen3_chat_folder
+):
+    """The real server's reasoning_content deltas: a random Qwen3 is made to think by a
+    grammar the test adds to the page's request (thinking off, so the prompt closes the
+    block and the grammar applies from the first token, `<think>` included)."""
+    grammar = thinking_grammar(qwen3_chat_folder)
+
+    def force_thinking(route):
+        body = json.loads(route.request.post_data)
+        body["guided_grammar"] = grammar
+        route.continue_(post_data=json.dumps(body))
+
+    context = browser.new_context(base_url=qwen3_server, viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        page.route("**/v1/chat/completions", force_thinking)
+        page.goto("/")
+        page.fill("#temperature", "0")
+        page.dispatch_event("#temperature", "change")
+        page.select_option("#thinking", "off")
+        # Each change of the page: [reasoning shown, answer shown, the block's label, open].
+        watch_answer(
+            page,
+            """(block => block && [block.querySelector('.reasoning-text').textContent.length,
+                                  last.querySelector('.content').textContent.length,
+                                  block.querySelector('summary').textContent, block.open]
+               )(last.querySelector('details.reasoning'))""",
+        )
+        send(page, QUESTION)
+        wait_for_answer(page)
+        seen = page.evaluate("window.seen")
+        reply = api_reply(qwen3_server, grammar)
+        # While the model thought, its reasoning showed in an open "Thinking…" block with no
+        # answer yet (how much of it arrived per frame depends on the machine's speed).
+        thinking = [r and not a and label == "Thinking…" and shown for r, a, label, shown in seen]
+        assert any(thinking), seen
+        last = page.locator(".message.assistant:last-child")
+        block = last.locator("details.reasoning")
+        assert block.locator("summary").text_content() == "Thought"
+        assert not block.evaluate("details => details.open")  # folded once the answer came
+        assert block.locator(".reasoning-text").text_content() == reply["reasoning_content"]
+        assert last.locator(".content").text_content() == reply["content"]
+        assert "<think>" not in last.text_content() and reply["content"]
+        saved = conversation(page)[-1]
+        assert (saved["reasoning"], saved["content"]) == (
+            reply["reasoning_content"],
+            reply["content"],
+        )
+        block.locator("summary").click()
+        assert block.evaluate("details => details.open")
+        assert block.locator(".reasoning-text").is_visible()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=ARTIFACTS / "chat-reasoning.png")
+    finally:
+        context.close()
+
+
+def api_reply(url: str, grammar: str) -> dict:
+    """The API's greedy answer to the page's request (thinking off, the same grammar)."""
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "guided_grammar": grammar,
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    return response.json()["choices"][0]["message"]

@@ -261,3 +261,41 @@ LLAMA3_CHAT_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+
+
+def save_qwen3_tokenizer(
+    folder: Path, backend: tokenizers.Tokenizer | None = None
+) -> tokenizers.Tokenizer:
+    """Write a Qwen3 tokenizer folder: `backend` (default: `train_tokenizer` with ChatML's
+    special tokens and Qwen3's added ones), Qwen3's chat template, its EOS and pad tokens.
+    Returns the backend."""
+    backend = backend or train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
+    save_tokenizer_folder(
+        folder,
+        backend,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    return backend
+
+
+def save_llama3_tokenizer(folder: Path) -> Path:
+    """Write a Llama 3.2 tokenizer folder (its template in chat_template.jinja)."""
+    return save_tokenizer_folder(
+        folder,
+        train_tokenizer(LLAMA3_SPECIAL),
+        chat_template=LLAMA3_CHAT_TEMPLATE,
+        template_file=True,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
+
+
+def tokenizer_pair(folder: Path):
+    """(qinfer's tokenizer, transformers' AutoTokenizer) over the same folder."""
+    from transformers import AutoTokenizer
+
+    import qinfer
+
+    return qinfer.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)

@@ -61,6 +61,8 @@ from qinfer.tokenizer import Tokenizer
 
 #: The most whitespace characters a JSON output may put between two tokens.
 MAX_JSON_WHITESPACE = 2
+#: llguidance's `whitespace_pattern` for JSON: spaces and newlines, at most MAX_JSON_WHITESPACE.
+JSON_WHITESPACE = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
 
 # Keywords whose value is a schema, a map of names to schemas, or a list of schemas.
 _SCHEMA_KEYWORDS = (
@@ -277,9 +279,8 @@ def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
                     f"json_schema is invalid: $ref {' -> '.join(cycle)} refers back to "
                     "itself before describing any value"
                 )
-            whitespace = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
             return llguidance.LLMatcher.grammar_from_json_schema(
-                strict_schema(schema), defaults={"whitespace_pattern": whitespace}
+                strict_schema(schema), defaults={"whitespace_pattern": JSON_WHITESPACE}
             )
         if name == "choice":
             return llguidance.grammar_from("choice", list(value))

@@ -106,31 +106,34 @@ def check_inspection(
         )
     if not 1 <= num_tokens <= MAX_INSPECT_TOKENS:
         raise RequestError(
-            f"the prompt is {num_tokens} tokens; inspection takes 1 to {MAX_INSPECT_TOKENS}",
+            f"prompt is {num_tokens} tokens; inspection takes 1 to {MAX_INSPECT_TOKENS}",
             param="prompt",
         )
     for layer in layers:
         if not 0 <= layer < config.num_hidden_layers:
             raise RequestError(
-                f"layer {layer} does not exist: the model has layers 0..{config.num_hidden_layers - 1}",
+                f"layers: layer {layer} does not exist; the model has layers "
+                f"0..{config.num_hidden_layers - 1}",
                 param="layers",
             )
     heads = list(range(config.num_attention_heads)) if heads is None else list(heads)
     for head in heads:
         if not 0 <= head < config.num_attention_heads:
             raise RequestError(
-                f"head {head} does not exist: the model has query heads "
+                f"heads: head {head} does not exist; the model has query heads "
                 f"0..{config.num_attention_heads - 1}",
                 param="heads",
             )
     if not heads:
-        raise RequestError("heads is empty: name at least one head (or leave it out)", "heads")
+        raise RequestError(
+            "heads is empty: name at least one head (or leave it out)", param="heads"
+        )
     asked = len(set(layers)) * len(heads) * num_tokens**2
     if asked > MAX_ATTENTION_WEIGHTS:
         raise RequestError(
-            f"{len(set(layers))} layers x {len(heads)} heads x {num_tokens}² tokens is {asked} "
-            f"attention weights, more than the {MAX_ATTENTION_WEIGHTS} one inspection returns: "
-            "ask for fewer layers or heads, or a shorter prompt",
+            f"layers: {len(set(layers))} layers x {len(heads)} heads x {num_tokens}² tokens is "
+            f"{asked} attention weights, more than the {MAX_ATTENTION_WEIGHTS} one inspection "
+            "returns; ask for fewer layers or heads, or a shorter prompt",
             param="layers",
         )
     if not 1 <= top_k <= MAX_TOP_K:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qinfer.detokenizer import partial_match_length
-from qinfer.grammar import MAX_JSON_WHITESPACE, strict_schema
+from qinfer.grammar import JSON_WHITESPACE, strict_schema
 from qinfer.tokenizer import Tokenizer
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -154,8 +154,7 @@ def tool_call_grammar(
     """
     schemas = [_call_schema(fmt, tool["function"]) for tool in tools]
     call_json = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    whitespace = f"[ \\n]{{0,{MAX_JSON_WHITESPACE}}}"
-    call_json = {**call_json, "x-guidance": {"whitespace_pattern": whitespace}}
+    call_json = {**call_json, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
     lines = ["%llguidance {}", f"call_json: %json {json.dumps(call_json)}"]
     if not fmt.tagged:
         lines.append("start: call_json")
@@ -259,6 +258,7 @@ class ToolCallParser:
         self.fmt, self.tool_names, self.forced = fmt, frozenset(tool_names), forced
         self.num_calls = 0
         self._state = _TEXT
+        self._after_call = False  # a call was made and no text has come since
         self._held = ""  # text not yet handed out
         self._block = ""  # the current block's text (after its opening tag)
         self._started = False  # the untagged format: the reply's first character was read
@@ -297,8 +297,9 @@ class ToolCallParser:
     # -- the states -------------------------------------------------------------------
 
     def _in_text(self, out: ParsedDelta) -> None:
-        if self.num_calls:  # the newlines between and after calls are no content
+        if self._after_call:  # the newlines between and after calls are no content
             self._held = self._held.lstrip()
+            self._after_call = not self._held
         if not self.fmt.tagged:
             self._untagged_start(out)
             return
@@ -370,6 +371,7 @@ class ToolCallParser:
 
     def _open_call(self, name: str) -> ToolCallDelta:
         self.num_calls += 1
+        self._after_call = True
         return ToolCallDelta(self.num_calls - 1, id=f"call_{uuid.uuid4().hex[:24]}", name=name)
 
     def _close_block(self, block: str, out: ParsedDelta, closed: bool) -> None:

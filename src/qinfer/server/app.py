@@ -89,16 +89,18 @@ class ModelServer:
                 code="model_not_found",
             )
 
+    def template_kwargs(self, requested: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The chat template's keyword arguments: the server's, overridden key by key by
+        the request's `chat_template_kwargs`."""
+        return {**self.settings.chat_template_kwargs, **(requested or {})}
+
     def sampling_params(self, body: GenerationRequest) -> SamplingParams:
         return self.settings.default_params.replace(**body.sampling_overrides())
 
     async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
         params = self.sampling_params(body)
-        template_kwargs = {
-            **self.settings.chat_template_kwargs,
-            **(body.chat_template_kwargs or {}),
-        }
+        template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         tools = body.offered_tools()
         messages, tool_kwargs = tool_prompt(
             self.tool_format, [message.for_template() for message in body.messages], tools
@@ -186,10 +188,7 @@ class ModelServer:
         """The inspection `body` asks for, computed in the engine's step thread (between two
         steps: never beside one), its JSON built off the event loop."""
         self.check_model(body.model)
-        template_kwargs = {
-            **self.settings.chat_template_kwargs,
-            **(body.chat_template_kwargs or {}),
-        }
+        template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         inspection = await self.engine.run_with_model(
             lambda model: encode_and_inspect(model, self.tokenizer, body, template_kwargs)
         )

@@ -1,6 +1,7 @@
 // Talking to the server's /v1 API from the pages: the API key, JSON requests, errors, and
 // server-sent events. The key is asked for once (when the server answers 401) and kept in
 // localStorage; it is sent as "Authorization: Bearer <key>", as the OpenAI clients do.
+// `setUpPage` draws every page's header, with the served model and the key bar.
 
 const KEY_STORAGE = "qinfer.apiKey";
 
@@ -12,7 +13,7 @@ export class APIError extends Error {
   }
 }
 
-export function apiKey() {
+function apiKey() {
   return localStorage.getItem(KEY_STORAGE) || "";
 }
 
@@ -53,7 +54,7 @@ export async function request(method, path, body, signal) {
   return response;
 }
 
-export async function getJSON(path) {
+async function getJSON(path) {
   return (await request("GET", path)).json();
 }
 
@@ -89,7 +90,7 @@ export async function* events(response) {
 }
 
 // The bar at the top of every page that asks for the API key (shown after a 401).
-export function showKeyBar(reason) {
+function showKeyBar(reason) {
   const bar = document.getElementById("key-bar");
   if (!bar) return;
   bar.hidden = false;
@@ -99,8 +100,39 @@ export function showKeyBar(reason) {
   input.focus();
 }
 
+// The header of every page (the pages, the served model, the key button) and the key bar
+// under it. A constant: nothing from the server or the model goes through innerHTML.
+const HEADER = `
+  <header class="top">
+    <span class="brand">qinfer</span>
+    <nav>
+      <a href="/">Chat</a>
+      <a href="/inspect">Inspector</a>
+    </nav>
+    <span id="model-name" class="model-name">…</span>
+    <button id="key-button" type="button" class="ghost" title="Set the API key">Key</button>
+  </header>
+  <div id="key-bar" class="key-bar" hidden>
+    <form>
+      <span class="key-reason"></span>
+      <input type="password" name="key" placeholder="API key" autocomplete="off" aria-label="API key">
+      <button type="submit">Save key</button>
+    </form>
+  </div>`;
+
+// Draw the header and the key bar at the top of the page, mark the page's own link, and
+// show the served model (asking for the key if the server wants one).
+export function setUpPage() {
+  document.body.insertAdjacentHTML("afterbegin", HEADER);
+  for (const link of document.querySelectorAll("header.top nav a")) {
+    if (link.getAttribute("href") === location.pathname) link.classList.add("current");
+  }
+  setUpKeyBar(showModelName);
+  showModelName();
+}
+
 // Wire the key bar's form; onSaved runs after a new key is stored.
-export function setUpKeyBar(onSaved) {
+function setUpKeyBar(onSaved) {
   const bar = document.getElementById("key-bar");
   bar.querySelector("form").addEventListener("submit", (event) => {
     event.preventDefault();
@@ -112,19 +144,12 @@ export function setUpKeyBar(onSaved) {
 }
 
 // The served model's id (GET /v1/models), shown in the header.
-export async function showModelName() {
+async function showModelName() {
   const label = document.getElementById("model-name");
   try {
     const models = await getJSON("/v1/models");
     label.textContent = models.data[0].id;
-    return models.data[0].id;
   } catch (error) {
     label.textContent = error.status === 401 ? "API key needed" : "server unreachable";
-    return null;
   }
-}
-
-// How a token shows on the page: whitespace made visible, so "\n" and " " are not blank.
-export function tokenLabel(text) {
-  return text.replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/ /g, "·") || "∅";
 }

@@ -5,8 +5,9 @@
 // <think> block, split by the server into reasoning_content) shows in a collapsible block;
 // Stop aborts the fetch, which closes the connection, and the server aborts the request.
 
-import { APIError, events, request, setUpKeyBar, showModelName } from "./api.js";
+import { APIError, events, request, setUpPage } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
+import { element } from "./dom.js";
 
 const CHAT_STORAGE = "qinfer.chat";
 const SETTINGS_STORAGE = "qinfer.chatSettings";
@@ -25,13 +26,6 @@ function loadMessages() {
 
 function saveMessages() {
   localStorage.setItem(CHAT_STORAGE, JSON.stringify(chat.messages));
-}
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
 }
 
 // --- settings -------------------------------------------------------------------------
@@ -238,8 +232,7 @@ function newChat() {
 }
 
 loadSettings();
-setUpKeyBar(showModelName);
-showModelName();
+setUpPage();
 $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) send(event);

@@ -2,7 +2,8 @@
 // token strip, every head's attention as a thumbnail, the chosen head's heatmap, the
 // next-token bars of the chosen position, and the logit lens (layers x positions).
 
-import { postJSON, setUpKeyBar, showModelName, tokenLabel } from "./api.js";
+import { postJSON, setUpPage } from "./api.js";
+import { element, tokenLabel } from "./dom.js";
 
 const $ = (id) => document.getElementById(id);
 const view = { data: null, head: 0, position: 0 };
@@ -22,13 +23,6 @@ function color(weight) {
   const i = Math.min(Math.floor(x), STOPS.length - 2);
   const t = x - i;
   return STOPS[i].map((c, k) => Math.round(c + (STOPS[i + 1][k] - c) * t));
-}
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
 }
 
 // Paint an L x L matrix into a canvas, one `cell`-pixel square per weight, at (x0, y0).
@@ -223,7 +217,6 @@ async function inspect(event) {
 }
 
 drawLegend();
-setUpKeyBar(showModelName);
-showModelName();
+setUpPage();
 $("inspect-form").addEventListener("submit", inspect);
 $("layer").addEventListener("change", () => view.data && inspect());

@@ -4,12 +4,7 @@
 // fenced code blocks, headings, lists, block quotes, paragraphs, and inline code, bold,
 // italics and http(s) links.
 
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
+import { element } from "./dom.js";
 
 // Inline spans: `code`, **bold**, *italic* / _italic_, [text](http...). Unclosed marks
 // stay as typed (a stream shows "**bo" until its closing "**" arrives).

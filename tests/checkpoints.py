@@ -19,8 +19,25 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
+#: A Gemma 3 shape: two sliding layers (window 6, RoPE theta 10k) then a global one (theta
+#: 1M with linear scaling), query_pre_attn_scalar != head_dim, and a final softcap small
+#: enough to bite on logits of order 1.
+GEMMA3 = dict(
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    num_hidden_layers=3,
+    sliding_window=6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+    final_logit_softcapping=3.0,
+)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
-#: sliding window on every layer, and a window only on the upper layers.
+#: sliding window on every layer, a window only on the upper layers, and Gemma 3's
+#: interleaved local/global layers with their two RoPE bases.
 WINDOWED = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     "mistral-window": ("mistral", dict(sliding_window=8)),
@@ -28,6 +45,7 @@ WINDOWED = {
         "qwen2",
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
+    "gemma3": ("gemma3", GEMMA3),
 }
 
 
@@ -51,7 +69,8 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen2, llama, mistral) to `folder`; return the HF model."""
+    """Save a random `family` model (qwen3, qwen2, llama, mistral, gemma3) to `folder`;
+    return the HF model."""
     import transformers
 
     classes = {
@@ -59,6 +78,7 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_class, model_class = classes[family]
     config = config_class(**{**TINY, **overrides})

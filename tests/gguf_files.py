@@ -59,6 +59,7 @@ ARCHES = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
 }
 
 
@@ -100,12 +101,15 @@ def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        # Gemma 3 keeps a RoPE per layer type; the file holds its global layers' one.
+        rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+        writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_vocab_size(config.vocab_size)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
-        rope = config.rope_parameters
+        if arch == "gemma3":
+            writer.add_sliding_window(config.sliding_window)
         if rope.get("rope_type", "default") in ("linear", "yarn"):
             writer.add_rope_scaling_type(
                 gguf.RopeScalingType.LINEAR
@@ -149,9 +153,9 @@ def llama3_rope_freqs(config) -> np.ndarray:
 
 
 def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) -> Path:
-    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3) to an F32 GGUF, or one
-    whose layers' projections are quantized to `layer_type` (Q4_0, Q8_0: what `gguf.quants`
-    writes)."""
+    """Convert a `transformers` model of `arch` (llama, qwen2, qwen3, gemma3) to an F32 GGUF,
+    or one whose layers' projections are quantized to `layer_type` (Q4_0, Q8_0: what
+    `gguf.quants` writes). Gemma's norm weights are stored as 1 + w, as the converter does."""
     config = model.config
     names = gguf.get_tensor_name_map(ARCHES[arch], config.num_hidden_layers)
     tensors, raw_types = {}, {}
@@ -163,6 +167,8 @@ def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) 
             array = converter_permute(array, config.num_attention_heads)
         if arch == "llama" and ".k_proj." in hf_name:
             array = converter_permute(array, config.num_key_value_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            array = array + 1
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if layer_type is not None and name.startswith("blk.") and array.ndim == 2:
             array, raw_types[name] = gguf.quants.quantize(array, layer_type), layer_type

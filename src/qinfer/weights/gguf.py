@@ -8,6 +8,8 @@ llama.cpp's conventions onto ours:
 - tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`);
 - llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
   RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
+- Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
+  w of a Hugging Face checkpoint (our norms add the 1: `ModelConfig.norm_weight_offset`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0 becomes
   int8 per output channel, re-rounded), else dequantized to fp32 by

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import gemma3_path
 
 import qinfer
+from qinfer.cli import main
 from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
 from qinfer.weights.gguf import read_gguf
 
@@ -193,3 +194,10 @@ def test_chat_template_renders_like_transformers(tokenizers, add_generation_prom
     assert ours.encode(text, add_special_tokens=False) == reference.encode(
         text, add_special_tokens=False
     )
+
+
+def test_cli_generate_continues_a_prompt_the_file_has_no_template_for(capsys):
+    args = ["generate", "--model", str(gemma3_path()), "--dtype", "float32", "--device", "cpu"]
+    args += ["--max-tokens", "8", "--temperature", "0", "The capital of France is"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith(" the capital of the country of France.")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoints import build_checkpoint, llama3_rope, max_diff, random_tokens
+from checkpoints import GEMMA3, build_checkpoint, llama3_rope, max_diff, random_tokens
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
@@ -42,6 +42,7 @@ CHECKPOINTS = {
     ),
     "qwen2": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4)),  # q/k/v biases
     "mistral-window": ("mistral", dict(sliding_window=8, head_dim=16)),  # rotating caches
+    "gemma3": ("gemma3", GEMMA3),  # GeGLU, (1 + w) sandwich norms, a RoPE per layer kind
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.

@@ -11,11 +11,12 @@ from collections import Counter
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import gemma3_path
+from gguf_files import gemma3_path, greedy_parts_only_at_near_ties
 
 import qinfer
 from qinfer.cli import main
 from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
+from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
 from qinfer.weights.gguf import read_gguf
 
 PROMPTS = [
@@ -201,3 +202,21 @@ def test_cli_generate_continues_a_prompt_the_file_has_no_template_for(capsys):
     args += ["--max-tokens", "8", "--temperature", "0", "The capital of France is"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith(" the capital of the country of France.")
+
+
+def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):
+    """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) as int8
+    rows, Q5_0 and Q6_K dequantized, in bf16; its greedy tokens follow the fp32 model but
+    at near-ties its error explains."""
+    reference, _ = gemma3
+    tokenizer, _ = tokenizers
+    fast = qinfer.load_model(gemma3_path(), device="cpu")
+    assert fast.dtype == torch.bfloat16
+    assert isinstance(fast.lm_head, Int8Linear) and fast.lm_head is fast.embed_tokens
+    assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
+    assert isinstance(fast.layers[0].mlp.gate_up, DenseLinear)  # blk.0.ffn_gate/up are Q5_0
+    agreed = sum(
+        greedy_parts_only_at_near_ties(fast, reference, tokenizer.encode(prompt))
+        for prompt in PROMPTS
+    )
+    print(f"{agreed} of {len(PROMPTS)} prompts agree for all 32 tokens")

@@ -35,6 +35,16 @@ GEMMA3 = dict(
     final_logit_softcapping=3.0,
 )
 
+#: The smallest SigLIP vision tower a multimodal Gemma 3 can hold.
+TINY_SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
 #: sliding window on every layer, a window only on the upper layers, and Gemma 3's
 #: interleaved local/global layers with their two RoPE bases.
@@ -69,7 +79,8 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen2, llama, mistral, gemma3) to `folder`;
+    """Save a random `family` model (qwen3, qwen2, llama, mistral, gemma3, or gemma3-vision:
+    Gemma 3 with a tiny vision tower, `overrides` then shape its text model) to `folder`;
     return the HF model."""
     import transformers
 
@@ -80,8 +91,20 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
-    config_class, model_class = classes[family]
-    config = config_class(**{**TINY, **overrides})
+    if family == "gemma3-vision":  # Gemma 3's text model inside its multimodal wrapper
+        model_class = transformers.Gemma3ForConditionalGeneration
+        config = transformers.Gemma3Config(
+            text_config={**TINY, **overrides},
+            vision_config=TINY_SIGLIP,
+            mm_tokens_per_image=4,
+            # image placeholder ids outside the vocabulary: text prompts never hold them
+            image_token_index=1000,
+            boi_token_index=1001,
+            eoi_token_index=1002,
+        )
+    else:
+        config_class, model_class = classes[family]
+        config = config_class(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
     # Random init leaves norms at 1 and biases at 0: perturb every tensor so that each

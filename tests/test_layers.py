@@ -428,9 +428,12 @@ def test_config_gemma3_layers_and_ropes_agree_with_transformers(fields):
     assert got.embedding_scale == 64**0.5 and got.tie_word_embeddings
 
 
-def test_config_gemma3_with_vision_is_refused_by_name():
-    with pytest.raises(ConfigError, match="'gemma3'.*gemma3_text"):
-        ModelConfig.from_hf({**GEMMA3_TEXT, "model_type": "gemma3"})
+def test_config_gemma3_with_vision_is_its_text_config():
+    text = {k: v for k, v in GEMMA3_TEXT.items() if k != "model_type"}
+    outer = {"model_type": "gemma3", "text_config": text, "dtype": "bfloat16"}
+    assert ModelConfig.from_hf(outer) == ModelConfig.from_hf({**GEMMA3_TEXT, "dtype": "bfloat16"})
+    with pytest.raises(ConfigError, match="'text_config'"):
+        ModelConfig.from_hf({"model_type": "gemma3"})
 
 
 def test_config_gemma3_attention_softcapping_is_refused_by_name():

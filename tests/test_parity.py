@@ -38,6 +38,7 @@ CASES = {
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
     "gemma3": ("gemma3", GEMMA3),
+    "gemma3-vision": ("gemma3-vision", GEMMA3),  # the text model of a multimodal folder
 }
 
 

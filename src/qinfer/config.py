@@ -161,11 +161,17 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ConfigError("config must be a JSON object")
         model_type = cfg.get("model_type")
-        if model_type == "gemma3":
-            raise ConfigError(
-                "model_type 'gemma3' is Gemma 3 with its vision tower; qinfer loads the text "
-                "models (Gemma3ForCausalLM, model_type 'gemma3_text') and Gemma 3 GGUF files"
-            )
+        if model_type == "gemma3":  # Gemma 3 with its vision tower: the text model alone
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(
+                    "config field 'text_config' (Gemma 3's text model) must be an object"
+                )
+            outer = {k: cfg[k] for k in ("dtype", "torch_dtype") if k in cfg}
+            # transformers' Gemma3ForConditionalGeneration never softcaps its logits, whatever
+            # its text_config says (null in Google's checkpoints).
+            text = {**text, "final_logit_softcapping": None}
+            return cls.from_hf({**outer, **text, "model_type": "gemma3_text"})
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; "

@@ -78,7 +78,7 @@ GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 LAYER_NAMES_BY_ARCH = {"gemma3": GEMMA_LAYER_NAMES}
-# Tokens llama.cpp treats as the end of a turn by their text when the metadata names none
+# Tokens llama.cpp also stops on, found by their text whatever the metadata names
 # (llama-vocab.cpp): Gemma's chat turns end with <end_of_turn>.
 END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

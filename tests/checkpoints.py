@@ -32,8 +32,35 @@ QWEN3_MOE = dict(
 #: A small Qwen2-MoE: the same experts, plus the shared expert every token goes through.
 QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=64)
 
+#: A Gemma 3 shape: two sliding layers (window 6, RoPE theta 10k) then a global one (theta
+#: 1M with linear scaling), query_pre_attn_scalar != head_dim, and a final softcap small
+#: enough to bite on logits of order 1.
+GEMMA3 = dict(
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    num_hidden_layers=3,
+    sliding_window=6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+    final_logit_softcapping=3.0,
+)
+
+#: The smallest SigLIP vision tower a multimodal Gemma 3 can hold.
+TINY_SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
 #: Families the cache and batch tests run on: full attention with GQA and QK-norm, a
-#: sliding window on every layer, a window only on the upper layers, and experts.
+#: sliding window on every layer, a window only on the upper layers, experts, and Gemma 3's
+#: interleaved local/global layers with their two RoPE bases.
 WINDOWED = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     "mistral-window": ("mistral", dict(sliding_window=8)),
@@ -42,6 +69,7 @@ WINDOWED = {
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
+    "gemma3": ("gemma3", GEMMA3),
 }
 
 
@@ -65,8 +93,9 @@ YARN_ROPE = dict(
 
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral) to `folder`;
-    return the HF model."""
+    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral,
+    gemma3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
+    text model) to `folder`; return the HF model."""
     import transformers
 
     classes = {
@@ -76,9 +105,22 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
-    config_class, model_class = classes[family]
-    config = config_class(**{**TINY, **overrides})
+    if family == "gemma3-vision":  # Gemma 3's text model inside its multimodal wrapper
+        model_class = transformers.Gemma3ForConditionalGeneration
+        config = transformers.Gemma3Config(
+            text_config={**TINY, **overrides},
+            vision_config=TINY_SIGLIP,
+            mm_tokens_per_image=4,
+            # image placeholder ids outside the vocabulary: text prompts never hold them
+            image_token_index=1000,
+            boi_token_index=1001,
+            eoi_token_index=1002,
+        )
+    else:
+        config_class, model_class = classes[family]
+        config = config_class(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
     # Random init leaves norms at 1 and biases at 0: perturb every tensor so that each

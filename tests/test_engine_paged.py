@@ -13,7 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import build_checkpoint, build_tokenizer, max_diff, random_tokens, use_features
+from checkpoints import (
+    GEMMA3,
+    build_checkpoint,
+    build_tokenizer,
+    max_diff,
+    random_tokens,
+    use_features,
+)
 from checkpoints import reference_logits as transformers_logits
 
 import qinfer
@@ -147,16 +154,18 @@ def test_paged_attend_equals_the_reference_on_each_history(
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(transformers model, qinfer model in float32) of a random Qwen3 with a window-free
-    GQA layout, and of a Mistral whose sliding window (6) is shorter than the prompts."""
+    GQA layout, of a Mistral whose sliding window (6) is shorter than the prompts, and of a
+    Gemma 3 whose sliding and global layers take RoPE bases of their own."""
     made = {}
-    for family, overrides in (("qwen3", dict(head_dim=32)), ("mistral", dict(sliding_window=6))):
+    families = (("qwen3", dict(head_dim=32)), ("mistral", dict(sliding_window=6)))
+    for family, overrides in (*families, ("gemma3", GEMMA3)):
         folder = tmp_path_factory.mktemp(family)
         reference = build_checkpoint(folder, family, **overrides)
         made[family] = (reference, qinfer.load_model(folder, dtype=torch.float32, device="cpu"))
     return made
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("fast_sdpa", [True, False])
 def test_packed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa):
     """Decode tokens and prompt chunks of different lengths share each step's one forward;

@@ -63,6 +63,21 @@ FAMILIES = {
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-yarn": ("qwen2", YARN_ROPE),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    # llama.cpp's Gemma 3 rules: every sixth layer global, the sliding layers' RoPE base 10k,
+    # attention scaled by 1/sqrt(head_dim); scaling (linear here) on the global layers only.
+    "gemma3-windows": (
+        "gemma3",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            num_hidden_layers=7,
+            sliding_window=4,
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+        ),
+    ),
 }
 
 

@@ -221,6 +221,20 @@ def test_rms_norm_matches_transformers():
     torch.testing.assert_close(got, reference(x).detach(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_scales_by_one_plus_weight_like_transformers(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    reference = Gemma3RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.normal_()
+    x = (torch.randn(4, 7, 32) * 3).to(dtype)
+    got = RMSNorm(32, reference.weight.detach().to(dtype), 1e-6, offset=1.0)(x)
+    want = reference.to(dtype)(x).detach()
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 # ---------------------------------------------------------------- ModelConfig
 
 BASE = dict(
@@ -377,3 +391,51 @@ def test_config_bad_number_is_named(field, value, says):
 def test_config_heads_not_a_multiple_of_kv_heads():
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         config(num_attention_heads=6, num_key_value_heads=4)
+
+
+GEMMA3_TEXT = dict(BASE, model_type="gemma3_text", num_hidden_layers=13, head_dim=16)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param(dict(), id="defaults"),
+        pytest.param(
+            dict(rope_theta=5e5, rope_local_base_freq=500.0, sliding_window=32), id="old-spelling"
+        ),
+        pytest.param(
+            dict(rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=4),
+            id="old-scaling-and-pattern",
+        ),
+    ],
+)
+def test_config_gemma3_layers_and_ropes_agree_with_transformers(fields):
+    # Old spellings: rope_theta + rope_scaling for the global layers, rope_local_base_freq
+    # for the sliding ones, every sliding_window_pattern-th layer global.
+    got = ModelConfig.from_hf({**GEMMA3_TEXT, **fields})
+    hf = transformers.Gemma3TextConfig(
+        **{k: v for k, v in {**GEMMA3_TEXT, **fields}.items() if k != "model_type"}
+    )
+    assert got.layer_types == tuple(hf.layer_types)
+    assert got.sliding_window == hf.sliding_window
+    # transformers writes the per-layer-type spelling; both must give the same ropes.
+    assert ModelConfig.from_hf(hf.to_dict()) == got
+    for kind, rope in ((FULL_ATTENTION, got.rope), (SLIDING_ATTENTION, got.sliding_rope)):
+        params = hf.rope_parameters[kind]
+        assert (rope.theta, rope.type) == (params["rope_theta"], params["rope_type"])
+        assert rope.factor == params.get("factor", 1.0)
+    assert got.attention_scale == 256**-0.5  # query_pre_attn_scalar's default
+    assert got.embedding_scale == 64**0.5 and got.tie_word_embeddings
+
+
+def test_config_gemma3_with_vision_is_its_text_config():
+    text = {k: v for k, v in GEMMA3_TEXT.items() if k != "model_type"}
+    outer = {"model_type": "gemma3", "text_config": text, "dtype": "bfloat16"}
+    assert ModelConfig.from_hf(outer) == ModelConfig.from_hf({**GEMMA3_TEXT, "dtype": "bfloat16"})
+    with pytest.raises(ConfigError, match="'text_config'"):
+        ModelConfig.from_hf({"model_type": "gemma3"})
+
+
+def test_config_gemma3_attention_softcapping_is_refused_by_name():
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf({**GEMMA3_TEXT, "attn_logit_softcapping": 50.0})

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from checkpoints import (
+    GEMMA3,
     YARN_ROPE,
     build_checkpoint,
     llama3_rope,
@@ -36,6 +37,8 @@ CASES = {
         "qwen2",
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3),
     ),
+    "gemma3": ("gemma3", GEMMA3),
+    "gemma3-vision": ("gemma3-vision", GEMMA3),  # the text model of a multimodal folder
 }
 
 

@@ -16,7 +16,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoints import QWEN2_MOE, QWEN3_MOE, build_checkpoint, llama3_rope, max_diff, random_tokens
+from checkpoints import (
+    GEMMA3,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    build_checkpoint,
+    llama3_rope,
+    max_diff,
+    random_tokens,
+)
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
@@ -45,6 +53,7 @@ CHECKPOINTS = {
     # experts' FFN split by channels (64: a rank's 32 down columns are one int4 group)
     "qwen3-moe": ("qwen3_moe", dict(QWEN3_MOE, moe_intermediate_size=64)),
     "qwen2-moe": ("qwen2_moe", QWEN2_MOE),  # the shared expert split like the experts
+    "gemma3": ("gemma3", GEMMA3),  # GeGLU, (1 + w) sandwich norms, a RoPE per layer kind
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.
@@ -177,17 +186,7 @@ def rank_models(folder, **options) -> list[qinfer.Transformer]:
 
 def held_bytes(model: qinfer.Transformer) -> int:
     """Bytes of weights the model holds: its projections and its norms."""
-    norms = [model.norm] + [
-        norm
-        for layer in model.layers
-        for norm in (
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
-            layer.self_attn.q_norm,
-            layer.self_attn.k_norm,
-        )
-        if norm is not None
-    ]
+    norms = [model.norm] + [norm for layer in model.layers for norm in layer.norms()]
     return sum(w.nbytes for w in model.linears().values()) + sum(n.weight.nbytes for n in norms)
 
 

@@ -1,11 +1,19 @@
 """ModelConfig: one dataclass that describes every supported decoder-only family.
 
 `ModelConfig.from_hf(dict)` reads a Hugging Face `config.json` for Qwen3, Qwen3-MoE,
-Qwen2/2.5, Qwen2-MoE, Llama 3.x (and SmolLM2, which is Llama-shaped) and Mistral. It accepts both spellings
-of RoPE settings that `transformers` has written over the years:
+Qwen2/2.5, Qwen2-MoE, Llama 3.x (and SmolLM2, which is Llama-shaped), Mistral and Gemma 3
+(text). It accepts both spellings of RoPE settings that `transformers` has written over
+the years:
 
 - old: `rope_theta` + `rope_scaling: {"type" | "rope_type": ..., "factor": ...}`
-- new (transformers >= 5): `rope_parameters: {"rope_type": ..., "rope_theta": ...}`
+- new (transformers >= 5): `rope_parameters: {"rope_type": ..., "rope_theta": ...}`, or
+  one such dict per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`)
+
+What sets Gemma 3 apart is said by fields, never by its name in the model code: a RoPE
+of its own for sliding-window layers (`sliding_rope`), `query_pre_attn_scalar`,
+`embedding_scale`, norms that scale by (1 + weight) (`norm_weight_offset`), norms after
+attention and MLP too (`sandwich_norms`), a GELU-gated MLP (`hidden_act`) and
+`final_logit_softcapping`.
 """
 
 from __future__ import annotations
@@ -18,12 +26,38 @@ from typing import Any
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "qwen2_moe", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    "qwen2",
+    "qwen2_moe",
+    "llama",
+    "mistral",
+    "gemma3_text",
+)
 #: The mixture-of-experts families (their experts: `MoeConfig`).
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+#: The MLP's gate activations: SwiGLU's SiLU, and GeGLU's tanh-approximated GELU (Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+#: What `transformers` assumes for fields a Gemma 3 config.json may leave out
+#: (Gemma3TextConfig's defaults; every sixth layer global when `layer_types` is absent).
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +129,16 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # The RoPE of sliding-window layers where it differs from `rope` (Gemma 3: theta 10k,
+    # never scaled, while its global layers take theta 1M and any `rope_scaling`).
+    sliding_rope: RopeConfig | None = None
+    hidden_act: str = "silu"  # the MLP gate's activation (ACTIVATIONS)
+    # Attention scores scale by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: float | None = None
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    norm_weight_offset: float = 0.0  # Gemma: every RMSNorm scales by (offset + weight)
+    sandwich_norms: bool = False  # Gemma: norms after attention and MLP too, four per block
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -116,6 +160,10 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds unsupported kinds {sorted(unknown)}")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types asks for sliding_attention but sliding_window is unset")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
 
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward is a mixture of experts."""
@@ -124,6 +172,17 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The attention window of layer `layer` in tokens, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The RoPE settings of layer `layer` (its own for sliding layers where they differ)."""
+        if self.sliding_rope is not None and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_rope
+        return self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q . k by: 1/sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -141,11 +200,30 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ConfigError("config must be a JSON object")
         model_type = cfg.get("model_type")
+        if model_type == "gemma3":  # Gemma 3 with its vision tower: the text model alone
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(
+                    "config field 'text_config' (Gemma 3's text model) must be an object"
+                )
+            outer = {k: cfg[k] for k in ("dtype", "torch_dtype") if k in cfg}
+            # transformers' Gemma3ForConditionalGeneration never softcaps its logits, whatever
+            # its text_config says (null in Google's checkpoints).
+            text = {**text, "final_logit_softcapping": None}
+            return cls.from_hf({**outer, **text, "model_type": "gemma3_text"})
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        gemma = model_type == "gemma3_text"
+        if gemma:
+            cfg = {**GEMMA3_DEFAULTS, **cfg}
+            if cfg.get("attn_logit_softcapping") is not None:
+                raise ConfigError(
+                    "config field 'attn_logit_softcapping' is set; qinfer's attention has no "
+                    "score softcapping (Gemma 3 checkpoints leave it null)"
+                )
 
         def number(key: str, default: int | float | None = None, kind: type = int) -> Any:
             """Field `key` as a positive number; a missing field without a default is an error."""
@@ -169,6 +247,8 @@ class ModelConfig:
         layers = number("num_hidden_layers")
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window, layer_types = _sliding_window(cfg, model_type, layers)
+        rope, sliding_rope = _layer_ropes(cfg) if gemma else (rope_config_from_hf(cfg), None)
+        final_cap = cfg.get("final_logit_softcapping")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -190,10 +270,17 @@ class ModelConfig:
             ),
             o_bias=False if model_type in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope=rope_config_from_hf(cfg),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            rope=rope,
             sliding_window=sliding_window,
             layer_types=layer_types,
+            sliding_rope=sliding_rope,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=number("query_pre_attn_scalar", kind=float) if gemma else None,
+            embedding_scale=hidden**0.5 if gemma else None,
+            norm_weight_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            final_logit_softcapping=None if final_cap is None else float(final_cap),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
@@ -272,6 +359,22 @@ def moe_config_from_hf(cfg: dict[str, Any], layers: int, number: Callable) -> Mo
     )
 
 
+def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, sliding) RoPE of a Gemma 3 config: `rope_parameters` keyed by layer type
+    (transformers >= 5), or `rope_theta` + `rope_scaling` for the global layers and
+    `rope_local_base_freq` (never scaled) for the sliding ones."""
+    by_type = cfg.get("rope_parameters")
+    if isinstance(by_type, dict) and {FULL_ATTENTION, SLIDING_ATTENTION} & set(by_type):
+        return tuple(
+            rope_config_from_hf(
+                {**cfg, "rope_scaling": None, "rope_parameters": by_type.get(kind) or {}}
+            )
+            for kind in (FULL_ATTENTION, SLIDING_ATTENTION)
+        )
+    local = {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}
+    return rope_config_from_hf(cfg), rope_config_from_hf({"rope_parameters": local})
+
+
 def _sliding_window(
     cfg: dict[str, Any], model_type: str, layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
@@ -282,6 +385,7 @@ def _sliding_window(
     - Qwen2/Qwen3: only with `use_sliding_window`, and only for layers with index
       >= `max_window_layers`.
     - Llama: never.
+    - Gemma 3: every `sliding_window_pattern`-th layer is global, the others slide.
     """
     window = cfg.get("sliding_window")
     qwen = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -296,6 +400,12 @@ def _sliding_window(
         return int(window), tuple(explicit)
     if window is None:
         return None, (FULL_ATTENTION,) * layers
+    if model_type == "gemma3_text":
+        pattern = int(cfg["sliding_window_pattern"])
+        kinds = tuple(
+            FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers)
+        )
+        return int(window), kinds
     first_sliding = int(cfg.get("max_window_layers", 0)) if model_type != "mistral" else 0
     kinds = tuple(
         SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers)

@@ -1,7 +1,9 @@
 """The decoder-only transformer: embed -> N x Block(attention, MLP) -> norm -> lm_head.
 
-One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2 and Mistral; their
-differences (QK-norm, biases, tied heads, RoPE scaling, sliding windows, experts) live in
+One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2, Mistral and
+Gemma 3; their differences (QK-norm, biases, tied heads, RoPE scaling and per-layer RoPE,
+sliding windows, experts, Gemma's scaled embeddings, (1 + w) and sandwich norms, GeGLU,
+logit softcapping) live in
 ModelConfig and in which tensors the checkpoint holds.
 
 Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
@@ -27,7 +29,7 @@ from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention, Mask
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
-from qinfer.layers.norm import RMSNorm
+from qinfer.layers.norm import RMSNorm, load_rms_norm
 from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
@@ -40,35 +42,52 @@ class Block:
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
+    With `config.sandwich_norms` (Gemma) the outputs of attention and MLP are normed too,
+    before their residual add: four norms per block, named as in the checkpoint
+    (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+    post_feedforward_layernorm). Without, the norm before the MLP is the checkpoint's
+    `post_attention_layernorm` (Llama's name for it).
     """
 
     def __init__(
         self,
-        layer_prefix: str,
+        layer: int,
         config: ModelConfig,
         weights: Weights,
         features: Features,
         parallel: Parallel,
-        layer: int,
     ):
-        hidden, eps = (config.hidden_size,), config.rms_norm_eps
-        self.input_layernorm = RMSNorm(
-            config.hidden_size,
-            weights.tensor(f"{layer_prefix}.input_layernorm.weight", hidden),
-            eps,
-        )
-        self.self_attn = Attention(layer_prefix, config, weights, features, parallel)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size,
-            weights.tensor(f"{layer_prefix}.post_attention_layernorm.weight", hidden),
-            eps,
-        )
-        sparse = config.sparse(layer)
-        self.mlp = (SparseMoE if sparse else MLP)(layer_prefix, config, weights, parallel)
+        prefix, H = f"model.layers.{layer}", config.hidden_size
+
+        def norm(name: str) -> RMSNorm:
+            return load_rms_norm(weights, f"{prefix}.{name}.weight", H, config)
+
+        self.attention_norm = norm("input_layernorm")
+        self.self_attn = Attention(prefix, config, weights, features, parallel, layer=layer)
+        self.attention_output_norm = self.mlp_output_norm = None
+        if config.sandwich_norms:
+            self.attention_output_norm = norm("post_attention_layernorm")
+            self.mlp_norm = norm("pre_feedforward_layernorm")
+            self.mlp_output_norm = norm("post_feedforward_layernorm")
+        else:
+            self.mlp_norm = norm("post_attention_layernorm")
+        self.mlp = (SparseMoE if config.sparse(layer) else MLP)(prefix, config, weights, parallel)
 
     def __call__(self, x: torch.Tensor, offsets, cache, mask: Mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), offsets, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.attention_norm(x), offsets, cache, mask)
+        x = x + _normed(self.attention_output_norm, attended)
+        return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
+
+    def norms(self) -> list[RMSNorm]:
+        """Every norm of the block, QK-norms included."""
+        found = [self.attention_norm, self.attention_output_norm, self.mlp_norm]
+        found += [self.mlp_output_norm, self.self_attn.q_norm, self.self_attn.k_norm]
+        return [norm for norm in found if norm is not None]
+
+
+def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    """x through `norm`, or x itself where the block has no such norm."""
+    return x if norm is None else norm(x)
 
 
 class Transformer:
@@ -107,12 +126,19 @@ class Transformer:
             "model.embed_tokens", (V, H), bias=False, rows=True, shard=vocab
         )
         self.layers = [
-            Block(f"model.layers.{i}", config, weights, self.features, self.parallel, i)
+            Block(i, config, weights, self.features, self.parallel)
             for i in tqdm(
                 range(config.num_hidden_layers), desc="loading layers", leave=False, disable=None
             )
         ]
-        self.norm = RMSNorm(H, weights.tensor("model.norm.weight", (H,)), config.rms_norm_eps)
+        self.norm = load_rms_norm(weights, "model.norm.weight", H, config)
+        # Gemma scales the embeddings by sqrt(hidden) in their own dtype, as transformers does
+        # (in bf16, sqrt(640) = 25.3 rounds to 25.25).
+        self.embedding_scale = (
+            None
+            if config.embedding_scale is None
+            else torch.tensor(config.embedding_scale, dtype=self.dtype, device=self.device)
+        )
         # Untied per config means the checkpoint must hold its own lm_head: tying it to the
         # embeddings instead would be silently wrong output.
         # A tied head is the embedding's Linear itself: stored (and quantized) once.
@@ -207,11 +233,17 @@ class Transformer:
         Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
         """
         h = self.embed_tokens.rows(tokens)  # (B, L, hidden)
+        if self.embedding_scale is not None:
+            h = h * self.embedding_scale
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
         if last_only:
             h = h[:, -1:]
-        return linear(self.norm(h), self.lm_head).float()
+        logits = linear(self.norm(h), self.lm_head).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # squashed smoothly into (-cap, cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _check_positions(self, offsets: int | torch.Tensor, L: int) -> None:
         # RoPE is tabulated up to max_position_embeddings and runs before any cache could

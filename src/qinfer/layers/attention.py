@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
 from qinfer.features import Features
-from qinfer.layers.norm import RMSNorm
+from qinfer.layers.norm import load_rms_norm
 from qinfer.layers.rope import RoPE
 from qinfer.linear import linear
 from qinfer.parallel import SINGLE, Parallel
@@ -147,7 +147,10 @@ class Attention:
         weights: Weights,
         features: Features,
         parallel: Parallel = SINGLE,
+        *,
+        layer: int,
     ):
+        """layer: the layer's index, which picks its RoPE settings (`config.rope_for`)."""
         self.hidden_size = config.hidden_size
         self.head_dim = D = config.head_dim
         self.features = features
@@ -158,8 +161,9 @@ class Attention:
         )
         self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
 
-        # The scale factor for attention scores: 1/sqrt(head_dim).
-        self.scale = self.head_dim**-0.5
+        # The scale factor for attention scores: 1/sqrt(head_dim), or Gemma's
+        # 1/sqrt(query_pre_attn_scalar).
+        self.scale = config.attention_scale
 
         # Each head is D consecutive rows of its projection (columns of o_proj).
         q_rows = range(q_heads.start * D, q_heads.stop * D)
@@ -182,19 +186,17 @@ class Attention:
             shard=parallel.split_in(q_rows),
         )
 
-        # RoPE tables are shared by every layer with the same settings (see layers/rope.py).
-        self.rope = RoPE(self.head_dim, config.max_position_embeddings, config.rope, weights.device)
+        # RoPE tables are shared by every layer with the same settings (see layers/rope.py);
+        # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`).
+        self.rope = RoPE(
+            self.head_dim, config.max_position_embeddings, config.rope_for(layer), weights.device
+        )
 
-        # Per-head QK-norm (Qwen3): RMSNorm over head_dim, on q and k, before RoPE.
+        # Per-head QK-norm (Qwen3, Gemma 3): RMSNorm over head_dim, on q and k, before RoPE.
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            shape = (self.head_dim,)
-            self.q_norm = RMSNorm(
-                self.head_dim, weights.tensor(f"{prefix}.q_norm.weight", shape), config.rms_norm_eps
-            )
-            self.k_norm = RMSNorm(
-                self.head_dim, weights.tensor(f"{prefix}.k_norm.weight", shape), config.rms_norm_eps
-            )
+            self.q_norm = load_rms_norm(weights, f"{prefix}.q_norm.weight", D, config)
+            self.k_norm = load_rms_norm(weights, f"{prefix}.k_norm.weight", D, config)
 
     @property
     def sdpa(self) -> Callable[..., torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward network: down(silu(gate(x)) * up(x)).
+"""The gated feed-forward network: down(act(gate(x)) * up(x)), with act SiLU (SwiGLU) or
+the tanh-approximated GELU (GeGLU, Gemma) as the config's `hidden_act` says.
 
 Under tensor parallelism (`qinfer.parallel`) a rank holds intermediate / N of the FFN
 channels: gate/up are column-parallel (its channels), down is row-parallel (its call
@@ -7,6 +8,9 @@ all-reduces the ranks' sums).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +18,12 @@ from qinfer.config import ModelConfig
 from qinfer.linear import linear
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
+
+#: `ModelConfig.hidden_act` -> the function applied to the gate.
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
 
 class MLP:
@@ -35,8 +45,11 @@ class MLP:
         self.down = weights.linear(
             f"{prefix}.down_proj", (hidden, inter), bias, shard=parallel.split_in(channels)
         )
+        self.activation = GATE_ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (B, L, 2 * inter / N) -> 2 x (B, L, inter / N)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)  # row-parallel: all-reduced (B, L, hidden)
+        return linear(
+            self.activation(gate) * up, self.down
+        )  # row-parallel: all-reduced (B, L, hidden)

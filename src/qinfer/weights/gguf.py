@@ -11,6 +11,8 @@ llama.cpp's conventions onto ours:
   of its slice of the file;
 - llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
   RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
+- Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
+  w of a Hugging Face checkpoint (our norms add the 1: `ModelConfig.norm_weight_offset`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0 becomes
   int8 per output channel, re-rounded), else dequantized to fp32 by
@@ -47,9 +49,9 @@ from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
 #: GGUF architecture -> Hugging Face model_type, where they differ.
-MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 
 # llama.cpp tensor name -> ours; blk.N.* names are per layer.
 GLOBAL_NAMES = {
@@ -81,6 +83,18 @@ EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
+# Gemma's four norms per block: llama.cpp's "ffn_norm" is the norm before the MLP, which
+# Gemma calls pre_feedforward_layernorm (its post_attention_layernorm follows attention).
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_NAMES_BY_ARCH = {"gemma3": GEMMA_LAYER_NAMES}
+# Tokens llama.cpp also stops on, found by their text whatever the metadata names
+# (llama-vocab.cpp): Gemma's chat turns end with <end_of_turn>.
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
@@ -88,15 +102,17 @@ ROPE_FREQS = "rope_freqs.weight"
 KEPT_TYPES = (*INT4_GROUPS, GGMLQuantizationType.Q8_0)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Our name for a llama.cpp tensor name, or None for a tensor we do not use."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Our name for a llama.cpp tensor name of architecture `arch`, or None for a tensor we
+    do not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    layer_names = LAYER_NAMES_BY_ARCH.get(arch, LAYER_NAMES)
     match = LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{LAYER_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
 
 
 def open_gguf(
@@ -247,6 +263,7 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
     end_ids = [
         meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
     ]  # llama.cpp stops on any of these "end of generation" tokens
+    end_ids += _end_of_turn_ids(meta)
     hf_config = {
         "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size or None,
@@ -264,6 +281,7 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
         "eos_token_id": list(dict.fromkeys(int(i) for i in end_ids if i is not None)),
         "dtype": "float32",
         **_experts(meta, arch, need, tensor_names),
+        **_architecture_fields(meta, arch, hidden, heads, head_dim),
     }
     try:
         config = ModelConfig.from_hf(hf_config)
@@ -297,6 +315,36 @@ def _experts(
             i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
         ],
     }
+
+
+def _architecture_fields(
+    meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """Config fields only some architectures' metadata say, or that llama.cpp fixes per
+    architecture instead of storing them.
+
+    Gemma 3: the window of its sliding layers is metadata; which layers slide (every sixth is
+    global), the sliding layers' RoPE base (10k) and the attention scale are llama.cpp's
+    constants (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B, whose
+    Hugging Face config says query_pre_attn_scalar 168).
+    """
+    if arch != "gemma3":
+        return {}
+    blocks = int(meta.get("gemma3.block_count", 0))
+    return {
+        "sliding_window": meta.get("gemma3.attention.sliding_window"),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": hidden // heads if blocks == 62 else head_dim,
+    }
+
+
+def _end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    """Ids of END_OF_TURN_TOKENS in the vocabulary (a few hundred at its start, where
+    special tokens live, are searched)."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    head = tokens[:1024]
+    return [head.index(token) for token in END_OF_TURN_TOKENS if token in head]
 
 
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -359,9 +407,10 @@ class GGUFWeights(Weights):
         self.file, self.path = file, file.path
         self.keep_blocks = keep_blocks
         self._tensors: dict[str, TensorInfo] = {}
+        arch = file.metadata.get("general.architecture", "llama")
         for stored in file.tensors:
             experts = _expert_tensors(stored)
-            name = hf_tensor_name(stored.name)
+            name = hf_tensor_name(stored.name, arch)
             if name is None and not experts:
                 continue
             if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
@@ -377,6 +426,10 @@ class GGUFWeights(Weights):
         # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
         self._permuted = ("q_proj", "k_proj") if config.model_type == "llama" else ()
         self._head_dim = config.head_dim
+        # llama.cpp's converter stores a Gemma norm's whole scale (1 + w); our norms add the
+        # offset themselves (ModelConfig.norm_weight_offset), so it is taken back off here,
+        # as transformers' GGUF loader does.
+        self._norm_offset = config.norm_weight_offset
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -390,7 +443,10 @@ class GGUFWeights(Weights):
     def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
         stored = self._tensors[name]
         data, within = self._blocks(stored, rows, columns)
-        return self._unpermuted(name, self._decode(stored, dequantize, data)[..., within])
+        weight = self._unpermuted(name, self._decode(stored, dequantize, data)[..., within])
+        if self._norm_offset and name.endswith("norm.weight"):
+            return weight - self._norm_offset
+        return weight
 
     def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
         stored = self._tensors[name]

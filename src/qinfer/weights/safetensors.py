@@ -12,6 +12,22 @@ from qinfer.errors import WeightsError
 from qinfer.weights.base import ALL, Quantize, Weights
 
 INDEX_FILE = "model.safetensors.index.json"
+#: Where a multimodal checkpoint (Gemma 3 with its vision tower) keeps its text model,
+#: by the transformers version that saved it: read under the text model's own names
+#: (`model.layers.0...`); the vision tower's tensors are never read.
+TEXT_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
+
+def text_model_name(stored: str) -> str:
+    """Our name for a stored tensor name (itself, unless a multimodal text-model prefix)."""
+    for prefix, ours in TEXT_MODEL_PREFIXES.items():
+        if stored.startswith(prefix):
+            return ours + stored[len(prefix) :]
+    return stored
 
 
 class SafetensorsWeights(Weights):
@@ -28,6 +44,7 @@ class SafetensorsWeights(Weights):
         super().__init__(dtype, device, quantize)
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
+        self._stored_name: dict[str, str] = {}  # our name -> the name in the file
         index = self.folder / INDEX_FILE
         if index.is_file():
             weight_map = read_json_object(index, WeightsError).get("weight_map")
@@ -54,7 +71,8 @@ class SafetensorsWeights(Weights):
                 raise WeightsError(f"corrupt safetensors file {file}: {e}") from None
             self._handles[file] = handle
             for key in keys:
-                self._file_of[key] = file
+                name = text_model_name(key)
+                self._file_of[name], self._stored_name[name] = file, key
         self._files = files
 
     def names(self) -> list[str]:
@@ -66,15 +84,16 @@ class SafetensorsWeights(Weights):
         return ", ".join(str(f) for f in self._files)
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+        stored = self._stored_name[name]
+        return tuple(self._handles[self._file_of[name]].get_slice(stored).get_shape())
 
     def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
         """The tensor, or only the bytes of its rows and columns (`get_slice`)."""
-        file = self._file_of[name]
+        file, key = self._file_of[name], self._stored_name[name]
         try:
             if rows == ALL and columns == ALL:
-                return self._handles[file].get_tensor(name)
-            stored = self._handles[file].get_slice(name)
+                return self._handles[file].get_tensor(key)
+            stored = self._handles[file].get_slice(key)
             return stored[rows] if len(stored.get_shape()) == 1 else stored[rows, columns]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise WeightsError(f"cannot read tensor {name!r} from {file}: {e}") from None
+            raise WeightsError(f"cannot read tensor {key!r} from {file}: {e}") from None

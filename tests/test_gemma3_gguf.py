@@ -1,0 +1,222 @@
+"""The real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors; sliding and
+global layers with RoPE bases 10k and 1M; a 262k SentencePiece vocabulary) against
+`transformers`' GGUF loader, which dequantizes the same file: config, logits, greedy text,
+tokenizer and chat template. Each model is loaded once per module."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_files import gemma3_path, greedy_parts_only_at_near_ties
+
+import qinfer
+from qinfer.cli import main
+from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
+from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
+from qinfer.weights.gguf import read_gguf
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Grüße aus Köln! 東京は日本の首都です。 Привет 🙂",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    """(qinfer model, transformers model), both the file dequantized to fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = gemma3_path()
+    ours = qinfer.load_model(path, dtype="float32", device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    reference.generation_config.eos_token_id = None  # greedy for a fixed number of tokens
+    reference.generation_config.pad_token_id = 0
+    return ours, reference.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """(ours, transformers') tokenizer of the file."""
+    from transformers import AutoTokenizer
+
+    path = gemma3_path()
+    return qinfer.load_tokenizer(path), AutoTokenizer.from_pretrained(
+        path.parent, gguf_file=path.name
+    )
+
+
+def test_the_file_holds_every_tensor_type_we_read():
+    types = Counter(t.tensor_type for t in read_gguf(gemma3_path()).tensors)
+    assert set(types) == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0, Q.F32}
+
+
+def test_config_matches_transformers(gemma3):
+    ours, reference = gemma3
+    config, expected = ours.config, reference.config
+    assert config.model_type == expected.model_type == "gemma3_text"
+    assert config.layer_types == tuple(expected.layer_types)
+    assert config.layer_types[4:6] == (SLIDING_ATTENTION, FULL_ATTENTION)
+    assert config.sliding_window == expected.sliding_window == 512
+    assert config.rope.theta == expected.rope_parameters[FULL_ATTENTION]["rope_theta"] == 1e6
+    assert config.sliding_rope.theta == expected.rope_parameters[SLIDING_ATTENTION]["rope_theta"]
+    assert config.query_pre_attn_scalar == expected.query_pre_attn_scalar
+    assert (config.head_dim, config.num_key_value_heads) == (expected.head_dim, 1)
+    assert config.rms_norm_eps == expected.rms_norm_eps
+    assert config.tie_word_embeddings and expected.tie_word_embeddings
+    assert config.hidden_act == expected.hidden_activation
+    # <eos> and, as llama.cpp finds it by its text, <end_of_turn>
+    assert config.eos_token_id == (1, 106)
+
+
+def test_norms_are_not_shifted_twice(gemma3):
+    """llama.cpp writes Gemma's norm scales as 1 + w; the loaded weights are w again."""
+    ours, reference = gemma3
+    expected = reference.model.layers[0].input_layernorm.weight.detach()
+    assert torch.equal(ours.layers[0].attention_norm.weight, expected + 1)
+
+
+def test_logits_match_transformers(gemma3, tokenizers):
+    ours, reference = gemma3
+    _, tokenizer = tokenizers
+    for prompt in PROMPTS:
+        tokens = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = reference(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=0, atol=1e-4)
+
+
+def test_greedy_tokens_match_transformers(gemma3, tokenizers):
+    ours, reference = gemma3
+    tokenizer, _ = tokenizers
+    ids = tokenizer.encode(PROMPTS[0])
+    steps = 32
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False)
+    params = qinfer.SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    out = qinfer.generate(ours, tokenizer, PROMPTS[0], params)
+    assert out.token_ids == expected[0, len(ids) :].tolist()
+    assert out.text.startswith(" the capital of the country of France. It is the largest city")
+
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "def add(a, b):\n    return a + b  # sum\n\n\nclass X:\n\tpass\n",
+    "日本語のテキストと中文，还有한국어. Привет, как дела? ¿Qué tal? مرحبا हिन्दी",
+    "emoji 🤖🎉👍🏽 flags 🇫🇷 and a family 👨‍👩‍👧‍👦 done",
+    "   leading, inner    runs and trailing spaces   ",
+    "tabs\tand\r\nwindows newlines\n\n\n",
+    "numbers 12345, 3.14159 and 2024-01-01; 1,000,000",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }  // https://example.com/?q=1&x=2",
+    "ünïcödé Ωμέγα ™ ﬁ \u00a0nbsp",
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_encodes_and_decodes_like_transformers(tokenizers, text):
+    ours, reference = tokenizers
+    for special in (True, False):
+        ids = reference.encode(text, add_special_tokens=special)
+        assert ours.encode(text, add_special_tokens=special) == ids
+        for skip in (True, False):
+            expected = reference.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == expected
+
+
+# The chat template of Google's Gemma 3 instruction-tuned checkpoints (their
+# tokenizer_config.json). This 270M base file carries none, and neither tokenizer invents one.
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "  What is the capital of France?  "},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": [{"type": "text", "text": "And of Japan? 🗾"}]},
+]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_like_transformers(tokenizers, add_generation_prompt):
+    ours, reference = tokenizers
+    assert not ours.has_chat_template and reference.chat_template is None  # none in the file
+    ours, reference = copy.copy(ours), copy.copy(reference)
+    ours.chat_template = reference.chat_template = GEMMA3_CHAT_TEMPLATE
+    options = dict(add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = ours.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+    assert text == reference.apply_chat_template(CHAT, **options)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(
+        text, add_special_tokens=False
+    )
+
+
+def test_cli_generate_continues_a_prompt_the_file_has_no_template_for(capsys):
+    args = ["generate", "--model", str(gemma3_path()), "--dtype", "float32", "--device", "cpu"]
+    args += ["--max-tokens", "8", "--temperature", "0", "The capital of France is"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith(" the capital of the country of France.")
+
+
+def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):
+    """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) as int8
+    rows, Q5_0 and Q6_K dequantized, in bf16; its greedy tokens follow the fp32 model but
+    at near-ties its error explains."""
+    reference, _ = gemma3
+    tokenizer, _ = tokenizers
+    fast = qinfer.load_model(gemma3_path(), device="cpu")
+    assert fast.dtype == torch.bfloat16
+    assert isinstance(fast.lm_head, Int8Linear) and fast.lm_head is fast.embed_tokens
+    assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
+    assert isinstance(fast.layers[0].mlp.gate_up, DenseLinear)  # blk.0.ffn_gate/up are Q5_0
+    agreed = sum(
+        greedy_parts_only_at_near_ties(fast, reference, tokenizer.encode(prompt))
+        for prompt in PROMPTS
+    )
+    print(f"{agreed} of {len(PROMPTS)} prompts agree for all 32 tokens")

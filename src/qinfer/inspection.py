@@ -24,7 +24,6 @@ import torch
 from qinfer.errors import RequestError
 from qinfer.kv_cache import Sdpa
 from qinfer.layers.attention import Mask, attention_weights_grouped, reference_sdpa_fp32
-from qinfer.linear import linear
 from qinfer.model import Transformer
 
 #: Longest prompt inspected: the weights of one head grow with its square.
@@ -163,11 +162,11 @@ def inspect_tokens(
     ]
     tokens = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
     # Transformer.forward's loop, with each layer's residual read on the way.
-    h = model.embed_tokens.rows(tokens)  # (1, L, hidden)
+    h = model.embed(tokens)  # (1, L, hidden)
     lens = []
     for block, recorder in zip(model.layers, recorders, strict=True):
         h = block(h, 0, recorder, "causal")
-        lens.append(top_tokens(linear(model.norm(h), model.lm_head)[0].float(), top_k))
+        lens.append(top_tokens(model.logits(h)[0], top_k))
     return Inspection(
         token_ids=list(token_ids),
         attention={layer: recorders[layer].weights for layer in dict.fromkeys(layers)},

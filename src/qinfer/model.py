@@ -232,13 +232,19 @@ class Transformer:
         tokens (B, L) long on the model's device; offsets and cache as in `__call__`.
         Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
         """
-        h = self.embed_tokens.rows(tokens)  # (B, L, hidden)
-        if self.embedding_scale is not None:
-            h = h * self.embedding_scale
+        h = self.embed(tokens)  # (B, L, hidden)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
-        if last_only:
-            h = h[:, -1:]
+        return self.logits(h[:, -1:] if last_only else h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, L) -> the residual stream's input (B, L, hidden)."""
+        h = self.embed_tokens.rows(tokens)
+        return h if self.embedding_scale is None else h * self.embedding_scale
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """A residual (B, L, hidden) -> fp32 logits (B, L, vocab): final norm, lm_head and
+        the config's softcap (also the logit lens of an inner layer's residual)."""
         logits = linear(self.norm(h), self.lm_head).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:  # squashed smoothly into (-cap, cap)

@@ -6,8 +6,10 @@ rotates each pair (x1[i], x2[i]) by the angle p * inv_freq[i]:
     out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
 The RoPE types differ only in `inv_freq` (and yarn in a scale on cos/sin), computed by
-`qinfer.rope_scaling.rope_frequencies`. cos/sin are tabulated once per (head_dim, settings, device) for every
-position up to max_position_embeddings and shared by all layers.
+`qinfer.rope_scaling.rope_frequencies` once per (head_dim, settings, device) and shared by
+all layers. cos/sin are computed for each step's positions only (the same fp32 products a
+table would hold, so the same values): a table of every position up to a long context
+would cost tens of MB per setting (Gemma 3: 32k positions x 128 frequencies, two settings).
 """
 
 from __future__ import annotations
@@ -34,15 +36,7 @@ class RoPE:
             rope = RopeConfig(theta=float(rope))
         self.dims = dims
         self.max_positions = max_position_embeddings
-        self.tables = _tables(dims, max_position_embeddings, rope, torch.device(device))
-
-    @property
-    def cos(self) -> torch.Tensor:
-        return self.tables.cos
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.tables.sin
+        self.frequencies = _frequencies(dims, rope, torch.device(device))
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """x: (B, L, H, D); offset: an int, a (B,) tensor of each row's first position, or a
@@ -57,12 +51,12 @@ class RoPE:
         offset: an int or a (B,) tensor of each row's first position, or a (B, length) tensor
         of every token's own position (the engine packs the tokens of several sequences into
         one row). Queries and keys of one step share the result, and so do the layers: the
-        tables remember the last lookup.
+        frequencies remember the last rotation.
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
         """
-        return self.tables.rotation(offset, length, dtype)
+        return self.frequencies.rotation(offset, length, dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -71,16 +65,16 @@ class RoPE:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class _Tables:
-    """cos and sin (length, dims/2) of one RoPE setting, shared by every layer using it.
+class _Frequencies:
+    """inv_freq (dims/2,) fp32 and the cos/sin scale of one RoPE setting, shared by every
+    layer using it.
 
-    Every layer of a forward asks for the same positions: the last lookup is kept, keyed by
-    the offset (an int, or the very tensor object the model passes to all its layers).
+    Every layer of a forward asks for the same positions: the last rotation is kept, keyed
+    by the offset (an int, or the very tensor object the model passes to all its layers).
     """
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin  # fp32
-        self._by_dtype = {torch.float32: (cos, sin)}
+    def __init__(self, inv_freq: torch.Tensor, scale: float) -> None:
+        self.inv_freq, self.scale = inv_freq, scale
         self._last: tuple[object, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def rotation(
@@ -89,19 +83,17 @@ class _Tables:
         last = self._last
         if last is not None and _same_offset(last[0], offset) and last[1:3] == (length, dtype):
             return last[3], last[4]
-        if dtype not in self._by_dtype:
-            self._by_dtype[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        cos, sin = self._by_dtype[dtype]
+        device = self.inv_freq.device
         if isinstance(offset, int):
-            cos = cos[offset : offset + length][None, :, None]  # (1, L, 1, D/2)
-            sin = sin[offset : offset + length][None, :, None]
+            positions = torch.arange(offset, offset + length, device=device)[None]  # (1, L)
         else:
-            positions = offset.to(cos.device)
+            positions = offset.to(device)
             if positions.dim() == 1:  # each row's first position, then the next length - 1
-                positions = positions[:, None] + torch.arange(length, device=cos.device)
+                positions = positions[:, None] + torch.arange(length, device=device)
             positions = positions.clamp(min=0)  # (B, L)
-            cos = cos[positions][:, :, None]  # (B, L, 1, D/2)
-            sin = sin[positions][:, :, None]
+        angles = positions[:, :, None, None].float() * self.inv_freq  # (B, L, 1, D/2)
+        cos = (angles.cos() * self.scale).to(dtype)
+        sin = (angles.sin() * self.scale).to(dtype)
         self._last = (offset, length, dtype, cos, sin)
         return cos, sin
 
@@ -112,8 +104,7 @@ def _same_offset(a: int | torch.Tensor, b: int | torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _tables(dims: int, length: int, rope: RopeConfig, device: torch.device) -> _Tables:
-    """The cos/sin tables of one setting, in fp32, shared by every layer with these settings."""
+def _frequencies(dims: int, rope: RopeConfig, device: torch.device) -> _Frequencies:
+    """The frequencies of one setting, shared by every layer with these settings."""
     inv_freq, scale = rope_frequencies(dims, rope)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (length, dims/2)
-    return _Tables((angles.cos() * scale).to(device), (angles.sin() * scale).to(device))
+    return _Frequencies(inv_freq.to(device), scale)

@@ -348,13 +348,13 @@ def test_the_next_mask_is_computed_on_a_worker_thread_after_each_token(qwen3, mo
     still pending."""
     model, tokenizer, _ = qwen3
     threads: list[str] = []
-    fill = qinfer.grammar.llguidance.torch.fill_next_token_bitmask
+    fill = qinfer.grammar.llguidance.numpy.fill_next_token_bitmask
 
     def recording_fill(matcher, bitmask):
         threads.append(threading.current_thread().name)
         fill(matcher, bitmask)
 
-    monkeypatch.setattr(qinfer.grammar.llguidance.torch, "fill_next_token_bitmask", recording_fill)
+    monkeypatch.setattr(qinfer.grammar.llguidance.numpy, "fill_next_token_bitmask", recording_fill)
     eos = eos_token_ids(model, tokenizer)
     processor = GrammarProcessor.create(SamplingParams(choice=["abc"]), tokenizer, eos)
     for piece in "abc":

@@ -36,6 +36,8 @@ SCHEMA = {
     "required": ["name", "age", "address"],
 }
 PROMPT = [{"role": "user", "content": "Describe a made-up person as JSON."}]
+#: For a checkpoint without a chat template (a base model such as Gemma 3 270M's GGUF).
+TEXT_PROMPT = "A made-up person, described as JSON: "
 
 
 def timed(cls: type, name: str) -> list[float]:
@@ -65,8 +67,9 @@ def run(llm: LLM, batch: int, max_tokens: int, schema: dict | None) -> tuple[flo
         SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, json_schema=schema)
         for seed in range(batch)
     ]
+    chat = llm.engine.tokenizer.chat_template is not None
     start = time.perf_counter()
-    outputs = llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    outputs = llm.generate([PROMPT if chat else TEXT_PROMPT] * batch, params, use_tqdm=False)
     return time.perf_counter() - start, sum(o.num_generated_tokens for o in outputs)
 
 

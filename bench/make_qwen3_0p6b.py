@@ -36,18 +36,22 @@ QWEN3_0P6B = dict(
 )
 
 
+def save(folder: Path, config_class: type, model_class: type, **fields) -> None:
+    """Build a random `model_class` in bfloat16 (half the memory, no cast copy) and save it."""
+    torch.set_default_dtype(torch.bfloat16)
+    model = model_class(config_class(**fields)).eval()
+    model.save_pretrained(folder)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"saved {count / 1e9:.3f} B parameters (bfloat16) to {folder}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="where to save the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    config = transformers.Qwen3Config(**QWEN3_0P6B)
-    torch.set_default_dtype(torch.bfloat16)  # build in bf16: half the memory, no cast copy
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(args.folder)
-    count = sum(p.numel() for p in model.parameters())
-    print(f"saved {count / 1e9:.3f} B parameters (bfloat16) to {args.folder}")
+    save(args.folder, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, **QWEN3_0P6B)
 
 
 if __name__ == "__main__":

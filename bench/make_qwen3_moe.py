@@ -19,27 +19,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from make_qwen3_0p6b import QWEN3_0P6B, save  # bench/ is the script's folder
 
-SHARED = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-)
+# Qwen3-0.6B's attention and vocabulary over 8 layers; the MLP width is set below.
+SHARED = {k: v for k, v in QWEN3_0P6B.items() if k != "intermediate_size"}
+SHARED["num_hidden_layers"] = 8
 EXPERTS = dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384)
-
-
-def save(folder: Path, config_class, model_class, **fields) -> None:
-    model = model_class(config_class(**SHARED, **fields)).eval()
-    model.save_pretrained(folder)
-    count = sum(p.numel() for p in model.parameters())
-    print(f"saved {count / 1e9:.3f} B parameters (bfloat16) to {folder}")
 
 
 def main() -> None:
@@ -49,12 +34,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    torch.set_default_dtype(torch.bfloat16)  # build in bf16: half the memory, no cast copy
     active_width = EXPERTS["num_experts_per_tok"] * EXPERTS["moe_intermediate_size"]
     save(
         args.folder,
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
+        **SHARED,
         intermediate_size=active_width,
         norm_topk_prob=True,
         **EXPERTS,
@@ -64,6 +49,7 @@ def main() -> None:
             args.dense_twin,
             transformers.Qwen3Config,
             transformers.Qwen3ForCausalLM,
+            **SHARED,
             intermediate_size=active_width,
         )
 

@@ -439,3 +439,17 @@ def test_config_gemma3_with_vision_is_its_text_config():
 def test_config_gemma3_attention_softcapping_is_refused_by_name():
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         ModelConfig.from_hf({**GEMMA3_TEXT, "attn_logit_softcapping": 50.0})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hidden_activation", "gelu"),  # transformers' exact GELU: not Gemma's tanh one
+        ("sliding_window_pattern", 0),
+        ("sliding_window_pattern", "six"),
+        ("rope_local_base_freq", "10k"),
+    ],
+)
+def test_config_gemma3_bad_field_is_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=f"^config field '{field}'"):
+        ModelConfig.from_hf({**GEMMA3_TEXT, field: value})

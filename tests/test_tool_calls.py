@@ -541,6 +541,31 @@ def test_conflicting_requests_are_a_400_naming_the_fields(served, fields, messag
     body = {"model": "tiny", "messages": USER, "tools": TOOLS, **fields}
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
+    assert not response.json()["error"]["message"].startswith("Value error")  # pydantic's words
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "message"),
+    [
+        (
+            [TOOLS[0], TOOLS[0]],
+            "tools",
+            f"two tools are named {TOOLS[0]['function']['name']!r}; tool names must be distinct",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tools.0.function.parameters",
+            "not a JSON schema qinfer can follow (Invalid type: nope)",
+        ),
+    ],
+    ids=["same-name-twice", "parameters-not-a-schema"],
+)
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_bad_tools_are_a_400_naming_the_tool_field(served, tools, param, message, tool_choice):
+    _, http, _, _ = served
+    body = {"model": "tiny", "messages": USER, "tools": tools, "tool_choice": tool_choice}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == param and error["message"] == f"Invalid value for '{param}': {message}"
 
 
 def test_history_arguments_that_are_not_json_are_a_400_naming_them(served):

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from qinfer.grammar import lenient_schema
+from qinfer.grammar import json_schema_problem, lenient_schema
 from qinfer.prompts import Prompt
 from qinfer.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
 
@@ -152,6 +152,16 @@ class FunctionDefinition(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _compilable(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Checked here, whatever tool_choice says: a forced call compiles it into a grammar,
+        # whose error would name neither the tool nor the field.
+        problem = None if parameters is None else json_schema_problem(parameters)
+        if problem is not None:
+            raise ValueError(f"not a JSON schema qinfer can follow ({problem})")
+        return parameters
 
 
 class ToolDefinition(StrictModel):
@@ -296,6 +306,16 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_are_distinct(cls, tools: list[ToolDefinition] | None):
+        # A call names its tool: two tools of one name would make it ambiguous.
+        names = [tool.function.name for tool in tools or ()]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
+        return tools
 
     @model_validator(mode="after")
     def _tool_choice_names_an_offered_tool(self):

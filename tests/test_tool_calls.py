@@ -144,11 +144,19 @@ def test_forced_calls_stream_their_arguments_in_fragments():
         '{"name": "get_weather", "arguments": {city: Paris}}',  # malformed JSON
         '{"name": "rm_rf", "arguments": {}}',  # a tool that was not offered
         "not json at all",
+        '{"name": "get_weather", "arguments": ["Paris"]}',  # arguments are an object
+        '{"name": "get_weather", "arguments": "Paris"}',
     ],
 )
 def test_an_unforced_block_that_is_not_a_call_is_content(block):
     text = f"Hi <tool_call>\n{block}\n</tool_call> bye"
     assert parse(HERMES, text, 3, forced=False)[:2] == (text, [])
+
+
+def test_arguments_written_as_json_text_are_decoded_once():
+    block = json.dumps({"name": "get_weather", "arguments": json.dumps({"city": "Paris"})})
+    content, calls, _ = parse(HERMES, f"<tool_call>\n{block}\n</tool_call>", 5, forced=False)
+    assert content == "" and calls == [("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_half_written_tag_is_held_back_until_known():

@@ -387,16 +387,23 @@ class ToolCallParser:
         out.content += block
 
 
-def _parse_call(text: str, arguments_key: str) -> tuple[str, Any] | None:
-    """(name, arguments) of one whole call's JSON, or None when it is not one."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+def _parse_call(text: str, arguments_key: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of one whole call's JSON, or None when it is not one. Arguments
+    are an object, as OpenAI's are; some models write it as JSON text, decoded here."""
+    value = _json_or_none(text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", value.get("parameters")))
-    return None if arguments is None else (value["name"], arguments)
+    if isinstance(arguments, str):
+        arguments = _json_or_none(arguments)
+    return (value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 class _ValueScanner:

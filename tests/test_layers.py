@@ -407,6 +407,18 @@ GEMMA3_TEXT = dict(BASE, model_type="gemma3_text", num_hidden_layers=13, head_di
             dict(rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=4),
             id="old-scaling-and-pattern",
         ),
+        # a layer type left out of rope_parameters takes the old spelling's setting
+        pytest.param(
+            dict(rope_parameters={FULL_ATTENTION: dict(rope_type="default", rope_theta=2e5)}),
+            id="only-full-rope-parameters",
+        ),
+        pytest.param(
+            dict(
+                rope_theta=5e5,
+                rope_parameters={SLIDING_ATTENTION: dict(rope_type="default", rope_theta=1e3)},
+            ),
+            id="only-sliding-rope-parameters",
+        ),
     ],
 )
 def test_config_gemma3_layers_and_ropes_agree_with_transformers(fields):

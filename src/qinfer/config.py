@@ -376,18 +376,23 @@ def _activation(cfg: dict[str, Any]) -> str:
 
 def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     """(global, sliding) RoPE of a Gemma 3 config: `rope_parameters` keyed by layer type
-    (transformers >= 5), or `rope_theta` + `rope_scaling` for the global layers and
+    (transformers >= 5); a layer type it leaves out (or the old spelling) takes, as in
+    transformers, `rope_theta` + `rope_scaling` for the global layers and
     `rope_local_base_freq` (never scaled) for the sliding ones."""
-    by_type = cfg.get("rope_parameters")
-    if isinstance(by_type, dict) and {FULL_ATTENTION, SLIDING_ATTENTION} & set(by_type):
-        return tuple(
-            rope_config_from_hf(
-                {**cfg, "rope_scaling": None, "rope_parameters": by_type.get(kind) or {}}
-            )
-            for kind in (FULL_ATTENTION, SLIDING_ATTENTION)
-        )
     local = {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}
-    return rope_config_from_hf(cfg), rope_config_from_hf({"rope_parameters": local})
+    local_rope = rope_config_from_hf({"rope_parameters": local})
+    by_type = cfg.get("rope_parameters")
+    if not (isinstance(by_type, dict) and {FULL_ATTENTION, SLIDING_ATTENTION} & set(by_type)):
+        return rope_config_from_hf(cfg), local_rope
+
+    def given(params: dict[str, Any]) -> RopeConfig:
+        return rope_config_from_hf({**cfg, "rope_scaling": None, "rope_parameters": params})
+
+    full, sliding = by_type.get(FULL_ATTENTION), by_type.get(SLIDING_ATTENTION)
+    return (
+        given(full) if full else rope_config_from_hf({**cfg, "rope_parameters": None}),
+        given(sliding) if sliding else local_rope,
+    )
 
 
 def _sliding_window(

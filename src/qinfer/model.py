@@ -72,7 +72,11 @@ class Block:
             self.mlp_norm = norm("post_attention_layernorm")
         self.mlp = (SparseMoE if config.sparse(layer) else MLP)(prefix, config, weights, parallel)
 
-    def __call__(self, x: torch.Tensor, offsets, cache, mask: Mask) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask
+    ) -> torch.Tensor:
+        """x (B, L, hidden) -> (B, L, hidden); offsets, cache (this layer's) and mask as in
+        `Attention.__call__`."""
         attended = self.self_attn(self.attention_norm(x), offsets, cache, mask)
         x = x + _normed(self.attention_output_norm, attended)
         return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))

@@ -276,6 +276,7 @@ class ToolCallParser:
         }
 
     def push(self, text: str) -> ParsedDelta:
+        """The content and call deltas that the reply's next `text` completes."""
         self._held += text
         out = ParsedDelta()
         while True:  # one delta may cross several states

@@ -172,6 +172,8 @@ class ToolDefinition(StrictModel):
 
 
 class FunctionName(StrictModel):
+    """`tool_choice.function`: the name of the tool to call."""
+
     name: str
 
 
@@ -335,6 +337,8 @@ class ChatCompletionRequest(GenerationRequest):
         return self
 
     def constraint_fields(self) -> dict[str, Any]:
+        """As `GenerationRequest.constraint_fields`, with a `response_format` that asks for
+        JSON (its schema) first."""
         fields = super().constraint_fields()
         schema = None if self.response_format is None else self.response_format.reply_schema()
         return fields if schema is None else {"response_format": schema, **fields}

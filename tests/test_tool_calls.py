@@ -553,6 +553,24 @@ def test_conflicting_requests_are_a_400_naming_the_fields(served, fields, messag
 
 
 @pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope' is not one of the tools",
+        ),
+        ({"tool_choice": "required"}, "a forced tool call needs tools"),
+        ({"tools": [], "tool_choice": "required"}, "a forced tool call needs tools"),
+    ],
+)
+def test_a_tool_choice_without_its_tool_is_a_400_naming_it(served, fields, message):
+    _, http, _, _ = served
+    body = {"model": "tiny", "messages": USER, **fields}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "tool_choice" and message in error["message"]
+
+
+@pytest.mark.parametrize(
     ("tools", "param", "message"),
     [
         (

@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from qinfer.grammar import json_schema_problem, lenient_schema
 from qinfer.prompts import Prompt
@@ -319,16 +326,23 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
         return tools
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_an_offered_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        # A field validator (tools, declared before, is already checked) so that the 400
+        # names tool_choice; invalid tools are reported instead.
+        if "tools" not in info.data or choice in (None, "none", "auto"):
+            return choice
+        tools = info.data["tools"] or []
+        if not tools:
+            raise ValueError("a forced tool call needs tools: give the tools it may call")
+        names = {tool.function.name for tool in tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"{choice.function.name!r} is not one of the tools")
+        return choice
+
     @model_validator(mode="after")
-    def _tool_choice_names_an_offered_tool(self):
-        choice = self.tool_choice
-        if self.forced_tool is not None and not self.tools:
-            raise ValueError("tool_choice requires tools: give the tools it may call")
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in {tool.function.name for tool in self.tools}:
-                raise ValueError(
-                    f"tool_choice names {choice.function.name!r}, which is not one of the tools"
-                )
+    def _forced_call_without_other_constraint(self):
         if self.forced_tool is not None and self.constraint_fields():
             field = next(iter(self.constraint_fields()))
             raise ValueError(

@@ -30,7 +30,7 @@ from text_assets import (
 
 import qinfer
 from qinfer.grammar import _ll_tokenizer
-from qinfer.server.protocol import ChatCompletionRequest
+from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
 from qinfer.tool_calls import (
     GENERIC,
     HERMES,
@@ -570,6 +570,9 @@ def test_a_tool_choice_without_its_tool_is_a_400_naming_it(served, fields, messa
     assert error["param"] == "tool_choice" and message in error["message"]
 
 
+BIG_PARAMETERS = {"type": "object", "description": "x" * MAX_CONSTRAINT_BYTES}
+
+
 @pytest.mark.parametrize(
     ("tools", "param", "message"),
     [
@@ -583,8 +586,14 @@ def test_a_tool_choice_without_its_tool_is_a_400_naming_it(served, fields, messa
             "tools.0.function.parameters",
             "not a JSON schema qinfer can follow (Invalid type: nope)",
         ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": BIG_PARAMETERS}}],
+            "tools",
+            f"the tools' parameters are {len(json.dumps(BIG_PARAMETERS))} bytes; schemas of at "
+            f"most {MAX_CONSTRAINT_BYTES} bytes in all are compiled",
+        ),
     ],
-    ids=["same-name-twice", "parameters-not-a-schema"],
+    ids=["same-name-twice", "parameters-not-a-schema", "parameters-too-large"],
 )
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_bad_tools_are_a_400_naming_the_tool_field(served, tools, param, message, tool_choice):

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qinfer.detokenizer import partial_match_length
-from qinfer.grammar import JSON_WHITESPACE, strict_schema
+from qinfer.errors import RequestError
+from qinfer.grammar import JSON_WHITESPACE, json_schema_problem, strict_schema
 from qinfer.tokenizer import Tokenizer
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -138,6 +139,21 @@ def _hermes_block(function: Mapping[str, Any]) -> str:
     """One call as a hermes block (arguments decoded: the server decodes them)."""
     call = {"name": function["name"], "arguments": function["arguments"]}
     return f"{TOOL_CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, with a RequestError naming `tools.i.function.parameters`, the first tool whose
+    parameters llguidance cannot compile; checked whatever `tool_choice` says (a forced
+    call's grammar holds them all, and its error would name neither tool nor field)."""
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        problem = None if parameters is None else json_schema_problem(parameters)
+        if problem is not None:
+            param = f"tools.{i}.function.parameters"
+            raise RequestError(
+                f"Invalid value for '{param}': not a JSON schema qinfer can follow ({problem})",
+                param=param,
+            )
 
 
 def tool_call_grammar(

@@ -48,7 +48,13 @@ from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, Gen
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.tokenizer import Tokenizer, load_tokenizer
-from qinfer.tool_calls import ToolUse, tool_call_format, tool_call_grammar, tool_prompt
+from qinfer.tool_calls import (
+    ToolUse,
+    check_tool_schemas,
+    tool_call_format,
+    tool_call_grammar,
+    tool_prompt,
+)
 
 #: Largest request body accepted (HTTP 413 above): generous for long prompts.
 MAX_BODY_BYTES = 16 * 2**20
@@ -106,6 +112,10 @@ class ModelServer:
         self.check_model(body.model)
         params = self.sampling_params(body)
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            await run_in_threadpool(
+                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
+            )
         tools = body.offered_tools()
         messages, tool_kwargs = tool_prompt(
             self.tool_format, [message.for_template() for message in body.messages], tools

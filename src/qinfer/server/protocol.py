@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from qinfer.grammar import json_schema_problem, lenient_schema
+from qinfer.grammar import lenient_schema
 from qinfer.prompts import Prompt
 from qinfer.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
 
@@ -159,16 +159,6 @@ class FunctionDefinition(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _compilable(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        # Checked here, whatever tool_choice says: a forced call compiles it into a grammar,
-        # whose error would name neither the tool nor the field.
-        problem = None if parameters is None else json_schema_problem(parameters)
-        if problem is not None:
-            raise ValueError(f"not a JSON schema qinfer can follow ({problem})")
-        return parameters
 
 
 class ToolDefinition(StrictModel):
@@ -318,12 +308,20 @@ class ChatCompletionRequest(GenerationRequest):
 
     @field_validator("tools")
     @classmethod
-    def _tool_names_are_distinct(cls, tools: list[ToolDefinition] | None):
+    def _tools_are_distinct_and_bounded(cls, tools: list[ToolDefinition] | None):
         # A call names its tool: two tools of one name would make it ambiguous.
         names = [tool.function.name for tool in tools or ()]
         twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
         if twice is not None:
             raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
+        # Their schemas are compiled (`tool_calls.check_tool_schemas`), together when a
+        # call is forced: bounded as one constraint.
+        size = sum(len(json.dumps(tool.function.parameters).encode()) for tool in tools or ())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ValueError(
+                f"the tools' parameters are {size} bytes; schemas of at most "
+                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
+            )
         return tools
 
     @field_validator("tool_choice")

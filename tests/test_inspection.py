@@ -138,6 +138,15 @@ def test_a_prompt_past_the_cap_is_refused(pair):
     assert refused.value.param == "prompt"
 
 
+@pytest.mark.parametrize("bad_id", [-1, 256])
+def test_a_token_id_outside_the_vocabulary_is_refused(pair, bad_id):
+    _, model = pair
+    assert model.config.vocab_size == 256
+    with pytest.raises(RequestError, match=f"^prompt: token id {bad_id} is outside") as refused:
+        inspect_tokens(model, [1, bad_id])
+    assert refused.value.param == "prompt"
+
+
 # --- through the server -----------------------------------------------------------------
 
 

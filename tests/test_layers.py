@@ -407,6 +407,18 @@ GEMMA3_TEXT = dict(BASE, model_type="gemma3_text", num_hidden_layers=13, head_di
             dict(rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=4),
             id="old-scaling-and-pattern",
         ),
+        # a layer type left out of rope_parameters takes the old spelling's setting
+        pytest.param(
+            dict(rope_parameters={FULL_ATTENTION: dict(rope_type="default", rope_theta=2e5)}),
+            id="only-full-rope-parameters",
+        ),
+        pytest.param(
+            dict(
+                rope_theta=5e5,
+                rope_parameters={SLIDING_ATTENTION: dict(rope_type="default", rope_theta=1e3)},
+            ),
+            id="only-sliding-rope-parameters",
+        ),
     ],
 )
 def test_config_gemma3_layers_and_ropes_agree_with_transformers(fields):
@@ -439,3 +451,17 @@ def test_config_gemma3_with_vision_is_its_text_config():
 def test_config_gemma3_attention_softcapping_is_refused_by_name():
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         ModelConfig.from_hf({**GEMMA3_TEXT, "attn_logit_softcapping": 50.0})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hidden_activation", "gelu"),  # transformers' exact GELU: not Gemma's tanh one
+        ("sliding_window_pattern", 0),
+        ("sliding_window_pattern", "six"),
+        ("rope_local_base_freq", "10k"),
+    ],
+)
+def test_config_gemma3_bad_field_is_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=f"^config field '{field}'"):
+        ModelConfig.from_hf({**GEMMA3_TEXT, field: value})

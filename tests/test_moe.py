@@ -46,6 +46,8 @@ CASES = {
     ),
     # Qwen2-MoE: q/k/v biases, no QK-norm, a shared expert behind a sigmoid gate
     "qwen2-moe-shared-expert": ("qwen2_moe", QWEN2_MOE),
+    # the config's activation gates the experts (routed and shared) as it gates the MLP
+    "gelu-experts": ("qwen2_moe", dict(QWEN2_MOE, hidden_act="gelu_pytorch_tanh")),
 }
 
 

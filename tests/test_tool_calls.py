@@ -30,7 +30,7 @@ from text_assets import (
 
 import qinfer
 from qinfer.grammar import _ll_tokenizer
-from qinfer.server.protocol import ChatCompletionRequest
+from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
 from qinfer.tool_calls import (
     GENERIC,
     HERMES,
@@ -144,11 +144,19 @@ def test_forced_calls_stream_their_arguments_in_fragments():
         '{"name": "get_weather", "arguments": {city: Paris}}',  # malformed JSON
         '{"name": "rm_rf", "arguments": {}}',  # a tool that was not offered
         "not json at all",
+        '{"name": "get_weather", "arguments": ["Paris"]}',  # arguments are an object
+        '{"name": "get_weather", "arguments": "Paris"}',
     ],
 )
 def test_an_unforced_block_that_is_not_a_call_is_content(block):
     text = f"Hi <tool_call>\n{block}\n</tool_call> bye"
     assert parse(HERMES, text, 3, forced=False)[:2] == (text, [])
+
+
+def test_arguments_written_as_json_text_are_decoded_once():
+    block = json.dumps({"name": "get_weather", "arguments": json.dumps({"city": "Paris"})})
+    content, calls, _ = parse(HERMES, f"<tool_call>\n{block}\n</tool_call>", 5, forced=False)
+    assert content == "" and calls == [("get_weather", '{"city": "Paris"}')]
 
 
 def test_a_half_written_tag_is_held_back_until_known():
@@ -541,6 +549,58 @@ def test_conflicting_requests_are_a_400_naming_the_fields(served, fields, messag
     body = {"model": "tiny", "messages": USER, "tools": TOOLS, **fields}
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and message in response.json()["error"]["message"]
+    assert not response.json()["error"]["message"].startswith("Value error")  # pydantic's words
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope' is not one of the tools",
+        ),
+        ({"tool_choice": "required"}, "a forced tool call needs tools"),
+        ({"tools": [], "tool_choice": "required"}, "a forced tool call needs tools"),
+    ],
+)
+def test_a_tool_choice_without_its_tool_is_a_400_naming_it(served, fields, message):
+    _, http, _, _ = served
+    body = {"model": "tiny", "messages": USER, **fields}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == "tool_choice" and message in error["message"]
+
+
+BIG_PARAMETERS = {"type": "object", "description": "x" * MAX_CONSTRAINT_BYTES}
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "message"),
+    [
+        (
+            [TOOLS[0], TOOLS[0]],
+            "tools",
+            f"two tools are named {TOOLS[0]['function']['name']!r}; tool names must be distinct",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tools.0.function.parameters",
+            "not a JSON schema qinfer can follow (Invalid type: nope)",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": BIG_PARAMETERS}}],
+            "tools",
+            f"the tools' parameters are {len(json.dumps(BIG_PARAMETERS))} bytes; schemas of at "
+            f"most {MAX_CONSTRAINT_BYTES} bytes in all are compiled",
+        ),
+    ],
+    ids=["same-name-twice", "parameters-not-a-schema", "parameters-too-large"],
+)
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_bad_tools_are_a_400_naming_the_tool_field(served, tools, param, message, tool_choice):
+    _, http, _, _ = served
+    body = {"model": "tiny", "messages": USER, "tools": tools, "tool_choice": tool_choice}
+    error = http.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == param and error["message"] == f"Invalid value for '{param}': {message}"
 
 
 def test_history_arguments_that_are_not_json_are_a_400_naming_them(served):

@@ -240,6 +240,9 @@ class ModelConfig:
                 raise ConfigError(f"config field {key!r} must be positive, got {value!r}")
             return parsed
 
+        if gemma:  # read here, where a bad value is refused by name, before they are used
+            cfg["sliding_window_pattern"] = number("sliding_window_pattern")
+            cfg["rope_local_base_freq"] = number("rope_local_base_freq", kind=float)
         hidden = number("hidden_size")
         heads = number("num_attention_heads")
         kv_heads = number("num_key_value_heads", heads)
@@ -275,7 +278,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             sliding_rope=sliding_rope,
-            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            hidden_act=_activation(cfg),
             query_pre_attn_scalar=number("query_pre_attn_scalar", kind=float) if gemma else None,
             embedding_scale=hidden**0.5 if gemma else None,
             norm_weight_offset=1.0 if gemma else 0.0,
@@ -359,20 +362,37 @@ def moe_config_from_hf(cfg: dict[str, Any], layers: int, number: Callable) -> Mo
     )
 
 
+def _activation(cfg: dict[str, Any]) -> str:
+    """The MLP gate's activation: Gemma's `hidden_activation`, else `hidden_act` (default
+    SiLU), refused by the name of the field that holds it when not in ACTIVATIONS."""
+    key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    activation = cfg.get(key) or "silu"
+    if activation not in ACTIVATIONS:
+        raise ConfigError(
+            f"config field {key!r} is {activation!r}; supported: {', '.join(ACTIVATIONS)}"
+        )
+    return activation
+
+
 def _layer_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     """(global, sliding) RoPE of a Gemma 3 config: `rope_parameters` keyed by layer type
-    (transformers >= 5), or `rope_theta` + `rope_scaling` for the global layers and
+    (transformers >= 5); a layer type it leaves out (or the old spelling) takes, as in
+    transformers, `rope_theta` + `rope_scaling` for the global layers and
     `rope_local_base_freq` (never scaled) for the sliding ones."""
-    by_type = cfg.get("rope_parameters")
-    if isinstance(by_type, dict) and {FULL_ATTENTION, SLIDING_ATTENTION} & set(by_type):
-        return tuple(
-            rope_config_from_hf(
-                {**cfg, "rope_scaling": None, "rope_parameters": by_type.get(kind) or {}}
-            )
-            for kind in (FULL_ATTENTION, SLIDING_ATTENTION)
-        )
     local = {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}
-    return rope_config_from_hf(cfg), rope_config_from_hf({"rope_parameters": local})
+    local_rope = rope_config_from_hf({"rope_parameters": local})
+    by_type = cfg.get("rope_parameters")
+    if not (isinstance(by_type, dict) and {FULL_ATTENTION, SLIDING_ATTENTION} & set(by_type)):
+        return rope_config_from_hf(cfg), local_rope
+
+    def given(params: dict[str, Any]) -> RopeConfig:
+        return rope_config_from_hf({**cfg, "rope_scaling": None, "rope_parameters": params})
+
+    full, sliding = by_type.get(FULL_ATTENTION), by_type.get(SLIDING_ATTENTION)
+    return (
+        given(full) if full else rope_config_from_hf({**cfg, "rope_parameters": None}),
+        given(sliding) if sliding else local_rope,
+    )
 
 
 def _sliding_window(

@@ -292,6 +292,16 @@ def compile_constraint(name: str, value: str | tuple[str, ...]) -> str:
         raise SamplingError(f"{name} is invalid: {_one_line(str(error))}") from None
 
 
+def json_schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why llguidance cannot constrain JSON to `schema`, in one line, or None when it can."""
+    try:
+        grammar = compile_constraint("json_schema", json.dumps(schema))
+    except SamplingError as error:
+        return str(error).removeprefix("json_schema is invalid: ")
+    problem = llguidance.LLMatcher.validate_grammar(grammar, None)
+    return _one_line(problem) if problem.strip() else None
+
+
 def strict_schema(schema: Any) -> Any:
     """A copy of a JSON schema in which every object schema that lists `properties`
     without `additionalProperties` gets `"additionalProperties": false` (a bare

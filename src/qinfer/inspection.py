@@ -90,14 +90,14 @@ class AttentionRecorder:
 
 def check_inspection(
     model: Transformer,
-    num_tokens: int,
+    token_ids: Sequence[int],
     layers: Sequence[int],
     heads: Sequence[int] | None,
     top_k: int,
 ) -> list[int]:
     """Refuse what `inspect_tokens` cannot answer, with a RequestError naming the field
     (prompt, layers, heads, top_k); returns the heads to keep (default: all)."""
-    config = model.config
+    config, num_tokens = model.config, len(token_ids)
     if model.parallel.world_size > 1:
         raise RequestError(
             f"inspection needs the whole model; this one is split over "
@@ -106,6 +106,12 @@ def check_inspection(
     if not 1 <= num_tokens <= MAX_INSPECT_TOKENS:
         raise RequestError(
             f"prompt is {num_tokens} tokens; inspection takes 1 to {MAX_INSPECT_TOKENS}",
+            param="prompt",
+        )
+    outside = next((t for t in token_ids if not 0 <= t < config.vocab_size), None)
+    if outside is not None:
+        raise RequestError(
+            f"prompt: token id {outside} is outside the vocabulary (0..{config.vocab_size - 1})",
             param="prompt",
         )
     for layer in layers:
@@ -154,7 +160,7 @@ def inspect_tokens(
     layers, heads: whose attention weights to keep (heads: query heads, default all).
     Raises RequestError (naming the field) for what `check_inspection` refuses.
     """
-    heads = check_inspection(model, len(token_ids), layers, heads, top_k)
+    heads = check_inspection(model, token_ids, layers, heads, top_k)
     L = len(token_ids)
     caches = model.make_cache(1, max_length=L)  # sliding windows keep their own cache kind
     recorders = [

@@ -3,8 +3,7 @@
 One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2, Mistral and
 Gemma 3; their differences (QK-norm, biases, tied heads, RoPE scaling and per-layer RoPE,
 sliding windows, experts, Gemma's scaled embeddings, (1 + w) and sandwich norms, GeGLU,
-logit softcapping) live in
-ModelConfig and in which tensors the checkpoint holds.
+logit softcapping) live in ModelConfig and in which tensors the checkpoint holds.
 
 Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
 part of the weights and runs the same forward; the collectives sit in the row- and
@@ -73,7 +72,11 @@ class Block:
             self.mlp_norm = norm("post_attention_layernorm")
         self.mlp = (SparseMoE if config.sparse(layer) else MLP)(prefix, config, weights, parallel)
 
-    def __call__(self, x: torch.Tensor, offsets, cache, mask: Mask) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask
+    ) -> torch.Tensor:
+        """x (B, L, hidden) -> (B, L, hidden); offsets, cache (this layer's) and mask as in
+        `Attention.__call__`."""
         attended = self.self_attn(self.attention_norm(x), offsets, cache, mask)
         x = x + _normed(self.attention_output_norm, attended)
         return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
@@ -252,8 +255,8 @@ class Transformer:
         return logits
 
     def _check_positions(self, offsets: int | torch.Tensor, L: int) -> None:
-        # RoPE is tabulated up to max_position_embeddings and runs before any cache could
-        # refuse the step, so positions past the context are caught here.
+        # RoPE would rotate any position, and the first layers run before a cache could
+        # refuse the step: positions past the model's context are refused here, up front.
         if isinstance(offsets, int):
             last = offsets + L - 1
         else:  # (B,) first positions, or (B, L) positions of every token

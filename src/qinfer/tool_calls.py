@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qinfer.detokenizer import partial_match_length
-from qinfer.grammar import JSON_WHITESPACE, strict_schema
+from qinfer.errors import RequestError
+from qinfer.grammar import JSON_WHITESPACE, json_schema_problem, strict_schema
 from qinfer.tokenizer import Tokenizer
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -138,6 +139,21 @@ def _hermes_block(function: Mapping[str, Any]) -> str:
     """One call as a hermes block (arguments decoded: the server decodes them)."""
     call = {"name": function["name"], "arguments": function["arguments"]}
     return f"{TOOL_CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, with a RequestError naming `tools.i.function.parameters`, the first tool whose
+    parameters llguidance cannot compile; checked whatever `tool_choice` says (a forced
+    call's grammar holds them all, and its error would name neither tool nor field)."""
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        problem = None if parameters is None else json_schema_problem(parameters)
+        if problem is not None:
+            param = f"tools.{i}.function.parameters"
+            raise RequestError(
+                f"Invalid value for '{param}': not a JSON schema qinfer can follow ({problem})",
+                param=param,
+            )
 
 
 def tool_call_grammar(
@@ -276,6 +292,7 @@ class ToolCallParser:
         }
 
     def push(self, text: str) -> ParsedDelta:
+        """The content and call deltas that the reply's next `text` completes."""
         self._held += text
         out = ParsedDelta()
         while True:  # one delta may cross several states
@@ -387,16 +404,23 @@ class ToolCallParser:
         out.content += block
 
 
-def _parse_call(text: str, arguments_key: str) -> tuple[str, Any] | None:
-    """(name, arguments) of one whole call's JSON, or None when it is not one."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+def _parse_call(text: str, arguments_key: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of one whole call's JSON, or None when it is not one. Arguments
+    are an object, as OpenAI's are; some models write it as JSON text, decoded here."""
+    value = _json_or_none(text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", value.get("parameters")))
-    return None if arguments is None else (value["name"], arguments)
+    if isinstance(arguments, str):
+        arguments = _json_or_none(arguments)
+    return (value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 class _ValueScanner:

@@ -105,6 +105,7 @@ class AsyncEngine:
         return self._enqueue(self.engine.make_request(prompt, params, request_id))
 
     def _check_serving(self) -> None:
+        """Refuse new work once the engine has failed or is shutting down."""
         if self.failure is not None:
             raise self.failure
         if self._stopping:
@@ -162,10 +163,7 @@ class AsyncEngine:
         The event loop waits without blocking; the engine's requests pause for the call's
         length. fn must not keep the model's state changed (it gets the engine's model).
         """
-        if self.failure is not None:
-            raise self.failure
-        if self._stopping:
-            raise QinferError("the engine is shut down")
+        self._check_serving()
         loop = asyncio.get_running_loop()
         call = _ModelCall(fn, loop, loop.create_future())
         self._inbox.put(("call", call))

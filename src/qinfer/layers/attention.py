@@ -186,7 +186,7 @@ class Attention:
             shard=parallel.split_in(q_rows),
         )
 
-        # RoPE tables are shared by every layer with the same settings (see layers/rope.py);
+        # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
         # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`).
         self.rope = RoPE(
             self.head_dim, config.max_position_embeddings, config.rope_for(layer), weights.device

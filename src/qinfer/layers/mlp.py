@@ -50,6 +50,5 @@ class MLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (B, L, 2 * inter / N) -> 2 x (B, L, inter / N)
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        return linear(
-            self.activation(gate) * up, self.down
-        )  # row-parallel: all-reduced (B, L, hidden)
+        # row-parallel down: the ranks' partial sums all-reduced, (B, L, hidden)
+        return linear(self.activation(gate) * up, self.down)

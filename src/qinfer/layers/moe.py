@@ -1,11 +1,11 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): a router picks k of E SwiGLU
+"""The mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): a router picks k of E gated
 experts for each token and adds their outputs, weighted by its probabilities.
 
     probs = softmax(x W_router^T)            (T, E), in fp32
     top, chosen = topk(probs, k)             (T, k); top renormalised to sum 1 if norm_topk_prob
     y[t] = sum_j top[t, j] * expert_{chosen[t, j]}(x[t])
          (+ sigmoid(x[t] w_shared_gate) * shared(x[t]): Qwen2-MoE's shared expert)
-    expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+    expert_e(x) = down_e(act(gate_e(x)) * up_e(x))   act: hidden_act (SiLU: SwiGLU), as the MLP
 
 Each expert runs only on the tokens routed to it: the T * k (token, expert) pairs are sorted
 by expert, the tokens' rows gathered in that order, and each expert's projections applied to
@@ -23,9 +23,9 @@ the same all-reduce. Expert parallelism (ranks holding whole experts) is not imp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
+from qinfer.layers.mlp import GATE_ACTIVATIONS
 from qinfer.linear import DenseLinear, Linear, RowParallelLinear, linear
 from qinfer.linear.grouped import make_grouped_linear
 from qinfer.parallel import SINGLE, Parallel
@@ -42,6 +42,7 @@ class SparseMoE:
         hidden, inter, experts = config.hidden_size, moe.moe_intermediate_size, moe.num_experts
         self.num_experts, self.top_k = experts, moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
+        self.activation = GATE_ACTIVATIONS[config.hidden_act]
         self.parallel = parallel
         prefix = f"{layer_prefix}.mlp"
         # The router stays dense under quantization (its choices are discrete: a rounded
@@ -97,14 +98,16 @@ class SparseMoE:
         counts.scatter_add_(0, chosen.flatten(), torch.ones_like(order))  # (E,) pairs each
         routed = flat.index_select(0, order // self.top_k)  # (T * k, hidden), by expert
         gate, up = self.gate_up(routed, counts).chunk(2, dim=-1)  # 2 x (T * k, inter / N)
-        out = self.down(F.silu(gate) * up, counts)  # (T * k, hidden) by expert
+        out = self.down(self.activation(gate) * up, counts)  # (T * k, hidden) by expert
         # Back in pair order, then each token's k outputs weighted and added in slot order
         # (not with index_add_, whose atomic adds on GPUs sum in no fixed order).
         out = torch.empty_like(out).index_copy_(0, order, out).view(B * L, self.top_k, H)
         mixed = (out * top[..., None]).sum(dim=1)  # (T, hidden): this rank's partial sum
         if self.shared_gate is not None:
             gate, up = linear(flat, self.shared_gate_up).chunk(2, dim=-1)  # 2 x (T, shared / N)
-            shared = linear(F.silu(gate) * up, self.shared_down)  # (T, hidden), partial sum
+            shared = linear(
+                self.activation(gate) * up, self.shared_down
+            )  # (T, hidden), partial sum
             mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
         return self.parallel.all_reduce_sum(mixed).view(B, L, H)
 
@@ -112,7 +115,7 @@ class SparseMoE:
 def _ffn(
     prefix: str, width: int, what: str, hidden: int, weights: Weights, parallel: Parallel
 ) -> tuple[Linear, Linear]:
-    """One SwiGLU FFN's projections, this rank's share of its `width` channels (`what` names
+    """One gated FFN's projections, this rank's share of its `width` channels (`what` names
     them in a refusal): gate and up loaded as one projection (rows stacked), as the MLP's;
     down split by its input channels, the rank's own part, whose output is a partial sum.
     The partial sums of all experts are all-reduced once, after they are combined

@@ -23,7 +23,11 @@ from qinfer.rope_scaling import rope_frequencies
 
 
 class RoPE:
-    """Applies rotary embeddings to (B, L, H, D) queries or keys at given positions."""
+    """Applies rotary embeddings to (B, L, H, D) queries or keys at given positions.
+
+    max_position_embeddings is the seed's `seq_len`, kept for its signature: nothing is
+    tabulated, and positions past the context are refused by the model (`Transformer`).
+    """
 
     def __init__(
         self,
@@ -35,7 +39,6 @@ class RoPE:
         if isinstance(rope, (int, float)):  # the seed's RoPE(dims, seq_len, base)
             rope = RopeConfig(theta=float(rope))
         self.dims = dims
-        self.max_positions = max_position_embeddings
         self.frequencies = _frequencies(dims, rope, torch.device(device))
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:

@@ -32,18 +32,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
+from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
-from qinfer.server.inspection import InspectRequest, encode_and_inspect, inspection_json
+from qinfer.server.inspection import (
+    InspectRequest,
+    encode_inspected_prompt,
+    inspection_json,
+)
 from qinfer.server.metrics import ServerMetrics
 from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.tokenizer import Tokenizer, load_tokenizer
-from qinfer.tool_calls import ToolUse, tool_call_format, tool_call_grammar, tool_prompt
+from qinfer.tool_calls import (
+    ToolUse,
+    check_tool_schemas,
+    tool_call_format,
+    tool_call_grammar,
+    tool_prompt,
+)
 
 #: Largest request body accepted (HTTP 413 above): generous for long prompts.
 MAX_BODY_BYTES = 16 * 2**20
@@ -101,6 +112,10 @@ class ModelServer:
         self.check_model(body.model)
         params = self.sampling_params(body)
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            await run_in_threadpool(
+                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
+            )
         tools = body.offered_tools()
         messages, tool_kwargs = tool_prompt(
             self.tool_format, [message.for_template() for message in body.messages], tools
@@ -185,16 +200,20 @@ class ModelServer:
         return JSONResponse(response_format.response(completion, answers.result()))
 
     async def inspect(self, body: InspectRequest) -> dict[str, Any]:
-        """The inspection `body` asks for, computed in the engine's step thread (between two
-        steps: never beside one), its JSON built off the event loop."""
+        """The inspection `body` asks for: the prompt encoded and the JSON built off the
+        event loop; only the forward runs in the engine's step thread (between two steps:
+        never beside one), where it pauses the engine's requests."""
         self.check_model(body.model)
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
-        inspection = await self.engine.run_with_model(
-            lambda model: encode_and_inspect(model, self.tokenizer, body, template_kwargs)
+        config = self.engine.engine.runner.model.config
+        ids = await run_in_threadpool(
+            encode_inspected_prompt, self.tokenizer, body, config, template_kwargs
         )
-        model_config = self.engine.engine.runner.model.config
+        inspection = await self.engine.run_with_model(
+            lambda model: inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
+        )
         return await run_in_threadpool(
-            inspection_json, inspection, self.tokenizer, self.settings.model_name, model_config
+            inspection_json, inspection, self.tokenizer, self.settings.model_name, config
         )
 
     def models(self) -> dict[str, Any]:

@@ -77,8 +77,10 @@ def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIErro
             400, f"Unrecognized request argument: {param}", param=param, code="unknown_parameter"
         )
     code = "missing_required_parameter" if kind == "missing" else "invalid_value"
+    # Our validators' own words, without pydantic's "Value error, " before them.
+    reason = str(first["ctx"]["error"]) if kind == "value_error" else first["msg"]
     # A check across fields (a model validator) has no location: its message says it all.
-    message = f"Invalid value for '{param}': {first['msg']}" if param else first["msg"]
+    message = f"Invalid value for '{param}': {reason}" if param else reason
     return APIError(400, message, param=param, code=code)
 
 

@@ -15,8 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from qinfer.config import ModelConfig
-from qinfer.inspection import Inspection, TopTokens, inspect_tokens
-from qinfer.model import Transformer
+from qinfer.inspection import Inspection, TopTokens
 from qinfer.prompts import encode_prompt
 from qinfer.server.protocol import ChatMessage, StrictModel
 from qinfer.tokenizer import Tokenizer
@@ -53,17 +52,16 @@ class InspectRequest(StrictModel):
         return self.prompt
 
 
-def encode_and_inspect(
-    model: Transformer,
+def encode_inspected_prompt(
     tokenizer: Tokenizer,
     body: InspectRequest,
+    config: ModelConfig,
     template_kwargs: Mapping[str, Any],
-) -> Inspection:
-    """The inspection `body` asks for (run it where the model may be used)."""
-    ids = encode_prompt(
-        tokenizer, body.prompt_for_encoding(), vocab_size=model.config.vocab_size, **template_kwargs
+) -> list[int]:
+    """The token ids of `body.prompt` (a RequestError names ids outside the vocabulary)."""
+    return encode_prompt(
+        tokenizer, body.prompt_for_encoding(), vocab_size=config.vocab_size, **template_kwargs
     )
-    return inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
 
 
 def inspection_json(

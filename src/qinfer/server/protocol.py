@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from qinfer.grammar import lenient_schema
 from qinfer.prompts import Prompt
@@ -162,6 +169,8 @@ class ToolDefinition(StrictModel):
 
 
 class FunctionName(StrictModel):
+    """`tool_choice.function`: the name of the tool to call."""
+
     name: str
 
 
@@ -297,16 +306,41 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_distinct_and_bounded(cls, tools: list[ToolDefinition] | None):
+        # A call names its tool: two tools of one name would make it ambiguous.
+        names = [tool.function.name for tool in tools or ()]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
+        # Their schemas are compiled (`tool_calls.check_tool_schemas`), together when a
+        # call is forced: bounded as one constraint.
+        size = sum(len(json.dumps(tool.function.parameters).encode()) for tool in tools or ())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ValueError(
+                f"the tools' parameters are {size} bytes; schemas of at most "
+                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
+            )
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_an_offered_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        # A field validator (tools, declared before, is already checked) so that the 400
+        # names tool_choice; invalid tools are reported instead.
+        if "tools" not in info.data or choice in (None, "none", "auto"):
+            return choice
+        tools = info.data["tools"] or []
+        if not tools:
+            raise ValueError("a forced tool call needs tools: give the tools it may call")
+        names = {tool.function.name for tool in tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"{choice.function.name!r} is not one of the tools")
+        return choice
+
     @model_validator(mode="after")
-    def _tool_choice_names_an_offered_tool(self):
-        choice = self.tool_choice
-        if self.forced_tool is not None and not self.tools:
-            raise ValueError("tool_choice requires tools: give the tools it may call")
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in {tool.function.name for tool in self.tools}:
-                raise ValueError(
-                    f"tool_choice names {choice.function.name!r}, which is not one of the tools"
-                )
+    def _forced_call_without_other_constraint(self):
         if self.forced_tool is not None and self.constraint_fields():
             field = next(iter(self.constraint_fields()))
             raise ValueError(
@@ -315,6 +349,8 @@ class ChatCompletionRequest(GenerationRequest):
         return self
 
     def constraint_fields(self) -> dict[str, Any]:
+        """As `GenerationRequest.constraint_fields`, with a `response_format` that asks for
+        JSON (its schema) first."""
         fields = super().constraint_fields()
         schema = None if self.response_format is None else self.response_format.reply_schema()
         return fields if schema is None else {"response_format": schema, **fields}

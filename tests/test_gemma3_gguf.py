@@ -230,16 +230,17 @@ def test_qinfer_serve_completes_on_it_and_refuses_chat_in_one_line():
 
 
 def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):
-    """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) as int8
-    rows, Q5_0 and Q6_K dequantized, in bf16; its greedy tokens follow the fp32 model but
-    at near-ties its error explains."""
+    """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) and the
+    Q5_0 and Q6_K projections as int8 rows, in bf16; its greedy tokens follow the fp32
+    model but at near-ties its error explains."""
     reference, _ = gemma3
     tokenizer, _ = tokenizers
     fast = qinfer.load_model(gemma3_path(), device="cpu")
     assert fast.dtype == torch.bfloat16
     assert isinstance(fast.lm_head, Int8Linear) and fast.lm_head is fast.embed_tokens
     assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
-    assert isinstance(fast.layers[0].mlp.gate_up, DenseLinear)  # blk.0.ffn_gate/up are Q5_0
+    assert isinstance(fast.layers[0].mlp.gate_up, Int8Linear)  # blk.0.ffn_gate/up are Q5_0
+    assert not any(isinstance(w, DenseLinear) for w in fast.linears().values())
     agreed = sum(
         greedy_parts_only_at_near_ties(fast, reference, tokenizer.encode(prompt))
         for prompt in PROMPTS

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as Q
 from gguf_files import synthetic_tensor
 
 from qinfer.errors import WeightsError
@@ -27,7 +26,9 @@ from qinfer.linear import (
     quantize_int4,
     quantize_int8,
 )
-from qinfer.weights.gguf import open_gguf
+from qinfer.linear.compute import bf16_matmul_is_fast
+from qinfer.linear.int8 import MANY_ROWS
+from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
 
 
@@ -168,9 +169,22 @@ def test_parts_of_different_kinds_run_side_by_side():
     torch.testing.assert_close(fused(x).float(), expected, rtol=0, atol=1e-2)
 
 
-def test_gguf_q8_0_becomes_int8_rows_within_half_a_row_step():
-    data = synthetic_tensor(Q.Q8_0, rows=8, columns=256)
-    exact = torch.from_numpy(gguf.quants.dequantize(data, Q.Q8_0))
+@pytest.mark.parametrize("qtype", sorted(INT8_ROW_TYPES))
+def test_gguf_blocks_other_than_int4_become_int8_rows_within_half_a_row_step(qtype):
+    data = synthetic_tensor(qtype, rows=8, columns=256)
+    exact = torch.from_numpy(gguf.quants.dequantize(data, qtype))
     rows = quantize_int8(exact)
-    assert ((rows.dequantize() - exact).abs() <= rows.scales[:, None] / 2 + 1e-7).all()
+    # Half a step, up to fp32 rounding (Q6_K values can sit exactly on a half step).
+    assert ((rows.dequantize() - exact).abs() <= rows.scales[:, None] / 2 * (1 + 1e-5)).all()
     assert np.array_equal(rows.q.shape, exact.shape)
+
+
+def test_int8_many_rows_widen_the_weight_for_a_bf16_gemm_with_the_same_products():
+    """From MANY_ROWS rows (a prefill chunk) the weight is widened to bf16 for the call,
+    where the CPU's bf16 GEMM is fast; the result matches the int8 kernel's, row by row."""
+    w = Int8Linear(quantize_int8(weight(96, 256)), None, torch.bfloat16)
+    assert w.widen_for_many_rows == bf16_matmul_is_fast(torch.device("cpu"))
+    x = activations(MANY_ROWS, 256, torch.bfloat16)
+    kernel = torch.cat([w(row[None]) for row in x])  # one row at a time: the int8 kernel
+    torch.testing.assert_close(w(x), kernel, rtol=0.02, atol=0.02)
+    assert_matches_dequantized(w, x)

@@ -14,9 +14,11 @@ llama.cpp's conventions onto ours:
 - Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
   w of a Hugging Face checkpoint (our norms add the 1: `ModelConfig.norm_weight_offset`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
-  Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0 becomes
-  int8 per output channel, re-rounded), else dequantized to fp32 by
-  `gguf_quants.dequantize`, one tensor at a time when the model asks for it.
+  Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`); every other
+  block type (Q8_0, Q5_0, Q6_K, ...) becomes int8 per output channel, re-rounded: half
+  the bytes a decode step reads of a dequantized bf16 weight, within half a row step of
+  the stored values. With `dtype="float32"` every tensor is dequantized to fp32 by
+  `gguf_quants.dequantize` instead, one tensor at a time when the model asks for it.
 
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
 ne = [in, out] arrives as (out, in), the layout of a Hugging Face weight.
@@ -47,7 +49,13 @@ from qinfer.linear import Int4Groups, Int8Rows, StoredWeight, quantize_int8
 from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
-from qinfer.weights.gguf_quants import INT4_GROUPS, SUPPORTED_TYPES, dequantize, int4_groups
+from qinfer.weights.gguf_quants import (
+    BLOCK_DEQUANTIZERS,
+    INT4_GROUPS,
+    SUPPORTED_TYPES,
+    dequantize,
+    int4_groups,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
 #: GGUF architecture -> Hugging Face model_type, where they differ.
@@ -98,8 +106,9 @@ END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
-# Block types a kernel reads as they are: int4 groups, and Q8_0 as int8 rows.
-KEPT_TYPES = (*INT4_GROUPS, GGMLQuantizationType.Q8_0)
+# Block types kept quantized: int4 groups as they are, the others re-rounded to int8 rows.
+INT8_ROW_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in INT4_GROUPS)
+KEPT_TYPES = (*INT4_GROUPS, *INT8_ROW_TYPES)
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -124,9 +133,10 @@ def open_gguf(
 ) -> tuple[ModelConfig, GGUFWeights]:
     """The config and (lazily read) weights of a `.gguf` file.
 
-    keep_blocks: keep Q4_0/Q4_1/Q4_K/Q8_0 tensors quantized (unless the compute dtype is
-    fp32, which asks for the exact dequantized reference); other types are dequantized,
-    and `quantize` then applies to them.
+    keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups and
+    the other block types as int8 rows (unless the compute dtype is fp32, which asks for
+    the exact dequantized reference); float tensors are read as they are, and `quantize`
+    then applies to them.
     """
     path = Path(path)
     file = read_gguf(path)
@@ -457,7 +467,7 @@ class GGUFWeights(Weights):
                 self._unpermuted(name, t) for t in (groups.q, groups.scales, groups.zeros)
             )
             return groups
-        if self.keep_blocks and stored.tensor_type == GGMLQuantizationType.Q8_0:
+        if self.keep_blocks and stored.tensor_type in INT8_ROW_TYPES:
             # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
             # large embedding never exists in fp32 whole.
             data, within = self._blocks(stored, rows, columns)

@@ -23,7 +23,12 @@ import torch
 
 from qinfer.errors import RequestError
 from qinfer.kv_cache import Sdpa
-from qinfer.layers.attention import Mask, attention_weights_grouped, reference_sdpa_fp32
+from qinfer.layers.attention import (
+    Mask,
+    attention_weights_grouped,
+    reference_sdpa_fp32,
+    weigh_values_grouped,
+)
 from qinfer.model import Transformer
 
 #: Longest prompt inspected: the weights of one head grow with its square.
@@ -82,10 +87,12 @@ class AttentionRecorder:
         """As `kv_cache.Attends.attend`: q (1, Hq, L, D) against the history after storing
         k, v (1, Hkv, L, D); returns (1, Hq, L, D)."""
         keys, values, _, mask = self.cache.update_and_fetch(k, v, mask_length=q.shape[2], mask=mask)
-        if self.heads is not None:
-            weights = attention_weights_grouped(q.float(), keys.float(), scale, mask)
-            self.weights = weights[0, self.heads].cpu()  # (1, Hq, L, S) -> (heads, L, S)
-        return reference_sdpa_fp32(q, keys, values, scale, mask)
+        if self.heads is None:
+            return reference_sdpa_fp32(q, keys, values, scale, mask)
+        # reference_sdpa_fp32's two halves, keeping the weights between them (computed once)
+        weights = attention_weights_grouped(q.float(), keys.float(), scale, mask)  # (1, Hq, L, S)
+        self.weights = weights[0, self.heads].cpu()  # (heads, L, S)
+        return weigh_values_grouped(weights, values.float()).to(q.dtype)
 
 
 def check_inspection(

@@ -234,7 +234,7 @@ def qinfer_runner(model: Transformer) -> Runner:
 
 def weight_bytes_per_step(model: Transformer) -> int:
     """Bytes of weights one decode step reads: every layer's tensors, the final norm and
-    the lm_head (RoPE tables are not weights; the embedding table only when tied); of a
+    the lm_head (RoPE's frequencies are not weights; the embedding table only when tied); of a
     mixture of experts, the router and the k experts one token uses (`active_nbytes`)."""
     sizes: dict[int, int] = {}  # data_ptr -> bytes, so shared tensors count once
     visited: set[int] = set()

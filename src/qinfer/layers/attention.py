@@ -44,9 +44,14 @@ def scaled_dot_product_attention_grouped(
     broadcastable to (B, Hq, L, S) that is boolean (True = may attend) or additive.
     Returns (B, Hq, L, D) in q's dtype.
     """
-    B, Hq, L, _ = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
     weights = attention_weights_grouped(q, k, scale, mask).to(v.dtype)  # (B, Hq, L, S)
+    return weigh_values_grouped(weights, v)
+
+
+def weigh_values_grouped(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """weights (B, Hq, L, S) applied to grouped values v (B, Hkv, S, D) -> (B, Hq, L, D)."""
+    B, Hq, L, S = weights.shape
+    Hkv = v.shape[1]
     # (B, Hq, L, S) -> (B, Hkv, n_rep * L, S): each KV head's n_rep query heads in one matmul
     out = torch.matmul(weights.reshape(B, Hkv, -1, S), v)  # (B, Hkv, n_rep * L, D)
     return out.reshape(B, Hq, L, v.shape[-1])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from qinfer.config import ModelConfig
-from qinfer.layers.mlp import GATE_ACTIVATIONS
+from qinfer.layers.mlp import GATE_ACTIVATIONS, gate_times_up, load_gated_ffn
 from qinfer.linear import DenseLinear, Linear, RowParallelLinear, linear
 from qinfer.linear.grouped import make_grouped_linear
 from qinfer.parallel import SINGLE, Parallel
@@ -49,7 +49,7 @@ class SparseMoE:
         # weight could send a token elsewhere) and whole on every rank.
         self.router = DenseLinear(weights.tensor(f"{prefix}.gate.weight", (experts, hidden)))
         experts_ffn = [
-            _ffn(f"{prefix}.experts.{e}", inter, "expert FFN channels", hidden, weights, parallel)
+            _ffn(f"{prefix}.experts.{e}", inter, "expert FFN channels", config, weights, parallel)
             for e in range(experts)
         ]
         self.gate_up = make_grouped_linear([gate_up for gate_up, _ in experts_ffn])
@@ -62,7 +62,7 @@ class SparseMoE:
                 f"{prefix}.shared_expert",
                 shared,
                 "shared expert FFN channels",
-                hidden,
+                config,
                 weights,
                 parallel,
             )
@@ -97,37 +97,26 @@ class SparseMoE:
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, chosen.flatten(), torch.ones_like(order))  # (E,) pairs each
         routed = flat.index_select(0, order // self.top_k)  # (T * k, hidden), by expert
-        gate, up = self.gate_up(routed, counts).chunk(2, dim=-1)  # 2 x (T * k, inter / N)
-        out = self.down(self.activation(gate) * up, counts)  # (T * k, hidden) by expert
+        gated = gate_times_up(self.gate_up(routed, counts), self.activation)  # (T * k, inter / N)
+        out = self.down(gated, counts)  # (T * k, hidden) by expert
         # Back in pair order, then each token's k outputs weighted and added in slot order
         # (not with index_add_, whose atomic adds on GPUs sum in no fixed order).
         out = torch.empty_like(out).index_copy_(0, order, out).view(B * L, self.top_k, H)
         mixed = (out * top[..., None]).sum(dim=1)  # (T, hidden): this rank's partial sum
         if self.shared_gate is not None:
-            gate, up = linear(flat, self.shared_gate_up).chunk(2, dim=-1)  # 2 x (T, shared / N)
-            shared = linear(
-                self.activation(gate) * up, self.shared_down
-            )  # (T, hidden), partial sum
+            gated = gate_times_up(
+                linear(flat, self.shared_gate_up), self.activation
+            )  # (T, shared / N)
+            shared = linear(gated, self.shared_down)  # (T, hidden), partial sum
             mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
         return self.parallel.all_reduce_sum(mixed).view(B, L, H)
 
 
 def _ffn(
-    prefix: str, width: int, what: str, hidden: int, weights: Weights, parallel: Parallel
+    prefix: str, width: int, what: str, config: ModelConfig, weights: Weights, parallel: Parallel
 ) -> tuple[Linear, Linear]:
-    """One gated FFN's projections, this rank's share of its `width` channels (`what` names
-    them in a refusal): gate and up loaded as one projection (rows stacked), as the MLP's;
-    down split by its input channels, the rank's own part, whose output is a partial sum.
-    The partial sums of all experts are all-reduced once, after they are combined
-    (`SparseMoE.__call__`)."""
-    channels = parallel.shard_range(width, what)
-    gate_up = weights.linear(
-        [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
-        (width, hidden),
-        bias=False,
-        shard=parallel.split_out(channels, channels),
-    )
-    down = weights.linear(
-        f"{prefix}.down_proj", (hidden, width), bias=False, shard=parallel.split_in(channels)
-    )
+    """One expert's (or the shared expert's) gate_up and down, as the MLP loads its own,
+    but down without its all-reduce: the partial sums of all experts are all-reduced once,
+    after they are combined (`SparseMoE.__call__`)."""
+    gate_up, down = load_gated_ffn(prefix, width, what, config, weights, parallel)
     return gate_up, down.local if isinstance(down, RowParallelLinear) else down

@@ -85,13 +85,14 @@ class RopeConfig:
 class MoeConfig:
     """A mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE); see `layers/moe.py`.
 
-    num_experts: experts per sparse layer, each a SwiGLU FFN of `moe_intermediate_size`.
+    num_experts: experts per sparse layer, each a gated FFN (`hidden_act`) of
+        `moe_intermediate_size`.
     num_experts_per_tok: how many the router picks for each token (top-k).
     norm_topk_prob: rescale the k picked probabilities to sum to 1 (else they keep the
         share of the softmax over all experts they had).
     sparse_layers: which layers have experts; the others have the dense MLP of
         `ModelConfig.intermediate_size` (`decoder_sparse_step`, `mlp_only_layers`).
-    shared_expert_intermediate_size: Qwen2-MoE's shared expert, a SwiGLU FFN every token
+    shared_expert_intermediate_size: Qwen2-MoE's shared expert, a gated FFN every token
         goes through, scaled by a sigmoid gate (0: none, as in Qwen3-MoE).
     """
 

@@ -18,8 +18,8 @@ only waits for it, if at all, and applies it. When the output is complete, only 
 end-of-sequence ids stay allowed, so a constrained request ends with "eos" (or "length"
 when max_tokens runs out first: a truncated output is the one way to get an unparsable
 one). After each sampled token the matcher advances; when the request ends (finished,
-aborted) it is released. A preempted engine request
-keeps its processor as it is: its tokens are recomputed, never re-sampled.
+aborted) it is released. A preempted engine request keeps its processor as it is: its
+tokens are recomputed, never re-sampled.
 
 JSON schemas are compiled with bounded whitespace (at most `MAX_JSON_WHITESPACE`
 characters between tokens, so a model cannot pad forever) and in strict mode: an object

@@ -63,16 +63,13 @@ class Scripted:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, tokens, **kwargs):  # the checked prefill
-        return self.scripted(self.model(tokens, **kwargs))
-
-    def run_rows(self, tokens, *args, **kwargs):  # the decode steps
-        return self.scripted(self.model.run_rows(tokens, *args, **kwargs))
-
-    def scripted(self, logits: torch.Tensor) -> torch.Tensor:
-        """The model's logits (its cache ran as usual) replaced by the script's next token."""
-        forced = torch.full_like(logits[:, -1:], -1e4)  # (B, 1, V)
-        forced[..., self.script[self.steps]] = 0.0
+    def compute_logits(self, hidden):  # every step's sampled rows: (R, V)
+        """The model's logits (its KV ran as usual) replaced by the script's next token."""
+        logits = self.model.compute_logits(hidden)
+        if not len(logits):  # a prompt chunk that samples nothing
+            return logits
+        forced = torch.full_like(logits, -1e4)
+        forced[:, self.script[self.steps]] = 0.0
         self.steps += 1
         return forced
 
@@ -105,9 +102,9 @@ def test_rows_that_finish_early_leave_the_batch(qwen3):
     rows_per_forward = []
 
     class Counting(Scripted):
-        def scripted(self, logits):
-            rows_per_forward.append(logits.shape[0])
-            return logits
+        def compute_logits(self, hidden):
+            rows_per_forward.append(hidden.shape[0])
+            return self.model.compute_logits(hidden)
 
     lengths = [3, 12, 6]
     params = [GREEDY.replace(max_tokens=n) for n in lengths]

@@ -25,15 +25,9 @@ import qinfer
 from qinfer import LLM, SamplingParams, generate
 from qinfer.cli import main
 from qinfer.errors import QinferError, SamplingError
-from qinfer.grammar import (
-    ANSWER,
-    MAY_THINK,
-    THINKING,
-    GrammarProcessor,
-    strict_schema,
-    thinking_phase,
-)
+from qinfer.grammar import GrammarProcessor, strict_schema
 from qinfer.prompts import eos_token_ids
+from qinfer.reasoning import ANSWER, MAY_THINK, THINKING, prompt_thinking
 
 SAMPLES = 50  # per model and constraint (the issue asks for 50+)
 
@@ -167,17 +161,12 @@ class Forced:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, tokens, **kwargs):  # the prefill
-        return self.forced(self.model(tokens, **kwargs))
-
-    def run_rows(self, tokens, *args, **kwargs):  # the decode steps
-        return self.forced(self.model.run_rows(tokens, *args, **kwargs))
-
-    def forced(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.steps >= len(self.script):
+    def compute_logits(self, hidden):  # every step's sampled rows: (R, V)
+        logits = self.model.compute_logits(hidden)
+        if self.steps >= len(self.script) or not len(logits):
             return logits
-        forced = torch.full_like(logits[:, -1:], -1e4)  # (B, 1, V)
-        forced[..., self.script[self.steps]] = 0.0
+        forced = torch.full_like(logits, -1e4)
+        forced[:, self.script[self.steps]] = 0.0
         self.steps += 1
         return forced
 
@@ -215,10 +204,10 @@ def test_the_thinking_phase_follows_the_prompt(qwen3):
     thinking_on = tokenizer.apply_chat_template(MESSAGES)
     thinking_off = tokenizer.apply_chat_template(MESSAGES, enable_thinking=False)
     assert thinking_off.endswith("<think>\n\n</think>\n\n")
-    assert thinking_phase(tokenizer, ids(thinking_on)) == MAY_THINK
-    assert thinking_phase(tokenizer, ids(thinking_off)) == ANSWER
-    assert thinking_phase(tokenizer, ids(thinking_on + "<think>\n")) == THINKING
-    assert thinking_phase(tokenizer, ids(thinking_on + "<think>a</think>b\n")) == MAY_THINK
+    assert prompt_thinking(tokenizer, ids(thinking_on)) == MAY_THINK
+    assert prompt_thinking(tokenizer, ids(thinking_off)) == ANSWER
+    assert prompt_thinking(tokenizer, ids(thinking_on + "<think>\n")) == THINKING
+    assert prompt_thinking(tokenizer, ids(thinking_on + "<think>a</think>b\n")) == MAY_THINK
 
 
 def test_ids_past_the_tokenizer_vocabulary_are_masked(qwen3):

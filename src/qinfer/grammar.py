@@ -27,7 +27,7 @@ schema that lists `properties` without `additionalProperties` gets `false`, as O
 structured outputs require (write `"additionalProperties": true` to allow other keys).
 
 A thinking model (Qwen3) thinks freely: no constraint inside `<think>...</think>`, the
-grammar starts after it (`thinking_phase` says where a request starts). While the model
+grammar starts after it (`reasoning.prompt_thinking` says where a request starts). While the model
 thinks the processor neither masks nor advances its matcher, so llguidance never sees the
 thinking tokens; after `</think>` the template's "\n\n" may come before the grammar's first
 token, and is not given to the matcher either. A prompt that ends with the block closed
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from qinfer.errors import SamplingError
-from qinfer.reasoning import THINK_CLOSE, THINK_OPEN, prompt_opened_think, splits_reasoning
+from qinfer.reasoning import ANSWER, MAY_THINK, THINK_CLOSE, THINK_OPEN, THINKING
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
 
@@ -79,28 +79,11 @@ _SCHEMA_KEYWORDS = (
 _SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
-# Where a request is with respect to a thinking model's `<think>...</think>` block:
-ANSWER = "answer"  # the grammar constrains every token
-MAY_THINK = "may_think"  # the first token: the grammar's, or `<think>` to open the block
-THINKING = "thinking"  # no constraint until `</think>`
+# Where a request is with respect to a thinking model's `<think>...</think>` block: where
+# it starts (`reasoning.prompt_thinking`: ANSWER, MAY_THINK or THINKING), then
 AFTER_THINK = "after_think"  # the grammar's, or the next token of the template's separator
 #: What Qwen3's template writes between `</think>` and the answer.
 THINK_SEPARATOR = "\n\n"
-
-
-def thinking_phase(tokenizer: Tokenizer, prompt_ids: list[int]) -> str:
-    """The phase a constrained request starts in: THINKING when its prompt ends inside an
-    open `<think>`, MAY_THINK when a thinking model may open one itself, ANSWER otherwise
-    (not a thinking model, or the prompt ends with the block closed, as Qwen3's template
-    writes it with `enable_thinking=False`)."""
-    if not splits_reasoning(tokenizer):
-        return ANSWER
-    prompt = tokenizer.decode(prompt_ids)
-    if prompt_opened_think(prompt):
-        return THINKING
-    if prompt.rstrip().endswith(THINK_CLOSE) or tokenizer.token_to_id(THINK_OPEN) is None:
-        return ANSWER
-    return MAY_THINK
 
 
 class GrammarProcessor:
@@ -108,7 +91,7 @@ class GrammarProcessor:
 
     matcher: llguidance's matcher of this request; tokenizer_vocab: the ids it knows
     (0 .. tokenizer_vocab - 1); eos_ids: allowed alone when the matcher is in error.
-    phase: where the request starts (see `thinking_phase`); think_ids: the ids of
+    phase: where the request starts (`reasoning.prompt_thinking`); think_ids: the ids of
     `<think>` and `</think>`, and separator: {id: text} of the tokens that spell a prefix
     of THINK_SEPARATOR, for a phase other than ANSWER.
     """
@@ -140,10 +123,11 @@ class GrammarProcessor:
         params: SamplingParams,
         tokenizer: Tokenizer | None,
         eos_ids: frozenset[int],
-        prompt_ids: list[int] | None = None,
+        thinking: str | None = None,
     ) -> GrammarProcessor:
         """The processor of `params.constraint`, or a SamplingError naming the field;
-        given the prompt's ids, it holds back while a thinking model thinks."""
+        thinking: where the prompt leaves a thinking model (`reasoning.prompt_thinking`;
+        None: no thinking), so that it holds back while the model thinks."""
         name, value = params.constraint
         if tokenizer is None:
             raise SamplingError(f"{name} needs a tokenizer; none was given")
@@ -151,7 +135,7 @@ class GrammarProcessor:
         matcher = llguidance.LLMatcher(ll_tokenizer, compile_constraint(name, value), log_level=0)
         if matcher.is_error():
             raise SamplingError(f"{name} is invalid: {_one_line(matcher.get_error())}")
-        phase = ANSWER if prompt_ids is None else thinking_phase(tokenizer, prompt_ids)
+        phase = thinking or ANSWER
         if phase == ANSWER:
             return cls(matcher, ll_tokenizer.vocab_size, eos_ids)
         think_ids = (tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE))

@@ -38,6 +38,28 @@ def prompt_opened_think(prompt: str) -> bool:
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
 
 
+# Where a thinking model's prompt leaves its `<think>...</think>` block (`prompt_thinking`):
+ANSWER = "answer"  # the block is closed (or cannot open): every token is answer
+MAY_THINK = "may_think"  # the model may open the block with its first token
+THINKING = "thinking"  # the prompt ends inside an open block: the model is thinking
+
+
+def prompt_thinking(tokenizer, prompt_ids: list[int]) -> str | None:
+    """Where a request starts with respect to the `<think>` block, computed once per request
+    (the prompt decoded once): THINKING, MAY_THINK or ANSWER for a thinking model's
+    tokenizer (`splits_reasoning`), None for any other (no reasoning split). ANSWER when
+    the prompt ends with the block closed, as Qwen3's template writes it with
+    `enable_thinking=False`, or when the vocabulary has no `<think>` to open one."""
+    if tokenizer is None or not splits_reasoning(tokenizer):
+        return None
+    prompt = tokenizer.decode(prompt_ids)
+    if prompt_opened_think(prompt):
+        return THINKING
+    if prompt.rstrip().endswith(THINK_CLOSE) or tokenizer.token_to_id(THINK_OPEN) is None:
+        return ANSWER
+    return MAY_THINK
+
+
 class ReasoningStream:
     """Splits streamed text into reasoning deltas and answer deltas.
 

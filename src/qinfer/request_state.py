@@ -21,6 +21,7 @@ import torch
 
 from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.errors import QinferError
+from qinfer.reasoning import THINKING, prompt_thinking
 from qinfer.sampling import LogitsProcessor, SampleResult, SamplingParams, make_generator, sample
 from qinfer.stopping import accept_token
 from qinfer.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class RequestState:
         detokenizer: IncrementalDetokenizer | None,
         generator: torch.Generator | None,
         logits_processors: Sequence[LogitsProcessor] = (),
+        thinking: str | None = None,
     ) -> None:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
@@ -52,6 +54,9 @@ class RequestState:
         self.detokenizer = detokenizer  # None: token ids only, no text
         self.generator = generator  # None: the global RNG
         self.logits_processors = list(logits_processors)
+        # Where the prompt leaves a thinking model's <think> block (`prompt_thinking`):
+        # decided once here, read by the grammar and by whoever splits the reasoning.
+        self.thinking = thinking
         self.text = ""
         self.finish_reason: str | None = None  # "eos", "stop", "length" or "abort"
         self.stop_reason: str | int | None = None  # the stop string or id that ended it
@@ -74,13 +79,22 @@ class RequestState:
         if params.stop and tokenizer is None:
             raise QinferError("stop strings need a tokenizer; none was given")
         detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop)) if tokenizer else None
+        thinking = prompt_thinking(tokenizer, token_ids)
         processors = []
         if params.constraint is not None:
             from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
 
-            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids, token_ids))
+            processors.append(GrammarProcessor.create(params, tokenizer, eos_ids, thinking))
         generator = make_generator(params, device)
-        return cls(token_ids, params, max_tokens, eos_ids, detokenizer, generator, processors)
+        return cls(
+            token_ids, params, max_tokens, eos_ids, detokenizer, generator, processors, thinking
+        )
+
+    @property
+    def prompt_opened_think(self) -> bool | None:
+        """Whether the prompt ended inside `<think>` (`split_reasoning`'s argument); None
+        for a model that does not think (no reasoning split)."""
+        return None if self.thinking is None else self.thinking == THINKING
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -30,7 +30,8 @@ from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.model import Transformer, load_model
-from qinfer.prompts import Prompt, encode_prompt, eos_token_ids
+from qinfer.prompts import Prompt, encode_prompt
+from qinfer.prompts import eos_token_ids as model_eos_ids
 from qinfer.request_state import RequestState, sample_next
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer, load_tokenizer
@@ -84,6 +85,7 @@ class Engine:
 
     group: under tensor parallelism, the group whose rank 0 this is (model is rank 0's
     shard; the workers follow each step, see `ModelRunner`); `close()` stops them.
+    eos_token_ids: the ids that end a request (default: the model's and tokenizer's).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Engine:
         config: EngineConfig | None = None,
         default_params: SamplingParams | None = None,
         group: TensorParallelGroup | None = None,
+        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -110,7 +113,11 @@ class Engine:
         # The longest sequence: within the context, and its K/V (all but the last token,
         # which is never fed back) within the pool.
         self.max_len = min(self.context_len, self.runner.num_blocks * self.config.block_size + 1)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
+        # front-ends without a tokenizer: `qinfer.generate.generate_ids`).
+        if eos_token_ids is None:
+            eos_token_ids = model_eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(

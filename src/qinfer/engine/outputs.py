@@ -39,3 +39,44 @@ class RequestOutput:
     num_cached_tokens: int
     num_generated_tokens: int
     logprobs: list[TokenLogprob] | None
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock time of one request: the prefill (up to the first token) and the decode."""
+
+    prefill_seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first (which the prefill produced) per second of decoding."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What one prompt produced, as `qinfer.generate` and `LLM.stream` hand it back.
+
+    token_ids holds every generated id, including an EOS or stop id that ended the row;
+    text holds their decoded text, without special tokens and cut before a stop string.
+    finish_reason: "eos", "stop" (a stop id or string), "length" or "abort".
+    reasoning / answer: for a thinking model (a vocabulary with `</think>`, as Qwen3's), the
+    text split into its `<think>...</think>` block and the answer after it (None otherwise).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    timings: Timings
+    reasoning: str | None = None
+    answer: str | None = None

@@ -85,11 +85,13 @@ function drawHistory() {
     open.addEventListener("click", () => switchChat(entry.id));
     const rename = element("button", "ghost small rename", "✎");
     rename.type = "button";
-    rename.title = rename.ariaLabel = "Rename";
+    rename.title = "Rename";
+    rename.setAttribute("aria-label", "Rename");
     rename.addEventListener("click", () => startRename(item, entry));
     const remove = element("button", "ghost small delete", "✕");
     remove.type = "button";
-    remove.title = remove.ariaLabel = "Delete";
+    remove.title = "Delete";
+    remove.setAttribute("aria-label", "Delete");
     remove.addEventListener("click", () => {
       if (entry.id === chats.current.id) stopAnswer();
       chats.remove(entry.id);
@@ -104,7 +106,7 @@ function drawHistory() {
 function startRename(item, entry) {
   const field = element("input", "rename-field");
   field.value = chats.title(entry);
-  field.ariaLabel = "Conversation name";
+  field.setAttribute("aria-label", "Conversation name");
   let done = false;
   const finish = (keep) => {
     if (done) return;

@@ -4,7 +4,6 @@
 // first message until the user names it; "New chat" starts another and keeps the old one.
 
 const STORAGE = "qinfer.chats";
-const SINGLE_CHAT = "qinfer.chat"; // the one conversation pages kept before the history
 const TITLE_LENGTH = 48;
 
 function newChat() {
@@ -20,12 +19,6 @@ function read() {
     // unreadable: start again
   }
   const chat = newChat();
-  try {
-    chat.messages = JSON.parse(localStorage.getItem(SINGLE_CHAT)) || [];
-  } catch {
-    // unreadable: an empty chat
-  }
-  localStorage.removeItem(SINGLE_CHAT);
   return { current: chat.id, chats: [chat] };
 }
 

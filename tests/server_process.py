@@ -17,11 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve_command(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, str]:
-    """Start `qinfer serve ARGS --port P` and wait until its /health answers 200; return the
-    process (stderr piped) and its URL. A server that exits or stays silent fails the test
-    with what it printed."""
-    port = free_port()
+def start_serve_command(
+    *args: str, timeout: float = 60, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start `qinfer serve ARGS --port P` (P: `port`, or a free one) and wait until its
+    /health answers 200; return the process (stderr piped) and its URL. A server that exits
+    or stays silent fails the test with what it printed."""
+    port = port or free_port()
     command = [sys.executable, "-m", "qinfer.cli", "serve", *args, "--port", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

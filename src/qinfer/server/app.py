@@ -225,6 +225,9 @@ class ModelServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "qinfer",
+                    # qinfer's own: whether the model thinks (Qwen3's <think> blocks),
+                    # so the chat page offers its thinking switch only then.
+                    "thinking": self.splits_reasoning,
                 }
             ],
         }

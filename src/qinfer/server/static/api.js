@@ -48,7 +48,7 @@ export async function request(method, path, body, signal) {
     });
   } catch (error) {
     if (error.name === "AbortError") throw error;
-    throw new APIError(`The server did not answer (${error.message})`, 0);
+    throw new APIError("Could not reach the server.", 0);
   }
   if (!response.ok) throw await errorOf(response);
   return response;
@@ -63,13 +63,22 @@ export async function postJSON(path, body, signal) {
 }
 
 // The JSON payloads of a text/event-stream, until "[DONE]". An {"error": ...} event (a
-// failure after the stream began) throws APIError.
+// failure after the stream began) throws APIError; so does a stream cut before "[DONE]"
+// (status 0: the server went away).
 export async function* events(response) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  const lost = new APIError("The connection to the server was lost before the answer ended.", 0);
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (error) {
+      if (error.name === "AbortError") throw error;
+      throw lost;
+    }
+    const { value, done } = chunk;
+    if (done) throw lost;
     buffer += value;
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -121,14 +130,16 @@ const HEADER = `
   </div>`;
 
 // Draw the header and the key bar at the top of the page, mark the page's own link, and
-// show the served model (asking for the key if the server wants one).
-export function setUpPage() {
+// show the served model (asking for the key if the server wants one). onModel, if given,
+// gets the model's /v1/models entry ({id, thinking, ...}) once the server names it.
+export function setUpPage(onModel) {
   document.body.insertAdjacentHTML("afterbegin", HEADER);
   for (const link of document.querySelectorAll("header.top nav a")) {
     if (link.getAttribute("href") === location.pathname) link.classList.add("current");
   }
-  setUpKeyBar(showModelName);
-  showModelName();
+  const show = () => showModelName(onModel);
+  setUpKeyBar(show);
+  show();
 }
 
 // Wire the key bar's form; onSaved runs after a new key is stored.
@@ -143,12 +154,13 @@ function setUpKeyBar(onSaved) {
   document.getElementById("key-button").addEventListener("click", () => showKeyBar("API key"));
 }
 
-// The served model's id (GET /v1/models), shown in the header.
-async function showModelName() {
+// The served model's id (GET /v1/models), shown in the header; its entry goes to onModel.
+async function showModelName(onModel) {
   const label = document.getElementById("model-name");
   try {
-    const models = await getJSON("/v1/models");
-    label.textContent = models.data[0].id;
+    const model = (await getJSON("/v1/models")).data[0];
+    label.textContent = label.title = model.id;
+    if (onModel) onModel(model);
   } catch (error) {
     label.textContent = error.status === 401 ? "API key needed" : "server unreachable";
   }

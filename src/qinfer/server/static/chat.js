@@ -1,37 +1,36 @@
 // The chat page: a conversation with the served model over /v1/chat/completions (SSE).
 //
-// The conversation lives in `chat.messages` ({role, content, reasoning?, stats?, error?})
-// and in localStorage, so a reload keeps it. Each answer streams in; its reasoning (Qwen3's
-// <think> block, split by the server into reasoning_content) shows in a collapsible block;
-// Stop aborts the fetch, which closes the connection, and the server aborts the request.
+// The conversations live in conversations.js (localStorage); the one on the page is
+// `chats.current.messages` ({role, content, reasoning?, stats?, error?}). Each answer
+// streams in; its reasoning (Qwen3's <think> block, split by the server into
+// reasoning_content) shows in a collapsible block; Stop aborts the fetch, which closes
+// the connection, and the server aborts the request. A failed answer leaves an error
+// message with Retry (the same as Regenerate: the answer is asked for again).
 
 import { APIError, events, request, setUpPage } from "./api.js";
+import { Conversations } from "./conversations.js";
 import { renderMarkdown } from "./markdown.js";
 import { element } from "./dom.js";
 
-const CHAT_STORAGE = "qinfer.chat";
 const SETTINGS_STORAGE = "qinfer.chatSettings";
 const SETTINGS = ["system", "temperature", "top-p", "max-tokens", "thinking"];
 
 const $ = (id) => document.getElementById(id);
-const chat = { messages: loadMessages(), running: null };
-
-function loadMessages() {
-  try {
-    return JSON.parse(localStorage.getItem(CHAT_STORAGE)) || [];
-  } catch {
-    return [];
-  }
-}
-
-function saveMessages() {
-  localStorage.setItem(CHAT_STORAGE, JSON.stringify(chat.messages));
-}
+const chats = new Conversations();
+const chat = { running: null };
+const messages = () => chats.current.messages;
 
 // --- settings -------------------------------------------------------------------------
+// The fields start at the page's chat defaults (chat.html's values: temperature 0.7,
+// top-p 0.9, 1024 tokens), which the page sends; an emptied field is left to the server.
 
 function loadSettings() {
-  const saved = JSON.parse(localStorage.getItem(SETTINGS_STORAGE) || "{}");
+  let saved = {};
+  try {
+    saved = JSON.parse(localStorage.getItem(SETTINGS_STORAGE)) || {};
+  } catch {
+    // unreadable: the defaults
+  }
   for (const id of SETTINGS) {
     if (saved[id] !== undefined) $(id).value = saved[id];
     $(id).addEventListener("change", saveSettings);
@@ -43,20 +42,104 @@ function saveSettings() {
   localStorage.setItem(SETTINGS_STORAGE, JSON.stringify(values));
 }
 
+function resetSettings() {
+  for (const id of SETTINGS) {
+    const field = $(id);
+    field.value = field.tagName === "SELECT" ? "" : field.defaultValue;
+  }
+  saveSettings();
+}
+
 // The request body for the conversation so far (errors and the answer being made left out).
-function requestBody(messages) {
+function requestBody(conversation) {
   const body = { messages: [], stream: true, stream_options: { include_usage: true } };
   const system = $("system").value.trim();
   if (system) body.messages.push({ role: "system", content: system });
-  for (const message of messages) {
+  for (const message of conversation) {
     if (!message.error) body.messages.push({ role: message.role, content: message.content });
   }
   const number = (id) => ($(id).value === "" ? undefined : Number($(id).value));
   if (number("temperature") !== undefined) body.temperature = number("temperature");
   if (number("top-p") !== undefined) body.top_p = number("top-p");
   if (number("max-tokens") !== undefined) body.max_tokens = number("max-tokens");
-  if ($("thinking").value) body.chat_template_kwargs = { enable_thinking: $("thinking").value === "on" };
+  if (!$("thinking-setting").hidden && $("thinking").value)
+    body.chat_template_kwargs = { enable_thinking: $("thinking").value === "on" };
   return body;
+}
+
+// --- the drawer and the history of conversations --------------------------------------
+
+function setDrawer(open) {
+  document.body.classList.toggle("drawer-open", open);
+  if (!open) $("prompt").focus();
+}
+
+function drawHistory() {
+  const list = $("history");
+  list.replaceChildren();
+  for (const entry of chats.listed()) {
+    const item = element("li", entry.id === chats.current.id ? "current" : null);
+    const open = element("button", "chat-title", chats.title(entry));
+    open.type = "button";
+    open.title = chats.title(entry);
+    open.addEventListener("click", () => switchChat(entry.id));
+    const rename = element("button", "ghost small rename", "✎");
+    rename.type = "button";
+    rename.title = "Rename";
+    rename.setAttribute("aria-label", "Rename");
+    rename.addEventListener("click", () => startRename(item, entry));
+    const remove = element("button", "ghost small delete", "✕");
+    remove.type = "button";
+    remove.title = "Delete";
+    remove.setAttribute("aria-label", "Delete");
+    remove.addEventListener("click", () => {
+      if (entry.id === chats.current.id) stopAnswer();
+      chats.remove(entry.id);
+      drawAll();
+    });
+    item.append(open, rename, remove);
+    list.append(item);
+  }
+}
+
+// The title becomes a field: Enter or leaving it keeps the new name, Escape does not.
+function startRename(item, entry) {
+  const field = element("input", "rename-field");
+  field.value = chats.title(entry);
+  field.setAttribute("aria-label", "Conversation name");
+  let done = false;
+  const finish = (keep) => {
+    if (done) return;
+    done = true;
+    if (keep) chats.rename(entry.id, field.value);
+    drawHistory();
+  };
+  field.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    if (event.key === "Escape") finish(false);
+  });
+  field.addEventListener("blur", () => finish(true));
+  item.replaceChildren(field);
+  field.focus();
+  field.select();
+}
+
+function stopAnswer() {
+  if (chat.running) chat.running.controller.abort();
+}
+
+function switchChat(id) {
+  stopAnswer();
+  chats.switchTo(id);
+  drawAll();
+  setDrawer(false);
+}
+
+function newChat() {
+  stopAnswer();
+  chats.start();
+  drawAll();
+  setDrawer(false);
 }
 
 // --- drawing the conversation ---------------------------------------------------------
@@ -72,13 +155,27 @@ function statsLine(stats) {
   return parts.join(" · ");
 }
 
-// Fill `node` (a .message) for `message`; index: its place in chat.messages.
+function smallButton(className, label, onClick) {
+  const button = element("button", `ghost small ${className}`, label);
+  button.type = "button";
+  button.addEventListener("click", onClick);
+  return button;
+}
+
+// Fill `node` (a .message) for `message`; index: its place in the conversation.
 function drawMessage(node, message, index) {
   node.replaceChildren();
   node.className = `message ${message.error ? "error" : message.role}`;
   node.dataset.index = index;
+  // The answer to ask for again: the last one, or the last before errors only.
+  const last = messages()
+    .slice(index + 1)
+    .every((later) => later.error);
   if (message.error) {
-    node.append(element("div", "bubble", message.content));
+    const bubble = element("div", "bubble", message.content);
+    if (index === messages().length - 1 && !chat.running)
+      bubble.append(smallButton("retry", "Retry", regenerate));
+    node.append(bubble);
     return;
   }
   const bubble = element("div", "bubble");
@@ -93,41 +190,35 @@ function drawMessage(node, message, index) {
   if (message.role === "assistant") content.append(renderMarkdown(message.content));
   else content.textContent = message.content;
   bubble.append(content);
-  if (message.role === "assistant" && chat.running && chat.running.message === message)
-    bubble.append(element("span", "cursor"));
+  const streaming = chat.running && chat.running.message === message;
+  if (streaming) bubble.append(element("span", "cursor"));
   node.append(bubble);
-  if (message.role !== "assistant" || (chat.running && chat.running.message === message)) return;
+  if (message.role !== "assistant" || streaming) return;
   const footer = element("div", "message-footer");
   footer.append(element("span", "stats", statsLine(message.stats)));
-  const copy = element("button", "ghost small copy", "Copy");
-  copy.type = "button";
-  copy.addEventListener("click", () =>
+  const copy = smallButton("copy", "Copy", () =>
     navigator.clipboard.writeText(message.content).then(() => (copy.textContent = "Copied")),
   );
   footer.append(copy);
-  if (index === chat.messages.length - 1) {
-    const again = element("button", "ghost small regenerate", "Regenerate");
-    again.type = "button";
-    again.addEventListener("click", regenerate);
-    footer.append(again);
-  }
+  if (last && !chat.running) footer.append(smallButton("regenerate", "Regenerate", regenerate));
   node.append(footer);
 }
 
 function drawAll() {
   const list = $("messages");
   list.querySelectorAll(".message").forEach((node) => node.remove());
-  $("empty").hidden = chat.messages.length > 0;
-  chat.messages.forEach((message, index) => {
+  $("empty").hidden = messages().length > 0;
+  messages().forEach((message, index) => {
     const node = element("div");
     drawMessage(node, message, index);
     list.append(node);
   });
   list.scrollTop = list.scrollHeight;
+  drawHistory();
 }
 
 function redraw(message) {
-  const index = chat.messages.indexOf(message);
+  const index = messages().indexOf(message);
   const node = $("messages").querySelector(`.message[data-index="${index}"]`);
   if (!node) return drawAll();
   const list = $("messages");
@@ -144,11 +235,19 @@ function setRunning(running) {
   $("stop").hidden = !running;
 }
 
+// What a failed answer says: the server's own message, or what to do when it is gone.
+function errorText(error) {
+  if (!(error instanceof APIError)) return `Error: ${error}`;
+  if (error.status === 0) return `${error.message} Is qinfer serve still running?`;
+  return `Error: ${error.message}`;
+}
+
 // Stream the assistant's answer to the conversation as it stands.
 async function answer() {
-  const body = requestBody(chat.messages);
+  const conversation = messages();
+  const body = requestBody(conversation);
   const message = { role: "assistant", content: "", reasoning: "", thinking: false };
-  chat.messages.push(message);
+  conversation.push(message);
   const controller = new AbortController();
   setRunning({ message, controller });
   drawAll();
@@ -160,7 +259,7 @@ async function answer() {
     scheduled = true;
     requestAnimationFrame(() => {
       scheduled = false;
-      redraw(message);
+      if (conversation === messages()) redraw(message);
     });
   };
   message.stats = {};
@@ -182,13 +281,7 @@ async function answer() {
     }
   } catch (error) {
     if (error.name === "AbortError") message.stats.stopped = true;
-    else {
-      chat.messages.push({
-        role: "assistant",
-        error: true,
-        content: error instanceof APIError ? `Error: ${error.message}` : `Error: ${error}`,
-      });
-    }
+    else conversation.push({ role: "assistant", error: true, content: errorText(error) });
   } finally {
     const end = performance.now();
     message.thinking = false;
@@ -199,10 +292,13 @@ async function answer() {
         message.stats.tokensPerSecond = ((message.stats.tokens - 1) * 1000) / (end - first);
     }
     if (!message.content && !message.reasoning && !message.stats.stopped)
-      chat.messages.splice(chat.messages.indexOf(message), 1); // failed before any text
+      conversation.splice(conversation.indexOf(message), 1); // failed before any text
     setRunning(null);
-    saveMessages();
+    chats.save(conversation === messages());
     drawAll();
+    // The Stop button that had the focus is hidden now: the message box takes it back.
+    const focused = document.activeElement;
+    if (!focused || focused === document.body || focused.id === "stop") $("prompt").focus();
   }
 }
 
@@ -211,32 +307,50 @@ function send(event) {
   const text = $("prompt").value.trim();
   if (!text || chat.running) return;
   $("prompt").value = "";
-  chat.messages.push({ role: "user", content: text });
-  saveMessages();
+  fitPrompt();
+  messages().push({ role: "user", content: text });
+  chats.save();
   answer();
 }
 
+// Ask again for the last answer (Regenerate, Retry): the answers and errors after the
+// last user message go.
 function regenerate() {
   if (chat.running) return;
-  while (chat.messages.length && chat.messages.at(-1).role === "assistant") chat.messages.pop();
-  if (chat.messages.length) answer();
+  const conversation = messages();
+  while (conversation.length && conversation.at(-1).role === "assistant") conversation.pop();
+  if (conversation.length) answer();
   else drawAll();
 }
 
-function newChat() {
-  if (chat.running) chat.running.controller.abort();
-  chat.messages = [];
-  saveMessages();
-  drawAll();
-  $("prompt").focus();
+// The message box grows with its text (up to the stylesheet's max-height, then scrolls).
+function fitPrompt() {
+  const box = $("prompt");
+  box.style.height = "auto";
+  box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
 }
 
 loadSettings();
-setUpPage();
+setUpPage((model) => ($("thinking-setting").hidden = !model.thinking));
 $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (event) => {
+  // Enter that ends an input method's composition (Japanese, Chinese, ...) picks the
+  // characters; it must not send. keyCode 229 is how some browsers mark it.
+  if (event.isComposing || event.keyCode === 229) return;
   if (event.key === "Enter" && !event.shiftKey) send(event);
 });
-$("stop").addEventListener("click", () => chat.running && chat.running.controller.abort());
+$("prompt").addEventListener("input", fitPrompt);
+$("stop").addEventListener("click", () => {
+  stopAnswer();
+  $("prompt").focus();
+});
 $("new-chat").addEventListener("click", newChat);
+$("reset-settings").addEventListener("click", resetSettings);
+$("drawer-button").addEventListener("click", () => setDrawer(true));
+$("drawer-close").addEventListener("click", () => setDrawer(false));
+$("drawer-backdrop").addEventListener("click", () => setDrawer(false));
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && document.body.classList.contains("drawer-open")) setDrawer(false);
+});
 drawAll();
+$("prompt").focus();

@@ -176,8 +176,11 @@ def tool_call_grammar(
     constrains its arguments, closed as in strict mode unless the tool says `strict: false`
     (see the module docstring).
     """
-    schemas = [_call_schema(fmt, tool["function"]) for tool in tools]
-    call_json = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if len(tools) == 1:
+        call_json = _call_schema(fmt, tools[0]["function"], "")
+    else:
+        schemas = [_call_schema(fmt, t["function"], f"/anyOf/{i}") for i, t in enumerate(tools)]
+        call_json = {"anyOf": schemas}
     call_json = {**call_json, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
     lines = ["%llguidance {}", f"call_json: %json {json.dumps(call_json)}"]
     if not fmt.tagged:
@@ -189,17 +192,36 @@ def tool_call_grammar(
     return "\n".join(lines) + "\n"
 
 
-def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call of `function`: its name, then its arguments."""
+def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any], at: str) -> dict[str, Any]:
+    """The JSON schema of one call of `function`: its name, then its arguments.
+
+    at: the JSON pointer of this schema in the grammar's whole call schema ("" at its
+    root), so that the parameters' local `$ref`s (`#/$defs/City`, as pydantic writes
+    nested models) still point into the parameters once nested in the call.
+    """
     parameters = function.get("parameters") or {"type": "object"}
     closed = function.get("strict") is not False
     parameters = strict_schema(parameters) if closed else lenient_schema(parameters)
+    parameters = _rebased_refs(parameters, f"{at}/properties/{fmt.arguments_key}")
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, fmt.arguments_key: parameters},
         "required": ["name", fmt.arguments_key],
         "additionalProperties": False,
     }
+
+
+def _rebased_refs(schema: Any, prefix: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#/...", "#") start at `prefix`."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased_refs(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = f"#{prefix}{ref[1:]}"
+    return out
 
 
 def _tag(tokenizer: Tokenizer, tag: str) -> str:

@@ -192,6 +192,7 @@ def test_suffix_fills_the_middle_between_prompt_and_suffix(http, model, tokenize
     expected = generate(model, tokenizer, framed, SamplingParams(temperature=0, max_tokens=6))
     assert served["choices"][0]["text"] == expected.text
     assert served["usage"]["prompt_tokens"] == len(tokenizer.encode(framed))
+    assert tokenizer.token_to_id("<|fim_middle|>") == tokenizer.encode(framed)[-1]  # one token
     ids = tokenizer.encode(before, add_special_tokens=False)
     assert_400(
         http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "suffix": after}),

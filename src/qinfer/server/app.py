@@ -2,8 +2,9 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, vLLM's
 `POST /tokenize` and `POST /detokenize`, and qinfer's own `POST /v1/inspect` (all behind
-the API keys when there are any), `GET /health`, `GET /metrics`, and the web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves).
+the API keys when there are any), `GET /health`, `GET /metrics`, and the web pages: the
+chat at `/`, the attention inspector at `/inspect` (plain files from `server/static/`,
+which ask for the key once and send it to /v1 themselves).
 
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
@@ -265,7 +266,7 @@ class ModelServer:
             ids = await self.encode_chat(messages, tools, template_kwargs)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.engine.context_len}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's `/detokenize`: the text of token ids."""
         self.check_model(body.model)
         vocab = self.tokenizer.vocab_size
@@ -278,7 +279,8 @@ class ModelServer:
                 param=f"tokens.{bad}",
                 code="invalid_value",
             )
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        # A body may hold millions of ids: decoded off the event loop.
+        return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
 
     async def respond(
         self,
@@ -429,7 +431,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     @app.post("/detokenize", dependencies=authorized)
     async def detokenize(request: Request) -> dict[str, Any]:
-        return server.detokenize(await read_body(request, DetokenizeRequest))
+        return await server.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:

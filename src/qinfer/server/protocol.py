@@ -72,7 +72,8 @@ def log_unknown_fields(model: type[BaseModel], data: Any) -> None:
         ):
             continue
         _logged_unknown_fields.add(key)
-        log.warning("ignoring the unknown field %r of %s (logged once)", name, model.__name__)
+        shown = name if len(name) <= 80 else f"{name[:80]}..."  # a hostile name stays short
+        log.warning("ignoring the unknown field %r of %s (logged once)", shown, model.__name__)
 
 
 class StrictModel(BaseModel):

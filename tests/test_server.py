@@ -616,9 +616,18 @@ def test_too_many_stop_strings_is_a_400_but_a_long_one_is_fine(http):
     assert long_one.status_code == 200, long_one.text
 
 
-def test_unknown_field_is_a_400_naming_it(http):
-    response = http.post("/v1/chat/completions", json={**CHAT, "temprature": 0.5})
-    assert_error(response, 400, param="temprature", code="unknown_parameter")
+def test_unknown_field_is_ignored_and_logged_once(http, caplog):
+    """As vLLM does: clients send fields of newer API versions by default."""
+    body = {**CHAT, "temprature": 0.5, "stream_options_v2": {"x": 1}}
+    with caplog.at_level("WARNING", logger="qinfer.server"):
+        first = http.post("/v1/chat/completions", json=body)
+        second = http.post("/v1/chat/completions", json=body)
+    assert first.status_code == second.status_code == 200, first.text
+    logged = [r.getMessage() for r in caplog.records if "unknown field" in r.getMessage()]
+    assert sorted(logged) == [
+        "ignoring the unknown field 'stream_options_v2' of ChatCompletionRequest (logged once)",
+        "ignoring the unknown field 'temprature' of ChatCompletionRequest (logged once)",
+    ]
 
 
 def test_missing_messages_is_a_400(http):

@@ -30,6 +30,7 @@ from text_assets import (
 
 import qinfer
 from qinfer.grammar import _ll_tokenizer
+from qinfer.server.completions import Delta
 from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
 from qinfer.tool_calls import (
     GENERIC,
@@ -136,6 +137,22 @@ def test_text_after_calls_keeps_its_spaces_however_the_text_is_split(step, force
 def test_forced_calls_stream_their_arguments_in_fragments():
     _, _, deltas = parse(HERMES, TWO_CALLS, 3, forced=True)
     assert sum(1 for d in deltas if d.index == 0 and d.arguments) > 3
+
+
+@pytest.mark.parametrize("step", [1, 4, 10_000])
+def test_a_forced_call_cut_short_is_left_out_and_the_complete_ones_kept(step):
+    """max_tokens ends the reply inside the second call's arguments: a whole answer keeps
+    the first call and leaves the second out, rather than hand on unparsable arguments."""
+    cut = TWO_CALLS[: TWO_CALLS.rindex("Tokyo")]
+    parser = ToolCallParser(HERMES, ("get_weather", "get_time"), forced=True)
+    parsed = [parser.push(cut[i : i + step]) for i in range(0, len(cut), step)]
+    parsed.append(parser.finish())
+    assert parsed[-1].cut_call == 1 and all(p.cut_call is None for p in parsed[:-1])
+    answer = Delta(0)
+    for p in parsed:
+        answer.extend(Delta(0, content=p.content, tool_calls=p.tool_calls, cut_call=p.cut_call))
+    assert [call.name for call in answer.tool_calls] == ["get_weather"]
+    assert json.loads(answer.tool_calls[0].arguments)["city"] == 'Pa"}ris'
 
 
 @pytest.mark.parametrize(
@@ -291,6 +308,49 @@ def test_hermes_grammar_names_the_tags_by_id_and_follows_the_schemas(qwen3_pair)
     assert not accepts(tokenizer, grammar, "Sure. " + one)
     single = tool_call_grammar(HERMES, TOOLS, tokenizer, parallel=False)
     assert accepts(tokenizer, single, one) and not accepts(tokenizer, single, two)
+
+
+# A pydantic model's schema as LangChain, pydantic-ai and instructor send it: no
+# additionalProperties anywhere, the nested model under $defs.
+TRIP_SCHEMA = {
+    "$defs": {
+        "City": {
+            "properties": {"name": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["name", "country"],
+            "type": "object",
+        }
+    },
+    "properties": {"destination": {"$ref": "#/$defs/City"}, "days": {"type": "integer"}},
+    "required": ["destination", "days"],
+    "type": "object",
+}
+TRIP = {"destination": {"name": "Paris", "country": "France"}, "days": 3}
+
+
+def trip_tool(schema: dict, **function) -> dict:
+    return {"type": "function", "function": {"name": "Trip", "parameters": schema, **function}}
+
+
+def test_forced_calls_allow_no_undeclared_keys_unless_the_schema_says_so(qwen3_pair):
+    tokenizer = qwen3_pair[0]
+    closed = tool_call_grammar(HERMES, [trip_tool(TRIP_SCHEMA)], tokenizer)
+    extra_top = {**TRIP, "note": "x"}
+    extra_nested = {**TRIP, "destination": {**TRIP["destination"], "note": "x"}}
+    assert accepts(tokenizer, closed, hermes_call("Trip", TRIP))
+    assert not accepts(tokenizer, closed, hermes_call("Trip", extra_top))
+    assert not accepts(tokenizer, closed, hermes_call("Trip", extra_nested))
+    opened = json.loads(json.dumps(TRIP_SCHEMA))
+    opened["$defs"]["City"]["additionalProperties"] = True
+    nested_open = tool_call_grammar(HERMES, [trip_tool(opened)], tokenizer)
+    assert accepts(tokenizer, nested_open, hermes_call("Trip", extra_nested))
+    assert not accepts(tokenizer, nested_open, hermes_call("Trip", extra_top))
+    lenient = tool_call_grammar(HERMES, [trip_tool(TRIP_SCHEMA, strict=False)], tokenizer)
+    assert accepts(tokenizer, lenient, hermes_call("Trip", extra_top))
+    assert accepts(tokenizer, lenient, hermes_call("Trip", extra_nested))
+    # Its $ref still finds $defs when the call is one of several tools' (an anyOf).
+    either = tool_call_grammar(HERMES, [WEATHER, trip_tool(TRIP_SCHEMA)], tokenizer)
+    assert accepts(tokenizer, either, hermes_call("Trip", TRIP))
+    assert not accepts(tokenizer, either, hermes_call("Trip", extra_nested))
 
 
 def test_llama3_grammar_is_one_bare_json_call(llama3_pair):

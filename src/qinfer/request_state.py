@@ -22,7 +22,14 @@ import torch
 from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.errors import QinferError
 from qinfer.reasoning import THINKING, prompt_thinking
-from qinfer.sampling import LogitsProcessor, SampleResult, SamplingParams, make_generator, sample
+from qinfer.sampling import (
+    LogitBias,
+    LogitsProcessor,
+    SampleResult,
+    SamplingParams,
+    make_generator,
+    sample,
+)
 from qinfer.stopping import accept_token
 from qinfer.tokenizer import Tokenizer
 
@@ -74,13 +81,22 @@ class RequestState:
         """A state with its detokenizer, generator and processors built from `params`.
 
         Raises a QinferError for params that need a tokenizer (stop strings, a grammar)
-        when there is none, or for an invalid grammar.
+        when there is none, for an invalid grammar, or for a `logit_bias` id the
+        tokenizer does not have.
         """
         if params.stop and tokenizer is None:
             raise QinferError("stop strings need a tokenizer; none was given")
         detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop)) if tokenizer else None
         thinking = prompt_thinking(tokenizer, token_ids)
-        processors = []
+        processors: list[LogitsProcessor] = []
+        if params.logit_bias:
+            vocab = None if tokenizer is None else tokenizer.vocab_size
+            bad = next((t for t, _ in params.logit_bias if vocab is not None and t >= vocab), None)
+            if bad is not None:
+                raise QinferError(
+                    f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+                )
+            processors.append(LogitBias(params.logit_bias))
         if params.constraint is not None:
             from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
 

@@ -3,8 +3,8 @@
 The order of the steps is the one `transformers` uses, so its logits processors are the
 reference the tests check against:
 
-0. each row's own logits processors (`LogitsProcessor`, a grammar's mask for one), in
-   order, on the raw logits;
+0. each row's own logits processors (`LogitsProcessor`: a request's `logit_bias`, a
+   grammar's mask), in order, on the raw logits;
 1. penalties:
    - `repetition_penalty` (HF / CTRL): every id in the row's *prompt and generated* tokens
      has its logit divided by the penalty when positive, multiplied when negative;
@@ -41,6 +41,8 @@ from qinfer.errors import SamplingError
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+#: The range of one `logit_bias` entry (OpenAI's: -100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS = 100.0
 #: The fields that constrain the output; a request sets at most one.
 CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
 
@@ -58,6 +60,8 @@ class SamplingParams:
     ignore_eos: keep going past EOS (benchmarks).
     seed: seeds this request's own generator, so its samples reproduce.
     logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
+    logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
+    else (OpenAI semantics: -100 bans a token); stored as sorted (id, bias) pairs.
 
     At most one constraint on the output (see `qinfer.grammar`): json_schema (a dict or
     its JSON text; objects listing properties without `additionalProperties` get false,
@@ -82,8 +86,11 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):  # pairs, so params stay hashable
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         # Accept one value or any sequence (a request's JSON list); store tuples (hashable).
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
         if self.choice is not None:
@@ -120,7 +127,22 @@ class SamplingParams:
                 raise SamplingError(f"stop: every stop string must be non-empty text, got {text!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        self._validate_logit_bias()
         self._validate_constraint()
+
+    def _validate_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, tuple):
+            raise SamplingError(
+                f"logit_bias must map token ids to biases, got {type(self.logit_bias).__name__}"
+            )
+        for entry in self.logit_bias:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise SamplingError(f"logit_bias entries must be (token id, bias), got {entry!r}")
+            _check_int("logit_bias token id", entry[0], low=0)
+            _check_number(
+                f"logit_bias[{entry[0]}]", entry[1], low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS
+            )
+        object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias)))
 
     def _validate_constraint(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
@@ -261,6 +283,34 @@ class LogitsProcessor(Protocol):
     def accept(self, token_id: int) -> None: ...
 
     def release(self) -> None: ...
+
+
+class LogitBias:
+    """The `LogitsProcessor` of `SamplingParams.logit_bias`: adds each bias to its token's
+    logit. Ids past the row's width (a head narrower than the tokenizer says) are skipped:
+    no such token can be sampled."""
+
+    def __init__(self, logit_bias: Sequence[tuple[int, float]]) -> None:
+        self.ids = [token_id for token_id, _ in logit_bias]
+        self.biases = [bias for _, bias in logit_bias]
+        self._on: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (V,) with the biases added (in place)."""
+        key = (logits.device, logits.shape[-1])
+        if key not in self._on:  # built once per device and width: no copy every step
+            kept = [(t, b) for t, b in zip(self.ids, self.biases, strict=True) if t < key[1]]
+            ids = torch.tensor([t for t, _ in kept], dtype=torch.long, device=logits.device)
+            biases = torch.tensor([b for _, b in kept], dtype=logits.dtype, device=logits.device)
+            self._on[key] = (ids, biases)
+        ids, biases = self._on[key]
+        return logits.index_add_(0, ids, biases)
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+    def release(self) -> None:
+        self._on.clear()
 
 
 @dataclass

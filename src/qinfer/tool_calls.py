@@ -24,11 +24,18 @@ what it was trained on; `tool_call_format` reads that off the chat template:
 `tool_call_grammar` builds the llguidance Lark grammar that forces a call in the model's
 own wrapping (`tool_choice` "required", or a named tool): JSON valid under the tool's
 `parameters`, tags that are single tokens in the vocabulary (Qwen's `<tool_call>`) named
-by id, whitespace bounded as in every JSON constraint. `ToolCallParser` turns the
+by id, whitespace bounded as in every JSON constraint. The parameters are read in strict
+mode, as `response_format` schemas are: an object schema that lists `properties` without
+`additionalProperties` (what LangChain, pydantic-ai and instructor send for a pydantic
+model, nested models and `$defs` included) allows no other key, so a small model cannot
+invent keys until max_tokens; `"additionalProperties": true`, or the tool's `strict:
+false`, leaves objects open. `ToolCallParser` turns the
 streamed reply into content and call deltas: text goes out as content except a tail that
 may be the start of a tag. A call whose syntax a grammar forces goes out as soon as its
 header `{"name": "...", "arguments": ` is read (its id and name once), then its arguments
-as they arrive. An unforced call (`tool_choice` "auto") goes out when its block ends and
+as they arrive; one whose arguments max_tokens cuts is marked (`ParsedDelta.cut_call`),
+and a whole answer leaves it out (a stream has sent its fragments already; its
+finish_reason "length" says the last call is cut). An unforced call (`tool_choice` "auto") goes out when its block ends and
 parses whole as a call of an offered tool; any other block (malformed JSON, an unknown
 tool) is returned as content, as written.
 """
@@ -44,7 +51,7 @@ from typing import Any
 
 from qinfer.detokenizer import partial_match_length
 from qinfer.errors import RequestError
-from qinfer.grammar import JSON_WHITESPACE, json_schema_problem, strict_schema
+from qinfer.grammar import JSON_WHITESPACE, json_schema_problem, lenient_schema, strict_schema
 from qinfer.tokenizer import Tokenizer
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -166,10 +173,14 @@ def tool_call_grammar(
     it, one or more) of one of `tools`, in the model's own wrapping.
 
     tools: OpenAI function tools; a tool's `parameters` schema (any object when absent)
-    constrains its arguments, closed as in strict mode when the tool says `strict: true`.
+    constrains its arguments, closed as in strict mode unless the tool says `strict: false`
+    (see the module docstring).
     """
-    schemas = [_call_schema(fmt, tool["function"]) for tool in tools]
-    call_json = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if len(tools) == 1:
+        call_json = _call_schema(fmt, tools[0]["function"], "")
+    else:
+        schemas = [_call_schema(fmt, t["function"], f"/anyOf/{i}") for i, t in enumerate(tools)]
+        call_json = {"anyOf": schemas}
     call_json = {**call_json, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
     lines = ["%llguidance {}", f"call_json: %json {json.dumps(call_json)}"]
     if not fmt.tagged:
@@ -181,17 +192,36 @@ def tool_call_grammar(
     return "\n".join(lines) + "\n"
 
 
-def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call of `function`: its name, then its arguments."""
+def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any], at: str) -> dict[str, Any]:
+    """The JSON schema of one call of `function`: its name, then its arguments.
+
+    at: the JSON pointer of this schema in the grammar's whole call schema ("" at its
+    root), so that the parameters' local `$ref`s (`#/$defs/City`, as pydantic writes
+    nested models) still point into the parameters once nested in the call.
+    """
     parameters = function.get("parameters") or {"type": "object"}
-    if function.get("strict"):
-        parameters = strict_schema(parameters)
+    closed = function.get("strict") is not False
+    parameters = strict_schema(parameters) if closed else lenient_schema(parameters)
+    parameters = _rebased_refs(parameters, f"{at}/properties/{fmt.arguments_key}")
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, fmt.arguments_key: parameters},
         "required": ["name", fmt.arguments_key],
         "additionalProperties": False,
     }
+
+
+def _rebased_refs(schema: Any, prefix: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#/...", "#") start at `prefix`."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, prefix) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rebased_refs(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = f"#{prefix}{ref[1:]}"
+    return out
 
 
 def _tag(tokenizer: Tokenizer, tag: str) -> str:
@@ -250,10 +280,12 @@ class ToolCallDelta:
 
 @dataclass
 class ParsedDelta:
-    """The content and tool-call deltas of one stretch of a reply."""
+    """The content and tool-call deltas of one stretch of a reply; cut_call: the index of
+    a call whose arguments the reply's end cut (max_tokens), set by `finish`."""
 
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    cut_call: int | None = None
 
 
 # Where the parser is: in plain text, in a call whose header is not yet read, in its
@@ -304,7 +336,9 @@ class ToolCallParser:
     def finish(self) -> ParsedDelta:
         """The end of the reply: what was held, or a pending block, goes out."""
         out = self.push("")
-        if self._state == _BLOCK:
+        if self._state == _ARGUMENTS:  # the arguments never ended: not a call to run
+            out.cut_call = self.num_calls - 1
+        elif self._state == _BLOCK:
             self._close_block(self._block + self._held, out, closed=False)
         elif self._state == _TEXT:
             out.content += self._held

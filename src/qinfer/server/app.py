@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine's async API.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, and qinfer's
-own `POST /v1/inspect` (behind the API key when one is set), `GET /health`, `GET /metrics`,
-and the web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves).
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, vLLM's
+`POST /tokenize` and `POST /detokenize`, and qinfer's own `POST /v1/inspect` (all behind
+the API keys when there are any), `GET /health`, `GET /metrics`, and the web pages: the
+chat at `/`, the attention inspector at `/inspect` (plain files from `server/static/`,
+which ask for the key once and send it to /v1 themselves).
 
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
@@ -15,7 +16,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import pydantic
 import uvicorn
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
@@ -32,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
+from qinfer.fill_in_middle import fim_tokens
 from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
@@ -44,7 +47,13 @@ from qinfer.server.inspection import (
     inspection_json,
 )
 from qinfer.server.metrics import ServerMetrics
-from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from qinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.tokenizer import Tokenizer, load_tokenizer
@@ -68,7 +77,10 @@ class ServerSettings:
     """What the server adds around the engine.
 
     model_name: the id clients name in `model` (and `GET /v1/models` lists).
-    api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+    api_key: one key or several; when set, /v1 routes (and /tokenize, /detokenize) need
+        `Authorization: Bearer <key>` with one of them (stored as a tuple; see `accepts_key`).
+    allowed_origins: the origins whose web pages may call the API (CORS), "*" for any;
+        none by default (browsers then refuse cross-origin calls).
     chat_template_kwargs: server-wide defaults for the chat template (a request's own
         `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
     default_params: sampling defaults that request fields override (typically from the
@@ -76,9 +88,24 @@ class ServerSettings:
     """
 
     model_name: str
-    api_key: str | None = None
+    api_key: str | Sequence[str] | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
+    allowed_origins: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            self.api_key = (self.api_key,)
+        elif self.api_key is not None:
+            self.api_key = tuple(self.api_key) or None
+
+    def accepts_key(self, key: str) -> bool:
+        """True when `key` is one of the API keys, or when there are none."""
+        if self.api_key is None:
+            return True
+        # Every key is compared, so the time taken does not tell which one nearly matched.
+        matches = [secrets.compare_digest(key.encode(), known.encode()) for known in self.api_key]
+        return any(matches)
 
 
 class ModelServer:
@@ -100,30 +127,60 @@ class ModelServer:
                 code="model_not_found",
             )
 
-    def template_kwargs(self, requested: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The chat template's keyword arguments: the server's, overridden key by key by
-        the request's `chat_template_kwargs`."""
-        return {**self.settings.chat_template_kwargs, **(requested or {})}
+    def template_kwargs(
+        self, requested: Mapping[str, Any] | None, thinking: bool | None = None
+    ) -> dict[str, Any]:
+        """The chat template's keyword arguments: the server's, then `enable_thinking`
+        when a request says whether to think (`reasoning_effort`), then the request's
+        own `chat_template_kwargs`, each overriding the last key by key."""
+        if thinking and not self.splits_reasoning:
+            raise APIError(
+                400,
+                "Invalid value for 'reasoning_effort': this model does not think "
+                "(no <think> block); send 'none' or leave it out",
+                param="reasoning_effort",
+                code="invalid_value",
+            )
+        asked = {} if thinking is None else {"enable_thinking": thinking}
+        return {**self.settings.chat_template_kwargs, **asked, **(requested or {})}
 
     def sampling_params(self, body: GenerationRequest) -> SamplingParams:
+        # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
+        bad = next((t for t in body.logit_bias or () if t >= self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"Invalid value for 'logit_bias': token id {bad} is outside the vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
         return self.settings.default_params.replace(**body.sampling_overrides())
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any],
+    ) -> list[int]:
+        """The prompt ids of a chat, with the tools shown as the model's format wants."""
+        messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
+        # Templates and tokenizers can take milliseconds on long chats: off the event loop.
+        return await run_in_threadpool(
+            encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
+        )
 
     async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
         params = self.sampling_params(body)
-        template_kwargs = self.template_kwargs(body.chat_template_kwargs)
+        template_kwargs = self.template_kwargs(body.chat_template_kwargs, body.thinking)
         if body.tools:  # compiling schemas can take a while: off the event loop
             await run_in_threadpool(
                 check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
             )
         tools = body.offered_tools()
-        messages, tool_kwargs = tool_prompt(
-            self.tool_format, [message.for_template() for message in body.messages], tools
-        )
-        # Templates and tokenizers can take milliseconds on long chats: off the event loop.
-        prompt_ids = await run_in_threadpool(
-            encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
-        )
+        messages = [message.for_template() for message in body.messages]
+        prompt_ids = await self.encode_chat(messages, tools, template_kwargs)
         names = tuple(tool["function"]["name"] for tool in tools or ())
         tool_use = ToolUse(self.tool_format, names, body.forced_tool) if tools else None
         if tools and body.forced_tool is not None:
@@ -158,14 +215,72 @@ class ModelServer:
     async def complete(self, body: CompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
         params = self.sampling_params(body)
+        framed = body.prompts if body.suffix is None else self.fill_in_middle(body)
         prompts = [
-            await run_in_threadpool(encode_prompt, self.tokenizer, prompt)
-            for prompt in body.prompts
+            await run_in_threadpool(encode_prompt, self.tokenizer, prompt) for prompt in framed
         ]
-        completion = Completion(self.engine, self.metrics, prompts, params, body.n, "cmpl")
+        echo = None
+        if body.echo:  # the prompts as the client wrote them (ids decoded)
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts]
+        completion = Completion(
+            self.engine, self.metrics, prompts, params, body.n, "cmpl", echo=echo
+        )
         return await self.respond(
             completion, TextFormat(self.tokenizer, self.settings.model_name), body, connection
         )
+
+    def fill_in_middle(self, body: CompletionRequest) -> list[str]:
+        """The fill-in-the-middle prompts of a request with a `suffix`, or a 400 naming
+        `suffix` when the model has no FIM tokens or a prompt is token ids."""
+        tokens = fim_tokens(self.tokenizer)
+        problem = None
+        if tokens is None:
+            problem = (
+                "this model has no fill-in-the-middle tokens (<|fim_prefix|>, "
+                "<|fim_suffix|>, <|fim_middle|> or <fim_prefix>, ...) in its vocabulary"
+            )
+        elif not all(isinstance(prompt, str) for prompt in body.prompts):
+            problem = "a suffix needs text prompts, not token ids"
+        if problem is not None:
+            raise APIError(
+                400, f"Invalid value for 'suffix': {problem}", param="suffix", code="invalid_value"
+            )
+        return [tokens.prompt(prompt, body.suffix) for prompt in body.prompts]
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: the ids of a prompt, or of a chat as a chat request sends it."""
+        self.check_model(body.model)
+        if body.prompt is not None:
+            ids = await run_in_threadpool(
+                self.tokenizer.encode, body.prompt, body.add_special_tokens
+            )
+        else:
+            template_kwargs = self.template_kwargs(
+                {
+                    "add_generation_prompt": body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
+                }
+            )
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
+            messages = [message.for_template() for message in body.messages]
+            ids = await self.encode_chat(messages, tools, template_kwargs)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.engine.context_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/detokenize`: the text of token ids."""
+        self.check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"Invalid value for 'tokens.{bad}': token id {body.tokens[bad]} is outside "
+                f"the vocabulary (0..{vocab - 1})",
+                param=f"tokens.{bad}",
+                code="invalid_value",
+            )
+        # A body may hold millions of ids: decoded off the event loop.
+        return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
 
     async def respond(
         self,
@@ -296,7 +411,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
         if settings.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), settings.api_key):
+        if scheme.lower() != "bearer" or not settings.accepts_key(key.strip()):
             raise APIError(
                 401,
                 "Missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -312,6 +427,14 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         return await server.complete(await read_body(request, CompletionRequest), request)
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await server.tokenize(await read_body(request, TokenizeRequest))
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await server.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
@@ -342,6 +465,15 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = frozenset(route.path for route in app.routes)
+    if settings.allowed_origins:
+        # Credentials travel as an Authorization header, which "*" headers allow; cookies
+        # are never used, so credentialed CORS stays off.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(ResponseCounter, server=server, routes=routes)
     return app
 
@@ -356,7 +488,8 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
+    allowed_origins: Sequence[str] = (),
     served_model_name: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     dtype: str | None = None,
@@ -368,6 +501,8 @@ def serve(
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
+
+    api_key: one key or several (see `ServerSettings`); allowed_origins: CORS origins.
 
     dtype, device, quantize, group_size: as for `qinfer.load_model`.
     tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
@@ -389,6 +524,7 @@ def serve(
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),
         api_key=api_key,
+        allowed_origins=tuple(allowed_origins),
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(

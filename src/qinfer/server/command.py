@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from qinfer.cli_args import add_model_arguments, load_arguments
+from qinfer.errors import QinferError
 
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
@@ -41,7 +43,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on the /v1 routes"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the /v1 routes (repeat for several keys)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="read API keys from FILE, one per line (with --api-key: both sets are accepted)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN call the API (CORS), e.g. http://localhost:3000; "
+        "repeat for several, '*' for any (default: none)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -65,6 +85,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The keys of --api-key and --api-key-file (blank lines skipped), or None for none."""
+    keys = list(args.api_key or ())
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            raise QinferError(
+                f"--api-key-file: cannot read {args.api_key_file}: {reason}"
+            ) from None
+        from_file = [line.strip() for line in text.splitlines() if line.strip()]
+        if not from_file:
+            raise QinferError(f"--api-key-file: {args.api_key_file} holds no key (one per line)")
+        keys += from_file
+    if any(not key.strip() for key in keys):
+        raise QinferError("--api-key: a key must not be empty")
+    return keys or None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from qinfer.server.app import serve
 
@@ -74,7 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_keys(args),
+        allowed_origins=args.allowed_origins or (),
         served_model_name=args.served_model_name,
         chat_template_kwargs=args.chat_template_kwargs,
         **load_arguments(args),

@@ -38,6 +38,7 @@ class Delta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    cut_call: int | None = None  # a call whose arguments max_tokens cut (the last one)
 
     @property
     def empty(self) -> bool:
@@ -46,7 +47,8 @@ class Delta:
         )
 
     def extend(self, later: Delta) -> None:
-        """Append a later delta of the same choice (to build a whole answer)."""
+        """Append a later delta of the same choice (to build a whole answer); a call it
+        says was cut is left out, so an answer never holds unparsable arguments."""
         self.content += later.content
         self.reasoning += later.reasoning
         for call in later.tool_calls:  # a call's first delta, or more of its arguments
@@ -54,6 +56,8 @@ class Delta:
                 self.tool_calls[call.index].arguments += call.arguments
             else:
                 self.tool_calls.append(dataclasses.replace(call))
+        if later.cut_call is not None:
+            self.tool_calls = [c for c in self.tool_calls if c.index != later.cut_call]
         self.logprobs += later.logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
 
@@ -64,6 +68,7 @@ class Choice:
     reasoning: a `ReasoningStream` that splits a `<think>` block off the text (chat
     answers of thinking models), or None to keep all text as content.
     tools: the tools the request offers, whose calls are parsed out of the content, or None.
+    echo: text the content starts with (a text completion's `echo`: its prompt).
     """
 
     def __init__(
@@ -74,10 +79,12 @@ class Choice:
         params: SamplingParams,
         reasoning: ReasoningStream | None,
         tools: ToolUse | None = None,
+        echo: str = "",
     ):
         self.index, self.request_id = index, request_id
         self.prompt_ids, self.params, self.reasoning = prompt_ids, params, reasoning
         self.tools = tools
+        self.echo = echo  # not yet handed out
         self.tool_parser: ToolCallParser | None = None if tools is None else tools.parser()
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
@@ -109,9 +116,11 @@ class Choice:
                 tail = self.tool_parser.finish()
                 parsed.content += tail.content
                 parsed.tool_calls += tail.tool_calls
+                delta.cut_call = tail.cut_call
                 made_calls = self.tool_parser.num_calls > 0
                 delta.finish_reason = self.tools.finish_reason(delta.finish_reason, made_calls)
             delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
+        delta.content, self.echo = self.echo + delta.content, ""
         self.content_length += len(delta.content)
         return delta
 
@@ -138,7 +147,8 @@ class Completion:
     prompts: token ids of each prompt; params: the sampling of choice 0 of every prompt
     (choice j gets `seed + j`); reasoning: split `<think>` blocks off the text (for each
     prompt, whether it ended inside an open block); tools: parse tool calls out of the
-    content (chat requests that offer tools).
+    content (chat requests that offer tools); echo: the text each prompt's choices start
+    with (a text completion's `echo`), or None.
     """
 
     def __init__(
@@ -151,6 +161,7 @@ class Completion:
         id_prefix: str,
         reasoning: Sequence[bool] | None = None,
         tools: ToolUse | None = None,
+        echo: Sequence[str] | None = None,
     ):
         self.engine, self.metrics, self.n = engine, metrics, n
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -161,8 +172,9 @@ class Completion:
                 index = i * n + j
                 seeded = params if params.seed is None else params.replace(seed=params.seed + j)
                 splitter = None if reasoning is None else ReasoningStream(reasoning[i])
+                echoed = "" if echo is None else echo[i]
                 self.choices.append(
-                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter, tools)
+                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter, tools, echoed)
                 )
 
     def usage(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """OpenAI-shaped JSON errors: `{"error": {"message", "type", "param", "code"}}`.
 
-Every failure a client can cause (bad JSON, a field of the wrong type or out of range, an
-unknown model, a prompt longer than the context, a missing API key, a full queue) leaves
+Every failure a client can cause (bad JSON, a field of the wrong type or out of range, a
+field qinfer cannot honour, an unknown model, a prompt longer than the context, a missing API key, a full queue) leaves
 the server as one of these with its HTTP status. Nothing reaches the client as a
 traceback, and the server keeps serving.
 """
@@ -72,10 +72,6 @@ def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIErro
         return APIError(400, f"Request body is not valid JSON: {first['msg']}", code="invalid_json")
     if kind in ("model_type", "json_type"):
         return APIError(400, "Request body must be a JSON object", code="invalid_json")
-    if kind == "extra_forbidden":
-        return APIError(
-            400, f"Unrecognized request argument: {param}", param=param, code="unknown_parameter"
-        )
     code = "missing_required_parameter" if kind == "missing" else "invalid_value"
     # Our validators' own words, without pydantic's "Value error, " before them.
     reason = str(first["ctx"]["error"]) if kind == "value_error" else first["msg"]

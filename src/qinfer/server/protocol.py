@@ -1,16 +1,23 @@
 """The request bodies of the OpenAI API, as validated pydantic models.
 
-Validation is strict: a field of the wrong type (`"temperature": "hot"`), a value out of
-range (`"top_p": 7`) or an unknown field is refused with a 400 naming the field, rather
-than coerced or ignored. The ranges are OpenAI's where it states one.
+Validation is strict: a field of the wrong type (`"temperature": "hot"`) or a value out
+of range (`"top_p": 7`) is refused with a 400 naming the field, rather than coerced. The
+ranges are OpenAI's where it states one.
+
+A field qinfer does not know is ignored and logged once per name (as vLLM does): clients
+send fields of newer API versions by default, and a 400 would break them. A field qinfer
+knows but cannot honour (`audio`, `prediction`, ...) is a 400 naming it (`Unsupported`),
+never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -21,7 +28,9 @@ from pydantic import (
 
 from qinfer.grammar import lenient_schema
 from qinfer.prompts import Prompt
-from qinfer.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
+from qinfer.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS
+
+log = logging.getLogger("qinfer.server")
 
 #: Most choices (`n`) one request may ask for: each one is a separate engine request.
 MAX_CHOICES = 8
@@ -43,10 +52,52 @@ CONSTRAINT_FIELDS = {
 }
 
 
-class StrictModel(BaseModel):
-    """No coercion between JSON types, no unknown fields."""
+#: Unknown fields already logged, as "Model.field"; a client sending ever new names stops
+#: being logged after this many, so that it cannot grow the set without bound.
+MAX_LOGGED_UNKNOWN_FIELDS = 1000
+_logged_unknown_fields: set[str] = set()
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+
+def log_unknown_fields(model: type[BaseModel], data: Any) -> None:
+    """Log (once per name, at WARNING) the fields of `data` that `model` does not know."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields.values()
+    known = set(model.model_fields) | {f.alias for f in fields if f.alias}
+    for name in data.keys() - known:
+        key = f"{model.__name__}.{name}"
+        if (
+            key in _logged_unknown_fields
+            or len(_logged_unknown_fields) >= MAX_LOGGED_UNKNOWN_FIELDS
+        ):
+            continue
+        _logged_unknown_fields.add(key)
+        shown = name if len(name) <= 80 else f"{name[:80]}..."  # a hostile name stays short
+        log.warning("ignoring the unknown field %r of %s (logged once)", shown, model.__name__)
+
+
+class StrictModel(BaseModel):
+    """No coercion between JSON types; unknown fields ignored and logged once per name."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        log_unknown_fields(cls, data)
+        return data
+
+
+def Unsupported(reason: str) -> Any:  # noqa: N802 (reads as a type in a field declaration)
+    """The type of a field qinfer knows but cannot honour: null (or absent) is accepted,
+    any other value is a 400 naming the field, saying `reason`."""
+
+    def refuse(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"not supported by qinfer ({reason})")
+        return value
+
+    return Annotated[Any, AfterValidator(refuse)]
 
 
 class StreamOptions(StrictModel):
@@ -122,7 +173,7 @@ class JsonSchemaFormat(StrictModel):
     OpenAI's do; with `strict: false` they stay open, as JSON Schema reads them.
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(max_length=64)
     description: str | None = None
@@ -181,6 +232,17 @@ class NamedToolChoice(StrictModel):
     function: FunctionName
 
 
+def _no_reserved_template_names(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_NAMES)
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
+    return kwargs
+
+
+#: `chat_template_kwargs`: variables for the chat template, not those the server sets.
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_no_reserved_template_names)]
+
+
 class GenerationRequest(StrictModel):
     """The fields chat and text completions share: model, sampling, stopping, streaming,
     and vLLM's constraint fields (`extra_body` in the openai client): guided_json,
@@ -201,11 +263,33 @@ class GenerationRequest(StrictModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted and not acted on: they tag or route a request on OpenAI's side.
     user: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     guided_json: dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_of_token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """{"token id": bias} in JSON -> {id: bias}; ids past the vocabulary are checked
+        by the server, which knows it."""
+        if bias is None:
+            return None
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"the bias of token {key} is {value}; biases lie in "
+                    f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
+        return {int(key): value for key, value in bias.items()}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -260,6 +344,7 @@ class GenerationRequest(StrictModel):
             seed=self.seed,
             stop=self.stop_strings or None,
             logprobs=self.top_logprobs_count,
+            logit_bias=self.logit_bias,
             **self.constraint(),
         )
         return {name: value for name, value in fields.items() if value is not None}
@@ -286,19 +371,19 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     response_format: ResponseFormat | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_reserved_template_names(cls, kwargs: dict[str, Any] | None):
-        taken = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_NAMES)
-        if taken:
-            raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
-        return kwargs
+    # Thinking on or off (a thinking model's template's `enable_thinking`); see `thinking`.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: Unsupported("qinfer answers in text only") = None
+    prediction: Unsupported("predicted outputs are not implemented") = None
+    web_search_options: Unsupported("qinfer does not search the web") = None
+    functions: Unsupported("the deprecated functions field; send tools instead") = None
+    function_call: Unsupported("the deprecated function_call field; send tool_choice") = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -355,6 +440,13 @@ class ChatCompletionRequest(GenerationRequest):
         schema = None if self.response_format is None else self.response_format.reply_schema()
         return fields if schema is None else {"response_format": schema, **fields}
 
+    @property
+    def thinking(self) -> bool | None:
+        """Whether `reasoning_effort` asks a thinking model to think (None: not said)."""
+        if self.reasoning_effort is None:
+            return None
+        return self.reasoning_effort not in ("none", "minimal")
+
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools shown to the model (None when there are none or tool_choice is "none")."""
         if not self.tools or self.tool_choice == "none":
@@ -379,12 +471,50 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    """`POST /v1/completions`: one prompt, or a batch of them (one choice group each)."""
+    """`POST /v1/completions`: one prompt, or a batch of them (one choice group each).
+
+    echo: each choice's text starts with its prompt's. suffix: the text after the
+    completion (fill in the middle, for models with FIM tokens; see `qinfer.fill_in_middle`).
+    The prompt's own logprobs (`echo` with `logprobs`, `max_tokens: 0`) are not computed yet.
+    """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     # OpenAI's default for text completions (chat runs to the end of the context).
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _tokens_to_generate(cls, max_tokens: int | None) -> int | None:
+        if max_tokens == 0:
+            raise ValueError(
+                "0 (score the prompt only, as lm-eval's loglikelihood asks) is not supported "
+                "yet: qinfer does not compute the prompt's logprobs"
+            )
+        return max_tokens
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs asks for the prompt's logprobs, which qinfer does not "
+                "compute yet; echo alone returns the prompt's text"
+            )
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError(
+                f"best_of {best_of} differs from n: qinfer returns every choice it samples "
+                "and does not rank them; set n instead"
+            )
+        return best_of
 
     @model_validator(mode="after")
     def _prompts_not_empty(self):
@@ -404,3 +534,29 @@ class CompletionRequest(GenerationRequest):
     @property
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's `POST /tokenize`: a `prompt` (encoded as a text completion encodes it), or
+    chat `messages` (rendered as a chat request renders them, tools included)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # the prompt's BOS/EOS, as a text completion adds them
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """vLLM's `POST /detokenize`: the text of `tokens`."""
+
+    model: str | None = None
+    tokens: list[int]

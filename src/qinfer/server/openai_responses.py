@@ -1,0 +1,677 @@
+"""The OpenAI Responses API: `POST /v1/responses`, over the chat machinery.
+
+A request's `input` (text, or items: messages, the function calls the model made, their
+outputs, reasoning) becomes a conversation for the chat template, after `instructions`
+(as a system message) and, with `previous_response_id`, after the conversation of that
+earlier response and its output. Responses are stored for that in memory, the most recent
+`ResponseStore.capacity` of them (`store: false` keeps one out); the server is otherwise
+stateless, and a restart forgets them.
+
+The reply goes out as output items, in the order the model wrote them (`reply_parts`):
+a `reasoning` item for Qwen3's `<think>` block, a `message` item for the text, a
+`function_call` item per tool call (the family's own call format; `tool_choice`
+"required" or a named function forces calls with a grammar). Streams send OpenAI's
+documented events, each with its `sequence_number`:
+
+    response.created, response.in_progress
+    per item: response.output_item.added, then
+        reasoning  response.content_part.added, response.reasoning_text.delta...,
+                   response.reasoning_text.done, response.content_part.done
+        message    response.content_part.added, response.output_text.delta...,
+                   response.output_text.done, response.content_part.done
+        call       response.function_call_arguments.delta...,
+                   response.function_call_arguments.done
+    then response.output_item.done
+    response.completed, or response.incomplete (max_output_tokens reached)
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from starlette.concurrency import run_in_threadpool
+
+from qinfer.sampling import SamplingParams
+from qinfer.server.completions import Completion
+from qinfer.server.errors import APIError
+from qinfer.server.protocol import (
+    MAX_CONSTRAINT_BYTES,
+    MAX_TOOLS,
+    ResponseFormat,
+    StrictModel,
+)
+from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
+from qinfer.tokenizer import Tokenizer
+from qinfer.tool_calls import check_tool_schemas
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from qinfer.server.app import ModelServer
+
+#: Most input items one request may send (each becomes a message for the template).
+MAX_INPUT_ITEMS = 4096
+#: Responses kept for `previous_response_id` (the least recently used go first).
+STORED_RESPONSES = 1024
+
+
+# --- the request ---------------------------------------------------------------------
+
+
+class EchoedModel(StrictModel):
+    """An item the server wrote, sent back as input: clients echo the output items whole,
+    with fields that vary across client versions (`phase`, `caller`, ...): those are
+    ignored, the rest is checked strictly."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class InputText(StrictModel):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(EchoedModel):
+    type: Literal["output_text"]
+    text: str
+
+
+class Refusal(EchoedModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+
+
+class MessageItem(EchoedModel):
+    """A message: the user's, the instructions' (system, developer), or an earlier reply."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    # Lists first: pydantic reports the first member's error, the most telling one.
+    content: list[ContentPart] | str
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+
+
+class FunctionCallItem(EchoedModel):
+    """A call the model made (an earlier output item); arguments are JSON text."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_an_object(cls, arguments: str) -> str:
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not valid JSON ({error.msg})") from None
+        if not isinstance(decoded, dict):
+            raise ValueError("must be a JSON object")
+        return arguments
+
+
+class FunctionCallOutputItem(EchoedModel):
+    """What a call returned, sent back for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[InputText] | str
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningText(EchoedModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(EchoedModel):
+    """An earlier `<think>` block (its text in `content`, or a summary of it)."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+def _item_type(item: Any) -> str:
+    """A message may leave out its `type` (OpenAI's "easy input message")."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if isinstance(kind, str) else "message"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
+_INPUT_ITEM = TypeAdapter(InputItem)
+
+
+class FunctionTool(StrictModel):
+    """A function the model may call (the only kind of tool served)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def for_chat(self) -> dict[str, Any]:
+        """The tool as chat requests and templates show it."""
+        return {
+            "type": "function",
+            "function": self.model_dump(exclude={"type"}, exclude_none=True),
+        }
+
+
+class FunctionChoice(StrictModel):
+    """`tool_choice: {"type": "function", "name": ...}`: call this function."""
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(StrictModel):
+    """`text.format`: plain text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs a name and a schema")
+        if self.schema_ is not None and len(json.dumps(self.schema_)) > MAX_CONSTRAINT_BYTES:
+            raise ValueError(f"schemas of at most {MAX_CONSTRAINT_BYTES} bytes are compiled")
+        return self
+
+    def reply_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must follow (None: plain text), as chat's
+        `response_format` reads it (strict unless `strict: false`)."""
+        chat_format = {"type": self.type}
+        if self.type == "json_schema":
+            chat_format["json_schema"] = self.model_dump(exclude={"type"}, by_alias=True)
+        return ResponseFormat.model_validate(chat_format).reply_schema()
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(StrictModel):
+    """`reasoning`: its effort turns Qwen3's thinking on ("low" and up) or off ("none",
+    "minimal"); summaries are not written (the reasoning itself is returned)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+    @property
+    def thinking(self) -> bool | None:
+        """The template's enable_thinking (None: the server's default)."""
+        return None if self.effort is None else self.effort not in ("none", "minimal")
+
+
+class ResponsesRequest(StrictModel):
+    """`POST /v1/responses`. Fields for OpenAI's hosted features (background runs,
+    conversations, stored prompts) are not accepted; `metadata`, `user`, `include`,
+    `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and change
+    nothing."""
+
+    model: str | None = None
+    input: Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | str
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["disabled"] = "disabled"
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, value: str | list[Any]) -> str | list[Any]:
+        if not value:
+            raise ValueError("input must not be empty: give some text or items")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_distinct_and_bounded(cls, tools: list[FunctionTool] | None):
+        names = [tool.name for tool in tools or ()]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
+        size = sum(len(json.dumps(tool.parameters).encode()) for tool in tools or ())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ValueError(
+                f"the tools' parameters are {size} bytes; schemas of at most "
+                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
+            )
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_an_offered_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data or choice in ("none", "auto"):
+            return choice
+        names = {tool.name for tool in info.data["tools"] or ()}
+        if not names:
+            raise ValueError("a forced tool call needs tools: give the tools it may call")
+        if isinstance(choice, FunctionChoice) and choice.name not in names:
+            raise ValueError(f"{choice.name!r} is not one of the tools")
+        return choice
+
+    @model_validator(mode="after")
+    def _forced_call_without_a_format(self):
+        if self.forced_tool is not None and self.reply_schema() is not None:
+            raise ValueError(
+                "tool_choice forces a tool call, whose grammar cannot be combined with "
+                "a JSON text.format"
+            )
+        return self
+
+    @property
+    def items(self) -> list[Any]:
+        """The input as items (text is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    @property
+    def forced_tool(self) -> str | None:
+        if isinstance(self.tool_choice, FunctionChoice):
+            return self.tool_choice.name
+        return "required" if self.tool_choice == "required" else None
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.for_chat() for tool in self.tools]
+
+    def reply_schema(self) -> dict[str, Any] | None:
+        if self.text is None or self.text.format is None:
+            return None
+        return self.text.format.reply_schema()
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        fields = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_output_tokens,
+            json_schema=self.reply_schema(),
+        )
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+def template_messages(instructions: str | None, items: list[Any]) -> list[dict[str, Any]]:
+    """The conversation of `items` as a chat template reads it.
+
+    Developer messages are system messages; a reasoning item becomes the
+    `reasoning_content` of the assistant turn after it; consecutive function calls join
+    the assistant turn before them; their outputs are `tool` messages.
+    """
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    reasoning = None  # a reasoning item's text, for the next assistant turn
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text
+            continue
+        if isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "content": item.text, "tool_call_id": item.call_id})
+            continue
+        if isinstance(item, MessageItem) and item.role != "assistant":
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text})
+            continue
+        last = messages[-1] if messages else None
+        if isinstance(item, FunctionCallItem) and last is not None and last["role"] == "assistant":
+            turn = last  # a call joins the turn whose text (or calls) came before it
+        else:
+            turn = {"role": "assistant", "content": ""}
+            messages.append(turn)
+        if reasoning:
+            turn["reasoning_content"], reasoning = reasoning, None
+        if isinstance(item, MessageItem):
+            turn["content"] += item.text
+        else:
+            call = {"name": item.name, "arguments": json.loads(item.arguments)}
+            call = {"id": item.call_id, "type": "function", "function": call}
+            turn.setdefault("tool_calls", []).append(call)
+    return messages
+
+
+# --- the store ---------------------------------------------------------------------------
+
+
+class ResponseStore:
+    """The conversations (input and output items) of recent responses, by response id, for
+    `previous_response_id`: at most `capacity`, the least recently used dropped first."""
+
+    def __init__(self, capacity: int = STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._conversations: OrderedDict[str, list[Any]] = OrderedDict()
+
+    def conversation(self, response_id: str) -> list[Any]:
+        """The items of a stored response's conversation, or a 400 naming the field."""
+        items = self._conversations.get(response_id)
+        if items is None:
+            raise APIError(
+                400,
+                f"Previous response with id '{response_id}' not found (responses are kept in "
+                f"memory, the latest {self.capacity}, and not when sent with store: false)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        self._conversations.move_to_end(response_id)
+        return items
+
+    def save(self, response_id: str, items: list[Any]) -> None:
+        self._conversations[response_id] = items
+        self._conversations.move_to_end(response_id)
+        while len(self._conversations) > self.capacity:
+            self._conversations.popitem(last=False)
+
+
+# --- the answer -----------------------------------------------------------------------
+
+_ITEM_ID_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
+
+
+class ResponsesFormat(PartsFormat):
+    """A response object and its stream events, for one request."""
+
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        conversation: list[Any],
+        store: ResponseStore,
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        model_name: str,
+    ):
+        self.body, self.conversation, self.store = body, conversation, store
+        self.params, self.tokenizer, self.model_name = params, tokenizer, model_name
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.sequence_number = 0
+        self._item_ids: dict[int, str] = {}
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        payload = {**payload, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return super().sse(payload)
+
+    # -- the response object ------------------------------------------------------------
+
+    def response_object(
+        self,
+        completion: Completion,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        text_format = body.text.format if body.text is not None else None
+        tool_choice = body.tool_choice
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": completion.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.model_name,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning and body.reasoning.effort, "summary": None},
+            "store": body.store,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "text": {
+                "format": {"type": "text"}
+                if text_format is None
+                else text_format.model_dump(by_alias=True, exclude_none=True)
+            },
+            "tool_choice": tool_choice
+            if isinstance(tool_choice, str)
+            else tool_choice.model_dump(),
+            "tools": [tool.model_dump() for tool in body.tools or ()],
+            "truncation": body.truncation,
+            "usage": usage,
+            "user": body.user,
+            "metadata": body.metadata or {},
+        }
+
+    def item(self, part: Part, status: str) -> dict[str, Any]:
+        """The output item of a part (whole once the part closed)."""
+        item_id = self._item_ids.setdefault(
+            part.index, f"{_ITEM_ID_PREFIX[part.kind]}_{uuid.uuid4().hex}"
+        )
+        if part.kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": part.text}] if status != "open" else []
+            item = {"id": item_id, "type": "reasoning", "summary": [], "content": content}
+        elif part.kind == "text":
+            content = [_output_text(part.text)] if status != "open" else []
+            item = {"id": item_id, "type": "message", "role": "assistant", "content": content}
+        else:
+            arguments = part.text if status != "open" else ""
+            item = {
+                "id": item_id,
+                "type": "function_call",
+                "call_id": part.call_id,
+                "name": part.name,
+                "arguments": arguments,
+            }
+        return {**item, "status": "in_progress" if status == "open" else status}
+
+    def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
+        status = _status(completion)
+        parts = reply.parts or [Part("text", 0)]  # a reply of nothing is an empty message
+        output = [self.item(part, status if part is parts[-1] else "completed") for part in parts]
+        if self.body.store:
+            items = [*self.conversation, *(_INPUT_ITEM.validate_python(o) for o in output)]
+            self.store.save(self.id, items)
+        return self.response_object(completion, status, output, self.usage(completion, parts))
+
+    def usage(self, completion: Completion, parts: list[Part]) -> dict[str, Any]:
+        """OpenAI's usage; reasoning tokens are those of the reasoning text re-encoded."""
+        counts = completion.usage()
+        reasoning = "".join(part.text for part in parts if part.kind == "reasoning")
+        reasoning_tokens = len(self.tokenizer.encode(reasoning)) if reasoning else 0
+        return {
+            "input_tokens": counts["prompt_tokens"],
+            "input_tokens_details": counts["prompt_tokens_details"],
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": counts["total_tokens"],
+        }
+
+    # -- the stream -----------------------------------------------------------------------
+
+    def opening_events(self, completion: Completion) -> list[dict[str, Any]]:
+        response = self.response_object(completion, "in_progress", [])
+        return [
+            {"type": "response.created", "response": response},
+            {"type": "response.in_progress", "response": response},
+        ]
+
+    def part_events(self, event: PartEvent, completion: Completion) -> list[dict[str, Any]]:
+        part = event.part
+        where = {"item_id": self.item(part, "open")["id"], "output_index": part.index}
+        if event.action == "open":
+            events = [
+                {"type": "response.output_item.added", "output_index": part.index}
+                | {"item": self.item(part, "open")}
+            ]
+            if part.kind != "call":
+                empty = {"type": "reasoning_text", "text": ""}
+                if part.kind == "text":
+                    empty = _output_text("")
+                events.append(
+                    {"type": "response.content_part.added", **where, "content_index": 0}
+                    | {"part": empty}
+                )
+            return events
+        if event.action == "add":
+            if part.kind == "call":
+                return [
+                    {"type": "response.function_call_arguments.delta", **where}
+                    | {"delta": event.text}
+                ]
+            kind = "reasoning_text" if part.kind == "reasoning" else "output_text"
+            delta = {"type": f"response.{kind}.delta", **where, "content_index": 0}
+            delta["delta"] = event.text
+            if part.kind == "text":
+                delta["logprobs"] = []
+            return [delta]
+        status = _status(completion) if event.final else "completed"
+        item = self.item(part, status)
+        done = {"type": "response.output_item.done", "output_index": part.index, "item": item}
+        if part.kind == "call":
+            arguments = {"arguments": part.text, "name": part.name}
+            return [{"type": "response.function_call_arguments.done", **where, **arguments}, done]
+        kind = "reasoning_text" if part.kind == "reasoning" else "output_text"
+        text_done = {
+            "type": f"response.{kind}.done",
+            **where,
+            "content_index": 0,
+            "text": part.text,
+        }
+        if part.kind == "text":
+            text_done["logprobs"] = []
+        part_done = {"type": "response.content_part.done", **where, "content_index": 0}
+        return [text_done, part_done | {"part": item["content"][0]}, done]
+
+    def closing_events(self, completion: Completion, reply: ReplyParts) -> list[dict[str, Any]]:
+        events = []
+        if not reply.parts:  # a reply of nothing: its empty message, as `answer` has
+            empty = Part("text", 0)
+            events = [
+                payload
+                for action in ("open", "close")
+                for payload in self.part_events(PartEvent(action, empty, final=True), completion)
+            ]
+        response = self.answer(completion, reply)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [*events, {"type": kind, "response": response}]
+
+    def error_events(self, error: APIError, completion: Completion) -> list[dict[str, Any]]:
+        failure = {"code": "server_error", "message": error.message}
+        failed = self.response_object(completion, "failed", [], error=failure)
+        return [
+            {"type": "error", "code": error.code, "message": error.message, "param": error.param},
+            {"type": "response.failed", "response": failed},
+        ]
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _status(completion: Completion) -> str:
+    """ "incomplete" when the reply ran out of tokens, else "completed"."""
+    output = completion.choices[0].output
+    return "incomplete" if output is not None and output.finish_reason == "length" else "completed"
+
+
+# --- the endpoint -----------------------------------------------------------------------
+
+
+class ResponsesAPI:
+    """`POST /v1/responses` on a `ModelServer`, with its store of recent responses."""
+
+    def __init__(self, server: ModelServer, store: ResponseStore | None = None):
+        self.server = server
+        self.store = store if store is not None else ResponseStore()
+
+    async def create(self, body: ResponsesRequest, connection: Request) -> Response:
+        server = self.server
+        server.check_model(body.model)
+        tools = body.offered_tools()
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            await run_in_threadpool(
+                check_tool_schemas, [tool.for_chat() for tool in body.tools], "tools.{}.parameters"
+            )
+        earlier = []
+        if body.previous_response_id is not None:
+            earlier = self.store.conversation(body.previous_response_id)
+        conversation = [*earlier, *body.items]
+        if len(conversation) > MAX_INPUT_ITEMS:
+            raise APIError(
+                400,
+                f"The conversation has {len(conversation)} items with the previous response's; "
+                f"at most {MAX_INPUT_ITEMS} are read",
+                param="input",
+                code="invalid_value",
+            )
+        template_kwargs = server.template_kwargs(None)
+        if body.reasoning is not None and body.reasoning.thinking is not None:
+            template_kwargs["enable_thinking"] = body.reasoning.thinking
+        params = server.settings.default_params.replace(**body.sampling_overrides())
+        completion = await server.start_chat(
+            template_messages(body.instructions, conversation),
+            params,
+            template_kwargs,
+            tools=tools,
+            forced_tool=body.forced_tool,
+            parallel_tool_calls=body.parallel_tool_calls,
+            id_prefix="resp",
+        )
+        answer_format = ResponsesFormat(
+            body, conversation, self.store, params, server.tokenizer, server.settings.model_name
+        )
+        return await server.respond(completion, answer_format, connection, stream=body.stream)

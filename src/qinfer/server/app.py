@@ -38,6 +38,12 @@ from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
+from qinfer.server.anthropic_messages import (
+    AnthropicRoute,
+    ConversationRequest,
+    MessagesAPI,
+    MessagesRequest,
+)
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
 from qinfer.server.inspection import (
@@ -366,6 +372,27 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     @app.post("/v1/responses", dependencies=authorized)
     async def create_response(request: Request) -> Response:
         return await responses.create(await read_body(request, ResponsesRequest), request)
+
+    messages = MessagesAPI(server)
+
+    async def create_message(request: Request) -> Response:
+        return await messages.create(await read_body(request, MessagesRequest), request)
+
+    async def count_message_tokens(request: Request) -> dict[str, int]:
+        return await messages.count_tokens(await read_body(request, ConversationRequest))
+
+    # Anthropic's routes answer every failure, the API key's included, in its own shape.
+    for path, endpoint in [
+        ("/v1/messages", create_message),
+        ("/v1/messages/count_tokens", count_message_tokens),
+    ]:
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            dependencies=authorized,
+            route_class_override=AnthropicRoute,
+        )
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:

@@ -364,6 +364,12 @@ def test_tool_choice_none_shows_no_tools(client):
             "Unimplemented keys",
         ),
         ({"messages": USER * (MAX_MESSAGES + 1)}, 400, "invalid_request_error", "at most"),
+        (
+            {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},
+            400,
+            "invalid_request_error",
+            "mcp_servers is an Anthropic-hosted feature",
+        ),
     ],
     ids=[
         "max-tokens-not-a-number",
@@ -379,6 +385,7 @@ def test_tool_choice_none_shows_no_tools(client):
         "any-without-tools",
         "schema-llguidance-cannot-compile",
         "too-many-messages",
+        "mcp-servers",
     ],
 )
 def test_bad_requests_are_anthropic_errors_and_the_server_keeps_serving(

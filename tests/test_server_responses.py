@@ -372,7 +372,7 @@ BAD_SCHEMA = {"type": "object", "dependentSchemas": {"a": {}}}
             "'nope' is not one of the tools",
         ),
         ({"previous_response_id": "resp_nope"}, 400, "previous_response_id", "not found"),
-        ({"background": True}, 400, "background", "Unrecognized request argument"),
+        ({"background": True}, 400, "background", "an OpenAI-hosted feature"),
         (
             {"input": [{"role": "user", "content": "hi"}] * (MAX_INPUT_ITEMS + 1)},
             400,

@@ -350,7 +350,8 @@ def _joined(blocks: list[TextBlock]) -> str:
 
 class MessagesRequest(ConversationRequest):
     """`POST /v1/messages`. `metadata`, `service_tier` and `cache_control` are accepted and
-    change nothing (the prefix cache needs no marks); `output_config.effort` likewise."""
+    change nothing (the prefix cache needs no marks), `output_config.effort` likewise;
+    Anthropic's hosted features (containers, MCP servers) are refused."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -362,6 +363,18 @@ class MessagesRequest(ConversationRequest):
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: dict[str, Any] | None = None
+    # Anthropic-hosted features, named so that asking for one is a 400 that says so.
+    container: str | dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+
+    @field_validator("container", "mcp_servers")
+    @classmethod
+    def _hosted_features_refused(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(
+                f"{info.field_name} is an Anthropic-hosted feature qinfer does not serve"
+            )
+        return value
 
     @model_validator(mode="after")
     def _forced_call_without_a_format(self):
@@ -425,22 +438,15 @@ class MessagesFormat(PartsFormat):
         ]
 
     def part_events(self, event: PartEvent, completion: Completion) -> list[dict[str, Any]]:
-        part, index = event.part, event.part.index
+        part = event.part
         if event.action == "open":
-            start = {"text": {"type": "text", "text": ""}}
-            start["reasoning"] = {"type": "thinking", "thinking": "", "signature": ""}
-            start["call"] = {"type": "tool_use", "id": part.call_id, "name": part.name, "input": {}}
-            return [
-                {"type": "content_block_start", "index": index, "content_block": start[part.kind]}
-            ]
+            start = _empty_block(part)
+            return [{"type": "content_block_start", "index": part.index, "content_block": start}]
         if event.action == "add":
-            delta = {
-                "text": {"type": "text_delta", "text": event.text},
-                "reasoning": {"type": "thinking_delta", "thinking": event.text},
-                "call": {"type": "input_json_delta", "partial_json": event.text},
-            }[part.kind]
-            return [{"type": "content_block_delta", "index": index, "delta": delta}]
-        return [{"type": "content_block_stop", "index": index}]
+            kind, field = _DELTAS[part.kind]
+            delta = {"type": kind, field: event.text}
+            return [{"type": "content_block_delta", "index": part.index, "delta": delta}]
+        return [{"type": "content_block_stop", "index": part.index}]
 
     def closing_events(self, completion: Completion, reply: ReplyParts) -> list[dict[str, Any]]:
         output_tokens = {"output_tokens": _usage(completion)["output_tokens"]}
@@ -451,6 +457,23 @@ class MessagesFormat(PartsFormat):
 
     def error_events(self, error: APIError, completion: Completion) -> list[dict[str, Any]]:
         return [anthropic_error(error)[1]]
+
+
+#: The delta type of each kind of part, and its field.
+_DELTAS = {
+    "text": ("text_delta", "text"),
+    "reasoning": ("thinking_delta", "thinking"),
+    "call": ("input_json_delta", "partial_json"),
+}
+
+
+def _empty_block(part: Part) -> dict[str, Any]:
+    """The content block of a part as its stream opens it (no text, no input yet)."""
+    if part.kind == "text":
+        return {"type": "text", "text": ""}
+    if part.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": {}}
 
 
 def _block(part: Part) -> dict[str, Any] | None:

@@ -250,10 +250,9 @@ class ReasoningConfig(StrictModel):
 
 
 class ResponsesRequest(StrictModel):
-    """`POST /v1/responses`. Fields for OpenAI's hosted features (background runs,
-    conversations, stored prompts) are not accepted; `metadata`, `user`, `include`,
-    `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and change
-    nothing."""
+    """`POST /v1/responses`. OpenAI's hosted features (background runs, conversations,
+    stored prompts) are refused; `metadata`, `user`, `include`, `service_tier`,
+    `prompt_cache_key` and `safety_identifier` are accepted and change nothing."""
 
     model: str | None = None
     input: Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | str
@@ -276,6 +275,17 @@ class ResponsesRequest(StrictModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # OpenAI-hosted features, named so that asking for one is a 400 that says so.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+
+    @field_validator("background", "conversation", "prompt")
+    @classmethod
+    def _hosted_features_refused(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False):
+            raise ValueError(f"{info.field_name} is an OpenAI-hosted feature qinfer does not serve")
+        return value
 
     @field_validator("input")
     @classmethod
@@ -496,26 +506,24 @@ class ResponsesFormat(PartsFormat):
             "metadata": body.metadata or {},
         }
 
-    def item(self, part: Part, status: str) -> dict[str, Any]:
-        """The output item of a part (whole once the part closed)."""
-        item_id = self._item_ids.setdefault(
+    def item_id(self, part: Part) -> str:
+        return self._item_ids.setdefault(
             part.index, f"{_ITEM_ID_PREFIX[part.kind]}_{uuid.uuid4().hex}"
         )
+
+    def item(self, part: Part, status: str) -> dict[str, Any]:
+        """The output item of a part: as announced (status "open": no text yet, shown as
+        "in_progress"), or whole once the part closed ("completed", "incomplete")."""
+        text = part.text if status != "open" else ""
+        content = [_content(part.kind, text)] if status != "open" else []
+        item: dict[str, Any] = {"id": self.item_id(part)}
         if part.kind == "reasoning":
-            content = [{"type": "reasoning_text", "text": part.text}] if status != "open" else []
-            item = {"id": item_id, "type": "reasoning", "summary": [], "content": content}
+            item |= {"type": "reasoning", "summary": [], "content": content}
         elif part.kind == "text":
-            content = [_output_text(part.text)] if status != "open" else []
-            item = {"id": item_id, "type": "message", "role": "assistant", "content": content}
+            item |= {"type": "message", "role": "assistant", "content": content}
         else:
-            arguments = part.text if status != "open" else ""
-            item = {
-                "id": item_id,
-                "type": "function_call",
-                "call_id": part.call_id,
-                "name": part.name,
-                "arguments": arguments,
-            }
+            item |= {"type": "function_call", "call_id": part.call_id, "name": part.name}
+            item["arguments"] = text
         return {**item, "status": "in_progress" if status == "open" else status}
 
     def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
@@ -551,50 +559,48 @@ class ResponsesFormat(PartsFormat):
 
     def part_events(self, event: PartEvent, completion: Completion) -> list[dict[str, Any]]:
         part = event.part
-        where = {"item_id": self.item(part, "open")["id"], "output_index": part.index}
         if event.action == "open":
-            events = [
-                {"type": "response.output_item.added", "output_index": part.index}
-                | {"item": self.item(part, "open")}
-            ]
-            if part.kind != "call":
-                empty = {"type": "reasoning_text", "text": ""}
-                if part.kind == "text":
-                    empty = _output_text("")
-                events.append(
-                    {"type": "response.content_part.added", **where, "content_index": 0}
-                    | {"part": empty}
-                )
-            return events
+            return self._opened(part)
         if event.action == "add":
-            if part.kind == "call":
-                return [
-                    {"type": "response.function_call_arguments.delta", **where}
-                    | {"delta": event.text}
-                ]
-            kind = "reasoning_text" if part.kind == "reasoning" else "output_text"
-            delta = {"type": f"response.{kind}.delta", **where, "content_index": 0}
-            delta["delta"] = event.text
-            if part.kind == "text":
-                delta["logprobs"] = []
-            return [delta]
-        status = _status(completion) if event.final else "completed"
+            return [self._delta(part, event.text)]
+        return self._closed(part, _status(completion) if event.final else "completed")
+
+    def _where(self, part: Part) -> dict[str, Any]:
+        """The fields that place an event: its item, and the item's text part."""
+        where = {"item_id": self.item_id(part), "output_index": part.index}
+        return where if part.kind == "call" else {**where, "content_index": 0}
+
+    def _opened(self, part: Part) -> list[dict[str, Any]]:
+        added = {"type": "response.output_item.added", "output_index": part.index}
+        events = [{**added, "item": self.item(part, "open")}]
+        if part.kind != "call":
+            empty = _content(part.kind, "")
+            events.append(
+                {"type": "response.content_part.added", **self._where(part), "part": empty}
+            )
+        return events
+
+    def _delta(self, part: Part, text: str) -> dict[str, Any]:
+        if part.kind == "call":
+            kind = "response.function_call_arguments.delta"
+            return {"type": kind, **self._where(part), "delta": text}
+        delta = {"type": f"response.{_CONTENT_TYPE[part.kind]}.delta", **self._where(part)}
+        return {**delta, "delta": text, **_no_logprobs(part)}
+
+    def _closed(self, part: Part, status: str) -> list[dict[str, Any]]:
         item = self.item(part, status)
         done = {"type": "response.output_item.done", "output_index": part.index, "item": item}
         if part.kind == "call":
-            arguments = {"arguments": part.text, "name": part.name}
-            return [{"type": "response.function_call_arguments.done", **where, **arguments}, done]
-        kind = "reasoning_text" if part.kind == "reasoning" else "output_text"
-        text_done = {
-            "type": f"response.{kind}.done",
-            **where,
-            "content_index": 0,
-            "text": part.text,
-        }
-        if part.kind == "text":
-            text_done["logprobs"] = []
-        part_done = {"type": "response.content_part.done", **where, "content_index": 0}
-        return [text_done, part_done | {"part": item["content"][0]}, done]
+            kind = "response.function_call_arguments.done"
+            whole = {"arguments": part.text, "name": part.name}
+            return [{"type": kind, **self._where(part), **whole}, done]
+        text_done = {"type": f"response.{_CONTENT_TYPE[part.kind]}.done", **self._where(part)}
+        part_done = {"type": "response.content_part.done", **self._where(part)}
+        return [
+            {**text_done, "text": part.text, **_no_logprobs(part)},
+            {**part_done, "part": item["content"][0]},
+            done,
+        ]
 
     def closing_events(self, completion: Completion, reply: ReplyParts) -> list[dict[str, Any]]:
         events = []
@@ -618,8 +624,20 @@ class ResponsesFormat(PartsFormat):
         ]
 
 
-def _output_text(text: str) -> dict[str, Any]:
+#: The content part type of a reasoning and of a text part.
+_CONTENT_TYPE = {"reasoning": "reasoning_text", "text": "output_text"}
+
+
+def _content(kind: str, text: str) -> dict[str, Any]:
+    """The content part of a reasoning or message item."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _no_logprobs(part: Part) -> dict[str, Any]:
+    """Text events carry logprobs (none are computed here); reasoning events do not."""
+    return {"logprobs": []} if part.kind == "text" else {}
 
 
 def _status(completion: Completion) -> str:

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import start_serve_command, wait_until_idle
+from server_process import metric_values, start_serve_command, wait_until_idle
 
 from qinfer.server.anthropic_messages import MAX_MESSAGES
 
@@ -204,6 +204,16 @@ def test_stream_sends_the_documented_events_and_the_same_message(client):
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
     final = final_streamed(client, thinking=THINKING)
     assert blocks(final) == blocks(whole) and final.stop_reason == whole.stop_reason
+
+
+def test_a_long_greedy_text_streams_as_it_is_whole(client):
+    # Inside a JSON string the random model writes 60 tokens of its own, not the path.
+    config = {"format": {"type": "json_schema", "schema": {"type": "string"}}}
+    whole = create(client, output_config=config, max_tokens=60)
+    events = raw_stream(client, output_config=config, max_tokens=60)
+    deltas = [e for e in events if e.type == "content_block_delta"]
+    assert len(deltas) > 10 and deltas_of(events, "text_delta") == whole.content[0].text
+    assert whole.usage.output_tokens == events[-2].usage.output_tokens == 60
 
 
 def test_max_tokens_cuts_the_reply_streamed_alike(client):
@@ -432,12 +442,15 @@ def test_aborted_streams_free_their_requests(http):
         "max_tokens": 2000,
         "messages": USER,
         "stream": True,
+        "temperature": 0,  # the random model loops inside the string: never ends
         "output_config": {"format": {"type": "json_schema", "schema": {"type": "string"}}},
         "thinking": NO_THINKING,
     }
+    aborted = metric_values(http)["qinfer_requests_aborted_total"]
     for _ in range(8):
         with http.stream("POST", "/v1/messages", json=body) as response:
             assert response.status_code == 200
             assert next(response.iter_lines()) == "event: message_start"
     values = wait_until_idle(http)
     assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
+    assert values["qinfer_requests_aborted_total"] == aborted + 8

@@ -20,7 +20,7 @@ import openai
 import pydantic
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import start_serve_command, wait_until_idle
+from server_process import metric_values, start_serve_command, wait_until_idle
 
 from qinfer.server.openai_responses import MAX_INPUT_ITEMS
 
@@ -181,6 +181,17 @@ def test_stream_sends_the_documented_events_and_the_same_response(client):
     assert shape(final.output) == shape(whole.output)
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert len({event.response.id for event in events if hasattr(event, "response")}) == 1
+
+
+def test_a_long_greedy_text_streams_as_it_is_whole(client):
+    # Inside a JSON string the random model writes 60 tokens of its own, not the path.
+    text = {"format": {"type": "json_schema", "name": "s", "schema": {"type": "string"}}}
+    fields = dict(input="Hello world", text=text, max_output_tokens=60)
+    whole = create(client, **fields)
+    events, final = stream(client, **fields)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 10 and "".join(deltas) == final.output_text == whole.output_text
+    assert whole.usage.output_tokens == final.usage.output_tokens == 60
 
 
 def test_max_output_tokens_ends_incomplete_streamed_alike(client):
@@ -422,13 +433,16 @@ def test_aborted_streams_free_their_requests(http):
         "model": MODEL,
         "input": "Hello world",
         "stream": True,
+        "temperature": 0,  # the random model loops inside the string: never ends
         "max_output_tokens": 2000,
         "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "string"}}},
         "reasoning": NO_THINKING,
     }
+    aborted = metric_values(http)["qinfer_requests_aborted_total"]
     for _ in range(8):
         with http.stream("POST", "/v1/responses", json=body) as response:
             assert response.status_code == 200
             assert next(response.iter_lines()) == "event: response.created"
     values = wait_until_idle(http)
     assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
+    assert values["qinfer_requests_aborted_total"] == aborted + 8

@@ -454,3 +454,21 @@ def test_aborted_streams_free_their_requests(http):
     values = wait_until_idle(http)
     assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
     assert values["qinfer_requests_aborted_total"] == aborted + 8
+
+
+def test_a_client_leaving_before_its_whole_message_aborts_it(http):
+    body = {
+        "model": MODEL,
+        "max_tokens": 2000,
+        "messages": USER,
+        "temperature": 0,  # the random model loops inside the string: never ends
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "string"}}},
+        "thinking": NO_THINKING,
+    }
+    aborted = metric_values(http)["qinfer_requests_aborted_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        # 0.5 s: a fraction of the time 2000 tokens take, however fast the machine
+        http.post("/v1/messages", json=body, timeout=0.5)
+    values = wait_until_idle(http)
+    assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
+    assert values["qinfer_requests_aborted_total"] == aborted + 1

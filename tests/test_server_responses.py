@@ -22,6 +22,7 @@ import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
 from server_process import metric_values, start_serve_command, wait_until_idle
 
+import qinfer
 from qinfer.server.openai_responses import MAX_INPUT_ITEMS
 
 MODEL = "tiny"
@@ -55,7 +56,8 @@ class Forecast(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(openai client, httpx client) of `qinfer serve` on the planted Qwen3, with an API key."""
+    """(openai client, httpx client, checkpoint folder) of `qinfer serve` on the planted
+    Qwen3, with an API key."""
     folder = build_planted_qwen3(tmp_path_factory.mktemp("responses"), max_position_embeddings=4096)
     process, url = start_serve_command(
         *("--model", str(folder), "--served-model-name", MODEL, "--max-model-len", "4096"),
@@ -65,9 +67,14 @@ def served(tmp_path_factory):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
-        yield client, http
+        yield client, http, folder
     process.terminate()
     process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return qinfer.load_tokenizer(served[2])
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +148,15 @@ def test_instructions_are_a_system_message(client):
     assert response.usage.input_tokens == chat_usage(client, messages, max_tokens=1).prompt_tokens
 
 
-def test_reasoning_effort_turns_thinking_on_and_returns_a_reasoning_item(client):
+def test_reasoning_effort_turns_thinking_on_and_returns_a_reasoning_item(client, tokenizer):
     response = create(client, input="Hello world", reasoning=THINKING)
     assert shape(response.output) == [
         ("reasoning", "completed", PLANTED_REASONING),
         ("message", "completed", PLANTED_ANSWER),
     ]
     assert response.output_text == PLANTED_ANSWER
-    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    thought = len(tokenizer.encode(f"<think>{PLANTED_REASONING}</think>"))
+    assert response.usage.output_tokens_details.reasoning_tokens == thought
 
 
 def test_stream_sends_the_documented_events_and_the_same_response(client):

@@ -44,6 +44,7 @@ from pydantic import (
 )
 from starlette.concurrency import run_in_threadpool
 
+from qinfer.reasoning import THINK_CLOSE
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError
@@ -536,10 +537,14 @@ class ResponsesFormat(PartsFormat):
         return self.response_object(completion, status, output, self.usage(completion, parts))
 
     def usage(self, completion: Completion, parts: list[Part]) -> dict[str, Any]:
-        """OpenAI's usage; reasoning tokens are those of the reasoning text re-encoded."""
+        """OpenAI's usage; reasoning tokens are the generated ones up to and including
+        `</think>` (all of them while the block is open), when the reply thought."""
         counts = completion.usage()
-        reasoning = "".join(part.text for part in parts if part.kind == "reasoning")
-        reasoning_tokens = len(self.tokenizer.encode(reasoning)) if reasoning else 0
+        reasoning_tokens = 0
+        if any(part.kind == "reasoning" for part in parts):
+            generated = completion.choices[0].output.token_ids
+            close = self.tokenizer.token_to_id(THINK_CLOSE)
+            reasoning_tokens = generated.index(close) + 1 if close in generated else len(generated)
         return {
             "input_tokens": counts["prompt_tokens"],
             "input_tokens_details": counts["prompt_tokens_details"],

@@ -21,7 +21,7 @@ import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
 from server_process import metric_values, start_serve_command, wait_until_idle
 
-from qinfer.server.anthropic_messages import MAX_MESSAGES
+from qinfer.server.anthropic_messages_request import MAX_MESSAGES
 
 MODEL = "tiny"
 KEY = "anthropic-key"

@@ -23,7 +23,7 @@ from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
 from server_process import metric_values, start_serve_command, wait_until_idle
 
 import qinfer
-from qinfer.server.openai_responses import MAX_INPUT_ITEMS
+from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
 
 MODEL = "tiny"
 KEY = "responses-key"

@@ -38,12 +38,8 @@ from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
-from qinfer.server.anthropic_messages import (
-    AnthropicRoute,
-    ConversationRequest,
-    MessagesAPI,
-    MessagesRequest,
-)
+from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
+from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
 from qinfer.server.inspection import (
@@ -52,7 +48,8 @@ from qinfer.server.inspection import (
     inspection_json,
 )
 from qinfer.server.metrics import ServerMetrics
-from qinfer.server.openai_responses import ResponsesAPI, ResponsesRequest
+from qinfer.server.openai_responses import ResponsesAPI
+from qinfer.server.openai_responses_request import ResponsesRequest
 from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse

@@ -1,4 +1,4 @@
-"""`qinfer serve` as a real subprocess, for the tests of the command line."""
+"""`qinfer serve` as a real subprocess, and what a test reads off a running server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -36,3 +37,24 @@ def start_serve_command(
                 return server, url
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def wait_until_idle(http: httpx.Client, timeout: float = 30) -> dict[str, float]:
+    """Metrics once the engine runs nothing and holds no KV blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metric_values(http)
+        idle = values["qinfer_requests_running"] == 0 and values["qinfer_requests_waiting"] == 0
+        if (idle and values["qinfer_kv_blocks_used"] == 0) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)

@@ -1,13 +1,13 @@
 """The OpenAI-compatible server, end to end: the real `openai` client and raw HTTP against
 the app `qinfer serve` runs, over the real AsyncEngine on a random Qwen3 checkpoint.
 
-The checkpoint is random except for one planted path, so that a chat can be checked
-for its reasoning without a trained model: after "\\n" the model always writes
-`<think>The answer</think>\\n\\nHello<|im_end|>` (a Qwen3 thinking reply), and after the
-"\\n\\n" that closes Qwen3's empty think block (`enable_thinking=False`) it writes
-`Hello<|im_end|>`. Anywhere else it writes random text and, in practice, never stops
-before max_tokens. Expected outputs come from `qinfer.generate` (the single-request
-generator, greedy) and from `transformers` (logprobs), never from the server itself.
+The checkpoint is random except for one planted path (tests/planted_qwen3.py): after "\\n"
+the model always writes `<think>The answer</think>\\n\\nHello<|im_end|>` (a Qwen3 thinking
+reply), and after the "\\n\\n" that closes Qwen3's empty think block
+(`enable_thinking=False`) it writes `Hello<|im_end|>`. Anywhere else it writes random text
+and, in practice, never stops before max_tokens. Expected outputs come from
+`qinfer.generate` (the single-request generator, greedy) and from `transformers`
+(logprobs), never from the server itself.
 """
 
 from __future__ import annotations
@@ -24,18 +24,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import tokenizers
 import torch
 import uvicorn
-from checkpoints import build_checkpoint
+from planted_qwen3 import build_planted_qwen3
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import start_serve_command
-from text_assets import (
-    CHATML_SPECIAL,
-    QWEN3_ADDED,
-    save_qwen3_tokenizer,
-    train_tokenizer,
-)
+from server_process import metric_values, start_serve_command, wait_until_idle
 
 import qinfer
 from qinfer.cli import main
@@ -54,54 +47,10 @@ ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=160
 # --- the checkpoint ----------------------------------------------------------------------
 
 
-def plant_path(model, path: list[int]) -> None:
-    """Make `model` (a transformers Qwen3 with untied head) follow `path` token by token.
-
-    Hidden dimension k carries "the current token is path[k]": only that token's
-    embedding has it, and only the head row of path[k + 1] reads it. The embeddings are
-    scaled up so the random layers barely move the residual stream. One more dimension,
-    present in every embedding, pushes the path's tokens (EOS last among them) down
-    everywhere else, so random text does not stumble into the path or stop.
-    """
-    steps, bias_dim = len(path) - 1, len(path) - 1
-    with torch.no_grad():
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.mul_(20)
-        embed[:, : steps + 1] = 0
-        embed[:, bias_dim] = 5.0
-        for token in path:
-            head[token] = 0
-            head[token, bias_dim] = -1.0
-        for k, (current, following) in enumerate(zip(path, path[1:], strict=False)):
-            embed[current, k] = 10.0
-            head[following, k] = 4.0
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A random Qwen3 checkpoint with a Qwen3 tokenizer and chat template, path planted."""
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
-    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
-    # "\n\n" as one token tells the end of Qwen3's empty think block from a lone "\n".
-    backend.add_tokens([tokenizers.AddedToken("\n\n", special=False, normalized=False)])
-    im_end = backend.token_to_id("<|im_end|>")
-    save_qwen3_tokenizer(folder, backend)
-    model = build_checkpoint(
-        folder,
-        "qwen3",
-        vocab_size=backend.get_vocab_size(),
-        tie_word_embeddings=False,
-        eos_token_id=im_end,
-    )
-
-    def ids(text: str) -> list[int]:
-        return backend.encode(text, add_special_tokens=False).ids
-
-    think, answer = ids("<think>The answer</think>"), ids("\n\nHello")
-    path = [*ids("\n"), *think, *answer, im_end]
-    plant_path(model, path)
-    model.save_pretrained(folder)
-    return folder
+    return build_planted_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -218,27 +167,6 @@ def streamed_text(events: list[str]) -> str:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-
-
-def metric_values(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.labels
-    }
-
-
-def wait_until_idle(http: httpx.Client, timeout: float = 30) -> dict[str, float]:
-    """Metrics once the engine runs nothing and holds no KV blocks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = metric_values(http)
-        idle = values["qinfer_requests_running"] == 0 and values["qinfer_requests_waiting"] == 0
-        if (idle and values["qinfer_kv_blocks_used"] == 0) or time.monotonic() > deadline:
-            return values
-        time.sleep(0.05)
 
 
 # --- models, health -----------------------------------------------------------------------

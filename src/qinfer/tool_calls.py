@@ -148,15 +148,18 @@ def _hermes_block(function: Mapping[str, Any]) -> str:
     return f"{TOOL_CALL_OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
-def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse, with a RequestError naming `tools.i.function.parameters`, the first tool whose
-    parameters llguidance cannot compile; checked whatever `tool_choice` says (a forced
-    call's grammar holds them all, and its error would name neither tool nor field)."""
+def check_tool_schemas(
+    tools: Sequence[Mapping[str, Any]], field: str = "tools.{}.function.parameters"
+) -> None:
+    """Refuse, with a RequestError naming `field` of the tool (`tools.i.function.parameters`
+    in chat requests), the first tool whose parameters llguidance cannot compile; checked
+    whatever `tool_choice` says (a forced call's grammar holds them all, and its error
+    would name neither tool nor field)."""
     for i, tool in enumerate(tools):
         parameters = tool["function"].get("parameters")
         problem = None if parameters is None else json_schema_problem(parameters)
         if problem is not None:
-            param = f"tools.{i}.function.parameters"
+            param = field.format(i)
             raise RequestError(
                 f"Invalid value for '{param}': not a JSON schema qinfer can follow ({problem})",
                 param=param,

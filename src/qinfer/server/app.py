@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine's async API.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, vLLM's
-`POST /tokenize` and `POST /detokenize`, and qinfer's own `POST /v1/inspect` (all behind
-the API keys when there are any), `GET /health`, `GET /metrics`, and the web pages: the
-chat at `/`, the attention inspector at `/inspect` (plain files from `server/static/`,
-which ask for the key once and send it to /v1 themselves).
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`
+(`openai_responses`), `POST /v1/messages` and `/v1/messages/count_tokens`
+(`anthropic_messages`), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
+and qinfer's own `POST /v1/inspect` (all behind the API keys when there are any),
+`GET /health`, `GET /metrics`, and the web pages: the chat at `/`, the attention inspector
+at `/inspect` (plain files from `server/static/`, which ask for the key once and send it
+to /v1 themselves).
 
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
@@ -16,11 +18,11 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pydantic
 import uvicorn
@@ -39,7 +41,9 @@ from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
 from qinfer.sampling import SamplingParams
-from qinfer.server.completions import Completion
+from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
+from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
+from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
 from qinfer.server.inspection import (
     InspectRequest,
@@ -47,6 +51,8 @@ from qinfer.server.inspection import (
     inspection_json,
 )
 from qinfer.server.metrics import ServerMetrics
+from qinfer.server.openai_responses import ResponsesAPI
+from qinfer.server.openai_responses_request import ResponsesRequest
 from qinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,7 +60,7 @@ from qinfer.server.protocol import (
     GenerationRequest,
     TokenizeRequest,
 )
-from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
+from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 from qinfer.tool_calls import (
@@ -108,6 +114,17 @@ class ServerSettings:
         return any(matches)
 
 
+class AnswerFormat(Protocol):
+    """How one API shows a finished completion and streams one (`responses.ChatFormat`,
+    the Responses and Messages APIs' own)."""
+
+    async def whole(self, completion: Completion) -> dict[str, Any]: ...
+
+    def events(
+        self, completion: Completion, first: Delta, rest: AsyncIterator[Delta], include_usage: bool
+    ) -> AsyncIterator[str]: ...
+
+
 class ModelServer:
     """The request handling behind the routes: engine, tokenizer, settings, metrics."""
 
@@ -157,39 +174,68 @@ class ModelServer:
             )
         return self.settings.default_params.replace(**body.sampling_overrides())
 
+    async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
+        self.check_model(body.model)
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            await run_in_threadpool(
+                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
+            )
+        completion = await self.start_chat(
+            [message.for_template() for message in body.messages],
+            self.sampling_params(body),
+            self.template_kwargs(body.chat_template_kwargs, body.thinking),
+            tools=body.offered_tools(),
+            forced_tool=body.forced_tool,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            n=body.n,
+        )
+        return await self.respond(
+            completion,
+            ChatFormat(self.tokenizer, self.settings.model_name),
+            connection,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        )
+
     async def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
         template_kwargs: Mapping[str, Any],
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The prompt ids of a chat, with the tools shown as the model's format wants."""
+        """The prompt ids of a conversation (messages as the template reads them) that
+        offers `tools` (OpenAI function tools, None: none), in the family's tool format."""
         messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
         return await run_in_threadpool(
             encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
         )
 
-    async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
-        self.check_model(body.model)
-        params = self.sampling_params(body)
-        template_kwargs = self.template_kwargs(body.chat_template_kwargs, body.thinking)
-        if body.tools:  # compiling schemas can take a while: off the event loop
-            await run_in_threadpool(
-                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
-            )
-        tools = body.offered_tools()
-        messages = [message.for_template() for message in body.messages]
-        prompt_ids = await self.encode_chat(messages, tools, template_kwargs)
+    async def start_chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        template_kwargs: Mapping[str, Any],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        forced_tool: str | None = None,
+        parallel_tool_calls: bool = True,
+        n: int = 1,
+        id_prefix: str = "chatcmpl",
+    ) -> Completion:
+        """The engine requests (not yet started) that answer a conversation: its prompt
+        encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
+        out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
+        grammar in the model's own wrapping. The Responses and Messages APIs share it."""
+        prompt_ids = await self.encode_chat(messages, template_kwargs, tools)
         names = tuple(tool["function"]["name"] for tool in tools or ())
-        tool_use = ToolUse(self.tool_format, names, body.forced_tool) if tools else None
-        if tools and body.forced_tool is not None:
-            # The call is forced by a grammar in the model's own wrapping. A named tool
-            # is one call; "required" may make several unless parallel_tool_calls is false.
+        tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
+        if tools and forced_tool is not None:
+            # A named tool is one call; "required" may make several unless not parallel.
             callable_tools = [
-                t for t in tools if body.forced_tool in ("required", t["function"]["name"])
+                t for t in tools if forced_tool in ("required", t["function"]["name"])
             ]
-            parallel = body.forced_tool == "required" and body.parallel_tool_calls is not False
+            parallel = forced_tool == "required" and parallel_tool_calls
             params = params.replace(
                 grammar=tool_call_grammar(
                     self.tool_format, callable_tools, self.tokenizer, parallel
@@ -198,18 +244,8 @@ class ModelServer:
         reasoning = None
         if self.splits_reasoning:
             reasoning = [prompt_opened_think(self.tokenizer.decode(prompt_ids))]
-        completion = Completion(
-            self.engine,
-            self.metrics,
-            [prompt_ids],
-            params,
-            body.n,
-            "chatcmpl",
-            reasoning,
-            tool_use,
-        )
-        return await self.respond(
-            completion, ChatFormat(self.tokenizer, self.settings.model_name), body, connection
+        return Completion(
+            self.engine, self.metrics, [prompt_ids], params, n, id_prefix, reasoning, tool_use
         )
 
     async def complete(self, body: CompletionRequest, connection: Request) -> Response:
@@ -226,7 +262,11 @@ class ModelServer:
             self.engine, self.metrics, prompts, params, body.n, "cmpl", echo=echo
         )
         return await self.respond(
-            completion, TextFormat(self.tokenizer, self.settings.model_name), body, connection
+            completion,
+            TextFormat(self.tokenizer, self.settings.model_name),
+            connection,
+            stream=body.stream,
+            include_usage=body.include_usage,
         )
 
     def fill_in_middle(self, body: CompletionRequest) -> list[str]:
@@ -263,7 +303,7 @@ class ModelServer:
             )
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
             messages = [message.for_template() for message in body.messages]
-            ids = await self.encode_chat(messages, tools, template_kwargs)
+            ids = await self.encode_chat(messages, template_kwargs, tools)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.engine.context_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
@@ -285,9 +325,11 @@ class ModelServer:
     async def respond(
         self,
         completion: Completion,
-        response_format: ResponseFormat,
-        body: GenerationRequest,
+        response_format: AnswerFormat,
         connection: Request,
+        *,
+        stream: bool,
+        include_usage: bool = False,
     ) -> Response:
         """A JSON answer, or a stream of events once the first delta proves the request runs.
 
@@ -295,24 +337,24 @@ class ModelServer:
         still answer with its own status rather than inside a 200 stream. A client that
         leaves before its JSON answer is ready has its requests aborted, as a stream does.
         """
-        if body.stream:
+        if stream:
             deltas = completion.deltas()
             first = await anext(deltas)
             return EventStreamResponse(
-                response_format.events(completion, first, deltas, body.include_usage)
+                response_format.events(completion, first, deltas, include_usage)
             )
-        answers = asyncio.ensure_future(completion.collect())
+        answer = asyncio.ensure_future(response_format.whole(completion))
         client_left = asyncio.ensure_future(wait_for_disconnect(connection))
         try:
-            await asyncio.wait({answers, client_left}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({answer, client_left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             client_left.cancel()
-            if not answers.done():
-                answers.cancel()  # closes the deltas, which aborts the engine requests
-        if answers.cancelled():
+            if not answer.done():
+                answer.cancel()  # closes the deltas, which aborts the engine requests
+        if answer.cancelled():
             # 499 (nginx's "client closed request"): logged, never read by anyone.
             return Response(status_code=499)
-        return JSONResponse(response_format.response(completion, answers.result()))
+        return JSONResponse(answer.result())
 
     async def inspect(self, body: InspectRequest) -> dict[str, Any]:
         """The inspection `body` asks for: the prompt encoded and the JSON built off the
@@ -410,11 +452,15 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     def check_api_key(request: Request) -> None:
         if settings.api_key is None:
             return
+        # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token.
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not settings.accepts_key(key.strip()):
+        if scheme.lower() != "bearer":
+            key = request.headers.get("x-api-key", "")
+        if not settings.accepts_key(key.strip()):
             raise APIError(
                 401,
-                "Missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "Missing or invalid API key (send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>')",
                 code="invalid_api_key",
             )
 
@@ -435,6 +481,33 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     @app.post("/detokenize", dependencies=authorized)
     async def detokenize(request: Request) -> dict[str, Any]:
         return await server.detokenize(await read_body(request, DetokenizeRequest))
+
+    responses = ResponsesAPI(server)
+
+    @app.post("/v1/responses", dependencies=authorized)
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await read_body(request, ResponsesRequest), request)
+
+    messages = MessagesAPI(server)
+
+    async def create_message(request: Request) -> Response:
+        return await messages.create(await read_body(request, MessagesRequest), request)
+
+    async def count_message_tokens(request: Request) -> dict[str, int]:
+        return await messages.count_tokens(await read_body(request, ConversationRequest))
+
+    # Anthropic's routes answer every failure, the API key's included, in its own shape.
+    for path, endpoint in [
+        ("/v1/messages", create_message),
+        ("/v1/messages/count_tokens", count_message_tokens),
+    ]:
+        app.router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            dependencies=authorized,
+            route_class_override=AnthropicRoute,
+        )
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:

@@ -83,15 +83,15 @@ def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIErro
 def _field_path(loc: tuple, body: Any) -> str | None:
     """The dotted path of `loc` through `body`, or None for the body itself."""
     parts, node = [], body
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif isinstance(node, dict):
+        elif isinstance(node, dict) and i == len(loc) - 1:
             node = None  # a missing field: still its name
         else:
-            continue  # a union member's name: not a place in the request
+            continue  # a union member's name or tag: not a place in the request
         parts.append(str(part))
     return ".".join(parts) or None
 

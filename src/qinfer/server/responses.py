@@ -48,6 +48,10 @@ class ResponseFormat:
             "usage": completion.usage(),
         }
 
+    async def whole(self, completion: Completion) -> dict[str, Any]:
+        """Run every choice to its end; the whole (non-streaming) response."""
+        return self.response(completion, await completion.collect())
+
     async def events(
         self, completion: Completion, first: Delta, rest: AsyncIterator[Delta], include_usage: bool
     ) -> AsyncIterator[str]:

@@ -1,4 +1,6 @@
-"""Server-sent events: one `data: <json>` event per chunk, then `data: [DONE]`.
+"""Server-sent events: one `data: <json>` event per chunk, then `data: [DONE]` (chat and
+text completions), or named events `event: <type>` / `data: <json>` (the Responses and
+Messages APIs, whose clients dispatch on the name).
 
 A client may leave in the middle of a stream. The response below closes its event source
 whatever way the stream ends, so the source's own `finally` (which aborts the request in
@@ -21,6 +23,11 @@ def sse_event(payload: dict) -> str:
     """One server-sent event carrying `payload` as compact JSON on a single `data:` line."""
     # json.dumps escapes newlines inside strings, so the event can never be split.
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def named_sse_event(payload: dict) -> str:
+    """One server-sent event named after `payload["type"]`, carrying `payload`."""
+    return f"event: {payload['type']}\n{sse_event(payload)}"
 
 
 class EventStreamResponse(StreamingResponse):

@@ -1,0 +1,239 @@
+"""The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+A request's `system` and `messages` (text, `tool_use`, `tool_result` and `thinking`
+blocks) become a conversation for the chat template, as chat completions render it:
+tool uses are the assistant's `tool_calls`, tool results `tool` messages, thinking its
+`reasoning_content`. `tools` are offered in the family's own call format; `tool_choice`
+"any" or a named tool forces calls with a grammar, "none" shows no tools. `thinking`
+turns Qwen3's thinking on ("enabled", "adaptive") or off ("disabled"); without it, the
+server's default (`--chat-template-kwargs`) holds. Its `budget_tokens` is not enforced:
+`max_tokens` bounds thinking and answer together.
+
+The reply goes out as content blocks in the order the model wrote them (`reply_parts`):
+`thinking` (with an empty signature: nothing is signed here), `text`, `tool_use`.
+Streams send Anthropic's events: message_start, ping, then per block content_block_start,
+content_block_delta (text_delta, thinking_delta, input_json_delta) and content_block_stop,
+then message_delta (stop_reason and usage) and message_stop.
+
+Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with
+its status codes (529 when the engine's queue is full); `AnthropicRoute` makes every
+failure of these routes (authentication and request validation included) one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+
+from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
+from qinfer.server.completions import Completion
+from qinfer.server.errors import APIError, error_from_exception
+from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
+from qinfer.tool_calls import check_tool_schemas
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from qinfer.server.app import ModelServer
+
+#: Anthropic's error `type` of each status the server returns (503, the engine's full
+#: queue, goes out as Anthropic's 529).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(error: APIError) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error in Anthropic's shape."""
+    status = 529 if error.status == 503 else error.status
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+class AnthropicRoute(APIRoute):
+    """A route whose every failure (the API key, the body, the engine) is answered in
+    Anthropic's error shape instead of the app's OpenAI one."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handle_in_anthropic_shape(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except Exception as error:
+                status, body = anthropic_error(error_from_exception(error))
+                return JSONResponse(body, status_code=status)
+
+        return handle_in_anthropic_shape
+
+
+# --- the answer -----------------------------------------------------------------------
+
+
+class MessagesFormat(PartsFormat):
+    """A message object and its stream events, for one request."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def message(
+        self, completion: Completion, content: list[dict[str, Any]], stop: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_name,
+            "content": content,
+            **stop,
+            "usage": _usage(completion),
+        }
+
+    def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
+        # A call cut by max_tokens has arguments that do not parse: it is left out (the
+        # stop reason says the reply was cut), never returned with made-up input.
+        content = [block for part in reply.parts if (block := _block(part)) is not None]
+        return self.message(completion, content, _stop(completion, reply))
+
+    def opening_events(self, completion: Completion) -> list[dict[str, Any]]:
+        stop = {"stop_reason": None, "stop_sequence": None}
+        return [
+            {"type": "message_start", "message": self.message(completion, [], stop)},
+            {"type": "ping"},
+        ]
+
+    def part_events(self, event: PartEvent, completion: Completion) -> list[dict[str, Any]]:
+        part = event.part
+        if event.action == "open":
+            start = _empty_block(part)
+            return [{"type": "content_block_start", "index": part.index, "content_block": start}]
+        if event.action == "add":
+            kind, field = _DELTAS[part.kind]
+            delta = {"type": kind, field: event.text}
+            return [{"type": "content_block_delta", "index": part.index, "delta": delta}]
+        return [{"type": "content_block_stop", "index": part.index}]
+
+    def closing_events(self, completion: Completion, reply: ReplyParts) -> list[dict[str, Any]]:
+        output_tokens = {"output_tokens": _usage(completion)["output_tokens"]}
+        return [
+            {"type": "message_delta", "delta": _stop(completion, reply), "usage": output_tokens},
+            {"type": "message_stop"},
+        ]
+
+    def error_events(self, error: APIError, completion: Completion) -> list[dict[str, Any]]:
+        return [anthropic_error(error)[1]]
+
+
+#: The delta type of each kind of part, and its field.
+_DELTAS = {
+    "text": ("text_delta", "text"),
+    "reasoning": ("thinking_delta", "thinking"),
+    "call": ("input_json_delta", "partial_json"),
+}
+
+
+def _empty_block(part: Part) -> dict[str, Any]:
+    """The content block of a part as its stream opens it (no text, no input yet)."""
+    if part.kind == "text":
+        return {"type": "text", "text": ""}
+    if part.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": {}}
+
+
+def _block(part: Part) -> dict[str, Any] | None:
+    """The content block of a whole part (None: a call whose arguments do not parse)."""
+    if part.kind == "text":
+        return {"type": "text", "text": part.text}
+    if part.kind == "reasoning":
+        return {"type": "thinking", "thinking": part.text, "signature": ""}
+    try:
+        arguments = json.loads(part.text)
+    except json.JSONDecodeError:
+        return None
+    return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": arguments}
+
+
+def _stop(completion: Completion, reply: ReplyParts) -> dict[str, Any]:
+    """stop_reason (max_tokens, tool_use, stop_sequence, end_turn) and stop_sequence."""
+    output = completion.choices[0].output
+    matched = output.stop_reason if isinstance(output.stop_reason, str) else None
+    if output.finish_reason == "length":
+        reason = "max_tokens"
+    elif reply.made_calls:
+        reason = "tool_use"
+    else:
+        reason = "end_turn" if matched is None else "stop_sequence"
+    return {"stop_reason": reason, "stop_sequence": matched if reason == "stop_sequence" else None}
+
+
+def _usage(completion: Completion) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are those not read from the prefix cache."""
+    output = completion.choices[0].output
+    return {
+        "input_tokens": output.num_prompt_tokens - output.num_cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": output.num_cached_tokens,
+        "output_tokens": output.num_generated_tokens,
+    }
+
+
+# --- the endpoints ----------------------------------------------------------------------
+
+
+class MessagesAPI:
+    """`POST /v1/messages` and `/v1/messages/count_tokens` on a `ModelServer`."""
+
+    def __init__(self, server: ModelServer):
+        self.server = server
+
+    async def create(self, body: MessagesRequest, connection: Request) -> Response:
+        server = self.server
+        server.check_model(body.model)
+        await self._check_tools(body)
+        params = server.settings.default_params.replace(**body.sampling_overrides())
+        parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
+        completion = await server.start_chat(
+            body.template_messages(),
+            params,
+            body.template_kwargs(server.template_kwargs(None)),
+            tools=body.offered_tools(),
+            forced_tool=body.forced_tool,
+            parallel_tool_calls=parallel,
+            id_prefix="msg",
+        )
+        answer_format = MessagesFormat(server.settings.model_name)
+        return await server.respond(completion, answer_format, connection, stream=body.stream)
+
+    async def count_tokens(self, body: ConversationRequest) -> dict[str, int]:
+        """{"input_tokens": the prompt's length}, as `create` would encode it."""
+        server = self.server
+        server.check_model(body.model)
+        await self._check_tools(body)
+        ids = await server.encode_chat(
+            body.template_messages(),
+            body.template_kwargs(server.template_kwargs(None)),
+            body.offered_tools(),
+        )
+        return {"input_tokens": len(ids)}
+
+    async def _check_tools(self, body: ConversationRequest) -> None:
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            tools = [tool.for_chat() for tool in body.tools]
+            await run_in_threadpool(check_tool_schemas, tools, "tools.{}.input_schema")

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from qinfer.config import ModelConfig
 from qinfer.distributed import TensorParallelError
 from qinfer.engine.engine import Request, build_engine
 from qinfer.engine.outputs import RequestOutput
@@ -176,6 +177,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step."""
         return self._stats
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's configuration (read-only)."""
+        return self.engine.model.config
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence (prompt and completion) a request may reach, in tokens."""
+        return self.engine.context_len
 
     def shutdown(self) -> None:
         """Stop the step thread (pending requests are aborted)."""

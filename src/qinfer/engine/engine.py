@@ -75,6 +75,7 @@ class Request:
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_generated_tokens=self.state.num_generated_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_opened_think=self.state.prompt_opened_think,
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out

@@ -23,6 +23,8 @@ class RequestOutput:
     token or a stop string; stop_reason says which of the last two), "length"
     (max_tokens, or the model's context / the KV pool is full) or "abort".
     logprobs: aligned with token_ids when the request asked for them.
+    prompt_opened_think: for a thinking model, whether the prompt ended inside an open
+    `<think>` block (decided once per request: `RequestState.thinking`); None otherwise.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_generated_tokens: int
     logprobs: list[TokenLogprob] | None
+    prompt_opened_think: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from qinfer.engine import AsyncEngine
 from qinfer.fill_in_middle import fim_tokens
 from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
-from qinfer.reasoning import prompt_opened_think, splits_reasoning
+from qinfer.reasoning import splits_reasoning
 from qinfer.sampling import SamplingParams
 from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
 from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
@@ -241,11 +241,15 @@ class ModelServer:
                     self.tool_format, callable_tools, self.tokenizer, parallel
                 )
             )
-        reasoning = None
-        if self.splits_reasoning:
-            reasoning = [prompt_opened_think(self.tokenizer.decode(prompt_ids))]
         return Completion(
-            self.engine, self.metrics, [prompt_ids], params, n, id_prefix, reasoning, tool_use
+            self.engine,
+            self.metrics,
+            [prompt_ids],
+            params,
+            n,
+            id_prefix,
+            self.splits_reasoning,
+            tool_use,
         )
 
     async def complete(self, body: CompletionRequest, connection: Request) -> Response:
@@ -304,7 +308,7 @@ class ModelServer:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
             messages = [message.for_template() for message in body.messages]
             ids = await self.encode_chat(messages, template_kwargs, tools)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.engine.context_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.context_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's `/detokenize`: the text of token ids."""
@@ -362,7 +366,7 @@ class ModelServer:
         never beside one), where it pauses the engine's requests."""
         self.check_model(body.model)
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
-        config = self.engine.engine.runner.model.config
+        config = self.engine.model_config
         ids = await run_in_threadpool(
             encode_inspected_prompt, self.tokenizer, body, config, template_kwargs
         )
@@ -601,7 +605,7 @@ def serve(
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(
-            path, max_tokens=engine.engine.context_len
+            path, max_tokens=engine.context_len
         ),
     )
     app = create_app(engine, tokenizer, settings)

@@ -65,8 +65,9 @@ class Delta:
 class Choice:
     """One choice and the engine request behind it; turns its outputs into deltas.
 
-    reasoning: a `ReasoningStream` that splits a `<think>` block off the text (chat
-    answers of thinking models), or None to keep all text as content.
+    split_reasoning: split a `<think>` block off the text (chat answers of thinking models),
+    where the engine's request says where its prompt left the block
+    (`RequestOutput.prompt_opened_think`); else all text is content.
     tools: the tools the request offers, whose calls are parsed out of the content, or None.
     echo: text the content starts with (a text completion's `echo`: its prompt).
     """
@@ -77,12 +78,14 @@ class Choice:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        reasoning: ReasoningStream | None,
+        split_reasoning: bool,
         tools: ToolUse | None = None,
         echo: str = "",
     ):
         self.index, self.request_id = index, request_id
-        self.prompt_ids, self.params, self.reasoning = prompt_ids, params, reasoning
+        self.prompt_ids, self.params = prompt_ids, params
+        self.split_reasoning = split_reasoning
+        self.reasoning: ReasoningStream | None = None  # made at the first output
         self.tools = tools
         self.echo = echo  # not yet handed out
         self.tool_parser: ToolCallParser | None = None if tools is None else tools.parser()
@@ -96,6 +99,9 @@ class Choice:
 
     def advance(self, output: RequestOutput) -> Delta:
         """The delta of `output`, the engine's latest output for this choice."""
+        if self.output is None and self.split_reasoning:
+            if output.prompt_opened_think is not None:  # decided once, by the request
+                self.reasoning = ReasoningStream(output.prompt_opened_think)
         self.output = output
         delta = Delta(self.index, text_offset=self.content_length)
         delta.finish_reason = output.finish_reason if output.finished else None
@@ -145,8 +151,7 @@ class Completion:
     """The engine requests behind one API request, and their merged stream of deltas.
 
     prompts: token ids of each prompt; params: the sampling of choice 0 of every prompt
-    (choice j gets `seed + j`); reasoning: split `<think>` blocks off the text (for each
-    prompt, whether it ended inside an open block); tools: parse tool calls out of the
+    (choice j gets `seed + j`); split_reasoning: split `<think>` blocks off the text; tools: parse tool calls out of the
     content (chat requests that offer tools); echo: the text each prompt's choices start
     with (a text completion's `echo`), or None.
     """
@@ -159,7 +164,7 @@ class Completion:
         params: SamplingParams,
         n: int,
         id_prefix: str,
-        reasoning: Sequence[bool] | None = None,
+        split_reasoning: bool = False,
         tools: ToolUse | None = None,
         echo: Sequence[str] | None = None,
     ):
@@ -171,10 +176,10 @@ class Completion:
             for j in range(n):
                 index = i * n + j
                 seeded = params if params.seed is None else params.replace(seed=params.seed + j)
-                splitter = None if reasoning is None else ReasoningStream(reasoning[i])
                 echoed = "" if echo is None else echo[i]
+                request_id = f"{self.id}-{index}"
                 self.choices.append(
-                    Choice(index, f"{self.id}-{index}", prompt_ids, seeded, splitter, tools, echoed)
+                    Choice(index, request_id, prompt_ids, seeded, split_reasoning, tools, echoed)
                 )
 
     def usage(self) -> dict[str, Any]:

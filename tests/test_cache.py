@@ -115,3 +115,20 @@ def test_rotating_cache_for_fewer_positions_than_its_window_is_that_small():
     cache = RotatingKVCache(window=4096, max_length=10)
     cache.update_and_fetch(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4), 10, "causal")
     assert cache.keys.shape == (1, 2, 10, 4)
+
+
+def test_the_seeds_attention_call_in_pieces_equals_one_call(windowed_pair):
+    """`Attention(x, offsets, cache, mask)` as the seed calls it: prefill then decode
+    through one layer's own cache gives that layer's output over the whole input at once
+    (windows included)."""
+    _, model = windowed_pair
+    attention = model.layers[0].self_attn
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, model.config.hidden_size)  # (B, L, hidden)
+    whole = attention(x, 0, model.make_cache(2)[0], "causal")
+    cache = model.make_cache(2)[0]
+    pieces, start = [], 0
+    for size in (7, 1, 3, 1):
+        pieces.append(attention(x[:, start : start + size], start, cache, "causal"))
+        start += size
+    assert max_diff(torch.cat(pieces, dim=1), whole) < 1e-5

@@ -76,6 +76,9 @@ class PagedStep:
             for same_length in by_length.values()
             for rows in split_by_history(same_length, histories, block_size)
         ]
+        # One group whose sequences keep the step's order: its queries are the step's tokens
+        # as they are (a decode step of equal or close histories, a single prompt chunk).
+        self.in_order = len(self.groups) == 1 and sorted(histories) == histories
 
 
 def split_by_history(rows: list[int], histories: list[int], block_size: int) -> list[list[int]]:
@@ -145,9 +148,14 @@ class Group:
     def mask(self, window: int | None) -> Mask:
         """(G, 1, L, S) boolean, True = may attend: causal over each sequence's own history,
         inside `window`; or "causal" when that is all it says."""
-        if self.equal_lengths and window is None:
+        if self.causal_only(window):
             return "causal"
         return self._mask(window, additive=False)
+
+    def causal_only(self, window: int | None) -> bool:
+        """True when the S keys are each sequence's whole history and inside the window:
+        the bottom-right causal rule is then the whole mask."""
+        return self.equal_lengths and (window is None or self.length <= window)
 
     def score_mask(self, window: int | None) -> torch.Tensor:
         """`mask` as (G, 1, L, S) fp32 to add to scores: 0 where allowed, -inf elsewhere."""
@@ -198,17 +206,34 @@ class PagedAttention:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
         into the pool, then attends each group of sequences to its own histories."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]  # (slots, Hkv, D)
-        keys[self.step.slots] = k.to(keys.dtype)
-        values[self.step.slots] = v.to(values.dtype)
+        keys.index_copy_(0, self.step.slots, k.to(keys.dtype))
+        values.index_copy_(0, self.step.slots, v.to(values.dtype))
         window = self.windows[layer]
+        if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
+            (group,) = self.step.groups
+            queries = q.view(*group.tokens.shape, *q.shape[1:])  # (G, L, Hq, D)
+            return self._group(queries, keys, values, group, window, scale).view(q.shape)
         out = torch.empty_like(q)  # every token belongs to exactly one group
         for group in self.step.groups:
             queries = q[group.tokens]  # (G, L, Hq, D)
-            if group.num_new == 1:
-                out[group.tokens] = _decode(queries, keys, values, group, window, scale)
-            else:
-                out[group.tokens] = _chunk(queries, keys, values, group, window, scale, self.sdpa)
+            out[group.tokens] = self._group(queries, keys, values, group, window, scale)
         return out
+
+    def _group(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        group: Group,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries over histories of
+        different lengths read the values in place (`_decode`); the rest go through sdpa
+        on copied histories (one fused kernel: cheaper for short or equal histories)."""
+        if group.num_new == 1 and not group.causal_only(window):
+            return _decode(q, keys, values, group, window, scale)
+        return _chunk(q, keys, values, group, window, scale, self.sdpa)
 
 
 def _decode(

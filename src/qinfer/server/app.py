@@ -604,9 +604,7 @@ def serve(
         allowed_origins=tuple(allowed_origins),
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
-        default_params=SamplingParams.from_generation_config(
-            path, max_tokens=engine.context_len
-        ),
+        default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),
     )
     app = create_app(engine, tokenizer, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))

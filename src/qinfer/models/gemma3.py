@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Gemma 3 config.json (text, or multimodal: its text_config) -> ModelConfig."""
     if cfg.model_type == "gemma3":  # with its vision tower: the text model alone
         text = cfg.get("text_config")
         if not isinstance(text, dict):

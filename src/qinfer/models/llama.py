@@ -23,6 +23,7 @@ def llama_wiring(cfg: HFConfig, **differences: Any) -> Wiring:
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Llama config.json -> ModelConfig."""
     return ModelConfig(**shared_fields(cfg, wiring=llama_wiring(cfg)))
 
 

@@ -11,6 +11,7 @@ from qinfer.models.llama import llama_wiring
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Mistral config.json -> ModelConfig."""
     windows = window_from(cfg, cfg.number("num_hidden_layers"))
     return ModelConfig(**shared_fields(cfg, **windows, wiring=llama_wiring(cfg)))
 

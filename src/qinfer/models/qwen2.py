@@ -23,6 +23,7 @@ def qwen_windows(cfg: HFConfig) -> dict[str, Any]:
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen2 config.json -> ModelConfig."""
     wiring = llama_wiring(cfg, qkv_bias=True, o_bias=False)
     return ModelConfig(**shared_fields(cfg, **qwen_windows(cfg), wiring=wiring))
 

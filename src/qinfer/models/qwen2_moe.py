@@ -20,6 +20,7 @@ GGUF_LAYER_NAMES = {
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen2-MoE config.json -> ModelConfig."""
     wiring = llama_wiring(cfg, qkv_bias=cfg.flag("qkv_bias", True), o_bias=False)
     fields = shared_fields(cfg, **qwen_windows(cfg), wiring=wiring, moe=read_experts(cfg))
     return ModelConfig(**fields)

@@ -10,6 +10,7 @@ from qinfer.models.qwen2 import qwen_windows
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen3 config.json -> ModelConfig."""
     wiring = llama_wiring(cfg, qk_norm=True)
     return ModelConfig(**shared_fields(cfg, **qwen_windows(cfg), wiring=wiring))
 

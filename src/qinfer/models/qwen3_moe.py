@@ -63,6 +63,7 @@ def gguf_experts(header: GGUFHeader, renormalise: bool) -> dict[str, Any]:
 
 
 def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen3-MoE config.json -> ModelConfig."""
     wiring = llama_wiring(cfg, qk_norm=True)
     fields = shared_fields(cfg, **qwen_windows(cfg), wiring=wiring, moe=read_experts(cfg))
     return ModelConfig(**fields)

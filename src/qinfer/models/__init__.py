@@ -21,10 +21,12 @@ from qinfer.models import (
     gemma3,
     llama,
     mistral,
+    phi3,
     qwen2,
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    smollm3,
 )
 from qinfer.models.base import Family, FusedTensor, GGUFHeader, HFConfig
 
@@ -50,6 +52,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.FAMILY,
     mistral.FAMILY,
     gemma3.FAMILY,
+    smollm3.FAMILY,
+    phi3.FAMILY,
 )
 
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}

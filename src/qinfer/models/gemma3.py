@@ -123,7 +123,9 @@ def gguf_fields(header: GGUFHeader) -> dict[str, Any]:
         "sliding_window": header.get("attention.sliding_window"),
         "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": hidden // heads if header.get("block_count") == 62 else head_dim,
+        "query_pre_attn_scalar": hidden // heads
+        if int(header.need("block_count")) == 62
+        else head_dim,
     }
 
 

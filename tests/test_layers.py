@@ -466,3 +466,10 @@ def test_config_gemma3_attention_softcapping_is_refused_by_name():
 def test_config_gemma3_bad_field_is_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"^config field '{field}'"):
         config_from_hf({**GEMMA3_TEXT, field: value})
+
+
+def test_config_gemma3_attention_bias_reaches_q_k_v_and_o():
+    # Gemma3Attention puts `attention_bias` on all four projections, as Llama does.
+    wiring = config_from_hf({**GEMMA3_TEXT, "attention_bias": True}).wiring
+    assert wiring.qkv_bias and wiring.o_bias
+    assert not config_from_hf(GEMMA3_TEXT).wiring.qkv_bias

@@ -69,7 +69,10 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     hidden, layers = cfg.number("hidden_size"), cfg.number("num_hidden_layers")
     rope, sliding_rope = _layer_ropes(cfg.values, local_theta)
     cap = cfg.get("final_logit_softcapping")
+    bias = cfg.flag("attention_bias")  # on q/k/v and o alike, as in Gemma3Attention
     wiring = Wiring(
+        qkv_bias=bias,
+        o_bias=bias,
         qk_norm=True,
         hidden_act=cfg.activation(
             "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"

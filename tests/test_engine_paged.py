@@ -1,11 +1,10 @@
-"""The engine's paged attention and packed steps against plain references, in float32.
+"""The engine's paged attention and flat steps against plain references, in float32.
 
-- `PagedCache.attend` on random K/V (histories of different lengths, blocks shared by
-  several rows, decode rows and prompt chunks in one grid, with and without a sliding
+- `PagedAttention.attend` on random K/V (histories of different lengths, blocks shared by
+  several rows, decode rows and prompt chunks in one step, with and without a sliding
   window) equals the reference SDPA over each row's history copied out contiguously;
-- `ModelRunner.run` packing decode tokens and prompt chunks of different lengths into one
-  forward gives every sequence transformers' logits for that sequence alone;
-- `pack` places each token once and ends one grid row per sequence that wants logits.
+- `ModelRunner.run` running decode tokens and prompt chunks of different lengths in one
+  forward gives every sequence transformers' logits for that sequence alone.
 """
 
 import random
@@ -24,51 +23,18 @@ from checkpoints import (
 from checkpoints import reference_logits as transformers_logits
 
 import qinfer
-from qinfer.engine import LLM, paged_cache
+from qinfer.attention import paged
+from qinfer.attention.paged import SPLIT_KEYS, PagedAttention, PagedStep, split_by_history
+from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
+from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
-from qinfer.engine.paged_cache import (
-    SPLIT_KEYS,
-    KVPool,
-    PagedCache,
-    StepLayout,
-    pack,
-    split_by_history,
-)
 from qinfer.engine.runner import ModelRunner
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import RequestError
 from qinfer.kv_cache import position_mask
-from qinfer.layers.attention import reference_sdpa_fp32, torch_sdpa_grouped
+from qinfer.runtime.kv_pool import KVPool
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
-
-
-@pytest.mark.parametrize(
-    ("num_new", "wants"),
-    [
-        ([1, 1, 1], [True, True, True]),  # decode: a column
-        ([5, 5], [True, True]),  # equal prompts: the plain batch
-        ([1, 1, 1, 7, 6], [True, True, True, True, False]),  # decode + chunks
-        ([9, 3], [False, False]),  # chunks only, no logits wanted
-        ([1] * 5 + [20], [True] * 5 + [True]),
-    ],
-)
-def test_pack_places_every_token_once_and_ends_a_row_per_logits_row(num_new, wants):
-    R, C, cells = pack(num_new, wants)
-    flat = [cell for row in cells for cell in row]
-    assert [len(row) for row in cells] == num_new
-    assert len(set(flat)) == len(flat) and all(0 <= cell < R * C for cell in flat)
-    ends = [row[-1] for row, w in zip(cells, wants, strict=True) if w]
-    assert ends == [r * C + C - 1 for r in range(len(ends))]
-    assert R * C - sum(num_new) < max(1, sum(wants))  # fewer pads than rows wanting logits
-    if len(set(num_new)) == 1 and all(wants):
-        assert (R, C) == (len(num_new), num_new[0])
-        assert cells == [list(range(r * C, r * C + C)) for r in range(R)]
-
-
-def test_pack_example_of_the_module_docstring():
-    # decode tokens a, b, c and a chunk x1..x5 that ends its prompt: a (4, 2) grid
-    assert pack([1, 1, 1, 5], [True] * 4) == (4, 2, [[1], [3], [5], [0, 2, 4, 6, 7]])
 
 
 def test_split_by_history_cuts_where_padding_is_spared():
@@ -79,7 +45,7 @@ def test_split_by_history_cuts_where_padding_is_spared():
 
 
 def random_step(seed: int, rows: list[tuple[int, int]], shared_blocks: int):
-    """A pool of random K/V and one step's layout. rows: (tokens already computed, new
+    """A pool of random K/V and one step's metadata. rows: (tokens already computed, new
     tokens) per sequence; the first `shared_blocks` blocks of every table are the same."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -93,32 +59,30 @@ def random_step(seed: int, rows: list[tuple[int, int]], shared_blocks: int):
     tables = [
         list(range(shared_blocks)) + [free.pop() for _ in range(k - shared_blocks)] for k in needed
     ]
-    wants = [rng.random() < 0.7 for _ in rows]
-    num_new = [n for _, n in rows]
-    layout = StepLayout(
-        [[0] * n for n in num_new], [start for start, _ in rows], tables, wants, BLOCK, "cpu"
-    )
-    return pool, tables, layout, pack(num_new, wants)[2]
+    step = PagedStep([n for _, n in rows], [start for start, _ in rows], tables, BLOCK, "cpu")
+    return pool, tables, step
 
 
-def reference_attend(pool, tables, rows, cells, q, k, v, window, scale):
-    """Each sequence alone: write its K/V, copy its history out slot by slot, reference SDPA."""
+def reference_attend(pool, tables, rows, q, k, v, window, scale):
+    """Each sequence alone: write its K/V, copy its history out slot by slot, reference SDPA.
+    q, k, v: (T, H, D), the rows' new tokens one sequence after the other."""
     keys, values = pool.keys[0].clone(), pool.values[0].clone()
-    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], D) for x in (q, k, v))  # (R*C, H, D)
-    for (start, _), table, row_cells in zip(rows, tables, cells, strict=True):
-        for i, cell in enumerate(row_cells):
-            slot = table[(start + i) // BLOCK] * BLOCK + (start + i) % BLOCK
-            keys[slot], values[slot] = k[cell], v[cell]
     out = torch.zeros_like(q)
-    for (start, n), table, row_cells in zip(rows, tables, cells, strict=True):
+    first = 0
+    for (start, n), table in zip(rows, tables, strict=True):
+        tokens = range(first, first + n)
+        for i, token in enumerate(tokens):
+            slot = table[(start + i) // BLOCK] * BLOCK + (start + i) % BLOCK
+            keys[slot], values[slot] = k[token], v[token]
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start + n)]
         history_k = keys[slots].transpose(0, 1)[None]  # (1, Hkv, S, D)
         history_v = values[slots].transpose(0, 1)[None]
         positions = torch.arange(start + n)[None]
         mask = position_mask(positions[:, start:], positions, window)  # (1, 1, n, S)
-        queries = q[row_cells].transpose(0, 1)[None]  # (1, Hq, n, D)
+        queries = q[first : first + n].transpose(0, 1)[None]  # (1, Hq, n, D)
         got = reference_sdpa_fp32(queries, history_k, history_v, scale, mask)
-        out[row_cells] = got[0].transpose(0, 1)
+        out[first : first + n] = got[0].transpose(0, 1)
+        first += n
     return out, keys, values
 
 
@@ -136,18 +100,14 @@ def reference_attend(pool, tables, rows, cells, q, k, v, window, scale):
 def test_paged_attend_equals_the_reference_on_each_history(
     rows, window, sdpa, split_keys, monkeypatch
 ):
-    monkeypatch.setattr(paged_cache, "SPLIT_KEYS", split_keys)  # 1: any cut that spares a key
+    monkeypatch.setattr(paged, "SPLIT_KEYS", split_keys)  # 1: any cut that spares a key
     shared = 1 if min(start for start, _ in rows) >= BLOCK else 0  # a block every row reads
-    pool, tables, layout, cells = random_step(len(rows), rows, shared)
-    R, C = layout.tokens.shape
-    q, k, v = (torch.randn(R, h, C, D) for h in (HQ, HKV, HKV))
-    want, want_keys, want_values = reference_attend(
-        pool, tables, rows, cells, q, k, v, window, D**-0.5
-    )
-    got = PagedCache(pool, 0, layout, window).attend(q, k, v, D**-0.5, "causal", sdpa)
-    got = got.transpose(1, 2).reshape(R * C, HQ, D)
-    real = [cell for row_cells in cells for cell in row_cells]
-    assert max_diff(got[real], want[real]) < 1e-5
+    pool, tables, step = random_step(len(rows), rows, shared)
+    T = sum(n for _, n in rows)
+    q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
+    want, want_keys, want_values = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
+    got = PagedAttention(pool, step, [window], sdpa).attend(0, q, k, v, D**-0.5)
+    assert max_diff(got, want) < 1e-5
     assert torch.equal(pool.keys[0], want_keys) and torch.equal(pool.values[0], want_values)
 
 
@@ -167,7 +127,7 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("fast_sdpa", [True, False])
-def test_packed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa):
+def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa):
     """Decode tokens and prompt chunks of different lengths share each step's one forward;
     every logits row equals transformers' for its sequence alone, at that position."""
     reference, model = pair[family]

@@ -66,8 +66,8 @@ class Scripted:
     def __call__(self, tokens, **kwargs):  # the checked prefill
         return self.scripted(self.model(tokens, **kwargs))
 
-    def forward(self, tokens, *args, **kwargs):  # the decode steps
-        return self.scripted(self.model.forward(tokens, *args, **kwargs))
+    def run_rows(self, tokens, *args, **kwargs):  # the decode steps
+        return self.scripted(self.model.run_rows(tokens, *args, **kwargs))
 
     def scripted(self, logits: torch.Tensor) -> torch.Tensor:
         """The model's logits (its cache ran as usual) replaced by the script's next token."""

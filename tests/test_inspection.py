@@ -14,11 +14,14 @@ import torch
 from checkpoints import random_tokens, use_features
 from server_process import start_serve_command
 
+from qinfer.attention.backend import sdpa_for
+from qinfer.attention.reference import ReferenceAttention
+from qinfer.attention.sdpa import scaled_dot_product_attention_grouped
 from qinfer.errors import RequestError
 from qinfer.features import Features
 from qinfer.inspection import MAX_INSPECT_TOKENS, MAX_TOP_K, inspect_tokens
-from qinfer.layers.attention import scaled_dot_product_attention_grouped
 from qinfer.model import load_model
+from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.tokenizer import load_tokenizer
 
 LENGTH = 20  # past the windows of the windowed families (6 and 8 tokens)
@@ -51,26 +54,28 @@ def test_attention_rows_are_causal_distributions(pair, tokens):
 
 
 class Recording:
-    """Wraps a layer's cache: attends as the layer asks, keeping what it handed to the
-    attention function."""
+    """A layer's attention function that keeps what the layer handed it, then attends as
+    the model's own (`ReferenceAttention`'s per-layer hook)."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, sdpa):
+        self.sdpa = sdpa
 
-    def attend(self, q, k, v, scale, mask, sdpa):
-        keys, values, _, mask = self.cache.update_and_fetch(k, v, mask_length=q.shape[2], mask=mask)
+    def __call__(self, q, keys, values, scale, mask):
         self.inputs = (q, keys, values, scale, mask)
-        return sdpa(q, keys, values, scale, mask)
+        return self.sdpa(q, keys, values, scale, mask)
 
 
 def test_attention_equals_a_direct_call_of_the_seed_function(pair, tokens):
     _, model = pair
     seen = inspect_tokens(model, tokens, all_layers(model))
-    # The same forward with caches that record each layer's attention inputs.
-    caches = [Recording(cache) for cache in model.make_cache(1, max_length=LENGTH)]
-    model(torch.tensor([tokens]), 0, caches)
-    for layer, cache in enumerate(caches):
-        q, keys, values, scale, mask = cache.inputs
+    # The same forward with attention functions that record each layer's inputs.
+    sdpa = sdpa_for(model.features)
+    recorders = {layer: Recording(sdpa) for layer in all_layers(model)}
+    caches = model.make_cache(1, max_length=LENGTH)
+    attention = ReferenceAttention(caches, 1, LENGTH, "causal", sdpa, recorders)
+    model.forward(ForwardBatch.from_rows(torch.tensor([tokens]), 0, attention))
+    for layer, recorder in recorders.items():
+        q, keys, values, scale, mask = recorder.inputs
         S = keys.shape[2]
         # With the values an identity, the seed's function returns its attention weights.
         identity = torch.eye(S).expand(1, keys.shape[1], S, S)

@@ -5,13 +5,13 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
-from qinfer.errors import ConfigError
-from qinfer.layers.attention import (
+from qinfer.attention.sdpa import (
     causal_mask,
     scaled_dot_product_attention_grouped,
     torch_sdpa_grouped,
 )
+from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from qinfer.errors import ConfigError
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE, rope_frequencies
 from qinfer.models import config_from_hf

@@ -116,7 +116,7 @@ def test_forward_never_syncs_with_the_host(moe_folder, monkeypatch):
     with monkeypatch.context() as patch:
         for method in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
             patch.setattr(torch.Tensor, method, refuse)
-        logits = model.forward(random_tokens(2, 1), cache[0].offsets, cache)
+        logits = model.run_rows(random_tokens(2, 1), cache[0].offsets, cache)
     assert logits.shape == (2, 1, CHAT_VOCAB_SIZE)
 
 

@@ -170,8 +170,8 @@ class Forced:
     def __call__(self, tokens, **kwargs):  # the prefill
         return self.forced(self.model(tokens, **kwargs))
 
-    def forward(self, tokens, *args, **kwargs):  # the decode steps
-        return self.forced(self.model.forward(tokens, *args, **kwargs))
+    def run_rows(self, tokens, *args, **kwargs):  # the decode steps
+        return self.forced(self.model.run_rows(tokens, *args, **kwargs))
 
     def forced(self, logits: torch.Tensor) -> torch.Tensor:
         if self.steps >= len(self.script):

@@ -298,4 +298,4 @@ def _run(model: Transformer, rows: list[_Row]) -> Iterator[tuple[int, str]]:
         # Sampled ids lie in the vocabulary and max_tokens keeps every position inside the
         # context: decode steps skip __call__'s checks (and their host syncs).
         step = torch.tensor(next_ids, device=model.device)[:, None]  # (B_active, 1)
-        logits = model.forward(step, cache[0].offsets, cache)[:, -1]
+        logits = model.run_rows(step, cache[0].offsets, cache)[:, -1]

@@ -8,9 +8,9 @@ probabilities, and the logit lens.
     seen.logit_lens[3]       # TopTokens (L, k): layer 3's residual read through norm + lm_head
 
 The forward is the model's own (`Transformer.forward`'s loop, kept open to read each
-layer's residual) on fresh caches of its own, with attention through the seed's reference
-path: `attention_weights_grouped` gives the weights, `scaled_dot_product_attention_grouped`
-(in fp32) the output. It reads the model's weights and nothing else, so a server's KV
+layer's residual) on fresh caches of its own, through the reference attention backend with
+the seed's function in fp32; an inspected layer's attention function is a recorder that
+computes `attention_weights_grouped`, keeps them, and weighs the values with them. It reads the model's weights and nothing else, so a server's KV
 pool and its other requests are untouched.
 """
 
@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import RequestError
-from qinfer.kv_cache import Sdpa
-from qinfer.layers.attention import (
+from qinfer.attention.reference import ReferenceAttention
+from qinfer.attention.sdpa import (
     Mask,
     attention_weights_grouped,
     reference_sdpa_fp32,
     weigh_values_grouped,
 )
+from qinfer.errors import RequestError
 from qinfer.model import Transformer
+from qinfer.runtime.forward_batch import ForwardBatch
 
 #: Longest prompt inspected: the weights of one head grow with its square.
 MAX_INSPECT_TOKENS = 256
@@ -62,37 +63,24 @@ class Inspection:
 
 
 class AttentionRecorder:
-    """Wraps one layer's cache: attends through the reference path and, for a layer being
-    inspected, keeps the attention weights of the chosen heads.
+    """The attention function of an inspected layer (`ReferenceAttention`'s per-layer hook):
+    the reference path's two halves, keeping the weights of the chosen heads between them.
 
-    The layer's own attention function (perhaps torch's fused kernel, which never forms the
-    weights) is passed over for the reference, so the kept weights are the very ones that
-    weigh the values.
+    The weights are computed once, and they are the very ones that weigh the values (the
+    layer's usual function, perhaps torch's fused kernel, never forms them).
     """
 
-    def __init__(self, cache, heads: list[int] | None):
-        self.cache = cache
-        self.heads = heads  # None: keep nothing
+    def __init__(self, heads: list[int]):
+        self.heads = heads
         self.weights: torch.Tensor | None = None  # (heads, L, S) once attended
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        mask: Mask,
-        sdpa: Sdpa,
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask
     ) -> torch.Tensor:
-        """As `kv_cache.Attends.attend`: q (1, Hq, L, D) against the history after storing
-        k, v (1, Hkv, L, D); returns (1, Hq, L, D)."""
-        keys, values, _, mask = self.cache.update_and_fetch(k, v, mask_length=q.shape[2], mask=mask)
-        if self.heads is None:
-            return reference_sdpa_fp32(q, keys, values, scale, mask)
-        # reference_sdpa_fp32's two halves, keeping the weights between them (computed once)
-        weights = attention_weights_grouped(q.float(), keys.float(), scale, mask)  # (1, Hq, L, S)
+        """As `reference_sdpa_fp32`: q (1, Hq, L, D), k, v (1, Hkv, S, D) -> (1, Hq, L, D)."""
+        weights = attention_weights_grouped(q.float(), k.float(), scale, mask)  # (1, Hq, L, S)
         self.weights = weights[0, self.heads].cpu()  # (heads, L, S)
-        return weigh_values_grouped(weights, values.float()).to(q.dtype)
+        return weigh_values_grouped(weights, v.float()).to(q.dtype)
 
 
 def check_inspection(
@@ -170,19 +158,19 @@ def inspect_tokens(
     heads = check_inspection(model, token_ids, layers, heads, top_k)
     L = len(token_ids)
     caches = model.make_cache(1, max_length=L)  # sliding windows keep their own cache kind
-    recorders = [
-        AttentionRecorder(cache, heads if i in layers else None) for i, cache in enumerate(caches)
-    ]
+    recorders = {layer: AttentionRecorder(heads) for layer in dict.fromkeys(layers)}
+    attention = ReferenceAttention(caches, 1, L, "causal", reference_sdpa_fp32, recorders)
     tokens = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
+    batch = ForwardBatch.from_rows(tokens, 0, attention)
     # Transformer.forward's loop, with each layer's residual read on the way.
-    h = model.embed(tokens)  # (1, L, hidden)
+    h = model.embed(batch.token_ids)  # (L, hidden)
     lens = []
-    for block, recorder in zip(model.layers, recorders, strict=True):
-        h = block(h, 0, recorder, "causal")
-        lens.append(top_tokens(model.logits(h)[0], top_k))
+    for block in model.layers:
+        h = block(h, batch)
+        lens.append(top_tokens(model.compute_logits(h), top_k))
     return Inspection(
         token_ids=list(token_ids),
-        attention={layer: recorders[layer].weights for layer in dict.fromkeys(layers)},
+        attention={layer: recorder.weights for layer, recorder in recorders.items()},
         heads=heads,
         # The last layer's residual through norm and lm_head is the model's own output.
         next_tokens=lens[-1],

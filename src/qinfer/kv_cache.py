@@ -4,14 +4,12 @@ Every cache answers the seed's call
 
     keys, values, offset, mask = cache.update_and_fetch(k, v, mask_length=L, mask=mask)
 
-and `cache.attend(q, k, v, scale, mask, sdpa)`, which the attention layer calls: by default
-(`Attends`) the call above followed by `sdpa` over the history.
-
 with k, v the new (B, Hkv, L, D) entries. It stores them and returns the whole visible
 history (B, Hkv, S, D), the offset the new entries were written at, and the mask that
 goes with the history: None, "causal" (bottom-right aligned) or a boolean
-(B, 1, L, S) tensor where True means "may attend". The attention layer never asks
-which kind of cache it got.
+(B, 1, L, S) tensor where True means "may attend". The caches are storage: the reference
+attention backend (`qinfer.attention.reference`) makes that call and attends over what it
+returns, and never asks which kind of cache it got.
 
 Batched rows of different lengths are left-padded: row b starts with left_padding[b]
 pad tokens whose keys no real query may see. Positions are counted per row from its
@@ -32,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
+from qinfer.attention.sdpa import Mask
 from qinfer.errors import CacheError
 
-Mask = torch.Tensor | str | None
 _EMPTY = -(2**30)  # position of a ring slot that holds nothing yet
 
 #: Contiguous caches grow their buffers by this many positions at a time.
@@ -92,33 +90,7 @@ class StepMasks:
         self._masks.clear()
 
 
-#: An attention function: (q (B, Hq, L, D), k, v (B, Hkv, S, D), scale, mask) -> (B, Hq, L, D).
-Sdpa = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Mask], torch.Tensor]
-
-
-class Attends:
-    """The default `attend` of every cache: store, fetch the visible history, attend over it.
-
-    A cache that can attend where its K/V live (a paged pool read in place) overrides it;
-    the attention layer only ever calls `cache.attend`.
-    """
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        mask: Mask,
-        sdpa: Sdpa,
-    ) -> torch.Tensor:
-        """q (B, Hq, L, D) against the history after storing k, v (B, Hkv, L, D);
-        returns (B, Hq, L, D) in q's dtype."""
-        keys, values, _, mask = self.update_and_fetch(k, v, mask_length=q.shape[2], mask=mask)
-        return sdpa(q, keys, values, scale, mask)
-
-
-class _Cache(Attends):
+class _Cache:
     """What every single-machine cache shares: offsets, left padding, the position limit."""
 
     #: The attributes holding one entry per batch row, first dimension B (see `select`).

@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from qinfer.attention.backend import sdpa_for
+from qinfer.attention.reference import ReferenceAttention
+from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
-from qinfer.layers.attention import Attention, Mask
+from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm, load_rms_norm
@@ -35,6 +38,7 @@ from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.parallel import Parallel
+from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
 
 
@@ -73,12 +77,9 @@ class Block:
             self.mlp_norm = norm("post_attention_layernorm")
         self.mlp = (SparseMoE if config.sparse(layer) else MLP)(prefix, config, weights, parallel)
 
-    def __call__(
-        self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask
-    ) -> torch.Tensor:
-        """x (B, L, hidden) -> (B, L, hidden); offsets, cache (this layer's) and mask as in
-        `Attention.__call__`."""
-        attended = self.self_attn(self.attention_norm(x), offsets, cache, mask)
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden): the flat tokens of `batch`."""
+        attended = self.self_attn.forward(self.attention_norm(x), batch.positions, batch.attention)
         x = x + _normed(self.attention_output_norm, attended)
         return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
 
@@ -200,14 +201,13 @@ class Transformer:
     ) -> torch.Tensor:
         """tokens (B, L) -> logits (B, L, vocab) in fp32 ((B, 1, vocab) with last_only).
 
-        offsets: position of each row's first token (int or (B,)), or of every token ((B, L),
-            as the engine's packed steps give them); by default where the
-            cache left off (0 without a cache).
+        offsets: position of each row's first token (int or (B,)), or of every token
+            ((B, L)); by default where the cache left off (0 without a cache).
         cache: from `make_cache`; without one, the call sees only these tokens.
         mask: "causal" (the default) or a boolean (B, 1, L, S) tensor.
 
         Checks its inputs (ids inside the vocabulary, positions inside the context: host
-        syncs), then runs `forward`.
+        syncs), then runs `run_rows`.
         """
         tokens = self._check_tokens(tokens)
         B, L = tokens.shape
@@ -218,10 +218,10 @@ class Transformer:
         if offsets is None:
             offsets = cache[0].offsets
         self._check_positions(offsets, L)
-        return self.forward(tokens.to(self.device, torch.long), offsets, cache, mask, last_only)
+        return self.run_rows(tokens.to(self.device, torch.long), offsets, cache, mask, last_only)
 
     @torch.inference_mode()
-    def forward(
+    def run_rows(
         self,
         tokens: torch.Tensor,
         offsets: int | torch.Tensor,
@@ -230,24 +230,37 @@ class Transformer:
         last_only: bool = False,
     ) -> torch.Tensor:
         """`__call__` without its checks and without host syncs, for callers that built the
-        inputs themselves (the engine's runner, generate's decode loop, benchmarks).
+        inputs themselves (generate's decode loop, benchmarks): B rows of L tokens through
+        the reference attention backend over contiguous caches.
 
         tokens (B, L) long on the model's device; offsets and cache as in `__call__`.
         Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
         """
-        h = self.embed(tokens)  # (B, L, hidden)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer(h, offsets, layer_cache, "causal" if mask is None else mask)
-        return self.logits(h[:, -1:] if last_only else h)
+        B, L = tokens.shape
+        mask = "causal" if mask is None else mask
+        attention = ReferenceAttention(cache, B, L, mask, sdpa_for(self.features))
+        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only)
+        logits = self.compute_logits(self.forward(batch)[batch.logits_indices])
+        return logits.view(B, -1, logits.shape[-1])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward of a `ForwardBatch` -> the final residual stream (T, hidden), before
+        the final norm (`compute_logits` applies it to the rows it is given). No checks and
+        no host syncs: the batch's builder checked the ids and positions."""
+        h = self.embed(batch.token_ids)  # (T, hidden)
+        for layer in self.layers:
+            h = layer(h, batch)
+        return h
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, L) -> the residual stream's input (B, L, hidden)."""
+        """tokens (any shape P) -> the residual stream's input (*P, hidden)."""
         h = self.embed_tokens.rows(tokens)
         return h if self.embedding_scale is None else h * self.embedding_scale
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """A residual (B, L, hidden) -> fp32 logits (B, L, vocab): final norm, lm_head and
-        the config's softcap (also the logit lens of an inner layer's residual)."""
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """A residual (*P, hidden) -> fp32 logits (*P, vocab): final norm, lm_head and the
+        config's softcap (also the logit lens of an inner layer's residual)."""
         logits = linear(self.norm(h), self.lm_head).float()
         cap = self.config.wiring.final_logit_softcapping
         if cap is not None:  # squashed smoothly into (-cap, cap)

@@ -1,5 +1,9 @@
 """One scheduled step through the model: the KV pool, its size, and the logits of each row.
 
+A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
+attending through the paged backend (`qinfer.attention.paged`) over this runner's pool;
+logits are computed only at the last token of each sequence that samples.
+
 Under tensor parallelism every rank has a runner with a pool of the same number of blocks
 holding its own KV heads; rank 0's `run` broadcasts each step (`StepChannel`) before
 running it, and the workers' `follow` runs the same steps.
@@ -9,13 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from qinfer.attention.backend import sdpa_for
+from qinfer.attention.paged import PagedAttention, PagedStep
 from qinfer.distributed import TensorParallelGroup
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
-from qinfer.engine.paged_cache import KVPool, PagedCache, StepLayout
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.step_channel import StepChannel, StepInputs
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
+from qinfer.runtime.forward_batch import ForwardBatch
+from qinfer.runtime.kv_pool import KVPool
 
 
 def kv_heads(model: Transformer) -> int:
@@ -130,20 +137,34 @@ class ModelRunner:
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """One step through the model over this rank's pool -> fp32 logits (R, V)."""
-        layout = StepLayout(
-            step.new_tokens,
-            step.num_computed,
-            step.block_tables,
-            step.wants_logits,
-            self.block_size,
-            self.model.device,
-        )
-        caches = [
-            PagedCache(self.pool, layer, layout, window)
-            for layer, window in enumerate(self.windows)
+        batch = self.forward_batch(step)
+        hidden = self.model.forward(batch)  # (T, hidden)
+        return self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
+
+    def forward_batch(self, step: StepInputs) -> ForwardBatch:
+        """The step as the model runs it: every sequence's new tokens flat, at their
+        positions, over this runner's pool; logits after each sequence that wants them."""
+        num_new = [len(ids) for ids in step.new_tokens]
+        starts = [0]
+        for n in num_new:
+            starts.append(starts[-1] + n)
+        positions = [
+            p
+            for computed, n in zip(step.num_computed, num_new, strict=True)
+            for p in range(computed, computed + n)
         ]
-        logits = self.model.forward(layout.tokens, layout.positions, caches, last_only=True)
-        return logits[: layout.num_logits, -1]  # (R, V)
+        wanted = [
+            end - 1 for end, wants in zip(starts[1:], step.wants_logits, strict=True) if wants
+        ]
+        device = self.model.device
+        paged = PagedStep(num_new, step.num_computed, step.block_tables, self.block_size, device)
+        return ForwardBatch(
+            token_ids=torch.tensor([t for ids in step.new_tokens for t in ids], device=device),
+            positions=torch.tensor(positions, device=device),
+            query_starts=starts,
+            logits_indices=torch.tensor(wanted, dtype=torch.long, device=device),
+            attention=PagedAttention(self.pool, paged, self.windows, sdpa_for(self.model.features)),
+        )
 
     def follow(self) -> None:
         """A worker rank: run rank 0's steps, in its order, until it stops."""

@@ -1,6 +1,7 @@
 """The building blocks of a decoder layer, one concept per module."""
 
-from qinfer.layers.attention import Attention, scaled_dot_product_attention_grouped
+from qinfer.attention.sdpa import scaled_dot_product_attention_grouped
+from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE

@@ -1,7 +1,11 @@
 """The seed's full grouped-query attention layer (tutorial 07), in PyTorch.
 
-q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> KV cache
--> grouped scaled-dot-product attention in fp32 -> o projection.
+q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> the attention backend
+(stores K/V, grouped scaled-dot-product attention with fp32 softmax) -> o projection.
+
+The layer runs on the flat tokens of a `ForwardBatch` (`forward`); the seed's own call on
+(B, L, hidden) rows and one contiguous cache (`__call__`) is that same forward through the
+reference backend.
 
 Under tensor parallelism (`qinfer.parallel`) a rank holds Hq / N query heads and the KV heads
 they read: q/k/v are column-parallel (the rank's heads), QK-norm, RoPE and attention run on
@@ -10,137 +14,23 @@ those heads alone, and o_proj is row-parallel (its call all-reduces the ranks' s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
+from qinfer.attention.backend import AttentionBackend, sdpa_for
+from qinfer.attention.reference import Cache, ReferenceAttention
+from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.features import Features
 from qinfer.layers.norm import load_rms_norm
-from qinfer.layers.rope import NoRoPE, RoPE
+from qinfer.layers.rope import NoRoPE, RoPE, row_positions
 from qinfer.linear import linear
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
 
-Mask = torch.Tensor | str | None
-
-
-def scaled_dot_product_attention_grouped(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    mask: Mask = None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with grouped K/V heads, the reference implementation.
-
-    q: (B, Hq, L, D); k, v: (B, Hkv, S, D) with Hq = Hkv * n_rep. Query head h reads
-    KV head h // n_rep: q is reshaped to (B, Hkv, n_rep * L, D) so one matmul against
-    each KV head serves its n_rep query heads, without copying K/V per query head.
-
-    mask: None (every query sees every key); "causal", aligned bottom-right (the L queries
-    are the last L of the S keys, so query i sees keys 0 .. S - L + i); or a tensor
-    broadcastable to (B, Hq, L, S) that is boolean (True = may attend) or additive.
-    Returns (B, Hq, L, D) in q's dtype.
-    """
-    weights = attention_weights_grouped(q, k, scale, mask).to(v.dtype)  # (B, Hq, L, S)
-    return weigh_values_grouped(weights, v)
-
-
-def weigh_values_grouped(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """weights (B, Hq, L, S) applied to grouped values v (B, Hkv, S, D) -> (B, Hq, L, D)."""
-    B, Hq, L, S = weights.shape
-    Hkv = v.shape[1]
-    # (B, Hq, L, S) -> (B, Hkv, n_rep * L, S): each KV head's n_rep query heads in one matmul
-    out = torch.matmul(weights.reshape(B, Hkv, -1, S), v)  # (B, Hkv, n_rep * L, D)
-    return out.reshape(B, Hq, L, v.shape[-1])
-
-
-def attention_weights_grouped(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: Mask = None
-) -> torch.Tensor:
-    """softmax(q k^T * scale + mask): the attention weights of the reference path, in fp32.
-
-    q: (B, Hq, L, D); k: (B, Hkv, S, D); mask as in `scaled_dot_product_attention_grouped`.
-    Returns (B, Hq, L, S): row (h, i) is how query i of head h spreads over the S keys
-    (sums to 1; zero where the mask forbids).
-    """
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    n_rep = Hq // Hkv
-    q = q.reshape(B, Hkv, n_rep * L, D)  # query head h = kv_head * n_rep + r
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, n_rep * L, S)
-    scores = scores.reshape(B, Hkv, n_rep, L, S)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown mask {mask!r}; use 'causal', a tensor or None")
-        mask = causal_mask(L, S, q.device)
-    if mask is not None:
-        mask = _grouped(mask, Hkv, n_rep, L, S)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    return torch.softmax(scores.float(), dim=-1).reshape(B, Hq, L, S)
-
-
-def reference_sdpa_fp32(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask = None
-) -> torch.Tensor:
-    """The reference path as the layer runs it: q, k, v in fp32, the result cast back."""
-    out = scaled_dot_product_attention_grouped(q.float(), k.float(), v.float(), scale, mask)
-    return out.to(q.dtype)
-
-
-def causal_mask(L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(L, S) boolean, bottom-right aligned: query i may attend to keys j <= S - L + i."""
-    query = torch.arange(L, device=device)[:, None] + (S - L)
-    return torch.arange(S, device=device)[None, :] <= query
-
-
-def _grouped(mask: torch.Tensor, Hkv: int, n_rep: int, L: int, S: int) -> torch.Tensor:
-    """A mask broadcastable to (B, Hq, L, S) as one broadcastable to (B, Hkv, n_rep, L, S)."""
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    if mask.shape[1] == 1:
-        return mask.unsqueeze(2)  # (B, 1, 1, L, S)
-    return mask.reshape(mask.shape[0], Hkv, n_rep, mask.shape[2], S)
-
-
-def torch_sdpa_grouped(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask = None
-) -> torch.Tensor:
-    """The contract of `scaled_dot_product_attention_grouped` through torch's fused kernels.
-
-    Those kernels accumulate the softmax in fp32 whatever the input dtype, so q, k, v may
-    stay in the model's dtype. A single query (decoding) folds its n_rep query heads into
-    the query axis, (B, Hq, 1, D) -> (B, Hkv, n_rep, D), so that no kernel repeats K/V per
-    query head; longer queries use `enable_gqa`.
-    """
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown mask {mask!r}; use 'causal', a tensor or None")
-        if L == S:  # torch's is_causal is top-left aligned: equal to ours only when L == S
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
-        mask = None if L == 1 else causal_mask(L, S, q.device)  # one query sees every key
-    if L == 1:
-        n_rep = Hq // Hkv
-        if mask is not None:  # (B, Hq or 1, 1, S) -> (B, Hkv or 1, n_rep or 1, S)
-            mask = _grouped(mask, Hkv, n_rep, 1, S).squeeze(-2)
-        out = F.scaled_dot_product_attention(
-            q.reshape(B, Hkv, n_rep, D), k, v, attn_mask=mask, scale=scale
-        )
-        return out.reshape(B, Hq, 1, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
 
 class Attention:
-    """The seed's attention layer. Shapes: x (B, L, hidden) -> (B, L, hidden).
+    """The seed's attention layer: (B, L, hidden) -> (B, L, hidden) as the seed calls it,
+    (T, hidden) -> (T, hidden) in a model's forward.
 
     num_heads and num_kv_heads are this rank's (all of them in a single process).
     """
@@ -156,7 +46,8 @@ class Attention:
         layer: int,
     ):
         """layer: the layer's index, which picks its RoPE settings (`config.rope_for`) and
-        its window."""
+        names its K/V to the attention backend; its RoPE may be none (`NoRoPE`)."""
+        self.layer = layer
         self.hidden_size = config.hidden_size
         self.head_dim = D = config.head_dim
         self.features = features
@@ -209,52 +100,55 @@ class Attention:
             self.q_norm = load_rms_norm(weights, f"{prefix}.q_norm.weight", D, config)
             self.k_norm = load_rms_norm(weights, f"{prefix}.k_norm.weight", D, config)
 
-    @property
-    def sdpa(self) -> Callable[..., torch.Tensor]:
-        """The attention function `features` asks for: both give the same result (the tests
-        hold them to it); torch's fused one is faster."""
-        return torch_sdpa_grouped if self.features.fast_sdpa else reference_sdpa_fp32
+    def __call__(
+        self, x: torch.Tensor, offsets: int | torch.Tensor, cache: Cache, mask: Mask = None
+    ) -> torch.Tensor:
+        """The seed's call: x (B, L, hidden) -> (B, L, hidden) over this layer's contiguous
+        cache, through the reference backend (`qinfer.attention.reference`).
 
-    def __call__(self, x: torch.Tensor, offsets: int | torch.Tensor, cache, mask: Mask = None):
-        """x: (B, L, hidden); offsets: position of each row's first token (int or (B,)), or
-        of every token ((B, L));
-        cache: any object with the KV-cache protocol (`qinfer.kv_cache`); mask as in
-        `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
-        B, L, _ = x.shape
+        offsets: position of each row's first token (int or (B,)), or of every token ((B, L));
+        cache: a `qinfer.kv_cache` cache; mask as in `scaled_dot_product_attention_grouped`,
+        handed to the cache to complete."""
+        B, L, H = x.shape
+        positions = row_positions(offsets, B, L, x.device).reshape(B * L)
+        attention = ReferenceAttention({self.layer: cache}, B, L, mask, sdpa_for(self.features))
+        return self.forward(x.reshape(B * L, H), positions, attention).view(B, L, H)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,);
+        attention: the step's backend, which stores K/V and attends. Returns (T, hidden)."""
+        T = x.shape[0]
 
         # Step 1: project to Q, K, V (one fused projection, split into its three parts).
-        # (B, L, (Hq + 2 Hkv) * D) -> 3 x (B, L, H * D) -> (B, L, H, D); Hq and Hkv are
-        # this rank's heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
+        # (T, (Hq + 2 Hkv) * D) -> 3 x (T, H * D) -> (T, H, D); Hq and Hkv are this rank's
+        # heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
         projection_q, projection_k, projection_v = linear(x, self.wqkv).split(self.qkv_sizes, -1)
-        projection_q = projection_q.reshape(B, L, self.num_heads, self.head_dim)
-        projection_k = projection_k.reshape(B, L, self.num_kv_heads, self.head_dim)
-        projection_v = projection_v.reshape(B, L, self.num_kv_heads, self.head_dim)
+        projection_q = projection_q.reshape(T, self.num_heads, self.head_dim)
+        projection_k = projection_k.reshape(T, self.num_kv_heads, self.head_dim)
+        projection_v = projection_v.reshape(T, self.num_kv_heads, self.head_dim)
 
         # Step 2: per-head QK-norm, within each head, before RoPE.
         if self.q_norm is not None:
             projection_q = self.q_norm(projection_q)
             projection_k = self.k_norm(projection_k)
 
-        # Step 3: RoPE on Q and K (not V), both rotated by one lookup of cos and sin.
-        cos, sin = self.rope.rotation(offsets, L, projection_q.dtype)
+        # Step 3: RoPE on Q and K (not V), both rotated by one lookup of cos and sin
+        # ((T, 1, D/2) each, shared by every layer of the step).
+        cos, sin = self.rope.rotation(positions, projection_q.dtype)
         projection_q = self.rope.apply(projection_q, cos, sin)
         projection_k = self.rope.apply(projection_k, cos, sin)
 
-        # Step 4: (B, L, H, D) -> (B, H, L, D)
-        projection_q = projection_q.transpose(1, 2)
-        projection_k = projection_k.transpose(1, 2)
-        projection_v = projection_v.transpose(1, 2)
-
-        # Steps 5-6: the cache stores this step's K/V and attends over the whole visible
-        # history with the mask that matches it (padding, sliding window, causal). Its
-        # default (`kv_cache.Attends.attend`) is the seed's two calls:
+        # Steps 4-6: the backend stores this step's K/V and attends each query over its own
+        # sequence's visible history (padding, sliding window, causal). The reference
+        # backend is the seed's two calls on (B, H, L, D) views of these tensors:
         #     keys, values, _, mask = cache.update_and_fetch(k, v, mask_length=L, mask=mask)
-        #     x = sdpa(q, keys, values, scale, mask)      # (B, Hq, L, D)
-        # a paged cache may instead attend where its K/V already live.
-        x = cache.attend(projection_q, projection_k, projection_v, self.scale, mask, self.sdpa)
+        #     x = scaled_dot_product_attention_grouped(q, keys, values, scale, mask)
+        # a paged backend attends where the K/V of every sequence live in its block pool.
+        x = attention.attend(self.layer, projection_q, projection_k, projection_v, self.scale)
 
-        # Step 7: (B, Hq, L, D) -> (B, L, Hq * D) -> output projection -> (B, L, hidden).
+        # Step 7: (T, Hq, D) -> (T, Hq * D) -> output projection -> (T, hidden).
         # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
         # sum, and its call all-reduces the ranks' sums (the layer's one collective).
-        x = x.transpose(1, 2).reshape(B, L, self.num_heads * self.head_dim)
-        return linear(x, self.wo)
+        return linear(x.reshape(T, self.num_heads * self.head_dim), self.wo)

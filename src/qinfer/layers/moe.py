@@ -89,8 +89,9 @@ class SparseMoE:
         return top.to(x.dtype), chosen
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        B, L, H = x.shape
-        flat = x.reshape(B * L, H)  # (T, hidden)
+        """x (*P, hidden) -> (*P, hidden), each token through its top k experts."""
+        H = x.shape[-1]
+        flat = x.reshape(-1, H)  # (T, hidden)
         top, chosen = self.route(flat)
         # Pair p is token p // k's slot p % k; sorted by expert (stable: by token within one).
         order = chosen.flatten().argsort(stable=True)  # (T * k,)
@@ -101,7 +102,7 @@ class SparseMoE:
         out = self.down(gated, counts)  # (T * k, hidden) by expert
         # Back in pair order, then each token's k outputs weighted and added in slot order
         # (not with index_add_, whose atomic adds on GPUs sum in no fixed order).
-        out = torch.empty_like(out).index_copy_(0, order, out).view(B * L, self.top_k, H)
+        out = torch.empty_like(out).index_copy_(0, order, out).view(-1, self.top_k, H)
         mixed = (out * top[..., None]).sum(dim=1)  # (T, hidden): this rank's partial sum
         if self.shared_gate is not None:
             gated = gate_times_up(
@@ -109,7 +110,7 @@ class SparseMoE:
             )  # (T, shared / N)
             shared = linear(gated, self.shared_down)  # (T, hidden), partial sum
             mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
-        return self.parallel.all_reduce_sum(mixed).view(B, L, H)
+        return self.parallel.all_reduce_sum(mixed).view(x.shape)
 
 
 def _ffn(

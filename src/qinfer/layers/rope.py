@@ -25,7 +25,7 @@ from qinfer.rope_scaling import rope_frequencies
 
 
 class RoPE:
-    """Applies rotary embeddings to (B, L, H, D) queries or keys at given positions.
+    """Applies rotary embeddings to queries or keys at given positions.
 
     max_position_embeddings is the seed's `seq_len`: nothing is tabulated (positions past
     the context are refused by the model, `Transformer`), but LongRoPE picks its factors by
@@ -48,34 +48,35 @@ class RoPE:
         )
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """x: (B, L, H, D); offset: an int, a (B,) tensor of each row's first position, or a
-        (B, L) tensor of every token's position."""
-        return self.apply(x, *self.rotation(offset, x.shape[1], x.dtype))
+        """x: (B, L, H, D); offset as `row_positions` takes it (the seed's call)."""
+        B, L = x.shape[:2]
+        positions = row_positions(offset, B, L, self.frequencies.inv_freq.device)
+        return self.apply(x, *self.rotation(positions, x.dtype))
 
     def rotation(
-        self, offset: int | torch.Tensor, length: int, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of `length` positions, each (1 or B, length, 1, R/2) in `dtype`, R the
-        rotary dims (D unless partial).
+        """cos and sin at `positions` (any shape P: (T,) for a flat batch), each (*P, 1, R/2)
+        in `dtype`, R the rotary dims (D unless partial), to broadcast over the heads of
+        (*P, H, D) queries and keys.
 
-        offset: an int or a (B,) tensor of each row's first position, or a (B, length) tensor
-        of every token's own position (the engine packs the tokens of several sequences into
-        one row). Queries and keys of one step share the result, and so do the layers: the
-        frequencies remember the last rotation.
+        Queries and keys of one step share the result, and so do the layers: the frequencies
+        remember the last rotation, keyed by the positions tensor itself (the one
+        `ForwardBatch` hands every layer).
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
         """
-        return self.frequencies.rotation(offset, length, dtype)
+        return self.frequencies.rotation(positions, dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (B, L, H, D) rotated by `rotation`'s cos and sin (B, L, 1, R/2): the first R
+        """x (*P, H, D) rotated by `rotation`'s cos and sin (*P, 1, R/2): the first R
         dimensions rotate, the other D - R pass through (partial rotary)."""
         rotary = 2 * cos.shape[-1]
-        if rotary < x.shape[-1]:  # (B, L, H, R) rotated, (B, L, H, D - R) as it is
+        if rotary < x.shape[-1]:  # (*P, H, R) rotated, (*P, H, D - R) as it is
             return torch.cat((RoPE.apply(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
-        x1, x2 = x.chunk(2, dim=-1)  # (B, L, H, D/2) each
+        x1, x2 = x.chunk(2, dim=-1)  # (*P, H, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -86,7 +87,7 @@ class NoRoPE:
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         return x
 
-    def rotation(self, offset: int | torch.Tensor, length: int, dtype: torch.dtype) -> tuple:
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         return (), ()
 
     @staticmethod
@@ -94,42 +95,43 @@ class NoRoPE:
         return x
 
 
+def row_positions(
+    offsets: int | torch.Tensor, batch_size: int, length: int, device: torch.device | str
+) -> torch.Tensor:
+    """The (B, L) positions of B rows of L tokens: offsets is the first position of every
+    row (an int), of each row ((B,)), or already every token's ((B, L)). Left-padded rows
+    have negative positions in their padding (RoPE clamps them; the caches mask them)."""
+    if isinstance(offsets, int):
+        row = torch.arange(offsets, offsets + length, device=device)
+        return row.expand(batch_size, length)
+    offsets = offsets.to(device)
+    if offsets.dim() == 1:
+        return offsets[:, None] + torch.arange(length, device=device)
+    return offsets
+
+
 class _Frequencies:
     """inv_freq (dims/2,) fp32 and the cos/sin scale of one RoPE setting, shared by every
-    layer using it.
-
-    Every layer of a forward asks for the same positions: the last rotation is kept, keyed
-    by the offset (an int, or the very tensor object the model passes to all its layers).
+    layer using it. Every layer of a forward asks for the same positions: the last rotation
+    is kept, keyed by the positions tensor object (held by the memo, so never a recycled one).
     """
 
     def __init__(self, inv_freq: torch.Tensor, scale: float) -> None:
         self.inv_freq, self.scale = inv_freq, scale
-        self._last: tuple[object, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def rotation(
-        self, offset: int | torch.Tensor, length: int, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         last = self._last
-        if last is not None and _same_offset(last[0], offset) and last[1:3] == (length, dtype):
-            return last[3], last[4]
-        device = self.inv_freq.device
-        if isinstance(offset, int):
-            positions = torch.arange(offset, offset + length, device=device)[None]  # (1, L)
-        else:
-            positions = offset.to(device)
-            if positions.dim() == 1:  # each row's first position, then the next length - 1
-                positions = positions[:, None] + torch.arange(length, device=device)
-            positions = positions.clamp(min=0)  # (B, L)
-        angles = positions[:, :, None, None].float() * self.inv_freq  # (B, L, 1, D/2)
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        clamped = positions.to(self.inv_freq.device).clamp(min=0)
+        angles = clamped[..., None, None].float() * self.inv_freq  # (*P, 1, D/2)
         cos = (angles.cos() * self.scale).to(dtype)
         sin = (angles.sin() * self.scale).to(dtype)
-        self._last = (offset, length, dtype, cos, sin)
+        self._last = (positions, dtype, cos, sin)
         return cos, sin
-
-
-def _same_offset(a: int | torch.Tensor, b: int | torch.Tensor) -> bool:
-    """The same int, or the same tensor object (held by the memo, so never a recycled one)."""
-    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b)
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,67 @@
+"""`ForwardBatch`: everything one forward through the model needs, passed as an argument.
+
+The tokens of every sequence in the step are flat, sequence after sequence, whatever mix
+of prompt chunks and decode tokens the step holds:
+
+    token_ids       (T,)   long   the ids to run
+    positions       (T,)   long   each token's position in its sequence (RoPE)
+    query_starts    S + 1  ints   sequence s runs tokens query_starts[s]:query_starts[s + 1]
+    logits_indices  (R,)   long   the rows of the hidden states whose logits are wanted: any
+                                  number per sequence (the last token of each sequence that
+                                  samples; several when verifying proposed tokens; every
+                                  token for prompt logprobs)
+    attention       the step's `AttentionBackend`: K/V storage and this step's metadata
+                    (caches and row shape, or block tables, slots and history lengths)
+
+    hidden = model.forward(batch)                                    # (T, hidden)
+    logits = model.compute_logits(hidden[batch.logits_indices])     # (R, vocab) fp32
+
+Nothing reaches the layers but this argument (no global context): data flow one can follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qinfer.attention.backend import AttentionBackend
+from qinfer.layers.rope import row_positions
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    query_starts: list[int]
+    logits_indices: torch.Tensor
+    attention: AttentionBackend
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @classmethod
+    def from_rows(
+        cls,
+        tokens: torch.Tensor,
+        offsets: int | torch.Tensor,
+        attention: AttentionBackend,
+        last_only: bool = False,
+    ) -> ForwardBatch:
+        """B rows of L tokens each (tokens (B, L), on the model's device), flattened row by
+        row; offsets as `row_positions` takes them. Logits for every token, or for the last
+        of each row with last_only."""
+        B, L = tokens.shape
+        device = tokens.device
+        if last_only:
+            logits_indices = torch.arange(L - 1, B * L, L, device=device)
+        else:
+            logits_indices = torch.arange(B * L, device=device)
+        return cls(
+            token_ids=tokens.reshape(B * L),
+            positions=row_positions(offsets, B, L, device).reshape(B * L),
+            query_starts=list(range(0, B * L + 1, L)),
+            logits_indices=logits_indices,
+            attention=attention,
+        )

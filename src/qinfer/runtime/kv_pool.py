@@ -1,0 +1,52 @@
+"""Where the engine's K/V live: one preallocated pool of blocks, plain storage.
+
+Slot `block_id * block_size + i` holds position i of that block; a sequence's block table
+lists its blocks in order (`qinfer.engine.block_manager` hands them out, shared between
+sequences with a common prefix). Reading and writing the pool is the paged attention
+backend's (`qinfer.attention.paged`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qinfer.config import ModelConfig
+
+
+class KVPool:
+    """K and V of every layer: (num_layers, num_slots, Hkv, D) each, allocated once.
+
+    num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
+    under tensor parallelism, `Parallel.attention_heads`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (
+            config.num_hidden_layers,
+            num_blocks * block_size,
+            num_kv_heads or config.num_key_value_heads,
+            config.head_dim,
+        )
+        # Zeros, not empty: padded reads take (masked) slots, and NaN garbage would
+        # survive a mask in a matmul.
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> int:
+        """Bytes one block takes across all layers, keys and values (of num_kv_heads KV
+        heads; default: the config's)."""
+        heads = num_kv_heads or config.num_key_value_heads
+        per_token = 2 * config.num_hidden_layers * heads * config.head_dim
+        return per_token * block_size * torch.empty((), dtype=dtype).element_size()

@@ -48,6 +48,28 @@ GEMMA3 = dict(
     final_logit_softcapping=3.0,
 )
 
+#: A SmolLM3 shape: layer 1 of 3 has no RoPE (no_rope_layer_interval 2) and, with
+#: use_sliding_window, is the one that slides (window 6).
+SMOLLM3 = dict(
+    num_hidden_layers=3, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6
+)
+
+
+def phi3_longrope(original: int, partial_rotary_factor: float = 0.75, head_dim: int = 16) -> dict:
+    """Config overrides for a Phi-3 with LongRoPE of an original context of `original`
+    positions (its short and long factors distinct per frequency) and partial rotary."""
+    pairs = int(head_dim * partial_rotary_factor) // 2
+    return dict(
+        partial_rotary_factor=partial_rotary_factor,
+        original_max_position_embeddings=original,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0 + 0.1 * i for i in range(pairs)],
+            long_factor=[2.0 + 1.5 * i for i in range(pairs)],
+        ),
+    )
+
+
 #: The smallest SigLIP vision tower a multimodal Gemma 3 can hold.
 TINY_SIGLIP = dict(
     hidden_size=32,
@@ -70,6 +92,11 @@ WINDOWED = {
     ),
     "qwen3-moe": ("qwen3_moe", QWEN3_MOE),
     "gemma3": ("gemma3", GEMMA3),
+    "smollm3": ("smollm3", SMOLLM3),
+    # LongRoPE's short factors (a context no longer than the original: transformers' choice
+    # at every length), partial rotary, a window on every layer; past the original context:
+    # tests/test_families.py
+    "phi3": ("phi3", dict(phi3_longrope(512), sliding_window=8)),
 }
 
 
@@ -92,9 +119,16 @@ YARN_ROPE = dict(
 )
 
 
+#: Special token ids inside TINY's vocabulary where a family's defaults lie outside it.
+SPECIAL_TOKENS = {
+    "smollm3": dict(pad_token_id=None, bos_token_id=1, eos_token_id=2),
+    "phi3": dict(pad_token_id=None, bos_token_id=1, eos_token_id=2),
+}
+
+
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
     """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral,
-    gemma3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
+    gemma3, smollm3, phi3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
     text model) to `folder`; return the HF model."""
     import transformers
 
@@ -106,6 +140,8 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     if family == "gemma3-vision":  # Gemma 3's text model inside its multimodal wrapper
         model_class = transformers.Gemma3ForConditionalGeneration
@@ -120,7 +156,7 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         )
     else:
         config_class, model_class = classes[family]
-        config = config_class(**{**TINY, **overrides})
+        config = config_class(**{**TINY, **SPECIAL_TOKENS.get(family, {}), **overrides})
     torch.manual_seed(seed)
     model = model_class(config).eval()
     # Random init leaves norms at 1 and biases at 0: perturb every tensor so that each

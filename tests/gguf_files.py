@@ -87,7 +87,11 @@ ARCHES = {
     "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
     "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
     "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
 }
+#: Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel and its heirs).
+PERMUTED = ("llama", "smollm3")
 
 
 def write_gguf(
@@ -127,9 +131,9 @@ def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(head_dim)
         # Gemma 3 keeps a RoPE per layer type; the file holds its global layers' one.
         rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_vocab_size(config.vocab_size)
@@ -143,6 +147,17 @@ def describe_model(config, arch: str) -> Callable[[gguf.GGUFWriter], None]:
         writer.add_eos_token_id(2)
         if arch == "gemma3":
             writer.add_sliding_window(config.sliding_window)
+        if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
+            writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+            writer.add_sliding_window(config.sliding_window or 0)
+            if rope.get("rope_type") == "longrope":
+                scale = config.max_position_embeddings / config.original_max_position_embeddings
+                attn_factor = 1.0
+                if scale > 1.0:
+                    attn_factor = math.sqrt(
+                        1 + math.log(scale) / math.log(config.original_max_position_embeddings)
+                    )
+                writer.add_rope_scaling_attn_factors(attn_factor)
         if rope.get("rope_type", "default") in ("linear", "yarn"):
             writer.add_rope_scaling_type(
                 gguf.RopeScalingType.LINEAR
@@ -206,7 +221,8 @@ def stacked_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) -> Path:
     """Convert a `transformers` model of `arch` (llama, qwen2, qwen2moe, qwen3, qwen3moe,
-    gemma3) to an F32 GGUF, or one whose layers' projections (and experts) are quantized to
+    gemma3, smollm3, phi3: q/k/v and gate/up stay fused, LongRoPE's factors become
+    `rope_factors_long/short`) to an F32 GGUF, or one whose layers' projections (and experts) are quantized to
     `layer_type` (Q4_0, Q8_0: what `gguf.quants` writes). Gemma's norm weights are stored as
     1 + w, as the converter does."""
     config = model.config
@@ -218,9 +234,9 @@ def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) 
     for hf_name, array in stacked_experts(state).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in PERMUTED and ".q_proj." in hf_name:
             array = converter_permute(array, config.num_attention_heads)
-        if arch == "llama" and ".k_proj." in hf_name:
+        if arch in PERMUTED and ".k_proj." in hf_name:
             array = converter_permute(array, config.num_key_value_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             array = array + 1
@@ -233,6 +249,10 @@ def write_gguf_model(model, path: Path, arch: str, layer_type: Q | None = None) 
         tensors[name] = array
     if config.rope_parameters.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(config)
+    if arch == "phi3" and config.rope_parameters.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            factors = config.rope_parameters[f"{kind}_factor"]
+            tensors[f"rope_factors_{kind}.weight"] = np.array(factors, dtype=np.float32)
     return write_gguf(path, arch, tensors, describe_model(config, arch), raw_types)
 
 

@@ -67,12 +67,13 @@ def test_config_matches_transformers(gemma3):
     assert config.layer_types[4:6] == (SLIDING_ATTENTION, FULL_ATTENTION)
     assert config.sliding_window == expected.sliding_window == 512
     assert config.rope.theta == expected.rope_parameters[FULL_ATTENTION]["rope_theta"] == 1e6
-    assert config.sliding_rope.theta == expected.rope_parameters[SLIDING_ATTENTION]["rope_theta"]
-    assert config.query_pre_attn_scalar == expected.query_pre_attn_scalar
+    sliding_rope = config.wiring.sliding_rope
+    assert sliding_rope.theta == expected.rope_parameters[SLIDING_ATTENTION]["rope_theta"]
+    assert config.attention_scale == expected.query_pre_attn_scalar**-0.5
     assert (config.head_dim, config.num_key_value_heads) == (expected.head_dim, 1)
     assert config.rms_norm_eps == expected.rms_norm_eps
     assert config.tie_word_embeddings and expected.tie_word_embeddings
-    assert config.hidden_act == expected.hidden_activation
+    assert config.wiring.hidden_act == expected.hidden_activation
     # <eos> and, as llama.cpp finds it by its text, <end_of_turn>
     assert config.eos_token_id == (1, 106)
 

@@ -14,6 +14,7 @@ from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeCo
 from qinfer.errors import ConfigError
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE, rope_frequencies
+from qinfer.models import config_from_hf
 
 # ---------------------------------------------------------------- grouped attention
 
@@ -156,7 +157,7 @@ ROPES = {
 def test_rope_frequencies_match_transformers(name):
     hf = hf_config(dict(ROPES[name]))
     want_freq, want_scale = ROPE_INIT_FUNCTIONS[ROPES[name]["rope_type"]](hf, torch.device("cpu"))
-    config = ModelConfig.from_hf(hf.to_dict())
+    config = config_from_hf(hf.to_dict())
     got_freq, got_scale = rope_frequencies(config.head_dim, config.rope)
     torch.testing.assert_close(got_freq, want_freq, atol=0, rtol=1e-6)
     assert got_scale == pytest.approx(want_scale, rel=1e-6)
@@ -165,7 +166,7 @@ def test_rope_frequencies_match_transformers(name):
 def test_default_rope_frequencies_match_transformers():
     hf = hf_config(dict(rope_type="default", rope_theta=123456.0))
     want, scale = _hf_default_rope(hf)
-    config = ModelConfig.from_hf(hf.to_dict())
+    config = config_from_hf(hf.to_dict())
     got, got_scale = rope_frequencies(config.head_dim, config.rope)
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
     assert got_scale == scale == 1.0
@@ -249,7 +250,7 @@ BASE = dict(
 
 
 def config(**fields) -> ModelConfig:
-    return ModelConfig.from_hf({**BASE, **fields})
+    return config_from_hf({**BASE, **fields})
 
 
 LLAMA3 = dict(
@@ -294,8 +295,8 @@ def test_config_yarn_without_original_context_takes_max_position_embeddings():
 
 
 def test_config_unsupported_rope_type_is_named():
-    with pytest.raises(ConfigError, match="'longrope'"):
-        config(rope_scaling=dict(rope_type="longrope", factor=2.0))
+    with pytest.raises(ConfigError, match="'ntk-by-parts'"):
+        config(rope_scaling=dict(rope_type="ntk-by-parts", factor=2.0))
 
 
 def test_config_head_dim_absent_is_hidden_over_heads():
@@ -307,12 +308,12 @@ def test_config_head_dim_present_wins():
 
 
 def test_config_qwen2_has_qkv_bias_but_no_o_bias():
-    c = config(model_type="qwen2")
+    c = config(model_type="qwen2").wiring
     assert c.qkv_bias and not c.o_bias and not c.qk_norm
 
 
 def test_config_qwen3_has_qk_norm():
-    c = config(model_type="qwen3")
+    c = config(model_type="qwen3").wiring
     assert c.qk_norm and not c.qkv_bias
 
 
@@ -367,7 +368,7 @@ def test_config_agrees_with_transformers_layer_types(family):
         sliding_window=64,
         max_window_layers=1,
     )
-    got = ModelConfig.from_hf(hf.to_dict())
+    got = config_from_hf(hf.to_dict())
     want = getattr(hf, "layer_types", None) or [SLIDING_ATTENTION] * 4
     assert got.layer_types == tuple(want)
 
@@ -424,33 +425,33 @@ GEMMA3_TEXT = dict(BASE, model_type="gemma3_text", num_hidden_layers=13, head_di
 def test_config_gemma3_layers_and_ropes_agree_with_transformers(fields):
     # Old spellings: rope_theta + rope_scaling for the global layers, rope_local_base_freq
     # for the sliding ones, every sliding_window_pattern-th layer global.
-    got = ModelConfig.from_hf({**GEMMA3_TEXT, **fields})
+    got = config_from_hf({**GEMMA3_TEXT, **fields})
     hf = transformers.Gemma3TextConfig(
         **{k: v for k, v in {**GEMMA3_TEXT, **fields}.items() if k != "model_type"}
     )
     assert got.layer_types == tuple(hf.layer_types)
     assert got.sliding_window == hf.sliding_window
     # transformers writes the per-layer-type spelling; both must give the same ropes.
-    assert ModelConfig.from_hf(hf.to_dict()) == got
-    for kind, rope in ((FULL_ATTENTION, got.rope), (SLIDING_ATTENTION, got.sliding_rope)):
+    assert config_from_hf(hf.to_dict()) == got
+    for kind, rope in ((FULL_ATTENTION, got.rope), (SLIDING_ATTENTION, got.wiring.sliding_rope)):
         params = hf.rope_parameters[kind]
         assert (rope.theta, rope.type) == (params["rope_theta"], params["rope_type"])
         assert rope.factor == params.get("factor", 1.0)
     assert got.attention_scale == 256**-0.5  # query_pre_attn_scalar's default
-    assert got.embedding_scale == 64**0.5 and got.tie_word_embeddings
+    assert got.wiring.embedding_scale == 64**0.5 and got.tie_word_embeddings
 
 
 def test_config_gemma3_with_vision_is_its_text_config():
     text = {k: v for k, v in GEMMA3_TEXT.items() if k != "model_type"}
     outer = {"model_type": "gemma3", "text_config": text, "dtype": "bfloat16"}
-    assert ModelConfig.from_hf(outer) == ModelConfig.from_hf({**GEMMA3_TEXT, "dtype": "bfloat16"})
+    assert config_from_hf(outer) == config_from_hf({**GEMMA3_TEXT, "dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="'text_config'"):
-        ModelConfig.from_hf({"model_type": "gemma3"})
+        config_from_hf({"model_type": "gemma3"})
 
 
 def test_config_gemma3_attention_softcapping_is_refused_by_name():
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
-        ModelConfig.from_hf({**GEMMA3_TEXT, "attn_logit_softcapping": 50.0})
+        config_from_hf({**GEMMA3_TEXT, "attn_logit_softcapping": 50.0})
 
 
 @pytest.mark.parametrize(
@@ -464,4 +465,11 @@ def test_config_gemma3_attention_softcapping_is_refused_by_name():
 )
 def test_config_gemma3_bad_field_is_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=f"^config field '{field}'"):
-        ModelConfig.from_hf({**GEMMA3_TEXT, field: value})
+        config_from_hf({**GEMMA3_TEXT, field: value})
+
+
+def test_config_gemma3_attention_bias_reaches_q_k_v_and_o():
+    # Gemma3Attention puts `attention_bias` on all four projections, as Llama does.
+    wiring = config_from_hf({**GEMMA3_TEXT, "attention_bias": True}).wiring
+    assert wiring.qkv_bias and wiring.o_bias
+    assert not config_from_hf(GEMMA3_TEXT).wiring.qkv_bias

@@ -22,7 +22,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
 import qinfer
-from qinfer.config import ModelConfig
 from qinfer.engine import LLM
 from qinfer.errors import ConfigError, QinferError
 from qinfer.generate import generate_ids
@@ -30,6 +29,7 @@ from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
 from qinfer.linear.grouped import LoopedLinear, StackedDenseLinear
+from qinfer.models import config_from_file, config_from_hf
 from qinfer.parallel import Parallel
 from qinfer.sampling import SamplingParams
 
@@ -193,7 +193,7 @@ def test_gguf_stacked_experts_give_transformers_logits(gguf_pair, tmp_path, toke
     arch, folder, reference = gguf_pair
     path = write_gguf_model(reference, tmp_path / "model.gguf", arch)
     model = qinfer.load_model(path, device="cpu")
-    assert model.config.moe == ModelConfig.from_file(folder).moe
+    assert model.config.moe == config_from_file(folder).moe
     assert max_diff(model(tokens), reference_logits(reference, tokens)) < TOLERANCE
 
 
@@ -233,16 +233,16 @@ def test_config_reads_either_spelling_of_the_expert_count():
         "num_experts",
         "num_local_experts",
     ):  # config.json of the hub / of transformers 5
-        moe = ModelConfig.from_hf({**fields, spelling: 8}).moe
+        moe = config_from_hf({**fields, spelling: 8}).moe
         assert (moe.num_experts, moe.sparse_layers, moe.norm_topk_prob) == (8, (1,), False)
     with pytest.raises(
         ConfigError, match="'num_experts_per_tok' \\(9\\) is more than num_experts \\(8\\)"
     ):
-        ModelConfig.from_hf({**fields, "num_experts": 8, "num_experts_per_tok": 9})
+        config_from_hf({**fields, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="'moe_intermediate_size' is missing"):
-        ModelConfig.from_hf({**fields, "num_experts": 8, "moe_intermediate_size": None})
+        config_from_hf({**fields, "num_experts": 8, "moe_intermediate_size": None})
     with pytest.raises(ConfigError, match="'mlp_only_layers' must be a list"):
-        ModelConfig.from_hf({**fields, "num_experts": 8, "mlp_only_layers": "3"})
+        config_from_hf({**fields, "num_experts": 8, "mlp_only_layers": "3"})
 
 
 def test_a_world_that_does_not_split_the_experts_is_refused(tmp_path):

@@ -20,9 +20,11 @@ from checkpoints import (
     GEMMA3,
     QWEN2_MOE,
     QWEN3_MOE,
+    SMOLLM3,
     build_checkpoint,
     llama3_rope,
     max_diff,
+    phi3_longrope,
     random_tokens,
 )
 from gguf import GGMLQuantizationType as Q
@@ -54,6 +56,9 @@ CHECKPOINTS = {
     "qwen3-moe": ("qwen3_moe", dict(QWEN3_MOE, moe_intermediate_size=64)),
     "qwen2-moe": ("qwen2_moe", QWEN2_MOE),  # the shared expert split like the experts
     "gemma3": ("gemma3", GEMMA3),  # GeGLU, (1 + w) sandwich norms, a RoPE per layer kind
+    # each rank's q/k/v and gate/up rows read out of the fused tensors; LongRoPE, partial rotary
+    "phi3": ("phi3", dict(phi3_longrope(16), num_key_value_heads=2)),
+    "smollm3": ("smollm3", SMOLLM3),  # a layer without RoPE, sliding
 }
 #: What each rank loads: (checkpoint, load_model keywords besides dtype float32). Shards
 #: of int4 groups are the world-1 groups (shares of whole groups), so they match exactly.

@@ -1,9 +1,10 @@
 """The decoder-only transformer: embed -> N x Block(attention, MLP) -> norm -> lm_head.
 
-One class serves Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, SmolLM2, Mistral and
-Gemma 3; their differences (QK-norm, biases, tied heads, RoPE scaling and per-layer RoPE,
-sliding windows, experts, Gemma's scaled embeddings, (1 + w) and sandwich norms, GeGLU,
-logit softcapping) live in ModelConfig and in which tensors the checkpoint holds.
+One class serves every family of `qinfer.models`; their differences (QK-norm, biases, tied
+heads, RoPE scaling, per-layer and partial RoPE, layers without RoPE, sliding windows,
+experts, Gemma's scaled embeddings, (1 + w) and sandwich norms, GeGLU, logit softcapping)
+are the config's fields and `Wiring`, set by each family's file, and which tensors the
+checkpoint holds.
 
 Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
 part of the weights and runs the same forward; the collectives sit in the row- and
@@ -45,7 +46,7 @@ class Block:
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
-    With `config.sandwich_norms` (Gemma) the outputs of attention and MLP are normed too,
+    With `config.wiring.sandwich_norms` (Gemma) the outputs of attention and MLP are normed too,
     before their residual add: four norms per block, named as in the checkpoint
     (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
     post_feedforward_layernorm). Without, the norm before the MLP is the checkpoint's
@@ -68,7 +69,7 @@ class Block:
         self.attention_norm = norm("input_layernorm")
         self.self_attn = Attention(prefix, config, weights, features, parallel, layer=layer)
         self.attention_output_norm = self.mlp_output_norm = None
-        if config.sandwich_norms:
+        if config.wiring.sandwich_norms:
             self.attention_output_norm = norm("post_attention_layernorm")
             self.mlp_norm = norm("pre_feedforward_layernorm")
             self.mlp_output_norm = norm("post_feedforward_layernorm")
@@ -138,10 +139,9 @@ class Transformer:
         self.norm = load_rms_norm(weights, "model.norm.weight", H, config)
         # Gemma scales the embeddings by sqrt(hidden) in their own dtype, as transformers does
         # (in bf16, sqrt(640) = 25.3 rounds to 25.25).
+        scale = config.wiring.embedding_scale
         self.embedding_scale = (
-            None
-            if config.embedding_scale is None
-            else torch.tensor(config.embedding_scale, dtype=self.dtype, device=self.device)
+            None if scale is None else torch.tensor(scale, dtype=self.dtype, device=self.device)
         )
         # Untied per config means the checkpoint must hold its own lm_head: tying it to the
         # embeddings instead would be silently wrong output.
@@ -262,7 +262,7 @@ class Transformer:
         """A residual (*P, hidden) -> fp32 logits (*P, vocab): final norm, lm_head and the
         config's softcap (also the logit lens of an inner layer's residual)."""
         logits = linear(self.norm(h), self.lm_head).float()
-        cap = self.config.final_logit_softcapping
+        cap = self.config.wiring.final_logit_softcapping
         if cap is not None:  # squashed smoothly into (-cap, cap)
             logits = torch.tanh(logits / cap) * cap
         return logits

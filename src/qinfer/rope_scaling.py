@@ -1,6 +1,6 @@
 """The inverse frequencies of each RoPE type, from a RopeConfig.
 
-The RoPE layer tabulates cos/sin from them (`layers/rope.py`); the GGUF reader uses them to
+The RoPE layer computes cos/sin from them (`layers/rope.py`); the GGUF reader uses them to
 recognise the llama3 scaling a file stores as per-frequency divisors. Kept apart from the
 layer so that reading weights does not depend on the layers.
 """
@@ -14,8 +14,14 @@ import torch
 from qinfer.config import RopeConfig
 
 
-def rope_frequencies(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    dims: int, rope: RopeConfig, context: int | None = None
+) -> tuple[torch.Tensor, float]:
     """inv_freq (dims/2,) in fp32 and the factor that scales cos/sin, for one RoPE type.
+
+    dims: the dimensions that rotate (a head's, or its first part under partial rotary).
+    context: the positions the model serves (longrope picks its factors by it; None: the
+    original context).
 
     - default: theta^(-2i/dims)
     - linear: positions interpolated by `factor` (inv_freq / factor)
@@ -24,6 +30,9 @@ def rope_frequencies(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     - llama3: low frequencies divided by `factor`, high ones kept, a smooth ramp between
     - yarn: per-dimension blend of interpolation and extrapolation, cos/sin scaled by
       the attention factor 0.1 * ln(factor) + 1 (or as configured)
+    - longrope (Phi-3): default frequencies each divided by its own factor, `long_factor`
+      for a context past `original_max_position_embeddings`, else `short_factor`; cos/sin
+      scaled by sqrt(1 + ln(factor) / ln(original context)) (or as configured)
     """
     exponent = torch.arange(0, dims, 2, dtype=torch.int64).float() / dims  # (dims/2,)
     inv_freq = 1.0 / (rope.theta**exponent)
@@ -35,6 +44,8 @@ def rope_frequencies(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, rope), 1.0
     if rope.type == "yarn":
         return _yarn(dims, rope)
+    if rope.type == "longrope":
+        return _longrope(inv_freq, rope, context)
     raise ValueError(f"unsupported rope type {rope.type!r}")
 
 
@@ -83,3 +94,30 @@ def _yarn(dims: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     extrapolation_weight = 1 - ramp
     inv_freq = interpolation * ramp + extrapolation * extrapolation_weight
     return inv_freq, float(attention_factor)
+
+
+def _longrope(
+    inv_freq: torch.Tensor, rope: RopeConfig, context: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's frequencies for a model serving `context` positions.
+
+    transformers switches a sequence from the short to the long factors once it grows past
+    the original context (and then recomputes its whole cache); the factors here are fixed
+    by the context the model serves instead, as llama.cpp fixes them by its context size,
+    so that a cache stays valid as a sequence grows. Sequences past the original context
+    get transformers' rotations; shorter ones, on a model whose context is longer, the long
+    factors where transformers would take the short ones.
+    """
+    original = rope.original_max_position_embeddings
+    long = context is not None and original is not None and context > original
+    factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(
+            f"longrope has {len(factors)} factors for {len(inv_freq)} rotary frequencies"
+        )
+    scale = rope.attention_factor
+    if scale is None:
+        scale = (
+            1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+        )
+    return inv_freq / factors, float(scale)

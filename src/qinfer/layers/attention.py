@@ -22,7 +22,7 @@ from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.features import Features
 from qinfer.layers.norm import load_rms_norm
-from qinfer.layers.rope import RoPE, row_positions
+from qinfer.layers.rope import NoRoPE, RoPE, row_positions
 from qinfer.linear import linear
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
@@ -46,7 +46,7 @@ class Attention:
         layer: int,
     ):
         """layer: the layer's index, which picks its RoPE settings (`config.rope_for`) and
-        names its K/V to the attention backend."""
+        names its K/V to the attention backend; its RoPE may be none (`NoRoPE`)."""
         self.layer = layer
         self.hidden_size = config.hidden_size
         self.head_dim = D = config.head_dim
@@ -58,9 +58,10 @@ class Attention:
         )
         self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
 
-        # The scale factor for attention scores: 1/sqrt(head_dim), or Gemma's
-        # 1/sqrt(query_pre_attn_scalar).
+        # The scale factor for attention scores: 1/sqrt(head_dim), or the family's
+        # (Gemma: 1/sqrt(query_pre_attn_scalar)).
         self.scale = config.attention_scale
+        wiring = config.wiring
 
         # Each head is D consecutive rows of its projection (columns of o_proj).
         q_rows = range(q_heads.start * D, q_heads.stop * D)
@@ -73,25 +74,29 @@ class Attention:
         self.wqkv = weights.linear(
             [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
             [(q_out, self.hidden_size), (kv_out, self.hidden_size), (kv_out, self.hidden_size)],
-            config.qkv_bias,
+            wiring.qkv_bias,
             shard=parallel.split_out(q_rows, kv_rows, kv_rows),
         )
         self.wo = weights.linear(
             f"{prefix}.o_proj",
             (self.hidden_size, q_out),
-            config.o_bias,
+            wiring.o_bias,
             shard=parallel.split_in(q_rows),
         )
 
         # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
-        # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`).
-        self.rope = RoPE(
-            self.head_dim, config.max_position_embeddings, config.rope_for(layer), weights.device
+        # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`),
+        # or none (SmolLM3's NoPE layers: q and k pass through).
+        rope = config.rope_for(layer)
+        self.rope = (
+            NoRoPE()
+            if rope is None
+            else RoPE(self.head_dim, config.max_position_embeddings, rope, weights.device)
         )
 
         # Per-head QK-norm (Qwen3, Gemma 3): RMSNorm over head_dim, on q and k, before RoPE.
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
+        if wiring.qk_norm:
             self.q_norm = load_rms_norm(weights, f"{prefix}.q_norm.weight", D, config)
             self.k_norm = load_rms_norm(weights, f"{prefix}.k_norm.weight", D, config)
 

@@ -1,5 +1,5 @@
 """The gated feed-forward network: down(act(gate(x)) * up(x)), with act SiLU (SwiGLU) or
-the tanh-approximated GELU (GeGLU, Gemma) as the config's `hidden_act` says.
+the tanh-approximated GELU (GeGLU, Gemma) as the config's `wiring.hidden_act` says.
 
 Under tensor parallelism (`qinfer.parallel`) a rank holds intermediate / N of the FFN
 channels: gate/up are column-parallel (its channels), down is row-parallel (its call
@@ -19,7 +19,7 @@ from qinfer.linear import Linear, linear
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Weights
 
-#: `ModelConfig.hidden_act` -> the function applied to the gate.
+#: `Wiring.hidden_act` -> the function applied to the gate.
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
@@ -39,9 +39,9 @@ class MLP:
             config,
             weights,
             parallel,
-            bias=config.mlp_bias,
+            bias=config.wiring.mlp_bias,
         )
-        self.activation = GATE_ACTIVATIONS[config.hidden_act]
+        self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # (B, L, 2 * inter / N) -> (B, L, inter / N)

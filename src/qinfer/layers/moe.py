@@ -42,7 +42,7 @@ class SparseMoE:
         hidden, inter, experts = config.hidden_size, moe.moe_intermediate_size, moe.num_experts
         self.num_experts, self.top_k = experts, moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
-        self.activation = GATE_ACTIVATIONS[config.hidden_act]
+        self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
         self.parallel = parallel
         prefix = f"{layer_prefix}.mlp"
         # The router stays dense under quantization (its choices are discrete: a rounded

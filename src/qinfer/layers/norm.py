@@ -38,5 +38,5 @@ class RMSNorm:
 def load_rms_norm(weights: Weights, name: str, dims: int, config: ModelConfig) -> RMSNorm:
     """The RMSNorm whose weight is tensor `name` (dims,), with the config's eps and offset."""
     return RMSNorm(
-        dims, weights.tensor(name, (dims,)), config.rms_norm_eps, config.norm_weight_offset
+        dims, weights.tensor(name, (dims,)), config.rms_norm_eps, config.wiring.norm_weight_offset
     )

@@ -5,9 +5,11 @@ rotates each pair (x1[i], x2[i]) by the angle p * inv_freq[i]:
 
     out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
-The RoPE types differ only in `inv_freq` (and yarn in a scale on cos/sin), computed by
-`qinfer.rope_scaling.rope_frequencies` once per (head_dim, settings, device) and shared by
-all layers. cos/sin are computed for each step's positions only (the same fp32 products a
+The RoPE types differ only in `inv_freq` (and yarn and longrope in a scale on cos/sin),
+computed by `qinfer.rope_scaling.rope_frequencies` once per (rotary dims, settings, context,
+device) and shared by all layers. Under partial rotary (`RopeConfig.partial_rotary_factor`)
+only a head's first dimensions rotate, in the same layout; the others pass through. A layer
+without RoPE (SmolLM3's NoPE layers) has a `NoRoPE`, which leaves q and k as they are. cos/sin are computed for each step's positions only (the same fp32 products a
 table would hold, so the same values): a table of every position up to a long context
 would cost tens of MB per setting (Gemma 3: 32k positions x 128 frequencies, two settings).
 """
@@ -18,15 +20,16 @@ import functools
 
 import torch
 
-from qinfer.config import RopeConfig
+from qinfer.config import RopeConfig, rope_dims
 from qinfer.rope_scaling import rope_frequencies
 
 
 class RoPE:
     """Applies rotary embeddings to queries or keys at given positions.
 
-    max_position_embeddings is the seed's `seq_len`, kept for its signature: nothing is
-    tabulated, and positions past the context are refused by the model (`Transformer`).
+    max_position_embeddings is the seed's `seq_len`: nothing is tabulated (positions past
+    the context are refused by the model, `Transformer`), but LongRoPE picks its factors by
+    it. dims is a head's size; `rope.partial_rotary_factor` says how many of them rotate.
     """
 
     def __init__(
@@ -39,7 +42,10 @@ class RoPE:
         if isinstance(rope, (int, float)):  # the seed's RoPE(dims, seq_len, base)
             rope = RopeConfig(theta=float(rope))
         self.dims = dims
-        self.frequencies = _frequencies(dims, rope, torch.device(device))
+        self.rotary_dims = rope_dims(dims, rope)
+        self.frequencies = _frequencies(
+            self.rotary_dims, rope, max_position_embeddings, torch.device(device)
+        )
 
     def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """x: (B, L, H, D); offset as `row_positions` takes it (the seed's call)."""
@@ -50,8 +56,9 @@ class RoPE:
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at `positions` (any shape P: (T,) for a flat batch), each (*P, 1, D/2)
-        in `dtype`, to broadcast over the heads of (*P, H, D) queries and keys.
+        """cos and sin at `positions` (any shape P: (T,) for a flat batch), each (*P, 1, R/2)
+        in `dtype`, R the rotary dims (D unless partial), to broadcast over the heads of
+        (*P, H, D) queries and keys.
 
         Queries and keys of one step share the result, and so do the layers: the frequencies
         remember the last rotation, keyed by the positions tensor itself (the one
@@ -64,9 +71,28 @@ class RoPE:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (*P, H, D) rotated by `rotation`'s cos and sin."""
+        """x (*P, H, D) rotated by `rotation`'s cos and sin (*P, 1, R/2): the first R
+        dimensions rotate, the other D - R pass through (partial rotary)."""
+        rotary = 2 * cos.shape[-1]
+        if rotary < x.shape[-1]:  # (*P, H, R) rotated, (*P, H, D - R) as it is
+            return torch.cat((RoPE.apply(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
         x1, x2 = x.chunk(2, dim=-1)  # (*P, H, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class NoRoPE:
+    """The RoPE of a layer without rotary embeddings: q and k pass through unchanged (the
+    same calls as `RoPE`, so the attention layer never asks which it has)."""
+
+    def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        return x
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        return (), ()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: object, sin: object) -> torch.Tensor:
+        return x
 
 
 def row_positions(
@@ -109,7 +135,7 @@ class _Frequencies:
 
 
 @functools.lru_cache(maxsize=16)
-def _frequencies(dims: int, rope: RopeConfig, device: torch.device) -> _Frequencies:
+def _frequencies(dims: int, rope: RopeConfig, context: int, device: torch.device) -> _Frequencies:
     """The frequencies of one setting, shared by every layer with these settings."""
-    inv_freq, scale = rope_frequencies(dims, rope)
+    inv_freq, scale = rope_frequencies(dims, rope, context)
     return _Frequencies(inv_freq.to(device), scale)

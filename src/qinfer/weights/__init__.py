@@ -9,6 +9,7 @@ import torch
 
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
+from qinfer.models import config_from_file, family_of
 from qinfer.weights.base import QUANTIZE_KINDS, Quantize, Weights
 from qinfer.weights.safetensors import SafetensorsWeights
 
@@ -37,9 +38,22 @@ def open_checkpoint(
     if path.is_file() and path.suffix == ".gguf":
         from qinfer.weights.gguf import open_gguf  # the gguf reader is only needed here
 
-        return open_gguf(path, dtype_for, device, quantize, keep_gguf_blocks)
-    if not path.is_dir():
+        config, weights = open_gguf(path, dtype_for, device, quantize, keep_gguf_blocks)
+    elif path.is_dir():
+        config = config_from_file(path)
+        dtype = dtype_for(config, quantize is not None)
+        weights = SafetensorsWeights(path, dtype, device, quantize)
+    else:
         raise QinferError(f"model path {path} is neither a checkpoint folder nor a .gguf file")
-    config = ModelConfig.from_file(path)
-    dtype = dtype_for(config, quantize is not None)
-    return config, SafetensorsWeights(path, dtype, device, quantize)
+    _name_fused_parts(config, weights)
+    return config, weights
+
+
+def _name_fused_parts(config: ModelConfig, weights: Weights) -> None:
+    """Each layer's fused tensors of the family (`Family.fused_tensors`) split into the
+    parts the loader reads by name."""
+    for fused in family_of(config.model_type).fused_tensors(config):
+        for layer in range(config.num_hidden_layers):
+            prefix = f"model.layers.{layer}"
+            parts = [(f"{prefix}.{name}", rows) for name, rows in fused.parts]
+            weights.split_fused(f"{prefix}.{fused.stored}", parts)

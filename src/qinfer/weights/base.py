@@ -54,6 +54,8 @@ class Weights(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantize = quantize
+        # our name -> (stored name, first row, rows): parts of a fused tensor (split_fused)
+        self._parts: dict[str, tuple[str, int, int]] = {}
 
     @abstractmethod
     def names(self) -> list[str]:
@@ -80,7 +82,36 @@ class Weights(ABC):
         return self._read(name, rows, columns)
 
     def has(self, name: str) -> bool:
-        return name in self._name_set()
+        return name in self._name_set() or name in self._parts
+
+    def split_fused(self, fused: str, parts: Sequence[tuple[str, int]]) -> None:
+        """Name the row blocks of tensor `fused.weight` (and of `fused.bias` where there is
+        one) as tensors of their own: parts are (prefix, rows) in stored order, so that
+        `linear(prefix)` reads a part's rows of the fused tensor. A no-op where the
+        checkpoint has no such tensor."""
+        for suffix in ("weight", "bias"):
+            stored = f"{fused}.{suffix}"
+            if not self.has(stored):
+                continue
+            total = sum(rows for _, rows in parts)
+            if self._shape(stored)[0] != total:
+                raise WeightsError(
+                    f"tensor {stored!r} in {self.where(stored)} has {self._shape(stored)[0]} "
+                    f"rows, expected {total} ({' + '.join(str(rows) for _, rows in parts)})"
+                )
+            first = 0
+            for prefix, rows in parts:
+                self._parts[f"{prefix}.{suffix}"] = (stored, first, rows)
+                first += rows
+
+    def _located(self, name: str, rows: slice) -> tuple[str, slice]:
+        """The stored tensor and rows that hold `rows` of `name` (itself, unless a part of
+        a fused tensor)."""
+        if name not in self._parts:
+            return name, rows
+        stored, first, count = self._parts[name]
+        start, stop, _ = rows.indices(count)
+        return stored, slice(first + start, first + stop)
 
     def _name_set(self) -> set[str]:
         if not hasattr(self, "_names_cache"):
@@ -91,7 +122,11 @@ class Weights(ABC):
         """The stored shape of `name`, which must exist and match `expected` when given."""
         if not self.has(name):
             raise WeightsError(f"tensor {name!r} not found in {self.where(name)}")
-        shape = tuple(self._shape(name))
+        if name in self._parts:  # a part of a fused tensor: its rows, the stored columns
+            stored, _, rows = self._parts[name]
+            shape = (rows, *self._shape(stored)[1:])
+        else:
+            shape = tuple(self._shape(name))
         if expected is not None and shape != tuple(expected):
             raise WeightsError(
                 f"tensor {name!r} in {self.where(name)} has shape {shape}, "
@@ -105,7 +140,7 @@ class Weights(ABC):
         """Load `name` (or its `rows`) dense, check its whole shape when given, cast to dtype
         and move to device."""
         self._checked_shape(name, shape)
-        return self._read(name, rows).to(device=self.device, dtype=self.dtype)
+        return self._read(*self._located(name, rows)).to(device=self.device, dtype=self.dtype)
 
     def linear(
         self,
@@ -139,7 +174,8 @@ class Weights(ABC):
         ):
             name = f"{part_prefix}.weight"
             whole = self._checked_shape(name, part_shape)
-            weight = self._stored(name, part_rows, part_columns)
+            stored, stored_rows = self._located(name, part_rows)
+            weight = self._stored(stored, stored_rows, part_columns)
             split = "" if part_columns == ALL else f" split over {shard.parallel.world_size} ranks"
             parts.append(self._quantized(f"{name!r}{split}", weight, rows))
             bias_name = f"{part_prefix}.bias"

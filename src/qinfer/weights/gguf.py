@@ -4,15 +4,18 @@ The `gguf` package's `GGUFReader` parses and memory-maps the file; this module m
 llama.cpp's conventions onto ours:
 
 - metadata (`llama.attention.head_count`, `qwen2.rope.freq_base`, ...) -> a Hugging Face
-  style config dict -> `ModelConfig.from_hf`, so both formats share one validation;
-- tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`);
+  style config dict -> the family's config reader (`qinfer.models`, found by
+  `general.architecture`), so both formats share one validation; what an architecture says
+  beyond llama.cpp's shared keys is read by its family's file;
+- tensor names (`blk.3.attn_q.weight`) -> ours (`model.layers.3.self_attn.q_proj.weight`),
+  by the family's names;
   a mixture of experts' stacked tensors (`blk.3.ffn_gate_exps.weight`, (experts, out, in))
   -> one tensor per expert (`model.layers.3.mlp.experts.7.gate_proj.weight`), each a view
   of its slice of the file;
-- llama-architecture q/k rows, which llama.cpp's converter permutes for its interleaved
-  RoPE, back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
+- q/k rows of the families whose converter permutes them for llama.cpp's interleaved
+  RoPE (llama, `Family.gguf_qk_permuted`), back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
 - Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
-  w of a Hugging Face checkpoint (our norms add the 1: `ModelConfig.norm_weight_offset`);
+  w of a Hugging Face checkpoint (our norms add the 1: `Wiring.norm_weight_offset`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`); every other
   block type (Q8_0, Q5_0, Q6_K, ...) becomes int8 per output channel, re-rounded: half
@@ -34,7 +37,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,8 @@ from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import Int4Groups, Int8Rows, StoredWeight, quantize_int8
 from qinfer.linear.int8 import CHUNK_ROWS
+from qinfer.models import Family, GGUFHeader, family_of_gguf
+from qinfer.models.base import HFConfig
 from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import (
@@ -57,33 +62,12 @@ from qinfer.weights.gguf_quants import (
     int4_groups,
 )
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
-#: GGUF architecture -> Hugging Face model_type, where they differ.
-MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
-
-# llama.cpp tensor name -> ours; blk.N.* names are per layer.
+# llama.cpp tensor name -> ours; blk.N.* names are per layer, each family's
+# (`Family.gguf_layer_names`).
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 #: Stacked expert tensors (experts, out, in) -> each expert's projection.
 EXPERT_NAMES = {
@@ -91,15 +75,6 @@ EXPERT_NAMES = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
-# Gemma's four norms per block: llama.cpp's "ffn_norm" is the norm before the MLP, which
-# Gemma calls pre_feedforward_layernorm (its post_attention_layernorm follows attention).
-GEMMA_LAYER_NAMES = {
-    **LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-LAYER_NAMES_BY_ARCH = {"gemma3": GEMMA_LAYER_NAMES}
 # Tokens llama.cpp also stops on, found by their text whatever the metadata names
 # (llama-vocab.cpp): Gemma's chat turns end with <end_of_turn>.
 END_OF_TURN_TOKENS = ("<end_of_turn>",)
@@ -111,12 +86,11 @@ INT8_ROW_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in INT4_GROUPS)
 KEPT_TYPES = (*INT4_GROUPS, *INT8_ROW_TYPES)
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """Our name for a llama.cpp tensor name of architecture `arch`, or None for a tensor we
-    do not use."""
+def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
+    """Our name for a llama.cpp tensor name, with `layer_names` the family's per-layer names,
+    or None for a tensor we do not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    layer_names = LAYER_NAMES_BY_ARCH.get(arch, LAYER_NAMES)
     match = LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in layer_names:
         return None
@@ -244,57 +218,21 @@ class _PlainArrayReader(GGUFReader):
 
 
 def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
-    """A ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file."""
+    """A ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file: the
+    keys every llama.cpp architecture shares are read here, what the architecture's family
+    reads beyond them by its file (`Family.gguf_fields`), and the family's own config
+    reader checks the whole, as for a config.json."""
     meta = file.metadata
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
+    family = family_of_gguf(meta.get("general.architecture"), path)
+    tensor_names = frozenset(t.name for t in file.tensors)
 
-    def need(key: str) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise ConfigError(f"{path}: GGUF metadata {arch}.{key} is missing")
-        if isinstance(value, list):
-            raise ConfigError(f"{path}: GGUF metadata {arch}.{key} is a per-layer list")
-        return value
+    def read_floats(name: str) -> list[float]:
+        stored = next(t for t in file.tensors if t.name == name)
+        return [float(x) for x in dequantize(file.read(stored), stored.tensor_type).flatten()]
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    rotary_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rotary_dims is not None and int(rotary_dims) != head_dim:
-        raise ConfigError(
-            f"{path}: {arch}.rope.dimension_count is {rotary_dims} but head_dim is {head_dim}; "
-            "partial rotary embeddings are not supported"
-        )
-    tensor_names = {t.name for t in file.tensors}
-    vocab_size = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
-    end_ids = [
-        meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
-    ]  # llama.cpp stops on any of these "end of generation" tokens
-    end_ids += _end_of_turn_ids(meta)
-    hf_config = {
-        "model_type": MODEL_TYPES.get(arch, arch),
-        "vocab_size": vocab_size or None,
-        "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
-        "max_position_embeddings": need("context_length"),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "rope_parameters": _rope_parameters(meta, arch),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(int(i) for i in end_ids if i is not None)),
-        "dtype": "float32",
-        **_experts(meta, arch, need, tensor_names),
-        **_architecture_fields(meta, arch, hidden, heads, head_dim),
-    }
+    header = GGUFHeader(meta["general.architecture"], meta, tensor_names, read_floats)
     try:
-        config = ModelConfig.from_hf(hf_config)
+        config = family.read_config(HFConfig(_shared_fields(header, family)))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if ROPE_FREQS in tensor_names:
@@ -302,50 +240,39 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
     return config
 
 
-def _experts(
-    meta: dict[str, Any], arch: str, need: Callable[[str], Any], tensor_names: set[str]
-) -> dict[str, Any]:
-    """`{arch}.expert_*` metadata -> HF mixture-of-experts fields (none without experts).
-
-    A layer has experts when the file holds its router (`blk.N.ffn_gate_inp`); the others
-    are dense. Unless `expert_weights_norm` says otherwise, the k routing weights are
-    renormalised for qwen3moe and not for qwen2moe, as llama.cpp does (and as the released
-    configs ask: `norm_topk_prob` true for Qwen3-MoE, false for Qwen2-MoE).
-    """
-    if meta.get(f"{arch}.expert_count") is None:
-        return {}
-    layers = int(need("block_count"))
+def _shared_fields(header: GGUFHeader, family: Family) -> dict[str, Any]:
+    """The config.json fields llama.cpp's shared metadata keys say, and the family's (its
+    `rope_parameters` join the shared ones)."""
+    meta, arch = header.metadata, header.arch
+    hidden, heads = int(header.need("embedding_length")), int(header.need("attention.head_count"))
+    head_dim = int(header.get("attention.key_length") or hidden // heads)
+    rotary_dims = int(header.get("rope.dimension_count", head_dim))
+    vocab_size = header.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
+    end_ids = [
+        meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")
+    ]  # llama.cpp stops on any of these "end of generation" tokens
+    end_ids += _end_of_turn_ids(meta)
+    family_fields = family.gguf_fields(header)
+    rope = {**_rope_parameters(meta, arch), **family_fields.pop("rope_parameters", {})}
+    if rotary_dims != head_dim:  # llama.cpp rotates the first rope.dimension_count only
+        rope["partial_rotary_factor"] = rotary_dims / head_dim
     return {
-        "num_experts": need("expert_count"),
-        "num_experts_per_tok": need("expert_used_count"),
-        "moe_intermediate_size": need("expert_feed_forward_length"),
-        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
-        "shared_expert_intermediate_size": meta.get(f"{arch}.expert_shared_feed_forward_length"),
-        "mlp_only_layers": [
-            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
-        ],
-    }
-
-
-def _architecture_fields(
-    meta: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int
-) -> dict[str, Any]:
-    """Config fields only some architectures' metadata say, or that llama.cpp fixes per
-    architecture instead of storing them.
-
-    Gemma 3: the window of its sliding layers is metadata; which layers slide (every sixth is
-    global), the sliding layers' RoPE base (10k) and the attention scale are llama.cpp's
-    constants (1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B, whose
-    Hugging Face config says query_pre_attn_scalar 168).
-    """
-    if arch != "gemma3":
-        return {}
-    blocks = int(meta.get("gemma3.block_count", 0))
-    return {
-        "sliding_window": meta.get("gemma3.attention.sliding_window"),
-        "sliding_window_pattern": 6,
-        "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": hidden // heads if blocks == 62 else head_dim,
+        "model_type": family.model_types[0],
+        "vocab_size": vocab_size or None,
+        "hidden_size": hidden,
+        "intermediate_size": header.need("feed_forward_length"),
+        "num_hidden_layers": header.need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": header.get("attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": header.need("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": header.need("context_length"),
+        "tie_word_embeddings": "output.weight" not in header.tensor_names,
+        "rope_parameters": rope,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(i) for i in end_ids if i is not None)),
+        "dtype": "float32",
+        **family_fields,
     }
 
 
@@ -417,10 +344,10 @@ class GGUFWeights(Weights):
         self.file, self.path = file, file.path
         self.keep_blocks = keep_blocks
         self._tensors: dict[str, TensorInfo] = {}
-        arch = file.metadata.get("general.architecture", "llama")
+        family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
         for stored in file.tensors:
             experts = _expert_tensors(stored)
-            name = hf_tensor_name(stored.name, arch)
+            name = hf_tensor_name(stored.name, family.gguf_layer_names)
             if name is None and not experts:
                 continue
             if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
@@ -434,12 +361,12 @@ class GGUFWeights(Weights):
             else:
                 self._tensors[name] = stored
         # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
-        self._permuted = ("q_proj", "k_proj") if config.model_type == "llama" else ()
+        self._permuted = ("q_proj", "k_proj") if family.gguf_qk_permuted else ()
         self._head_dim = config.head_dim
         # llama.cpp's converter stores a Gemma norm's whole scale (1 + w); our norms add the
-        # offset themselves (ModelConfig.norm_weight_offset), so it is taken back off here,
+        # offset themselves (Wiring.norm_weight_offset), so it is taken back off here,
         # as transformers' GGUF loader does.
-        self._norm_offset = config.norm_weight_offset
+        self._norm_offset = config.wiring.norm_weight_offset
 
     def names(self) -> list[str]:
         return list(self._tensors)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -48,6 +49,12 @@ class PerplexityResult:
     top1: float | None = None
 
 
+#: Scores one chunk: its ids (context,) -> fp32 log-probabilities (context / 2 - 1, V) of the
+#: next token at positions context / 2 .. context - 2 (`scored_log_probs` for a qinfer model;
+#: a peer, such as llama.cpp in `bench/kl_divergence.py`, brings its own).
+Scorer = Callable[[torch.Tensor], torch.Tensor]
+
+
 def perplexity(
     model: Transformer,
     ids: Sequence[int],
@@ -60,37 +67,48 @@ def perplexity(
     base: a reference model with the same vocabulary, run on the same chunks;
     progress(done, total) is called after each chunk.
     """
-    if context < 4 or context % 2:
-        raise QinferError(f"context must be an even number of at least 4 tokens, got {context}")
     if context > model.config.max_position_embeddings:
         raise QinferError(
             f"context of {context} tokens is longer than the model's "
             f"({model.config.max_position_embeddings}, max_position_embeddings)"
         )
+    vocab = model.config.vocab_size
+    outside = next((t for t in ids if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise QinferError(f"token id {outside} is outside the vocabulary (0..{vocab - 1})")
+    if base is not None and base.config.vocab_size != vocab:
+        raise QinferError(
+            f"the base model's vocabulary ({base.config.vocab_size}) is not the model's ({vocab})"
+        )
+    base_scorer = None if base is None else partial(scored_log_probs, base)
+    return score(partial(scored_log_probs, model), ids, context, base_scorer, progress)
+
+
+def score(
+    scorer: Scorer,
+    ids: Sequence[int],
+    context: int,
+    base: Scorer | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """`perplexity` over any scorer (and base scorer) of the same vocabulary."""
+    if context < 4 or context % 2:
+        raise QinferError(f"context must be an even number of at least 4 tokens, got {context}")
     chunks = len(ids) // context
     if chunks == 0:
         raise QinferError(
             f"the text is {len(ids)} tokens, shorter than one chunk of {context}: "
             "give a longer text or a smaller context"
         )
-    vocab = model.config.vocab_size
-    outside = next((t for t in ids if not 0 <= t < vocab), None)
-    if outside is not None:
-        raise QinferError(f"token id {outside} is outside the vocabulary (0..{vocab - 1})")
-    if base is not None and base.config.vocab_size != model.config.vocab_size:
-        raise QinferError(
-            f"the base model's vocabulary ({base.config.vocab_size}) is not the model's "
-            f"({model.config.vocab_size})"
-        )
     nll, kl, kl_max, agree, scored = 0.0, 0.0, 0.0, 0, 0
     for c in range(chunks):
         chunk = torch.tensor(ids[c * context : (c + 1) * context])
-        log_probs = scored_log_probs(model, chunk)  # (context / 2 - 1, V)
+        log_probs = scorer(chunk)  # (context / 2 - 1, V)
         targets = chunk[context // 2 + 1 :]  # the token each scored row predicts
         nll -= log_probs.gather(1, targets[:, None]).sum().item()
         scored += len(targets)
         if base is not None:
-            base_log_probs = scored_log_probs(base, chunk)
+            base_log_probs = base(chunk)
             per_token = (base_log_probs.exp() * (base_log_probs - log_probs)).sum(-1)
             kl += per_token.sum().item()
             kl_max = max(kl_max, per_token.max().item())

@@ -1,0 +1,85 @@
+"""How far qinfer's default (quantized) path and llama.cpp drift from the fp32 reference
+on the same GGUF file and the same real text, measured as llama-perplexity measures it.
+
+    python bench/kl_divergence.py                          # the embedded SmolLM2 Q4_1
+    python bench/kl_divergence.py --model ~/.cache/qinfer/gemma-3-270m-q4_k_m.gguf
+
+The reference is qinfer with the file dequantized to fp32 (`dtype="float32"`: every
+block expanded exactly, the parity tests' path). Both qinfer's default load (kept Q4 bits
+as int4 groups, other blocks as int8 rows, bf16 activations) and llama.cpp (its own
+kernels on the same blocks) are scored against it: mean KL(reference || engine) per
+token, its largest value, top-1 agreement, and each engine's perplexity. The text is
+tests/real_text.txt (the project's own prose), in chunks of --context tokens, each scored
+on its second half. llama.cpp runs through llama-cpp-python (`pip install 'qinfer[peer]'`).
+The tests hold qinfer's drift to a bound set from llama.cpp's figure printed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qinfer import load_model, load_tokenizer
+from qinfer.checkpoint import resolve_model
+from qinfer.perplexity import score, scored_log_probs
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "real_text.txt"
+
+
+def llama_cpp_scorer(path: Path, context: int, threads: int):
+    """A `qinfer.perplexity.Scorer` running llama.cpp on the file."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=context, logits_all=True, n_threads=threads, verbose=False
+    )
+
+    def scorer(chunk: torch.Tensor) -> torch.Tensor:
+        llm.reset()
+        llm.eval(chunk.tolist())
+        n = len(chunk)
+        logits = torch.from_numpy(np.array(llm.scores[n // 2 : n - 1], dtype=np.float32))
+        return torch.log_softmax(logits, dim=-1)
+
+    return scorer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a .gguf file (default SmolLM2 Q4_1)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    ids = load_tokenizer(path).encode(TEXT.read_text())[: args.chunks * args.context]
+    reference = load_model(path, dtype="float32", device="cpu")
+    default = load_model(path, device="cpu")
+    base = lambda chunk: scored_log_probs(reference, chunk)  # noqa: E731
+    rows = {
+        "qinfer fp32 (reference)": score(base, ids, args.context),
+        "qinfer default": score(lambda c: scored_log_probs(default, c), ids, args.context, base),
+    }
+    try:
+        rows["llama.cpp"] = score(
+            llama_cpp_scorer(path, args.context, args.threads), ids, args.context, base
+        )
+    except ImportError:
+        print("llama.cpp: skipped (pip install 'qinfer[peer]')")
+    if args.json:
+        print(json.dumps({name: vars(r) for name, r in rows.items()}, indent=2))
+        return
+    print(f"{path.name}: {len(ids)} tokens of {TEXT.name}, context {args.context}")
+    for name, r in rows.items():
+        kl = "" if r.kl is None else f"  KL {r.kl:.5f} (max {r.kl_max:.3f})  top-1 {r.top1:.3%}"
+        print(f"{name:>24}: perplexity {r.perplexity:.3f}{kl}")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -30,6 +29,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qinfer.chat_defaults import chat_sampling_params
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
 from qinfer.inspection import inspect_tokens
@@ -43,10 +43,12 @@ from qinfer.server.inspection import (
     encode_inspected_prompt,
     inspection_json,
 )
+from qinfer.server.lifecycle import Server
 from qinfer.server.metrics import ServerMetrics
 from qinfer.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from qinfer.server.responses import ChatFormat, ResponseFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
+from qinfer.startup import LoadAnnouncer, display_name
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 from qinfer.tool_calls import (
     ToolUse,
@@ -71,14 +73,17 @@ class ServerSettings:
     api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
     chat_template_kwargs: server-wide defaults for the chat template (a request's own
         `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
-    default_params: sampling defaults that request fields override (typically from the
-        checkpoint's generation_config.json).
+    default_params: sampling defaults that /v1/completions request fields override
+        (typically from the checkpoint's generation_config.json).
+    chat_params: the same for /v1/chat/completions: a conversation's defaults
+        (`qinfer.chat_defaults`, as `qinfer chat` uses).
     """
 
     model_name: str
     api_key: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
+    chat_params: SamplingParams = field(default_factory=lambda: chat_sampling_params(None))
 
 
 class ModelServer:
@@ -105,12 +110,12 @@ class ModelServer:
         the request's `chat_template_kwargs`."""
         return {**self.settings.chat_template_kwargs, **(requested or {})}
 
-    def sampling_params(self, body: GenerationRequest) -> SamplingParams:
-        return self.settings.default_params.replace(**body.sampling_overrides())
+    def sampling_params(self, body: GenerationRequest, defaults: SamplingParams) -> SamplingParams:
+        return defaults.replace(**body.sampling_overrides())
 
     async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
-        params = self.sampling_params(body)
+        params = self.sampling_params(body, self.settings.chat_params)
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         if body.tools:  # compiling schemas can take a while: off the event loop
             await run_in_threadpool(
@@ -157,7 +162,7 @@ class ModelServer:
 
     async def complete(self, body: CompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
-        params = self.sampling_params(body)
+        params = self.sampling_params(body, self.settings.default_params)
         prompts = [
             await run_in_threadpool(encode_prompt, self.tokenizer, prompt)
             for prompt in body.prompts
@@ -372,6 +377,8 @@ def serve(
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
     path = resolve_model(model)
+    announcer = LoadAnnouncer(display_name(model, path), path)
+    announcer.started()
     tokenizer = load_tokenizer(path)
     engine = AsyncEngine(
         path,
@@ -383,6 +390,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         **engine_args,
     )
+    announcer.finished(engine.engine.runner.model)
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),
         api_key=api_key,
@@ -391,9 +399,10 @@ def serve(
         default_params=SamplingParams.from_generation_config(
             path, max_tokens=engine.engine.context_len
         ),
+        chat_params=chat_sampling_params(path),
     )
     app = create_app(engine, tokenizer, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = Server(app, engine, host, port, log_level)
     engine.on_failure = lambda error: setattr(server, "should_exit", True)
     if engine.failure is None:  # a worker may have died already
         server.run()

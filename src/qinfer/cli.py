@@ -257,48 +257,47 @@ def run_chat(args: argparse.Namespace) -> int:
         print("(type /reset to forget the conversation, /exit to leave)", file=sys.stderr)
     interrupted = False  # the last thing that happened was a Ctrl-C
     while True:
+        shown: list[str] | None = None  # while a reply streams: its deltas so far
         try:
             if interactive:
                 print(">>> ", end="", file=sys.stderr, flush=True)
             line = sys.stdin.readline()
+            interrupted = False
+            if not line:  # end of input
+                return 0
+            line = line.strip()
+            if line == "/exit":
+                return 0
+            if line == "/reset":
+                messages = list(start)
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not line:
+                continue
+            turn = [*messages, {"role": "user", "content": line}]
+            try:
+                stream = stream_generate(turn, params)
+            except QinferError as error:  # e.g. the conversation outgrew the context
+                print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
+                continue
+            shown = []
+            stream_to(sys.stdout, stream, shown)
+            result = stream.result
+            # Chat templates drop past reasoning themselves; keep only the answer in history.
+            reply = result.answer if result.answer is not None else result.text
+            messages, shown = [*turn, {"role": "assistant", "content": reply}], None
+            print_stats(result)
         except KeyboardInterrupt:
             if interrupted:
                 print(file=sys.stderr)
                 return 130
             interrupted = True
-            print(f"\n{LEAVE_HINT}", file=sys.stderr)
-            continue
-        interrupted = False
-        if not line:  # end of input
-            return 0
-        line = line.strip()
-        if not line:
-            continue
-        if line == "/exit":
-            return 0
-        if line == "/reset":
-            messages = list(start)
-            print("(conversation reset)", file=sys.stderr)
-            continue
-        turn = [*messages, {"role": "user", "content": line}]
-        try:
-            stream = stream_generate(turn, params)
-        except QinferError as error:  # e.g. the conversation outgrew the context
-            print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
-            continue
-        shown: list[str] = []
-        try:
-            stream_to(sys.stdout, stream, shown)
-        except KeyboardInterrupt:
-            interrupted = True
+            if shown is None:  # at the prompt
+                print(f"\n{LEAVE_HINT}", file=sys.stderr)
+                continue
             reply = shown_answer(tokenizer, turn, "".join(shown))
+            messages = [*turn, {"role": "assistant", "content": reply}]
             print(f"[reply stopped; kept in the history as shown] {LEAVE_HINT}", file=sys.stderr)
-        else:
-            result = stream.result
-            # Chat templates drop past reasoning themselves; keep only the answer in history.
-            reply = result.answer if result.answer is not None else result.text
-            print_stats(result)
-        messages = [*turn, {"role": "assistant", "content": reply}]
 
 
 def shown_answer(tokenizer: Tokenizer, turn: list[dict], shown: str) -> str:

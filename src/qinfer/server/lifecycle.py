@@ -9,15 +9,17 @@ its access log stays.
 Stop (Ctrl-C or SIGTERM): every queued and running request is aborted at once, so each
 open stream ends with its final event (finish_reason "abort", then `data: [DONE]`) and
 its connection closes; uvicorn's graceful shutdown then has nothing left to wait for.
-One line says so. A second Ctrl-C (uvicorn's "force quit") skips the engine's shutdown;
-the step thread is a daemon and the process exits.
+One line says so, and the command exits with status 0. A second Ctrl-C changes nothing
+(the stop is bounded already).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -76,14 +78,13 @@ class Server(uvicorn.Server):
         logger.setLevel(max(logger.level, logging.WARNING))
         self.engine, self.urls = engine, page_urls(host, port)
 
-    def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until stopped. uvicorn raises a Ctrl-C it handled again once stopped;
-        that one is the normal end here (a Ctrl-C before any stop still propagates)."""
-        try:
-            super().run(sockets)
-        except KeyboardInterrupt:
-            if not self.should_exit:
-                raise
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, without raising the stopping signal again once stopped: the line
+        `handle_exit` printed says it all, and the command ends normally (status 0)."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -91,10 +92,13 @@ class Server(uvicorn.Server):
             print(self.urls, file=sys.stderr, flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first = not self.should_exit
+        """The first Ctrl-C (or SIGTERM) aborts every request and starts the stop; later
+        ones change nothing: the stop is bounded already (GRACEFUL_SHUTDOWN_SECONDS), and
+        uvicorn's "force quit" would leave the app's shutdown undone (a traceback)."""
+        if self.should_exit:
+            return
         super().handle_exit(sig, frame)
-        if first:
-            aborted = self.engine.stop_serving()
-            requests = f"{aborted} request{'s' * (aborted != 1)}"
-            after_caret = "\n" if sys.stderr.isatty() else ""  # the terminal echoed ^C
-            print(f"{after_caret}qinfer: stopping; {requests} aborted", file=sys.stderr, flush=True)
+        aborted = self.engine.stop_serving()
+        requests = f"{aborted} request{'s' * (aborted != 1)}"
+        after_caret = "\n" if sys.stderr.isatty() else ""  # the terminal echoed ^C
+        print(f"{after_caret}qinfer: stopping; {requests} aborted", file=sys.stderr, flush=True)

@@ -50,8 +50,8 @@ def expected_reply(loaded, messages, params: SamplingParams | None = None) -> st
 
 
 def expected_chat_reply(loaded, folder, messages) -> str:
-    """`qinfer chat`'s reply under GREEDY_FLAGS: the chat defaults (its repetition penalty
-    among them) with temperature 0 and 6 tokens given."""
+    """`qinfer chat`'s reply under GREEDY_FLAGS: the chat defaults with temperature 0 and
+    6 tokens given."""
     params = chat_sampling_params(folder, temperature=0.0, max_tokens=6)
     return expected_reply(loaded, messages, params)
 
@@ -123,6 +123,11 @@ def test_chat_samples_by_the_chat_defaults_where_generate_is_greedy(tmp_path):
     hot = build_parser().parse_args(["chat", "--temperature", "1.3", "--repetition-penalty", "1"])
     params = sampling_params(hot, tmp_path, chat=True)
     assert (params.temperature, params.repetition_penalty) == (1.3, 1.0)
+    # Asked for greedy, chat is greedy as generate is: no penalty added.
+    greedy = build_parser().parse_args(["chat", "--temperature", "0"])
+    assert sampling_params(greedy, tmp_path, chat=True) == SamplingParams(
+        temperature=0.0, max_tokens=CHAT_DEFAULTS["max_tokens"]
+    )
     # A checkpoint's own sampling settings win over the chat defaults.
     (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
     assert sampling_params(chat, tmp_path, chat=True).temperature == 0.6

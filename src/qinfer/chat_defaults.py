@@ -6,7 +6,8 @@ default: exact and reproducible), but a small model decoding greedily loops ("A 
 a lone soul, ..."), and a chat has no one to stop it. A conversation therefore samples,
 with a mild repetition penalty and a length cap, unless the checkpoint's
 generation_config.json sets its own sampling fields (Qwen3 and Llama 3 do), which win; a
-value given explicitly (a flag, a request field) wins over both.
+value given explicitly (a flag, a request field) wins over both. Temperature 0 stays
+greedy decoding as everywhere else: no repetition penalty is added to it.
 
 The figures are tested on the embedded SmolLM2-135M: asked for stories, no 8-gram comes
 back more than 3 times in 256 tokens over 5 seeds (tests/test_newcomer_cli.py).
@@ -29,6 +30,11 @@ CHAT_DEFAULTS: Mapping[str, Any] = {
     "max_tokens": 1024,
 }
 
+#: The fields of CHAT_DEFAULTS that shape sampling only: a greedy conversation
+#: (temperature 0, asked for or set by the checkpoint) is the model's argmax, exactly as
+#: `generate`, `/v1/completions` and transformers decode, with no penalty added.
+SAMPLING_ONLY = ("top_p", "repetition_penalty")
+
 #: `qinfer generate`'s cap on new tokens when --max-tokens is not given.
 GENERATE_MAX_TOKENS = 256
 
@@ -36,8 +42,14 @@ GENERATE_MAX_TOKENS = 256
 def chat_sampling_params(source: str | Path | Mapping[str, Any] | None, **overrides: Any):
     """The SamplingParams of a conversation: CHAT_DEFAULTS, then the sampling fields of
     `source`'s generation_config.json (a checkpoint folder, the file, its dict, or None),
-    then the `overrides` that are not None (flags, request fields)."""
+    then the `overrides` that are not None (flags, request fields). A greedy choice
+    (temperature 0) leaves out the defaults of SAMPLING_ONLY."""
     from qinfer.sampling import SamplingParams, checkpoint_sampling  # imports torch
 
     given = {name: value for name, value in overrides.items() if value is not None}
-    return SamplingParams(**{**CHAT_DEFAULTS, **checkpoint_sampling(source), **given})
+    chosen = {**checkpoint_sampling(source), **given}
+    defaults = dict(CHAT_DEFAULTS)
+    if chosen.get("temperature", defaults["temperature"]) == 0:
+        for name in SAMPLING_ONLY:
+            del defaults[name]
+    return SamplingParams(**{**defaults, **chosen})

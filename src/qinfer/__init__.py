@@ -1,13 +1,43 @@
-"""qinfer: a small, readable inference engine for Qwen3 and its relatives."""
+"""qinfer: a small, readable inference engine for Qwen3 and its relatives.
 
-from qinfer.config import ModelConfig
-from qinfer.engine import LLM, AsyncEngine, RequestOutput
-from qinfer.errors import QinferError
-from qinfer.features import Features
-from qinfer.generate import GenerationResult, generate, stream_generate
-from qinfer.model import Transformer, load_model
-from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer, load_tokenizer
+The names below are imported on first use (PEP 562), not with the package: `import qinfer`
+(which `qinfer --help` and `qinfer --version` do) then costs milliseconds instead of
+torch's second or more.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
+    from qinfer.config import ModelConfig
+    from qinfer.engine import LLM, AsyncEngine, RequestOutput
+    from qinfer.errors import QinferError
+    from qinfer.features import Features
+    from qinfer.generate import GenerationResult, generate, stream_generate
+    from qinfer.model import Transformer, load_model
+    from qinfer.sampling import SamplingParams
+    from qinfer.tokenizer import Tokenizer, load_tokenizer
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "LLM": "qinfer.engine",
+    "AsyncEngine": "qinfer.engine",
+    "RequestOutput": "qinfer.engine",
+    "Features": "qinfer.features",
+    "GenerationResult": "qinfer.generate",
+    "ModelConfig": "qinfer.config",
+    "QinferError": "qinfer.errors",
+    "SamplingParams": "qinfer.sampling",
+    "Tokenizer": "qinfer.tokenizer",
+    "Transformer": "qinfer.model",
+    "generate": "qinfer.generate",
+    "load_model": "qinfer.model",
+    "load_tokenizer": "qinfer.tokenizer",
+    "stream_generate": "qinfer.generate",
+}
 
 __all__ = [
     "LLM",
@@ -25,3 +55,20 @@ __all__ = [
     "load_tokenizer",
     "stream_generate",
 ]
+
+try:
+    __version__ = version("qinfer")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qinfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

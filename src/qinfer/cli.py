@@ -13,7 +13,11 @@ and appending a `Command` to the list.
 
 Any `QinferError` (bad model path, empty prompt, invalid sampling field) and any misuse
 of the command line print one line, `qinfer: error: ...`, on stderr and exit with
-status 2: never a traceback.
+status 2: never a traceback. Flags are checked as they are parsed (`cli_args`), before
+torch is imported or a model loaded; so are --device and serve's --host/--port.
+
+Once a model is loaded, one line on stderr says what runs (`qinfer.startup`). Ctrl-C
+during `chat`'s reply returns to the prompt; elsewhere it ends the command (status 130).
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from qinfer.cli_args import add_model_arguments, add_sampling_arguments, load_arguments
+from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS, chat_sampling_params
+from qinfer.cli_args import (
+    add_model_arguments,
+    add_sampling_arguments,
+    check_device,
+    load_arguments,
+)
 from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
 
@@ -36,6 +46,7 @@ if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
     from qinfer.generate import GenerationResult, Prompt, TextStream
     from qinfer.model import Transformer
     from qinfer.sampling import SamplingParams
+    from qinfer.startup import LoadAnnouncer
     from qinfer.tokenizer import Tokenizer
 
     #: One prompt in, its text deltas out (`.result` once read).
@@ -46,12 +57,14 @@ USAGE_ERROR = 2
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: its name, one line of help, its arguments and what it runs."""
+    """A subcommand: its name, one line of help, its arguments, what it runs and, for its
+    own --help, a longer description."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    description: str | None = None  # `qinfer NAME --help`'s text (default: help)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,61 +80,86 @@ class _Parser(argparse.ArgumentParser):
 def load_model_and_tokenizer(
     args: argparse.Namespace,
 ) -> tuple[Path, Transformer, Tokenizer]:
-    """(path, model, tokenizer) for --model / --dtype / --device / --quantize / --group-size."""
-    from qinfer.checkpoint import resolve_model
+    """(path, model, tokenizer) for --model / --dtype / --device / --quantize / --group-size,
+    announced as `qinfer.startup` says."""
+    path, announcer = start_loading(args)
     from qinfer.model import load_model
     from qinfer.tokenizer import load_tokenizer
 
-    path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     model = load_model(path, **load_arguments(args))
+    announcer.finished(model)
     return path, model, tokenizer
+
+
+def start_loading(args: argparse.Namespace) -> tuple[Path, LoadAnnouncer]:
+    """The checkpoint's path once --model and --device are known good; the load announced."""
+    from qinfer.checkpoint import resolve_model
+    from qinfer.startup import LoadAnnouncer, display_name
+
+    path = resolve_model(args.model)
+    announcer = LoadAnnouncer(display_name(args.model, path), path)
+    announcer.started()  # before torch's import: the first second is not silent
+    check_device(args)
+    return path, announcer
 
 
 def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     """(path, tokenizer, stream) for the model flags: at --tensor-parallel-size 1 the plain
     generator over a loaded model (`stream_generate`); above, a batching engine whose rank
     0 this process is (`LLM.stream`), its workers following each step."""
-    from functools import partial
+    if args.tensor_parallel_size == 1:
+        path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
+        from functools import partial
 
-    from qinfer.checkpoint import resolve_model
+        from qinfer.generate import stream_generate
+
+        return path, tokenizer, partial(stream_generate, model, tokenizer)
+    path, announcer = start_loading(args)
     from qinfer.engine.llm import LLM
-    from qinfer.generate import stream_generate
     from qinfer.tokenizer import load_tokenizer
 
-    if args.tensor_parallel_size == 1:
-        path, model, tokenizer = load_model_and_tokenizer(args)
-        return path, tokenizer, partial(stream_generate, model, tokenizer)
-    path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     llm = LLM(
         path, tokenizer, tensor_parallel_size=args.tensor_parallel_size, **load_arguments(args)
     )
+    announcer.finished(llm.engine.runner.model)
     return path, tokenizer, llm.stream
 
 
-def sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
-    """The sampling flags given, over the checkpoint's defaults (the rule of
-    `SamplingParams.from_generation_config`, the same as the engine and server use)."""
-    from qinfer.sampling import SamplingParams
-
-    return SamplingParams.from_generation_config(
-        path,
+def sampling_params(args: argparse.Namespace, path: Path, *, chat: bool = False) -> SamplingParams:
+    """The sampling flags given, over the checkpoint's generation_config.json, over the
+    command's defaults: `chat` samples (`chat_defaults.chat_sampling_params`, as the
+    server's chat endpoint does); `generate` keeps `SamplingParams.from_generation_config`'s
+    rule (greedy without a generation config, as transformers and the engine)."""
+    flags = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
+    if chat:
+        return chat_sampling_params(path, **flags)
+    from qinfer.sampling import SamplingParams
+
+    flags["max_tokens"] = args.max_tokens or GENERATE_MAX_TOKENS
+    return SamplingParams.from_generation_config(path, **flags)
 
 
-def stream_to(out: TextIO, stream: TextStream) -> None:
-    """Write a TextStream's deltas as they come, then a newline."""
-    for delta in stream:
-        out.write(delta)
+def stream_to(out: TextIO, stream: TextStream, shown: list[str] | None = None) -> None:
+    """Write a TextStream's deltas as they come, then a newline; each delta is added to
+    `shown` as it is written (what was on screen when a Ctrl-C stopped the stream)."""
+    try:
+        for delta in stream:
+            if shown is not None:
+                shown.append(delta)
+            out.write(delta)
+            out.flush()
+    finally:
+        out.write("\n")
         out.flush()
-    out.write("\n")
-    out.flush()
 
 
 def print_stats(result: GenerationResult) -> None:
@@ -140,7 +178,7 @@ def print_stats(result: GenerationResult) -> None:
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, chat=False)
     parser.add_argument(
         "--no-chat",
         action="store_true",
@@ -195,50 +233,85 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    add_sampling_arguments(parser)
+    add_sampling_arguments(parser, chat=True)
+
+
+#: What a Ctrl-C at the prompt, or during a reply, prints (on stderr).
+LEAVE_HINT = "(Ctrl-C again, Ctrl-D or /exit to leave)"
 
 
 def run_chat(args: argparse.Namespace) -> int:
     """Read user turns line by line from stdin (a terminal or a pipe) until /exit or EOF.
 
-    A turn the model cannot take (the conversation outgrew the context) is reported on
-    stderr and left out of the history; the chat goes on."""
+    Ctrl-C during a reply stops it and returns to the prompt; the history keeps the turn
+    with the part of the reply that was shown (the model remembers what you saw). Two
+    Ctrl-C in a row (during a reply and then at the prompt, or twice at the prompt)
+    leave, with status 130. A turn the model cannot take (the conversation outgrew the
+    context) is reported on stderr and left out of the history; the chat goes on."""
     path, tokenizer, stream_generate = load_streamer(args)
     if not tokenizer.has_chat_template:
         raise QinferError(f"{path} has no chat template: use `qinfer generate --no-chat`")
-    params = sampling_params(args, path)
+    params = sampling_params(args, path, chat=True)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
     if interactive:
         print("(type /reset to forget the conversation, /exit to leave)", file=sys.stderr)
+    interrupted = False  # the last thing that happened was a Ctrl-C
     while True:
-        if interactive:
-            print(">>> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:  # end of input
-            return 0
-        line = line.strip()
-        if not line:
-            continue
-        if line == "/exit":
-            return 0
-        if line == "/reset":
-            messages = list(start)
-            print("(conversation reset)", file=sys.stderr)
-            continue
-        turn = [*messages, {"role": "user", "content": line}]
+        shown: list[str] | None = None  # while a reply streams: its deltas so far
         try:
-            stream = stream_generate(turn, params)
-        except QinferError as error:  # e.g. the conversation outgrew the context
-            print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
-            continue
-        stream_to(sys.stdout, stream)
-        result = stream.result
-        # Chat templates drop past reasoning themselves; keep only the answer in history.
-        reply = result.answer if result.answer is not None else result.text
-        messages = [*turn, {"role": "assistant", "content": reply}]
-        print_stats(result)
+            if interactive:
+                print(">>> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            interrupted = False
+            if not line:  # end of input
+                return 0
+            line = line.strip()
+            if line == "/exit":
+                return 0
+            if line == "/reset":
+                messages = list(start)
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if not line:
+                continue
+            turn = [*messages, {"role": "user", "content": line}]
+            try:
+                stream = stream_generate(turn, params)
+            except QinferError as error:  # e.g. the conversation outgrew the context
+                print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
+                continue
+            shown = []
+            stream_to(sys.stdout, stream, shown)
+            result = stream.result
+            # Chat templates drop past reasoning themselves; keep only the answer in history.
+            reply = result.answer if result.answer is not None else result.text
+            messages, shown = [*turn, {"role": "assistant", "content": reply}], None
+            print_stats(result)
+        except KeyboardInterrupt:
+            if interrupted:
+                print(file=sys.stderr)
+                return 130
+            interrupted = True
+            if shown is None:  # at the prompt
+                print(f"\n{LEAVE_HINT}", file=sys.stderr)
+                continue
+            reply = shown_answer(tokenizer, turn, "".join(shown))
+            messages = [*turn, {"role": "assistant", "content": reply}]
+            print(f"[reply stopped; kept in the history as shown] {LEAVE_HINT}", file=sys.stderr)
+
+
+def shown_answer(tokenizer: Tokenizer, turn: list[dict], shown: str) -> str:
+    """The answer part of a reply stopped midway (its reasoning dropped, as a finished
+    reply's is) for a thinking model; the shown text for the others."""
+    from qinfer.prompts import encode_prompt
+    from qinfer.reasoning import prompt_opened_think, split_reasoning, splits_reasoning
+
+    if not splits_reasoning(tokenizer):
+        return shown
+    opened = prompt_opened_think(tokenizer.decode(encode_prompt(tokenizer, turn)))
+    return split_reasoning(shown, opened)[1]
 
 
 # --- qinfer bench -------------------------------------------------------------------------
@@ -324,7 +397,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise QinferError(
             "inspect runs the whole model in one process: drop --tensor-parallel-size"
         )
-    _, model, tokenizer = load_model_and_tokenizer(args)
+    if args.out is not None:  # checked before the model loads, not after
+        from qinfer.heatmap import check_png_writable
+
+        check_png_writable(args.out)
+    path, model, tokenizer = load_model_and_tokenizer(args)
     ids = encode_prompt(tokenizer, args.prompt, chat=args.chat, vocab_size=model.config.vocab_size)
     seen = inspect_tokens(model, ids, [args.layer], [args.head], args.top_k)
     texts = [tokenizer.decode([token_id]) for token_id in ids]
@@ -336,18 +413,51 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"  {prob:7.2%}  {tokenizer.decode([token_id])!r}")
     if args.out is not None:
         from qinfer.heatmap import write_attention_png
+        from qinfer.startup import display_name
 
-        title = f"layer {args.layer}, head {args.head}"
+        title = f"{display_name(args.model, path)}: layer {args.layer}, head {args.head}"
         write_attention_png(seen.attention[args.layer][0], texts, args.out, title)
         print(f"wrote {args.out} ({title})", file=sys.stderr)
     return 0
 
 
 COMMANDS = [
-    Command("generate", "stream a completion of one prompt", add_generate_arguments, run_generate),
-    Command("chat", "chat with a model, one line per turn", add_chat_arguments, run_chat),
+    Command(
+        "generate",
+        "stream a completion of one prompt",
+        add_generate_arguments,
+        run_generate,
+        "Stream a completion of one prompt. Decodes greedily, as transformers does, unless "
+        "the checkpoint's generation_config.json samples; at most "
+        f"{GENERATE_MAX_TOKENS} new tokens.",
+    ),
+    Command(
+        "chat",
+        "chat with a model, one line per turn",
+        add_chat_arguments,
+        run_chat,
+        "Chat with a model, one line per turn. Samples as a chat should: the checkpoint's "
+        "generation_config.json settings, else temperature "
+        f"{CHAT_DEFAULTS['temperature']}, top-p {CHAT_DEFAULTS['top_p']} and repetition "
+        f"penalty {CHAT_DEFAULTS['repetition_penalty']}; at most "
+        f"{CHAT_DEFAULTS['max_tokens']} new tokens a reply (the same defaults as the "
+        "server's /v1/chat/completions); --temperature 0 is plain greedy decoding. Ctrl-C "
+        "stops a reply (kept in the history as shown); twice in a row leaves.",
+    ),
     Command("bench", "measure prefill and decode speed", add_bench_arguments, run_bench),
-    Command("serve", "serve the OpenAI HTTP API", add_serve_arguments, run_serve),
+    Command(
+        "serve",
+        "serve the OpenAI HTTP API and the chat page",
+        add_serve_arguments,
+        run_serve,
+        "Serve the OpenAI HTTP API, the chat page (/) and the attention inspector (/inspect). "
+        "/v1/chat/completions fills the sampling fields a request leaves unset as `qinfer "
+        "chat` does (temperature "
+        f"{CHAT_DEFAULTS['temperature']}, top-p {CHAT_DEFAULTS['top_p']}, repetition penalty "
+        f"{CHAT_DEFAULTS['repetition_penalty']}, max_tokens {CHAT_DEFAULTS['max_tokens']}, "
+        "unless the checkpoint's generation_config.json says otherwise); /v1/completions "
+        "decodes greedily. Ctrl-C aborts running requests and stops.",
+    ),
     Command(
         "inspect", "show a prompt's attention and predictions", add_inspect_arguments, run_inspect
     ),
@@ -355,10 +465,15 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import qinfer
+
     parser = _Parser(prog="qinfer", description="A small, readable inference engine.")
+    parser.add_argument("--version", action="version", version=f"qinfer {qinfer.__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
-        sub = subcommands.add_parser(command.name, help=command.help, description=command.help)
+        sub = subcommands.add_parser(
+            command.name, help=command.help, description=command.description or command.help
+        )
         command.add_arguments(sub)
         sub.set_defaults(run=command.run)
     return parser

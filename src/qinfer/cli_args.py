@@ -1,9 +1,54 @@
 """Command-line flags several `qinfer` subcommands share: which model to load and how to
-sample. cli.py and server/command.py both add them from here."""
+sample. cli.py and server/command.py both add them from here.
+
+Flags are checked by their argparse types, while the command line is parsed: a bad value
+is refused in milliseconds, naming the flag, before torch is imported or a model loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+
+from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+
+
+def bounded(
+    kind: type,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+) -> Callable[[str], float | int]:
+    """An argparse type: `kind(text)` within [low, high] (low excluded when low_open)."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {_noun(kind)}, got {text!r}") from None
+        if isinstance(value, float) and math.isnan(value):
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_range(low, high, low_open)}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _noun(kind: type) -> str:
+    return "an integer" if kind is int else "a number"
+
+
+def _range(low: float | None, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"> {low}" if low_open else f">= {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +72,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "other weights stay dense; none: everything dense)",
     )
     parser.add_argument(
-        "--group-size", type=int, default=32, help="input columns per int4 scale (32 to 256)"
+        "--group-size",
+        type=bounded(int, 1),
+        default=32,
+        help="input columns per int4 scale (32 to 256)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=bounded(int, 1),
         default=1,
         metavar="N",
         help="split the model over N processes (one GPU each on CUDA): N - 1 workers are "
@@ -49,16 +97,69 @@ def load_arguments(args: argparse.Namespace) -> dict:
     }
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags; those left unset come from the checkpoint's generation config."""
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens at most")
+def check_device(args: argparse.Namespace) -> None:
+    """Refuse a --device this torch cannot use, naming the flag, before anything loads."""
+    from qinfer.errors import QinferError  # torch below: imported only when a command runs
+
+    if args.device is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise QinferError(
+            f"--device {args.device}: not a device; use cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU found"
+        raise QinferError(f"--device {args.device}: {why}; use --device cpu (or leave it out)")
+    if device.type == "cuda" and device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise QinferError(f"--device {args.device}: this machine has {count} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise QinferError(f"--device {args.device}: MPS is not available here")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, chat: bool) -> None:
+    """Sampling flags. Those left unset come from the checkpoint's generation_config.json,
+    then from the command's defaults: `chat` samples (chat_defaults.CHAT_DEFAULTS),
+    `generate` decodes greedily as transformers does."""
+    if chat:
+        temperature = CHAT_DEFAULTS["temperature"]
+        defaults = f"default: the checkpoint's generation_config.json, else {temperature}"
+        max_tokens = CHAT_DEFAULTS["max_tokens"]
+    else:
+        defaults = "default: the checkpoint's generation_config.json, else 0 (greedy)"
+        max_tokens = GENERATE_MAX_TOKENS
     parser.add_argument(
-        "--temperature",
-        type=float,
+        "--max-tokens",
+        type=bounded(int, 1),
         default=None,
-        help="0 = greedy (default: the checkpoint's generation_config.json; 1 without one)",
+        help=f"new tokens at most (default: {max_tokens})",
     )
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    parser.add_argument(
+        "--temperature", type=bounded(float, 0.0), default=None, help=f"0 = greedy ({defaults})"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=bounded(float, 0.0, 1.0, low_open=True),
+        default=None,
+        help="keep the most likely tokens up to this probability"
+        + (f" (chat default: {CHAT_DEFAULTS['top_p']})" if chat else ""),
+    )
+    parser.add_argument(
+        "--top-k", type=bounded(int, 0), default=None, help="keep the k most likely (0 = off)"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=bounded(float, 0.0, low_open=True),
+        default=None,
+        help="> 1 discourages repeating the conversation's tokens"
+        + (f" (chat default: {CHAT_DEFAULTS['repetition_penalty']})" if chat else " (1 = off)"),
+    )
+    parser.add_argument(
+        "--seed", type=bounded(int, 0), default=None, help="make sampling reproducible"
+    )
     parser.add_argument("--system", default=None, help="a system message for the chat template")

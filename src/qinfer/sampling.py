@@ -191,18 +191,29 @@ class SamplingParams:
         """
         config = _read_generation_config(source)
         fields = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
-            if config.get(name) is not None:
-                values[name] = config[name]
-        if not config or config.get("do_sample") is False:
-            values["temperature"] = 0.0
+        values: dict[str, Any] = {"temperature": 0.0} if not config else {}
+        values.update(checkpoint_sampling(config))
         for name, value in overrides.items():
             if name not in fields:
                 raise SamplingError(f"unknown sampling parameter {name!r}")
             if value is not None:
                 values[name] = value
         return cls(**values)
+
+
+def checkpoint_sampling(source: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sampling fields a checkpoint's generation_config.json sets (source as for
+    `SamplingParams.from_generation_config`): its temperature, top_k, top_p, min_p and
+    repetition_penalty, and temperature 0 for `do_sample: false`; {} without one."""
+    config = _read_generation_config(source)
+    values = {
+        name: config[name]
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+        if config.get(name) is not None
+    }
+    if config.get("do_sample") is False:
+        values["temperature"] = 0.0
+    return values
 
 
 def _as_tuple(name: str, value: Any, single: type) -> tuple:

@@ -174,6 +174,17 @@ class AsyncEngine:
         """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
         self._inbox.put(("abort", request_id))
 
+    def stop_serving(self) -> int:
+        """Refuse new requests and abort every one queued or running (their streams end
+        with finish_reason "abort"); how many were aborted. Safe to call from any thread
+        (a server's Ctrl-C handler); `shutdown` still stops the step thread."""
+        self._stopping = True
+        with self._streams_lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step."""
         return self._stats

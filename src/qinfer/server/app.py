@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pydantic
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -34,13 +33,14 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qinfer.chat_defaults import chat_sampling_params
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
 from qinfer.fill_in_middle import fim_tokens
 from qinfer.inspection import inspect_tokens
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import splits_reasoning
-from qinfer.sampling import SamplingParams
+from qinfer.sampling import SamplingParams, checkpoint_sampling
 from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
 from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
 from qinfer.server.completions import Completion, Delta
@@ -50,6 +50,7 @@ from qinfer.server.inspection import (
     encode_inspected_prompt,
     inspection_json,
 )
+from qinfer.server.lifecycle import Server
 from qinfer.server.metrics import ServerMetrics
 from qinfer.server.openai_responses import ResponsesAPI
 from qinfer.server.openai_responses_request import ResponsesRequest
@@ -62,6 +63,7 @@ from qinfer.server.protocol import (
 )
 from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
+from qinfer.startup import LoadAnnouncer, display_name
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 from qinfer.tool_calls import (
     ToolUse,
@@ -89,8 +91,12 @@ class ServerSettings:
         none by default (browsers then refuse cross-origin calls).
     chat_template_kwargs: server-wide defaults for the chat template (a request's own
         `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
-    default_params: sampling defaults that request fields override (typically from the
-        checkpoint's generation_config.json).
+    default_params: sampling defaults that /v1/completions request fields override
+        (typically from the checkpoint's generation_config.json).
+    checkpoint_sampling: the sampling fields the checkpoint's generation_config.json sets
+        (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
+        conversation's defaults, under their own fields (`qinfer.chat_defaults`, as
+        `qinfer chat` does).
     """
 
     model_name: str
@@ -98,6 +104,7 @@ class ServerSettings:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     default_params: SamplingParams = field(default_factory=SamplingParams)
     allowed_origins: Sequence[str] = ()
+    checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -161,7 +168,10 @@ class ModelServer:
         asked = {} if thinking is None else {"enable_thinking": thinking}
         return {**self.settings.chat_template_kwargs, **asked, **(requested or {})}
 
-    def sampling_params(self, body: GenerationRequest) -> SamplingParams:
+    def sampling_params(self, body: GenerationRequest, chat: bool = False) -> SamplingParams:
+        """The request's sampling fields over the server's defaults: a chat completion's
+        over the chat defaults (`qinfer.chat_defaults`, under the checkpoint's
+        generation_config.json), a text completion's over `settings.default_params`."""
         # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
         bad = next((t for t in body.logit_bias or () if t >= self.tokenizer.vocab_size), None)
         if bad is not None:
@@ -171,6 +181,10 @@ class ModelServer:
                 f"(0..{self.tokenizer.vocab_size - 1})",
                 param="logit_bias",
                 code="invalid_value",
+            )
+        if chat:
+            return chat_sampling_params(
+                self.settings.checkpoint_sampling, **body.sampling_overrides()
             )
         return self.settings.default_params.replace(**body.sampling_overrides())
 
@@ -182,7 +196,7 @@ class ModelServer:
             )
         completion = await self.start_chat(
             [message.for_template() for message in body.messages],
-            self.sampling_params(body),
+            self.sampling_params(body, chat=True),
             self.template_kwargs(body.chat_template_kwargs, body.thinking),
             tools=body.offered_tools(),
             forced_tool=body.forced_tool,
@@ -587,6 +601,8 @@ def serve(
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
     path = resolve_model(model)
+    announcer = LoadAnnouncer(display_name(model, path), path)
+    announcer.started()
     tokenizer = load_tokenizer(path)
     engine = AsyncEngine(
         path,
@@ -598,6 +614,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         **engine_args,
     )
+    announcer.finished(engine.engine.runner.model)
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),
         api_key=api_key,
@@ -605,9 +622,10 @@ def serve(
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),
+        checkpoint_sampling=checkpoint_sampling(path),
     )
     app = create_app(engine, tokenizer, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = Server(app, engine, host, port, log_level)
     engine.on_failure = lambda error: setattr(server, "should_exit", True)
     if engine.failure is None:  # a worker may have died already
         server.run()

@@ -10,18 +10,33 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.cli_args import add_model_arguments, load_arguments
+from qinfer.cli_args import add_model_arguments, bounded, check_device, load_arguments
 from qinfer.errors import QinferError
 
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
-    ("--max-num-seqs", "max_num_seqs", int, "sequences batched in one step"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "tokens run in one step"),
-    ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the context)"),
-    ("--block-size", "block_size", int, "tokens per KV block"),
-    ("--num-kv-blocks", "num_kv_blocks", int, "exact KV pool size in blocks"),
-    ("--kv-cache-memory", "kv_cache_memory", int, "bytes for the KV pool"),
-    ("--max-waiting-requests", "max_waiting_requests", int, "queued requests before 503"),
+    ("--max-num-seqs", "max_num_seqs", bounded(int, 1), "sequences batched in one step"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        bounded(int, 1),
+        "tokens run in one step",
+    ),
+    (
+        "--max-model-len",
+        "max_model_len",
+        bounded(int, 1),
+        "longest prompt + output (default: the context)",
+    ),
+    ("--block-size", "block_size", bounded(int, 1), "tokens per KV block"),
+    ("--num-kv-blocks", "num_kv_blocks", bounded(int, 1), "exact KV pool size in blocks"),
+    ("--kv-cache-memory", "kv_cache_memory", bounded(int, 1), "bytes for the KV pool"),
+    (
+        "--max-waiting-requests",
+        "max_waiting_requests",
+        bounded(int, 0),
+        "queued requests before 503",
+    ),
 ]
 
 
@@ -41,7 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
-    parser.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    parser.add_argument(
+        "--port", type=bounded(int, 1, 65535), default=8000, help="default: %(default)s"
+    )
     parser.add_argument(
         "--api-key",
         action="append",
@@ -106,6 +123,12 @@ def api_keys(args: argparse.Namespace) -> list[str] | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C (status 0) or SIGTERM; the address and device are checked before
+    the model loads."""
+    from qinfer.server.lifecycle import check_address
+
+    check_address(args.host, args.port)
+    check_device(args)
     from qinfer.server.app import serve
 
     engine_args = {name: getattr(args, name) for _, name, _, _ in ENGINE_FLAGS}

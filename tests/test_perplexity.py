@@ -70,3 +70,29 @@ def test_bad_inputs_are_named(pair, ids, context, says):
     _, model = pair
     with pytest.raises(QinferError, match=says):
         perplexity(model, ids, context)
+
+
+def test_the_command_prints_what_the_function_measures(qwen3_chat_folder, tmp_path, capsys):
+    from qinfer import load_model, load_tokenizer
+    from qinfer.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog; " * 20)
+    folder = str(qwen3_chat_folder)
+    flags = ["--model", folder, "--dtype", "float32", "--context", str(CONTEXT)]
+    assert main(["perplexity", str(text), *flags, "--kl-divergence-base", folder]) == 0
+    out = capsys.readouterr().out
+    model = load_model(folder, dtype="float32", device="cpu")
+    ids = load_tokenizer(folder).encode(text.read_text())
+    want = perplexity(model, ids, CONTEXT)
+    assert f"perplexity {want.perplexity:.4f}" in out
+    assert "mean 0.000000" in out and "top-1 agreement 100.0000%" in out
+
+
+def test_the_command_refuses_a_missing_text_file_before_loading(capsys):
+    from qinfer.cli import main
+
+    assert main(["perplexity", "no-such-file.txt"]) == 2
+    assert (
+        capsys.readouterr().err.strip() == "qinfer: error: text_file no-such-file.txt is not a file"
+    )

@@ -35,6 +35,7 @@ from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS, chat_sampli
 from qinfer.cli_args import (
     add_model_arguments,
     add_sampling_arguments,
+    bounded,
     check_device,
     load_arguments,
 )
@@ -421,6 +422,61 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_perplexity_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("text_file", help="the text to score (UTF-8)")
+    parser.add_argument(
+        "--context",
+        type=bounded(int, 4),
+        default=512,
+        help="tokens per chunk; each chunk's second half is scored (default: 512)",
+    )
+    parser.add_argument(
+        "--kl-divergence-base",
+        default=None,
+        metavar="REF",
+        help="a checkpoint run in float32 as the reference (the same GGUF file: its exact "
+        "dequantization): also print KL(REF || model) and top-1 agreement",
+    )
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    """Perplexity of the model on a text, and its divergence from a float32 reference."""
+    text_file = Path(args.text_file)
+    if not text_file.is_file():  # before the model loads
+        raise QinferError(f"text_file {text_file} is not a file")
+    text = text_file.read_text(encoding="utf-8")
+    path, model, tokenizer = load_model_and_tokenizer(args)
+    base = None
+    if args.kl_divergence_base is not None:
+        from qinfer.checkpoint import resolve_model
+        from qinfer.model import load_model
+
+        base = load_model(
+            resolve_model(args.kl_divergence_base), dtype="float32", device=args.device
+        )
+    from tqdm.auto import tqdm
+
+    from qinfer.perplexity import perplexity
+
+    ids = tokenizer.encode(text)
+    with tqdm(desc="chunks", disable=None, leave=False) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        result = perplexity(model, ids, args.context, base, progress)
+    print(f"{len(ids)} tokens, {result.chunks} chunks of {args.context}, {result.scored} scored")
+    print(f"perplexity {result.perplexity:.4f} (mean NLL {result.nll:.5f})")
+    if result.kl is not None:
+        print(
+            f"KL divergence from {args.kl_divergence_base}: mean {result.kl:.6f}, max {result.kl_max:.4f}"
+        )
+        print(f"top-1 agreement {result.top1:.4%}")
+    return 0
+
+
 COMMANDS = [
     Command(
         "generate",
@@ -460,6 +516,16 @@ COMMANDS = [
     ),
     Command(
         "inspect", "show a prompt's attention and predictions", add_inspect_arguments, run_inspect
+    ),
+    Command(
+        "perplexity",
+        "score a text: perplexity, KL divergence from a reference",
+        add_perplexity_arguments,
+        run_perplexity,
+        "Perplexity of the model on a text file, chunked and scored as llama.cpp's "
+        "llama-perplexity does (each chunk's second half); with --kl-divergence-base, the "
+        "mean KL divergence of the model's next-token distribution from the reference's "
+        "(run in float32) and how often their top tokens agree.",
     ),
 ]
 

@@ -6,6 +6,7 @@ from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.generate import GenerationResult, generate, stream_generate
 from qinfer.model import Transformer, load_model
+from qinfer.pooling import PoolingParams
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -16,6 +17,7 @@ __all__ = [
     "Features",
     "GenerationResult",
     "ModelConfig",
+    "PoolingParams",
     "QinferError",
     "SamplingParams",
     "Tokenizer",

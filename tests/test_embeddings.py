@@ -291,3 +291,25 @@ def test_smollm2_gguf_serves_embeddings():
     assert batch[0].shape == (576,)
     np.testing.assert_allclose([np.linalg.norm(v) for v in batch], 1.0, atol=1e-4)
     np.testing.assert_allclose(alone, batch[0], atol=2e-3)
+
+
+def test_a_preempted_pooling_request_starts_over_and_gets_the_same_vector(checkpoint, llm):
+    # 16 blocks of 4 tokens: the decoding request and the embeddings' prompts do not all
+    # fit, so the newest running sequences are preempted and computed again later.
+    small = LLM(
+        str(checkpoint),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        block_size=BLOCK,
+        num_kv_blocks=16,
+        enable_prefix_caching=False,
+    )
+    decode = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    pooled = [(text, PoolingParams(pooling)) for text in TEXTS[1:] for pooling in ("mean", "cls")]
+    outputs = run_together(small, [("Once upon a time", decode), *pooled])
+    assert small.engine.stats().preemptions_total > 0
+    for output, (text, params) in zip(outputs[1:], pooled, strict=True):
+        (expected,) = llm.embed(text, pooling=params.method)
+        torch.testing.assert_close(output.embedding, torch.tensor(expected), atol=1e-5, rtol=1e-4)

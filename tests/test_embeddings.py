@@ -19,7 +19,7 @@ import torch
 from checkpoints import build_chat_checkpoint
 from gguf_files import smollm2_path
 from langchain_openai import OpenAIEmbeddings
-from server_process import start_serve_command
+from server_process import start_serve_command, wait_until_idle
 
 from qinfer import LLM
 from qinfer.engine.run import run_requests
@@ -255,6 +255,8 @@ def test_hostile_embedding_requests_are_400_naming_the_field(http, body, param):
     response = http.post("/v1/embeddings", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    # The inputs queued before the one refused were stopped or finished: no block is held.
+    assert wait_until_idle(http)["qinfer_kv_blocks_used"] == 0
     assert http.get("/health").status_code == 200
 
 

@@ -7,8 +7,10 @@
 
 The pooling (last token, mean or first token; normalised or not) is the server's, chosen
 by `qinfer serve --pooling` (`ServerSettings.pooling`); every input is one engine request
-(`qinfer.pooling.PoolingParams`), all of them batched with whatever else runs. A
-"base64" embedding is its little-endian float32 bytes in base64, as OpenAI sends it.
+(`qinfer.pooling.PoolingParams`), all of them batched with whatever else runs, so a batch
+larger than the engine's free queue (`--max-waiting-requests`, 1024 by default) is
+refused with a 503 like any overload. A "base64" embedding is its little-endian float32
+bytes in base64, as OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,12 @@ class EmbeddingsAPI:
             params.check_hidden_size(server.engine.model_config.hidden_size)
         except RequestError as error:
             raise APIError(400, str(error), param="dimensions", code="invalid_value") from None
-        outputs = await asyncio.gather(*(self._embed(i, p, params) for i, p in enumerate(prompts)))
+        tasks = [asyncio.ensure_future(self._embed(i, p, params)) for i, p in enumerate(prompts)]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        finally:  # one input refused (or the client gone): the others stop and free blocks
+            for task in tasks:
+                task.cancel()
         data = [
             {
                 "object": "embedding",

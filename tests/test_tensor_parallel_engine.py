@@ -16,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from checkpoints import build_chat_checkpoint
 from server_process import start_serve_command
 from starlette.testclient import TestClient
@@ -81,6 +82,25 @@ def test_llm_generate_tp2_gives_the_tp1_tokens(checkpoint, pool):
         assert split_stats["prefix_cache_hits"] > 0
     else:
         assert split_stats["preemptions_total"] > 0
+
+
+def embed_then_generate(checkpoint: Path, size: int) -> tuple[list, list[list[int]]]:
+    """Every prompt's last-token and mean embeddings, then its greedy tokens (the group is
+    still in step after pooling requests that computed no logits on any rank)."""
+    llm = LLM(checkpoint, dtype="float32", device="cpu", tensor_parallel_size=size, **ENGINE_ARGS)
+    try:
+        vectors = llm.embed(PROMPTS) + llm.embed(PROMPTS, pooling="mean")
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        return vectors, [out.token_ids for out in outputs]
+    finally:
+        llm.close()
+
+
+def test_llm_embed_tp2_gives_the_tp1_vectors(checkpoint):
+    single_vectors, single_tokens = embed_then_generate(checkpoint, 1)
+    split_vectors, split_tokens = embed_then_generate(checkpoint, 2)
+    torch.testing.assert_close(torch.tensor(split_vectors), torch.tensor(single_vectors))
+    assert split_tokens == single_tokens
 
 
 def test_the_pool_holds_the_ranks_kv_heads(checkpoint):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from qinfer.features import Features
     from qinfer.generate import GenerationResult, generate, stream_generate
     from qinfer.model import Transformer, load_model
+    from qinfer.pooling import PoolingParams
     from qinfer.sampling import SamplingParams
     from qinfer.tokenizer import Tokenizer, load_tokenizer
 
@@ -29,6 +30,7 @@ _EXPORTS = {
     "Features": "qinfer.features",
     "GenerationResult": "qinfer.generate",
     "ModelConfig": "qinfer.config",
+    "PoolingParams": "qinfer.pooling",
     "QinferError": "qinfer.errors",
     "SamplingParams": "qinfer.sampling",
     "Tokenizer": "qinfer.tokenizer",
@@ -46,6 +48,7 @@ __all__ = [
     "Features",
     "GenerationResult",
     "ModelConfig",
+    "PoolingParams",
     "QinferError",
     "SamplingParams",
     "Tokenizer",

@@ -36,6 +36,7 @@ from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.stats import EngineStats
 from qinfer.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.model import Transformer
+from qinfer.pooling import PoolingParams
 from qinfer.prompts import Prompt
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
@@ -136,10 +137,14 @@ class AsyncEngine:
         return request_id
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | PoolingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last has finished=True.
-        Leaving the loop early (or cancelling the task) aborts the request."""
+        With PoolingParams, one output: finished, with its `embedding`. Leaving the loop
+        early (or cancelling the task) aborts the request."""
         self._check_serving()
         # Encoding the prompt and compiling a grammar (about a second for a large schema
         # over a 150k vocabulary) run in a worker thread: other streams keep flowing.

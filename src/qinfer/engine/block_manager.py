@@ -97,11 +97,13 @@ class BlockManager:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix.
 
         At least one token is always left to compute, so that the step that finishes the
-        prompt produces the logits of its last token. Returns the tokens found.
+        prompt produces the logits of its last token. A sequence that does not use the
+        prefix cache (`Sequence.uses_prefix_cache`) gets none. Returns the tokens found.
         """
         if seq.block_table:
             raise CacheError(f"sequence {seq.request_id!r} already holds blocks")
-        hits = self._match_prefix(seq.token_ids) if self.enable_prefix_caching else []
+        looks_up = self.enable_prefix_caching and seq.uses_prefix_cache
+        hits = self._match_prefix(seq.token_ids) if looks_up else []
         for block in hits:
             if block.ref_count == 0:
                 del self.free_blocks[block.block_id]

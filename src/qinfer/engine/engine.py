@@ -30,6 +30,7 @@ from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.model import Transformer, load_model
+from qinfer.pooling import PoolingParams, PoolingState
 from qinfer.prompts import Prompt, encode_prompt
 from qinfer.prompts import eos_token_ids as model_eos_ids
 from qinfer.request_state import RequestState, sample_next
@@ -41,12 +42,22 @@ class Request:
     """A sequence plus what turns its tokens into a response: its RequestState (params,
     generator, text, stop rule, processors), its logprobs and what was already sent.
 
-    The state appends sampled ids to the sequence's own token list."""
+    The state appends sampled ids to the sequence's own token list. A pooling request
+    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`.
+    """
 
-    def __init__(self, seq: Sequence, prompt: str | None, state: RequestState) -> None:
+    def __init__(
+        self,
+        seq: Sequence,
+        prompt: str | None,
+        state: RequestState,
+        pooling: PoolingState | None = None,
+    ) -> None:
         self.seq = seq
         self.prompt = prompt
         self.state = state
+        self.pooling = pooling
+        self.embedding = None  # the pooled vector, once a pooling request has finished
         self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
         self.finish_reason: str | None = None  # OpenAI's: EOS is a "stop"
         self.num_sent_tokens = 0  # tokens already handed out in outputs
@@ -76,6 +87,7 @@ class Request:
             num_generated_tokens=self.state.num_generated_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_opened_think=self.state.prompt_opened_think,
+            embedding=self.embedding,
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out
@@ -128,12 +140,24 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def make_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | PoolingParams | None = None,
+        request_id: str | None = None,
     ) -> Request:
-        """Check and encode a request without touching the engine's state (thread-safe)."""
+        """Check and encode a request without touching the engine's state (thread-safe).
+
+        params: SamplingParams to generate; PoolingParams to pool the prompt's hidden
+        states into one vector instead (`qinfer.pooling`; the output's `embedding`)."""
         params = self.default_params if params is None else params
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            pooling.check_hidden_size(self.model.config.hidden_size)
+            params = SamplingParams(max_tokens=1)  # a state for the output; never sampled
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(
+                f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}"
+            )
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -148,7 +172,7 @@ class Engine:
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.runner.num_blocks * self.config.block_size} tokens)"
             )
-        seq = Sequence(request_id, ids)
+        seq = Sequence(request_id, ids, pooling is None or pooling.uses_prefix_cache)
         try:
             state = RequestState.create(
                 seq.token_ids,
@@ -160,7 +184,12 @@ class Engine:
             )
         except QinferError as error:
             raise RequestError(str(error)) from None
-        return Request(seq, prompt if isinstance(prompt, str) else None, state)
+        return Request(
+            seq,
+            prompt if isinstance(prompt, str) else None,
+            state,
+            None if pooling is None else PoolingState(pooling, len(ids)),
+        )
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request`."""
@@ -205,28 +234,46 @@ class Engine:
         self._counts["preempted"] += scheduled.num_preempted
         if not scheduled.seqs:
             return []
-        # (R, V): one row per sequence whose pending tokens are now all computed, in order
-        logits = self.runner.run(scheduled.seqs, scheduled.num_new)
-        done = []
-        for seq, n in zip(scheduled.seqs, scheduled.num_new, strict=True):
+        poolings = [self.requests[seq.request_id].pooling for seq in scheduled.seqs]
+        hidden_rows = [
+            None if pooling is None else pooling.rows(seq.num_computed_tokens, n)
+            for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
+        ]
+        # logits (R, V): one row per sampling sequence whose pending tokens are now all
+        # computed, in order; hidden: the rows each pooling sequence asked for
+        result = self.runner.run(scheduled.seqs, scheduled.num_new, hidden_rows)
+        done, outputs = [], []
+        for seq, n, pooling, rows in zip(
+            scheduled.seqs, scheduled.num_new, poolings, result.hidden, strict=True
+        ):
+            if pooling is not None:
+                pooling.add(seq.num_computed_tokens, rows)
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
-                done.append(seq)
+                if pooling is None:
+                    done.append(seq)
+                else:
+                    outputs.append(self._pooled(self.requests[seq.request_id]))
         if not done:
-            return []
+            return outputs
         requests = [self.requests[seq.request_id] for seq in done]
-        result = sample_next(logits, [r.state for r in requests])
+        result = sample_next(result.logits, [r.state for r in requests])
         token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        outputs = []
         for i, request in enumerate(requests):
             self._accept(request, token_ids[i], logprobs[i], result.top_logprobs[i])
             outputs.append(request.output())
         self._throughput.add(len(requests))
         self._counts["generated"] += len(requests)
         return outputs
+
+    def _pooled(self, request: Request) -> RequestOutput:
+        """Finish a pooling request whose prompt has run: its vector, its last output."""
+        request.embedding = request.pooling.result()
+        self._finish(request, "stop")
+        return request.output()
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
         """Append a sampled token, extend the text, and finish the request if it is done."""

@@ -3,6 +3,7 @@
 llm = LLM("path/to/checkpoint", max_num_seqs=16)
 outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 for delta in llm.stream("Hello"): print(delta, end="")   # one prompt, as text deltas
+vectors = llm.embed(["a query", "a document"])              # pooled hidden states
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.run import TextStream, run_requests
 from qinfer.errors import RequestError
 from qinfer.model import Transformer
+from qinfer.pooling import PoolingMethod, PoolingParams
 from qinfer.prompts import Prompt, is_batch
 from qinfer.sampling import SamplingParams
 from qinfer.tokenizer import Tokenizer
@@ -70,6 +72,31 @@ class LLM:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return [_whole(output) for output in self._run(prompts, params, use_tqdm)]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: PoolingMethod = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
+        """One vector per prompt (text or token ids, or a list of them), in the prompts'
+        order, as a list of floats: the final-normed hidden states of the prompt pooled by
+        `pooling` ("last": the last token's, as Qwen3-Embedding; "mean"; "cls": the first
+        token's), cut to its first `dimensions` numbers (Matryoshka) when given, then
+        L2-normalised when `normalize`. Batched through the engine with any other requests
+        (see `qinfer.pooling`, which also says how the prefix cache is used)."""
+        params = PoolingParams(pooling, normalize, dimensions)
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            raise RequestError("prompts is empty: give at least one prompt")
+        prompts = list(prompts) if is_batch(prompts) else [prompts]
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        return [output.embedding.tolist() for output in outputs]
+
+    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Run every (prompt, params) request to its end; their last outputs, in order."""
         engine = self.engine
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -79,7 +106,7 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
                     bar.update(1)
-        return [_whole(finished[r.seq.request_id]) for r in requests]
+        return [finished[r.seq.request_id] for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
         """One prompt as a stream of text deltas, as `qinfer.stream_generate` gives it. The

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -25,6 +27,8 @@ class RequestOutput:
     logprobs: aligned with token_ids when the request asked for them.
     prompt_opened_think: for a thinking model, whether the prompt ended inside an open
     `<think>` block (decided once per request: `RequestState.thinking`); None otherwise.
+    embedding: a pooling request's vector (fp32 (dimensions,) on the CPU, see
+    `qinfer.pooling`), in its one, finished output (finish_reason "stop", no tokens).
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class RequestOutput:
     num_generated_tokens: int
     logprobs: list[TokenLogprob] | None
     prompt_opened_think: bool | None = None
+    embedding: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

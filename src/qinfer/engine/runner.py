@@ -11,6 +11,8 @@ running it, and the workers' `follow` runs the same steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from qinfer.attention.backend import sdpa_for
@@ -78,6 +80,19 @@ def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
     return int(free * config.gpu_memory_utilization) - activations
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step hands back on rank 0.
+
+    logits: fp32 (R, V), one row per sequence that samples after this step, in order;
+    hidden: per sequence, None, or the final-normed fp32 rows (k, hidden) of its new
+    tokens that a pooling request asked for (`hidden_rows`).
+    """
+
+    logits: torch.Tensor
+    hidden: list[torch.Tensor | None]
+
+
 class ModelRunner:
     """Owns the KV pool and turns a list of (sequence, new tokens) into next-token logits.
 
@@ -109,37 +124,62 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
+    def run(
+        self,
+        seqs: list[Sequence],
+        num_new: list[int],
+        hidden_rows: list[list[int] | None] | None = None,
+    ) -> StepOutput:
         """Run the next num_new[b] tokens of each sequence (their blocks already allocated)
         through the model in one forward.
 
-        Returns the fp32 logits (R, V) after the last new token of each sequence that reaches
-        its end with them (num_new[b] == seq.num_uncomputed_tokens), in the order of seqs; a
-        prompt chunk that leaves more of its prompt for later steps gets none. Token ids are
+        hidden_rows[b]: None for a sequence that samples; for a pooling one, the rows
+        (0 .. num_new[b] - 1) of its new tokens whose final-normed hidden states it needs
+        (no logits then). The logits are those after the last new token of each sampling
+        sequence that reaches its end with them (num_new[b] == seq.num_uncomputed_tokens),
+        in the order of seqs; a prompt chunk that leaves more of its prompt for later steps
+        gets none. Pooling is rank 0's alone (the hidden states are whole on every rank):
+        the workers see a pooling sequence as one that wants no logits. Token ids are
         not checked here: the engine checked every prompt when it came in, and sampled ids
         come from the logits, inside the vocabulary. Under tensor parallelism a rank that
         died or a collective that failed raises a `TensorParallelError` naming it.
         """
+        hidden_rows = hidden_rows or [None] * len(seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
         step = StepInputs(
             [seq.token_ids[i : i + n] for seq, i, n in zip(seqs, starts, num_new, strict=True)],
             starts,
             [seq.block_table for seq in seqs],
-            [n == seq.num_uncomputed_tokens for seq, n in zip(seqs, num_new, strict=True)],
+            [
+                rows is None and n == seq.num_uncomputed_tokens
+                for seq, n, rows in zip(seqs, num_new, hidden_rows, strict=True)
+            ],
         )
         if self.group is None:
-            return self.forward(step)
+            return self.forward(step, hidden_rows)
         try:
             self.channel.send(step)
-            return self.forward(step)
+            return self.forward(step, hidden_rows)
         except RuntimeError as error:  # torch.distributed's errors
             raise self.group.failure(error) from None
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
-        """One step through the model over this rank's pool -> fp32 logits (R, V)."""
+    def forward(
+        self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
+    ) -> StepOutput:
+        """One step through the model over this rank's pool: the logits (R, V) of the
+        sampling rows and, on rank 0, the pooling rows' final-normed hidden states."""
         batch = self.forward_batch(step)
         hidden = self.model.forward(batch)  # (T, hidden)
-        return self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
+        pooled: list[torch.Tensor | None] = []
+        hidden_rows = hidden_rows or [None] * len(step.new_tokens)
+        for start, rows in zip(batch.query_starts[:-1], hidden_rows, strict=True):
+            if rows is None:
+                pooled.append(None)
+            else:  # the final norm alone, local to this rank: no collective to match
+                index = torch.tensor([start + r for r in rows], dtype=torch.long)
+                pooled.append(self.model.norm(hidden[index.to(hidden.device)]).float())
+        return StepOutput(logits, pooled)
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their

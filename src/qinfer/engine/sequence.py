@@ -20,8 +20,12 @@ class Sequence:
     has none computed and prefills prompt and output again.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], uses_prefix_cache: bool = True
+    ) -> None:
         self.request_id = request_id
+        # False: starts from no cached block (a pooling that needs every prompt row)
+        self.uses_prefix_cache = uses_prefix_cache
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING

@@ -38,12 +38,14 @@ from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
 from qinfer.fill_in_middle import fim_tokens
 from qinfer.inspection import inspect_tokens
+from qinfer.pooling import PoolingParams
 from qinfer.prompts import encode_prompt
 from qinfer.reasoning import splits_reasoning
 from qinfer.sampling import SamplingParams, checkpoint_sampling
 from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
 from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
 from qinfer.server.completions import Completion, Delta
+from qinfer.server.embeddings import EmbeddingRequest, EmbeddingsAPI
 from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
 from qinfer.server.inspection import (
     InspectRequest,
@@ -97,6 +99,8 @@ class ServerSettings:
         (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
         conversation's defaults, under their own fields (`qinfer.chat_defaults`, as
         `qinfer chat` does).
+    pooling: how `/v1/embeddings` pools a prompt (a request's `dimensions` overrides
+        its dimensions); by default Qwen3-Embedding's: last token, normalised.
     """
 
     model_name: str
@@ -105,6 +109,7 @@ class ServerSettings:
     default_params: SamplingParams = field(default_factory=SamplingParams)
     allowed_origins: Sequence[str] = ()
     checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
+    pooling: PoolingParams = field(default_factory=PoolingParams)
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -527,6 +532,12 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
             route_class_override=AnthropicRoute,
         )
 
+    embeddings = EmbeddingsAPI(server)
+
+    @app.post("/v1/embeddings", dependencies=authorized)
+    async def create_embeddings(request: Request) -> dict[str, Any]:
+        return await embeddings.create(await read_body(request, EmbeddingRequest))
+
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
         return server.models()
@@ -589,11 +600,13 @@ def serve(
     group_size: int = 32,
     tensor_parallel_size: int = 1,
     log_level: str = "info",
+    pooling: PoolingParams | None = None,
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
 
     api_key: one key or several (see `ServerSettings`); allowed_origins: CORS origins.
+    pooling: how `/v1/embeddings` pools (default: last token, normalised).
 
     dtype, device, quantize, group_size: as for `qinfer.load_model`.
     tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
@@ -619,6 +632,7 @@ def serve(
         model_name=served_model_name or served_name(path),
         api_key=api_key,
         allowed_origins=tuple(allowed_origins),
+        pooling=pooling or PoolingParams(),
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),

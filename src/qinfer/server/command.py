@@ -12,6 +12,7 @@ from typing import Any
 
 from qinfer.cli_args import add_model_arguments, bounded, check_device, load_arguments
 from qinfer.errors import QinferError
+from qinfer.pooling import POOLING_METHODS, PoolingParams
 
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
@@ -91,6 +92,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="server-wide chat template variables, e.g. '{\"enable_thinking\": false}'",
     )
+    embeddings = parser.add_argument_group("embeddings (POST /v1/embeddings)")
+    embeddings.add_argument(
+        "--pooling",
+        choices=POOLING_METHODS,
+        default="last",
+        help="pool a prompt's final hidden states by its last token (Qwen3-Embedding's), "
+        "their mean, or the first token (default: %(default)s)",
+    )
+    embeddings.add_argument(
+        "--no-normalize",
+        dest="normalize",
+        action="store_false",
+        help="do not L2-normalise embeddings",
+    )
     engine = parser.add_argument_group("engine")
     for flag, name, kind, help_text in ENGINE_FLAGS:
         engine.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
@@ -144,6 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         **load_arguments(args),
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        pooling=PoolingParams(args.pooling, args.normalize),
         **engine_args,
     )
     return 0

@@ -1,0 +1,123 @@
+"""`POST /v1/embeddings`, in OpenAI's shape, through the engine's pooling requests.
+
+    {"model": "...", "input": "text" | ["text", ...] | [ids] | [[ids], ...],
+     "encoding_format": "float" | "base64", "dimensions": 256}
+ -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
+     "model": "...", "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+The pooling (last token, mean or first token; normalised or not) is the server's, chosen
+by `qinfer serve --pooling` (`ServerSettings.pooling`); every input is one engine request
+(`qinfer.pooling.PoolingParams`), all of them batched with whatever else runs, so a batch
+larger than the engine's free queue (`--max-waiting-requests`, 1024 by default) is
+refused with a 503 like any overload. A "base64" embedding is its little-endian float32
+bytes in base64, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from qinfer.engine.outputs import RequestOutput
+from qinfer.errors import RequestError
+from qinfer.server.errors import APIError
+from qinfer.server.protocol import StrictModel
+
+if TYPE_CHECKING:
+    from qinfer.server.app import ModelServer
+
+#: Most inputs one request may embed (OpenAI's own bound).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(StrictModel):
+    """OpenAI's embeddings request body (`user` is accepted and ignored)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs as engine prompts: texts, or token-id lists."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(item, int) for item in value):
+            return [value]  # one prompt of token ids
+        return list(value)
+
+
+class EmbeddingsAPI:
+    """The embeddings route's handling over a `ModelServer`."""
+
+    def __init__(self, server: ModelServer) -> None:
+        self.server = server
+
+    async def create(self, body: EmbeddingRequest) -> dict[str, Any]:
+        server = self.server
+        server.check_model(body.model)
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "'input' is empty: give at least one input", param="input")
+        if len(prompts) > MAX_EMBEDDING_INPUTS:
+            raise APIError(
+                400,
+                f"'input' holds {len(prompts)} inputs; at most {MAX_EMBEDDING_INPUTS} per request",
+                param="input",
+            )
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise APIError(400, f"'input.{i}' is empty", param=f"input.{i}")
+        params = replace(server.settings.pooling, dimensions=body.dimensions)
+        try:
+            params.check_hidden_size(server.engine.model_config.hidden_size)
+        except RequestError as error:
+            raise APIError(400, str(error), param="dimensions", code="invalid_value") from None
+        tasks = [asyncio.ensure_future(self._embed(i, p, params)) for i, p in enumerate(prompts)]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        finally:  # one input refused (or the client gone): the others stop and free blocks
+            for task in tasks:
+                task.cancel()
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": _encode(output.embedding.numpy(), body.encoding_format),
+            }
+            for i, output in enumerate(outputs)
+        ]
+        tokens = sum(output.num_prompt_tokens for output in outputs)
+        return {
+            "object": "list",
+            "data": data,
+            "model": server.settings.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    async def _embed(self, index: int, prompt, params) -> RequestOutput:
+        """One input's finished output; the engine's refusal names the input at fault."""
+        outputs = []
+        try:
+            async for output in self.server.engine.generate(prompt, params):
+                outputs.append(output)  # one: the finished one
+        except RequestError as error:
+            raise APIError(
+                400, f"'input.{index}': {error}", param=f"input.{index}", code="invalid_value"
+            ) from None
+        if outputs[-1].embedding is None:  # aborted: the server is shutting down
+            raise APIError(503, f"input {index} was not embedded: the engine stopped")
+        return outputs[-1]
+
+
+def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()

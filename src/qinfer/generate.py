@@ -140,7 +140,14 @@ def _engine_requests(
         -(-min(len(ids) + p.max_tokens, context) // block_size)
         for ids, p in zip(encoded, params_list, strict=True)
     )
-    config = EngineConfig(num_kv_blocks=blocks, max_num_seqs=len(encoded))
+    # Every prompt prefilled in the first step, as one batch call expects (the engine's
+    # default chunk of 512 tokens would start some rows decoding a step before the others).
+    prompt_tokens = sum(len(ids) for ids in encoded)
+    config = EngineConfig(
+        num_kv_blocks=blocks,
+        max_num_seqs=len(encoded),
+        max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, prompt_tokens),
+    )
     engine = Engine(model, tokenizer, config, eos_token_ids=eos_ids)
     requests = [engine.make_request(ids, p) for ids, p in zip(encoded, params_list, strict=True)]
     return engine, requests

@@ -178,3 +178,22 @@ def test_text_prompts_whose_ids_the_model_lacks_are_refused(tmp_path):
     llm = LLM(tmp_path, dtype="float32", device="cpu")
     with pytest.raises(RequestError, match="token id 257 is outside the vocabulary"):
         llm.generate("<|im_start|>hi", use_tqdm=False)
+
+
+@pytest.mark.parametrize("rows", [[(21, 1)], [(13, 5)]], ids=["decode", "chunk"])
+def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
+    """One sequence whose blocks follow each other in the pool (as a fresh pool hands them
+    out) is read as a slice of the pool, with the reference's result."""
+    torch.manual_seed(0)
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=HKV, head_dim=D)
+    pool = KVPool(config, 12, BLOCK, torch.float32, "cpu")
+    pool.keys.normal_()
+    pool.values.normal_()
+    (start, n), first = rows[0], 3
+    tables = [list(range(first, first + -(-(start + n) // BLOCK)))]
+    step = PagedStep([n], [start], tables, BLOCK, "cpu")
+    assert step.groups[0].first_slot == first * BLOCK
+    q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
+    want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
+    got = PagedAttention(pool, step, [None], torch_sdpa_grouped).attend(0, q, k, v, D**-0.5)
+    assert max_diff(got, want) < 1e-5

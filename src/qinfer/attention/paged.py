@@ -136,10 +136,18 @@ class Group:
         self.query_positions = (torch.tensor(num_computed)[:, None] + torch.arange(L)).to(device)
         self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
         self._value_rows: dict[tuple[int, int], torch.Tensor] = {}
+        # A lone sequence whose blocks follow each other in the pool (as a fresh pool hands
+        # them out) reads its history as a slice of the pool, without a copy.
+        first = block_tables[0][0] if block_tables[0] else 0
+        run = list(range(first, first + len(block_tables[0])))
+        self.first_slot = first * block_size if G == 1 and block_tables[0] == run else None
 
     def history(self, pool: torch.Tensor) -> torch.Tensor:
         """The group's histories in one layer's pool (slots, Hkv, D) -> (G, S, Hkv, D), read
-        as whole blocks: one row of block_size * Hkv * D values per block."""
+        as whole blocks: one row of block_size * Hkv * D values per block (or a view of the
+        pool when they lie in one run)."""
+        if self.first_slot is not None:
+            return pool[self.first_slot : self.first_slot + self.length][None]
         slots, Hkv, D = pool.shape
         blocks = pool.view(slots // self.block_size, self.block_size * Hkv * D)
         history = F.embedding(self.tables, blocks)  # (G, W, block_size * Hkv * D)

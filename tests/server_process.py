@@ -58,3 +58,16 @@ def wait_until_idle(http: httpx.Client, timeout: float = 30) -> dict[str, float]
         if (idle and values["qinfer_kv_blocks_used"] == 0) or time.monotonic() > deadline:
             return values
         time.sleep(0.05)
+
+
+def chat_usage(client, model: str, messages: list[dict], thinking: bool = False, **fields):
+    """The usage of a conversation answered greedily by chat completions (the `openai`
+    client's, to a server serving `model`), to hold another API's token counts to."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        **fields,
+    )
+    return reply.usage

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import metric_values, start_serve_command, wait_until_idle
+from server_process import chat_usage, metric_values, start_serve_command, wait_until_idle
 
 from qinfer.server.anthropic_messages_request import MAX_MESSAGES
 
@@ -111,18 +111,6 @@ def final_streamed(client, messages=USER, **fields):
         return s.get_final_message()
 
 
-def chat_usage(chat, messages: list[dict], thinking: bool = False, **fields):
-    """The usage of the same conversation answered greedily by chat completions."""
-    reply = chat.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        temperature=0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
-        **fields,
-    )
-    return reply.usage
-
-
 def prompt_tokens(message) -> int:
     usage = message.usage
     return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
@@ -157,7 +145,7 @@ def test_a_message_is_answered_as_chat_completions_answer_it(client, chat):
     assert message.id.startswith("msg_") and message.model == MODEL
     assert blocks(message) == [("text", PLANTED_ANSWER)]
     assert message.stop_reason == "end_turn" and message.stop_sequence is None
-    expected = chat_usage(chat, USER)
+    expected = chat_usage(chat, MODEL, USER)
     assert prompt_tokens(message) == expected.prompt_tokens
     assert message.usage.output_tokens == expected.completion_tokens
 
@@ -173,7 +161,7 @@ def test_a_message_is_answered_as_chat_completions_answer_it(client, chat):
 def test_system_is_a_system_message_and_count_tokens_agrees(client, chat, system, as_text):
     message = create(client, system=system)
     messages = [{"role": "system", "content": as_text}, *USER]
-    expected = chat_usage(chat, messages, max_tokens=1).prompt_tokens
+    expected = chat_usage(chat, MODEL, messages, max_tokens=1).prompt_tokens
     assert prompt_tokens(message) == expected
     counted = client.messages.count_tokens(
         model=MODEL, messages=USER, system=system, thinking=NO_THINKING
@@ -268,7 +256,7 @@ def test_tool_use_then_tool_result_round_trip(client, chat):
         },
         {"role": "tool", "tool_call_id": use.id, "content": "18C, sunny"},
     ]
-    expected = chat_usage(chat, messages, max_tokens=1, tools=[CHAT_WEATHER]).prompt_tokens
+    expected = chat_usage(chat, MODEL, messages, max_tokens=1, tools=[CHAT_WEATHER]).prompt_tokens
     assert prompt_tokens(second) == expected
 
 

@@ -20,7 +20,7 @@ import openai
 import pydantic
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import metric_values, start_serve_command, wait_until_idle
+from server_process import chat_usage, metric_values, start_serve_command, wait_until_idle
 
 import qinfer
 from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
@@ -100,18 +100,6 @@ def stream(client, **fields) -> tuple[list, object]:
     return seen, seen[-1].response
 
 
-def chat_usage(client, messages: list[dict], thinking: bool = False, **fields):
-    """The usage of the same conversation answered greedily by chat completions."""
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        temperature=0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
-        **fields,
-    )
-    return reply.usage
-
-
 def shape(output) -> list[tuple]:
     """Each output item as (type, status, its text or call)."""
     shaped = []
@@ -133,7 +121,7 @@ def test_text_input_is_answered_as_chat_completions_answer_it(client):
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.status == "completed" and response.output_text == PLANTED_ANSWER
     assert shape(response.output) == [("message", "completed", PLANTED_ANSWER)]
-    expected = chat_usage(client, [{"role": "user", "content": "Hello world"}])
+    expected = chat_usage(client, MODEL, [{"role": "user", "content": "Hello world"}])
     assert response.usage.input_tokens == expected.prompt_tokens
     assert response.usage.output_tokens == expected.completion_tokens
     assert response.usage.total_tokens == expected.total_tokens
@@ -145,7 +133,10 @@ def test_instructions_are_a_system_message(client):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello world"},
     ]
-    assert response.usage.input_tokens == chat_usage(client, messages, max_tokens=1).prompt_tokens
+    assert (
+        response.usage.input_tokens
+        == chat_usage(client, MODEL, messages, max_tokens=1).prompt_tokens
+    )
 
 
 def test_reasoning_effort_turns_thinking_on_and_returns_a_reasoning_item(client, tokenizer):
@@ -275,7 +266,7 @@ def test_function_call_round_trip_by_previous_response_id_or_by_items(client, ht
     chat_tools = [
         {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
     ]
-    expected = chat_usage(client, messages, max_tokens=1, tools=chat_tools).prompt_tokens
+    expected = chat_usage(client, MODEL, messages, max_tokens=1, tools=chat_tools).prompt_tokens
     assert by_id.usage.input_tokens == expected
     # The same turn with the items sent back by the client, nothing stored.
     unstored = create(

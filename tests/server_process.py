@@ -71,3 +71,18 @@ def chat_usage(client, model: str, messages: list[dict], thinking: bool = False,
         **fields,
     )
     return reply.usage
+
+
+def assert_aborted_streams_free_their_requests(
+    http: httpx.Client, path: str, body: dict, opening: str
+) -> None:
+    """Open 8 streams of `body` (which never ends by itself) on `path` and leave each after
+    its first line (`opening`): every one is counted as aborted and frees its KV blocks."""
+    aborted = metric_values(http)["qinfer_requests_aborted_total"]
+    for _ in range(8):
+        with http.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            assert next(response.iter_lines()) == opening
+    values = wait_until_idle(http)
+    assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
+    assert values["qinfer_requests_aborted_total"] == aborted + 8

@@ -19,7 +19,13 @@ import jsonschema
 import openai
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import chat_usage, metric_values, start_serve_command, wait_until_idle
+from server_process import (
+    assert_aborted_streams_free_their_requests,
+    chat_usage,
+    metric_values,
+    start_serve_command,
+    wait_until_idle,
+)
 
 from qinfer.server.anthropic_messages_request import MAX_MESSAGES
 
@@ -434,14 +440,7 @@ def test_aborted_streams_free_their_requests(http):
         "output_config": {"format": {"type": "json_schema", "schema": {"type": "string"}}},
         "thinking": NO_THINKING,
     }
-    aborted = metric_values(http)["qinfer_requests_aborted_total"]
-    for _ in range(8):
-        with http.stream("POST", "/v1/messages", json=body) as response:
-            assert response.status_code == 200
-            assert next(response.iter_lines()) == "event: message_start"
-    values = wait_until_idle(http)
-    assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
-    assert values["qinfer_requests_aborted_total"] == aborted + 8
+    assert_aborted_streams_free_their_requests(http, "/v1/messages", body, "event: message_start")
 
 
 def test_a_client_leaving_before_its_whole_message_aborts_it(http):

@@ -20,7 +20,11 @@ import openai
 import pydantic
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import chat_usage, metric_values, start_serve_command, wait_until_idle
+from server_process import (
+    assert_aborted_streams_free_their_requests,
+    chat_usage,
+    start_serve_command,
+)
 
 import qinfer
 from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
@@ -437,11 +441,6 @@ def test_aborted_streams_free_their_requests(http):
         "text": {"format": {"type": "json_schema", "name": "t", "schema": {"type": "string"}}},
         "reasoning": NO_THINKING,
     }
-    aborted = metric_values(http)["qinfer_requests_aborted_total"]
-    for _ in range(8):
-        with http.stream("POST", "/v1/responses", json=body) as response:
-            assert response.status_code == 200
-            assert next(response.iter_lines()) == "event: response.created"
-    values = wait_until_idle(http)
-    assert values["qinfer_requests_running"] == 0 and values["qinfer_kv_blocks_used"] == 0
-    assert values["qinfer_requests_aborted_total"] == aborted + 8
+    assert_aborted_streams_free_their_requests(
+        http, "/v1/responses", body, "event: response.created"
+    )

@@ -26,6 +26,7 @@ from qinfer.server.protocol import (
     MAX_TOOLS,
     ResponseFormat,
     StrictModel,
+    json_object,
 )
 
 #: Most input items one request may send (each becomes a message for the template).
@@ -84,12 +85,7 @@ class FunctionCallItem(EchoedModel):
     @field_validator("arguments")
     @classmethod
     def _arguments_are_an_object(cls, arguments: str) -> str:
-        try:
-            decoded = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"not valid JSON ({error.msg})") from None
-        if not isinstance(decoded, dict):
-            raise ValueError("must be a JSON object")
+        json_object(arguments)  # refused unless a JSON object; kept as the client wrote it
         return arguments
 
 

@@ -76,6 +76,18 @@ def log_unknown_fields(model: type[BaseModel], data: Any) -> None:
         log.warning("ignoring the unknown field %r of %s (logged once)", shown, model.__name__)
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A tool call's arguments written as JSON text, decoded; a ValueError (which pydantic
+    reports naming the field) when they are not JSON, or not an object."""
+    try:
+        decoded = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error.msg})") from None
+    if not isinstance(decoded, dict):
+        raise ValueError("must be a JSON object")
+    return decoded
+
+
 class StrictModel(BaseModel):
     """No coercion between JSON types; unknown fields ignored and logged once per name."""
 
@@ -121,15 +133,7 @@ class CalledFunction(StrictModel):
     @field_validator("arguments")
     @classmethod
     def _decode_arguments(cls, arguments: str | dict[str, Any]) -> dict[str, Any]:
-        if isinstance(arguments, dict):
-            return arguments
-        try:
-            decoded = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"not valid JSON ({error.msg})") from None
-        if not isinstance(decoded, dict):
-            raise ValueError("must be a JSON object")
-        return decoded
+        return arguments if isinstance(arguments, dict) else json_object(arguments)
 
 
 class AssistantToolCall(StrictModel):

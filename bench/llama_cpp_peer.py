@@ -92,7 +92,7 @@ class Qinfer:
 
     def decode_seconds(self, rows: list[list[int]], n: int) -> float:
         """Seconds from the first greedy token of the rows (decoding together) to the last."""
-        from qinfer.generate import generate_ids
+        from qinfer.generation import generate_ids
 
         results = generate_ids(self.model, rows, greedy(n))
         return max(r.timings.decode_seconds for r in results)

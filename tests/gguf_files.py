@@ -62,7 +62,7 @@ def greedy_parts_only_at_near_ties(fast, reference, ids: list[int], steps: int =
     `reference` (the fp32 dequantized one) after the prompt `ids`. Where they part, the
     reference's top choice must lead the fast path's choice by less than the logit error
     measured at that very position: a near-tie, reported, not a bug (asserted here)."""
-    from qinfer.generate import generate_ids
+    from qinfer.generation import generate_ids
     from qinfer.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)

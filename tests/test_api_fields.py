@@ -30,7 +30,7 @@ from text_assets import (
 import qinfer
 from qinfer.cli import main
 from qinfer.fill_in_middle import fim_tokens
-from qinfer.generate import generate
+from qinfer.generation import generate
 from qinfer.prompts import encode_prompt
 from qinfer.sampling import SamplingParams
 

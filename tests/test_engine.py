@@ -13,7 +13,7 @@ from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, build_checkpoint
 import qinfer
 from qinfer.engine import LLM, block_manager
 from qinfer.errors import QinferError, RequestError
-from qinfer.generate import generate_ids
+from qinfer.generation import generate_ids
 from qinfer.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)

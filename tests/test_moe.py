@@ -24,7 +24,7 @@ from gguf_files import write_gguf_model
 import qinfer
 from qinfer.engine import LLM
 from qinfer.errors import ConfigError, QinferError
-from qinfer.generate import generate_ids
+from qinfer.generation import generate_ids
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.linear import DenseLinear, Int4Linear, Int8Linear

@@ -161,6 +161,21 @@ def test_help_and_version_answer_without_importing_torch():
     assert done.returncode == 0 and done.stdout == f"qinfer {version('qinfer')}\n"
 
 
+def test_the_lazy_names_are_what_they_name_whatever_was_imported_first():
+    """Importing a submodule binds its name on the package: a public name that were also a
+    submodule's (`qinfer.generate` was both, until the module became `generation.py`) would
+    then be the module, not the function, for whoever asked after that import."""
+    check = (
+        "import importlib, pkgutil, types, qinfer\n"
+        "for module in pkgutil.walk_packages(qinfer.__path__, 'qinfer.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "for name in qinfer.__all__:\n"
+        "    assert not isinstance(getattr(qinfer, name), types.ModuleType), name\n"
+        "assert callable(qinfer.generate) and callable(qinfer.stream_generate)\n"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=120)
+
+
 @pytest.mark.parametrize(
     "args, flag",
     [

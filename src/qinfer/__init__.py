@@ -2,7 +2,9 @@
 
 The names below are imported on first use (PEP 562), not with the package: `import qinfer`
 (which `qinfer --help` and `qinfer --version` do) then costs milliseconds instead of
-torch's second or more.
+torch's second or more. No public name may also be a submodule's: importing the submodule
+would bind the module under that name (`generate` is the function; its module is
+`qinfer.generation`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from qinfer.engine import LLM, AsyncEngine, RequestOutput
     from qinfer.errors import QinferError
     from qinfer.features import Features
-    from qinfer.generate import GenerationResult, generate, stream_generate
+    from qinfer.generation import GenerationResult, generate, stream_generate
     from qinfer.model import Transformer, load_model
     from qinfer.pooling import PoolingParams
     from qinfer.sampling import SamplingParams
@@ -28,17 +30,17 @@ _EXPORTS = {
     "AsyncEngine": "qinfer.engine",
     "RequestOutput": "qinfer.engine",
     "Features": "qinfer.features",
-    "GenerationResult": "qinfer.generate",
+    "GenerationResult": "qinfer.generation",
     "ModelConfig": "qinfer.config",
     "PoolingParams": "qinfer.pooling",
     "QinferError": "qinfer.errors",
     "SamplingParams": "qinfer.sampling",
     "Tokenizer": "qinfer.tokenizer",
     "Transformer": "qinfer.model",
-    "generate": "qinfer.generate",
+    "generate": "qinfer.generation",
     "load_model": "qinfer.model",
     "load_tokenizer": "qinfer.tokenizer",
-    "stream_generate": "qinfer.generate",
+    "stream_generate": "qinfer.generation",
 }
 
 __all__ = [

@@ -44,7 +44,7 @@ from qinfer.server.command import add_serve_arguments, run_serve
 
 if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
     from qinfer.engine.llm import EngineTextStream
-    from qinfer.generate import GenerationResult, Prompt, TextStream
+    from qinfer.generation import GenerationResult, Prompt, TextStream
     from qinfer.model import Transformer
     from qinfer.sampling import SamplingParams
     from qinfer.startup import LoadAnnouncer
@@ -113,7 +113,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
-        from qinfer.generate import stream_generate
+        from qinfer.generation import stream_generate
 
         return path, tokenizer, partial(stream_generate, model, tokenizer)
     path, announcer = start_loading(args)

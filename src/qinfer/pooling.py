@@ -21,11 +21,12 @@ their blocks are still registered in it for later requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from qinfer.errors import RequestError
+
+if TYPE_CHECKING:  # `qinfer serve --help` reads POOLING_METHODS: no torch until pooling runs
+    import torch
 
 PoolingMethod = Literal["last", "mean", "cls"]
 POOLING_METHODS: tuple[str, ...] = ("last", "mean", "cls")
@@ -102,11 +103,13 @@ class PoolingState:
 
     def result(self) -> torch.Tensor:
         """The pooled vector (dimensions,) fp32 on the CPU, once the prompt has run."""
+        import torch.nn.functional as F
+
         vector = self._sum.float().cpu()
         if self.params.method == "mean":
             vector = vector / self.num_prompt_tokens
         if self.params.dimensions is not None:
             vector = vector[: self.params.dimensions]
         if self.params.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=-1)
+            vector = F.normalize(vector, dim=-1)
         return vector

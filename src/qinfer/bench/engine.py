@@ -39,7 +39,7 @@ from qinfer.bench.common import (
 from qinfer.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
 from qinfer.errors import QinferError
-from qinfer.generate import generate_ids
+from qinfer.generation import generate_ids
 from qinfer.sampling import SamplingParams
 
 

@@ -47,7 +47,7 @@ from qinfer.bench.common import (
 )
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
-from qinfer.generate import generate_ids
+from qinfer.generation import generate_ids
 from qinfer.layers.moe import SparseMoE
 from qinfer.layers.rope import RoPE
 from qinfer.model import Transformer

@@ -127,7 +127,7 @@ class Engine:
         # which is never fed back) within the pool.
         self.max_len = min(self.context_len, self.runner.num_blocks * self.config.block_size + 1)
         # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
-        # front-ends without a tokenizer: `qinfer.generate.generate_ids`).
+        # front-ends without a tokenizer: `qinfer.generation.generate_ids`).
         if eos_token_ids is None:
             eos_token_ids = model_eos_ids(model, tokenizer)
         self.eos_token_ids = eos_token_ids

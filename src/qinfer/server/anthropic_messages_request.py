@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from qinfer.sampling import MAX_STOP_STRINGS
-from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, MAX_TOOLS, StrictModel
+from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, MAX_TOOLS, StrictModel, check_tools
 
 #: Most messages one request may send (each becomes one or more for the template).
 MAX_MESSAGES = 4096
@@ -183,16 +183,8 @@ class ConversationRequest(StrictModel):
     @field_validator("tools")
     @classmethod
     def _tools_are_distinct_and_bounded(cls, tools: list[Tool] | None):
-        names = [tool.name for tool in tools or ()]
-        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
-        if twice is not None:
-            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
-        size = sum(len(json.dumps(tool.input_schema).encode()) for tool in tools or ())
-        if size > MAX_CONSTRAINT_BYTES:
-            raise ValueError(
-                f"the tools' input schemas are {size} bytes; schemas of at most "
-                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
-            )
+        schemas = [tool.input_schema for tool in tools or ()]
+        check_tools([tool.name for tool in tools or ()], schemas, what="input schemas")
         return tools
 
     @field_validator("tool_choice")

@@ -26,6 +26,7 @@ from qinfer.server.protocol import (
     MAX_TOOLS,
     ResponseFormat,
     StrictModel,
+    check_tools,
     json_object,
 )
 
@@ -258,16 +259,7 @@ class ResponsesRequest(StrictModel):
     @field_validator("tools")
     @classmethod
     def _tools_are_distinct_and_bounded(cls, tools: list[FunctionTool] | None):
-        names = [tool.name for tool in tools or ()]
-        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
-        if twice is not None:
-            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
-        size = sum(len(json.dumps(tool.parameters).encode()) for tool in tools or ())
-        if size > MAX_CONSTRAINT_BYTES:
-            raise ValueError(
-                f"the tools' parameters are {size} bytes; schemas of at most "
-                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
-            )
+        check_tools([tool.name for tool in tools or ()], [tool.parameters for tool in tools or ()])
         return tools
 
     @field_validator("tool_choice")

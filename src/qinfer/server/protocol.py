@@ -76,6 +76,22 @@ def log_unknown_fields(model: type[BaseModel], data: Any) -> None:
         log.warning("ignoring the unknown field %r of %s (logged once)", shown, model.__name__)
 
 
+def check_tools(names: list[str], parameters: list[Any], what: str = "parameters") -> None:
+    """A request's tools, by name and parameters schema, as every API checks them: a call
+    names its tool, so two tools of one name would make it ambiguous (ValueError); their
+    schemas are compiled (`tool_calls.check_tool_schemas`), together when a call is forced,
+    so they are bounded as one constraint. what: the API's name for the schemas."""
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
+    size = sum(len(json.dumps(schema).encode()) for schema in parameters)
+    if size > MAX_CONSTRAINT_BYTES:
+        raise ValueError(
+            f"the tools' {what} are {size} bytes; schemas of at most "
+            f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
+        )
+
+
 def json_object(text: str) -> dict[str, Any]:
     """A tool call's arguments written as JSON text, decoded; a ValueError (which pydantic
     reports naming the field) when they are not JSON, or not an object."""
@@ -398,19 +414,8 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("tools")
     @classmethod
     def _tools_are_distinct_and_bounded(cls, tools: list[ToolDefinition] | None):
-        # A call names its tool: two tools of one name would make it ambiguous.
-        names = [tool.function.name for tool in tools or ()]
-        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
-        if twice is not None:
-            raise ValueError(f"two tools are named {twice!r}; tool names must be distinct")
-        # Their schemas are compiled (`tool_calls.check_tool_schemas`), together when a
-        # call is forced: bounded as one constraint.
-        size = sum(len(json.dumps(tool.function.parameters).encode()) for tool in tools or ())
-        if size > MAX_CONSTRAINT_BYTES:
-            raise ValueError(
-                f"the tools' parameters are {size} bytes; schemas of at most "
-                f"{MAX_CONSTRAINT_BYTES} bytes in all are compiled"
-            )
+        functions = [tool.function for tool in tools or ()]
+        check_tools([f.name for f in functions], [f.parameters for f in functions])
         return tools
 
     @field_validator("tool_choice")

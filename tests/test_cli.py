@@ -187,3 +187,21 @@ def test_bench_json_reports_speeds_and_the_weight_bytes_transformers_counts(fold
     assert figures["weight_bytes_per_step"] == expected
     for name in ("prefill_tokens_per_second", "decode_tokens_per_second", "peak_memory_bytes"):
         assert figures[name] > 0
+
+
+def test_a_stopped_reply_keeps_only_its_answer_where_the_request_says_the_model_thinks(
+    qwen3_chat_folder,
+):
+    """Ctrl-C mid-reply keeps what was shown; for a thinking model (the prompt leaves the
+    `<think>` block for the model to open) only the answer after `</think>`, as the request
+    decided when it was made, not by rendering the prompt again."""
+    from qinfer import load_model, load_tokenizer
+    from qinfer.cli import shown_answer
+    from qinfer.generation import stream_generate
+
+    model = load_model(qwen3_chat_folder, dtype="float32", device="cpu")
+    tokenizer = load_tokenizer(qwen3_chat_folder)
+    stream = stream_generate(model, tokenizer, [{"role": "user", "content": "Hi"}])
+    assert stream.prompt_opened_think is False  # a thinking model, block not yet opened
+    assert shown_answer(stream, "<think>\nhm\n</think>\n\nHello") == "Hello"
+    assert shown_answer(stream, "<think>\nhm") == ""

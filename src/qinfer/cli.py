@@ -298,21 +298,18 @@ def run_chat(args: argparse.Namespace) -> int:
             if shown is None:  # at the prompt
                 print(f"\n{LEAVE_HINT}", file=sys.stderr)
                 continue
-            reply = shown_answer(tokenizer, turn, "".join(shown))
+            reply = shown_answer(stream, "".join(shown))
             messages = [*turn, {"role": "assistant", "content": reply}]
             print(f"[reply stopped; kept in the history as shown] {LEAVE_HINT}", file=sys.stderr)
 
 
-def shown_answer(tokenizer: Tokenizer, turn: list[dict], shown: str) -> str:
+def shown_answer(stream: TextStream, shown: str) -> str:
     """The answer part of a reply stopped midway (its reasoning dropped, as a finished
     reply's is) for a thinking model; the shown text for the others."""
-    from qinfer.prompts import encode_prompt
-    from qinfer.reasoning import prompt_opened_think, split_reasoning, splits_reasoning
+    from qinfer.reasoning import split_reasoning
 
-    if not splits_reasoning(tokenizer):
-        return shown
-    opened = prompt_opened_think(tokenizer.decode(encode_prompt(tokenizer, turn)))
-    return split_reasoning(shown, opened)[1]
+    opened = stream.prompt_opened_think  # decided once, when the request was made
+    return shown if opened is None else split_reasoning(shown, opened)[1]
 
 
 # --- qinfer bench -------------------------------------------------------------------------

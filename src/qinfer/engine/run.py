@@ -98,6 +98,12 @@ class TextStream:
         self._started = False
         self.result: GenerationResult | None = None
 
+    @property
+    def prompt_opened_think(self) -> bool | None:
+        """Whether the prompt ended inside `<think>` (None for a model that does not think),
+        as the request decided it once: for splitting text the stream showed."""
+        return self._request.state.prompt_opened_think
+
     def __iter__(self) -> Iterator[str]:
         if self._started:
             raise QinferError("a TextStream can be read only once")

@@ -37,10 +37,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     attention: AttentionBackend
 
-    @property
-    def num_tokens(self) -> int:
-        return self.token_ids.shape[0]
-
     @classmethod
     def from_rows(
         cls,

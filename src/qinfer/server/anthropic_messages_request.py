@@ -23,9 +23,7 @@ MAX_MESSAGES = 4096
 class Block(StrictModel):
     """A content block. Clients echo the blocks of earlier replies whole, with fields
     that do not change the prompt here (`cache_control`, `citations`, ...): those are
-    ignored, the rest is checked strictly."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
+    ignored (as by every `StrictModel`), the rest is checked strictly."""
 
 
 class TextBlock(Block):

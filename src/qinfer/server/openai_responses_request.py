@@ -37,9 +37,7 @@ MAX_INPUT_ITEMS = 4096
 class EchoedModel(StrictModel):
     """An item the server wrote, sent back as input: clients echo the output items whole,
     with fields that vary across client versions (`phase`, `caller`, ...): those are
-    ignored, the rest is checked strictly."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
+    ignored (as by every `StrictModel`), the rest is checked strictly."""
 
 
 class InputText(StrictModel):

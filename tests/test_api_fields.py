@@ -29,10 +29,10 @@ from text_assets import (
 
 import qinfer
 from qinfer.cli import main
-from qinfer.fill_in_middle import fim_tokens
 from qinfer.generation import generate
-from qinfer.prompts import encode_prompt
 from qinfer.sampling import SamplingParams
+from qinfer.text.fill_in_middle import fim_tokens
+from qinfer.text.prompts import encode_prompt
 
 MODEL = "tiny-fim"
 KEYS = ["key-one", "key-two", "key-three"]  # the first by --api-key, the others from a file

@@ -9,7 +9,7 @@ from text_assets import CHATML_SPECIAL, CORPUS, train_tokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import qinfer
-from qinfer.detokenizer import IncrementalDetokenizer
+from qinfer.text.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -28,11 +28,11 @@ from qinfer.attention.paged import SPLIT_KEYS, PagedAttention, PagedStep, split_
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
-from qinfer.engine.runner import ModelRunner
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import RequestError
 from qinfer.kv_cache import position_mask
 from qinfer.runtime.kv_pool import KVPool
+from qinfer.runtime.runner import ModelRunner
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 

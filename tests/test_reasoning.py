@@ -10,8 +10,8 @@ import random
 import pytest
 from text_assets import QWEN3_CHAT_TEMPLATE
 
-from qinfer.chat_template import render_chat_template
-from qinfer.reasoning import ReasoningStream, prompt_opened_think, split_reasoning
+from qinfer.text.chat_template import render_chat_template
+from qinfer.text.reasoning import ReasoningStream, prompt_opened_think, split_reasoning
 
 MODEL_OPENS_THINK = [
     "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello! How can I help?",

@@ -4,8 +4,8 @@ import pytest
 from checkpoints import build_tokenizer
 
 from qinfer import SamplingParams, load_tokenizer
-from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.stopping import accept_token
+from qinfer.text.detokenizer import IncrementalDetokenizer
 
 EOS = frozenset({7})
 

@@ -26,8 +26,8 @@ from qinfer import LLM, SamplingParams, generate
 from qinfer.cli import main
 from qinfer.errors import QinferError, SamplingError
 from qinfer.grammar import GrammarProcessor, strict_schema
-from qinfer.prompts import eos_token_ids
-from qinfer.reasoning import ANSWER, MAY_THINK, THINKING, prompt_thinking
+from qinfer.text.prompts import eos_token_ids
+from qinfer.text.reasoning import ANSWER, MAY_THINK, THINKING, prompt_thinking
 
 SAMPLES = 50  # per model and constraint (the issue asks for 50+)
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from qinfer.model import Transformer, load_model
     from qinfer.pooling import PoolingParams
     from qinfer.sampling import SamplingParams
-    from qinfer.tokenizer import Tokenizer, load_tokenizer
+    from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -35,11 +35,11 @@ _EXPORTS = {
     "PoolingParams": "qinfer.pooling",
     "QinferError": "qinfer.errors",
     "SamplingParams": "qinfer.sampling",
-    "Tokenizer": "qinfer.tokenizer",
+    "Tokenizer": "qinfer.text.tokenizer",
     "Transformer": "qinfer.model",
     "generate": "qinfer.generation",
     "load_model": "qinfer.model",
-    "load_tokenizer": "qinfer.tokenizer",
+    "load_tokenizer": "qinfer.text.tokenizer",
     "stream_generate": "qinfer.generation",
 }
 

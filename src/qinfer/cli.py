@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
     from qinfer.model import Transformer
     from qinfer.sampling import SamplingParams
     from qinfer.startup import LoadAnnouncer
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.text.tokenizer import Tokenizer
 
     #: One prompt in, its text deltas out (`.result` once read).
     Streamer = Callable[[Prompt, SamplingParams], TextStream | EngineTextStream]
@@ -85,7 +85,7 @@ def load_model_and_tokenizer(
     announced as `qinfer.startup` says."""
     path, announcer = start_loading(args)
     from qinfer.model import load_model
-    from qinfer.tokenizer import load_tokenizer
+    from qinfer.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     model = load_model(path, **load_arguments(args))
@@ -118,7 +118,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         return path, tokenizer, partial(stream_generate, model, tokenizer)
     path, announcer = start_loading(args)
     from qinfer.engine.llm import LLM
-    from qinfer.tokenizer import load_tokenizer
+    from qinfer.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     llm = LLM(
@@ -306,7 +306,7 @@ def run_chat(args: argparse.Namespace) -> int:
 def shown_answer(stream: TextStream, shown: str) -> str:
     """The answer part of a reply stopped midway (its reasoning dropped, as a finished
     reply's is) for a thinking model; the shown text for the others."""
-    from qinfer.reasoning import split_reasoning
+    from qinfer.text.reasoning import split_reasoning
 
     opened = stream.prompt_opened_think  # decided once, when the request was made
     return shown if opened is None else split_reasoning(shown, opened)[1]
@@ -389,7 +389,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     """Print the tokens and the next-token candidates; draw the head's attention to --out
     (the inspector page's heatmap)."""
     from qinfer.inspection import inspect_tokens
-    from qinfer.prompts import encode_prompt
+    from qinfer.text.prompts import encode_prompt
 
     if args.tensor_parallel_size != 1:
         raise QinferError(

@@ -8,7 +8,7 @@
 A prompt is a string (used as-is, or wrapped as one user message with `chat=True`), a
 list of token ids (used as-is), or a list of chat messages (always rendered with the
 tokenizer's chat template; template options such as Qwen3's `enable_thinking` pass
-through as keyword arguments); see `qinfer.prompts`.
+through as keyword arguments); see `qinfer.text.prompts`.
 
 Each call runs its prompts through an `Engine` of its own over the model, with a KV pool
 sized for exactly these prompts and their max_tokens: the same scheduler, paged attention,
@@ -34,9 +34,9 @@ from qinfer.engine.outputs import GenerationResult, Timings
 from qinfer.engine.run import TextStream, run_to_end
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
-from qinfer.prompts import Prompt, encode_prompt, is_batch
 from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.prompts import Prompt, encode_prompt, is_batch
+from qinfer.text.tokenizer import Tokenizer
 
 __all__ = [
     "GenerationResult",

@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from qinfer.errors import SamplingError
-from qinfer.reasoning import ANSWER, MAY_THINK, THINK_CLOSE, THINK_OPEN, THINKING
 from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.reasoning import ANSWER, MAY_THINK, THINK_CLOSE, THINK_OPEN, THINKING
+from qinfer.text.tokenizer import Tokenizer
 
 #: The most whitespace characters a JSON output may put between two tokens.
 MAX_JSON_WHITESPACE = 2

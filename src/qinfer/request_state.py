@@ -19,9 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.errors import QinferError
-from qinfer.reasoning import THINKING, prompt_thinking
 from qinfer.sampling import (
     LogitBias,
     LogitsProcessor,
@@ -31,7 +29,9 @@ from qinfer.sampling import (
     sample,
 )
 from qinfer.stopping import accept_token
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.detokenizer import IncrementalDetokenizer
+from qinfer.text.reasoning import THINKING, prompt_thinking
+from qinfer.text.tokenizer import Tokenizer
 
 
 class RequestState:

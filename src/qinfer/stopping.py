@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qinfer.detokenizer import IncrementalDetokenizer
 from qinfer.sampling import SamplingParams
+from qinfer.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 the offline `LLM` API and the `AsyncEngine` the server runs on.
 
 sequence.py (one request's tokens and blocks) -> block_manager.py (who owns which block,
-prefix caching) -> scheduler.py (who runs next) -> runner.py (one step through the model:
-a `ForwardBatch` over the paged attention backend) -> engine.py (sampling, stopping, outputs) -> llm.py / async_engine.py.
+prefix caching) -> scheduler.py (who runs next) -> `qinfer.runtime.runner` (one step through
+the model: a `ForwardBatch` over the paged attention backend) -> engine.py (sampling,
+stopping, outputs) -> llm.py / async_engine.py.
 """
 
 from qinfer.engine.async_engine import AsyncEngine

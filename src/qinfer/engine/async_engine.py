@@ -37,9 +37,9 @@ from qinfer.engine.stats import EngineStats
 from qinfer.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingParams
-from qinfer.prompts import Prompt
 from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.prompts import Prompt
+from qinfer.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -24,18 +24,18 @@ from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_o
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
-from qinfer.engine.runner import ModelRunner
 from qinfer.engine.scheduler import Scheduler
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
-from qinfer.prompts import Prompt, encode_prompt
-from qinfer.prompts import eos_token_ids as model_eos_ids
 from qinfer.request_state import RequestState, sample_next
+from qinfer.runtime.runner import ModelRunner
 from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer, load_tokenizer
+from qinfer.text.prompts import Prompt, encode_prompt
+from qinfer.text.prompts import eos_token_ids as model_eos_ids
+from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 
 class Request:

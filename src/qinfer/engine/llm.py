@@ -21,9 +21,9 @@ from qinfer.engine.run import TextStream, run_requests
 from qinfer.errors import RequestError
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingMethod, PoolingParams
-from qinfer.prompts import Prompt, is_batch
 from qinfer.sampling import SamplingParams
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.prompts import Prompt, is_batch
+from qinfer.text.tokenizer import Tokenizer
 
 
 class LLM:

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from qinfer.engine.engine import Engine, Request
 from qinfer.engine.outputs import GenerationResult, RequestOutput, Timings
 from qinfer.errors import QinferError
-from qinfer.reasoning import split_reasoning
+from qinfer.text.reasoning import split_reasoning
 
 
 def run_requests(engine: Engine, requests: Sequence[Request]) -> Iterator[RequestOutput]:

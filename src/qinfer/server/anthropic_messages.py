@@ -35,7 +35,7 @@ from qinfer.server.anthropic_messages_request import ConversationRequest, Messag
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
-from qinfer.tool_calls import check_tool_schemas
+from qinfer.text.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -36,11 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from qinfer.chat_defaults import chat_sampling_params
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
-from qinfer.fill_in_middle import fim_tokens
 from qinfer.inspection import inspect_tokens
 from qinfer.pooling import PoolingParams
-from qinfer.prompts import encode_prompt
-from qinfer.reasoning import splits_reasoning
 from qinfer.sampling import SamplingParams, checkpoint_sampling
 from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
 from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
@@ -66,8 +63,11 @@ from qinfer.server.protocol import (
 from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.startup import LoadAnnouncer, display_name
-from qinfer.tokenizer import Tokenizer, load_tokenizer
-from qinfer.tool_calls import (
+from qinfer.text.fill_in_middle import fim_tokens
+from qinfer.text.prompts import encode_prompt
+from qinfer.text.reasoning import splits_reasoning
+from qinfer.text.tokenizer import Tokenizer, load_tokenizer
+from qinfer.text.tool_calls import (
     ToolUse,
     check_tool_schemas,
     tool_call_format,

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from qinfer.reasoning import ReasoningStream
 from qinfer.sampling import SamplingParams
 from qinfer.server.metrics import RequestTimer, ServerMetrics
-from qinfer.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
+from qinfer.text.reasoning import ReasoningStream
+from qinfer.text.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
     from qinfer.engine import AsyncEngine, RequestOutput, TokenLogprob

@@ -16,9 +16,9 @@ from pydantic import Field
 
 from qinfer.config import ModelConfig
 from qinfer.inspection import Inspection, TopTokens
-from qinfer.prompts import encode_prompt
 from qinfer.server.protocol import ChatMessage, StrictModel
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.prompts import encode_prompt
+from qinfer.text.tokenizer import Tokenizer
 
 #: Digits kept of each probability and weight: enough to sum to 1 within 1e-5, and a
 #: third of the bytes of a full float.

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.reasoning import THINK_CLOSE
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError
@@ -44,8 +43,9 @@ from qinfer.server.openai_responses_request import (
     template_messages,
 )
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
-from qinfer.tokenizer import Tokenizer
-from qinfer.tool_calls import check_tool_schemas
+from qinfer.text.reasoning import THINK_CLOSE
+from qinfer.text.tokenizer import Tokenizer
+from qinfer.text.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
     from starlette.requests import Request

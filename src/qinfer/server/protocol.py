@@ -27,8 +27,8 @@ from pydantic import (
 )
 
 from qinfer.grammar import lenient_schema
-from qinfer.prompts import Prompt
 from qinfer.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS
+from qinfer.text.prompts import Prompt
 
 log = logging.getLogger("qinfer.server")
 
@@ -483,7 +483,7 @@ class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`: one prompt, or a batch of them (one choice group each).
 
     echo: each choice's text starts with its prompt's. suffix: the text after the
-    completion (fill in the middle, for models with FIM tokens; see `qinfer.fill_in_middle`).
+    completion (fill in the middle, for models with FIM tokens; see `qinfer.text.fill_in_middle`).
     The prompt's own logprobs (`echo` with `logprobs`, `max_tokens: 0`) are not computed yet.
     """
 

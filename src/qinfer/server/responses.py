@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import error_from_exception
 from qinfer.server.streaming import DONE_EVENT, sse_event
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from qinfer.engine import TokenLogprob

@@ -1,5 +1,5 @@
 """The tokenizer a GGUF file describes in its `tokenizer.*` metadata: a `tokenizers` pipeline
-and the settings around it, which `qinfer.tokenizer.load_tokenizer` wraps in its Tokenizer.
+and the settings around it, which `qinfer.text.tokenizer.load_tokenizer` wraps in its Tokenizer.
 
 A GGUF carries no `tokenizer.json`; llama.cpp stores the pieces instead:
 
@@ -67,7 +67,7 @@ IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 @dataclass(frozen=True)
 class GGUFTokenizer:
     """What a `.gguf` file says about its tokenizer, as the arguments of
-    `qinfer.tokenizer.Tokenizer`.
+    `qinfer.text.tokenizer.Tokenizer`.
 
     eos_token_ids: the end-of-turn ids (`eot`, `eom`); the Tokenizer adds eos_token's id.
     """

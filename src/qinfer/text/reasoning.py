@@ -17,7 +17,7 @@ always agree.
 
 from __future__ import annotations
 
-from qinfer.detokenizer import partial_match_length
+from qinfer.text.detokenizer import partial_match_length
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

@@ -26,9 +26,9 @@ from typing import Any
 
 import tokenizers
 
-from qinfer.chat_template import render_chat_template
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import TokenizerError
+from qinfer.text.chat_template import render_chat_template
 
 # The special tokens transformers passes to chat templates by name.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")

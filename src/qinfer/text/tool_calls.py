@@ -49,10 +49,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qinfer.detokenizer import partial_match_length
 from qinfer.errors import RequestError
 from qinfer.grammar import JSON_WHITESPACE, json_schema_problem, lenient_schema, strict_schema
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.detokenizer import partial_match_length
+from qinfer.text.tokenizer import Tokenizer
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

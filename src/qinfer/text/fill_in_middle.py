@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

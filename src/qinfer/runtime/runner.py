@@ -20,11 +20,11 @@ from qinfer.attention.paged import PagedAttention, PagedStep
 from qinfer.distributed import TensorParallelGroup
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from qinfer.engine.sequence import Sequence
-from qinfer.engine.step_channel import StepChannel, StepInputs
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
 from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.runtime.kv_pool import KVPool
+from qinfer.runtime.step_channel import StepChannel, StepInputs
 
 
 def kv_heads(model: Transformer) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qinfer.tokenizer import Tokenizer
+    from qinfer.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
-from qinfer.tokenizer import Tokenizer
+from qinfer.text.tokenizer import Tokenizer
 
 Messages = Sequence[Mapping[str, object]]
 Prompt = str | Sequence[int] | Messages

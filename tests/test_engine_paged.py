@@ -151,8 +151,9 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
                 seq.num_computed_tokens = 8
             while len(seq.block_table) * BLOCK < seq.num_computed_tokens + n:
                 seq.block_table.append(next(free))
-        logits = runner.run([seqs[b] for b, _ in step], [n for _, n in step]).logits
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
+        num_logits = [int(b in done) for b, _ in step]
+        logits = runner.run([seqs[b] for b, _ in step], [n for _, n in step], num_logits).logits
         assert logits.shape == (len(done), model.config.vocab_size)
         for b, n in step:
             seqs[b].num_computed_tokens += n

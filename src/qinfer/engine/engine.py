@@ -241,7 +241,11 @@ class Engine:
         ]
         # logits (R, V): one row per sampling sequence whose pending tokens are now all
         # computed, in order; hidden: the rows each pooling sequence asked for
-        result = self.runner.run(scheduled.seqs, scheduled.num_new, hidden_rows)
+        num_logits = [
+            int(pooling is None and n == seq.num_uncomputed_tokens)
+            for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
+        ]
+        result = self.runner.run(scheduled.seqs, scheduled.num_new, num_logits, hidden_rows)
         done, outputs = [], []
         for seq, n, pooling, rows in zip(
             scheduled.seqs, scheduled.num_new, poolings, result.hidden, strict=True

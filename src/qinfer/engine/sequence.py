@@ -18,6 +18,10 @@ class Sequence:
     blocks of `block_table`); the rest still have to run through the model. A decoding
     sequence has exactly one uncomputed token, the one it sampled last; a preempted one
     has none computed and prefills prompt and output again.
+
+    `proposed` holds the tokens a speculative proposer guessed to follow (never part of
+    `token_ids`): a step runs them after the uncomputed ones, and the verification keeps
+    those the model agrees with (`qinfer.speculative`).
     """
 
     def __init__(
@@ -33,6 +37,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.proposed: list[int] = []  # guessed next tokens, to verify in the next step
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +46,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the next step would run: the uncomputed ones and the proposed ones."""
+        return self.num_uncomputed_tokens + len(self.proposed)
+
+    def new_tokens(self, n: int) -> list[int]:
+        """The next n tokens to run: uncomputed ones first, then proposed ones."""
+        start = self.num_computed_tokens
+        pending = self.token_ids[start : start + n]
+        return pending + self.proposed[: n - len(pending)]
 
     @property
     def is_finished(self) -> bool:

@@ -2,7 +2,8 @@
 
 A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
 attending through the paged backend (`qinfer.attention.paged`) over this runner's pool;
-logits are computed only at the last token of each sequence that samples.
+logits are computed only at the rows that ask for them: the last token of each sequence
+that samples, the last 1 + k of one that verifies k proposed tokens.
 
 Under tensor parallelism every rank has a runner with a pool of the same number of blocks
 holding its own KV heads; rank 0's `run` broadcasts each step (`StepChannel`) before
@@ -84,7 +85,7 @@ def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
 class StepOutput:
     """What one step hands back on rank 0.
 
-    logits: fp32 (R, V), one row per sequence that samples after this step, in order;
+    logits: fp32 (R, V), the rows the step asked for (`num_logits`), sequence by sequence;
     hidden: per sequence, None, or the final-normed fp32 rows (k, hidden) of its new
     tokens that a pooling request asked for (`hidden_rows`).
     """
@@ -128,32 +129,29 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         num_new: list[int],
+        num_logits: list[int],
         hidden_rows: list[list[int] | None] | None = None,
     ) -> StepOutput:
-        """Run the next num_new[b] tokens of each sequence (their blocks already allocated)
-        through the model in one forward.
+        """Run num_new[b] new tokens of each sequence (their blocks already allocated)
+        through the model in one forward: its uncomputed tokens, then its proposed ones
+        (`Sequence.proposed`).
 
-        hidden_rows[b]: None for a sequence that samples; for a pooling one, the rows
-        (0 .. num_new[b] - 1) of its new tokens whose final-normed hidden states it needs
-        (no logits then). The logits are those after the last new token of each sampling
-        sequence that reaches its end with them (num_new[b] == seq.num_uncomputed_tokens),
-        in the order of seqs; a prompt chunk that leaves more of its prompt for later steps
-        gets none. Pooling is rank 0's alone (the hidden states are whole on every rank):
-        the workers see a pooling sequence as one that wants no logits. Token ids are
-        not checked here: the engine checked every prompt when it came in, and sampled ids
-        come from the logits, inside the vocabulary. Under tensor parallelism a rank that
+        num_logits[b]: how many of those new tokens, counted from the last, produce logits
+        (0: a prompt chunk that leaves more of its prompt for later steps, or a pooling
+        sequence). hidden_rows[b]: None, or for a pooling sequence the rows (0 .. num_new[b]
+        - 1) of its new tokens whose final-normed hidden states it needs. Pooling is rank
+        0's alone (the hidden states are whole on every rank). Token ids are not checked
+        here: the engine checked every prompt when it came in, sampled ids come from the
+        logits, and proposed ids from the vocabulary. Under tensor parallelism a rank that
         died or a collective that failed raises a `TensorParallelError` naming it.
         """
         hidden_rows = hidden_rows or [None] * len(seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
         step = StepInputs(
-            [seq.token_ids[i : i + n] for seq, i, n in zip(seqs, starts, num_new, strict=True)],
+            [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
             starts,
             [seq.block_table for seq in seqs],
-            [
-                rows is None and n == seq.num_uncomputed_tokens
-                for seq, n, rows in zip(seqs, num_new, hidden_rows, strict=True)
-            ],
+            list(num_logits),
         )
         if self.group is None:
             return self.forward(step, hidden_rows)
@@ -166,8 +164,8 @@ class ModelRunner:
     def forward(
         self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
     ) -> StepOutput:
-        """One step through the model over this rank's pool: the logits (R, V) of the
-        sampling rows and, on rank 0, the pooling rows' final-normed hidden states."""
+        """One step through the model over this rank's pool: the logits (R, V) of the rows
+        the step asked for and, on rank 0, the pooling rows' final-normed hidden states."""
         batch = self.forward_batch(step)
         hidden = self.model.forward(batch)  # (T, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
@@ -183,7 +181,7 @@ class ModelRunner:
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
-        positions, over this runner's pool; logits after each sequence that wants them."""
+        positions, over this runner's pool; logits at the last num_logits[b] rows of each."""
         num_new = [len(ids) for ids in step.new_tokens]
         starts = [0]
         for n in num_new:
@@ -194,7 +192,9 @@ class ModelRunner:
             for p in range(computed, computed + n)
         ]
         wanted = [
-            end - 1 for end, wants in zip(starts[1:], step.wants_logits, strict=True) if wants
+            row
+            for end, count in zip(starts[1:], step.num_logits, strict=True)
+            for row in range(end - count, end)
         ]
         device = self.model.device
         paged = PagedStep(num_new, step.num_computed, step.block_tables, self.block_size, device)

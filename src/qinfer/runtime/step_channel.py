@@ -9,7 +9,7 @@ CPU `control` group:
 
     header  (3,) int64: [S sequences, T new tokens, E block-table entries]; S = 0: stop
     payload (4 S + T + E,) int64: new-token counts (S) | computed counts (S) |
-            block-table lengths (S) | wants-logits flags (S) | new tokens (T) | tables (E)
+            block-table lengths (S) | logits rows (S) | new tokens (T) | tables (E)
 
 A decode step of 32 sequences with 8-block tables is 32 * 13 = 416 numbers (3.3 KB).
 """
@@ -26,13 +26,16 @@ from qinfer.distributed import TensorParallelGroup
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One engine step, as `StepLayout` takes it: per sequence b, new_tokens[b] (ids to run
-    now), num_computed[b] (tokens already in the pool), block_tables[b], wants_logits[b]."""
+    """One engine step: per sequence b, new_tokens[b] (ids to run now), num_computed[b]
+    (tokens already in the pool), block_tables[b], and num_logits[b]: how many of its last
+    new tokens produce logits (0 for a prompt chunk that leaves more for later steps; 1 to
+    sample the next token; 1 + k to verify k proposed tokens; all of them for a prompt's
+    logprobs)."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
     block_tables: list[list[int]]
-    wants_logits: list[bool]
+    num_logits: list[int]
 
 
 class StepChannel:
@@ -47,7 +50,7 @@ class StepChannel:
         tables = [b for table in step.block_tables for b in table]
         self._broadcast(torch.tensor([len(step.new_tokens), len(tokens), len(tables)]))
         payload = [len(ids) for ids in step.new_tokens] + list(step.num_computed)
-        payload += [len(table) for table in step.block_tables] + [int(w) for w in step.wants_logits]
+        payload += [len(table) for table in step.block_tables] + list(step.num_logits)
         self._broadcast(torch.tensor(payload + tokens + tables, dtype=torch.long))
 
     def stop(self) -> None:
@@ -62,12 +65,12 @@ class StepChannel:
             return None
         payload = self._broadcast(torch.empty(4 * S + T + E, dtype=torch.long)).tolist()
         lengths, computed = payload[:S], payload[S : 2 * S]
-        table_lengths, wants = payload[2 * S : 3 * S], payload[3 * S : 4 * S]
+        table_lengths, num_logits = payload[2 * S : 3 * S], payload[3 * S : 4 * S]
         return StepInputs(
             _split(payload[4 * S : 4 * S + T], lengths),
             computed,
             _split(payload[4 * S + T :], table_lengths),
-            [bool(w) for w in wants],
+            num_logits,
         )
 
     def min(self, value: int) -> int:

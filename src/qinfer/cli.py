@@ -35,9 +35,11 @@ from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS, chat_sampli
 from qinfer.cli_args import (
     add_model_arguments,
     add_sampling_arguments,
+    add_speculative_arguments,
     bounded,
     check_device,
     load_arguments,
+    speculative_arguments,
 )
 from qinfer.errors import QinferError
 from qinfer.server.command import add_serve_arguments, run_serve
@@ -107,9 +109,11 @@ def start_loading(args: argparse.Namespace) -> tuple[Path, LoadAnnouncer]:
 
 def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     """(path, tokenizer, stream) for the model flags: at --tensor-parallel-size 1 the plain
-    generator over a loaded model (`stream_generate`); above, a batching engine whose rank
-    0 this process is (`LLM.stream`), its workers following each step."""
-    if args.tensor_parallel_size == 1:
+    generator over a loaded model (`stream_generate`); above, or with speculative decoding
+    (whose draft model loads once), a batching engine whose rank 0 this process is
+    (`LLM.stream`), its workers following each step."""
+    speculative = speculative_arguments(args)
+    if args.tensor_parallel_size == 1 and speculative is None:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
@@ -122,7 +126,11 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
 
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
     llm = LLM(
-        path, tokenizer, tensor_parallel_size=args.tensor_parallel_size, **load_arguments(args)
+        path,
+        tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative=speculative,
+        **load_arguments(args),
     )
     announcer.finished(llm.engine.runner.model)
     return path, tokenizer, llm.stream
@@ -179,6 +187,7 @@ def print_stats(result: GenerationResult) -> None:
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_speculative_arguments(parser)
     add_sampling_arguments(parser, chat=False)
     parser.add_argument(
         "--no-chat",
@@ -234,6 +243,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_speculative_arguments(parser)
     add_sampling_arguments(parser, chat=True)
 
 
@@ -317,6 +327,7 @@ def shown_answer(stream: TextStream, shown: str) -> str:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_speculative_arguments(parser)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill length")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")

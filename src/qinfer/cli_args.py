@@ -163,3 +163,56 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, chat: bool) -> No
         "--seed", type=bounded(int, 0), default=None, help="make sampling reproducible"
     )
     parser.add_argument("--system", default=None, help="a system message for the chat template")
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (`qinfer.speculative`); none given: off."""
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="propose tokens for the model to verify: ngram (prompt lookup: copy what "
+        "followed the last tokens earlier on) or draft (a draft model; default with "
+        "--speculative-model)",
+    )
+    group.add_argument(
+        "--speculative-model",
+        default=None,
+        metavar="PATH",
+        help="the draft model's checkpoint (same vocabulary; the target's own GGUF drafts "
+        "for a float32 or bfloat16 target)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=bounded(int, 1),
+        default=None,
+        metavar="K",
+        help="tokens proposed per step at most (default: 4)",
+    )
+
+
+def speculative_arguments(args: argparse.Namespace) -> dict | None:
+    """The engine's `speculative` settings from the flags of `add_speculative_arguments`,
+    or None when speculation is off; a flag that needs another names it."""
+    from qinfer.errors import QinferError
+
+    method = args.speculative_method
+    if method is None and args.speculative_model is not None:
+        method = "draft"
+    if method is None:
+        if args.num_speculative_tokens is not None:
+            raise QinferError(
+                "--num-speculative-tokens needs --speculative-method (ngram or draft)"
+            )
+        return None
+    if method == "draft" and args.speculative_model is None:
+        raise QinferError("--speculative-method draft needs --speculative-model")
+    if method == "ngram" and args.speculative_model is not None:
+        raise QinferError("--speculative-model needs --speculative-method draft")
+    settings: dict = {"method": method}
+    if args.speculative_model is not None:
+        settings["model"] = args.speculative_model
+    if args.num_speculative_tokens is not None:
+        settings["num_speculative_tokens"] = args.num_speculative_tokens
+    return settings

@@ -158,9 +158,14 @@ class RequestState:
         self.logits_processors = []
 
 
-def sample_next(logits: torch.Tensor, states: Sequence[RequestState]) -> SampleResult:
+def sample_next(
+    logits: torch.Tensor,
+    states: Sequence[RequestState],
+    proposed: Sequence[int | None] | None = None,
+) -> SampleResult:
     """One token for each state from its row of logits (R, V), with its own params,
-    history, generator and processors."""
+    history, generator and processors; proposed[r] (speculative decoding) is kept exactly
+    as often as the state's distribution would pick it (`qinfer.sampling.sample`)."""
     return sample(
         logits,
         [s.params for s in states],
@@ -168,4 +173,5 @@ def sample_next(logits: torch.Tensor, states: Sequence[RequestState]) -> SampleR
         [s.generator for s in states],
         prompt_lens=[s.num_prompt_tokens for s in states],
         logits_processors=[s.logits_processors for s in states],
+        proposed=proposed,
     )

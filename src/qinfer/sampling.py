@@ -18,6 +18,13 @@ reference the tests check against:
    whichever rows share their batch). Rows with a top_k do all of this on their k best
    candidates only, never touching the rest of the vocabulary.
 
+A row may come with a *proposed* token (speculative decoding, `qinfer.speculative`): a
+guess of a proposer that put all its probability on it. The row then keeps the exact
+distribution of step 3 by rejection sampling (Leviathan et al. 2023, Chen et al. 2023,
+with a point-mass proposal): the proposal is accepted with probability p(proposal), else
+the token is drawn from p with the proposal removed (the residual distribution), so
+P(x) = p(x) for every x. A greedy row accepts the proposal when it is the argmax.
+
 Log-probabilities returned are those of the model's distribution after the penalties and
 before temperature and truncation: `log_softmax(penalised logits)`. They say how likely
 the model found each token, whatever the sampling settings, and are never -inf for the
@@ -346,6 +353,7 @@ def sample(
     generators: Sequence[torch.Generator | None],
     prompt_lens: Sequence[int] | None = None,
     logits_processors: Sequence[Sequence[LogitsProcessor]] | None = None,
+    proposed: Sequence[int | None] | None = None,
 ) -> SampleResult:
     """Choose one token per row.
 
@@ -356,6 +364,8 @@ def sample(
     prompt_lens: how many leading ids of each history are prompt; presence and frequency
     penalties count only the ids after them. None: the whole history counts as generated.
     logits_processors: B sequences (maybe empty) of the processors of each row, or None.
+    proposed: B proposed ids (None: the row has none), or None; a row keeps its proposal
+    exactly when the result names it (see the module docstring).
     """
     if logits.dim() != 2:
         raise SamplingError(f"sample expects logits of shape (B, V), got {tuple(logits.shape)}")
@@ -383,7 +393,10 @@ def sample(
         if rows:
             index = torch.tensor(rows, device=logits.device)
             token_ids[index] = _sample_rows(
-                logits[index], [params[b] for b in rows], [generators[b] for b in rows]
+                logits[index],
+                [params[b] for b in rows],
+                [generators[b] for b in rows],
+                None if proposed is None else [proposed[b] for b in rows],
             )
 
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # (B,)
@@ -394,12 +407,55 @@ def _sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    proposed: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
-    """Draw one token id per row of logits (R, V) from its processed distribution -> (R,)."""
+    """Draw one token id per row of logits (R, V) from its processed distribution -> (R,),
+    keeping each row's proposed id by rejection sampling where it has one."""
     probs, candidates = sampling_distribution(logits, params)  # (R, K)
     widths = [min(p.top_k or probs.shape[-1], probs.shape[-1]) for p in params]
+    accepted = {}
+    if proposed is not None and any(d is not None for d in proposed):
+        accepted = _accept_proposals(probs, candidates, proposed, generators)
     picked = _draw(probs, generators, widths)  # (R,) column in K
+    for row, column in accepted.items():
+        picked[row] = column
     return picked if candidates is None else candidates.gather(1, picked[:, None])[:, 0]
+
+
+def _accept_proposals(
+    probs: torch.Tensor,
+    candidates: torch.Tensor | None,
+    proposed: Sequence[int | None],
+    generators: Sequence[torch.Generator | None],
+) -> dict[int, int]:
+    """Rejection sampling of point-mass proposals: row r keeps its proposal d with
+    probability probs[r, d]; a rejected row gets probs[r, d] = 0 in place, so that the
+    draw that follows is from the residual distribution.
+
+    probs: (R, K) each row's distribution over its K candidates (candidates (R, K) ids, or
+    None: column i is token i). Returns {row: column of its proposal} for the rows that
+    keep it. Each such row draws one uniform from its own generator first (seeded rows
+    reproduce).
+    """
+    rows = [r for r, d in enumerate(proposed) if d is not None]
+    ids = torch.tensor([proposed[r] for r in rows], device=probs.device)  # (P,)
+    index = torch.tensor(rows, device=probs.device)
+    if candidates is None:
+        columns = ids
+        present = torch.ones_like(ids, dtype=torch.bool)
+    else:  # the proposal's column among the row's candidates, if it is one of them
+        match = candidates[index] == ids[:, None]  # (P, K)
+        present, columns = match.any(dim=1), match.int().argmax(dim=1)
+    p = torch.where(present, probs[index, columns], 0.0).tolist()
+    columns = columns.tolist()
+    accepted = {}
+    for i, row in enumerate(rows):
+        uniform = torch.rand(1, generator=generators[row], device=probs.device).item()
+        if uniform < p[i]:
+            accepted[row] = columns[i]
+        elif p[i] > 0.0:
+            probs[row, columns[i]] = 0.0
+    return accepted
 
 
 def sampling_distribution(

@@ -175,3 +175,5 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        seq.num_draft_computed = 0  # the draft's K/V sat in the same blocks
+        seq.proposed = []

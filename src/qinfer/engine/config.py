@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from qinfer.errors import QinferError
+from qinfer.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class EngineConfig:
     max_model_len: longest sequence (prompt + output); default the model's context.
     enable_prefix_caching: reuse the K/V of full blocks shared by several prompts.
     max_waiting_requests: requests allowed to wait; more are refused as overloaded.
+    speculative: speculative decoding (`qinfer.speculative.SpeculativeConfig`, or a mapping
+        of its settings); None: off.
     """
 
     block_size: int = 16
@@ -32,8 +35,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        # a mapping of settings (`LLM(..., speculative={...})`) becomes its config
+        object.__setattr__(self, "speculative", SpeculativeConfig.create(self.speculative))
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"]
         positive += ["kv_cache_memory", "num_kv_blocks", "max_model_len"]
         for name in positive:

@@ -14,10 +14,13 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 import weakref
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from qinfer.checkpoint import resolve_model
 from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
@@ -33,6 +36,7 @@ from qinfer.pooling import PoolingParams, PoolingState
 from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.runner import ModelRunner
 from qinfer.sampling import SamplingParams
+from qinfer.speculative.speculator import Speculator
 from qinfer.text.prompts import Prompt, encode_prompt
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
@@ -121,6 +125,11 @@ class Engine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
+        self.speculator = None
+        if self.config.speculative is not None:
+            self.speculator = Speculator(
+                self.config.speculative, model, self.runner.num_blocks, self.config.block_size
+            )
         context = model.config.max_position_embeddings
         self.context_len = min(self.config.max_model_len or context, context)
         # The longest sequence: within the context, and its K/V (all but the last token,
@@ -230,6 +239,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch through the model; outputs of the requests that moved or finished."""
+        if self.speculator is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         self._counts["preempted"] += scheduled.num_preempted
         if not scheduled.seqs:
@@ -239,10 +250,11 @@ class Engine:
             None if pooling is None else pooling.rows(seq.num_computed_tokens, n)
             for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
         ]
-        # logits (R, V): one row per sampling sequence whose pending tokens are now all
-        # computed, in order; hidden: the rows each pooling sequence asked for
+        # Logits rows: for a sampling sequence whose tokens are all computed after this
+        # step, its last one and each proposed one; none for a prompt chunk with more to
+        # come or for a pooling sequence (its hidden rows instead).
         num_logits = [
-            int(pooling is None and n == seq.num_uncomputed_tokens)
+            1 + len(seq.proposed) if pooling is None and n == seq.num_scheduled_tokens else 0
             for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
         ]
         result = self.runner.run(scheduled.seqs, scheduled.num_new, num_logits, hidden_rows)
@@ -254,7 +266,7 @@ class Engine:
                 pooling.add(seq.num_computed_tokens, rows)
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.proposed)  # a proposal counts once kept
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
                 if pooling is None:
@@ -264,14 +276,62 @@ class Engine:
         if not done:
             return outputs
         requests = [self.requests[seq.request_id] for seq in done]
-        result = sample_next(result.logits, [r.state for r in requests])
-        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        for i, request in enumerate(requests):
-            self._accept(request, token_ids[i], logprobs[i], result.top_logprobs[i])
-            outputs.append(request.output())
-        self._throughput.add(len(requests))
-        self._counts["generated"] += len(requests)
+        generated = self._sample(requests, result.logits)
+        outputs += [request.output() for request in requests]
+        self._throughput.add(generated)
+        self._counts["generated"] += generated
         return outputs
+
+    def _propose(self) -> None:
+        """Let the speculator guess the next tokens of every decoding sequence (one
+        uncomputed token), each within what its request may still generate."""
+        decoding = []
+        for seq in self.scheduler.running:
+            request = self.requests[seq.request_id]
+            if request.pooling is None and seq.num_uncomputed_tokens == 1:
+                state = request.state
+                decoding.append((seq, state.max_tokens - state.num_generated_tokens))
+        self.speculator.propose(decoding, self.block_manager)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> int:
+        """Sample the next token of each request from its rows of logits (R, V): one row,
+        or 1 + k for a sequence that ran k proposed tokens. Row j of those gives the
+        distribution after the j-th proposal: its sample is accepted, and while it equals
+        that proposal (exact rejection sampling for sampled rows) the next row is sampled
+        too. Returns the number of tokens accepted."""
+        proposals = [request.seq.proposed for request in requests]
+        firsts, row = [], 0
+        for proposed in proposals:
+            firsts.append(row)
+            row += 1 + len(proposed)
+        kept = [0] * len(requests)
+        active, j = list(range(len(requests))), 0
+        while active:
+            guesses = [proposals[i][j] if j < len(proposals[i]) else None for i in active]
+            index = torch.tensor([firsts[i] + j for i in active], device=logits.device)
+            result = sample_next(
+                logits[index],
+                [requests[i].state for i in active],
+                guesses if any(g is not None for g in guesses) else None,
+            )
+            token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+            still = []
+            for r, i in enumerate(active):
+                request = requests[i]
+                self._accept(request, token_ids[r], logprobs[r], result.top_logprobs[r])
+                if token_ids[r] == guesses[r] and not request.state.finished:
+                    request.seq.num_computed_tokens += 1  # the proposal's K/V is its own
+                    kept[i] += 1
+                    still.append(i)
+            active, j = still, j + 1
+        for request, proposed, n in zip(requests, proposals, kept, strict=True):
+            if proposed:
+                seq = request.seq
+                if not seq.is_finished:
+                    seq.proposed = []
+                    self.block_manager.register_computed(seq)
+                self.speculator.verified(seq, len(proposed), n)
+        return len(requests) + sum(kept)
 
     def _pooled(self, request: Request) -> RequestOutput:
         """Finish a pooling request whose prompt has run: its vector, its last output."""
@@ -290,6 +350,8 @@ class Engine:
             self._finish(request, "stop" if state.finish_reason == "eos" else state.finish_reason)
 
     def _finish(self, request: Request, reason: str) -> None:
+        if self.speculator is not None:
+            self.speculator.finished(request.seq.request_id)
         request.finish_reason = reason
         request.state.finish(reason)  # releases its processors (a grammar's matcher)
         self.scheduler.finish(request.seq)
@@ -352,7 +414,8 @@ def build_engine(
     default_params = SamplingParams.from_generation_config(path)
     if tensor_parallel_size == 1:
         return Engine(load_model(path, **load_args), tokenizer, config, default_params)
-    worker = partial(follow_engine, path, load_args, config)
+    # The workers run the target's steps only: a draft model is rank 0's.
+    worker = partial(follow_engine, path, load_args, dataclasses.replace(config, speculative=None))
     group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
     return Engine(model, tokenizer, config, default_params, group)

@@ -1,7 +1,8 @@
 """Who runs next: continuous batching over a waiting queue and a running list.
 
 Each step first serves the running sequences, oldest first: one token for a decoding
-sequence, the next chunk of its prompt for one still prefilling. When the pool has no
+sequence (and the tokens proposed after it, with speculative decoding), the next chunk
+of its prompt for one still prefilling. When the pool has no
 block left for a running sequence, the newest running sequence is preempted: its blocks
 are freed (their full blocks stay in the prefix cache) and it goes back to the front of
 the waiting queue, to be recomputed later. Then waiting sequences are admitted, oldest
@@ -61,7 +62,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._fit_proposals(seq, budget)
             while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
                 step.num_preempted += 1
@@ -96,6 +97,17 @@ class Scheduler:
             step.add(seq, n)
             budget -= n
         return step
+
+    def _fit_proposals(self, seq: Sequence, budget: int) -> int:
+        """The tokens a running sequence runs this step: its uncomputed ones, then its
+        proposed ones (speculative decoding) as far as the token budget and the free
+        blocks allow: proposals are dropped rather than preempting anyone."""
+        n = min(seq.num_scheduled_tokens, budget)
+        kept = max(0, n - seq.num_uncomputed_tokens)
+        if kept and not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+            n, kept = n - kept, 0
+        del seq.proposed[kept:]
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -38,6 +38,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.proposed: list[int] = []  # guessed next tokens, to verify in the next step
+        self.num_draft_computed = 0  # leading tokens with K/V in a draft model's pool
 
     @property
     def num_tokens(self) -> int:

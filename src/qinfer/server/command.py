@@ -10,7 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.cli_args import add_model_arguments, bounded, check_device, load_arguments
+from qinfer.cli_args import (
+    add_model_arguments,
+    add_speculative_arguments,
+    bounded,
+    check_device,
+    load_arguments,
+    speculative_arguments,
+)
 from qinfer.errors import QinferError
 from qinfer.pooling import POOLING_METHODS, PoolingParams
 
@@ -54,6 +61,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_speculative_arguments(parser)
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
@@ -148,6 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine_args = {name: getattr(args, name) for _, name, _, _ in ENGINE_FLAGS}
     engine_args = {name: value for name, value in engine_args.items() if value is not None}
+    engine_args["speculative"] = speculative_arguments(args)
     serve(
         args.model,
         host=args.host,

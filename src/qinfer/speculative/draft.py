@@ -1,0 +1,93 @@
+"""A draft model: a smaller (or more quantized) model that guesses the target's next tokens.
+
+The draft keeps its own KV pool with as many blocks as the target's, and uses each
+sequence's block table as it is: the target's blocks hold the target's K/V at the same
+positions, so no second allocator is needed, and the blocks the scheduler grows for a
+verification already cover the positions the draft writes first.
+
+Proposing k tokens for a batch of sequences costs k draft forwards: the first catches each
+sequence up on the tokens its draft cache lacks (the whole prompt the first time, then
+the tokens accepted since, and the last sampled one) and guesses the first token; each
+next forward runs the previous guess. Guesses are greedy (a point mass, which the target's
+rejection sampling handles exactly). `Sequence.num_draft_computed` says how many leading
+tokens have their K/V in the draft's pool; freeing a sequence's blocks resets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from qinfer.engine.config import EngineConfig
+from qinfer.engine.sequence import Sequence
+from qinfer.errors import QinferError
+from qinfer.model import Transformer
+from qinfer.runtime.runner import ModelRunner
+from qinfer.runtime.step_channel import StepInputs
+
+
+class DraftModel:
+    """Greedy proposals from a draft model over the target's block tables.
+
+    target: the model it drafts for (vocabulary and device are checked against it);
+    num_blocks, block_size: the target pool's, so that block ids mean the same.
+    """
+
+    def __init__(
+        self, draft: Transformer, target: Transformer, num_blocks: int, block_size: int
+    ) -> None:
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise QinferError(
+                f"speculative model has a vocabulary of {draft.config.vocab_size} tokens, "
+                f"the target {target.config.vocab_size}: a draft must share the target's"
+            )
+        if draft.device != target.device:
+            raise QinferError(
+                f"speculative model is on {draft.device}, the target on {target.device}: "
+                "load the draft on the target's device"
+            )
+        self.model = draft
+        config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks)
+        self.runner = ModelRunner(draft, config)
+
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
+        """ks[b] greedy guesses for each sequence after its last token (its blocks cover
+        positions up to num_tokens + ks[b] - 2, the last the draft writes)."""
+        proposals: list[list[int]] = [[] for _ in seqs]
+        # First forward: each sequence's missing tokens, up to and with its last one.
+        live = list(range(len(seqs)))
+        step = StepInputs(
+            [seqs[b].token_ids[seqs[b].num_draft_computed :] for b in live],
+            [seqs[b].num_draft_computed for b in live],
+            [seqs[b].block_table for b in live],
+            [1] * len(live),
+        )
+        for round_ in range(max(ks, default=0)):
+            guesses = self._greedy(step)
+            for b, guess in zip(live, guesses, strict=True):
+                proposals[b].append(guess)
+            live = [b for b in live if len(proposals[b]) < ks[b]]
+            if not live:
+                break
+            # The next forward runs each live sequence's latest guess at its position.
+            step = StepInputs(
+                [[proposals[b][-1]] for b in live],
+                [seqs[b].num_tokens + round_ for b in live],
+                [seqs[b].block_table for b in live],
+                [1] * len(live),
+            )
+        for seq, guesses in zip(seqs, proposals, strict=True):
+            # Its K/V now holds every token and every guess but the last.
+            seq.num_draft_computed = seq.num_tokens + len(guesses) - 1
+        return proposals
+
+    def _greedy(self, step: StepInputs) -> list[int]:
+        logits = self.runner.forward(step).logits  # (R, V) fp32
+        return torch.argmax(logits, dim=-1).tolist()
+
+    @staticmethod
+    def verified(seq: Sequence) -> None:
+        """After a verification: the draft's K/V stays valid up to the tokens kept (a
+        kept guess is the token the draft ran at its position; a rejected one is not)."""
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)

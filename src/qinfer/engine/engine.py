@@ -30,9 +30,11 @@ from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
+from qinfer.prompt_logprobs import PromptLogprobs
 from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.runner import ModelRunner
 from qinfer.sampling import SamplingParams
+from qinfer.scoring import ScoreParams
 from qinfer.text.prompts import Prompt, encode_prompt
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
@@ -43,7 +45,10 @@ class Request:
     generator, text, stop rule, processors), its logprobs and what was already sent.
 
     The state appends sampled ids to the sequence's own token list. A pooling request
-    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`.
+    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`;
+    nor does a scoring one (`scoring` set), which finishes with `score`, nor one with
+    max_tokens 0 (finish reason "length"). One with `params.prompt_logprobs` gathers them
+    while its prompt runs (`qinfer.prompt_logprobs`).
     """
 
     def __init__(
@@ -52,13 +57,20 @@ class Request:
         prompt: str | None,
         state: RequestState,
         pooling: PoolingState | None = None,
+        scoring: ScoreParams | None = None,
     ) -> None:
         self.seq = seq
         self.prompt = prompt
         self.state = state
         self.pooling = pooling
+        self.scoring = scoring
         self.embedding = None  # the pooled vector, once a pooling request has finished
+        self.score: float | None = None  # a scoring request's, once it has finished
         self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
+        top_n = state.params.prompt_logprobs
+        self.prompt_logprobs = (
+            None if top_n is None else PromptLogprobs(seq.token_ids[: seq.num_prompt_tokens], top_n)
+        )
         self.finish_reason: str | None = None  # OpenAI's: EOS is a "stop"
         self.num_sent_tokens = 0  # tokens already handed out in outputs
         self.num_sent_chars = 0
@@ -66,6 +78,21 @@ class Request:
     @property
     def params(self) -> SamplingParams:
         return self.state.params
+
+    @property
+    def samples(self) -> bool:
+        """Whether the request samples tokens once its prompt has run."""
+        return self.pooling is None and self.scoring is None and self.state.max_tokens > 0
+
+    def num_logits(self, n: int) -> int:
+        """Rows of its n new tokens this step, counted from the last, whose logits it needs:
+        every row while it gathers prompt logprobs; else the last once all its tokens are
+        computed, to sample or score; else none (a prompt chunk, a pooling request)."""
+        if self.prompt_logprobs is not None and not self.prompt_logprobs.complete:
+            return n
+        if not (self.samples or self.scoring is not None):
+            return 0
+        return int(n == self.seq.num_uncomputed_tokens)
 
     def output(self) -> RequestOutput:
         """The request as it stands, with what is new since the previous output."""
@@ -88,6 +115,12 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_opened_think=self.state.prompt_opened_think,
             embedding=self.embedding,
+            score=self.score,
+            prompt_logprobs=(
+                self.prompt_logprobs.entries
+                if self.prompt_logprobs is not None and self.prompt_logprobs.complete
+                else None
+            ),
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out
@@ -142,21 +175,32 @@ class Engine:
     def make_request(
         self,
         prompt: Prompt,
-        params: SamplingParams | PoolingParams | None = None,
+        params: SamplingParams | PoolingParams | ScoreParams | None = None,
         request_id: str | None = None,
     ) -> Request:
         """Check and encode a request without touching the engine's state (thread-safe).
 
         params: SamplingParams to generate; PoolingParams to pool the prompt's hidden
-        states into one vector instead (`qinfer.pooling`; the output's `embedding`)."""
+        states into one vector instead (`qinfer.pooling`; the output's `embedding`);
+        ScoreParams to score the prompt by two tokens' logits at its last row
+        (`qinfer.scoring`; the output's `score`)."""
         params = self.default_params if params is None else params
         pooling = params if isinstance(params, PoolingParams) else None
+        scoring = params if isinstance(params, ScoreParams) else None
         if pooling is not None:
             pooling.check_hidden_size(self.model.config.hidden_size)
+        if scoring is not None:
+            vocab = self.model.config.vocab_size
+            if not all(0 <= t < vocab for t in (scoring.yes_token_id, scoring.no_token_id)):
+                raise RequestError(
+                    f"{scoring} names a token outside the vocabulary (0..{vocab - 1})"
+                )
+        if pooling is not None or scoring is not None:
             params = SamplingParams(max_tokens=1)  # a state for the output; never sampled
         if not isinstance(params, SamplingParams):
             raise RequestError(
-                f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}"
+                "params must be a SamplingParams, PoolingParams or ScoreParams, got "
+                f"{type(params).__name__}"
             )
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
@@ -172,7 +216,11 @@ class Engine:
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.runner.num_blocks * self.config.block_size} tokens)"
             )
-        seq = Sequence(request_id, ids, pooling is None or pooling.uses_prefix_cache)
+        # A cache hit skips rows that mean pooling and prompt logprobs need.
+        uses_prefix_cache = (
+            pooling is None or pooling.uses_prefix_cache
+        ) and params.prompt_logprobs is None
+        seq = Sequence(request_id, ids, uses_prefix_cache)
         try:
             state = RequestState.create(
                 seq.token_ids,
@@ -189,6 +237,7 @@ class Engine:
             prompt if isinstance(prompt, str) else None,
             state,
             None if pooling is None else PoolingState(pooling, len(ids)),
+            scoring,
         )
 
     def add(self, request: Request) -> None:
@@ -234,37 +283,42 @@ class Engine:
         self._counts["preempted"] += scheduled.num_preempted
         if not scheduled.seqs:
             return []
-        poolings = [self.requests[seq.request_id].pooling for seq in scheduled.seqs]
+        scheduled_requests = [self.requests[seq.request_id] for seq in scheduled.seqs]
+        poolings = [request.pooling for request in scheduled_requests]
         hidden_rows = [
             None if pooling is None else pooling.rows(seq.num_computed_tokens, n)
             for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
         ]
-        # logits (R, V): one row per sampling sequence whose pending tokens are now all
-        # computed, in order; hidden: the rows each pooling sequence asked for
+        # logits (R, V): num_logits[b] rows of each sequence, in order; hidden: the rows
+        # each pooling sequence asked for
         num_logits = [
-            int(pooling is None and n == seq.num_uncomputed_tokens)
-            for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
+            request.num_logits(n)
+            for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
         result = self.runner.run(scheduled.seqs, scheduled.num_new, num_logits, hidden_rows)
-        done, outputs = [], []
-        for seq, n, pooling, rows in zip(
-            scheduled.seqs, scheduled.num_new, poolings, result.hidden, strict=True
+        requests, sample_rows, outputs = [], [], []
+        end = 0  # the logits rows of the sequences so far
+        for request, n, k, rows in zip(
+            scheduled_requests, scheduled.num_new, num_logits, result.hidden, strict=True
         ):
-            if pooling is not None:
-                pooling.add(seq.num_computed_tokens, rows)
+            seq, end = request.seq, end + k
+            if request.pooling is not None:
+                request.pooling.add(seq.num_computed_tokens, rows)
+            if request.prompt_logprobs is not None and k:
+                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
-                if pooling is None:
-                    done.append(seq)
+                if request.samples:
+                    requests.append(request)
+                    sample_rows.append(end - 1)
                 else:
-                    outputs.append(self._pooled(self.requests[seq.request_id]))
-        if not done:
+                    outputs.append(self._prompt_ran(request, result.logits[end - k : end]))
+        if not requests:
             return outputs
-        requests = [self.requests[seq.request_id] for seq in done]
-        result = sample_next(result.logits, [r.state for r in requests])
+        result = sample_next(result.logits[sample_rows], [r.state for r in requests])
         token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
         for i, request in enumerate(requests):
             self._accept(request, token_ids[i], logprobs[i], result.top_logprobs[i])
@@ -273,10 +327,17 @@ class Engine:
         self._counts["generated"] += len(requests)
         return outputs
 
-    def _pooled(self, request: Request) -> RequestOutput:
-        """Finish a pooling request whose prompt has run: its vector, its last output."""
-        request.embedding = request.pooling.result()
-        self._finish(request, "stop")
+    def _prompt_ran(self, request: Request, logits) -> RequestOutput:
+        """Finish a request that does not sample, now that its prompt has run (logits: the
+        (k, V) rows it asked for in this step): a pooling request with its vector, a
+        scoring one with the score of its last row, one with max_tokens 0 as "length";
+        its last output."""
+        if request.pooling is not None:
+            request.embedding = request.pooling.result()
+        if request.scoring is not None:
+            request.score = request.scoring.score(logits[-1])
+        ends_early = request.pooling is None and request.scoring is None  # max_tokens 0
+        self._finish(request, "length" if ends_early else "stop")
         return request.output()
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:

@@ -9,10 +9,11 @@ import torch
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of a generated (or prompt) token, and of the most likely alternatives."""
+    """Log-probability of a generated (or prompt) token, and of the most likely alternatives.
+    logprob None: an echoed prompt's first token (nothing predicts it; the server's)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: dict[int, float]
 
 

@@ -538,6 +538,15 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     async def create_response(request: Request) -> Response:
         return await responses.create(await read_body(request, ResponsesRequest), request)
 
+    @app.get("/v1/responses/{response_id}", dependencies=generating)
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.store.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=generating)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     messages = MessagesAPI(server)
 
     async def create_message(request: Request) -> Response:

@@ -231,14 +231,19 @@ class ModelServer:
         messages: list[dict[str, Any]],
         template_kwargs: Mapping[str, Any],
         tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
     ) -> list[int]:
         """The prompt ids of a conversation (messages as the template reads them) that
-        offers `tools` (OpenAI function tools, None: none), in the family's tool format."""
+        offers `tools` (OpenAI function tools, None: none), in the family's tool format;
+        prefill: text the reply starts with (after the template's opening of it)."""
         messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
-        return await run_in_threadpool(
+        ids = await run_in_threadpool(
             encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
         )
+        if prefill:
+            ids += await run_in_threadpool(self.tokenizer.encode, prefill, False)
+        return ids
 
     async def start_chat(
         self,
@@ -251,12 +256,14 @@ class ModelServer:
         parallel_tool_calls: bool = True,
         n: int = 1,
         id_prefix: str = "chatcmpl",
+        prefill: str = "",
     ) -> Completion:
         """The engine requests (not yet started) that answer a conversation: its prompt
         encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
         out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
-        grammar in the model's own wrapping. The Responses and Messages APIs share it."""
-        prompt_ids = await self.encode_chat(messages, template_kwargs, tools)
+        grammar in the model's own wrapping; prefill: text the reply continues (the
+        Messages API's last assistant message). The Responses and Messages APIs share it."""
+        prompt_ids = await self.encode_chat(messages, template_kwargs, tools, prefill)
         names = tuple(tool["function"]["name"] for tool in tools or ())
         tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
         if tools and forced_tool is not None:

@@ -211,10 +211,11 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tokenizer(folder: Path) -> None:
+def build_tokenizer(folder: Path, words: tuple[str, ...] = ()) -> None:
     """Save a tiny byte-level BPE tokenizer (one id per byte, no merges, ChatML special
     tokens, Qwen3's <think> tags, a ChatML chat template) to `folder`, so the text-level
-    API can run on a random checkpoint built with vocab_size=CHAT_VOCAB_SIZE."""
+    API can run on a random checkpoint built with vocab_size=CHAT_VOCAB_SIZE. words: whole
+    words that get one token each after those (a reranker's "yes" and "no"; at most 3)."""
     import json
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -226,6 +227,7 @@ def build_tokenizer(folder: Path) -> None:
     tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tokenizer.add_tokens(
         [AddedToken("<think>", special=False), AddedToken("</think>", special=False)]
+        + [AddedToken(word, special=False, single_word=True) for word in words]
     )
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {

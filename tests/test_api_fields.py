@@ -176,15 +176,6 @@ def test_echo_prepends_each_prompt_to_its_text(http, tokenizer):
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain
 
 
-@pytest.mark.parametrize(
-    "fields, param",
-    [({"echo": True, "logprobs": 2}, "echo"), ({"echo": True, "max_tokens": 0}, "max_tokens")],
-)
-def test_prompt_logprobs_are_a_400_for_now(http, fields, param):
-    body = {"model": MODEL, "prompt": PROMPT, **fields}
-    assert_400(http.post("/v1/completions", json=body), param)
-
-
 def test_suffix_fills_the_middle_between_prompt_and_suffix(http, model, tokenizer):
     before, after = "def add(a, b):\n", "\n    return c\n"
     framed = f"<|fim_prefix|>{before}<|fim_suffix|>{after}<|fim_middle|>"

@@ -173,7 +173,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, tokenizer,
     with pytest.raises(RequestError, match="vocabulary"):
         llm.generate([[1, CHAT_VOCAB_SIZE]], use_tqdm=False)
     with pytest.raises(QinferError, match="max_tokens"):
-        llm.generate([[1, 2]], SamplingParams(max_tokens=0), use_tqdm=False)
+        llm.generate([[1, 2]], SamplingParams(max_tokens=-1), use_tqdm=False)
     with pytest.raises(QinferError, match="stop strings"):
         llm.generate([[1, 2]], SamplingParams(stop=[str(i) for i in range(17)]), use_tqdm=False)
     (out,) = llm.generate([[1, 2, 3]], GREEDY.replace(max_tokens=3), use_tqdm=False)

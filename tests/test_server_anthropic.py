@@ -312,10 +312,30 @@ def test_tool_choice_none_shows_no_tools(client):
         ({"model": "nope"}, 404, "not_found_error", "The model 'nope' does not exist"),
         ({"temperature": 1.5}, 400, "invalid_request_error", "less than or equal to 1"),
         (
-            {"messages": [*USER, {"role": "assistant", "content": "Hel"}]},
+            {"messages": [*USER, {"role": "assistant", "content": "Hel"}], "thinking": THINKING},
             400,
             "invalid_request_error",
-            "prefill",
+            "with thinking enabled",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "content": "Hel "}]},
+            400,
+            "invalid_request_error",
+            "cannot end with trailing whitespace",
+        ),
+        (
+            {
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}],
+                    },
+                ]
+            },
+            400,
+            "invalid_request_error",
+            "text blocks only",
         ),
         (
             {
@@ -381,7 +401,9 @@ def test_tool_choice_none_shows_no_tools(client):
         "no-messages",
         "unknown-model",
         "temperature-above-one",
-        "prefill",
+        "prefill-while-thinking",
+        "prefill-trailing-space",
+        "prefill-tool-use",
         "tool-use-from-the-user",
         "image",
         "tool-schema-invalid",
@@ -409,7 +431,33 @@ def test_the_client_raises_its_own_error_types(client):
     with pytest.raises(anthropic.NotFoundError, match="does not exist"):
         client.messages.create(model="nope", max_tokens=1, messages=USER)
     with pytest.raises(anthropic.BadRequestError, match="prefill"):
-        create(client, [*USER, {"role": "assistant", "content": "Hi"}])
+        create(client, [*USER, {"role": "assistant", "content": "Hi"}], thinking=THINKING)
+
+
+def test_a_prefilled_reply_continues_its_text(client, http):
+    """The reply to a last assistant message is what the model writes after the opened
+    reply and that text: the same tokens as a greedy completion of that very prompt."""
+    tokenize = {
+        "model": MODEL,
+        "messages": USER,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    opened = http.post("/tokenize", json=tokenize).json()["tokens"]
+    prefill = "Sure, here"
+    text = {"model": MODEL, "prompt": prefill, "add_special_tokens": False}
+    prompt = opened + http.post("/tokenize", json=text).json()["tokens"]
+    completion = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0},
+    ).json()
+    messages = [*USER, {"role": "assistant", "content": prefill}]
+    reply = create(client, messages, max_tokens=12)
+    assert reply.content[0].text == completion["choices"][0]["text"]
+    assert not reply.content[0].text.startswith(prefill)
+    assert prompt_tokens(reply) == len(prompt)
+    counted = client.messages.count_tokens(model=MODEL, messages=messages, thinking=NO_THINKING)
+    assert counted.input_tokens == len(prompt)
+    assert final_streamed(client, messages, max_tokens=12).content[0].text == reply.content[0].text
 
 
 @pytest.mark.parametrize(

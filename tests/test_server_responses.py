@@ -444,3 +444,34 @@ def test_aborted_streams_free_their_requests(http):
     assert_aborted_streams_free_their_requests(
         http, "/v1/responses", body, "event: response.created"
     )
+
+
+# --- stored responses ---------------------------------------------------------------------
+
+
+def test_a_stored_response_is_retrieved_then_deleted(client):
+    created = create(client, input="Hello world")
+    assert client.responses.retrieve(created.id).model_dump() == created.model_dump()
+    _, streamed = stream(client, input="Hello world")
+    retrieved = client.responses.retrieve(streamed.id)  # the stream's final one has `parsed`
+    assert shape(retrieved.output) == shape(streamed.output)
+    assert [i.id for i in retrieved.output] == [i.id for i in streamed.output]
+    assert retrieved.usage == streamed.usage
+    assert client.responses.delete(created.id) is None
+    for call in (client.responses.retrieve, client.responses.delete):
+        with pytest.raises(openai.NotFoundError, match=f"No response found with id '{created.id}'"):
+            call(created.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        create(client, input="Again", previous_response_id=created.id)
+    create(client, input="Again", previous_response_id=streamed.id)  # the other one stays
+
+
+def test_a_response_sent_with_store_false_is_not_kept(client, http):
+    unstored = create(client, input="Hello world", store=False)
+    response = http.get(f"/v1/responses/{unstored.id}")
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "response_id"
+    assert (
+        http.get(f"/v1/responses/{unstored.id}", headers={"Authorization": "Bearer x"}).status_code
+        == 401
+    )

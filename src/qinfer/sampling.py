@@ -61,12 +61,15 @@ class SamplingParams:
     temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off; min_p: 0 = off.
     repetition_penalty: 1 = off (> 1 discourages repeats, HF semantics).
     presence_penalty / frequency_penalty: 0 = off, in [-2, 2] (OpenAI semantics).
-    max_tokens: at most this many new tokens.
+    max_tokens: at most this many new tokens (0: none, the request only runs its prompt,
+    for its `prompt_logprobs`).
     stop: strings that end generation (not included in the output).
     stop_token_ids: ids that end generation besides the tokenizer's EOS ids.
     ignore_eos: keep going past EOS (benchmarks).
     seed: seeds this request's own generator, so its samples reproduce.
     logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
+    prompt_logprobs: None = none; n = each prompt token's log-probability given the tokens
+    before it, and the n most likely there (`qinfer.prompt_logprobs`).
     logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
     else (OpenAI semantics: -100 bans a token); stored as sorted (id, bias) pairs.
 
@@ -89,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
@@ -118,11 +122,13 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_int("top_k", self.top_k, low=0)
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -38,6 +38,7 @@ from qinfer.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingParams
 from qinfer.sampling import SamplingParams
+from qinfer.scoring import ScoreParams
 from qinfer.text.prompts import Prompt
 from qinfer.text.tokenizer import Tokenizer
 
@@ -139,11 +140,12 @@ class AsyncEngine:
     async def generate(
         self,
         prompt: Prompt,
-        params: SamplingParams | PoolingParams | None = None,
+        params: SamplingParams | PoolingParams | ScoreParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last has finished=True.
-        With PoolingParams, one output: finished, with its `embedding`. Leaving the loop
+        With PoolingParams (ScoreParams), one output: finished, with its `embedding`
+        (`score`). Leaving the loop
         early (or cancelling the task) aborts the request."""
         self._check_serving()
         # Encoding the prompt and compiling a grammar (about a second for a large schema

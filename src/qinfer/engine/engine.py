@@ -33,9 +33,11 @@ from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
+from qinfer.prompt_logprobs import PromptLogprobs
 from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.runner import ModelRunner
 from qinfer.sampling import SamplingParams
+from qinfer.scoring import ScoreParams
 from qinfer.speculative.speculator import Speculator
 from qinfer.text.prompts import Prompt, encode_prompt
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
@@ -47,7 +49,10 @@ class Request:
     generator, text, stop rule, processors), its logprobs and what was already sent.
 
     The state appends sampled ids to the sequence's own token list. A pooling request
-    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`.
+    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`;
+    nor does a scoring one (`scoring` set), which finishes with `score`, nor one with
+    max_tokens 0 (finish reason "length"). One with `params.prompt_logprobs` gathers them
+    while its prompt runs (`qinfer.prompt_logprobs`).
     """
 
     def __init__(
@@ -56,13 +61,20 @@ class Request:
         prompt: str | None,
         state: RequestState,
         pooling: PoolingState | None = None,
+        scoring: ScoreParams | None = None,
     ) -> None:
         self.seq = seq
         self.prompt = prompt
         self.state = state
         self.pooling = pooling
+        self.scoring = scoring
         self.embedding = None  # the pooled vector, once a pooling request has finished
+        self.score: float | None = None  # a scoring request's, once it has finished
         self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
+        top_n = state.params.prompt_logprobs
+        self.prompt_logprobs = (
+            None if top_n is None else PromptLogprobs(seq.token_ids[: seq.num_prompt_tokens], top_n)
+        )
         self.finish_reason: str | None = None  # OpenAI's: EOS is a "stop"
         self.num_sent_tokens = 0  # tokens already handed out in outputs
         self.num_sent_chars = 0
@@ -70,6 +82,23 @@ class Request:
     @property
     def params(self) -> SamplingParams:
         return self.state.params
+
+    @property
+    def samples(self) -> bool:
+        """Whether the request samples tokens once its prompt has run."""
+        return self.pooling is None and self.scoring is None and self.state.max_tokens > 0
+
+    def num_logits(self, n: int) -> int:
+        """Rows of its n new tokens this step, counted from the last, whose logits it needs:
+        every row while it gathers prompt logprobs; else, once all its tokens are computed,
+        the last (to sample or score) and one per proposed token (speculative decoding:
+        each verifies one); else none (a prompt chunk, a pooling request)."""
+        if self.prompt_logprobs is not None and not self.prompt_logprobs.complete:
+            return n
+        if not (self.samples or self.scoring is not None):
+            return 0
+        seq = self.seq
+        return 1 + len(seq.proposed) if n == seq.num_scheduled_tokens else 0
 
     def output(self) -> RequestOutput:
         """The request as it stands, with what is new since the previous output."""
@@ -92,6 +121,12 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_opened_think=self.state.prompt_opened_think,
             embedding=self.embedding,
+            score=self.score,
+            prompt_logprobs=(
+                self.prompt_logprobs.entries
+                if self.prompt_logprobs is not None and self.prompt_logprobs.complete
+                else None
+            ),
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out
@@ -151,21 +186,32 @@ class Engine:
     def make_request(
         self,
         prompt: Prompt,
-        params: SamplingParams | PoolingParams | None = None,
+        params: SamplingParams | PoolingParams | ScoreParams | None = None,
         request_id: str | None = None,
     ) -> Request:
         """Check and encode a request without touching the engine's state (thread-safe).
 
         params: SamplingParams to generate; PoolingParams to pool the prompt's hidden
-        states into one vector instead (`qinfer.pooling`; the output's `embedding`)."""
+        states into one vector instead (`qinfer.pooling`; the output's `embedding`);
+        ScoreParams to score the prompt by two tokens' logits at its last row
+        (`qinfer.scoring`; the output's `score`)."""
         params = self.default_params if params is None else params
         pooling = params if isinstance(params, PoolingParams) else None
+        scoring = params if isinstance(params, ScoreParams) else None
         if pooling is not None:
             pooling.check_hidden_size(self.model.config.hidden_size)
+        if scoring is not None:
+            vocab = self.model.config.vocab_size
+            if not all(0 <= t < vocab for t in (scoring.yes_token_id, scoring.no_token_id)):
+                raise RequestError(
+                    f"{scoring} names a token outside the vocabulary (0..{vocab - 1})"
+                )
+        if pooling is not None or scoring is not None:
             params = SamplingParams(max_tokens=1)  # a state for the output; never sampled
         if not isinstance(params, SamplingParams):
             raise RequestError(
-                f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}"
+                "params must be a SamplingParams, PoolingParams or ScoreParams, got "
+                f"{type(params).__name__}"
             )
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
@@ -181,7 +227,11 @@ class Engine:
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.runner.num_blocks * self.config.block_size} tokens)"
             )
-        seq = Sequence(request_id, ids, pooling is None or pooling.uses_prefix_cache)
+        # A cache hit skips rows that mean pooling and prompt logprobs need.
+        uses_prefix_cache = (
+            pooling is None or pooling.uses_prefix_cache
+        ) and params.prompt_logprobs is None
+        seq = Sequence(request_id, ids, uses_prefix_cache)
         try:
             state = RequestState.create(
                 seq.token_ids,
@@ -198,6 +248,7 @@ class Engine:
             prompt if isinstance(prompt, str) else None,
             state,
             None if pooling is None else PoolingState(pooling, len(ids)),
+            scoring,
         )
 
     def add(self, request: Request) -> None:
@@ -245,65 +296,68 @@ class Engine:
         self._counts["preempted"] += scheduled.num_preempted
         if not scheduled.seqs:
             return []
-        poolings = [self.requests[seq.request_id].pooling for seq in scheduled.seqs]
+        scheduled_requests = [self.requests[seq.request_id] for seq in scheduled.seqs]
+        poolings = [request.pooling for request in scheduled_requests]
         hidden_rows = [
             None if pooling is None else pooling.rows(seq.num_computed_tokens, n)
             for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
         ]
-        # Logits rows: for a sampling sequence whose tokens are all computed after this
-        # step, its last one and each proposed one; none for a prompt chunk with more to
-        # come or for a pooling sequence (its hidden rows instead).
+        # logits (R, V): num_logits[b] rows of each sequence, in order (its proposed
+        # tokens' too, see `Request.num_logits`); hidden: the rows each pooling sequence
+        # asked for
         num_logits = [
-            1 + len(seq.proposed) if pooling is None and n == seq.num_scheduled_tokens else 0
-            for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
+            request.num_logits(n)
+            for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
         result = self.runner.run(scheduled.seqs, scheduled.num_new, num_logits, hidden_rows)
-        done, outputs = [], []
-        for seq, n, pooling, rows in zip(
-            scheduled.seqs, scheduled.num_new, poolings, result.hidden, strict=True
+        requests, firsts, outputs = [], [], []
+        end = 0  # the logits rows of the sequences so far
+        for request, n, k, rows in zip(
+            scheduled_requests, scheduled.num_new, num_logits, result.hidden, strict=True
         ):
-            if pooling is not None:
-                pooling.add(seq.num_computed_tokens, rows)
+            seq, end = request.seq, end + k
+            if request.pooling is not None:
+                request.pooling.add(seq.num_computed_tokens, rows)
+            if request.prompt_logprobs is not None and k:
+                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
             seq.num_computed_tokens += n - len(seq.proposed)  # a proposal counts once kept
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
-                if pooling is None:
-                    done.append(seq)
+                if request.samples:  # its last row, then one per proposed token
+                    requests.append(request)
+                    firsts.append(end - 1 - len(seq.proposed))
                 else:
-                    outputs.append(self._pooled(self.requests[seq.request_id]))
-        if not done:
+                    outputs.append(self._prompt_ran(request, result.logits[end - k : end]))
+        if not requests:
             return outputs
-        requests = [self.requests[seq.request_id] for seq in done]
-        generated = self._sample(requests, result.logits)
+        generated = self._sample(requests, firsts, result.logits)
         outputs += [request.output() for request in requests]
         self._throughput.add(generated)
         self._counts["generated"] += generated
         return outputs
 
     def _propose(self) -> None:
-        """Let the speculator guess the next tokens of every decoding sequence (one
-        uncomputed token), each within what its request may still generate."""
+        """Let the speculator guess the next tokens of every decoding sequence (its prompt
+        computed, one sampled token not yet), each within what its request may still
+        generate."""
         decoding = []
         for seq in self.scheduler.running:
             request = self.requests[seq.request_id]
-            if request.pooling is None and seq.num_uncomputed_tokens == 1:
+            if request.samples and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 state = request.state
                 decoding.append((seq, state.max_tokens - state.num_generated_tokens))
         self.speculator.propose(decoding, self.block_manager)
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> int:
-        """Sample the next token of each request from its rows of logits (R, V): one row,
-        or 1 + k for a sequence that ran k proposed tokens. Row j of those gives the
+    def _sample(self, requests: list[Request], firsts: list[int], logits: torch.Tensor) -> int:
+        """Sample the next token of each request from its rows of logits (R, V), from row
+        firsts[i] on: one row, or 1 + k for a sequence that ran k proposed tokens. Row j
+        of those gives the
         distribution after the j-th proposal: its sample is accepted, and while it equals
         that proposal (exact rejection sampling for sampled rows) the next row is sampled
         too. Returns the number of tokens accepted."""
         proposals = [request.seq.proposed for request in requests]
-        firsts, row = [], 0
-        for proposed in proposals:
-            firsts.append(row)
-            row += 1 + len(proposed)
         kept = [0] * len(requests)
         active, j = list(range(len(requests))), 0
         while active:
@@ -333,10 +387,17 @@ class Engine:
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 
-    def _pooled(self, request: Request) -> RequestOutput:
-        """Finish a pooling request whose prompt has run: its vector, its last output."""
-        request.embedding = request.pooling.result()
-        self._finish(request, "stop")
+    def _prompt_ran(self, request: Request, logits) -> RequestOutput:
+        """Finish a request that does not sample, now that its prompt has run (logits: the
+        (k, V) rows it asked for in this step): a pooling request with its vector, a
+        scoring one with the score of its last row, one with max_tokens 0 as "length";
+        its last output."""
+        if request.pooling is not None:
+            request.embedding = request.pooling.result()
+        if request.scoring is not None:
+            request.score = request.scoring.score(logits[-1])
+        ends_early = request.pooling is None and request.scoring is None  # max_tokens 0
+        self._finish(request, "length" if ends_early else "stop")
         return request.output()
 
     def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:

@@ -4,6 +4,7 @@ llm = LLM("path/to/checkpoint", max_num_seqs=16)
 outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 for delta in llm.stream("Hello"): print(delta, end="")   # one prompt, as text deltas
 vectors = llm.embed(["a query", "a document"])              # pooled hidden states
+scores = llm.score("a query", ["a document", "another"])    # a reranker's P(yes) each
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from qinfer.errors import RequestError
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingMethod, PoolingParams
 from qinfer.sampling import SamplingParams
+from qinfer.scoring import reranker_params, reranker_prompt
 from qinfer.text.prompts import Prompt, is_batch
 from qinfer.text.tokenizer import Tokenizer
 
@@ -94,6 +96,30 @@ class LLM:
         prompts = list(prompts) if is_batch(prompts) else [prompts]
         outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [output.embedding.tolist() for output in outputs]
+
+    def score(
+        self,
+        query: str,
+        documents: str | Sequence[str],
+        instruction: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[float]:
+        """How well each document meets `query`, in the documents' order: a reranker's
+        P(yes) in [0, 1] (Qwen3-Reranker's prompt and yes/no logits, see `qinfer.scoring`;
+        instruction: the task, by default web search). Batched through the engine."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("scoring needs a tokenizer; this LLM has none")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        if not documents:
+            raise RequestError("documents is empty: give at least one document")
+        for name, text in [("query", query), *(("documents", d) for d in documents)]:
+            if not isinstance(text, str):
+                raise RequestError(f"{name} must hold text, got {type(text).__name__}")
+        params = reranker_params(tokenizer)
+        prompts = [reranker_prompt(tokenizer, query, d, instruction) for d in documents]
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
+        return [output.score for output in outputs]
 
     def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
         """Run every (prompt, params) request to its end; their last outputs, in order."""

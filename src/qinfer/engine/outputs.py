@@ -9,10 +9,11 @@ import torch
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of a generated token, and of the most likely alternatives."""
+    """Log-probability of a generated (or prompt) token, and of the most likely alternatives.
+    logprob None: an echoed prompt's first token (nothing predicts it; the server's)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: dict[int, float]
 
 
@@ -29,6 +30,10 @@ class RequestOutput:
     `<think>` block (decided once per request: `RequestState.thinking`); None otherwise.
     embedding: a pooling request's vector (fp32 (dimensions,) on the CPU, see
     `qinfer.pooling`), in its one, finished output (finish_reason "stop", no tokens).
+    score: a scoring request's P(yes) (`qinfer.scoring`), likewise.
+    prompt_logprobs: with `SamplingParams.prompt_logprobs`, once the prompt has run, one
+    entry per prompt token, None for the first (nothing predicts it; see
+    `qinfer.prompt_logprobs`).
     """
 
     request_id: str
@@ -47,6 +52,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     prompt_opened_think: bool | None = None
     embedding: torch.Tensor | None = None
+    score: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

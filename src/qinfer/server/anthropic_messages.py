@@ -7,7 +7,9 @@ tool uses are the assistant's `tool_calls`, tool results `tool` messages, thinki
 "any" or a named tool forces calls with a grammar, "none" shows no tools. `thinking`
 turns Qwen3's thinking on ("enabled", "adaptive") or off ("disabled"); without it, the
 server's default (`--chat-template-kwargs`) holds. Its `budget_tokens` is not enforced:
-`max_tokens` bounds thinking and answer together.
+`max_tokens` bounds thinking and answer together. A last assistant message is a prefill:
+the prompt opens the reply with its text, and the reply continues it (without it);
+thinking must then be off, as Anthropic requires.
 
 The reply goes out as content blocks in the order the model wrote them (`reply_parts`):
 `thinking` (with an empty signature: nothing is signed here), `text`, `tool_use`.
@@ -217,6 +219,7 @@ class MessagesAPI:
             forced_tool=body.forced_tool,
             parallel_tool_calls=parallel,
             id_prefix="msg",
+            prefill=body.prefill or "",
         )
         answer_format = MessagesFormat(server.settings.model_name)
         return await server.respond(completion, answer_format, connection, stream=body.stream)
@@ -230,6 +233,7 @@ class MessagesAPI:
             body.template_messages(),
             body.template_kwargs(server.template_kwargs(None)),
             body.offered_tools(),
+            body.prefill or "",
         )
         return {"input_tokens": len(ids)}
 

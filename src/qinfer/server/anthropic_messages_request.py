@@ -170,13 +170,34 @@ class ConversationRequest(StrictModel):
 
     @field_validator("messages")
     @classmethod
-    def _no_prefill(cls, messages: list[Message]) -> list[Message]:
-        if messages[-1].role == "assistant":
-            raise ValueError(
-                "the last message is the assistant's: continuing it (prefill) is not "
-                "supported; end with a user message"
-            )
+    def _prefill_of_text(cls, messages: list[Message]) -> list[Message]:
+        """A last assistant message is a prefill: text the reply continues (Anthropic's
+        rules: text blocks only, no trailing whitespace)."""
+        last = messages[-1]
+        if last.role != "assistant" or isinstance(last.content, str):
+            blocks = []
+        else:
+            blocks = last.content
+        if any(not isinstance(block, TextBlock) for block in blocks):
+            raise ValueError("a last assistant message (a prefill) holds text blocks only")
+        if last.role == "assistant" and _message_text(last) != _message_text(last).rstrip():
+            raise ValueError("final assistant content cannot end with trailing whitespace")
         return messages
+
+    @model_validator(mode="after")
+    def _no_prefill_while_thinking(self):
+        if self.prefill is not None and self.thinking and self.thinking.type != "disabled":
+            raise ValueError(
+                "a last assistant message (a prefill) cannot be continued with thinking "
+                "enabled: end with a user message, or disable thinking"
+            )
+        return self
+
+    @property
+    def prefill(self) -> str | None:
+        """The text of a last assistant message, which the reply continues; else None."""
+        last = self.messages[-1]
+        return _message_text(last) if last.role == "assistant" else None
 
     @field_validator("tools")
     @classmethod
@@ -219,7 +240,9 @@ class ConversationRequest(StrictModel):
         """The conversation as a chat template reads it (module docstring)."""
         system = self.system if isinstance(self.system, str) else _joined(self.system or [])
         messages = [{"role": "system", "content": system}] if system else []
-        for message in self.messages:
+        # A prefill is not a turn: the prompt ends with the reply opened, then its text.
+        turns = self.messages[:-1] if self.prefill is not None else self.messages
+        for message in turns:
             blocks = message.content
             if isinstance(blocks, str):
                 blocks = [TextBlock(type="text", text=blocks)]
@@ -261,6 +284,11 @@ def _assistant_turn(blocks: list[Any]) -> dict[str, Any]:
     if calls:
         turn["tool_calls"] = calls
     return turn
+
+
+def _message_text(message: Message) -> str:
+    content = message.content
+    return content if isinstance(content, str) else _joined(content)
 
 
 def _joined(blocks: list[TextBlock]) -> str:

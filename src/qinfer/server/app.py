@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`
 (`openai_responses`), `POST /v1/messages` and `/v1/messages/count_tokens`
-(`anthropic_messages`), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
+(`anthropic_messages`), `POST /v1/embeddings` (`embeddings`), `POST /v1/rerank` and
+`/v1/score` (`scores`), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
 and qinfer's own `POST /v1/inspect` (all behind the API keys when there are any),
 `GET /health`, `GET /metrics`, and the web pages: the chat at `/`, the attention inspector
 at `/inspect` (plain files from `server/static/`, which ask for the key once and send it
@@ -10,12 +11,17 @@ to /v1 themselves).
 
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
+
+The server's task (`qinfer serve --task`, `ServerSettings.task`) says which of them it
+serves: "generate" every one, "embed" embeddings, "rerank" rerank and score (the others
+answer 404 naming the task); by default the checkpoint's name chooses (`checkpoint_task`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -61,6 +67,7 @@ from qinfer.server.protocol import (
     TokenizeRequest,
 )
 from qinfer.server.responses import ChatFormat, TextFormat
+from qinfer.server.scores import RerankRequest, ScoreRequest, ScoresAPI
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.startup import LoadAnnouncer, display_name
 from qinfer.text.fill_in_middle import fim_tokens
@@ -101,6 +108,8 @@ class ServerSettings:
         `qinfer chat` does).
     pooling: how `/v1/embeddings` pools a prompt (a request's `dimensions` overrides
         its dimensions); by default Qwen3-Embedding's: last token, normalised.
+    task: "generate" (every route), "embed" (embeddings) or "rerank" (rerank and score);
+        see the module doc.
     """
 
     model_name: str
@@ -110,6 +119,7 @@ class ServerSettings:
     allowed_origins: Sequence[str] = ()
     checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
     pooling: PoolingParams = field(default_factory=PoolingParams)
+    task: str = "generate"
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -221,14 +231,19 @@ class ModelServer:
         messages: list[dict[str, Any]],
         template_kwargs: Mapping[str, Any],
         tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
     ) -> list[int]:
         """The prompt ids of a conversation (messages as the template reads them) that
-        offers `tools` (OpenAI function tools, None: none), in the family's tool format."""
+        offers `tools` (OpenAI function tools, None: none), in the family's tool format;
+        prefill: text the reply starts with (after the template's opening of it)."""
         messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
-        return await run_in_threadpool(
+        ids = await run_in_threadpool(
             encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
         )
+        if prefill:
+            ids += await run_in_threadpool(self.tokenizer.encode, prefill, False)
+        return ids
 
     async def start_chat(
         self,
@@ -241,12 +256,14 @@ class ModelServer:
         parallel_tool_calls: bool = True,
         n: int = 1,
         id_prefix: str = "chatcmpl",
+        prefill: str = "",
     ) -> Completion:
         """The engine requests (not yet started) that answer a conversation: its prompt
         encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
         out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
-        grammar in the model's own wrapping. The Responses and Messages APIs share it."""
-        prompt_ids = await self.encode_chat(messages, template_kwargs, tools)
+        grammar in the model's own wrapping; prefill: text the reply continues (the
+        Messages API's last assistant message). The Responses and Messages APIs share it."""
+        prompt_ids = await self.encode_chat(messages, template_kwargs, tools, prefill)
         names = tuple(tool["function"]["name"] for tool in tools or ())
         tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
         if tools and forced_tool is not None:
@@ -489,11 +506,28 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     authorized = [Depends(check_api_key)]
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    def serving(*tasks: str) -> list[Any]:
+        """The dependencies of a route the `tasks` serve: the API key, then the task."""
+
+        def check_task(request: Request) -> None:
+            if settings.task not in tasks:
+                raise APIError(
+                    404,
+                    f"{request.url.path} is not served: this server runs the "
+                    f"'{settings.task}' task (qinfer serve --task), which serves "
+                    f"{TASK_ROUTES[settings.task]}",
+                    code="unsupported_task",
+                )
+
+        return [*authorized, Depends(check_task)]
+
+    generating = serving("generate")
+
+    @app.post("/v1/chat/completions", dependencies=generating)
     async def chat_completions(request: Request) -> Response:
         return await server.chat(await read_body(request, ChatCompletionRequest), request)
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions", dependencies=generating)
     async def completions(request: Request) -> Response:
         return await server.complete(await read_body(request, CompletionRequest), request)
 
@@ -507,9 +541,18 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     responses = ResponsesAPI(server)
 
-    @app.post("/v1/responses", dependencies=authorized)
+    @app.post("/v1/responses", dependencies=generating)
     async def create_response(request: Request) -> Response:
         return await responses.create(await read_body(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=generating)
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.store.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=generating)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     messages = MessagesAPI(server)
 
@@ -528,15 +571,25 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
             path,
             endpoint,
             methods=["POST"],
-            dependencies=authorized,
+            dependencies=generating,
             route_class_override=AnthropicRoute,
         )
 
     embeddings = EmbeddingsAPI(server)
 
-    @app.post("/v1/embeddings", dependencies=authorized)
+    @app.post("/v1/embeddings", dependencies=serving("generate", "embed"))
     async def create_embeddings(request: Request) -> dict[str, Any]:
         return await embeddings.create(await read_body(request, EmbeddingRequest))
+
+    scores = ScoresAPI(server)
+
+    @app.post("/v1/rerank", dependencies=serving("generate", "rerank"))
+    async def rerank(request: Request) -> dict[str, Any]:
+        return await scores.rerank(await read_body(request, RerankRequest))
+
+    @app.post("/v1/score", dependencies=serving("generate", "rerank"))
+    async def score(request: Request) -> dict[str, Any]:
+        return await scores.score(await read_body(request, ScoreRequest))
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
@@ -585,6 +638,34 @@ def served_name(path: Path) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+#: What each task serves besides /v1/models, /tokenize and /detokenize (for its 404s).
+TASK_ROUTES = {
+    "generate": "every route",
+    "embed": "POST /v1/embeddings",
+    "rerank": "POST /v1/rerank and /v1/score",
+}
+
+
+def checkpoint_task(path: Path) -> str:
+    """The task a checkpoint is made for, by the words of its name (its folder's or file's,
+    a hub snapshot's repository, config.json's `_name_or_path`): "rerank" for a reranker
+    (Qwen3-Reranker-0.6B), "embed" for an embedding model (Qwen3-Embedding-0.6B), else
+    "generate"."""
+    names = [served_name(path)]
+    if path.parent.name == "snapshots":  # the hub's cache: models--Qwen--Qwen3-Reranker-0.6B
+        names.append(path.parent.parent.name)
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            names.append(str(json.loads(config.read_text(encoding="utf-8")).get("_name_or_path")))
+        except (OSError, ValueError, AttributeError):
+            pass  # the loader reports a broken config.json
+    words = set(re.split(r"[^a-z0-9]+", " ".join(names).lower()))
+    if "reranker" in words:
+        return "rerank"
+    return "embed" if "embedding" in words else "generate"
+
+
 def serve(
     model: str | None = None,
     *,
@@ -601,12 +682,14 @@ def serve(
     tensor_parallel_size: int = 1,
     log_level: str = "info",
     pooling: PoolingParams | None = None,
+    task: str | None = None,
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
 
     api_key: one key or several (see `ServerSettings`); allowed_origins: CORS origins.
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
+    task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
 
     dtype, device, quantize, group_size: as for `qinfer.load_model`.
     tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
@@ -633,6 +716,7 @@ def serve(
         api_key=api_key,
         allowed_origins=tuple(allowed_origins),
         pooling=pooling or PoolingParams(),
+        task=task or checkpoint_task(path),
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),

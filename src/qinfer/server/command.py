@@ -21,6 +21,9 @@ from qinfer.cli_args import (
 from qinfer.errors import QinferError
 from qinfer.pooling import POOLING_METHODS, PoolingParams
 
+#: What `qinfer serve --task` chooses from (`qinfer.server.app.ServerSettings.task`).
+TASKS = ("generate", "embed", "rerank")
+
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).
 ENGINE_FLAGS = [
     ("--max-num-seqs", "max_num_seqs", bounded(int, 1), "sequences batched in one step"),
@@ -100,6 +103,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="server-wide chat template variables, e.g. '{\"enable_thinking\": false}'",
     )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default=None,
+        help="serve generation (chat, completions, responses, messages, and the others), "
+        "embeddings only (embed) or rerank and score only (rerank) (default: rerank for a "
+        "checkpoint named like Qwen3-Reranker, embed for one named like Qwen3-Embedding, "
+        "else generate)",
+    )
     embeddings = parser.add_argument_group("embeddings (POST /v1/embeddings)")
     embeddings.add_argument(
         "--pooling",
@@ -169,6 +181,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         pooling=PoolingParams(args.pooling, args.normalize),
+        task=args.task,
         **engine_args,
     )
     return 0

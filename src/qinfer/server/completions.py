@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from qinfer.engine.outputs import TokenLogprob
 from qinfer.sampling import SamplingParams
 from qinfer.server.metrics import RequestTimer, ServerMetrics
 from qinfer.text.reasoning import ReasoningStream
 from qinfer.text.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
-    from qinfer.engine import AsyncEngine, RequestOutput, TokenLogprob
+    from qinfer.engine import AsyncEngine, RequestOutput
 
 
 @dataclass
@@ -69,7 +70,8 @@ class Choice:
     where the engine's request says where its prompt left the block
     (`RequestOutput.prompt_opened_think`); else all text is content.
     tools: the tools the request offers, whose calls are parsed out of the content, or None.
-    echo: text the content starts with (a text completion's `echo`: its prompt).
+    echo: text the content starts with (a text completion's `echo`: its prompt); with
+    `params.prompt_logprobs`, the logprobs start with the prompt tokens' (the first's None).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class Choice:
         self.reasoning: ReasoningStream | None = None  # made at the first output
         self.tools = tools
         self.echo = echo  # not yet handed out
+        self.echo_logprobs = params.prompt_logprobs is not None  # not yet handed out
         self.tool_parser: ToolCallParser | None = None if tools is None else tools.parser()
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
@@ -108,6 +111,10 @@ class Choice:
         if output.logprobs is not None:
             delta.logprobs = output.logprobs[self.num_logprobs :]
             self.num_logprobs = len(output.logprobs)
+        if self.echo_logprobs and output.prompt_logprobs is not None:
+            first = TokenLogprob(self.prompt_ids[0], None, {})  # nothing predicts it
+            delta.logprobs = [first, *output.prompt_logprobs[1:], *delta.logprobs]
+            self.echo_logprobs = False
         if self.reasoning is None:
             delta.content = output.delta_text
         else:

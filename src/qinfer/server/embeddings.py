@@ -7,15 +7,12 @@
 
 The pooling (last token, mean or first token; normalised or not) is the server's, chosen
 by `qinfer serve --pooling` (`ServerSettings.pooling`); every input is one engine request
-(`qinfer.pooling.PoolingParams`), all of them batched with whatever else runs, so a batch
-larger than the engine's free queue (`--max-waiting-requests`, 1024 by default) is
-refused with a 503 like any overload. A "base64" embedding is its little-endian float32
+(`qinfer.pooling.PoolingParams`, run by `prompt_runs.run_prompts`). A "base64" embedding is its little-endian float32
 bytes in base64, as OpenAI sends it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import Field
 
-from qinfer.engine.outputs import RequestOutput
 from qinfer.errors import RequestError
 from qinfer.server.errors import APIError
+from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel
 
 if TYPE_CHECKING:
@@ -80,12 +77,7 @@ class EmbeddingsAPI:
             params.check_hidden_size(server.engine.model_config.hidden_size)
         except RequestError as error:
             raise APIError(400, str(error), param="dimensions", code="invalid_value") from None
-        tasks = [asyncio.ensure_future(self._embed(i, p, params)) for i, p in enumerate(prompts)]
-        try:
-            outputs = await asyncio.gather(*tasks)
-        finally:  # one input refused (or the client gone): the others stop and free blocks
-            for task in tasks:
-                task.cancel()
+        outputs = await run_prompts(server.engine, prompts, params, "input")
         data = [
             {
                 "object": "embedding",
@@ -101,20 +93,6 @@ class EmbeddingsAPI:
             "model": server.settings.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-
-    async def _embed(self, index: int, prompt, params) -> RequestOutput:
-        """One input's finished output; the engine's refusal names the input at fault."""
-        outputs = []
-        try:
-            async for output in self.server.engine.generate(prompt, params):
-                outputs.append(output)  # one: the finished one
-        except RequestError as error:
-            raise APIError(
-                400, f"'input.{index}': {error}", param=f"input.{index}", code="invalid_value"
-            ) from None
-        if outputs[-1].embedding is None:  # aborted: the server is shutting down
-            raise APIError(503, f"input {index} was not embedded: the engine stopped")
-        return outputs[-1]
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

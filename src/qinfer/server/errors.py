@@ -66,8 +66,8 @@ def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIErro
     from pydantic's names of union members (`stop.str`), which are not in it.
     """
     first = error.errors(include_url=False)[0]
-    param = _field_path(first["loc"], body)
     kind = first["type"]
+    param = _field_path(first["loc"], body, kind == "missing")
     if kind == "json_invalid":
         return APIError(400, f"Request body is not valid JSON: {first['msg']}", code="invalid_json")
     if kind in ("model_type", "json_type"):
@@ -80,15 +80,16 @@ def from_validation_error(error: pydantic.ValidationError, body: Any) -> APIErro
     return APIError(400, message, param=param, code=code)
 
 
-def _field_path(loc: tuple, body: Any) -> str | None:
-    """The dotted path of `loc` through `body`, or None for the body itself."""
+def _field_path(loc: tuple, body: Any, missing: bool) -> str | None:
+    """The dotted path of `loc` through `body`, or None for the body itself; missing: the
+    last part of `loc` is a field the body lacks (else a union member's name)."""
     parts, node = [], body
     for i, part in enumerate(loc):
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif isinstance(node, dict) and i == len(loc) - 1:
+        elif missing and isinstance(node, dict) and i == len(loc) - 1:
             node = None  # a missing field: still its name
         else:
             continue  # a union member's name or tag: not a place in the request

@@ -4,8 +4,9 @@ A request's `input` (text, or items: messages, the function calls the model made
 outputs, reasoning) becomes a conversation for the chat template, after `instructions`
 (as a system message) and, with `previous_response_id`, after the conversation of that
 earlier response and its output. Responses are stored for that in memory, the most recent
-`ResponseStore.capacity` of them (`store: false` keeps one out); the server is otherwise
-stateless, and a restart forgets them.
+`ResponseStore.capacity` of them (`store: false` keeps one out), and `GET` / `DELETE
+/v1/responses/{id}` read and drop them; the server is otherwise stateless, and a restart
+forgets them.
 
 The reply goes out as output items, in the order the model wrote them (`reply_parts`):
 a `reasoning` item for Qwen3's `<think>` block, a `message` item for the text, a
@@ -61,17 +62,19 @@ STORED_RESPONSES = 1024
 
 
 class ResponseStore:
-    """The conversations (input and output items) of recent responses, by response id, for
-    `previous_response_id`: at most `capacity`, the least recently used dropped first."""
+    """Recent responses by id: each one's response object, and its conversation (input
+    and output items) for `previous_response_id`; at most `capacity`, the least recently
+    used dropped first."""
 
     def __init__(self, capacity: int = STORED_RESPONSES) -> None:
         self.capacity = capacity
-        self._conversations: OrderedDict[str, list[Any]] = OrderedDict()
+        # id -> (conversation items, response object)
+        self._responses: OrderedDict[str, tuple[list[Any], dict[str, Any]]] = OrderedDict()
 
     def conversation(self, response_id: str) -> list[Any]:
         """The items of a stored response's conversation, or a 400 naming the field."""
-        items = self._conversations.get(response_id)
-        if items is None:
+        stored = self._responses.get(response_id)
+        if stored is None:
             raise APIError(
                 400,
                 f"Previous response with id '{response_id}' not found (responses are kept in "
@@ -79,14 +82,36 @@ class ResponseStore:
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        self._conversations.move_to_end(response_id)
-        return items
+        self._responses.move_to_end(response_id)
+        return stored[0]
 
-    def save(self, response_id: str, items: list[Any]) -> None:
-        self._conversations[response_id] = items
-        self._conversations.move_to_end(response_id)
-        while len(self._conversations) > self.capacity:
-            self._conversations.popitem(last=False)
+    def response(self, response_id: str) -> dict[str, Any]:
+        """A stored response object, or a 404."""
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored[1]
+
+    def delete(self, response_id: str) -> None:
+        """Forget a stored response, or a 404."""
+        if self._responses.pop(response_id, None) is None:
+            raise _not_found(response_id)
+
+    def save(self, response_id: str, items: list[Any], response: dict[str, Any]) -> None:
+        self._responses[response_id] = (items, response)
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"No response found with id '{response_id}' (responses are kept in memory, the "
+        "latest stored ones, and not when sent with store: false)",
+        param="response_id",
+        code="not_found",
+    )
 
 
 # --- the answer -----------------------------------------------------------------------
@@ -187,10 +212,11 @@ class ResponsesFormat(PartsFormat):
         status = _status(completion)
         parts = reply.parts or [Part("text", 0)]  # a reply of nothing is an empty message
         output = [self.item(part, status if part is parts[-1] else "completed") for part in parts]
+        response = self.response_object(completion, status, output, self.usage(completion, parts))
         if self.body.store:
             items = [*self.conversation, *(input_item(o) for o in output)]
-            self.store.save(self.id, items)
-        return self.response_object(completion, status, output, self.usage(completion, parts))
+            self.store.save(self.id, items, response)
+        return response
 
     def usage(self, completion: Completion, parts: list[Part]) -> dict[str, Any]:
         """OpenAI's usage; reasoning tokens are the generated ones up to and including
@@ -311,7 +337,8 @@ def _status(completion: Completion) -> str:
 
 
 class ResponsesAPI:
-    """`POST /v1/responses` on a `ModelServer`, with its store of recent responses."""
+    """`POST /v1/responses` on a `ModelServer`, with its store of recent responses (`GET`
+    and `DELETE /v1/responses/{id}`: `store.response`, `store.delete`)."""
 
     def __init__(self, server: ModelServer, store: ResponseStore | None = None):
         self.server = server

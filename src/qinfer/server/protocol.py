@@ -482,9 +482,11 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`: one prompt, or a batch of them (one choice group each).
 
-    echo: each choice's text starts with its prompt's. suffix: the text after the
-    completion (fill in the middle, for models with FIM tokens; see `qinfer.text.fill_in_middle`).
-    The prompt's own logprobs (`echo` with `logprobs`, `max_tokens: 0`) are not computed yet.
+    echo: each choice's text starts with its prompt's; with `logprobs`, its logprobs
+    start with the prompt tokens' (the first's null, as OpenAI's and vLLM's). max_tokens 0
+    generates nothing: with echo and logprobs, the prompt's logprobs alone (what
+    lm-eval's loglikelihood asks). suffix: the text after the completion (fill in the
+    middle, for models with FIM tokens; see `qinfer.text.fill_in_middle`).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -494,26 +496,6 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _tokens_to_generate(cls, max_tokens: int | None) -> int | None:
-        if max_tokens == 0:
-            raise ValueError(
-                "0 (score the prompt only, as lm-eval's loglikelihood asks) is not supported "
-                "yet: qinfer does not compute the prompt's logprobs"
-            )
-        return max_tokens
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError(
-                "echo with logprobs asks for the prompt's logprobs, which qinfer does not "
-                "compute yet; echo alone returns the prompt's text"
-            )
-        return echo
 
     @field_validator("best_of")
     @classmethod
@@ -543,6 +525,12 @@ class CompletionRequest(GenerationRequest):
     @property
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        fields = super().sampling_overrides()
+        if self.echo and self.logprobs is not None:
+            fields["prompt_logprobs"] = self.logprobs
+        return fields
 
 
 class TokenizeRequest(StrictModel):

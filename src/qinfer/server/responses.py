@@ -180,8 +180,11 @@ class TextFormat(ResponseFormat):
             "text_offset": offsets,
         }
 
-    def _alternatives(self, logprob: TokenLogprob) -> dict[str, float]:
-        """{token text: logprob}; ids that decode alike (stray bytes) keep the likeliest."""
+    def _alternatives(self, logprob: TokenLogprob) -> dict[str, float] | None:
+        """{token text: logprob}; ids that decode alike (stray bytes) keep the likeliest.
+        None for an echoed prompt's first token, which nothing predicts."""
+        if logprob.logprob is None:
+            return None
         alternatives: dict[str, float] = {}
         for token_id, value in sorted(logprob.top_logprobs.items(), key=lambda item: -item[1]):
             alternatives.setdefault(self.token_text(token_id), value)

@@ -441,7 +441,18 @@ class Engine:
             requests_aborted_total=self._counts["aborted"],
             preemptions_total=self._counts["preempted"],
             generation_tokens_per_s=self._throughput.rate(),
+            **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        counts = self.speculator.counts
+        return {
+            "spec_verifications_total": counts.verifications,
+            "spec_proposed_tokens_total": counts.proposed,
+            "spec_accepted_tokens_total": counts.accepted,
+        }
 
 
 def build_engine(

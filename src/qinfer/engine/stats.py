@@ -30,6 +30,22 @@ class EngineStats:
     requests_aborted_total: int
     preemptions_total: int
     generation_tokens_per_s: float
+    # speculative decoding (0 when off): steps of a sequence that verified proposals,
+    # tokens proposed, tokens of those accepted
+    spec_verifications_total: int = 0
+    spec_proposed_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        return self.spec_accepted_tokens_total / max(self.spec_proposed_tokens_total, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields on average: the accepted proposals plus the one
+        the model samples itself (1 before any verification)."""
+        return 1 + self.spec_accepted_tokens_total / max(self.spec_verifications_total, 1)
 
 
 class ThroughputMeter:

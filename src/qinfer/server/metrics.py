@@ -54,6 +54,10 @@ class EngineCollector(Collector):
                 "Prompt tokens found in the prefix cache, as a fraction of those looked up",
                 s.prefix_cache_hit_rate,
             ),
+            "qinfer_spec_decode_mean_accepted_length": (
+                "Tokens per speculative verification: accepted proposals plus one sampled",
+                s.spec_mean_accepted_length,
+            ),
             "qinfer_grammar_matchers_live": (
                 "Grammar matchers of constrained requests alive in this process",
                 live_matchers(),
@@ -75,6 +79,18 @@ class EngineCollector(Collector):
             "qinfer_preemptions": ("Requests preempted to free KV blocks", s.preemptions_total),
             "qinfer_requests_finished": ("Requests the engine finished", s.requests_finished_total),
             "qinfer_requests_aborted": ("Requests aborted (client gone)", s.requests_aborted_total),
+            "qinfer_spec_decode_verifications": (
+                "Sequence steps that verified proposed tokens",
+                s.spec_verifications_total,
+            ),
+            "qinfer_spec_decode_proposed_tokens": (
+                "Tokens proposed by speculative decoding",
+                s.spec_proposed_tokens_total,
+            ),
+            "qinfer_spec_decode_accepted_tokens": (
+                "Proposed tokens the model accepted",
+                s.spec_accepted_tokens_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

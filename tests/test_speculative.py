@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import random
 
+import httpx
 import pytest
 import torch
 from checkpoints import build_checkpoint
+from server_process import metric_values, start_serve_command
 
 import qinfer
 from qinfer.cli import main
@@ -326,3 +328,48 @@ def test_cli_generate_with_prompt_lookup_prints_the_same_text(qwen3_chat_folder,
     want = capsys.readouterr().out
     assert main([*args, "--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == 0
     assert capsys.readouterr().out == want
+
+
+# -- tensor parallelism and the server ----------------------------------------------------
+
+
+def test_prompt_lookup_at_tp2_gives_the_tp1_tokens(qwen3, model):
+    prompts = copying_prompts(6)
+    want, _ = generate(model, prompts, GREEDY)
+    llm = LLM(
+        qwen3,
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=2,
+        speculative={"method": "ngram"},
+    )
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()
+    finally:
+        llm.close()
+    assert got == want
+    assert stats.spec_accepted_tokens_total > 0
+
+
+def test_the_server_speculates_and_counts_it(qwen3_chat_folder, chat_llms):
+    process, url = start_serve_command(
+        *("--model", str(qwen3_chat_folder), "--dtype", "float32", "--served-model-name", "m"),
+        *("--speculative-method", "ngram", "--num-speculative-tokens", "3"),
+        timeout=120,
+    )
+    prompt = "abcabcabcabcabc" * 3
+    try:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        with httpx.Client(base_url=url) as http:
+            values = metric_values(http)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    plain, _ = chat_llms
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    assert reply["choices"][0]["text"] == plain.generate([prompt], params, use_tqdm=False)[0].text
+    assert values["qinfer_spec_decode_proposed_tokens_total"] > 0
+    assert values["qinfer_spec_decode_mean_accepted_length"] >= 1
+    assert values["qinfer_generation_tokens_total"] == 20

@@ -9,13 +9,14 @@ and through the engine against the exact distribution of a tiny model.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import httpx
 import pytest
 import torch
-from checkpoints import build_checkpoint
+from checkpoints import build_chat_checkpoint, build_checkpoint
 from server_process import metric_values, start_serve_command
 
 import qinfer
@@ -373,3 +374,17 @@ def test_the_server_speculates_and_counts_it(qwen3_chat_folder, chat_llms):
     assert values["qinfer_spec_decode_proposed_tokens_total"] > 0
     assert values["qinfer_spec_decode_mean_accepted_length"] >= 1
     assert values["qinfer_generation_tokens_total"] == 20
+
+
+def test_bench_reports_speed_up_and_acceptance(tmp_path, capsys):
+    build_chat_checkpoint(tmp_path, "qwen3", max_position_embeddings=2048)  # byte-level prompts
+    args = ["bench", "--model", str(tmp_path), "--dtype", "float32", "--repeats", "1"]
+    args += ["--decode-tokens", "24"]
+    assert main([*args, "--speculative-method", "ngram", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["speculative"] == {"method": "ngram"}
+    for workload in ("edit", "chat"):
+        rates = report[workload]["decode_tok_s"]
+        assert set(rates) == {"off/0", "off/1", "on/0", "on/1"}
+        assert report[workload]["speedup"] > 0
+    assert 0 <= report["acceptance_rate"] <= 1 and report["mean_accepted_length"] >= 1

@@ -329,7 +329,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_speculative_arguments(parser)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prefill length")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per row")
+    parser.add_argument(
+        "--decode-tokens",
+        type=bounded(int, 1),
+        default=None,
+        help="tokens decoded per row (default: 32; with speculative decoding, at most 192 "
+        "per request)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="rows of the batched decode")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; the best counts")
     parser.add_argument(
@@ -361,6 +367,19 @@ def run_bench(args: argparse.Namespace) -> int:
         # On a shared machine, fewer threads than cores avoids OpenMP threads spinning
         # while their partners wait to be scheduled.
         torch.set_num_threads(args.threads)
+    speculative = speculative_arguments(args)
+    if speculative is not None:
+        from qinfer.bench.speculative import format_speculative_report, run_speculative_benchmark
+
+        report = run_speculative_benchmark(
+            args.model,
+            load_arguments(args),
+            speculative,
+            repeats=args.repeats,
+            max_tokens=args.decode_tokens or 192,
+        )
+        print(json.dumps(report, indent=2) if args.json else format_speculative_report(report))
+        return 0
     if args.batch:
         report = run_engine_benchmark(
             args.model,
@@ -374,7 +393,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise QinferError("bench runs the model in one process: use --batch (the engine) at TP > 1")
     settings = BenchSettings(
         prompt_tokens=args.prompt_tokens,
-        decode_tokens=args.decode_tokens,
+        decode_tokens=args.decode_tokens or 32,
         batch_size=args.batch_size,
         repeats=args.repeats,
     )

@@ -2,8 +2,10 @@
 
 model.py (`qinfer bench`): one model's prefill and decode speed, peak memory and weight
 bandwidth. engine.py (`qinfer bench --batch`, bench/bench_engine.py): the batching engine's
-throughput on a mixed workload, against one-by-one generation. common.py: the timer and the
-transformers loader both use. The library itself imports none of this.
+throughput on a mixed workload, against one-by-one generation. speculative.py (`qinfer
+bench --speculative-method ...`): decode speed with and without speculative decoding.
+common.py: the timer and the transformers loader both use. The library itself imports
+none of this.
 """
 
 from qinfer.bench.engine import Workload, format_engine_report, run_engine_benchmark

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from qinfer.cli import main
 from qinfer.engine import LLM
 from qinfer.errors import QinferError
 from qinfer.sampling import SamplingParams, process_logits, sample
+from qinfer.speculative.draft import DraftModel
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma3", "smollm3", "phi3"]
@@ -313,6 +315,12 @@ def test_a_draft_with_another_vocabulary_is_refused(model, tmp_path):
     other = qinfer.load_model(tmp_path, dtype=torch.float32, device="cpu")
     with pytest.raises(QinferError, match="vocabulary of 128 tokens, the target 256"):
         LLM(model, speculative={"method": "draft", "model": other})
+
+
+def test_a_draft_on_another_device_is_refused(model):
+    elsewhere = SimpleNamespace(config=model.config, device=torch.device("meta"))
+    with pytest.raises(QinferError, match="speculative model is on meta, the target on cpu"):
+        DraftModel(elsewhere, model, num_blocks=4, block_size=16)
 
 
 def test_cli_flags_that_need_another_are_refused_in_one_line(capsys):

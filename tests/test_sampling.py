@@ -15,6 +15,7 @@ import transformers
 from qinfer import SamplingParams
 from qinfer.errors import QinferError, SamplingError
 from qinfer.sampling import (
+    ThinkingBudget,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -373,3 +374,22 @@ def test_logits_processors_run_per_row_before_the_penalties(logits, histories):
     assert result.token_ids.tolist() == expected.tolist()
     assert all(t % 2 == 1 for t in result.token_ids[[0, 2]].tolist())
     assert result.token_ids[[1, 3]].tolist() == plain.token_ids[[1, 3]].tolist()
+
+
+def test_thinking_budget_forces_the_close_once_spent():
+    """Inside the block the budget counts tokens; once spent only </think> may come, and
+    after it nothing is masked. A first token that does not open the block ends it."""
+    budget = ThinkingBudget(2, think_open=5, think_close=6, inside=False)
+    logits = torch.zeros(8)
+    for token in (5, 1, 2):  # <think>, then two tokens of reasoning
+        assert torch.isfinite(budget(logits.clone())).all()
+        budget.accept(token)
+    forced = budget(logits.clone())
+    assert forced.argmax().item() == 6 and torch.isinf(forced[torch.arange(8) != 6]).all()
+    budget.accept(6)
+    assert torch.isfinite(budget(logits.clone())).all()
+    answering = ThinkingBudget(0, think_open=5, think_close=6, inside=False)
+    answering.accept(3)  # answered without thinking: never forced
+    assert torch.isfinite(answering(logits.clone())).all()
+    with pytest.raises(SamplingError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-1)

@@ -219,6 +219,15 @@ def test_max_tokens_cuts_the_reply_streamed_alike(client):
     assert blocks(final) == blocks(whole) and final.stop_reason == "max_tokens"
 
 
+def test_budget_tokens_closes_the_thinking_block_and_the_answer_follows(client):
+    message = create(client, thinking={"type": "enabled", "budget_tokens": 1})
+    [(kind, thought), answer] = blocks(message)
+    # one token of "The answer", then </think> forced; the planted answer follows it
+    assert kind == "thinking" and thought and PLANTED_REASONING.startswith(thought)
+    assert thought != PLANTED_REASONING
+    assert answer == ("text", PLANTED_ANSWER) and message.stop_reason == "end_turn"
+
+
 def test_a_stop_sequence_cuts_the_text_and_is_named(client):
     cut = PLANTED_ANSWER[2:4]
     message = create(client, stop_sequences=["zzz", cut])

@@ -25,12 +25,13 @@ from qinfer.sampling import (
     LogitsProcessor,
     SampleResult,
     SamplingParams,
+    ThinkingBudget,
     make_generator,
     sample,
 )
 from qinfer.stopping import accept_token
 from qinfer.text.detokenizer import IncrementalDetokenizer
-from qinfer.text.reasoning import THINKING, prompt_thinking
+from qinfer.text.reasoning import MAY_THINK, THINK_CLOSE, THINK_OPEN, THINKING, prompt_thinking
 from qinfer.text.tokenizer import Tokenizer
 
 
@@ -97,6 +98,15 @@ class RequestState:
                     f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})"
                 )
             processors.append(LogitBias(params.logit_bias))
+        if params.thinking_budget is not None and thinking in (THINKING, MAY_THINK):
+            processors.append(
+                ThinkingBudget(
+                    params.thinking_budget,
+                    tokenizer.token_to_id(THINK_OPEN),
+                    tokenizer.token_to_id(THINK_CLOSE),
+                    inside=thinking == THINKING,
+                )
+            )
         if params.constraint is not None:
             from qinfer.grammar import GrammarProcessor  # llguidance only when asked for
 

@@ -72,6 +72,9 @@ class SamplingParams:
     before it, and the n most likely there (`qinfer.prompt_logprobs`).
     logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
     else (OpenAI semantics: -100 bans a token); stored as sorted (id, bias) pairs.
+    thinking_budget: None = unbounded; n = a thinking model's `<think>` block is closed
+    after n tokens of reasoning (`</think>` is forced, then the answer follows; Anthropic's
+    `thinking.budget_tokens`).
 
     At most one constraint on the output (see `qinfer.grammar`): json_schema (a dict or
     its JSON text; objects listing properties without `additionalProperties` get false,
@@ -98,6 +101,7 @@ class SamplingParams:
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping):  # pairs, so params stay hashable
@@ -129,6 +133,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        if self.thinking_budget is not None:
+            _check_int("thinking_budget", self.thinking_budget, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -335,6 +341,41 @@ class LogitBias:
 
     def release(self) -> None:
         self._on.clear()
+
+
+class ThinkingBudget:
+    """The `LogitsProcessor` of `SamplingParams.thinking_budget`: once `budget` tokens were
+    written inside the `<think>` block, only `</think>` may come next.
+
+    think_open, think_close: the two tokens' ids; inside: the prompt left the block open
+    (else the block opens when the first token is `<think>`, and a first token that is
+    not means the model answers without thinking).
+    """
+
+    def __init__(self, budget: int, think_open: int | None, think_close: int, inside: bool):
+        self.budget, self.think_open, self.think_close = budget, think_open, think_close
+        self.state = "inside" if inside else "start"  # then "inside", then "done"
+        self.spent = 0  # tokens written inside the block
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (V,), all but `</think>` masked once the budget is spent (in place)."""
+        if self.state == "inside" and self.spent >= self.budget:
+            close = logits[self.think_close].clone()
+            logits.fill_(-math.inf)
+            logits[self.think_close] = close if torch.isfinite(close) else 0.0
+        return logits
+
+    def accept(self, token_id: int) -> None:
+        if self.state == "start":
+            self.state = "inside" if token_id == self.think_open else "done"
+        elif self.state == "inside":
+            if token_id == self.think_close:
+                self.state = "done"
+            else:
+                self.spent += 1
+
+    def release(self) -> None:
+        pass
 
 
 @dataclass

@@ -6,8 +6,10 @@ tool uses are the assistant's `tool_calls`, tool results `tool` messages, thinki
 `reasoning_content`. `tools` are offered in the family's own call format; `tool_choice`
 "any" or a named tool forces calls with a grammar, "none" shows no tools. `thinking`
 turns Qwen3's thinking on ("enabled", "adaptive") or off ("disabled"); without it, the
-server's default (`--chat-template-kwargs`) holds. Its `budget_tokens` is not enforced:
-`max_tokens` bounds thinking and answer together. A last assistant message is a prefill:
+server's default (`--chat-template-kwargs`) holds. Its `budget_tokens` bounds the
+reasoning: `</think>` is forced once that many thinking tokens are written
+(`SamplingParams.thinking_budget`), and `max_tokens` bounds thinking and answer together.
+A last assistant message is a prefill:
 the prompt opens the reply with its text, and the reply continues it (without it);
 thinking must then be off, as Anthropic requires.
 

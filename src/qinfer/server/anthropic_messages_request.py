@@ -337,6 +337,13 @@ class MessagesRequest(ConversationRequest):
         config = self.output_config
         return None if config is None or config.format is None else config.format.schema_
 
+    def thinking_budget(self) -> int | None:
+        """`thinking.budget_tokens` when thinking is on: the most tokens of reasoning."""
+        thinking = self.thinking
+        if thinking is None or thinking.type == "disabled":
+            return None
+        return thinking.budget_tokens
+
     def sampling_overrides(self) -> dict[str, Any]:
         fields = dict(
             temperature=self.temperature,
@@ -345,5 +352,6 @@ class MessagesRequest(ConversationRequest):
             max_tokens=self.max_tokens,
             stop=self.stop_sequences or None,
             json_schema=self.reply_schema(),
+            thinking_budget=self.thinking_budget(),
         )
         return {name: value for name, value in fields.items() if value is not None}

@@ -118,6 +118,14 @@ def test_greedy_identity_holds_with_engine_features(model, int8_draft, engine_ar
         assert stats.prefix_cache_hits > 0
 
 
+def test_penalties_see_each_accepted_token_before_the_next_row(model, int8_draft):
+    """With penalties each row's distribution depends on the tokens kept before it: rows
+    are sampled one after another, and the output is still the one without speculation."""
+    params = GREEDY.replace(repetition_penalty=1.3, presence_penalty=0.5)
+    draft = {"method": "draft", "model": int8_draft}
+    assert_same_as_without(model, copying_prompts(8), params, draft)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
 def test_max_tokens_is_never_exceeded(model, max_tokens):
     params = GREEDY.replace(max_tokens=max_tokens)

@@ -123,6 +123,15 @@ class RequestState:
         return None if self.thinking is None else self.thinking == THINKING
 
     @property
+    def rows_independent(self) -> bool:
+        """True when the distribution of a row depends on its logits alone: no logits
+        processors and no penalties (both read the tokens accepted before it), so that
+        the rows verifying several proposed tokens can be sampled at once."""
+        p = self.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return not self.logits_processors and not penalties
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 

@@ -353,31 +353,44 @@ class Engine:
     def _sample(self, requests: list[Request], firsts: list[int], logits: torch.Tensor) -> int:
         """Sample the next token of each request from its rows of logits (R, V), from row
         firsts[i] on: one row, or 1 + k for a sequence that ran k proposed tokens. Row j
-        of those gives the
-        distribution after the j-th proposal: its sample is accepted, and while it equals
-        that proposal (exact rejection sampling for sampled rows) the next row is sampled
-        too. Returns the number of tokens accepted."""
+        gives the distribution after the j-th proposal: its sample is accepted, and while
+        it equals that proposal (exact rejection sampling for sampled rows) the next row's
+        is too. Returns the number of tokens accepted.
+
+        A request whose rows depend on its logits alone (`RequestState.rows_independent`:
+        no penalties, no processors) has all its rows sampled in one call; the others row
+        by row, each once the tokens before it are accepted (a grammar or a penalty must
+        see them). Either way one batched `sample_next` call per round serves them all."""
         proposals = [request.seq.proposed for request in requests]
         kept = [0] * len(requests)
-        active, j = list(range(len(requests))), 0
-        while active:
-            guesses = [proposals[i][j] if j < len(proposals[i]) else None for i in active]
-            index = torch.tensor([firsts[i] + j for i in active], device=logits.device)
+        next_row = dict.fromkeys(range(len(requests)), 0)  # the requests still sampling
+        while next_row:
+            picks = []  # (request, row) pairs of this round, each request's in order
+            for i, j in next_row.items():
+                last = len(proposals[i]) if requests[i].state.rows_independent else j
+                picks += [(i, row) for row in range(j, last + 1)]
+            guesses = [proposals[i][j] if j < len(proposals[i]) else None for i, j in picks]
+            index = torch.tensor([firsts[i] + j for i, j in picks], device=logits.device)
             result = sample_next(
                 logits[index],
-                [requests[i].state for i in active],
+                [requests[i].state for i, _ in picks],
                 guesses if any(g is not None for g in guesses) else None,
             )
             token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-            still = []
-            for r, i in enumerate(active):
+            going, stopped = {}, set()
+            for r, (i, j) in enumerate(picks):
+                if i in stopped:  # a row after one that ended this request's run
+                    continue
                 request = requests[i]
                 self._accept(request, token_ids[r], logprobs[r], result.top_logprobs[r])
                 if token_ids[r] == guesses[r] and not request.state.finished:
                     request.seq.num_computed_tokens += 1  # the proposal's K/V is its own
                     kept[i] += 1
-                    still.append(i)
-            active, j = still, j + 1
+                    going[i] = j + 1
+                else:
+                    stopped.add(i)
+                    going.pop(i, None)
+            next_row = {i: j for i, j in going.items() if j <= len(proposals[i])}
         for request, proposed, n in zip(requests, proposals, kept, strict=True):
             if proposed:
                 seq = request.seq

@@ -33,6 +33,7 @@ from qinfer.errors import RequestError
 from qinfer.kv_cache import position_mask
 from qinfer.runtime.kv_pool import KVPool
 from qinfer.runtime.runner import ModelRunner
+from qinfer.runtime.step_buffers import StepBuffers
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 
@@ -198,3 +199,24 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
     got = PagedAttention(pool, step, [None], torch_sdpa_grouped).attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
+
+
+def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
+    """Steps are written into the same tensors (a CUDA graph reads its inputs where they
+    were when captured); a step past the capacities reallocates them, with the same values."""
+    buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2)
+    first = buffers.write([[7], [8]], [5, 0], [[3, 1], [2]], [1, 1])
+    second = buffers.write([[9], [10]], [6, 1], [[3, 1], [2]], [1, 1])
+    assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
+    assert second.token_ids.tolist() == [9, 10] and second.positions.tolist() == [6, 1]
+    assert second.slots.tolist() == [1 * 4 + 2, 2 * 4 + 1]
+    assert second.context_lens.tolist() == [7, 2]
+    assert second.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
+    assert second.logits_indices.tolist() == [0, 1] and second.query_starts == [0, 1, 2]
+    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[0], [5, 6, 4]], [0, 2])
+    assert buffers.capacity == (8, 4, 4)
+    assert grown.token_ids.tolist() == [1, 2, 3, 4, 5]
+    assert grown.positions.tolist() == [0, 1, 2, 9, 10]
+    assert grown.slots.tolist() == [0, 1, 2, 4 * 4 + 1, 4 * 4 + 2]
+    assert grown.block_tables.tolist() == [[0, 0, 0], [5, 6, 4]]
+    assert grown.logits_indices.tolist() == [3, 4] and grown.query_starts == [0, 3, 5]

@@ -40,6 +40,8 @@ class KVPool:
         # survive a mask in a matmul.
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Each layer's (slots, Hkv, D) view, made once: a step's layers index no tensor.
+        self.layer_keys, self.layer_values = self.keys.unbind(0), self.values.unbind(0)
 
     @staticmethod
     def bytes_per_block(

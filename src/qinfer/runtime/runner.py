@@ -25,6 +25,7 @@ from qinfer.errors import QinferError
 from qinfer.model import Transformer
 from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.runtime.kv_pool import KVPool
+from qinfer.runtime.step_buffers import StepBuffers
 from qinfer.runtime.step_channel import StepChannel, StepInputs
 
 
@@ -120,6 +121,18 @@ class ModelRunner:
             kv_heads(model),
         )
         self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
+        self.sdpa = sdpa_for(model.features)
+        # Every step's inputs, written in place (sized for the scheduler's largest step; a
+        # longer one, or a longer block table, grows them).
+        self.buffers = StepBuffers(
+            config.block_size,
+            model.device,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            max_blocks=min(
+                self.pool.num_blocks, -(-model.config.max_position_embeddings // config.block_size)
+            ),
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -181,29 +194,21 @@ class ModelRunner:
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
-        positions, over this runner's pool; logits at the last num_logits[b] rows of each."""
+        positions, over this runner's pool; logits at the last num_logits[b] rows of each.
+        Its tensors are views of this runner's `StepBuffers`, rewritten by the next step."""
+        tensors = self.buffers.write(
+            step.new_tokens, step.num_computed, step.block_tables, step.num_logits
+        )
         num_new = [len(ids) for ids in step.new_tokens]
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-        positions = [
-            p
-            for computed, n in zip(step.num_computed, num_new, strict=True)
-            for p in range(computed, computed + n)
-        ]
-        wanted = [
-            row
-            for end, count in zip(starts[1:], step.num_logits, strict=True)
-            for row in range(end - count, end)
-        ]
-        device = self.model.device
-        paged = PagedStep(num_new, step.num_computed, step.block_tables, self.block_size, device)
+        paged = PagedStep(
+            num_new, step.num_computed, step.block_tables, self.block_size, None, tensors
+        )
         return ForwardBatch(
-            token_ids=torch.tensor([t for ids in step.new_tokens for t in ids], device=device),
-            positions=torch.tensor(positions, device=device),
-            query_starts=starts,
-            logits_indices=torch.tensor(wanted, dtype=torch.long, device=device),
-            attention=PagedAttention(self.pool, paged, self.windows, sdpa_for(self.model.features)),
+            token_ids=tensors.token_ids,
+            positions=tensors.positions,
+            query_starts=tensors.query_starts,
+            logits_indices=tensors.logits_indices,
+            attention=PagedAttention(self.pool, paged, self.windows, self.sdpa),
         )
 
     def follow(self) -> None:

@@ -29,10 +29,11 @@ from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
-from qinfer.errors import RequestError
+from qinfer.errors import QinferError, RequestError
 from qinfer.kv_cache import position_mask
+from qinfer.runtime.executor import Executor, ParallelConfig
 from qinfer.runtime.kv_pool import KVPool
-from qinfer.runtime.runner import ModelRunner
+from qinfer.runtime.runner import step_inputs
 from qinfer.runtime.step_buffers import StepBuffers
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
@@ -133,13 +134,13 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     every logits row equals transformers' for its sequence alone, at that position."""
     reference, model = pair[family]
     use_features(model, qinfer.Features(fast_sdpa=fast_sdpa))
-    runner = ModelRunner(model, EngineConfig(block_size=BLOCK, num_kv_blocks=64))
+    executor = Executor(model, EngineConfig(block_size=BLOCK, num_kv_blocks=64))
     full = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate([14, 14, 21, 11])]
     full.append(full[0][:8] + random_tokens(1, 6, seed=30)[0].tolist())  # shares 2 blocks
     want = [transformers_logits(reference, torch.tensor([ids]))[0] for ids in full]
     prompts = [7, 9, 12, 2, 10]  # then the rest of each row is fed back one token at a time
     seqs = [Sequence(str(b), ids[:n]) for b, (ids, n) in enumerate(zip(full, prompts, strict=True))]
-    free = iter(range(runner.num_blocks))
+    free = iter(range(executor.num_blocks))
     # (sequence, new tokens) per step: prompts in chunks, then decode; the last prompt
     # joins late and reads the first two blocks of the first sequence (a prefix-cache hit).
     plan = [[(0, 7), (1, 4), (2, 5)], [(0, 1), (1, 5), (2, 7), (3, 2)]]
@@ -154,7 +155,8 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
                 seq.block_table.append(next(free))
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
-        logits = runner.run([seqs[b] for b, _ in step], [n for _, n in step], num_logits).logits
+        inputs = step_inputs([seqs[b] for b, _ in step], [n for _, n in step], num_logits)
+        logits = executor.execute(inputs).logits
         assert logits.shape == (len(done), model.config.vocab_size)
         for b, n in step:
             seqs[b].num_computed_tokens += n
@@ -220,3 +222,16 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     assert grown.slots.tolist() == [0, 1, 2, 4 * 4 + 1, 4 * 4 + 2]
     assert grown.block_tables.tolist() == [[0, 0, 0], [5, 6, 4]]
     assert grown.logits_indices.tolist() == [3, 4] and grown.query_starts == [0, 3, 5]
+
+
+def test_parallel_config_refuses_pipeline_stages_and_non_positive_sizes():
+    assert ParallelConfig().world_size == 1
+    assert ParallelConfig(tensor=4).tensor_group_ranks() == [range(0, 4)]
+    with pytest.raises(
+        QinferError, match="^pipeline parallelism is not supported yet: pipeline must be 1, got 2$"
+    ):
+        ParallelConfig(tensor=2, pipeline=2)
+    with pytest.raises(
+        QinferError, match=r"^ParallelConfig.tensor must be a positive integer, got 0$"
+    ):
+        ParallelConfig(tensor=0)

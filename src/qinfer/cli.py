@@ -124,7 +124,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     llm = LLM(
         path, tokenizer, tensor_parallel_size=args.tensor_parallel_size, **load_arguments(args)
     )
-    announcer.finished(llm.engine.runner.model)
+    announcer.finished(llm.engine.executor.model)
     return path, tokenizer, llm.stream
 
 

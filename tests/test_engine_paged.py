@@ -75,10 +75,10 @@ def reference_attend(pool, tables, rows, q, k, v, window, scale):
         tokens = range(first, first + n)
         for i, token in enumerate(tokens):
             slot = table[(start + i) // BLOCK] * BLOCK + (start + i) % BLOCK
-            keys[slot], values[slot] = k[token], v[token]
+            keys[:, slot], values[:, slot] = k[token], v[token]
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start + n)]
-        history_k = keys[slots].transpose(0, 1)[None]  # (1, Hkv, S, D)
-        history_v = values[slots].transpose(0, 1)[None]
+        history_k = keys[:, slots][None]  # (1, Hkv, S, D)
+        history_v = values[:, slots][None]
         positions = torch.arange(start + n)[None]
         mask = position_mask(positions[:, start:], positions, window)  # (1, 1, n, S)
         queries = q[first : first + n].transpose(0, 1)[None]  # (1, Hq, n, D)

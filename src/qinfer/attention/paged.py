@@ -8,7 +8,7 @@ attends the queries of each group of sequences adding the same number of new tok
 their own histories:
 
 - decode (one new token each): the keys are copied as whole blocks (one row of
-  block_size * Hkv * D values per block, not one per token), scores and softmax are fp32
+  block_size * D values per block and head, not one per token), scores and softmax are fp32
   as in every attention path, and the weighted sum of the values is one `embedding_bag`
   that reads each value row where it sits in the pool: the values are never copied;
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
@@ -159,15 +159,16 @@ class Group:
         return self._tensors.positions[self.tokens]
 
     def history(self, pool: torch.Tensor) -> torch.Tensor:
-        """The group's histories in one layer's pool (slots, Hkv, D) -> (G, S, Hkv, D), read
-        as whole blocks: one row of block_size * Hkv * D values per block (or a view of the
-        pool when they lie in one run)."""
+        """The group's histories in one layer's pool (Hkv, slots, D) -> (G, Hkv, S, D), read
+        as whole blocks: one row of block_size * D values per block and head (or a view of
+        the pool when they lie in one run)."""
         if self.first_slot is not None:
-            return pool[self.first_slot : self.first_slot + self.length][None]
-        slots, Hkv, D = pool.shape
-        blocks = pool.view(slots // self.block_size, self.block_size * Hkv * D)
-        history = F.embedding(self.tables, blocks)  # (G, W, block_size * Hkv * D)
-        return history.view(len(self.rows), -1, Hkv, D)[:, : self.length]
+            return pool[:, self.first_slot : self.first_slot + self.length][None]
+        Hkv, slots, D = pool.shape
+        blocks = pool.view(Hkv, slots // self.block_size, self.block_size * D)
+        history = blocks[:, self.tables]  # (Hkv, G, W, block_size * D)
+        history = history.view(Hkv, len(self.rows), -1, D)[:, :, : self.length]
+        return history.transpose(0, 1)
 
     def mask(self, window: int | None) -> Mask:
         """(G, 1, L, S) boolean, True = may attend: causal over each sequence's own history,
@@ -194,17 +195,17 @@ class Group:
             self._masks[window, additive] = allowed
         return self._masks[window, additive]
 
-    def value_rows(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    def value_rows(self, num_heads: int, num_kv_heads: int, num_slots: int) -> torch.Tensor:
         """(G * Hq, S): for query head h of each sequence, the row of the values viewed as
-        (slots * Hkv, D) that it reads at each key: slot * Hkv + h // (Hq / Hkv)."""
-        key = (num_heads, num_kv_heads)
+        (Hkv * slots, D) that it reads at each key: (h // (Hq / Hkv)) * slots + slot."""
+        key = (num_heads, num_kv_heads, num_slots)
         if key not in self._value_rows:
             G, W = self.tables.shape
             offsets = torch.arange(self.block_size, device=self.tables.device)
             slots = (self.tables[:, :, None] * self.block_size + offsets).view(G, -1)
             slots = slots[:, : self.length]  # (G, S)
             kv_head = torch.arange(num_heads, device=slots.device) // (num_heads // num_kv_heads)
-            rows = slots[:, None, :] * num_kv_heads + kv_head[None, :, None]  # (G, Hq, S)
+            rows = kv_head[None, :, None] * num_slots + slots[:, None, :]  # (G, Hq, S)
             self._value_rows[key] = rows.view(G * num_heads, -1)
         return self._value_rows[key]
 
@@ -230,8 +231,9 @@ class PagedAttention:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
         into the pool, then attends each group of sequences to its own histories."""
         keys, values = self.pool.layer_keys[layer], self.pool.layer_values[layer]
-        keys.index_copy_(0, self.step.slots, k.to(keys.dtype))  # (slots, Hkv, D)
-        values.index_copy_(0, self.step.slots, v.to(values.dtype))
+        # (T, Hkv, D) -> the pool's (Hkv, slots, D), at the tokens' slots
+        keys.index_copy_(1, self.step.slots, k.to(keys.dtype).transpose(0, 1))
+        values.index_copy_(1, self.step.slots, v.to(values.dtype).transpose(0, 1))
         window = self.windows[layer]
         if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = self.step.groups
@@ -269,23 +271,22 @@ def _decode(
     scale: float,
 ) -> torch.Tensor:
     """q (G, 1, Hq, D), one token per sequence, against the pool's keys and values
-    (slots, Hkv, D) -> (G, 1, Hq, D).
+    (Hkv, slots, D) -> (G, 1, Hq, D).
 
     softmax(q k^T * scale + mask) v as `scaled_dot_product_attention_grouped` defines it
     (fp32 scores, weights cast to the values' dtype), without copying the values.
     """
     G, _, Hq, D = q.shape
-    Hkv = keys.shape[1]
-    # (G, S, Hkv, D) -> fp32 (G, Hkv, S, D), transposed and converted in one copy
-    history = group.history(keys).transpose(1, 2)
-    history = history.to(torch.float32, memory_format=torch.contiguous_format)
+    Hkv, num_slots = keys.shape[:2]
+    # (G, Hkv, S, D) -> fp32, converted in one copy
+    history = group.history(keys).to(torch.float32, memory_format=torch.contiguous_format)
     queries = q.reshape(G, Hkv, Hq // Hkv, D).float()  # query head h reads KV head h // n_rep
     scores = torch.matmul(queries, history.transpose(-1, -2)) * scale  # (G, Hkv, n_rep, S)
     weights = torch.softmax(scores + group.score_mask(window), dim=-1)
     # Row (g, h): sum over s of weights[g, h, s] * value row value_rows[g, h, s].
     out = F.embedding_bag(
-        group.value_rows(Hq, Hkv),
-        values.view(-1, D),  # (slots * Hkv, D)
+        group.value_rows(Hq, Hkv, num_slots),
+        values.view(-1, D),  # (Hkv * slots, D)
         per_sample_weights=weights.view(G * Hq, -1).to(values.dtype),
         mode="sum",
     )  # (G * Hq, D)
@@ -302,7 +303,7 @@ def _chunk(
     sdpa: Sdpa,
 ) -> torch.Tensor:
     """q (G, L, Hq, D), L new tokens per sequence -> (G, L, Hq, D), through `sdpa`."""
-    history_k = group.history(keys).transpose(1, 2)  # (G, Hkv, S, D)
-    history_v = group.history(values).transpose(1, 2)
+    history_k = group.history(keys)  # (G, Hkv, S, D)
+    history_v = group.history(values)
     out = sdpa(q.transpose(1, 2), history_k, history_v, scale, group.mask(window))
     return out.transpose(1, 2)  # (G, Hq, L, D) -> (G, L, Hq, D)

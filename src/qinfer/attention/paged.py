@@ -133,7 +133,7 @@ class Group:
             self.tables = tensors.block_tables[index, :width]
             self.totals = tensors.context_lens[index]
         self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
-        self._value_rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._value_rows: dict[tuple[int, int, int], torch.Tensor] = {}
         # A lone sequence whose blocks follow each other in the pool (as a fresh pool hands
         # them out) reads its history as a slice of the pool, without a copy.
         table = block_tables[rows[0]]

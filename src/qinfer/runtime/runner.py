@@ -165,9 +165,8 @@ class ModelRunner:
             step.new_tokens, step.num_computed, step.block_tables, step.num_logits
         )
         num_new = [len(ids) for ids in step.new_tokens]
-        paged = PagedStep(
-            num_new, step.num_computed, step.block_tables, self.block_size, None, tensors
-        )
+        device, size = self.model.device, self.block_size
+        paged = PagedStep(num_new, step.num_computed, step.block_tables, size, device, tensors)
         return ForwardBatch(
             token_ids=tensors.token_ids,
             positions=tensors.positions,

@@ -166,7 +166,9 @@ class Group:
             return pool[:, self.first_slot : self.first_slot + self.length][None]
         Hkv, slots, D = pool.shape
         blocks = pool.view(Hkv, slots // self.block_size, self.block_size * D)
-        history = blocks[:, self.tables]  # (Hkv, G, W, block_size * D)
+        # index_select copies whole rows (indexing with a (G, W) tensor gathers element by
+        # element: 7x slower for 8 sequences of 12 blocks)
+        history = blocks.index_select(1, self.tables.reshape(-1))  # (Hkv, G * W, block_size * D)
         history = history.view(Hkv, len(self.rows), -1, D)[:, :, : self.length]
         return history.transpose(0, 1)
 

@@ -29,10 +29,12 @@ from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
-from qinfer.errors import RequestError
+from qinfer.errors import QinferError, RequestError
 from qinfer.kv_cache import position_mask
+from qinfer.runtime.executor import Executor, ParallelConfig
 from qinfer.runtime.kv_pool import KVPool
-from qinfer.runtime.runner import ModelRunner
+from qinfer.runtime.runner import step_inputs
+from qinfer.runtime.step_buffers import StepBuffers
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 
@@ -73,10 +75,10 @@ def reference_attend(pool, tables, rows, q, k, v, window, scale):
         tokens = range(first, first + n)
         for i, token in enumerate(tokens):
             slot = table[(start + i) // BLOCK] * BLOCK + (start + i) % BLOCK
-            keys[slot], values[slot] = k[token], v[token]
+            keys[:, slot], values[:, slot] = k[token], v[token]
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start + n)]
-        history_k = keys[slots].transpose(0, 1)[None]  # (1, Hkv, S, D)
-        history_v = values[slots].transpose(0, 1)[None]
+        history_k = keys[:, slots][None]  # (1, Hkv, S, D)
+        history_v = values[:, slots][None]
         positions = torch.arange(start + n)[None]
         mask = position_mask(positions[:, start:], positions, window)  # (1, 1, n, S)
         queries = q[first : first + n].transpose(0, 1)[None]  # (1, Hq, n, D)
@@ -132,13 +134,13 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     every logits row equals transformers' for its sequence alone, at that position."""
     reference, model = pair[family]
     use_features(model, qinfer.Features(fast_sdpa=fast_sdpa))
-    runner = ModelRunner(model, EngineConfig(block_size=BLOCK, num_kv_blocks=64))
+    executor = Executor(model, EngineConfig(block_size=BLOCK, num_kv_blocks=64))
     full = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate([14, 14, 21, 11])]
     full.append(full[0][:8] + random_tokens(1, 6, seed=30)[0].tolist())  # shares 2 blocks
     want = [transformers_logits(reference, torch.tensor([ids]))[0] for ids in full]
     prompts = [7, 9, 12, 2, 10]  # then the rest of each row is fed back one token at a time
     seqs = [Sequence(str(b), ids[:n]) for b, (ids, n) in enumerate(zip(full, prompts, strict=True))]
-    free = iter(range(runner.num_blocks))
+    free = iter(range(executor.num_blocks))
     # (sequence, new tokens) per step: prompts in chunks, then decode; the last prompt
     # joins late and reads the first two blocks of the first sequence (a prefix-cache hit).
     plan = [[(0, 7), (1, 4), (2, 5)], [(0, 1), (1, 5), (2, 7), (3, 2)]]
@@ -153,7 +155,8 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
                 seq.block_table.append(next(free))
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
-        logits = runner.run([seqs[b] for b, _ in step], [n for _, n in step], num_logits).logits
+        inputs = step_inputs([seqs[b] for b, _ in step], [n for _, n in step], num_logits)
+        logits = executor.execute(inputs).logits
         assert logits.shape == (len(done), model.config.vocab_size)
         for b, n in step:
             seqs[b].num_computed_tokens += n
@@ -198,3 +201,37 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
     got = PagedAttention(pool, step, [None], torch_sdpa_grouped).attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
+
+
+def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
+    """Steps are written into the same tensors (a CUDA graph reads its inputs where they
+    were when captured); a step past the capacities reallocates them, with the same values."""
+    buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2)
+    first = buffers.write([[7], [8]], [5, 0], [[3, 1], [2]], [1, 1])
+    second = buffers.write([[9], [10]], [6, 1], [[3, 1], [2]], [1, 1])
+    assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
+    assert second.token_ids.tolist() == [9, 10] and second.positions.tolist() == [6, 1]
+    assert second.slots.tolist() == [1 * 4 + 2, 2 * 4 + 1]
+    assert second.context_lens.tolist() == [7, 2]
+    assert second.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
+    assert second.logits_indices.tolist() == [0, 1] and second.query_starts == [0, 1, 2]
+    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[0], [5, 6, 4]], [0, 2])
+    assert buffers.capacity == (8, 4, 4)
+    assert grown.token_ids.tolist() == [1, 2, 3, 4, 5]
+    assert grown.positions.tolist() == [0, 1, 2, 9, 10]
+    assert grown.slots.tolist() == [0, 1, 2, 4 * 4 + 1, 4 * 4 + 2]
+    assert grown.block_tables.tolist() == [[0, 0, 0], [5, 6, 4]]
+    assert grown.logits_indices.tolist() == [3, 4] and grown.query_starts == [0, 3, 5]
+
+
+def test_parallel_config_refuses_pipeline_stages_and_non_positive_sizes():
+    assert ParallelConfig().world_size == 1
+    assert ParallelConfig(tensor=4).tensor_group_ranks() == [range(0, 4)]
+    with pytest.raises(
+        QinferError, match="^pipeline parallelism is not supported yet: pipeline must be 1, got 2$"
+    ):
+        ParallelConfig(tensor=2, pipeline=2)
+    with pytest.raises(
+        QinferError, match=r"^ParallelConfig.tensor must be a positive integer, got 0$"
+    ):
+        ParallelConfig(tensor=0)

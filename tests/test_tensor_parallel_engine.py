@@ -109,8 +109,8 @@ def test_the_pool_holds_the_ranks_kv_heads(checkpoint):
     single = LLM(checkpoint, dtype="float32", device="cpu", **budget)
     split = LLM(checkpoint, dtype="float32", device="cpu", tensor_parallel_size=2, **budget)
     try:
-        assert split.engine.runner.pool.keys.shape[2] == 1
-        assert split.engine.runner.num_blocks == 2 * single.engine.runner.num_blocks
+        assert split.engine.executor.runner.pool.keys.shape[1] == 1
+        assert split.engine.executor.num_blocks == 2 * single.engine.executor.num_blocks
     finally:
         split.close()
 
@@ -121,7 +121,7 @@ def test_a_worker_killed_mid_generation_ends_the_group_with_one_line(checkpoint)
     try:
         engine.add_request(PROMPTS[2], GREEDY)
         engine.step()  # the first prefill chunk ran on both ranks
-        (worker,) = engine.runner.group.workers
+        (worker,) = engine.executor.group.workers
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(
@@ -241,7 +241,7 @@ def test_health_turns_503_when_a_worker_of_an_idle_engine_dies(checkpoint):
     try:
         http = TestClient(create_app(engine, engine.tokenizer, ServerSettings("qwen3")))
         assert http.get("/health").status_code == 200
-        (worker,) = engine.engine.runner.group.workers
+        (worker,) = engine.engine.executor.group.workers
         os.kill(worker.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while engine.failure is None and time.monotonic() < deadline:

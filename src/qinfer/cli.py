@@ -132,7 +132,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         speculative=speculative,
         **load_arguments(args),
     )
-    announcer.finished(llm.engine.runner.model)
+    announcer.finished(llm.engine.executor.model)
     return path, tokenizer, llm.stream
 
 

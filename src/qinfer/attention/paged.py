@@ -8,7 +8,7 @@ attends the queries of each group of sequences adding the same number of new tok
 their own histories:
 
 - decode (one new token each): the keys are copied as whole blocks (one row of
-  block_size * Hkv * D values per block, not one per token), scores and softmax are fp32
+  block_size * D values per block and head, not one per token), scores and softmax are fp32
   as in every attention path, and the weighted sum of the values is one `embedding_bag`
   that reads each value row where it sits in the pool: the values are never copied;
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
@@ -21,12 +21,15 @@ Sliding-window layers keep their whole history in the pool and are masked to the
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.kv_cache import position_mask
 from qinfer.runtime.kv_pool import KVPool
+from qinfer.runtime.step_buffers import StepBuffers, StepTensors
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
@@ -35,11 +38,13 @@ SPLIT_KEYS = 1024
 
 class PagedStep:
     """Where the K/V of one step's tokens go to and come from in the pool: the metadata
-    that every layer's `PagedAttention.attend` shares.
+    that every layer's `PagedAttention.attend` shares, built once per step.
 
     Per sequence b: num_new[b] tokens run now (flat, sequence after sequence),
     num_computed[b] tokens already in the pool (at positions 0..num_computed[b]-1),
-    block_tables[b]. slots: (T,) the pool slot each new token's K/V is written to.
+    block_tables[b]. The host lists decide the grouping; the tensors come from `tensors`
+    (the runner's `StepBuffers`, written in place; default: buffers of this step's own).
+    slots: (T,) the pool slot each new token's K/V is written to.
     """
 
     def __init__(
@@ -49,30 +54,19 @@ class PagedStep:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        tensors: StepTensors | None = None,
     ) -> None:
-        slots, tokens = [], []  # per sequence: its new tokens' pool slots, flat indices
-        start = 0
-        for n, computed, table in zip(num_new, num_computed, block_tables, strict=True):
-            slots += [
-                table[p // block_size] * block_size + p % block_size
-                for p in range(computed, computed + n)
-            ]
-            tokens.append(list(range(start, start + n)))
-            start += n
-        self.slots = torch.tensor(slots, device=device)  # (T,)
-
+        if tensors is None:
+            buffers = StepBuffers(block_size, device, sum(num_new), len(num_new))
+            no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
+            tensors = buffers.write(no_ids, num_computed, block_tables, no_logits)
+        self.slots = tensors.slots  # (T,)
+        histories = [computed + n for computed, n in zip(num_computed, num_new, strict=True)]
         by_length: dict[int, list[int]] = {}
         for b, n in enumerate(num_new):
             by_length.setdefault(n, []).append(b)
-        histories = [computed + n for computed, n in zip(num_computed, num_new, strict=True)]
         self.groups = [
-            Group(
-                [tokens[b] for b in rows],
-                [num_computed[b] for b in rows],
-                [block_tables[b] for b in rows],
-                block_size,
-                device,
-            )
+            Group(rows, num_new[rows[0]], num_computed, block_tables, block_size, tensors)
             for same_length in by_length.values()
             for rows in split_by_history(same_length, histories, block_size)
         ]
@@ -105,53 +99,78 @@ class Group:
     """The sequences of one step that add the same number L of new tokens: where their
     queries sit in the step and where their histories sit in the pool.
 
-    tokens: (G, L) flat indices of each sequence's new tokens in the step; tables: (G, W) block
+    rows: the group's sequences (indices into the step's). tables: (G, W) their block
     tables padded with block 0. A history is read as whole blocks, S = W * block_size
     keys; key_positions (G, S) gives each key's position, -1 past the sequence's history.
     When every history of the group is equally long, S is cut to that length and the
-    bottom-right causal rule says all (mask "causal": the fast paths of sdpa).
+    bottom-right causal rule says all (mask "causal": the fast paths of sdpa). What only
+    some paths read (the queries' flat indices, the masks, the value rows) is made on
+    first use, once per step.
     """
 
     def __init__(
         self,
-        tokens: list[list[int]],
+        rows: list[int],
+        num_new: int,
         num_computed: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        device: torch.device,
+        tensors: StepTensors,
     ) -> None:
-        G, L = len(tokens), len(tokens[0])
-        width = max(len(table) for table in block_tables)
-        totals = [start + L for start in num_computed]  # history length after this step
-        self.num_new = L
+        G, L = len(rows), num_new
+        width = max(len(block_tables[b]) for b in rows)
+        totals = [num_computed[b] + L for b in rows]  # history length after this step
+        self.rows, self.num_new, self.block_size = rows, L, block_size
+        self.starts = [tensors.query_starts[b] for b in rows]  # each one's first new token
         self.equal_lengths = len(set(totals)) == 1
         self.length = totals[0] if self.equal_lengths else width * block_size  # S
-        self.block_size = block_size
-        self.tokens = torch.tensor(tokens, device=device)  # (G, L)
-        self.tables = torch.tensor(
-            [table + [0] * (width - len(table)) for table in block_tables], device=device
-        )  # (G, W)
-        keys = torch.arange(self.length).expand(G, -1)  # (G, S)
-        self.key_positions = torch.where(keys < torch.tensor(totals)[:, None], keys, -1).to(device)
-        self.query_positions = (torch.tensor(num_computed)[:, None] + torch.arange(L)).to(device)
+        self._tensors = tensors
+        if rows == list(range(len(tensors.query_starts) - 1)):  # every sequence, in order
+            self.tables = tensors.block_tables[:, :width]  # (G, W) views of the buffers
+            self.totals = tensors.context_lens  # (G,)
+        else:
+            index = torch.tensor(rows, device=tensors.block_tables.device)
+            self.tables = tensors.block_tables[index, :width]
+            self.totals = tensors.context_lens[index]
         self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
-        self._value_rows: dict[tuple[int, int], torch.Tensor] = {}
+        self._value_rows: dict[tuple[int, int, int], torch.Tensor] = {}
         # A lone sequence whose blocks follow each other in the pool (as a fresh pool hands
         # them out) reads its history as a slice of the pool, without a copy.
-        first = block_tables[0][0] if block_tables[0] else 0
-        run = list(range(first, first + len(block_tables[0])))
-        self.first_slot = first * block_size if G == 1 and block_tables[0] == run else None
+        table = block_tables[rows[0]]
+        first = table[0] if table else 0
+        run = list(range(first, first + len(table)))
+        self.first_slot = first * block_size if G == 1 and table == run else None
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        """(G, L) flat indices of each sequence's new tokens in the step."""
+        starts = torch.tensor(self.starts, device=self.tables.device)
+        return starts[:, None] + torch.arange(self.num_new, device=starts.device)
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:
+        """(G, S): each key's position in its sequence, -1 past its history."""
+        keys = torch.arange(self.length, device=self.tables.device).expand(len(self.rows), -1)
+        return torch.where(keys < self.totals[:, None], keys, -1)
+
+    @cached_property
+    def query_positions(self) -> torch.Tensor:
+        """(G, L): each new token's position."""
+        return self._tensors.positions[self.tokens]
 
     def history(self, pool: torch.Tensor) -> torch.Tensor:
-        """The group's histories in one layer's pool (slots, Hkv, D) -> (G, S, Hkv, D), read
-        as whole blocks: one row of block_size * Hkv * D values per block (or a view of the
-        pool when they lie in one run)."""
+        """The group's histories in one layer's pool (Hkv, slots, D) -> (G, Hkv, S, D), read
+        as whole blocks: one row of block_size * D values per block and head (or a view of
+        the pool when they lie in one run)."""
         if self.first_slot is not None:
-            return pool[self.first_slot : self.first_slot + self.length][None]
-        slots, Hkv, D = pool.shape
-        blocks = pool.view(slots // self.block_size, self.block_size * Hkv * D)
-        history = F.embedding(self.tables, blocks)  # (G, W, block_size * Hkv * D)
-        return history.view(len(self.tables), -1, Hkv, D)[:, : self.length]
+            return pool[:, self.first_slot : self.first_slot + self.length][None]
+        Hkv, slots, D = pool.shape
+        blocks = pool.view(Hkv, slots // self.block_size, self.block_size * D)
+        # index_select copies whole rows (indexing with a (G, W) tensor gathers element by
+        # element: 7x slower for 8 sequences of 12 blocks)
+        history = blocks.index_select(1, self.tables.reshape(-1))  # (Hkv, G * W, block_size * D)
+        history = history.view(Hkv, len(self.rows), -1, D)[:, :, : self.length]
+        return history.transpose(0, 1)
 
     def mask(self, window: int | None) -> Mask:
         """(G, 1, L, S) boolean, True = may attend: causal over each sequence's own history,
@@ -178,17 +197,17 @@ class Group:
             self._masks[window, additive] = allowed
         return self._masks[window, additive]
 
-    def value_rows(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    def value_rows(self, num_heads: int, num_kv_heads: int, num_slots: int) -> torch.Tensor:
         """(G * Hq, S): for query head h of each sequence, the row of the values viewed as
-        (slots * Hkv, D) that it reads at each key: slot * Hkv + h // (Hq / Hkv)."""
-        key = (num_heads, num_kv_heads)
+        (Hkv * slots, D) that it reads at each key: (h // (Hq / Hkv)) * slots + slot."""
+        key = (num_heads, num_kv_heads, num_slots)
         if key not in self._value_rows:
             G, W = self.tables.shape
             offsets = torch.arange(self.block_size, device=self.tables.device)
             slots = (self.tables[:, :, None] * self.block_size + offsets).view(G, -1)
             slots = slots[:, : self.length]  # (G, S)
             kv_head = torch.arange(num_heads, device=slots.device) // (num_heads // num_kv_heads)
-            rows = slots[:, None, :] * num_kv_heads + kv_head[None, :, None]  # (G, Hq, S)
+            rows = kv_head[None, :, None] * num_slots + slots[:, None, :]  # (G, Hq, S)
             self._value_rows[key] = rows.view(G * num_heads, -1)
         return self._value_rows[key]
 
@@ -213,13 +232,14 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
         into the pool, then attends each group of sequences to its own histories."""
-        keys, values = self.pool.keys[layer], self.pool.values[layer]  # (slots, Hkv, D)
-        keys.index_copy_(0, self.step.slots, k.to(keys.dtype))
-        values.index_copy_(0, self.step.slots, v.to(values.dtype))
+        keys, values = self.pool.layer_keys[layer], self.pool.layer_values[layer]
+        # (T, Hkv, D) -> the pool's (Hkv, slots, D), at the tokens' slots
+        keys.index_copy_(1, self.step.slots, k.to(keys.dtype).transpose(0, 1))
+        values.index_copy_(1, self.step.slots, v.to(values.dtype).transpose(0, 1))
         window = self.windows[layer]
         if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = self.step.groups
-            queries = q.view(*group.tokens.shape, *q.shape[1:])  # (G, L, Hq, D)
+            queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)
             return self._group(queries, keys, values, group, window, scale).view(q.shape)
         out = torch.empty_like(q)  # every token belongs to exactly one group
         for group in self.step.groups:
@@ -253,23 +273,22 @@ def _decode(
     scale: float,
 ) -> torch.Tensor:
     """q (G, 1, Hq, D), one token per sequence, against the pool's keys and values
-    (slots, Hkv, D) -> (G, 1, Hq, D).
+    (Hkv, slots, D) -> (G, 1, Hq, D).
 
     softmax(q k^T * scale + mask) v as `scaled_dot_product_attention_grouped` defines it
     (fp32 scores, weights cast to the values' dtype), without copying the values.
     """
     G, _, Hq, D = q.shape
-    Hkv = keys.shape[1]
-    # (G, S, Hkv, D) -> fp32 (G, Hkv, S, D), transposed and converted in one copy
-    history = group.history(keys).transpose(1, 2)
-    history = history.to(torch.float32, memory_format=torch.contiguous_format)
+    Hkv, num_slots = keys.shape[:2]
+    # (G, Hkv, S, D) -> fp32, converted in one copy
+    history = group.history(keys).to(torch.float32, memory_format=torch.contiguous_format)
     queries = q.reshape(G, Hkv, Hq // Hkv, D).float()  # query head h reads KV head h // n_rep
     scores = torch.matmul(queries, history.transpose(-1, -2)) * scale  # (G, Hkv, n_rep, S)
     weights = torch.softmax(scores + group.score_mask(window), dim=-1)
     # Row (g, h): sum over s of weights[g, h, s] * value row value_rows[g, h, s].
     out = F.embedding_bag(
-        group.value_rows(Hq, Hkv),
-        values.view(-1, D),  # (slots * Hkv, D)
+        group.value_rows(Hq, Hkv, num_slots),
+        values.view(-1, D),  # (Hkv * slots, D)
         per_sample_weights=weights.view(G * Hq, -1).to(values.dtype),
         mode="sum",
     )  # (G * Hq, D)
@@ -286,7 +305,7 @@ def _chunk(
     sdpa: Sdpa,
 ) -> torch.Tensor:
     """q (G, L, Hq, D), L new tokens per sequence -> (G, L, Hq, D), through `sdpa`."""
-    history_k = group.history(keys).transpose(1, 2)  # (G, Hkv, S, D)
-    history_v = group.history(values).transpose(1, 2)
+    history_k = group.history(keys)  # (G, Hkv, S, D)
+    history_v = group.history(values)
     out = sdpa(q.transpose(1, 2), history_k, history_v, scale, group.mask(window))
     return out.transpose(1, 2)  # (G, Hq, L, D) -> (G, L, Hq, D)

@@ -2,8 +2,8 @@
 the offline `LLM` API and the `AsyncEngine` the server runs on.
 
 sequence.py (one request's tokens and blocks) -> block_manager.py (who owns which block,
-prefix caching) -> scheduler.py (who runs next) -> `qinfer.runtime.runner` (one step through
-the model: a `ForwardBatch` over the paged attention backend) -> engine.py (sampling,
+prefix caching) -> scheduler.py (who runs next) -> `qinfer.runtime.executor` (one step through
+the model on every rank: a `ForwardBatch` over the paged attention backend) -> engine.py (sampling,
 stopping, outputs) -> llm.py / async_engine.py.
 """
 

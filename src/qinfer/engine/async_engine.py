@@ -90,8 +90,8 @@ class AsyncEngine:
         self._stopping = False
         self.failure: TensorParallelError | None = None
         self.on_failure: Callable[[TensorParallelError], None] | None = None
-        if self.engine.runner.group is not None:
-            self.engine.runner.group.watch(self._fail_group)
+        if self.engine.executor.group is not None:
+            self.engine.executor.group.watch(self._fail_group)
         self._thread = threading.Thread(target=self._run, name="qinfer-engine", daemon=True)
         self._thread.start()
 
@@ -281,7 +281,7 @@ class AsyncEngine:
         elif command == "call":
             call: _ModelCall = arg
             try:
-                call.settle(call.fn(self.engine.runner.model), None)
+                call.settle(call.fn(self.engine.executor.model), None)
             except Exception as error:  # the caller's to report; the engine goes on
                 call.settle(None, error)
         self._stats = self.engine.stats()

@@ -35,7 +35,8 @@ from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
 from qinfer.prompt_logprobs import PromptLogprobs
 from qinfer.request_state import RequestState, sample_next
-from qinfer.runtime.runner import ModelRunner
+from qinfer.runtime.executor import Executor, follow
+from qinfer.runtime.runner import step_inputs
 from qinfer.sampling import SamplingParams
 from qinfer.scoring import ScoreParams
 from qinfer.speculative.speculator import Speculator
@@ -136,7 +137,7 @@ class Engine:
     """Continuous batching over a paged KV pool, one `step()` at a time (not thread-safe).
 
     group: under tensor parallelism, the group whose rank 0 this is (model is rank 0's
-    shard; the workers follow each step, see `ModelRunner`); `close()` stops them.
+    shard; the workers follow each step, see `Executor`); `close()` stops them.
     eos_token_ids: the ids that end a request (default: the model's and tokenizer's).
     """
 
@@ -153,23 +154,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.default_params = default_params or SamplingParams()  # for requests without any
-        self.runner = ModelRunner(model, self.config, group)
+        self.executor = Executor(model, self.config, group)
         # close() on demand, else when the engine is collected or the interpreter exits
-        self._close = weakref.finalize(self, self.runner.close)
+        self._close = weakref.finalize(self, self.executor.close)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.executor.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.speculator = None
         if self.config.speculative is not None:
             self.speculator = Speculator(
-                self.config.speculative, model, self.runner.num_blocks, self.config.block_size
+                self.config.speculative, model, self.executor.num_blocks, self.config.block_size
             )
         context = model.config.max_position_embeddings
         self.context_len = min(self.config.max_model_len or context, context)
         # The longest sequence: within the context, and its K/V (all but the last token,
         # which is never fed back) within the pool.
-        self.max_len = min(self.context_len, self.runner.num_blocks * self.config.block_size + 1)
+        self.max_len = min(self.context_len, self.executor.num_blocks * self.config.block_size + 1)
         # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
         # front-ends without a tokenizer: `qinfer.generation.generate_ids`).
         if eos_token_ids is None:
@@ -216,7 +217,7 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        # The model runs these ids unchecked (`ModelRunner.run`): encode_prompt checks them.
+        # The model runs these ids unchecked (`runner.step_inputs`): encode_prompt checks them.
         try:
             ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.model.config.vocab_size)
         except QinferError as error:
@@ -225,7 +226,7 @@ class Engine:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
-                f"{self.runner.num_blocks * self.config.block_size} tokens)"
+                f"{self.executor.num_blocks * self.config.block_size} tokens)"
             )
         # A cache hit skips rows that mean pooling and prompt logprobs need.
         uses_prefix_cache = (
@@ -309,7 +310,8 @@ class Engine:
             request.num_logits(n)
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        result = self.runner.run(scheduled.seqs, scheduled.num_new, num_logits, hidden_rows)
+        step = step_inputs(scheduled.seqs, scheduled.num_new, num_logits)
+        result = self.executor.execute(step, hidden_rows)
         requests, firsts, outputs = [], [], []
         end = 0  # the logits rows of the sequences so far
         for request, n, k, rows in zip(
@@ -512,7 +514,7 @@ def follow_engine(
     """A worker rank of a tensor-parallel engine: load its shard, size the same pool as
     every rank, and run rank 0's steps until it stops."""
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
-    ModelRunner(model, config, group).follow()
+    follow(model, config, group)
 
 
 def _load_shard(path: Path, load_args: dict, group: TensorParallelGroup) -> Transformer:

@@ -1,13 +1,13 @@
-"""One scheduled step through the model: the KV pool, its size, and the logits of each row.
+"""One rank's forward of a scheduled step: the KV pool, its size, and the logits of each row.
 
 A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
 attending through the paged backend (`qinfer.attention.paged`) over this runner's pool;
 logits are computed only at the rows that ask for them: the last token of each sequence
-that samples, the last 1 + k of one that verifies k proposed tokens.
+that samples, the last 1 + k of one that verifies k proposed tokens. The step's tensors
+are written in place into the runner's `StepBuffers`.
 
-Under tensor parallelism every rank has a runner with a pool of the same number of blocks
-holding its own KV heads; rank 0's `run` broadcasts each step (`StepChannel`) before
-running it, and the workers' `follow` runs the same steps.
+A runner is one rank's: which ranks run a step, and how a step reaches them, is the
+`Executor`'s (`qinfer.runtime.executor`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 
 from qinfer.attention.backend import sdpa_for
 from qinfer.attention.paged import PagedAttention, PagedStep
-from qinfer.distributed import TensorParallelGroup
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
 from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.runtime.kv_pool import KVPool
+from qinfer.runtime.step_buffers import StepBuffers
 from qinfer.runtime.step_channel import StepChannel, StepInputs
 
 
@@ -94,78 +94,56 @@ class StepOutput:
     hidden: list[torch.Tensor | None]
 
 
+def step_inputs(seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> StepInputs:
+    """The step that runs num_new[b] new tokens of each sequence (their blocks already
+    allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
+    num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
+    leaves more of its prompt for later steps, or a pooling sequence). Token ids are not
+    checked: the engine checked every prompt when it came in, sampled ids come from the
+    logits, and proposed ids from the vocabulary."""
+    return StepInputs(
+        [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
+        [seq.num_computed_tokens for seq in seqs],
+        [seq.block_table for seq in seqs],
+        list(num_logits),
+    )
+
+
 class ModelRunner:
-    """Owns the KV pool and turns a list of (sequence, new tokens) into next-token logits.
+    """One rank's model over its own KV pool of num_blocks blocks: `forward` runs a step."""
 
-    group: the tensor-parallel group when the model is one rank's shard (None: a single
-    process, no communication). Rank 0's runner `run`s the steps, the others `follow`.
-    """
-
-    def __init__(
-        self,
-        model: Transformer,
-        config: EngineConfig,
-        group: TensorParallelGroup | None = None,
-    ) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.block_size = config.block_size
-        self.group = group
-        self.channel = None if group is None else StepChannel(group)
         self.pool = KVPool(
-            model.config,
-            kv_pool_blocks(model, config, self.channel),
-            config.block_size,
-            model.dtype,
-            model.device,
-            kv_heads(model),
+            model.config, num_blocks, config.block_size, model.dtype, model.device, kv_heads(model)
         )
         self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
+        self.sdpa = sdpa_for(model.features)
+        # Every step's inputs, written in place (sized for the scheduler's largest step; a
+        # longer one, or a longer block table, grows them).
+        context_blocks = -(-model.config.max_position_embeddings // config.block_size)
+        self.buffers = StepBuffers(
+            config.block_size,
+            model.device,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            max_blocks=min(num_blocks, context_blocks),
+        )
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def run(
-        self,
-        seqs: list[Sequence],
-        num_new: list[int],
-        num_logits: list[int],
-        hidden_rows: list[list[int] | None] | None = None,
-    ) -> StepOutput:
-        """Run num_new[b] new tokens of each sequence (their blocks already allocated)
-        through the model in one forward: its uncomputed tokens, then its proposed ones
-        (`Sequence.proposed`).
-
-        num_logits[b]: how many of those new tokens, counted from the last, produce logits
-        (0: a prompt chunk that leaves more of its prompt for later steps, or a pooling
-        sequence). hidden_rows[b]: None, or for a pooling sequence the rows (0 .. num_new[b]
-        - 1) of its new tokens whose final-normed hidden states it needs. Pooling is rank
-        0's alone (the hidden states are whole on every rank). Token ids are not checked
-        here: the engine checked every prompt when it came in, sampled ids come from the
-        logits, and proposed ids from the vocabulary. Under tensor parallelism a rank that
-        died or a collective that failed raises a `TensorParallelError` naming it.
-        """
-        hidden_rows = hidden_rows or [None] * len(seqs)
-        starts = [seq.num_computed_tokens for seq in seqs]
-        step = StepInputs(
-            [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
-            starts,
-            [seq.block_table for seq in seqs],
-            list(num_logits),
-        )
-        if self.group is None:
-            return self.forward(step, hidden_rows)
-        try:
-            self.channel.send(step)
-            return self.forward(step, hidden_rows)
-        except RuntimeError as error:  # torch.distributed's errors
-            raise self.group.failure(error) from None
-
     def forward(
         self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
     ) -> StepOutput:
         """One step through the model over this rank's pool: the logits (R, V) of the rows
-        the step asked for and, on rank 0, the pooling rows' final-normed hidden states."""
+        the step asked for and, on rank 0, the pooling rows' final-normed hidden states.
+
+        hidden_rows[b]: None, or for a pooling sequence the rows (0 .. num_new[b] - 1) of
+        its new tokens whose final-normed hidden states it needs. Pooling is rank 0's alone
+        (the hidden states are whole on every rank)."""
         batch = self.forward_batch(step)
         hidden = self.model.forward(batch)  # (T, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
@@ -181,42 +159,18 @@ class ModelRunner:
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
-        positions, over this runner's pool; logits at the last num_logits[b] rows of each."""
-        num_new = [len(ids) for ids in step.new_tokens]
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-        positions = [
-            p
-            for computed, n in zip(step.num_computed, num_new, strict=True)
-            for p in range(computed, computed + n)
-        ]
-        wanted = [
-            row
-            for end, count in zip(starts[1:], step.num_logits, strict=True)
-            for row in range(end - count, end)
-        ]
-        device = self.model.device
-        paged = PagedStep(num_new, step.num_computed, step.block_tables, self.block_size, device)
-        return ForwardBatch(
-            token_ids=torch.tensor([t for ids in step.new_tokens for t in ids], device=device),
-            positions=torch.tensor(positions, device=device),
-            query_starts=starts,
-            logits_indices=torch.tensor(wanted, dtype=torch.long, device=device),
-            attention=PagedAttention(self.pool, paged, self.windows, sdpa_for(self.model.features)),
+        positions, over this runner's pool; logits at the last num_logits[b] rows of each.
+        Its tensors are views of this runner's `StepBuffers`, rewritten by the next step."""
+        tensors = self.buffers.write(
+            step.new_tokens, step.num_computed, step.block_tables, step.num_logits
         )
-
-    def follow(self) -> None:
-        """A worker rank: run rank 0's steps, in its order, until it stops."""
-        while (step := self.channel.receive()) is not None:
-            self.forward(step)
-
-    def close(self) -> None:
-        """Rank 0: stop the workers and leave the group (nothing at world 1); idempotent."""
-        if self.group is not None:
-            group, self.group = self.group, None
-            try:
-                self.channel.stop()
-            except RuntimeError:  # a worker is gone already
-                pass
-            group.close()
+        num_new = [len(ids) for ids in step.new_tokens]
+        device, size = self.model.device, self.block_size
+        paged = PagedStep(num_new, step.num_computed, step.block_tables, size, device, tensors)
+        return ForwardBatch(
+            token_ids=tensors.token_ids,
+            positions=tensors.positions,
+            query_starts=tensors.query_starts,
+            logits_indices=tensors.logits_indices,
+            attention=PagedAttention(self.pool, paged, self.windows, self.sdpa),
+        )

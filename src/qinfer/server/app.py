@@ -710,7 +710,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         **engine_args,
     )
-    announcer.finished(engine.engine.runner.model)
+    announcer.finished(engine.engine.executor.model)
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),
         api_key=api_key,

@@ -48,8 +48,7 @@ class DraftModel:
                 "load the draft on the target's device"
             )
         self.model = draft
-        config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks)
-        self.runner = ModelRunner(draft, config)
+        self.runner = ModelRunner(draft, EngineConfig(block_size=block_size), num_blocks)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         """ks[b] greedy guesses for each sequence after its last token (its blocks cover

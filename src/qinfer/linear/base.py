@@ -1,15 +1,21 @@
-"""What every kind of Linear answers: apply it, read rows of it, and show the weight it holds."""
+"""What every kind of Linear answers: apply it, read rows of it, and show the weight it holds.
+
+Every kind is a `torch.nn.Module` whose tensors are buffers (inference only: no gradients),
+so a model's projections show in `named_modules()`, take forward hooks, and list their
+tensors in `state_dict()`.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
 from qinfer.errors import WeightsError
 
 
-class Linear(ABC):
+class Linear(nn.Module, ABC):
     """y = x W^T + b for a weight W (out_features, in_features) stored in some form.
 
     bias: (out_features,) in the compute dtype, or None. `dequantize()` is the weight the
@@ -21,7 +27,7 @@ class Linear(ABC):
     bias: torch.Tensor | None
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) -> (..., out_features), in x's dtype."""
 
     @abstractmethod

@@ -118,3 +118,20 @@ def test_a_random_model_is_reproducible_by_seed_in_any_dtype():
     assert isinstance(model.layers[0].mlp.gate_up, DenseLinear)
     # (Hq + 2 Hkv) * D rows of hidden inputs
     assert state["layers.0.self_attn.wqkv.weight"].shape == ((4 + 2 * 2) * 32, 64)
+
+
+def test_mirrored_submodules_and_buffers_follow_every_change():
+    """`qinfer.module.Module` reads submodules and buffers as plain attributes: they must
+    stay the ones nn.Module holds through `.to()`, `set_submodule`, buffers and deletion."""
+    model = random_model("qwen3", **QWEN3)
+    attention = model.layers[0].self_attn
+    model.to(torch.bfloat16)  # every buffer replaced
+    assert attention.wqkv.weight is attention.wqkv._buffers["weight"]
+    assert attention.wqkv.weight.dtype == torch.bfloat16
+    new = DenseLinear(torch.zeros(64, 128))
+    model.set_submodule("layers.0.self_attn.wo", new)
+    assert attention.wo is new is attention._modules["wo"]
+    attention.wo.register_buffer("bias", torch.ones(64))
+    assert torch.equal(new.bias, torch.ones(64))
+    del attention.q_norm
+    assert not hasattr(attention, "q_norm")

@@ -41,6 +41,7 @@ from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
+from qinfer.module import Module
 from qinfer.parallel import Parallel, Shard
 from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.weights import QUANTIZE_KINDS, Quantize, open_checkpoint
@@ -48,7 +49,7 @@ from qinfer.weights.load import init_random, load
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
-class Block(nn.Module):
+class Block(Module):
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
@@ -100,7 +101,7 @@ def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
-class Transformer(nn.Module, Placed):
+class Transformer(Module, Placed):
     """A decoder-only model. Call it on token ids (B, L) to get fp32 logits (B, L, vocab).
 
     `Transformer(config, features)` builds it from the config alone: every projection an

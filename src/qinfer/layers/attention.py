@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from qinfer.attention.backend import AttentionBackend, sdpa_for
 from qinfer.attention.reference import Cache, ReferenceAttention
@@ -26,11 +25,12 @@ from qinfer.features import Features
 from qinfer.layers.norm import rms_norm
 from qinfer.layers.rope import NoRoPE, RoPE, row_positions
 from qinfer.linear import linear
+from qinfer.module import Module
 from qinfer.parallel import SINGLE, Parallel, Shard
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
-class Attention(nn.Module, Placed):
+class Attention(Module, Placed):
     """The seed's attention layer: (T, hidden) -> (T, hidden) in a model's forward,
     (B, L, hidden) -> (B, L, hidden) as the seed calls it.
 
@@ -111,19 +111,13 @@ class Attention(nn.Module, Placed):
         positions are then offsets (int or (B,): each row's first position; or (B, L)),
         attention is a `qinfer.kv_cache` cache and mask as in
         `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
-        if x.dim() == 3:
+        if x.dim() == 3:  # the seed's call: the flat forward over its rows
             B, L, H = x.shape
             flat = row_positions(positions, B, L, x.device).reshape(B * L)
             backend = ReferenceAttention(
                 {self.layer: attention}, B, L, mask, sdpa_for(self.features)
             )
-            return self._attend(x.reshape(B * L, H), flat, backend).view(B, L, H)
-        return self._attend(x, positions, attention)
-
-    def _attend(
-        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
-    ) -> torch.Tensor:
-        """x (T, hidden) at positions (T,) through `attention` -> (T, hidden)."""
+            return self.forward(x.reshape(B * L, H), flat, backend).view(B, L, H)
         T = x.shape[0]
 
         # Step 1: project to Q, K, V (one fused projection, split into its three parts).

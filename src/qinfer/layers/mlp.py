@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from qinfer.config import ModelConfig
 from qinfer.linear import linear
+from qinfer.module import Module
 from qinfer.parallel import Parallel, Shard
 from qinfer.weights.slots import LinearSlot, LinearSource
 
@@ -27,7 +27,7 @@ GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """(*P, hidden) -> (*P, intermediate / N) -> (*P, hidden); N = 1 in one process.
     Slots `gate_up` (gate and up fused) and `down`."""
 

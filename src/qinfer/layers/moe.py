@@ -23,16 +23,16 @@ the same all-reduce. Expert parallelism (ranks holding whole experts) is not imp
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from qinfer.config import ModelConfig
 from qinfer.layers.mlp import GATE_ACTIVATIONS, gate_times_up, gated_ffn_sources
 from qinfer.linear import linear
+from qinfer.module import Module
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.slots import GroupedSlot, LinearSlot, LinearSource, Placed
 
 
-class SparseMoE(nn.Module, Placed):
+class SparseMoE(Module, Placed):
     """(*P, hidden) -> (*P, hidden) through the k experts the router picks per token.
 
     Slots: `router`, the experts' `gate_up` and `down` (grouped), and Qwen2-MoE's

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from qinfer.config import ModelConfig
+from qinfer.module import Module
 from qinfer.weights.slots import TensorSlot
 
 
-class RMSNorm(nn.Module, TensorSlot):
+class RMSNorm(Module, TensorSlot):
     """Normalizes over the last dimension (`dims`): hidden_size for a block, head_dim for QK-norm.
 
     offset: Gemma stores each norm's scale as (offset + weight) with offset 1; such a norm

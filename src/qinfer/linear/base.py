@@ -10,12 +10,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from torch import nn
 
 from qinfer.errors import WeightsError
+from qinfer.module import Module
 
 
-class Linear(nn.Module, ABC):
+class Linear(Module, ABC):
     """y = x W^T + b for a weight W (out_features, in_features) stored in some form.
 
     bias: (out_features,) in the compute dtype, or None. `dequantize()` is the weight the

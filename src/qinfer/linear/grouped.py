@@ -25,12 +25,13 @@ from torch import nn
 
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import DenseLinear
+from qinfer.module import Module
 
 #: Row strides `torch._grouped_mm` takes are multiples of 16 bytes.
 _GROUPED_MM_ALIGNMENT = 16
 
 
-class GroupedLinear(nn.Module, ABC):
+class GroupedLinear(Module, ABC):
     """E projections W_e (out_features, in_features), no bias; row runs sorted by group."""
 
     groups: int

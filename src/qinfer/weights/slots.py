@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from qinfer.errors import QinferError
+from qinfer.module import Module
 from qinfer.parallel import Parallel, Shard
 
 
@@ -68,7 +68,7 @@ class LinearSource:
         return self.shapes[0][1]
 
 
-class LinearSlot(nn.Module):
+class LinearSlot(Module):
     """An empty projection: `load` replaces it (wherever the model holds it, a tied head
     included) with the Linear its source gives. Calling it is an error."""
 
@@ -87,7 +87,7 @@ class LinearSlot(nn.Module):
         return f"{', '.join(self.source.names)}: {self.out_features} x {self.in_features}"
 
 
-class GroupedSlot(nn.Module):
+class GroupedSlot(Module):
     """An empty grouped projection: one source per group (expert), all of one shape."""
 
     def __init__(self, sources: list[LinearSource]) -> None:

@@ -8,7 +8,9 @@ about 700 of them (each block's norms and projections, each projection's tensors
 1.0 ms more CPU per token on one thread (9.3 -> 10.4 ms) than the same layers as plain
 objects. Here each submodule and buffer is also mirrored in the instance dict, so a read is
 an ordinary lookup; `nn.Module` still owns them (`named_modules`, `state_dict`, hooks,
-`.to()`), and every way it sets, moves or deletes one updates the mirror.
+`.to()`), and every way it sets, moves or deletes one updates the mirror. What remains is
+`nn.Module.__call__` (hook checks, ~0.7 us a call, 9 calls a layer): ~0.2 ms per SmolLM2
+decode step, the price of forward hooks on every layer and projection.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 import qinfer
+from qinfer.config import ModelConfig
+from qinfer.models import config_from_hf
 
 TINY = dict(
     vocab_size=256,
@@ -126,13 +128,11 @@ SPECIAL_TOKENS = {
 }
 
 
-def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
-    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral,
-    gemma3, smollm3, phi3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
-    text model) to `folder`; return the HF model."""
+def _hf_classes(family: str):
+    """transformers' (config class, model class) of `family`."""
     import transformers
 
-    classes = {
+    return {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -142,7 +142,34 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-    }
+    }[family]
+
+
+def _hf_config(family: str, **overrides):
+    """The transformers config `build_checkpoint` gives a text-only `family`."""
+    config_class, _ = _hf_classes(family)
+    return config_class(**{**TINY, **SPECIAL_TOKENS.get(family, {}), **overrides})
+
+
+def tiny_config(family: str, **overrides) -> ModelConfig:
+    """The qinfer config of the checkpoint `build_checkpoint(folder, family, **overrides)`
+    would save, without building or saving a model."""
+    return config_from_hf(_hf_config(family, **overrides).to_dict())
+
+
+def random_model(family: str, seed: int = 0, **overrides) -> qinfer.Transformer:
+    """A float32 CPU model of `tiny_config(family, **overrides)` with random weights, built
+    in memory (`Transformer.random`): for tests that need a model, not parity with
+    transformers."""
+    return qinfer.Transformer.random(tiny_config(family, **overrides), seed=seed)
+
+
+def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
+    """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral,
+    gemma3, smollm3, phi3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
+    text model) to `folder`; return the HF model."""
+    import transformers
+
     if family == "gemma3-vision":  # Gemma 3's text model inside its multimodal wrapper
         model_class = transformers.Gemma3ForConditionalGeneration
         config = transformers.Gemma3Config(
@@ -155,8 +182,8 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
             eoi_token_index=1002,
         )
     else:
-        config_class, model_class = classes[family]
-        config = config_class(**{**TINY, **SPECIAL_TOKENS.get(family, {}), **overrides})
+        model_class = _hf_classes(family)[1]
+        config = _hf_config(family, **overrides)
     torch.manual_seed(seed)
     model = model_class(config).eval()
     # Random init leaves norms at 1 and biases at 0: perturb every tensor so that each

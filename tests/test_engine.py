@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, build_checkpoint
+from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, random_model
 
 import qinfer
 from qinfer.engine import LLM, block_manager
@@ -77,10 +77,9 @@ def test_greedy_batch_with_preemption_equals_each_request_alone(model, pools):
     [("mistral", dict(sliding_window=6, head_dim=16)), ("gemma3", GEMMA3)],
     ids=["mistral", "gemma3"],
 )
-def test_sliding_window_model_batched_equals_alone(tmp_path, pools, family, overrides):
+def test_sliding_window_model_batched_equals_alone(pools, family, overrides):
     # Gemma 3: two sliding layers and a global one, each with its own RoPE base.
-    build_checkpoint(tmp_path, family, **overrides, vocab_size=CHAT_VOCAB_SIZE)
-    model = qinfer.load_model(tmp_path, dtype=torch.float32, device="cpu")
+    model = random_model(family, **overrides, vocab_size=CHAT_VOCAB_SIZE)
     prompts = random_prompts(1, 8, longest=20)
     params = GREEDY.replace(max_tokens=10)
     llm = make_llm(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)

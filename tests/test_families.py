@@ -17,6 +17,7 @@ from checkpoints import (
     phi3_longrope,
     random_tokens,
     reference_logits,
+    tiny_config,
     use_features,
 )
 from gguf_files import write_gguf_model
@@ -99,16 +100,16 @@ def test_gguf_gives_transformers_logits(case, tokens, tmp_path):
 # ------------------------------------------------------------- what each layer does
 
 
-def test_smollm3_layers_without_rope_pass_q_and_k_through(tmp_path):
-    _, model = load_pair(tmp_path, "smollm3", **SMOLLM3)
+def test_smollm3_layers_without_rope_pass_q_and_k_through():
+    model = qinfer.Transformer(tiny_config("smollm3", **SMOLLM3))  # built: no weights needed
     kinds = [type(layer.self_attn.rope) for layer in model.layers]
     assert kinds[1] is NoRoPE and NoRoPE not in (kinds[0], kinds[2])
     assert model.config.layer_types == (FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)
 
 
-def test_longrope_past_the_original_context_uses_the_long_factors(tmp_path):
+def test_longrope_past_the_original_context_uses_the_long_factors():
     overrides = phi3_longrope(16)
-    _, model = load_pair(tmp_path, "phi3", **overrides)
+    model = qinfer.Transformer(tiny_config("phi3", **overrides))
     rope = model.layers[0].self_attn.rope
     assert rope.rotary_dims == 12  # 0.75 of head_dim 16
     default = 1.0 / (10000.0 ** (torch.arange(0, 12, 2).float() / 12))

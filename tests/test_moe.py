@@ -28,7 +28,7 @@ from qinfer.generation import generate_ids
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
-from qinfer.linear.grouped import LoopedLinear, StackedDenseLinear
+from qinfer.linear.grouped import GroupedLinear, LoopedLinear, StackedDenseLinear
 from qinfer.models import config_from_file, config_from_hf
 from qinfer.parallel import Parallel
 from qinfer.sampling import SamplingParams
@@ -151,10 +151,9 @@ def test_quantized_experts_compute_with_their_own_weights(moe_folder, quantize, 
 
 def dense_copy(model: qinfer.Transformer) -> qinfer.Transformer:
     """The model itself, each expert projection swapped for the fp32 weights it computes with."""
-    for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE):
-            layer.mlp.gate_up = StackedDenseLinear(layer.mlp.gate_up.dequantize())
-            layer.mlp.down = StackedDenseLinear(layer.mlp.down.dequantize())
+    for name, w in model.linears().items():
+        if name.endswith((".mlp.gate_up", ".mlp.down")) and isinstance(w, GroupedLinear):
+            model.set_submodule(name, StackedDenseLinear(w.dequantize()))
     return model
 
 

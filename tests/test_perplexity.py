@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from checkpoints import load_pair, random_tokens, reference_logits
+from checkpoints import load_pair, random_model, random_tokens, reference_logits
 
 from qinfer.errors import QinferError
 from qinfer.perplexity import perplexity
@@ -42,9 +42,9 @@ def test_a_model_against_itself_diverges_by_nothing(pair):
     assert abs(result.kl) < 1e-6 and result.kl_max < 1e-5 and result.top1 == 1.0
 
 
-def test_kl_is_the_divergence_of_the_models_distribution_from_the_base(pair, tmp_path):
+def test_kl_is_the_divergence_of_the_models_distribution_from_the_base(pair):
     reference, model = pair
-    _, other = load_pair(tmp_path, "qwen3", seed=5)  # another random model, same shapes
+    other = random_model("qwen3", seed=5)  # another random model, same shapes
     ids = random_tokens(1, CONTEXT, seed=4)[0].tolist()
     chunk = torch.tensor([ids])
     p = torch.log_softmax(reference_logits(reference, chunk)[0, CONTEXT // 2 : -1], -1)

@@ -29,14 +29,10 @@ def qwen3_folder(tmp_path_factory):
 def densified(model: qinfer.Transformer) -> qinfer.Transformer:
     """The model with each Linear swapped for a dense fp32 copy of the weight it computes with."""
     for name, w in model.linears().items():
-        *path, attribute = name.split(".")
-        owner = model
-        for part in path:
-            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
         dense = DenseLinear(w.dequantize(), None if w.bias is None else w.bias.float())
-        if w is model.lm_head:
+        if w is model.lm_head:  # tied: listed once, as embed_tokens
             model.lm_head = dense
-        setattr(owner, attribute, dense)
+        model.set_submodule(name, dense)
     return model
 
 

@@ -6,7 +6,10 @@ experts, Gemma's scaled embeddings, (1 + w) and sandwich norms, GeGLU, logit sof
 are the config's fields and `Wiring`, set by each family's file, and which tensors the
 checkpoint holds.
 
-Under tensor parallelism (`qinfer.parallel`) every rank builds this same model from its
+A model is built from its config, then loaded (`qinfer.weights.load`); every layer is a
+`torch.nn.Module` (`named_modules()`, forward hooks, `state_dict()`).
+
+Under tensor parallelism (`qinfer.parallel`) every rank builds this same model, loads its
 part of the weights and runs the same forward; the collectives sit in the row- and
 vocab-parallel Linears (`qinfer.linear.parallel`), so the code below reads the same at
 any world size.
@@ -16,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from torch import nn
 
 from qinfer.attention.backend import sdpa_for
 from qinfer.attention.reference import ReferenceAttention
@@ -32,17 +36,20 @@ from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
-from qinfer.layers.norm import RMSNorm, load_rms_norm
+from qinfer.layers.norm import RMSNorm, rms_norm
 from qinfer.linear import Linear, linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
-from qinfer.parallel import Parallel
+from qinfer.module import Module
+from qinfer.parallel import Parallel, Shard
 from qinfer.runtime.forward_batch import ForwardBatch
-from qinfer.weights import QUANTIZE_KINDS, Quantize, Weights, open_checkpoint
+from qinfer.weights import QUANTIZE_KINDS, Quantize, open_checkpoint
+from qinfer.weights.load import init_random, load
+from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
-class Block:
+class Block(Module):
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
@@ -53,21 +60,15 @@ class Block:
     `post_attention_layernorm` (Llama's name for it).
     """
 
-    def __init__(
-        self,
-        layer: int,
-        config: ModelConfig,
-        weights: Weights,
-        features: Features,
-        parallel: Parallel,
-    ):
+    def __init__(self, layer: int, config: ModelConfig, features: Features):
+        super().__init__()
         prefix, H = f"model.layers.{layer}", config.hidden_size
 
         def norm(name: str) -> RMSNorm:
-            return load_rms_norm(weights, f"{prefix}.{name}.weight", H, config)
+            return rms_norm(f"{prefix}.{name}.weight", H, config)
 
         self.attention_norm = norm("input_layernorm")
-        self.self_attn = Attention(prefix, config, weights, features, parallel, layer=layer)
+        self.self_attn = Attention(prefix, config, features, layer=layer)
         self.attention_output_norm = self.mlp_output_norm = None
         if config.wiring.sandwich_norms:
             self.attention_output_norm = norm("post_attention_layernorm")
@@ -75,11 +76,11 @@ class Block:
             self.mlp_output_norm = norm("post_feedforward_layernorm")
         else:
             self.mlp_norm = norm("post_attention_layernorm")
-        self.mlp = (SparseMoE if config.sparse(layer) else MLP)(prefix, config, weights, parallel)
+        self.mlp = SparseMoE(prefix, config) if config.sparse(layer) else MLP(prefix, config)
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden): the flat tokens of `batch`."""
-        attended = self.self_attn.forward(self.attention_norm(x), batch.positions, batch.attention)
+        attended = self.self_attn(self.attention_norm(x), batch.positions, batch.attention)
         x = x + _normed(self.attention_output_norm, attended)
         return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
 
@@ -90,80 +91,104 @@ class Block:
         return [norm for norm in found if norm is not None]
 
 
+def _split_vocab(vocab_size: int, parallel: Parallel) -> Shard | None:
+    """Vocab-parallel embedding and lm_head: this rank's rows of the vocabulary."""
+    return parallel.split_vocab(vocab_size)
+
+
 def _normed(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     """x through `norm`, or x itself where the block has no such norm."""
     return x if norm is None else norm(x)
 
 
-class Transformer:
-    """A loaded model. Call it on token ids (B, L) to get fp32 logits (B, L, vocab).
+class Transformer(Module, Placed):
+    """A decoder-only model. Call it on token ids (B, L) to get fp32 logits (B, L, vocab).
 
-    parallel: this process's place in a tensor-parallel group (default: a single process).
-    Each rank then holds its part of the weights and every rank calls the model with the
-    same inputs, in the same order; each gets the whole logits.
+    `Transformer(config, features)` builds it from the config alone: every projection an
+    empty slot and every norm a placeholder on the meta device (`qinfer.weights.slots`),
+    nothing read or allocated. `qinfer.weights.load.load(model, weights, parallel,
+    quantize)` fills it from a checkpoint (`load_model` does both), `init_random` with
+    random weights (`Transformer.random`).
+
+    Under tensor parallelism (the `parallel` given to `load`) each rank holds its part of
+    the weights and every rank calls the model with the same inputs, in the same order;
+    each gets the whole logits.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: Weights,
-        features: Features | None = None,
-        parallel: Parallel | None = None,
-    ):
+    def __init__(self, config: ModelConfig, features: Features | None = None):
+        super().__init__()
         self.config = config
         self.features = features or Features()
-        self.parallel = parallel or Parallel()
-        self.parallel.check_model(
-            config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-        )
-        if config.moe is not None:  # refused before loading, like the sizes above
-            self.parallel.shard_range(config.moe.moe_intermediate_size, "expert FFN channels")
-            if config.moe.shared_expert_intermediate_size:
-                self.parallel.shard_range(
-                    config.moe.shared_expert_intermediate_size, "shared expert FFN channels"
-                )
-        self.dtype, self.device = weights.dtype, weights.device
+        # Until loaded: nothing is held anywhere, and a call says so (`slots.not_loaded`).
+        self.parallel, self.dtype, self.device = Parallel(), torch.float32, torch.device("meta")
+        self.embedding_scale = None
         V, H = config.vocab_size, config.hidden_size
         # The embedding table is a Linear too (read by rows): quantized like the rest, split
         # by vocabulary rows under tensor parallelism.
-        vocab = self.parallel.split_vocab(V)
-        self.embed_tokens = weights.linear(
-            "model.embed_tokens", (V, H), bias=False, rows=True, shard=vocab
+        vocab = functools.partial(_split_vocab, V)
+        self.embed_tokens = LinearSlot(
+            LinearSource(("model.embed_tokens",), ((V, H),), rows=True, shard=vocab)
         )
-        self.layers = [
-            Block(i, config, weights, self.features, self.parallel)
-            for i in tqdm(
-                range(config.num_hidden_layers), desc="loading layers", leave=False, disable=None
-            )
-        ]
-        self.norm = load_rms_norm(weights, "model.norm.weight", H, config)
+        self.layers = nn.ModuleList(
+            Block(i, config, self.features) for i in range(config.num_hidden_layers)
+        )
+        self.norm = rms_norm("model.norm.weight", H, config)
+        # Untied per config means the checkpoint must hold its own lm_head: tying it to the
+        # embeddings instead would be silently wrong output.
+        # A tied head is the embedding's slot itself: loaded (and quantized) once.
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else LinearSlot(LinearSource(("lm_head",), ((V, H),), shard=vocab))
+        )
+
+    @classmethod
+    def random(
+        cls,
+        config: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        features: Features | None = None,
+    ) -> Transformer:
+        """A model of `config` with random weights (`qinfer.weights.load.init_random`):
+        no checkpoint needed (tests, drafts)."""
+        return init_random(cls(config, features), seed, dtype, device)
+
+    def place(self, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
+        """Refuse a world size that does not split the model evenly, before anything loads;
+        then take on the rank, dtype and device."""
+        config = self.config
+        parallel.check_model(
+            config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+        )
+        if config.moe is not None:
+            parallel.shard_range(config.moe.moe_intermediate_size, "expert FFN channels")
+            if config.moe.shared_expert_intermediate_size:
+                parallel.shard_range(
+                    config.moe.shared_expert_intermediate_size, "shared expert FFN channels"
+                )
+        self.parallel, self.dtype, self.device = parallel, dtype, device
         # Gemma scales the embeddings by sqrt(hidden) in their own dtype, as transformers does
         # (in bf16, sqrt(640) = 25.3 rounds to 25.25).
         scale = config.wiring.embedding_scale
         self.embedding_scale = (
-            None if scale is None else torch.tensor(scale, dtype=self.dtype, device=self.device)
-        )
-        # Untied per config means the checkpoint must hold its own lm_head: tying it to the
-        # embeddings instead would be silently wrong output.
-        # A tied head is the embedding's Linear itself: stored (and quantized) once.
-        tied = config.tie_word_embeddings
-        self.lm_head = (
-            self.embed_tokens
-            if tied
-            else weights.linear("lm_head", (V, H), bias=False, shard=vocab)
+            None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
         )
 
     def linears(self) -> dict[str, Linear | GroupedLinear]:
         """Every projection by name (a mixture of experts' projections as one grouped Linear
-        each); a tied head appears once, as `embed_tokens`."""
-        found = {"embed_tokens": self.embed_tokens}
-        for i, block in enumerate(self.layers):
-            for part in ("self_attn", "mlp"):
-                for name, value in vars(getattr(block, part)).items():
-                    if isinstance(value, Linear | GroupedLinear):
-                        found[f"layers.{i}.{part}.{name}"] = value
-        if self.lm_head is not self.embed_tokens:
-            found["lm_head"] = self.lm_head
+        each), as `named_modules` names it; a tied head appears once, as `embed_tokens`."""
+        found: dict[str, Linear | GroupedLinear] = {}
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, child in module.named_children():  # a tied head: once
+                if isinstance(child, Linear | GroupedLinear):
+                    found[prefix + name] = child  # its own parts are not listed
+                else:
+                    visit(child, f"{prefix}{name}.")
+
+        visit(self, "")
         return found
 
     def make_cache(
@@ -207,7 +232,9 @@ class Transformer:
         mask: "causal" (the default) or a boolean (B, 1, L, S) tensor.
 
         Checks its inputs (ids inside the vocabulary, positions inside the context: host
-        syncs), then runs `run_rows`.
+        syncs), then runs `run_rows`. This is the model's public call, in place of
+        `nn.Module.__call__`: `forward(batch)` is the engine's (hooks on the layers fire
+        either way).
         """
         tokens = self._check_tokens(tokens)
         B, L = tokens.shape
@@ -397,7 +424,7 @@ def load_model(
 
     with _returning_freed_memory():
         config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
-        return Transformer(config, weights, features, parallel)
+        return load(Transformer(config, features), weights, parallel, scheme)
 
 
 #: glibc's mallopt parameter, and the ceiling its own adaptive threshold grows to.

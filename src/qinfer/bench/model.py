@@ -49,7 +49,6 @@ from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.generation import generate_ids
 from qinfer.layers.moe import SparseMoE
-from qinfer.layers.rope import RoPE
 from qinfer.model import Transformer
 from qinfer.sampling import SamplingParams
 
@@ -237,24 +236,18 @@ def weight_bytes_per_step(model: Transformer) -> int:
     the lm_head (RoPE's frequencies are not weights; the embedding table only when tied); of a
     mixture of experts, the router and the k experts one token uses (`active_nbytes`)."""
     sizes: dict[int, int] = {}  # data_ptr -> bytes, so shared tensors count once
-    visited: set[int] = set()
 
-    def visit(obj) -> None:
-        if id(obj) in visited or isinstance(obj, RoPE):
+    def visit(module: torch.nn.Module) -> None:
+        if isinstance(module, SparseMoE):
+            sizes[-id(module)] = module.active_nbytes  # keyed apart from any tensor's address
             return
-        visited.add(id(obj))
-        if isinstance(obj, SparseMoE):
-            sizes[-id(obj)] = obj.active_nbytes  # keyed apart from any tensor's address
-        elif isinstance(obj, torch.Tensor):
-            sizes[obj.data_ptr()] = obj.numel() * obj.element_size()
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item)
-        elif hasattr(obj, "__dict__"):
-            for value in vars(obj).values():
-                visit(value)
+        for tensor in module.buffers(recurse=False):
+            sizes[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        for child in module.children():
+            visit(child)
 
-    visit([model.layers, model.norm, model.lm_head])
+    for module in (model.layers, model.norm, model.lm_head):
+        visit(module)
     return sum(sizes.values())
 
 

@@ -3,9 +3,8 @@
 q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> the attention backend
 (stores K/V, grouped scaled-dot-product attention with fp32 softmax) -> o projection.
 
-The layer runs on the flat tokens of a `ForwardBatch` (`forward`); the seed's own call on
-(B, L, hidden) rows and one contiguous cache (`__call__`) is that same forward through the
-reference backend.
+The layer runs on the flat tokens of a `ForwardBatch`; the seed's own call on (B, L, hidden)
+rows and one contiguous cache is that same forward through the reference backend.
 
 Under tensor parallelism (`qinfer.parallel`) a rank holds Hq / N query heads and the KV heads
 they read: q/k/v are column-parallel (the rank's heads), QK-norm, RoPE and attention run on
@@ -14,6 +13,8 @@ those heads alone, and o_proj is row-parallel (its call all-reduces the ranks' s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qinfer.attention.backend import AttentionBackend, sdpa_for
@@ -21,104 +22,102 @@ from qinfer.attention.reference import Cache, ReferenceAttention
 from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.features import Features
-from qinfer.layers.norm import load_rms_norm
+from qinfer.layers.norm import rms_norm
 from qinfer.layers.rope import NoRoPE, RoPE, row_positions
 from qinfer.linear import linear
-from qinfer.parallel import SINGLE, Parallel
-from qinfer.weights.base import Weights
+from qinfer.module import Module
+from qinfer.parallel import SINGLE, Parallel, Shard
+from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
-class Attention:
-    """The seed's attention layer: (B, L, hidden) -> (B, L, hidden) as the seed calls it,
-    (T, hidden) -> (T, hidden) in a model's forward.
+class Attention(Module, Placed):
+    """The seed's attention layer: (T, hidden) -> (T, hidden) in a model's forward,
+    (B, L, hidden) -> (B, L, hidden) as the seed calls it.
 
-    num_heads and num_kv_heads are this rank's (all of them in a single process).
+    Built from the config with empty slots (`wqkv`, `wo`; `qkv_sizes`, `num_heads` and
+    `num_kv_heads` are this rank's, set by `place`): `qinfer.weights.load.load(attention,
+    weights)` fills one layer on its own, as loading a model fills all of them.
     """
 
     def __init__(
-        self,
-        layer_prefix: str,
-        config: ModelConfig,
-        weights: Weights,
-        features: Features,
-        parallel: Parallel = SINGLE,
-        *,
-        layer: int,
-    ):
+        self, layer_prefix: str, config: ModelConfig, features: Features, *, layer: int
+    ) -> None:
         """layer: the layer's index, which picks its RoPE settings (`config.rope_for`) and
         names its K/V to the attention backend; its RoPE may be none (`NoRoPE`)."""
+        super().__init__()
         self.layer = layer
-        self.hidden_size = config.hidden_size
+        self.hidden_size = H = config.hidden_size
         self.head_dim = D = config.head_dim
         self.features = features
-        # This rank's heads: Hq / N query heads and their KV heads (Hkv / N, or one shared
-        # with other ranks when Hkv < N).
-        q_heads, kv_heads = parallel.attention_heads(
-            config.num_attention_heads, config.num_key_value_heads
-        )
-        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
-
+        self.heads = (config.num_attention_heads, config.num_key_value_heads)
+        self.rope_settings = (config.max_position_embeddings, config.rope_for(layer))
         # The scale factor for attention scores: 1/sqrt(head_dim), or the family's
         # (Gemma: 1/sqrt(query_pre_attn_scalar)).
         self.scale = config.attention_scale
         wiring = config.wiring
 
-        # Each head is D consecutive rows of its projection (columns of o_proj).
-        q_rows = range(q_heads.start * D, q_heads.stop * D)
-        kv_rows = range(kv_heads.start * D, kv_heads.stop * D)
-        q_out = config.num_attention_heads * D
-        kv_out = config.num_key_value_heads * D
-        prefix = f"{layer_prefix}.self_attn"
         # q, k and v loaded as one projection (rows stacked): one kernel call per step.
-        self.qkv_sizes = [len(q_rows), len(kv_rows), len(kv_rows)]
-        self.wqkv = weights.linear(
-            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
-            [(q_out, self.hidden_size), (kv_out, self.hidden_size), (kv_out, self.hidden_size)],
-            wiring.qkv_bias,
-            shard=parallel.split_out(q_rows, kv_rows, kv_rows),
+        # Under tensor parallelism each is read by this rank's heads (`_head_rows`).
+        q_out, kv_out = config.num_attention_heads * D, config.num_key_value_heads * D
+        prefix = f"{layer_prefix}.self_attn"
+        self.wqkv = LinearSlot(
+            LinearSource(
+                (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
+                ((q_out, H), (kv_out, H), (kv_out, H)),
+                wiring.qkv_bias,
+                shard=functools.partial(_qkv_shard, *self.heads, D),
+            )
         )
-        self.wo = weights.linear(
-            f"{prefix}.o_proj",
-            (self.hidden_size, q_out),
-            wiring.o_bias,
-            shard=parallel.split_in(q_rows),
+        self.wo = LinearSlot(
+            LinearSource(
+                (f"{prefix}.o_proj",),
+                ((H, q_out),),
+                wiring.o_bias,
+                shard=functools.partial(_o_shard, *self.heads, D),
+            )
         )
-
-        # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
-        # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`),
-        # or none (SmolLM3's NoPE layers: q and k pass through).
-        rope = config.rope_for(layer)
-        self.rope = (
-            NoRoPE()
-            if rope is None
-            else RoPE(self.head_dim, config.max_position_embeddings, rope, weights.device)
-        )
-
         # Per-head QK-norm (Qwen3, Gemma 3): RMSNorm over head_dim, on q and k, before RoPE.
         self.q_norm = self.k_norm = None
         if wiring.qk_norm:
-            self.q_norm = load_rms_norm(weights, f"{prefix}.q_norm.weight", D, config)
-            self.k_norm = load_rms_norm(weights, f"{prefix}.k_norm.weight", D, config)
+            self.q_norm = rms_norm(f"{prefix}.q_norm.weight", D, config)
+            self.k_norm = rms_norm(f"{prefix}.k_norm.weight", D, config)
+        self.place(SINGLE, torch.float32, torch.device("cpu"))
 
-    def __call__(
-        self, x: torch.Tensor, offsets: int | torch.Tensor, cache: Cache, mask: Mask = None
-    ) -> torch.Tensor:
-        """The seed's call: x (B, L, hidden) -> (B, L, hidden) over this layer's contiguous
-        cache, through the reference backend (`qinfer.attention.reference`).
-
-        offsets: position of each row's first token (int or (B,)), or of every token ((B, L));
-        cache: a `qinfer.kv_cache` cache; mask as in `scaled_dot_product_attention_grouped`,
-        handed to the cache to complete."""
-        B, L, H = x.shape
-        positions = row_positions(offsets, B, L, x.device).reshape(B * L)
-        attention = ReferenceAttention({self.layer: cache}, B, L, mask, sdpa_for(self.features))
-        return self.forward(x.reshape(B * L, H), positions, attention).view(B, L, H)
+    def place(self, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
+        """This rank's heads: Hq / N query heads and their KV heads (Hkv / N, or one shared
+        with other ranks when Hkv < N); RoPE frequencies on `device`."""
+        q_rows, kv_rows = _head_rows(*self.heads, self.head_dim, parallel)
+        self.qkv_sizes = [len(q_rows), len(kv_rows), len(kv_rows)]
+        self.num_heads = len(q_rows) // self.head_dim
+        self.num_kv_heads = len(kv_rows) // self.head_dim
+        # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
+        # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`),
+        # or none (SmolLM3's NoPE layers: q and k pass through).
+        context, rope = self.rope_settings
+        self.rope = NoRoPE() if rope is None else RoPE(self.head_dim, context, rope, device)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+        self,
+        x: torch.Tensor,
+        positions: int | torch.Tensor,
+        attention: AttentionBackend | Cache,
+        mask: Mask = None,
     ) -> torch.Tensor:
         """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,);
-        attention: the step's backend, which stores K/V and attends. Returns (T, hidden)."""
+        attention: the step's backend, which stores K/V and attends. Returns (T, hidden).
+
+        The seed's call, x (B, L, hidden) -> (B, L, hidden), runs the same layer over one
+        contiguous cache through the reference backend (`qinfer.attention.reference`):
+        positions are then offsets (int or (B,): each row's first position; or (B, L)),
+        attention is a `qinfer.kv_cache` cache and mask as in
+        `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
+        if x.dim() == 3:  # the seed's call: the flat forward over its rows
+            B, L, H = x.shape
+            flat = row_positions(positions, B, L, x.device).reshape(B * L)
+            backend = ReferenceAttention(
+                {self.layer: attention}, B, L, mask, sdpa_for(self.features)
+            )
+            return self.forward(x.reshape(B * L, H), flat, backend).view(B, L, H)
         T = x.shape[0]
 
         # Step 1: project to Q, K, V (one fused projection, split into its three parts).
@@ -152,3 +151,22 @@ class Attention:
         # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
         # sum, and its call all-reduces the ranks' sums (the layer's one collective).
         return linear(x.reshape(T, self.num_heads * self.head_dim), self.wo)
+
+
+def _head_rows(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> tuple[range, range]:
+    """This rank's rows of q's projection and of k's (and v's): each head is head_dim
+    consecutive rows (columns of o_proj)."""
+    q_heads, kv = parallel.attention_heads(heads, kv_heads)
+    D = head_dim
+    return range(q_heads.start * D, q_heads.stop * D), range(kv.start * D, kv.stop * D)
+
+
+def _qkv_shard(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> Shard | None:
+    """Column-parallel q/k/v: this rank's query heads and the KV heads they read."""
+    q_rows, kv_rows = _head_rows(heads, kv_heads, head_dim, parallel)
+    return parallel.split_out(q_rows, kv_rows, kv_rows)
+
+
+def _o_shard(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> Shard | None:
+    """Row-parallel o_proj: the columns of this rank's query heads."""
+    return parallel.split_in(_head_rows(heads, kv_heads, head_dim, parallel)[0])

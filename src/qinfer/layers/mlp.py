@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
-from qinfer.linear import Linear, linear
-from qinfer.parallel import SINGLE, Parallel
-from qinfer.weights.base import Weights
+from qinfer.linear import linear
+from qinfer.module import Module
+from qinfer.parallel import Parallel, Shard
+from qinfer.weights.slots import LinearSlot, LinearSource
 
 #: `Wiring.hidden_act` -> the function applied to the gate.
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -26,54 +27,60 @@ GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class MLP:
-    """(B, L, hidden) -> (B, L, intermediate / N) -> (B, L, hidden); N = 1 in one process."""
+class MLP(Module):
+    """(*P, hidden) -> (*P, intermediate / N) -> (*P, hidden); N = 1 in one process.
+    Slots `gate_up` (gate and up fused) and `down`."""
 
-    def __init__(
-        self, layer_prefix: str, config: ModelConfig, weights: Weights, parallel: Parallel = SINGLE
-    ) -> None:
-        self.gate_up, self.down = load_gated_ffn(
+    def __init__(self, layer_prefix: str, config: ModelConfig) -> None:
+        super().__init__()
+        sources = gated_ffn_sources(
             f"{layer_prefix}.mlp",
             config.intermediate_size,
             "FFN channels",
-            config,
-            weights,
-            parallel,
+            config.hidden_size,
             bias=config.wiring.mlp_bias,
         )
+        self.gate_up, self.down = (LinearSlot(source) for source in sources)
         self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # (B, L, 2 * inter / N) -> (B, L, inter / N)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (*P, 2 * inter / N) -> (*P, inter / N)
         gated = gate_times_up(linear(x, self.gate_up), self.activation)
-        # row-parallel down: the ranks' partial sums all-reduced, (B, L, hidden)
+        # row-parallel down: the ranks' partial sums all-reduced, (*P, hidden)
         return linear(gated, self.down)
 
 
-def load_gated_ffn(
-    prefix: str,
-    width: int,
-    what: str,
-    config: ModelConfig,
-    weights: Weights,
-    parallel: Parallel,
-    bias: bool = False,
-) -> tuple[Linear, Linear]:
-    """(gate_up, down) of the gated FFN at `prefix` ({prefix}.gate_proj, .up_proj,
-    .down_proj), this rank's share of its `width` channels (`what` names them in a
-    refusal): gate and up loaded as one projection (rows stacked), one kernel call per
-    step; down split by its input channels (row-parallel)."""
-    channels = parallel.shard_range(width, what)  # this rank's
-    gate_up = weights.linear(
-        [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
-        (width, config.hidden_size),
+def gated_ffn_sources(
+    prefix: str, width: int, what: str, hidden: int, bias: bool = False, reduced: bool = True
+) -> tuple[LinearSource, LinearSource]:
+    """The sources of (gate_up, down) of the gated FFN at `prefix` ({prefix}.gate_proj,
+    .up_proj, .down_proj) of `width` channels (`what` names them in a tensor-parallel
+    refusal): gate and up read as one projection (rows stacked), one kernel call per step,
+    a rank's share of the channels each; down split by its input channels (row-parallel,
+    its partial sums all-reduced in its call unless not `reduced`)."""
+    gate_up = LinearSource(
+        (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+        ((width, hidden), (width, hidden)),
         bias,
-        shard=parallel.split_out(channels, channels),
+        shard=functools.partial(_gate_up_shard, width, what),
     )
-    down = weights.linear(
-        f"{prefix}.down_proj", (config.hidden_size, width), bias, shard=parallel.split_in(channels)
+    down = LinearSource(
+        (f"{prefix}.down_proj",),
+        ((hidden, width),),
+        bias,
+        shard=functools.partial(_down_shard, width, what),
+        reduced=reduced,
     )
     return gate_up, down
+
+
+def _gate_up_shard(width: int, what: str, parallel: Parallel) -> Shard | None:
+    channels = parallel.shard_range(width, what)  # this rank's
+    return parallel.split_out(channels, channels)
+
+
+def _down_shard(width: int, what: str, parallel: Parallel) -> Shard | None:
+    return parallel.split_in(parallel.shard_range(width, what))
 
 
 def gate_times_up(

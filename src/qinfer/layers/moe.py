@@ -25,50 +25,64 @@ from __future__ import annotations
 import torch
 
 from qinfer.config import ModelConfig
-from qinfer.layers.mlp import GATE_ACTIVATIONS, gate_times_up, load_gated_ffn
-from qinfer.linear import DenseLinear, Linear, RowParallelLinear, linear
-from qinfer.linear.grouped import make_grouped_linear
+from qinfer.layers.mlp import GATE_ACTIVATIONS, gate_times_up, gated_ffn_sources
+from qinfer.linear import linear
+from qinfer.module import Module
 from qinfer.parallel import SINGLE, Parallel
-from qinfer.weights.base import Weights
+from qinfer.weights.slots import GroupedSlot, LinearSlot, LinearSource, Placed
 
 
-class SparseMoE:
-    """(B, L, hidden) -> (B, L, hidden) through the k experts the router picks per token."""
+class SparseMoE(Module, Placed):
+    """(*P, hidden) -> (*P, hidden) through the k experts the router picks per token.
 
-    def __init__(
-        self, layer_prefix: str, config: ModelConfig, weights: Weights, parallel: Parallel = SINGLE
-    ) -> None:
+    Slots: `router`, the experts' `gate_up` and `down` (grouped), and Qwen2-MoE's
+    `shared_gate_up`, `shared_down` and `shared_gate`."""
+
+    def __init__(self, layer_prefix: str, config: ModelConfig) -> None:
+        super().__init__()
         moe = config.moe
         hidden, inter, experts = config.hidden_size, moe.moe_intermediate_size, moe.num_experts
         self.num_experts, self.top_k = experts, moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
         self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
-        self.parallel = parallel
+        self.parallel = SINGLE
         prefix = f"{layer_prefix}.mlp"
         # The router stays dense under quantization (its choices are discrete: a rounded
         # weight could send a token elsewhere) and whole on every rank.
-        self.router = DenseLinear(weights.tensor(f"{prefix}.gate.weight", (experts, hidden)))
+        self.router = LinearSlot(
+            LinearSource((f"{prefix}.gate",), ((experts, hidden),), dense=True)
+        )
+        # Each expert's down leaves its partial sums to `forward`, which adds every
+        # expert's and all-reduces once.
         experts_ffn = [
-            _ffn(f"{prefix}.experts.{e}", inter, "expert FFN channels", config, weights, parallel)
+            gated_ffn_sources(
+                f"{prefix}.experts.{e}", inter, "expert FFN channels", hidden, reduced=False
+            )
             for e in range(experts)
         ]
-        self.gate_up = make_grouped_linear([gate_up for gate_up, _ in experts_ffn])
-        self.down = make_grouped_linear([down for _, down in experts_ffn])
+        self.gate_up = GroupedSlot([gate_up for gate_up, _ in experts_ffn])
+        self.down = GroupedSlot([down for _, down in experts_ffn])
         # Qwen2-MoE's shared expert, and its (1, hidden) gate kept dense and whole like the router.
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         shared = moe.shared_expert_intermediate_size
         if shared:
-            self.shared_gate_up, self.shared_down = _ffn(
-                f"{prefix}.shared_expert",
-                shared,
-                "shared expert FFN channels",
-                config,
-                weights,
-                parallel,
+            self.shared_gate_up, self.shared_down = (
+                LinearSlot(source)
+                for source in gated_ffn_sources(
+                    f"{prefix}.shared_expert",
+                    shared,
+                    "shared expert FFN channels",
+                    hidden,
+                    reduced=False,
+                )
             )
-            self.shared_gate = DenseLinear(
-                weights.tensor(f"{prefix}.shared_expert_gate.weight", (1, hidden))
+            self.shared_gate = LinearSlot(
+                LinearSource((f"{prefix}.shared_expert_gate",), ((1, hidden),), dense=True)
             )
+
+    def place(self, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
+        """The group whose ranks' partial sums `forward` adds up."""
+        self.parallel = parallel
 
     @property
     def active_nbytes(self) -> int:
@@ -88,7 +102,7 @@ class SparseMoE:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), chosen
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (*P, hidden) -> (*P, hidden), each token through its top k experts."""
         H = x.shape[-1]
         flat = x.reshape(-1, H)  # (T, hidden)
@@ -111,13 +125,3 @@ class SparseMoE:
             shared = linear(gated, self.shared_down)  # (T, hidden), partial sum
             mixed = mixed + torch.sigmoid(linear(flat, self.shared_gate)) * shared
         return self.parallel.all_reduce_sum(mixed).view(x.shape)
-
-
-def _ffn(
-    prefix: str, width: int, what: str, config: ModelConfig, weights: Weights, parallel: Parallel
-) -> tuple[Linear, Linear]:
-    """One expert's (or the shared expert's) gate_up and down, as the MLP loads its own,
-    but down without its all-reduce: the partial sums of all experts are all-reduced once,
-    after they are combined (`SparseMoE.__call__`)."""
-    gate_up, down = load_gated_ffn(prefix, width, what, config, weights, parallel)
-    return gate_up, down.local if isinstance(down, RowParallelLinear) else down

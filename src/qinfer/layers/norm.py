@@ -6,27 +6,45 @@ import torch
 import torch.nn.functional as F
 
 from qinfer.config import ModelConfig
-from qinfer.weights.base import Weights
+from qinfer.module import Module
+from qinfer.weights.slots import TensorSlot
 
 
-class RMSNorm:
+class RMSNorm(Module, TensorSlot):
     """Normalizes over the last dimension (`dims`): hidden_size for a block, head_dim for QK-norm.
 
     offset: Gemma stores each norm's scale as (offset + weight) with offset 1; such a norm
     scales in fp32 and casts afterwards, as transformers' Gemma3RMSNorm does (the others
     cast first, then scale: the order of transformers' Llama/Qwen norms).
+    source: the checkpoint tensor that holds the weight, for a norm built empty
+    (`rms_norm`) and filled by `qinfer.weights.load`.
     """
 
     def __init__(
-        self, dims: int, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0
+        self,
+        dims: int,
+        weight: torch.Tensor,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        source: str | None = None,
     ) -> None:
-        if tuple(weight.shape) != (dims,):
-            raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, expected ({dims},)")
+        super().__init__()
+        self.shape, self.eps, self.source = (dims,), eps, source
         self.scale_in_fp32 = offset != 0.0
-        self.weight = weight.float() + offset if self.scale_in_fp32 else weight
-        self.eps = eps
+        self.offset = offset
+        self.initial = 1.0 - offset  # a fresh model's scale is 1
+        self.fill(weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def fill(self, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(
+                f"RMSNorm weight has shape {tuple(tensor.shape)}, expected ({self.shape[0]},)"
+            )
+        self.register_buffer(
+            "weight", tensor.float() + self.offset if self.scale_in_fp32 else tensor
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp16/bf16 squares overflow or lose precision: compute the statistics in fp32.
         # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one call.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -35,8 +53,8 @@ class RMSNorm:
         return self.weight * normed.to(x.dtype)
 
 
-def load_rms_norm(weights: Weights, name: str, dims: int, config: ModelConfig) -> RMSNorm:
-    """The RMSNorm whose weight is tensor `name` (dims,), with the config's eps and offset."""
-    return RMSNorm(
-        dims, weights.tensor(name, (dims,)), config.rms_norm_eps, config.wiring.norm_weight_offset
-    )
+def rms_norm(name: str, dims: int, config: ModelConfig) -> RMSNorm:
+    """An empty RMSNorm (its weight on the meta device) that loads tensor `name` (dims,),
+    with the config's eps and offset."""
+    weight = torch.empty(dims, device="meta")
+    return RMSNorm(dims, weight, config.rms_norm_eps, config.wiring.norm_weight_offset, name)

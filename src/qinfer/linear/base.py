@@ -1,4 +1,9 @@
-"""What every kind of Linear answers: apply it, read rows of it, and show the weight it holds."""
+"""What every kind of Linear answers: apply it, read rows of it, and show the weight it holds.
+
+Every kind is a `torch.nn.Module` whose tensors are buffers (inference only: no gradients),
+so a model's projections show in `named_modules()`, take forward hooks, and list their
+tensors in `state_dict()`.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from qinfer.errors import WeightsError
+from qinfer.module import Module
 
 
-class Linear(ABC):
+class Linear(Module, ABC):
     """y = x W^T + b for a weight W (out_features, in_features) stored in some form.
 
     bias: (out_features,) in the compute dtype, or None. `dequantize()` is the weight the
@@ -21,7 +27,7 @@ class Linear(ABC):
     bias: torch.Tensor | None
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) -> (..., out_features), in x's dtype."""
 
     @abstractmethod

@@ -12,11 +12,12 @@ class DenseLinear(Linear):
     """weight (out, in) and bias (out,) or None, both in the compute dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
-        self.bias = bias
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
         self.out_features, self.in_features = weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def dequantize(self) -> torch.Tensor:

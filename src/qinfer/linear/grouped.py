@@ -21,15 +21,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import DenseLinear
+from qinfer.module import Module
 
 #: Row strides `torch._grouped_mm` takes are multiples of 16 bytes.
 _GROUPED_MM_ALIGNMENT = 16
 
 
-class GroupedLinear(ABC):
+class GroupedLinear(Module, ABC):
     """E projections W_e (out_features, in_features), no bias; row runs sorted by group."""
 
     groups: int
@@ -37,7 +39,7 @@ class GroupedLinear(ABC):
     in_features: int
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, in) with counts (E,) long (sum N) -> (N, out): run e through W_e."""
 
     @abstractmethod
@@ -54,10 +56,11 @@ class StackedDenseLinear(GroupedLinear):
     """weight (E, out, in) in the compute dtype, run by one grouped GEMM."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+        super().__init__()
+        self.register_buffer("weight", weight)
         self.groups, self.out_features, self.in_features = weight.shape
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)  # (E,) where each run ends
         # (N, in) @ (E, in, out) with runs -> (N, out)
         return torch._grouped_mm(x, self.weight.transpose(1, 2), offs=ends)
@@ -74,11 +77,12 @@ class LoopedLinear(GroupedLinear):
     """One `Linear` per group, each called on its run of rows (skipped when empty)."""
 
     def __init__(self, parts: list[Linear]) -> None:
-        self.parts = parts
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
         self.groups = len(parts)
         self.out_features, self.in_features = parts[0].out_features, parts[0].in_features
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outputs, start = [], 0
         # The host sync: the run lengths decide the shapes. Of many experts few have rows
         # in a decode step, so only those are sliced and called.

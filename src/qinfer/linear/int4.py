@@ -87,6 +87,7 @@ class Int4Linear(Linear):
     """A packed int4 weight with its (K / group, N, 2) scales and zeros, bias (N,) or None."""
 
     def __init__(self, stored: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
         q, scales, zeros = stored.q, stored.scales, stored.zeros
         self.out_features, self.in_features = q.shape
         self.group_size = stored.group_size
@@ -97,12 +98,12 @@ class Int4Linear(Linear):
             zeros = torch.cat([zeros, zeros.new_zeros(padding, zeros.shape[1])])
         self._padded = bool(padding)
         # (N, groups) x 2 -> (groups, N, 2), the kernels' layout
-        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = self.scales_and_zeros.to(dtype)
-        self.packed = _pack(q)
-        self.bias = bias
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
+        self.register_buffer("packed", _pack(q))
+        self.register_buffer("bias", bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x.reshape(-1, self.in_features))  # the kernels take 2-D activations
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

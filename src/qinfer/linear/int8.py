@@ -62,9 +62,10 @@ class Int8Linear(Linear):
     """int8 weight (N, K), scales (N,) in the compute dtype, bias (N,) or None."""
 
     def __init__(self, stored: Int8Rows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.q = stored.q.contiguous()
-        self.scales = stored.scales.to(dtype)
-        self.bias = bias
+        super().__init__()
+        self.register_buffer("q", stored.q.contiguous())
+        self.register_buffer("scales", stored.scales.to(dtype))
+        self.register_buffer("bias", bias)
         self.out_features, self.in_features = self.q.shape
         # Whether a call with MANY_ROWS rows widens the weight for a bf16 GEMM (module doc).
         self.widen_for_many_rows = (
@@ -74,7 +75,7 @@ class Int8Linear(Linear):
             and bf16_matmul_is_fast(self.q.device)
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D activations
         if x.device.type == "cpu" and not (self.widen_for_many_rows and len(flat) >= MANY_ROWS):
             y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)

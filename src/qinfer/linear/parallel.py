@@ -5,9 +5,9 @@ plain Linear of its output rows. The two kinds here hold one rank's part of a we
 join the ranks' results inside their call, so that `linear(x, w)` stays the layers' one
 call and every collective of a forward happens in one of these methods:
 
-- `RowParallelLinear.__call__`: one all-reduce of (..., out_features) (o_proj, down_proj);
+- `RowParallelLinear.forward`: one all-reduce of (..., out_features) (o_proj, down_proj);
 - `VocabParallelLinear.rows`: one all-reduce of (..., hidden) (the embedding lookup);
-- `VocabParallelLinear.__call__`: one all-gather of (..., vocab / N) (the logits).
+- `VocabParallelLinear.forward`: one all-gather of (..., vocab / N) (the logits).
 
 They are built by the weights seam (`Weights.linear(..., shard=)`) only when the world has
 more than one rank; a single process never sees them.
@@ -29,10 +29,12 @@ class RowParallelLinear(Linear):
     (out,) or None) is added once."""
 
     def __init__(self, local: Linear, bias: torch.Tensor | None, parallel: Parallel) -> None:
-        self.local, self.bias, self.parallel = local, bias, parallel
+        super().__init__()
+        self.local, self.parallel = local, parallel
+        self.register_buffer("bias", bias)
         self.out_features, self.in_features = local.out_features, local.in_features
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.parallel.all_reduce_sum(self.local(x))  # (..., out): every rank's sum
         return y if self.bias is None else y + self.bias
 
@@ -52,17 +54,18 @@ class VocabParallelLinear(Linear):
     its share (the last ranks' shares end with padding, which no id reaches).
     rows(ids): rows of the ids this rank holds, zeros for the others, all-reduced: every id's
         row comes from the one rank that has it.
-    __call__(x): this rank's logits, padded to the share, all-gathered in rank order and
+    forward(x): this rank's logits, padded to the share, all-gathered in rank order and
         trimmed to V.
     """
 
     def __init__(self, local: Linear, vocab: range, vocab_size: int, parallel: Parallel) -> None:
+        super().__init__()
         self.local, self.vocab, self.parallel = local, vocab, parallel
         self.bias = None
         self.out_features, self.in_features = vocab_size, local.in_features
         self.share = -(-vocab_size // parallel.world_size)  # ceil(V / N) rows per rank
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.local(x)  # (..., len(vocab)): this rank's ids
         padding = self.share - self.local.out_features
         if padding:

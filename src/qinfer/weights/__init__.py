@@ -29,8 +29,9 @@ def open_checkpoint(
 ) -> tuple[ModelConfig, Weights]:
     """The config and weights of a Hugging Face folder or a GGUF file.
 
-    quantize: weight-only quantization of the dense weights at load; a GGUF file keeps
-    its own quantized blocks unless told otherwise (see `weights.gguf.open_gguf`).
+    quantize: the weight-only quantization the dense weights will get at load (it decides
+    the compute dtype; `weights.load.load` applies it); a GGUF file keeps its own quantized
+    blocks unless told otherwise (see `weights.gguf.open_gguf`).
     """
     path = Path(path)
     if not path.exists():
@@ -42,7 +43,7 @@ def open_checkpoint(
     elif path.is_dir():
         config = config_from_file(path)
         dtype = dtype_for(config, quantize is not None)
-        weights = SafetensorsWeights(path, dtype, device, quantize)
+        weights = SafetensorsWeights(path, dtype, device)
     else:
         raise QinferError(f"model path {path} is neither a checkpoint folder nor a .gguf file")
     _name_fused_parts(config, weights)

@@ -3,7 +3,8 @@
 Names are always the Hugging Face ones (`model.layers.0.self_attn.q_proj.weight`); a
 format with other names (GGUF) maps them. `tensor` gives a dense tensor in the compute
 dtype on the requested device (norm weights); `linear` gives a callable `qinfer.linear.Linear`
-whose kind (dense, int8, int4 groups) follows the file and the `Quantize` choice. Every
+whose kind (dense, int8, int4 groups) follows the file and the `Quantize` choice it is
+given (`weights/load.py` fills a built model's slots through these two calls). Every
 error names the tensor and the file. Under tensor parallelism `linear(..., shard=)` reads only
 a rank's part of a projection (`qinfer.parallel.Shard`).
 """
@@ -48,12 +49,9 @@ class Quantize:
 class Weights(ABC):
     """A read-only map from tensor names to tensors of one checkpoint."""
 
-    def __init__(
-        self, dtype: torch.dtype, device: torch.device | str, quantize: Quantize | None = None
-    ) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device | str) -> None:
         self.dtype = dtype
         self.device = torch.device(device)
-        self.quantize = quantize
         # our name -> (stored name, first row, rows): parts of a fused tensor (split_fused)
         self._parts: dict[str, tuple[str, int, int]] = {}
 
@@ -150,6 +148,7 @@ class Weights(ABC):
         *,
         rows: bool = False,
         shard: Shard | None = None,
+        quantize: Quantize | None = None,
     ) -> Linear:
         """The projection `prefix.weight` (out, in) with its bias `prefix.bias` (out,).
 
@@ -165,6 +164,8 @@ class Weights(ABC):
             `shard.ranges[i]` of part i and of its bias, a plain Linear; "in" (one prefix):
             columns `shard.ranges[0]`, a `RowParallelLinear` holding the whole bias; "vocab":
             rows `shard.ranges[0]`, a `VocabParallelLinear`.
+        quantize: what dense weights become (None: they stay dense); quantized blocks a
+            reader keeps stay as they are.
         """
         prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
         shapes = [shape] * len(prefixes) if shape is None or isinstance(shape[0], int) else shape
@@ -177,7 +178,7 @@ class Weights(ABC):
             stored, stored_rows = self._located(name, part_rows)
             weight = self._stored(stored, stored_rows, part_columns)
             split = "" if part_columns == ALL else f" split over {shard.parallel.world_size} ranks"
-            parts.append(self._quantized(f"{name!r}{split}", weight, rows))
+            parts.append(_quantized(f"{name!r}{split}", weight, rows, quantize))
             bias_name = f"{part_prefix}.bias"
             wanted = self.has(bias_name) if bias is None else bias
             biases.append(self.tensor(bias_name, whole[:1], part_rows) if wanted else None)
@@ -189,17 +190,20 @@ class Weights(ABC):
         local = make_linear(parts, biases, self.dtype, self.device)
         return VocabParallelLinear(local, shard.ranges[0], whole[0], shard.parallel)
 
-    def _quantized(self, what: str, weight: StoredWeight, rows: bool) -> StoredWeight:
-        """The weight in the kind it will be used in (see `Quantize`); `what` names it."""
-        if isinstance(weight, torch.Tensor):
-            if self.quantize is None:
-                return weight
-            if self.quantize.kind == "int4" and not rows:
-                return quantize_int4(weight, self.quantize.group_size, what)
-            return quantize_int8(weight)
-        if rows and isinstance(weight, Int4Groups):
-            return quantize_int8(weight.dequantize())
-        return weight
+
+def _quantized(
+    what: str, weight: StoredWeight, rows: bool, quantize: Quantize | None
+) -> StoredWeight:
+    """The weight in the kind it will be used in (see `Quantize`); `what` names it."""
+    if isinstance(weight, torch.Tensor):
+        if quantize is None:
+            return weight
+        if quantize.kind == "int4" and not rows:
+            return quantize_int4(weight, quantize.group_size, what)
+        return quantize_int8(weight)
+    if rows and isinstance(weight, Int4Groups):
+        return quantize_int8(weight.dequantize())
+    return weight
 
 
 def _slices(shard: Shard | None, parts: int) -> list[tuple[slice, slice]]:

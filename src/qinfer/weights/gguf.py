@@ -118,7 +118,7 @@ def open_gguf(
     kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
     dtype = dtype_for(config, kept or quantize is not None)
     keep = kept and dtype != torch.float32
-    return config, GGUFWeights(file, config, dtype, device, quantize, keep)
+    return config, GGUFWeights(file, config, dtype, device, keep)
 
 
 @dataclass(frozen=True)
@@ -337,10 +337,9 @@ class GGUFWeights(Weights):
         config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device | str,
-        quantize: Quantize | None = None,
         keep_blocks: bool = False,
     ) -> None:
-        super().__init__(dtype, device, quantize)
+        super().__init__(dtype, device)
         self.file, self.path = file, file.path
         self.keep_blocks = keep_blocks
         self._tensors: dict[str, TensorInfo] = {}

@@ -9,7 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import WeightsError
-from qinfer.weights.base import ALL, Quantize, Weights
+from qinfer.weights.base import ALL, Weights
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Where a multimodal checkpoint (Gemma 3 with its vision tower) keeps its text model,
@@ -39,9 +39,8 @@ class SafetensorsWeights(Weights):
         folder: str | Path,
         dtype: torch.dtype,
         device: torch.device | str,
-        quantize: Quantize | None = None,
     ) -> None:
-        super().__init__(dtype, device, quantize)
+        super().__init__(dtype, device)
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
         self._stored_name: dict[str, str] = {}  # our name -> the name in the file

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +39,17 @@ def start_serve_command(
                 return server, url
         except httpx.TransportError:
             time.sleep(0.2)
+
+
+@contextmanager
+def serving(*args: str, timeout: float = 120) -> Iterator[str]:
+    """`qinfer serve ARGS` running for the block's duration; yields its URL."""
+    process, url = start_serve_command(*args, timeout=timeout)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def metric_values(http: httpx.Client) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch
 from checkpoints import build_chat_checkpoint
 from gguf_files import smollm2_path
 from langchain_openai import OpenAIEmbeddings
-from server_process import start_serve_command, wait_until_idle
+from server_process import serving, start_serve_command, wait_until_idle
 
 from qinfer import LLM
 from qinfer.engine.run import run_requests
@@ -166,14 +166,11 @@ def test_mean_pooling_does_not_start_from_the_prefix_cache(llm, hf_model):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    process, url = start_serve_command(
+    with serving(
         *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
         *("--device", "cpu", "--block-size", str(BLOCK)),
-        timeout=120,
-    )
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

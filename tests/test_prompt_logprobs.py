@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint
-from server_process import start_serve_command
+from server_process import serving
 from text_assets import CHATML_SPECIAL, QWEN3_ADDED, save_qwen3_tokenizer, train_tokenizer
 
 from qinfer import LLM
@@ -129,14 +129,11 @@ def test_prompt_logprobs_batched_with_decoding_and_after_preemption(checkpoint, 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    process, url = start_serve_command(
+    with serving(
         *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
         *("--device", "cpu", "--block-size", str(BLOCK), "--max-num-batched-tokens", "64"),
-        timeout=120,
-    )
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

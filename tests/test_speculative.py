@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import build_chat_checkpoint, build_checkpoint
-from server_process import metric_values, start_serve_command
+from server_process import metric_values, serving
 
 import qinfer
 from qinfer.cli import main
@@ -370,20 +370,15 @@ def test_prompt_lookup_at_tp2_gives_the_tp1_tokens(qwen3, model):
 
 
 def test_the_server_speculates_and_counts_it(qwen3_chat_folder, chat_llms):
-    process, url = start_serve_command(
+    prompt = "abcabcabcabcabc" * 3
+    with serving(
         *("--model", str(qwen3_chat_folder), "--dtype", "float32", "--served-model-name", "m"),
         *("--speculative-method", "ngram", "--num-speculative-tokens", "3"),
-        timeout=120,
-    )
-    prompt = "abcabcabcabcabc" * 3
-    try:
+    ) as url:
         body = {"model": "m", "prompt": prompt, "max_tokens": 20, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         with httpx.Client(base_url=url) as http:
             values = metric_values(http)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     plain, _ = chat_llms
     params = SamplingParams(temperature=0.0, max_tokens=20)
     assert reply["choices"][0]["text"] == plain.generate([prompt], params, use_tqdm=False)[0].text

@@ -26,6 +26,7 @@ from qinfer.engine import LLM
 from qinfer.errors import QinferError
 from qinfer.sampling import SamplingParams, process_logits, sample
 from qinfer.speculative.draft import DraftModel
+from qinfer.speculative.ngram import propose_ngram
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma3", "smollm3", "phi3"]
@@ -399,3 +400,18 @@ def test_bench_reports_speed_up_and_acceptance(tmp_path, capsys):
         assert set(rates) == {"off/0", "off/1", "on/0", "on/1"}
         assert report[workload]["speedup"] > 0
     assert 0 <= report["acceptance_rate"] <= 1 and report["mean_accepted_length"] >= 1
+
+
+@pytest.mark.parametrize(
+    "ids, want",
+    [
+        ([1, 2, 3, 4, 1, 2, 3], [4, 1]),  # the suffix seen once before: what followed it
+        ([1, 2, 3, 7, 8, 2, 3, 9, 1, 2, 3], [7, 8]),  # the longest suffix wins over the latest
+        ([5, 2, 3, 6, 9, 2, 3], [6, 9]),  # only the shortest matches: its latest occurrence
+        ([4, 2, 3, 6, 5, 2, 3, 7, 2, 3], [7, 2]),
+        ([1, 2, 3, 4, 5, 6], []),  # nothing seen before
+        ([3, 3], []),  # too short for the shortest n-gram
+    ],
+)
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match(ids, want):
+    assert propose_ngram(ids, k=2, min_n=2, max_n=3) == want

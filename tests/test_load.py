@@ -104,6 +104,24 @@ def test_forward_hooks_fire_on_the_layers_and_the_projections():
     assert all(out.shape == (5, 64) for _, out in seen)  # (T, hidden): the flat tokens
 
 
+def test_a_global_forward_hook_sees_every_module_call():
+    """`Module.__call__` skips nn.Module's hook machinery only while no hook is set: a
+    global hook (as profilers and debuggers add) still sees each layer's call."""
+    model = random_model("qwen3", **QWEN3)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__)
+    )
+    try:
+        model(random_tokens(1, 5))
+    finally:
+        handle.remove()
+    assert seen.count("Block") == 2 and seen.count("Attention") == 2
+    seen.clear()
+    model(random_tokens(1, 5))
+    assert seen == []
+
+
 def test_a_random_model_is_reproducible_by_seed_in_any_dtype():
     config = tiny_config("qwen3", **QWEN3)
     model = qinfer.Transformer.random(config, seed=3)

@@ -25,13 +25,12 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-# The global hook registries `nn.Module.__call__` checks (dicts changed in place).
-_GLOBAL_HOOKS = (
-    _nn_module._global_forward_pre_hooks,
-    _nn_module._global_forward_hooks,
-    _nn_module._global_backward_pre_hooks,
-    _nn_module._global_backward_hooks,
-)
+# The global hook registries `nn.Module.__call__` checks (dicts changed in place, so these
+# names stay bound to the live ones).
+_FORWARD_PRE_HOOKS = _nn_module._global_forward_pre_hooks
+_FORWARD_HOOKS = _nn_module._global_forward_hooks
+_BACKWARD_PRE_HOOKS = _nn_module._global_backward_pre_hooks
+_BACKWARD_HOOKS = _nn_module._global_backward_hooks
 
 
 class Module(nn.Module):
@@ -45,7 +44,10 @@ class Module(nn.Module):
             or self._backward_pre_hooks
             or self._backward_hooks
             or self._compiled_call_impl is not None
-            or any(_GLOBAL_HOOKS)
+            or _FORWARD_PRE_HOOKS
+            or _FORWARD_HOOKS
+            or _BACKWARD_PRE_HOOKS
+            or _BACKWARD_HOOKS
             or torch._C._get_tracing_state()
         ):
             return nn.Module.__call__(self, *args, **kwargs)

@@ -234,8 +234,10 @@ class PagedAttention:
         into the pool, then attends each group of sequences to its own histories."""
         keys, values = self.pool.layer_keys[layer], self.pool.layer_values[layer]
         # (T, Hkv, D) -> the pool's (Hkv, slots, D), at the tokens' slots
-        keys.index_copy_(1, self.step.slots, k.to(keys.dtype).transpose(0, 1))
-        values.index_copy_(1, self.step.slots, v.to(values.dtype).transpose(0, 1))
+        if k.dtype != keys.dtype:  # (a no-op `.to` still costs a call per layer)
+            k, v = k.to(keys.dtype), v.to(values.dtype)
+        keys.index_copy_(1, self.step.slots, k.transpose(0, 1))
+        values.index_copy_(1, self.step.slots, v.transpose(0, 1))
         window = self.windows[layer]
         if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = self.step.groups

@@ -23,6 +23,7 @@ from server_process import metric_values, serving
 import qinfer
 from qinfer.cli import main
 from qinfer.engine import LLM
+from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.sampling import SamplingParams, process_logits, sample
 from qinfer.speculative.draft import DraftModel
@@ -415,3 +416,16 @@ def test_bench_reports_speed_up_and_acceptance(tmp_path, capsys):
 )
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match(ids, want):
     assert propose_ngram(ids, k=2, min_n=2, max_n=3) == want
+
+
+def test_a_proposal_never_verified_leaves_the_draft_cache_as_the_tokens_kept(model):
+    """A sequence whose proposal the scheduler cut (or did not run) is proposed for again:
+    the draft's cache holds guesses that were never verified, and must not count them."""
+    draft = DraftModel(model, model, num_blocks=8, block_size=16)
+    seq = Sequence("a", copying_prompts(10, count=1)[0])
+    seq.block_table = list(range(4))
+    seq.num_computed_tokens = seq.num_tokens - 1  # prefilled; its last token to run
+    [first] = draft.propose([seq], [3])
+    assert len(first) == 3 and seq.num_draft_computed == seq.num_tokens + 2
+    [again] = draft.propose([seq], [3])  # nothing was verified in between
+    assert again == first

@@ -10,7 +10,10 @@ sequence up on the tokens its draft cache lacks (the whole prompt the first time
 the tokens accepted since, and the last sampled one) and guesses the first token; each
 next forward runs the previous guess. Guesses are greedy (a point mass, which the target's
 rejection sampling handles exactly). `Sequence.num_draft_computed` says how many leading
-tokens have their K/V in the draft's pool; freeing a sequence's blocks resets it.
+tokens have their K/V in the draft's pool: after a proposal it counts the guesses too, and
+the next proposal first cuts it to the tokens the target kept (a guess that was rejected,
+or cut by the scheduler and never verified, is not the sequence's); freeing a sequence's
+blocks resets it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class DraftModel:
         """ks[b] greedy guesses for each sequence after its last token (its blocks cover
         positions up to num_tokens + ks[b] - 2, the last the draft writes)."""
         proposals: list[list[int]] = [[] for _ in seqs]
+        for seq in seqs:  # the draft's K/V is the sequence's only up to the tokens kept
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         # First forward: each sequence's missing tokens, up to and with its last one.
         live = list(range(len(seqs)))
         step = StepInputs(
@@ -84,9 +89,3 @@ class DraftModel:
     def _greedy(self, step: StepInputs) -> list[int]:
         logits = self.runner.forward(step).logits  # (R, V) fp32
         return torch.argmax(logits, dim=-1).tolist()
-
-    @staticmethod
-    def verified(seq: Sequence) -> None:
-        """After a verification: the draft's K/V stays valid up to the tokens kept (a
-        kept guess is the token the draft ran at its position; a rejected one is not)."""
-        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)

@@ -112,8 +112,6 @@ class Speculator:
         length = self._lengths.get(seq.request_id)
         if length is not None:
             length.update(proposed, accepted)
-        if self.draft is not None:
-            self.draft.verified(seq)
 
     def finished(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)

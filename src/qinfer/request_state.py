@@ -127,9 +127,7 @@ class RequestState:
         """True when the distribution of a row depends on its logits alone: no logits
         processors and no penalties (both read the tokens accepted before it), so that
         the rows verifying several proposed tokens can be sampled at once."""
-        p = self.params
-        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return not self.logits_processors and not penalties
+        return not self.logits_processors and not self.params.has_penalties
 
     @property
     def output_token_ids(self) -> list[int]:

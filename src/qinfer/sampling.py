@@ -185,6 +185,16 @@ class SamplingParams:
         return None
 
     @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is set (the row's logits
+        then depend on the tokens before it)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
     def greedy(self) -> bool:
         """True when the row takes the most likely token (temperature 0, or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
@@ -556,11 +566,7 @@ def apply_penalties(
     The rows with penalties are processed together, at the ids of their histories only
     (O(history) per row, not O(vocabulary)), without waiting on the device.
     """
-    rows = [
-        b
-        for b, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    ]
+    rows = [b for b, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[-1]

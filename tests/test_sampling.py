@@ -15,11 +15,13 @@ import transformers
 from qinfer import SamplingParams
 from qinfer.errors import QinferError, SamplingError
 from qinfer.sampling import (
+    ARGMAX_SLICED_FROM,
     ThinkingBudget,
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_p,
+    argmax_rows,
     make_generator,
     process_logits,
     sample,
@@ -156,10 +158,12 @@ def test_seeded_sampling_reproduces(logits):
 
 def test_a_row_samples_the_same_alone_or_in_a_batch(logits, histories):
     params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2),
-        SamplingParams(temperature=1.3, top_k=10, seed=8, presence_penalty=1.0),
-        SamplingParams(temperature=0.5, top_k=40, min_p=0.1, seed=9, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.2, logprobs=0),
+        SamplingParams(temperature=1.3, top_k=10, seed=8, presence_penalty=1.0, logprobs=0),
+        SamplingParams(
+            temperature=0.5, top_k=40, min_p=0.1, seed=9, frequency_penalty=0.5, logprobs=0
+        ),
     ]
     batched = sample(logits, params, histories, [make_generator(p, "cpu") for p in params])
     for b, p in enumerate(params):
@@ -216,6 +220,34 @@ def test_logprobs_are_of_the_penalised_distribution(logits, histories):
         values, ids = log_probs[b].topk(params[b].logprobs)
         assert [i for i, _ in result.top_logprobs[b]] == ids.tolist()
         torch.testing.assert_close(torch.tensor([v for _, v in result.top_logprobs[b]]), values)
+
+
+def test_logprobs_are_computed_only_when_a_row_asks():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1)]
+    result = sample(logits[:2], params, [[]] * 2, [None, make_generator(params[1], "cpu")])
+    assert result.logprobs is None and result.top_logprobs == [None, None]
+    asked = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)]
+    result = sample(logits[:2], asked, [[]] * 2, [None, None])
+    expected = torch.log_softmax(logits[:2], -1).gather(1, result.token_ids[:, None])[:, 0]
+    torch.testing.assert_close(result.logprobs, expected)  # every row's, once one asks
+    assert result.top_logprobs == [None, []]
+
+
+@pytest.mark.parametrize("vocab", [ARGMAX_SLICED_FROM, 49152, 151936, ARGMAX_SLICED_FROM + 1])
+def test_argmax_rows_is_argmax_with_its_ties_and_nans(vocab):
+    """Sliced argmax == torch's argmax: the first index of the maximum, NaN counted as the
+    largest, wherever it falls (the short tail slice included)."""
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        logits = torch.randint(-3, 3, (4, vocab), generator=generator).float()  # many ties
+        columns = torch.randint(0, vocab, (3,), generator=generator)
+        logits[1, columns[:2]] = float("nan")
+        logits[2, -1] = 9.0  # the maximum in the tail
+        logits[3, columns[2]] = 9.0
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), trial
+    small = torch.randn(2, 100)  # below ARGMAX_SLICED_FROM: one pass
+    assert torch.equal(argmax_rows(small), small.argmax(dim=-1))
 
 
 def test_make_generator_is_none_without_a_seed():
@@ -280,9 +312,11 @@ def test_stop_of_the_wrong_kind_is_rejected():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_sampling_on_cuda_reproduces_and_greedy_agrees_with_cpu(logits, histories):
     params = [
-        SamplingParams(temperature=0.0, repetition_penalty=1.3),
-        SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05, seed=1),
-        SamplingParams(temperature=1.1, presence_penalty=0.5, frequency_penalty=0.5, seed=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=0),
+        SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05, seed=1, logprobs=0),
+        SamplingParams(
+            temperature=1.1, presence_penalty=0.5, frequency_penalty=0.5, seed=2, logprobs=0
+        ),
     ]
     cuda_logits, rows = logits[:3].cuda(), histories[:3]
 

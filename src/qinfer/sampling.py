@@ -393,13 +393,15 @@ class SampleResult:
     """The chosen tokens of one step.
 
     token_ids: (B,) long, the chosen id of each row.
-    logprobs: (B,) fp32, log-probability of each chosen id (see the module docstring).
+    logprobs: (B,) fp32, log-probability of each chosen id (see the module docstring), or
+    None when no row asked for log-probabilities (`params.logprobs` None in every row:
+    the (B, V) log-softmax is then never computed).
     top_logprobs: per row, None or the `params.logprobs` most likely (id, logprob) pairs,
     most likely first.
     """
 
     token_ids: torch.Tensor
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -439,9 +441,8 @@ def sample(
             for processor in processors:
                 logits[b] = processor(logits[b])
     logits = apply_penalties(logits, params, histories, prompt_lens)
-    logprobs_all = torch.log_softmax(logits, dim=-1)  # (B, V)
 
-    token_ids = logits.argmax(dim=-1)  # (B,) greedy choice; sampled rows overwrite below
+    token_ids = argmax_rows(logits)  # (B,) greedy choice; sampled rows overwrite below
     # Rows with a top_k draw among their k best candidates, the others over the whole
     # vocabulary: a row's draw depends only on its own logits, params and generator,
     # never on which rows share its batch.
@@ -456,8 +457,43 @@ def sample(
                 None if proposed is None else [proposed[b] for b in rows],
             )
 
+    if all(p.logprobs is None for p in params):
+        return SampleResult(token_ids, None, [None] * batch)
+    logprobs_all = torch.log_softmax(logits, dim=-1)  # (B, V)
     chosen_logprobs = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # (B,)
     return SampleResult(token_ids, chosen_logprobs, _top_logprobs(logprobs_all, params))
+
+
+#: Width of the slices `argmax_rows` reduces first, and the vocabulary from which it does
+#: (below it, one argmax pass is as fast).
+ARGMAX_SLICE = 1024
+ARGMAX_SLICED_FROM = 32 * ARGMAX_SLICE
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) -> (B,) the index of each row's maximum, the first one on ties:
+    `logits.argmax(-1)`, in two cheap passes where V is large.
+
+    On CPU torch's argmax over a row is not vectorized: 240 us for 8 rows of SmolLM2's
+    49,152 logits on one thread, where `amax` takes 21 us (Qwen3's 151,936: 1.2 ms against
+    0.2 ms for this function, AMD EPYC AVX512). So each row's maximum is found
+    per slice of ARGMAX_SLICE logits (`amax`), the first slice holding the row's maximum
+    is picked (argmax over B x V/1024 values), and the argmax within that slice (B x 1024)
+    is the answer: the same index argmax gives, NaN included (both take NaN as largest).
+    """
+    B, V = logits.shape
+    if logits.device.type != "cpu" or V < ARGMAX_SLICED_FROM:
+        return logits.argmax(dim=-1)
+    whole = V - V % ARGMAX_SLICE  # the tail past the last whole slice is a slice of its own
+    maxima = logits[:, :whole].view(B, -1, ARGMAX_SLICE).amax(dim=-1)  # (B, V // slice)
+    if whole < V:
+        maxima = torch.cat((maxima, logits[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
+    starts = maxima.argmax(dim=-1) * ARGMAX_SLICE  # (B,) each row's slice
+    columns = starts[:, None] + torch.arange(ARGMAX_SLICE, device=logits.device)
+    # the tail's slice is short: its columns past V read the last logit again, which can
+    # only be picked if that logit is the maximum (argmax keeps its first occurrence)
+    window = logits.gather(1, columns.clamp_(max=V - 1))  # (B, slice)
+    return starts + window.argmax(dim=-1)
 
 
 def _sample_rows(

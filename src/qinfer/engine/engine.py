@@ -372,13 +372,14 @@ class Engine:
                 last = len(proposals[i]) if requests[i].state.rows_independent else j
                 picks += [(i, row) for row in range(j, last + 1)]
             guesses = [proposals[i][j] if j < len(proposals[i]) else None for i, j in picks]
-            index = torch.tensor([firsts[i] + j for i, j in picks], device=logits.device)
+            rows = [firsts[i] + j for i, j in picks]
             result = sample_next(
-                logits[index],
+                _rows_of(logits, rows),
                 [requests[i].state for i, _ in picks],
                 guesses if any(g is not None for g in guesses) else None,
             )
-            token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+            token_ids = result.token_ids.tolist()
+            logprobs = [None] * len(picks) if result.logprobs is None else result.logprobs.tolist()
             going, stopped = {}, set()
             for r, (i, j) in enumerate(picks):
                 if i in stopped:  # a row after one that ended this request's run
@@ -415,7 +416,7 @@ class Engine:
         self._finish(request, "length" if ends_early else "stop")
         return request.output()
 
-    def _accept(self, request: Request, token_id: int, logprob: float, top) -> None:
+    def _accept(self, request: Request, token_id: int, logprob: float | None, top) -> None:
         """Append a sampled token, extend the text, and finish the request if it is done."""
         if request.logprobs is not None:
             request.logprobs.append(TokenLogprob(token_id, logprob, dict(top or ())))
@@ -532,3 +533,12 @@ def _tokenizer(tokenizer: Tokenizer | str | Path | None, path: Path | None) -> T
         except TokenizerError:
             return None
     return tokenizer
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] (len(rows), V): a view when the rows follow each other (every decode
+    step without proposals: no copy of B x V logits), else a gathered copy."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return logits[first : first + len(rows)]
+    return logits[torch.tensor(rows, device=logits.device)]

@@ -22,7 +22,7 @@ from qinfer.attention.reference import Cache, ReferenceAttention
 from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.features import Features
-from qinfer.layers.norm import rms_norm
+from qinfer.layers.norm import head_norms, rms_norm
 from qinfer.layers.rope import NoRoPE, RoPE, row_positions
 from qinfer.linear import linear
 from qinfer.module import Module
@@ -120,24 +120,25 @@ class Attention(Module, Placed):
             return self.forward(x.reshape(B * L, H), flat, backend).view(B, L, H)
         T = x.shape[0]
 
-        # Step 1: project to Q, K, V (one fused projection, split into its three parts).
-        # (T, (Hq + 2 Hkv) * D) -> 3 x (T, H * D) -> (T, H, D); Hq and Hkv are this rank's
-        # heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
-        projection_q, projection_k, projection_v = linear(x, self.wqkv).split(self.qkv_sizes, -1)
-        projection_q = projection_q.reshape(T, self.num_heads, self.head_dim)
-        projection_k = projection_k.reshape(T, self.num_kv_heads, self.head_dim)
-        projection_v = projection_v.reshape(T, self.num_kv_heads, self.head_dim)
+        # Step 1: project to Q, K, V (one fused projection), viewed as heads:
+        # (T, (Hq + 2 Hkv) * D) -> (T, Hq + 2 Hkv, D), q's heads, then k's, then v's. Hq and
+        # Hkv are this rank's heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        heads = linear(x, self.wqkv).reshape(T, Hq + 2 * Hkv, D)
+        projection_qk, projection_v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]
 
-        # Step 2: per-head QK-norm, within each head, before RoPE.
+        # Step 2: per-head QK-norm, within each head, before RoPE: q_norm on q's heads and
+        # k_norm on k's, in one pass over both.
         if self.q_norm is not None:
-            projection_q = self.q_norm(projection_q)
-            projection_k = self.k_norm(projection_k)
+            projection_qk = head_norms(projection_qk, self.q_norm, self.k_norm, Hq)
 
-        # Step 3: RoPE on Q and K (not V), both rotated by one lookup of cos and sin
-        # ((T, 1, D/2) each, shared by every layer of the step).
-        cos, sin = self.rope.rotation(positions, projection_q.dtype)
-        projection_q = self.rope.apply(projection_q, cos, sin)
-        projection_k = self.rope.apply(projection_k, cos, sin)
+        # Step 3: RoPE on Q and K (not V). A token's q and k heads share its position, so
+        # one rotation of the (T, Hq + Hkv, D) heads serves both (half the ops of rotating
+        # each, which a decode step feels); cos and sin, (T, 1, D/2) each, are looked up
+        # once per step for every layer.
+        cos, sin = self.rope.rotation(positions, projection_qk.dtype)
+        projection_qk = self.rope.apply(projection_qk, cos, sin)
+        projection_q, projection_k = projection_qk[:, :Hq], projection_qk[:, Hq:]
 
         # Steps 4-6: the backend stores this step's K/V and attends each query over its own
         # sequence's visible history (padding, sliding window, causal). The reference
@@ -150,7 +151,7 @@ class Attention(Module, Placed):
         # Step 7: (T, Hq, D) -> (T, Hq * D) -> output projection -> (T, hidden).
         # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
         # sum, and its call all-reduces the ranks' sums (the layer's one collective).
-        return linear(x.reshape(T, self.num_heads * self.head_dim), self.wo)
+        return linear(x.reshape(T, Hq * D), self.wo)
 
 
 def _head_rows(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> tuple[range, range]:

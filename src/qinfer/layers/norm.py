@@ -45,12 +45,27 @@ class RMSNorm(Module, TensorSlot):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (..., dims) normalized, then scaled by `weight` (broadcast to x: this norm's
+        own, or `head_norms`' one row per head)."""
         # fp16/bf16 squares overflow or lose precision: compute the statistics in fp32.
         # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one call.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.scale_in_fp32:
-            return (normed * self.weight).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return (normed * weight).to(x.dtype)
+        return weight * normed.to(x.dtype)
+
+
+def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -> torch.Tensor:
+    """x (T, H, D) heads: the first num_first normed by `first`, the others by `rest` (two
+    norms of one layer, same eps and kind: QK-norm over q's heads and k's), in one pass;
+    the same values as each norm on its own heads."""
+    weight = torch.cat(
+        (first.weight.expand(num_first, -1), rest.weight.expand(x.shape[1] - num_first, -1))
+    )  # (H, D)
+    return first.normalize(x, weight)
 
 
 def rms_norm(name: str, dims: int, config: ModelConfig) -> RMSNorm:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import torch
-
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
 from qinfer.runtime.runner import ModelRunner
 from qinfer.runtime.step_channel import StepInputs
+from qinfer.sampling import argmax_rows
 
 
 class DraftModel:
@@ -88,4 +87,4 @@ class DraftModel:
 
     def _greedy(self, step: StepInputs) -> list[int]:
         logits = self.runner.forward(step).logits  # (R, V) fp32
-        return torch.argmax(logits, dim=-1).tolist()
+        return argmax_rows(logits).tolist()

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_files import gemma3_path, greedy_parts_only_at_near_ties
+from gguf_files import assert_greedy_follows, compare_greedy, gemma3_path
 from server_process import start_serve_command
 
 import qinfer
@@ -242,11 +242,10 @@ def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, 
     assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
     assert isinstance(fast.layers[0].mlp.gate_up, Int8Linear)  # blk.0.ffn_gate/up are Q5_0
     assert not any(isinstance(w, DenseLinear) for w in fast.linears().values())
-    agreed = sum(
-        greedy_parts_only_at_near_ties(fast, reference, tokenizer.encode(prompt))
-        for prompt in PROMPTS
-    )
-    print(f"{agreed} of {len(PROMPTS)} prompts agree for all 32 tokens")
+    comparisons = [compare_greedy(fast, reference, tokenizer.encode(p)) for p in PROMPTS]
+    # On the AVX512-BF16 development machine: 2 of 3 prompts, top-1 92/96 (real text: 92.9%
+    # top-1 in the KL test below, as llama.cpp's own).
+    assert_greedy_follows(comparisons, min_top1=0.9)
 
 
 #: llama.cpp 0.3.36's own drift on the same file and text, from `python

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import build_checkpoint, random_tokens
-from gguf_files import greedy_parts_only_at_near_ties, smollm2_path
+from gguf_files import assert_greedy_follows, compare_greedy, smollm2_path
 
 import qinfer
 from qinfer.errors import QinferError, WeightsError
@@ -115,13 +115,12 @@ def test_smollm2_greedy_follows_float32_except_at_near_ties():
     tokenizer = qinfer.load_tokenizer(path)
     fast = qinfer.load_model(path, device="cpu")
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
-    agreed = 0
-    for prompt in PROMPTS:
-        print(prompt)
-        agreed += greedy_parts_only_at_near_ties(fast, reference, tokenizer.encode(prompt))
-    # How many agree depends on the CPU's kernels (4 of 4 need not hold anywhere); on the
-    # AVX512-BF16 development machine: 1 of 4, the other 3 parting at near-ties.
-    print(f"{agreed} of {len(PROMPTS)} prompts agree for all 32 tokens")
+    comparisons = [compare_greedy(fast, reference, tokenizer.encode(p)) for p in PROMPTS]
+    # Which prompts agree for all 32 tokens depends on the CPU's kernels (on the
+    # AVX512-BF16 development machine: 1 of 4, the other 3 parting at near-ties); the top-1
+    # agreement on the reference's path measured 123/128 there (real text: 95% top-1 in the
+    # KL test below, llama.cpp's 94.6%).
+    assert_greedy_follows(comparisons, min_top1=0.9)
 
 
 #: llama.cpp 0.3.36's own drift on the same file and text, from `python

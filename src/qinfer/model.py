@@ -33,6 +33,7 @@ from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
+from qinfer.kv_quant import KVFormat, kv_format
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
@@ -197,7 +198,8 @@ class Transformer(Module, Placed):
         left_padding: torch.Tensor | list[int] | None = None,
         max_length: int | None = None,
     ) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: contiguous for full attention, a ring for sliding windows.
+        """One cache per layer: contiguous for full attention, a ring for sliding windows,
+        storing K/V as `features.kv_cache_dtype` says.
 
         left_padding: (batch_size,) pad tokens at the start of each row of a batch.
         max_length: positions the cache may hold (default: the model's context).
@@ -206,14 +208,22 @@ class Transformer(Module, Placed):
             max_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
         step_masks = StepMasks()  # every layer of one window builds the same mask each step
+        fmt = self.kv_format
         caches: list[KVCache | RotatingKVCache] = []
         for layer in range(self.config.num_hidden_layers):
             window = self.config.window(layer)
             if window is None:
-                caches.append(KVCache(batch_size, limit, left_padding, step_masks))
+                caches.append(KVCache(batch_size, limit, left_padding, step_masks, fmt))
             else:
-                caches.append(RotatingKVCache(window, batch_size, limit, left_padding, step_masks))
+                caches.append(
+                    RotatingKVCache(window, batch_size, limit, left_padding, step_masks, fmt)
+                )
         return caches
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """How this model's caches store K/V (`features.kv_cache_dtype` at its dtype)."""
+        return kv_format(self.features.kv_cache_dtype, self.dtype)
 
     @torch.inference_mode()
     def __call__(

@@ -2,7 +2,19 @@
 
 from dataclasses import dataclass
 
-from qinfer.kv_quant import check_kv_cache_dtype
+from qinfer.errors import QinferError
+
+#: The names `Features.kv_cache_dtype` (and `--kv-cache-dtype`) accepts; `qinfer.kv_quant`
+#: says how each stores K/V.
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a name that is not one of KV_CACHE_DTYPES, in one line."""
+    if name not in KV_CACHE_DTYPES:
+        raise QinferError(
+            f"unknown kv_cache_dtype {name!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
 
 
 @dataclass(frozen=True)

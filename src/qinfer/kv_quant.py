@@ -1,6 +1,7 @@
 """How K/V are stored between steps: as computed, in another float dtype, or quantized.
 
-`Features.kv_cache_dtype` names the storage, `kv_format` turns the name into a `KVFormat`:
+`Features.kv_cache_dtype` names the storage, `kv_format` turns the name into a `KVFormat`
+for a model's compute dtype:
 
     auto   the model's compute dtype: K/V stored exactly as computed (the default)
     bf16   bfloat16, whatever the compute dtype
@@ -20,10 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import QinferError
-
-#: The names `Features.kv_cache_dtype` (and `--kv-cache-dtype`) accepts.
-KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8")
+from qinfer.features import check_kv_cache_dtype
 
 _TINY = torch.finfo(torch.float32).tiny  # the divisor of an all-zero vector
 
@@ -74,14 +72,6 @@ _FORMATS = {
     "int8": KVFormat(torch.int8, 127.0),
     "fp8": KVFormat(torch.float8_e4m3fn, 448.0),
 }
-
-
-def check_kv_cache_dtype(name: str) -> None:
-    """Refuse a name that is not one of KV_CACHE_DTYPES, in one line."""
-    if name not in KV_CACHE_DTYPES:
-        raise QinferError(
-            f"unknown kv_cache_dtype {name!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
-        )
 
 
 def kv_format(name: str, compute_dtype: torch.dtype) -> KVFormat:

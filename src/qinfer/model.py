@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -407,6 +408,7 @@ def load_model(
     quantize: str | None = None,
     group_size: int = 32,
     parallel: Parallel | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -418,7 +420,11 @@ def load_model(
     parallel: this process's rank in a tensor-parallel group (default: a single process);
         only the rank's part of each projection is read (see `qinfer.parallel`). A world
         size that does not split the heads or the FFN evenly is refused before loading.
+    kv_cache_dtype: how the model's caches store K/V, "auto", "bf16", "int8" or "fp8"
+        (`Features.kv_cache_dtype`; given, it replaces the one of `features`).
     """
+    if kv_cache_dtype is not None:  # checked before anything loads
+        features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
     device = torch.device(device) if device is not None else default_device()
     scheme, keep_blocks = quantize_choice(quantize, group_size)
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)

@@ -1,8 +1,10 @@
 """How far qinfer's default (quantized) path and llama.cpp drift from the fp32 reference
-on the same GGUF file and the same real text, measured as llama-perplexity measures it.
+on the same GGUF file and the same real text, measured as llama-perplexity measures it;
+with --kv-cache, also how much a quantized KV cache adds, in each engine.
 
     python bench/kl_divergence.py                          # the embedded SmolLM2 Q4_1
     python bench/kl_divergence.py --model ~/.cache/qinfer/gemma-3-270m-q4_k_m.gguf
+    python bench/kl_divergence.py --kv-cache               # + int8 / fp8 / q8_0 KV caches
 
 The reference is qinfer with the file dequantized to fp32 (`dtype="float32"`: every
 block expanded exactly, the parity tests' path). Both qinfer's default load (kept Q4 bits
@@ -12,12 +14,18 @@ token, its largest value, top-1 agreement, and each engine's perplexity. The tex
 tests/real_text.txt (the project's own prose), in chunks of --context tokens, each scored
 on its second half. llama.cpp runs through llama-cpp-python (`pip install 'qinfer[peer]'`).
 The tests hold qinfer's drift to a bound set from llama.cpp's figure printed here.
+
+--kv-cache adds qinfer's default path with an int8 and an fp8 KV cache, the fp32 reference
+with an int8 KV cache (the cache's cost alone), and llama.cpp with its q8_0 K and V cache
+(type_k = type_v = GGML_TYPE_Q8_0, which needs flash attention for V) beside llama.cpp with
+flash attention and its f16 cache (the same kernels, so the difference is the cache's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +38,23 @@ from qinfer.perplexity import score, scored_log_probs
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "real_text.txt"
 
 
-def llama_cpp_scorer(path: Path, context: int, threads: int):
-    """A `qinfer.perplexity.Scorer` running llama.cpp on the file."""
+#: ggml's type id of Q8_0 (blocks of 32 int8 values and one fp16 scale), llama.cpp's
+#: 8-bit KV cache.
+GGML_TYPE_Q8_0 = 8
+
+
+def llama_cpp_scorer(path: Path, context: int, threads: int, **params):
+    """A `qinfer.perplexity.Scorer` running llama.cpp on the file (params: more of
+    `llama_cpp.Llama`'s context parameters, such as its KV cache types)."""
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=context, logits_all=True, n_threads=threads, verbose=False
+        model_path=str(path),
+        n_ctx=context,
+        logits_all=True,
+        n_threads=threads,
+        verbose=False,
+        **params,
     )
 
     def scorer(chunk: torch.Tensor) -> torch.Tensor:
@@ -55,6 +74,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--kv-cache", action="store_true", help="also measure quantized KV caches (see above)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -62,14 +84,25 @@ def main() -> None:
     reference = load_model(path, dtype="float32", device="cpu")
     default = load_model(path, device="cpu")
     base = lambda chunk: scored_log_probs(reference, chunk)  # noqa: E731
-    rows = {
-        "qinfer fp32 (reference)": score(base, ids, args.context),
-        "qinfer default": score(lambda c: scored_log_probs(default, c), ids, args.context, base),
-    }
-    try:
-        rows["llama.cpp"] = score(
-            llama_cpp_scorer(path, args.context, args.threads), ids, args.context, base
+    models = {"qinfer default": default}
+    if args.kv_cache:
+        models["qinfer default, int8 KV"] = load_model(path, device="cpu", kv_cache_dtype="int8")
+        models["qinfer default, fp8 KV"] = load_model(path, device="cpu", kv_cache_dtype="fp8")
+        models["qinfer fp32, int8 KV"] = load_model(
+            path, dtype="float32", device="cpu", kv_cache_dtype="int8"
         )
+    rows = {"qinfer fp32 (reference)": score(base, ids, args.context)}
+    for name, model in models.items():
+        rows[name] = score(partial(scored_log_probs, model), ids, args.context, base)
+    peers = {"llama.cpp": {}}
+    if args.kv_cache:
+        peers["llama.cpp flash-attn, f16 KV"] = {"flash_attn": True}
+        q8_0 = {"type_k": GGML_TYPE_Q8_0, "type_v": GGML_TYPE_Q8_0}
+        peers["llama.cpp flash-attn, q8_0 KV"] = {"flash_attn": True, **q8_0}
+    try:
+        for name, params in peers.items():
+            scorer = llama_cpp_scorer(path, args.context, args.threads, **params)
+            rows[name] = score(scorer, ids, args.context, base)
     except ImportError:
         print("llama.cpp: skipped (pip install 'qinfer[peer]')")
     if args.json:
@@ -78,7 +111,7 @@ def main() -> None:
     print(f"{path.name}: {len(ids)} tokens of {TEXT.name}, context {args.context}")
     for name, r in rows.items():
         kl = "" if r.kl is None else f"  KL {r.kl:.5f} (max {r.kl_max:.3f})  top-1 {r.top1:.3%}"
-        print(f"{name:>24}: perplexity {r.perplexity:.3f}{kl}")
+        print(f"{name:>30}: perplexity {r.perplexity:.3f}{kl}")
 
 
 if __name__ == "__main__":

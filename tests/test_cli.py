@@ -152,6 +152,7 @@ def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
         (["generate", "--model", "{folder}", "--max-tokens", "lots", "Hi"], "max-tokens"),
         (["generate", "--model", "{folder}"], "prompt"),
         (["bench", "--model", "{folder}", "--decode-tokens", "1"], "decode_tokens"),
+        (["generate", "--model", "{folder}", "--kv-cache-dtype", "int4", "Hi"], "--kv-cache-dtype"),
         (["fly"], "fly"),
     ],
     ids=[
@@ -164,6 +165,7 @@ def test_bad_input_in_a_subprocess_is_one_line_and_status_2(tmp_path):
         "non-integer-flag",
         "missing-prompt",
         "bench-too-few-tokens",
+        "unknown-kv-cache-dtype",
         "unknown-command",
     ],
 )

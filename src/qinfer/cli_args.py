@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+from qinfer.features import KV_CACHE_DTYPES
 
 
 def bounded(
@@ -78,6 +79,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="input columns per int4 scale (32 to 256)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores keys and values: auto (the compute dtype), bf16, or "
+        "int8 / fp8 with one scale per token and head (half bf16's memory, twice the "
+        "sequences in the same pool; default: auto)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=bounded(int, 1),
         default=1,
@@ -94,6 +103,7 @@ def load_arguments(args: argparse.Namespace) -> dict:
         "device": args.device,
         "quantize": args.quantize,
         "group_size": args.group_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
 

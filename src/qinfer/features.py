@@ -1,6 +1,20 @@
-"""Run-time feature switches that change how a layer computes, never what it computes."""
+"""Run-time switches: how a layer computes, and how the K/V it keeps are stored."""
 
 from dataclasses import dataclass
+
+from qinfer.errors import QinferError
+
+#: The names `Features.kv_cache_dtype` (and `--kv-cache-dtype`) accepts; `qinfer.kv_quant`
+#: says how each stores K/V.
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a name that is not one of KV_CACHE_DTYPES, in one line."""
+    if name not in KV_CACHE_DTYPES:
+        raise QinferError(
+            f"unknown kv_cache_dtype {name!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -10,6 +24,15 @@ class Features:
     fast_sdpa: compute attention with `torch.nn.functional.scaled_dot_product_attention`
         (fused kernels on CPU and CUDA) instead of the explicit reference in
         `layers/attention.py`. Both give the same result; the tests hold them to it.
+    kv_cache_dtype: how every cache of the model stores K/V between steps, the reference
+        caches (`Transformer.make_cache`) and the engine's pool alike: "auto" (the compute
+        dtype, as computed), "bf16", "int8" or "fp8" (quantized per token and head; see
+        `qinfer.kv_quant`). The one switch that changes results: by the bounded error the
+        tests hold quantized caches to.
     """
 
     fast_sdpa: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)

@@ -22,6 +22,12 @@ plus pos_k == pos_q, which lets a pad query see itself so that no row of the sof
 is empty (an all-masked row would be NaN and poison the pad slot's K/V in later layers).
 The caches of one model (`Transformer.make_cache`) share a `StepMasks`, so that mask is
 built once per step for all the layers of one window rather than once per layer.
+
+A cache given a `KVFormat` (`qinfer.kv_quant`) stores K/V in it: a quantized one keeps
+int8 or fp8 elements in `keys`/`values` and one fp32 scale per (row, head, position) in
+`key_scales`/`value_scales` (B, Hkv, positions), quantizes each step's entries as it writes
+them, and returns the history dequantized to the entries' dtype. The entries of the step
+itself come back as stored too, so a sequence fed whole or in pieces sees the same K/V.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from qinfer.attention.sdpa import Mask
 from qinfer.errors import CacheError
+from qinfer.kv_quant import KVFormat
 
 _EMPTY = -(2**30)  # position of a ring slot that holds nothing yet
 
@@ -94,7 +101,7 @@ class _Cache:
     """What every single-machine cache shares: offsets, left padding, the position limit."""
 
     #: The attributes holding one entry per batch row, first dimension B (see `select`).
-    _row_buffers: tuple[str, ...] = ("keys", "values")
+    _row_buffers: tuple[str, ...] = ("keys", "values", "key_scales", "value_scales")
 
     def __init__(
         self,
@@ -103,6 +110,7 @@ class _Cache:
         window: int | None,
         left_padding: torch.Tensor | list[int] | None,
         step_masks: StepMasks | None,
+        kv_format: KVFormat | None,
     ) -> None:
         self.batch_size = batch_size
         self.max_length = max_length
@@ -117,8 +125,55 @@ class _Cache:
         self.left_padding = left_padding
         # Shared with the other layers' caches when made together (make_cache).
         self.step_masks = step_masks if step_masks is not None else StepMasks()
+        self.kv_format = kv_format  # None: K/V stored as they come
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.key_scales: torch.Tensor | None = None  # (B, Hkv, positions), quantized only
+        self.value_scales: torch.Tensor | None = None
+
+    def _allocate(self, k: torch.Tensor, positions: int) -> None:
+        """Zeroed buffers for `positions` entries like k (B, Hkv, L, D), in the cache's
+        format; what the old ones held up to `offset` is copied over."""
+        B, H, _, D = k.shape
+        fmt = self.kv_format
+        dtype = k.dtype if fmt is None else fmt.dtype
+        scaled = fmt is not None and fmt.quantized
+        old = [self.keys, self.values, self.key_scales, self.value_scales]
+        self.keys = k.new_zeros(B, H, positions, D, dtype=dtype)
+        self.values = k.new_zeros(B, H, positions, D, dtype=dtype)
+        scales = lambda: k.new_zeros(B, H, positions, dtype=torch.float32)  # noqa: E731
+        self.key_scales, self.value_scales = (scales(), scales()) if scaled else (None, None)
+        new = [self.keys, self.values, self.key_scales, self.value_scales]
+        for before, after in zip(old, new, strict=True):
+            if before is not None and after is not None:
+                after[:, :, : self.offset] = before[:, :, : self.offset]
+
+    def _store(self, index: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (B, Hkv, L, D) at the L positions `index` of the buffers."""
+        if self.key_scales is None:  # stored as they come, in the buffers' dtype
+            self.keys[:, :, index] = k.to(self.keys.dtype)
+            self.values[:, :, index] = v.to(self.values.dtype)
+            return
+        for data, scales, x in (
+            (self.keys, self.key_scales, k),
+            (self.values, self.value_scales, v),
+        ):
+            data[:, :, index], scales[:, :, index] = self.kv_format.quantize(x)
+
+    def _fetch(self, index: slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K, V (B, Hkv, S, D) at positions `index`, in `dtype`: views of the buffers
+        when they hold that dtype unscaled, else dequantized copies."""
+        keys, values = self.keys[:, :, index], self.values[:, :, index]
+        if self.key_scales is None and keys.dtype == dtype:
+            return keys, values
+        fmt = self.kv_format
+        key_scales = None if self.key_scales is None else self.key_scales[:, :, index]
+        value_scales = None if self.value_scales is None else self.value_scales[:, :, index]
+        return fmt.dequantize(keys, key_scales, dtype), fmt.dequantize(values, value_scales, dtype)
+
+    def _round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Hkv, L, D) as this cache gives back what it stored."""
+        return x if self.kv_format is None else self.kv_format.round_trip(x)
 
     @property
     def offsets(self) -> int | torch.Tensor:
@@ -214,22 +269,16 @@ class KVCache(_Cache):
         max_length: int = 4096,
         left_padding: torch.Tensor | list[int] | None = None,
         step_masks: StepMasks | None = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
-        super().__init__(batch_size, max_length, None, left_padding, step_masks)
+        super().__init__(batch_size, max_length, None, left_padding, step_masks, kv_format)
         # keys, values: (B, Hkv, capacity, D), made at the first step
 
-    def _grow(self, k: torch.Tensor, v: torch.Tensor, needed: int) -> None:
+    def _grow(self, k: torch.Tensor, needed: int) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if needed <= capacity:
             return
-        capacity = min(self.max_length, -(-needed // GROWTH_STEP) * GROWTH_STEP)
-        B, H, _, _ = k.shape
-        keys = k.new_zeros(B, H, capacity, k.shape[3])
-        values = v.new_zeros(B, H, capacity, v.shape[3])
-        if self.keys is not None:
-            keys[:, :, : self.offset] = self.keys[:, :, : self.offset]
-            values[:, :, : self.offset] = self.values[:, :, : self.offset]
-        self.keys, self.values = keys, values
+        self._allocate(k, min(self.max_length, -(-needed // GROWTH_STEP) * GROWTH_STEP))
 
     def update_and_fetch(
         self, k: torch.Tensor, v: torch.Tensor, mask_length: int | None = None, mask: Mask = None
@@ -237,12 +286,11 @@ class KVCache(_Cache):
         """Append k, v (B, Hkv, L, D); return the history (B, Hkv, offset + L, D)."""
         L = k.shape[2]
         self._check_step(k)
-        self._grow(k, v, self.offset + L)
+        self._grow(k, self.offset + L)
         start = self.offset
-        self.keys[:, :, start : start + L] = k
-        self.values[:, :, start : start + L] = v
+        self._store(slice(start, start + L), k, v)
         self.offset += L
-        keys, values = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        keys, values = self._fetch(slice(0, self.offset), k.dtype)
         if self.left_padding is None and (mask is None or isinstance(mask, str)):
             # No padding: the bottom-right causal rule says it all (and keeps fast paths).
             return keys, values, start, (mask if L > 1 else None)
@@ -274,7 +322,7 @@ class RotatingKVCache(_Cache):
     forward pass) gets a ring of that many slots.
     """
 
-    _row_buffers = ("keys", "values", "slot_positions")
+    _row_buffers = (*_Cache._row_buffers, "slot_positions")
 
     def __init__(
         self,
@@ -283,8 +331,9 @@ class RotatingKVCache(_Cache):
         max_length: int = 4096,
         left_padding: torch.Tensor | list[int] | None = None,
         step_masks: StepMasks | None = None,
+        kv_format: KVFormat | None = None,
     ) -> None:
-        super().__init__(batch_size, max_length, window, left_padding, step_masks)
+        super().__init__(batch_size, max_length, window, left_padding, step_masks, kv_format)
         self.size = min(window, max_length)  # ring slots
         # keys, values: (B, Hkv, size, D), made at the first step
         self.slot_positions: torch.Tensor | None = None  # (B, size) position held per slot
@@ -298,8 +347,7 @@ class RotatingKVCache(_Cache):
         B, H, L, D = k.shape
         self._check_step(k)
         if self.keys is None:
-            self.keys = k.new_zeros(B, H, self.size, D)
-            self.values = v.new_zeros(B, H, self.size, D)
+            self._allocate(k, self.size)
             self.slot_positions = torch.full(
                 (B, self.size), _EMPTY, dtype=torch.long, device=k.device
             )
@@ -309,12 +357,13 @@ class RotatingKVCache(_Cache):
         if L == 1:
             self._write(k, v, slots, new_positions)
             used = min(start + 1, self.size)
-            keys, values = self.keys[:, :, :used], self.values[:, :, :used]
+            keys, values = self._fetch(slice(0, used), k.dtype)
             key_positions = self.slot_positions[:, :used]
         else:
             used = min(start, self.size)
-            keys = torch.cat([self.keys[:, :, :used], k], dim=2)
-            values = torch.cat([self.values[:, :, :used], v], dim=2)
+            ring_keys, ring_values = self._fetch(slice(0, used), k.dtype)
+            keys = torch.cat([ring_keys, self._round_trip(k)], dim=2)
+            values = torch.cat([ring_values, self._round_trip(v)], dim=2)
             key_positions = torch.cat([self.slot_positions[:, :used], new_positions], dim=1)
             keep = slice(max(0, L - self.size), L)  # only the newest tokens stay in the ring
             self._write(k[:, :, keep], v[:, :, keep], slots[keep], new_positions[:, keep])
@@ -323,8 +372,7 @@ class RotatingKVCache(_Cache):
 
     def _write(self, k, v, slots: torch.Tensor, positions: torch.Tensor) -> None:
         ring = slots % self.size
-        self.keys[:, :, ring] = k
-        self.values[:, :, ring] = v
+        self._store(ring, k, v)
         self.slot_positions[:, ring] = positions
 
     # The buffers are made inside the model's inference mode; writing into them from

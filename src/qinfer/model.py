@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
+from qinfer.kv_quant import KVFormat, kv_format
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
@@ -197,7 +199,8 @@ class Transformer(Module, Placed):
         left_padding: torch.Tensor | list[int] | None = None,
         max_length: int | None = None,
     ) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: contiguous for full attention, a ring for sliding windows.
+        """One cache per layer: contiguous for full attention, a ring for sliding windows,
+        storing K/V as `features.kv_cache_dtype` says.
 
         left_padding: (batch_size,) pad tokens at the start of each row of a batch.
         max_length: positions the cache may hold (default: the model's context).
@@ -206,14 +209,22 @@ class Transformer(Module, Placed):
             max_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
         step_masks = StepMasks()  # every layer of one window builds the same mask each step
+        fmt = self.kv_format
         caches: list[KVCache | RotatingKVCache] = []
         for layer in range(self.config.num_hidden_layers):
             window = self.config.window(layer)
             if window is None:
-                caches.append(KVCache(batch_size, limit, left_padding, step_masks))
+                caches.append(KVCache(batch_size, limit, left_padding, step_masks, fmt))
             else:
-                caches.append(RotatingKVCache(window, batch_size, limit, left_padding, step_masks))
+                caches.append(
+                    RotatingKVCache(window, batch_size, limit, left_padding, step_masks, fmt)
+                )
         return caches
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """How this model's caches store K/V (`features.kv_cache_dtype` at its dtype)."""
+        return kv_format(self.features.kv_cache_dtype, self.dtype)
 
     @torch.inference_mode()
     def __call__(
@@ -397,6 +408,7 @@ def load_model(
     quantize: str | None = None,
     group_size: int = 32,
     parallel: Parallel | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -408,7 +420,11 @@ def load_model(
     parallel: this process's rank in a tensor-parallel group (default: a single process);
         only the rank's part of each projection is read (see `qinfer.parallel`). A world
         size that does not split the heads or the FFN evenly is refused before loading.
+    kv_cache_dtype: how the model's caches store K/V, "auto", "bf16", "int8" or "fp8"
+        (`Features.kv_cache_dtype`; given, it replaces the one of `features`).
     """
+    if kv_cache_dtype is not None:  # checked before anything loads
+        features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
     device = torch.device(device) if device is not None else default_device()
     scheme, keep_blocks = quantize_choice(quantize, group_size)
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)

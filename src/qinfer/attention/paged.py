@@ -14,6 +14,13 @@ their own histories:
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
   step's sdpa.
 
+A quantized pool (int8 or fp8, `qinfer.kv_quant`) takes the step's K/V quantized per token
+and head, one op chain per layer for all its tokens, and gives back only what attention
+reads: decode keys are gathered as stored, their scales multiply the scores; decode values
+are gathered too (torch's embedding_bag reads no int8 or fp8) and their scales multiply the
+weights; chunks dequantize the gathered histories for sdpa. An unquantized pool takes none
+of these steps.
+
 A group's histories are padded to its longest (in whole blocks) and masked by position.
 Sliding-window layers keep their whole history in the pool and are masked to their window
 (correct, but they use as much memory as full-attention layers).
@@ -28,7 +35,8 @@ import torch.nn.functional as F
 
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.kv_cache import position_mask
-from qinfer.runtime.kv_pool import KVPool
+from qinfer.kv_quant import raw_bytes
+from qinfer.runtime.kv_pool import KVPool, LayerKV
 from qinfer.runtime.step_buffers import StepBuffers, StepTensors
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
@@ -232,82 +240,102 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
         into the pool, then attends each group of sequences to its own histories."""
-        keys, values = self.pool.layer_keys[layer], self.pool.layer_values[layer]
-        # (T, Hkv, D) -> the pool's (Hkv, slots, D), at the tokens' slots
-        if k.dtype != keys.dtype:  # (a no-op `.to` still costs a call per layer)
-            k, v = k.to(keys.dtype), v.to(values.dtype)
-        keys.index_copy_(1, self.step.slots, k.transpose(0, 1))
-        values.index_copy_(1, self.step.slots, v.transpose(0, 1))
+        kv = self.pool.layers[layer]
+        _store(kv, self.step.slots, k, v)
         window = self.windows[layer]
         if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = self.step.groups
             queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)
-            return self._group(queries, keys, values, group, window, scale).view(q.shape)
+            return self._group(queries, kv, group, window, scale).view(q.shape)
         out = torch.empty_like(q)  # every token belongs to exactly one group
         for group in self.step.groups:
             queries = q[group.tokens]  # (G, L, Hq, D)
-            out[group.tokens] = self._group(queries, keys, values, group, window, scale)
+            out[group.tokens] = self._group(queries, kv, group, window, scale)
         return out
 
     def _group(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        group: Group,
-        window: int | None,
-        scale: float,
+        self, q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
     ) -> torch.Tensor:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries over histories of
         different lengths read the values in place (`_decode`); the rest go through sdpa
         on copied histories (one fused kernel: cheaper for short or equal histories)."""
         if group.num_new == 1 and not group.causal_only(window):
-            return _decode(q, keys, values, group, window, scale)
-        return _chunk(q, keys, values, group, window, scale, self.sdpa)
+            return _decode(q, kv, group, window, scale)
+        return _chunk(q, kv, group, window, scale, self.sdpa)
+
+
+def _store(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The step's k, v (T, Hkv, D) -> the layer's (Hkv, slots, D), at the tokens' slots."""
+    if kv.key_scales is None:
+        if k.dtype != kv.keys.dtype:  # (a no-op `.to` still costs a call per layer)
+            k, v = k.to(kv.keys.dtype), v.to(kv.values.dtype)
+        kv.keys.index_copy_(1, slots, k.transpose(0, 1))
+        kv.values.index_copy_(1, slots, v.transpose(0, 1))
+        return
+    for data, scales, x in ((kv.keys, kv.key_scales, k), (kv.values, kv.value_scales, v)):
+        stored, x_scales = kv.format.quantize(x)  # (T, Hkv, D), (T, Hkv)
+        raw_bytes(data).index_copy_(1, slots, raw_bytes(stored).transpose(0, 1))
+        scales.index_copy_(1, slots, x_scales.transpose(0, 1))
+
+
+def _history(
+    kv: LayerKV, group: Group, data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The group's histories of `data` (the layer's keys or values) -> (G, Hkv, S, D) in
+    `dtype`, dequantized with `scales` (gathered the same way)."""
+    history = group.history(data)
+    if scales is None and history.dtype == dtype:
+        return history
+    return kv.format.dequantize(history, _gathered_scales(group, scales), dtype)
+
+
+def _gathered_scales(group: Group, scales: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer's scales (Hkv, slots) read as the group's histories -> (G, Hkv, S)."""
+    return None if scales is None else group.history(scales[..., None])[..., 0]
 
 
 def _decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    group: Group,
-    window: int | None,
-    scale: float,
+    q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
 ) -> torch.Tensor:
-    """q (G, 1, Hq, D), one token per sequence, against the pool's keys and values
-    (Hkv, slots, D) -> (G, 1, Hq, D).
+    """q (G, 1, Hq, D), one token per sequence, against one layer's keys and values
+    -> (G, 1, Hq, D).
 
     softmax(q k^T * scale + mask) v as `scaled_dot_product_attention_grouped` defines it
-    (fp32 scores, weights cast to the values' dtype), without copying the values.
+    (fp32 scores, weights cast to the values' dtype). Unquantized values are read where
+    they sit, without a copy; quantized ones are gathered and their scales applied to the
+    weights (as the key scales are to the scores): nothing is dequantized element-wise.
     """
     G, _, Hq, D = q.shape
-    Hkv, num_slots = keys.shape[:2]
+    Hkv, num_slots = kv.keys.shape[:2]
     # (G, Hkv, S, D) -> fp32, converted in one copy
-    history = group.history(keys).to(torch.float32, memory_format=torch.contiguous_format)
+    history = group.history(kv.keys).to(torch.float32, memory_format=torch.contiguous_format)
     queries = q.reshape(G, Hkv, Hq // Hkv, D).float()  # query head h reads KV head h // n_rep
-    scores = torch.matmul(queries, history.transpose(-1, -2)) * scale  # (G, Hkv, n_rep, S)
+    scores = torch.matmul(queries, history.transpose(-1, -2))  # (G, Hkv, n_rep, S)
+    if kv.key_scales is None:
+        scores = scores * scale
+    else:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, S)
+        scores = scores * (_gathered_scales(group, kv.key_scales)[:, :, None] * scale)
     weights = torch.softmax(scores + group.score_mask(window), dim=-1)
+    if kv.value_scales is not None:
+        values = group.history(kv.values).to(q.dtype)  # (G, Hkv, S, D)
+        weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None]
+        out = torch.matmul(weights.to(q.dtype), values)  # (G, Hkv, n_rep, D)
+        return out.view(G, 1, Hq, D)
     # Row (g, h): sum over s of weights[g, h, s] * value row value_rows[g, h, s].
     out = F.embedding_bag(
         group.value_rows(Hq, Hkv, num_slots),
-        values.view(-1, D),  # (Hkv * slots, D)
-        per_sample_weights=weights.view(G * Hq, -1).to(values.dtype),
+        kv.values.view(-1, D),  # (Hkv * slots, D)
+        per_sample_weights=weights.view(G * Hq, -1).to(kv.values.dtype),
         mode="sum",
     )  # (G * Hq, D)
     return out.view(G, 1, Hq, D).to(q.dtype)
 
 
 def _chunk(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    group: Group,
-    window: int | None,
-    scale: float,
-    sdpa: Sdpa,
+    q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float, sdpa: Sdpa
 ) -> torch.Tensor:
     """q (G, L, Hq, D), L new tokens per sequence -> (G, L, Hq, D), through `sdpa`."""
-    history_k = group.history(keys)  # (G, Hkv, S, D)
-    history_v = group.history(values)
+    history_k = _history(kv, group, kv.keys, kv.key_scales, q.dtype)  # (G, Hkv, S, D)
+    history_v = _history(kv, group, kv.values, kv.value_scales, q.dtype)
     out = sdpa(q.transpose(1, 2), history_k, history_v, scale, group.mask(window))
     return out.transpose(1, 2)  # (G, Hq, L, D) -> (G, L, Hq, D)

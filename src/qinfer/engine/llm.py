@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from qinfer.engine.engine import Engine, build_engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.run import TextStream, run_requests
-from qinfer.errors import RequestError
+from qinfer.errors import QinferError, RequestError
+from qinfer.features import check_kv_cache_dtype
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingMethod, PoolingParams
 from qinfer.sampling import SamplingParams
@@ -33,8 +34,9 @@ class LLM:
 
     model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
-        must be token ids). dtype, device, quantize, group_size: as for `qinfer.load_model`,
-    when a path is given. tensor_parallel_size: ranks the checkpoint is split over (N - 1
+        must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
+    `qinfer.load_model`, when a path is given (kv_cache_dtype "int8" or "fp8" halves the KV
+    pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size: ranks the checkpoint is split over (N - 1
     worker processes, see `qinfer.distributed`; `close()` or this process's exit stops
     them). engine_args: see `qinfer.engine.EngineConfig`.
     """
@@ -48,13 +50,24 @@ class LLM:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         group_size: int = 32,
+        kv_cache_dtype: str | None = None,
         tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
+        load_args = dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+        if kv_cache_dtype is not None:
+            check_kv_cache_dtype(kv_cache_dtype)
+            loaded = isinstance(model_or_path, Transformer)
+            if loaded and kv_cache_dtype != model_or_path.features.kv_cache_dtype:
+                raise QinferError(
+                    f"kv_cache_dtype {kv_cache_dtype!r} is chosen when a model loads: give LLM "
+                    "a checkpoint path, or load the model with that kv_cache_dtype"
+                )
+            load_args["kv_cache_dtype"] = kv_cache_dtype
         self.engine: Engine = build_engine(
             model_or_path,
             tokenizer,
-            dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
+            load_args,
             engine_args,
             tensor_parallel_size,
         )

@@ -42,7 +42,8 @@ def kv_pool_blocks(
 ) -> int:
     """How many blocks the pool gets: num_kv_blocks, else the byte budget divided by a block's
     size (the budget: kv_cache_memory, or a share of free GPU memory, or the CPU default; a
-    block holds this rank's KV heads). With a channel (tensor parallelism), the fewest any
+    block holds this rank's KV heads, stored as `model.kv_format` says: an int8 pool gets
+    about twice the blocks of a bf16 one). With a channel (tensor parallelism), the fewest any
     rank can hold, so that every rank allocates the same block ids."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -53,7 +54,7 @@ def kv_pool_blocks(
         else:
             budget = DEFAULT_CPU_KV_MEMORY
     per_block = KVPool.bytes_per_block(
-        model.config, config.block_size, model.dtype, kv_heads(model)
+        model.config, config.block_size, model.kv_format, kv_heads(model)
     )
     blocks = budget // per_block
     if channel is not None:
@@ -116,7 +117,12 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.pool = KVPool(
-            model.config, num_blocks, config.block_size, model.dtype, model.device, kv_heads(model)
+            model.config,
+            num_blocks,
+            config.block_size,
+            model.kv_format,
+            model.device,
+            kv_heads(model),
         )
         self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
         self.sdpa = sdpa_for(model.features)

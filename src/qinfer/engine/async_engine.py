@@ -31,7 +31,7 @@ import torch
 
 from qinfer.config import ModelConfig
 from qinfer.distributed import TensorParallelError
-from qinfer.engine.engine import Request, build_engine
+from qinfer.engine.engine import Request, build_engine, load_arguments
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.stats import EngineStats
 from qinfer.errors import EngineOverloadedError, QinferError, RequestError
@@ -71,13 +71,14 @@ class AsyncEngine:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         group_size: int = 32,
+        kv_cache_dtype: str | None = None,
         tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
             model_or_path,
             tokenizer,
-            dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size),
+            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype),
             engine_args,
             tensor_parallel_size,
         )

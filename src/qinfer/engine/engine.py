@@ -31,6 +31,7 @@ from qinfer.engine.scheduler import Scheduler
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
+from qinfer.features import check_kv_cache_dtype
 from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
 from qinfer.prompt_logprobs import PromptLogprobs
@@ -471,6 +472,22 @@ class Engine:
         }
 
 
+def load_arguments(
+    dtype: str | torch.dtype | None,
+    device: str | torch.device | None,
+    quantize: str | None,
+    group_size: int,
+    kv_cache_dtype: str | None,
+) -> dict:
+    """`load_model`'s keywords from an engine front-end's (`LLM`, `AsyncEngine`); a
+    kv_cache_dtype of None is left to the model's default ("auto")."""
+    load_args = dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    if kv_cache_dtype is not None:
+        check_kv_cache_dtype(kv_cache_dtype)
+        load_args["kv_cache_dtype"] = kv_cache_dtype
+    return load_args
+
+
 def build_engine(
     model_or_path: Transformer | str | Path | None,
     tokenizer: Tokenizer | str | Path | None,
@@ -482,7 +499,8 @@ def build_engine(
     hub id, as `qinfer.checkpoint.resolve_model` finds it), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
     defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
-    (dtype, device, quantize, group_size) for a checkpoint.
+    (dtype, device, quantize, group_size, kv_cache_dtype) for a checkpoint; of a loaded
+    model, only a kv_cache_dtype other than its own is refused (the others are its own).
 
     tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.distributed`:
     N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
@@ -495,6 +513,12 @@ def build_engine(
             raise QinferError(
                 "tensor_parallel_size needs a checkpoint, not a loaded model: "
                 "every rank loads its own part"
+            )
+        chosen = load_args.get("kv_cache_dtype")
+        if chosen is not None and chosen != model_or_path.features.kv_cache_dtype:
+            raise QinferError(
+                f"kv_cache_dtype {chosen!r} is chosen when a model loads: give a "
+                "checkpoint path, or load the model with that kv_cache_dtype"
             )
         return Engine(model_or_path, _tokenizer(tokenizer, None), config)
     path = resolve_model(None if model_or_path is None else str(model_or_path))

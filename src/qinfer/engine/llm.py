@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from qinfer.engine.engine import Engine, build_engine
+from qinfer.engine.engine import Engine, build_engine, load_arguments
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.run import TextStream, run_requests
-from qinfer.errors import QinferError, RequestError
-from qinfer.features import check_kv_cache_dtype
+from qinfer.errors import RequestError
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingMethod, PoolingParams
 from qinfer.sampling import SamplingParams
@@ -54,20 +53,10 @@ class LLM:
         tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
-        load_args = dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
-        if kv_cache_dtype is not None:
-            check_kv_cache_dtype(kv_cache_dtype)
-            loaded = isinstance(model_or_path, Transformer)
-            if loaded and kv_cache_dtype != model_or_path.features.kv_cache_dtype:
-                raise QinferError(
-                    f"kv_cache_dtype {kv_cache_dtype!r} is chosen when a model loads: give LLM "
-                    "a checkpoint path, or load the model with that kv_cache_dtype"
-                )
-            load_args["kv_cache_dtype"] = kv_cache_dtype
         self.engine: Engine = build_engine(
             model_or_path,
             tokenizer,
-            load_args,
+            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype),
             engine_args,
             tensor_parallel_size,
         )

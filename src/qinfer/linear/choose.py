@@ -96,14 +96,9 @@ def choose_paths(
 ) -> list[Choice]:
     """Set the decode and prefill path of every quantized Linear on CPU in `module`; returns
     the choices, one per (group, bucket). Layers on other devices keep the kernel."""
-    groups: dict[tuple, list[QuantizedLinear]] = {}
-    for layer in module.modules():
-        if isinstance(layer, QuantizedLinear) and layer.device.type == "cpu":
-            key = (type(layer).__name__, layer.shape_key(), layer.dtype, layer.device)
-            groups.setdefault(key, []).append(layer)
     forced = forced_paths()
     table = []
-    for key, layers in groups.items():
+    for key, layers in _groups(module).items():
         if key not in chosen or forced:
             choices = {b: _choose(key, layers, b, forced, timer) for b in BUCKETS}
             if not forced:
@@ -114,6 +109,30 @@ def choose_paths(
             layer.use_paths(choices["decode"].path, choices["prefill"].path)
         table.extend(choices.values())
     return table
+
+
+def chosen_paths(module: nn.Module) -> list[Choice]:
+    """The paths `module`'s quantized Linears on CPU take, one Choice per (group, bucket),
+    with the timings behind them when they were measured."""
+    table = []
+    for key, layers in _groups(module).items():
+        measured = CHOSEN.get(key, {})
+        for bucket, path in layers[0].chosen.items():
+            choice = measured.get(bucket)
+            if choice is None or choice.path != path:  # forced, or set by hand
+                choice = Choice(key[0], key[1], bucket, path)
+            table.append(choice)
+    return table
+
+
+def _groups(module: nn.Module) -> dict[tuple, list[QuantizedLinear]]:
+    """module's quantized Linears on CPU by (kind, shape key, dtype, device)."""
+    groups: dict[tuple, list[QuantizedLinear]] = {}
+    for layer in module.modules():
+        if isinstance(layer, QuantizedLinear) and layer.device.type == "cpu":
+            key = (type(layer).__name__, layer.shape_key(), layer.dtype, layer.device)
+            groups.setdefault(key, []).append(layer)
+    return groups
 
 
 def _choose(
@@ -127,11 +146,13 @@ def _choose(
     return Choice(kind, shape, bucket, min(ms, key=ms.get), ms)  # ties: the earlier path
 
 
-def format_choices(table: list[Choice]) -> str:
-    """The choices as lines: kind, shape, bucket -> path, and each candidate's ms."""
+def format_choices(table: list[dict]) -> str:
+    """Choices (as dicts) as lines: kind, shape, bucket (rows timed) -> path, each path's ms."""
     lines = []
     for c in table:
-        times = "  ".join(f"{path} {ms:.3f}" for path, ms in c.ms.items()) or "forced"
-        shape = "x".join(map(str, c.shape))
-        lines.append(f"  {c.kind:11} {shape:14} {c.bucket:7} -> {c.path:10}  ms: {times}")
+        times = "  ".join(f"{path} {ms:.3f}" for path, ms in c["ms"].items()) or "(forced)"
+        shape = "x".join(map(str, c["shape"]))
+        rows = DECODE_PROBE_ROWS if c["bucket"] == "decode" else PREFILL_PROBE_ROWS
+        bucket = f"{c['bucket']} ({rows})"
+        lines.append(f"  {c['kind']:10} {shape:14} {bucket:13} -> {c['path']:10} ms: {times}")
     return "\n".join(lines)

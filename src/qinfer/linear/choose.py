@@ -4,8 +4,9 @@ on the running CPU.
 `choose_paths(model)` runs after loading: the quantized Linears on CPU are grouped by
 (kind, shape, dtype); for each group it times every path the layers offer at
 `DECODE_PROBE_ROWS` and at `PREFILL_PROBE_ROWS` rows, cycling through the group's layers so
-each call reads a cold weight as a forward does, and sets the fastest per bucket on every
-layer of the group. Choices are kept per process (`CHOSEN`), so loading the same shapes
+each call reads a cold weight as a forward does, in `ROUNDS` interleaved rounds, and sets
+the fastest per bucket on every layer of the group (another path than the kernel only
+when it is `KERNEL_MARGIN` times faster). Choices are kept per process (`CHOSEN`), so loading the same shapes
 again measures nothing. CPUs differ in which path wins (AVX2: fp32 tiles at prefill, where a
 bf16 GEMM runs several times slower than fp32; AVX512-BF16: bf16 tiles), which is why this
 is measured rather than decided from the CPU's flags.
@@ -26,11 +27,19 @@ import torch
 from torch import nn
 
 from qinfer.errors import ConfigError
-from qinfer.linear.paths import BUCKETS, PATHS, QuantizedLinear
+from qinfer.linear.paths import BUCKETS, KERNEL, PATHS, QuantizedLinear
 
 #: Rows of the timed calls: a batch-1 decode step, and a prefill chunk.
 DECODE_PROBE_ROWS = 1
 PREFILL_PROBE_ROWS = 128
+#: Rounds of timing; each round times every path still in the running, in turn, so a
+#: stretch of time when the machine is busy slows all of them alike.
+ROUNDS = 3
+#: After a round, a path slower than this many times the best so far is not timed again.
+DROP = 3.0
+#: Another path replaces the kernel only if it measures this many times faster: timings
+#: on a shared machine jitter, and the kernel is the path that needs no buffer.
+KERNEL_MARGIN = 1.25
 ENV = "QINFER_LINEAR_PATH"
 
 #: (seconds) a timer answers for one path of one group at one row count.
@@ -54,16 +63,16 @@ CHOSEN: dict[tuple, dict[str, Choice]] = {}
 
 
 def measure_seconds(layers: list[QuantizedLinear], path: str, rows: int) -> float:
-    """The fastest single call of `path` on `rows` random activation rows, over a few calls
-    that each take the next of `layers` (a shared machine only ever slows a call down)."""
+    """The fastest single call of `path` on `rows` random activation rows, over calls that
+    each take the next of `layers` (one call per layer, at least 4, for decode rows; one for
+    prefill rows): a shared machine only ever slows a call down."""
     first = layers[0]
     x = torch.randn(rows, first.in_features, dtype=first.dtype)
-    calls = max(4, len(layers)) if rows <= 16 else 3
+    calls = max(4, len(layers)) if rows <= 16 else 1
+    best = float("inf")
     with torch.inference_mode():
-        first.run_path(path, x)  # warm-up: kernel selection, the shared buffer's allocation
-        best = float("inf")
         for i in range(calls):
-            layer = layers[(i + 1) % len(layers)]
+            layer = layers[i % len(layers)]
             start = time.perf_counter()
             layer.run_path(path, x)
             best = min(best, time.perf_counter() - start)
@@ -142,8 +151,16 @@ def _choose(
     if bucket in forced:
         return Choice(kind, shape, bucket, forced[bucket])
     rows = DECODE_PROBE_ROWS if bucket == "decode" else PREFILL_PROBE_ROWS
-    ms = {path: timer(layers, path, rows) * 1e3 for path in layers[0].paths()}
-    return Choice(kind, shape, bucket, min(ms, key=ms.get), ms)  # ties: the earlier path
+    ms = {path: float("inf") for path in layers[0].paths()}
+    running = list(ms)
+    for _ in range(ROUNDS):
+        for path in running:
+            ms[path] = min(ms[path], timer(layers, path, rows) * 1e3)
+        running = [path for path in running if ms[path] <= DROP * min(ms.values())]
+    best = min(ms, key=ms.get)  # ties: the earlier path
+    if ms[best] * KERNEL_MARGIN > ms[KERNEL]:
+        best = KERNEL
+    return Choice(kind, shape, bucket, best, ms)
 
 
 def format_choices(table: list[dict]) -> str:

@@ -40,6 +40,11 @@ DROP = 3.0
 #: Another path replaces the kernel only if it measures this many times faster: timings
 #: on a shared machine jitter, and the kernel is the path that needs no buffer.
 KERNEL_MARGIN = 1.25
+#: Paths timed for the decode bucket. A tile path dequantizes the whole weight for a row or
+#: a few, measured 10-30x slower than the kernel there on AVX512-BF16 and on emulated AVX2;
+#: timing it anyway only let a busy machine flip the choice (the kernel's 2-thread calls
+#: measured 5-8 ms, not 0.02-0.05, for whole rounds while other processes held the cores).
+DECODE_PATHS = (KERNEL,)
 ENV = "QINFER_LINEAR_PATH"
 
 #: (seconds) a timer answers for one path of one group at one row count.
@@ -151,7 +156,8 @@ def _choose(
     if bucket in forced:
         return Choice(kind, shape, bucket, forced[bucket])
     rows = DECODE_PROBE_ROWS if bucket == "decode" else PREFILL_PROBE_ROWS
-    ms = {path: float("inf") for path in layers[0].paths()}
+    candidates = DECODE_PATHS if bucket == "decode" else layers[0].paths()
+    ms = {path: float("inf") for path in candidates}
     running = list(ms)
     for _ in range(ROUNDS):
         for path in running:

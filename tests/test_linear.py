@@ -203,6 +203,9 @@ def test_tile_paths_match_the_dequantized_weight(monkeypatch, kind, out, dtype, 
     when the activations are fp32, the bf16 path within bf16's."""
     monkeypatch.setattr(paths, "TILE_BYTES", 64 * 256 * 4)
     w = quantized(kind, out, dtype)
+    if path not in w.paths():  # bf16 tiles: bf16 activations only
+        assert (path, dtype) == ("bf16_tiles", torch.float32)
+        return
     w.use_paths(path, path)
     tolerance = 1e-5 if path == "fp32_tiles" and dtype == torch.float32 else 1e-2
     for rows in (1, 40):

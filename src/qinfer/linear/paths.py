@@ -91,10 +91,11 @@ class QuantizedLinear(Linear):
         """Where the weight lives."""
 
     def paths(self) -> tuple[str, ...]:
-        """The paths this layer can take on its device (the kernel always)."""
-        if self._tiles_supported():
-            return PATHS
-        return (KERNEL,)
+        """The paths this layer can take on its device (the kernel always; bf16 tiles only
+        for bf16 activations: they would round an fp32 model's weights and activations)."""
+        if not self._tiles_supported():
+            return (KERNEL,)
+        return PATHS if self.dtype == torch.bfloat16 else (KERNEL, FP32_TILES)
 
     def use_paths(self, decode: str, prefill: str) -> None:
         """Take `decode` for calls of up to DECODE_MAX_ROWS rows and `prefill` above."""

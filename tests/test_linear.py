@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from gguf_files import synthetic_tensor
 
+from qinfer.bench.linear_paths import path_table
 from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import (
     ConcatLinear,
@@ -28,7 +29,7 @@ from qinfer.linear import (
     quantize_int4,
     quantize_int8,
 )
-from qinfer.linear.choose import Choice, choose_paths
+from qinfer.linear.choose import choose_paths
 from qinfer.linear.int4 import _cpu_block_rows
 from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
@@ -231,86 +232,80 @@ def test_calls_up_to_decode_max_rows_take_the_decode_path():
     assert w.chosen == {"decode": "kernel", "prefill": "fp32_tiles"}
 
 
-def two_groups() -> torch.nn.ModuleList:
-    """Two int8 layers of one shape, one int4 layer: two groups to time."""
+def three_layers() -> torch.nn.ModuleList:
+    """Two int8 layers of one shape and an int4 layer, bf16 activations."""
     return torch.nn.ModuleList(
         [quantized("int8", 96, torch.bfloat16), quantized("int8", 96, torch.bfloat16)]
         + [quantized("int4/32", 48, torch.bfloat16)]
     )
 
 
-FAKE_MS = {  # (kind, rows) -> ms per path
-    ("Int8Linear", choose.DECODE_PROBE_ROWS): {"kernel": 1.0, "fp32_tiles": 4.0, "bf16_tiles": 2.0},
-    ("Int8Linear", choose.PREFILL_PROBE_ROWS): {
-        "kernel": 9.0,
-        "fp32_tiles": 5.0,
-        "bf16_tiles": 16.0,  # over DROP x the best after round 1: not timed again
-    },
-    ("Int4Linear", choose.DECODE_PROBE_ROWS): {"kernel": 2.0, "fp32_tiles": 2.0, "bf16_tiles": 2.0},
-    ("Int4Linear", choose.PREFILL_PROBE_ROWS): {
-        "kernel": 9.0,
-        "fp32_tiles": 8.0,
-        "bf16_tiles": 4.0,
-    },
-}
-
-
-def fake_timer(calls: list):
-    def timer(layers, path, rows):
-        calls.append((len(layers), path, rows))
-        return FAKE_MS[type(layers[0]).__name__, rows][path] / 1e3
-
-    return timer
-
-
-def test_a_path_replaces_the_kernel_only_when_clearly_faster(monkeypatch):
+@pytest.mark.parametrize(
+    ("bf16_fast", "prefill"), [(True, "kernel"), (False, "fp32_tiles")], ids=["fast", "slow"]
+)
+def test_the_rule_takes_the_kernel_at_decode_and_fp32_tiles_at_prefill_where_bf16_is_slow(
+    monkeypatch, bf16_fast, prefill
+):
     monkeypatch.delenv(choose.ENV, raising=False)
-    layer = quantized("int8", 96, torch.bfloat16)
-    ms = {"kernel": 1.2, "fp32_tiles": 1.0, "bf16_tiles": 5.0}  # within KERNEL_MARGIN
-    table = choose_paths(layer, lambda layers, path, rows: ms[path] / 1e3, {})
-    assert [(c.path, list(c.ms)) for c in table] == [
-        ("kernel", ["kernel"]),  # the decode bucket times the kernel alone (DECODE_PATHS)
-        ("kernel", ["kernel", "fp32_tiles", "bf16_tiles"]),
-    ]
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
+    layers = three_layers()
+    choose_paths(layers)
+    assert [layer.chosen for layer in layers] == [{"decode": "kernel", "prefill": prefill}] * 3
 
 
-def test_the_chooser_takes_the_fastest_measured_path_per_group_and_bucket(monkeypatch):
+def test_a_layer_without_tile_paths_keeps_the_kernel(monkeypatch):
+    """An int4 layout this torch packs differently: the tile paths are off, so the rule
+    leaves the kernel even where bf16 is slow."""
     monkeypatch.delenv(choose.ENV, raising=False)
-    layers, calls, cache = two_groups(), [], {}
-    table = choose_paths(layers, fake_timer(calls), cache)
-    assert [layer.chosen for layer in layers] == [
-        {"decode": "kernel", "prefill": "fp32_tiles"},
-        {"decode": "kernel", "prefill": "fp32_tiles"},
-        {"decode": "kernel", "prefill": "bf16_tiles"},
-    ]
-    # Each group timed once: the kernel alone at decode; 3 paths x 3 rounds at prefill.
-    assert len(calls) == 2 * (3 + 3 * 3) - 2 and {n for n, _, _ in calls} == {1, 2}
-    assert table[0] == Choice("Int8Linear", (96, 256), "decode", "kernel", {"kernel": 1.0})
-    # Loading the same shapes again measures nothing.
-    again = two_groups()
-    assert choose_paths(again, fake_timer(calls), cache) == table and len(calls) == 22
-    assert again[2].chosen == {"decode": "kernel", "prefill": "bf16_tiles"}
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
+    monkeypatch.setattr(Int4Linear, "_tiles_supported", lambda self: False)
+    layers = three_layers()
+    choose_paths(layers)
+    assert layers[0].chosen["prefill"] == "fp32_tiles"
+    assert layers[2].chosen == {"decode": "kernel", "prefill": "kernel"}
 
 
-def test_the_environment_forces_paths(monkeypatch):
-    layers, calls = two_groups(), []
-    monkeypatch.setenv(choose.ENV, "prefill=fp32_tiles")
-    choose_paths(layers, fake_timer(calls), {})
-    assert layers[2].chosen == {"decode": "kernel", "prefill": "fp32_tiles"}
-    assert {rows for _, _, rows in calls} == {choose.DECODE_PROBE_ROWS}  # decode still timed
-    monkeypatch.setenv(choose.ENV, "bf16_tiles")
-    table = choose_paths(layers, fake_timer(calls), {})
-    assert {c.path for c in table} == {"bf16_tiles"} and all(not c.ms for c in table)
+def test_the_environment_overrides_the_rule(monkeypatch):
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
+    layers = three_layers()
+    monkeypatch.setenv(choose.ENV, "prefill=bf16_tiles")
+    choose_paths(layers)
+    assert layers[2].chosen == {"decode": "kernel", "prefill": "bf16_tiles"}
+    monkeypatch.setenv(choose.ENV, "kernel")
+    choose_paths(layers)
+    assert {p for layer in layers for p in layer.chosen.values()} == {"kernel"}
+    monkeypatch.setenv(choose.ENV, "decode=fp32_tiles")  # prefill: the rule
+    choose_paths(layers)
+    assert layers[0].chosen == {"decode": "fp32_tiles", "prefill": "fp32_tiles"}
     monkeypatch.setenv(choose.ENV, "prefill=fast")
     with pytest.raises(ConfigError) as error:
-        choose_paths(layers, fake_timer(calls), {})
+        choose_paths(layers)
     assert str(error.value) == (
         "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles) "
         "or decode=PATH,prefill=PATH"
     )
 
 
-def test_the_real_timer_measures_every_path():
-    layers = [quantized("int8", 96, torch.bfloat16)]
-    for path in paths.PATHS:
-        assert 0 < choose.measure_seconds(layers, path, 4) < 1
+def test_a_forced_path_a_layer_lacks_is_one_error(monkeypatch):
+    layer = quantized("int8", 96, torch.float32)  # fp32 activations: no bf16 tiles
+    monkeypatch.setenv(choose.ENV, "bf16_tiles")
+    with pytest.raises(WeightsError) as error:
+        choose_paths(layer)
+    assert str(error.value) == (
+        "Int8Linear (96, 256) has no path 'bf16_tiles' here (it has: kernel, fp32_tiles)"
+    )
+
+
+def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
+    monkeypatch.delenv(choose.ENV, raising=False)
+    layers = three_layers()
+    layers[2].use_paths("kernel", "fp32_tiles")
+    table = path_table(layers)
+    assert [(r["kind"], r["shape"], r["bucket"], r["path"]) for r in table] == [
+        ("Int8Linear", (96, 256), "decode", "kernel"),
+        ("Int8Linear", (96, 256), "prefill", "kernel"),
+        ("Int4Linear", (48, 256, 32), "decode", "kernel"),
+        ("Int4Linear", (48, 256, 32), "prefill", "fp32_tiles"),
+    ]
+    assert all(list(r["ms"]) == list(paths.PATHS) for r in table)
+    assert all(0 < ms < 1e3 for r in table for ms in r["ms"].values())

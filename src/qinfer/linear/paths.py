@@ -12,10 +12,11 @@ A quantized Linear (int8 rows, int4 groups) can run a call in several ways ("pat
   bf16 GEMMs are fast (AVX512-BF16, AMX).
 
 Which path a layer takes is set per row bucket (`DECODE_MAX_ROWS` rows or fewer: the decode
-choice; more: the prefill choice) by `qinfer.linear.choose`, from timings on the running
-CPU; a call costs one comparison and one attribute read to pick. The buffers are shared by
-every layer of a thread (about `TILE_BYTES` each, one fp32 and one bf16), so the tile
-paths never hold a dequantized copy of a whole weight.
+choice; more: the prefill choice) by `qinfer.linear.choose`'s rule; a call costs one
+comparison and one attribute read to pick. The buffers are shared by every layer of a
+thread (about `TILE_BYTES` each, one fp32 and one bf16), made at a tile path's first call,
+so the tile paths never hold a dequantized copy of a whole weight and cost no memory where
+no layer takes them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ DECODE_MAX_ROWS = 16
 #: Bytes of one dequantized tile: small enough to stay in the cache next to the GEMM's.
 TILE_BYTES = 4 << 20
 KERNEL, FP32_TILES, BF16_TILES = "kernel", "fp32_tiles", "bf16_tiles"
-#: Every path name, in the order the chooser tries them (the first wins a tie).
+#: Every path name.
 PATHS = (KERNEL, FP32_TILES, BF16_TILES)
 BUCKETS = ("decode", "prefill")
 
@@ -109,7 +110,7 @@ class QuantizedLinear(Linear):
         self.chosen = {"decode": decode, "prefill": prefill}
 
     def run_path(self, path: str, flat: torch.Tensor) -> torch.Tensor:
-        """(M, K) -> (M, N) along `path`, without the bias (what the chooser times)."""
+        """(M, K) -> (M, N) along `path`, without the bias (what `qinfer bench` times)."""
         return self._path(path)(flat)
 
     def shape_key(self) -> tuple:

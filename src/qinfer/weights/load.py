@@ -46,7 +46,8 @@ def load(
         the model evenly is refused before anything is read.
     quantize: weight-only quantization of the dense weights (None: they stay dense; a
         GGUF reader's kept blocks stay as they are).
-    Quantized Linears on CPU then take the paths `qinfer.linear.choose.choose_paths` times.
+    Quantized Linears on CPU then take the paths of `qinfer.linear.choose.choose_paths`'s
+    rule (nothing is timed).
     """
     parallel = parallel or SINGLE
     _place(model, parallel, checkpoint.dtype, checkpoint.device)
@@ -70,7 +71,7 @@ def load(
         norm.fill(checkpoint.tensor(norm.source, norm.shape))
 
     _fill(model, read, fill, "loading weights")
-    choose_paths(model)  # each quantized Linear's decode and prefill path, timed on this CPU
+    choose_paths(model)  # each quantized Linear's decode and prefill path, by rule
     return model
 
 

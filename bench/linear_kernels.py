@@ -5,9 +5,10 @@
     python bench/linear_kernels.py --rows 1 8 512 --threads 1
 
 For each (out, in) weight shape and each number of activation rows M it times one call of
-dense fp32, dense bf16, int8 per channel (bf16 activations) and int4 groups of 32 (bf16
-activations) through qinfer's own Linear kinds, and prints milliseconds and the best
-GFLOP/s. Several copies of each weight are cycled through so that a decode-sized call
+dense fp32, dense bf16, int8 per channel and int4 groups of 32 (bf16 activations) through
+qinfer's own Linear kinds, each quantized kind along each of its paths (`kernel`, then
+`f32t` / `b16t`: dequantized tile by tile into an fp32 / bf16 buffer + GEMM, see
+`qinfer.linear.paths`), and prints milliseconds and the best GFLOP/s. Several copies of each weight are cycled through so that a decode-sized call
 reads its weight from memory, not from cache, as a real forward does.
 """
 
@@ -21,6 +22,7 @@ import torch
 
 from qinfer.linear import DenseLinear, Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from qinfer.linear.compute import cpu_flags
+from qinfer.linear.paths import BF16_TILES, FP32_TILES, KERNEL
 
 SHAPES = {
     "SmolLM2 q/k/v": (960, 576),
@@ -33,26 +35,27 @@ SHAPES = {
 COLD_BYTES = 64e6  # weights cycled per measurement: more than the caches hold
 
 
-def best_ms(fn: Callable[[], object], calls: int = 20) -> float:
-    """Fastest mean over 3 rounds of `calls` calls, after a warm-up, in milliseconds."""
+def best_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Fastest single call of `calls`, after a warm-up, in milliseconds (on a shared machine
+    a mean mostly measures the other processes)."""
     for _ in range(3):
         fn()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(calls):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best * 1e3
 
 
-def cycling(kernels: list, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A call that applies the next of `kernels` to x each time."""
+def cycling(kernels: list, x: torch.Tensor, path: str | None) -> Callable[[], torch.Tensor]:
+    """A call that applies the next of `kernels` to x each time (along `path`, if given)."""
     state = {"i": 0}
 
     def call() -> torch.Tensor:
         state["i"] = (state["i"] + 1) % len(kernels)
-        return kernels[state["i"]](x)
+        kernel = kernels[state["i"]]
+        return kernel(x) if path is None else kernel.run_path(path, x)
 
     return call
 
@@ -65,7 +68,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"CPU flags: {' '.join(cpu_flags()) or '-'}; {torch.get_num_threads()} threads")
-    print(f"{'shape':22} {'M':>5} {'fp32':>8} {'bf16':>8} {'int8':>8} {'int4':>8}  best GFLOP/s")
+    columns = {"fp32": None, "bf16": None}
+    for kind in ("int8", "int4"):
+        columns |= {kind: KERNEL, f"{kind} f32t": FP32_TILES, f"{kind} b16t": BF16_TILES}
+    print(f"{'shape':20} {'M':>4}" + "".join(f"{c:>10}" for c in columns) + "  best GFLOP/s")
     for name, (n, k) in SHAPES.items():
         copies = max(1, int(COLD_BYTES // (n * k * 4)))
         weights = [torch.randn(n, k) * 0.02 for _ in range(copies)]
@@ -78,12 +84,14 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             times = {
-                kind: best_ms(cycling(kernels, x if kind == "fp32" else x.bfloat16()))
-                for kind, kernels in kinds.items()
+                column: best_ms(
+                    cycling(kinds[column.split()[0]], x if column == "fp32" else x.bfloat16(), path)
+                )
+                for column, path in columns.items()
             }
             gflops = 2 * m * n * k / min(times.values()) / 1e6
-            cells = "".join(f"{t:8.3f}" for t in times.values())
-            print(f"{name:22} {m:5} {cells}  {gflops:8.1f} ({min(times, key=times.get)})")
+            cells = "".join(f"{t:10.3f}" for t in times.values())
+            print(f"{name:20} {m:4} {cells}  {gflops:8.1f} ({min(times, key=times.get)})")
 
 
 if __name__ == "__main__":

@@ -16,18 +16,21 @@ import torch
 import torch.nn.functional as F
 from gguf_files import synthetic_tensor
 
-from qinfer.errors import WeightsError
+from qinfer.bench.linear_paths import path_table
+from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import (
     ConcatLinear,
     DenseLinear,
     Int4Linear,
     Int8Linear,
+    choose,
     make_linear,
+    paths,
     quantize_int4,
     quantize_int8,
 )
-from qinfer.linear.compute import bf16_matmul_is_fast
-from qinfer.linear.int8 import MANY_ROWS
+from qinfer.linear.choose import choose_paths
+from qinfer.linear.int4 import _cpu_block_rows
 from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
 
@@ -40,13 +43,15 @@ def activations(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(rows, columns, generator=torch.Generator().manual_seed(7)).to(dtype)
 
 
-def assert_matches_dequantized(w, x: torch.Tensor) -> None:
-    """w(x) against F.linear in fp32 over w.dequantize(), the same activations."""
+def assert_matches_dequantized(w, x: torch.Tensor, tolerance: float | None = None) -> None:
+    """w(x) against F.linear in fp32 over w.dequantize(), the same activations; tolerance:
+    of the output's scale (default: 1e-5 for fp32 activations, 1e-2 for bf16)."""
     expected = F.linear(x.float(), w.dequantize(), None if w.bias is None else w.bias.float())
     got = w(x)
     assert got.dtype == x.dtype and got.shape == expected.shape
     scale = expected.abs().max().item()
-    tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2
+    if tolerance is None:
+        tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected, rtol=0, atol=tolerance * scale)
 
 
@@ -179,12 +184,128 @@ def test_gguf_blocks_other_than_int4_become_int8_rows_within_half_a_row_step(qty
     assert np.array_equal(rows.q.shape, exact.shape)
 
 
-def test_int8_many_rows_widen_the_weight_for_a_bf16_gemm_with_the_same_products():
-    """From MANY_ROWS rows (a prefill chunk) the weight is widened to bf16 for the call,
-    where the CPU's bf16 GEMM is fast; the result matches the int8 kernel's, row by row."""
-    w = Int8Linear(quantize_int8(weight(96, 256)), None, torch.bfloat16)
-    assert w.widen_for_many_rows == bf16_matmul_is_fast(torch.device("cpu"))
-    x = activations(MANY_ROWS, 256, torch.bfloat16)
-    kernel = torch.cat([w(row[None]) for row in x])  # one row at a time: the int8 kernel
-    torch.testing.assert_close(w(x), kernel, rtol=0.02, atol=0.02)
-    assert_matches_dequantized(w, x)
+# ------------------------------------------------- paths: kernel, fp32 tiles, bf16 tiles
+
+
+def quantized(kind: str, rows: int, dtype: torch.dtype, columns: int = 256):
+    w, bias = weight(rows, columns), torch.randn(rows).to(dtype)
+    if kind == "int8":
+        return Int8Linear(quantize_int8(w), bias, dtype)
+    return Int4Linear(quantize_int4(w, int(kind.removeprefix("int4/"))), bias, dtype)
+
+
+@pytest.mark.parametrize("path", ["fp32_tiles", "bf16_tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4/32", "int4/128"])
+@pytest.mark.parametrize("out", [48, 200, 1000])
+def test_tile_paths_match_the_dequantized_weight(monkeypatch, kind, out, dtype, path):
+    """Tiles of 64 rows (so 200 and 1000 rows take several, and end in the int4 layout's
+    short last block of 16 / 48 rows); the fp32 path within fp32 rounding of the reference
+    when the activations are fp32, the bf16 path within bf16's."""
+    monkeypatch.setattr(paths, "TILE_BYTES", 64 * 256 * 4)
+    w = quantized(kind, out, dtype)
+    if path not in w.paths():  # bf16 tiles: bf16 activations only
+        assert (path, dtype) == ("bf16_tiles", torch.float32)
+        return
+    w.use_paths(path, path)
+    tolerance = 1e-5 if path == "fp32_tiles" and dtype == torch.float32 else 1e-2
+    for rows in (1, 40):
+        assert_matches_dequantized(w, activations(rows, 256, dtype), tolerance)
+
+
+def test_int4_tiles_read_the_kernels_packed_layout_on_this_cpu():
+    """The layout is read back (blocks of 64 rows with AVX512, 32 with AVX2), so the tile
+    paths are offered; a torch whose layout differs would turn them off here."""
+    assert _cpu_block_rows() in (64, 32)
+    assert quantized("int4/32", 48, torch.bfloat16).paths() == paths.PATHS
+
+
+def test_calls_up_to_decode_max_rows_take_the_decode_path():
+    w = quantized("int4/32", 200, torch.bfloat16)
+    w.use_paths("kernel", "fp32_tiles")
+    for rows, path in (
+        (paths.DECODE_MAX_ROWS, "kernel"),
+        (paths.DECODE_MAX_ROWS + 1, "fp32_tiles"),
+    ):
+        x = activations(rows, 256, torch.bfloat16)
+        assert torch.equal(w(x), w.run_path(path, x) + w.bias), rows
+    assert w.chosen == {"decode": "kernel", "prefill": "fp32_tiles"}
+
+
+def three_layers() -> torch.nn.ModuleList:
+    """Two int8 layers of one shape and an int4 layer, bf16 activations."""
+    return torch.nn.ModuleList(
+        [quantized("int8", 96, torch.bfloat16), quantized("int8", 96, torch.bfloat16)]
+        + [quantized("int4/32", 48, torch.bfloat16)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("bf16_fast", "prefill"), [(True, "kernel"), (False, "fp32_tiles")], ids=["fast", "slow"]
+)
+def test_the_rule_takes_the_kernel_at_decode_and_fp32_tiles_at_prefill_where_bf16_is_slow(
+    monkeypatch, bf16_fast, prefill
+):
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
+    layers = three_layers()
+    choose_paths(layers)
+    assert [layer.chosen for layer in layers] == [{"decode": "kernel", "prefill": prefill}] * 3
+
+
+def test_a_layer_without_tile_paths_keeps_the_kernel(monkeypatch):
+    """An int4 layout this torch packs differently: the tile paths are off, so the rule
+    leaves the kernel even where bf16 is slow."""
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
+    monkeypatch.setattr(Int4Linear, "_tiles_supported", lambda self: False)
+    layers = three_layers()
+    choose_paths(layers)
+    assert layers[0].chosen["prefill"] == "fp32_tiles"
+    assert layers[2].chosen == {"decode": "kernel", "prefill": "kernel"}
+
+
+def test_the_environment_overrides_the_rule(monkeypatch):
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
+    layers = three_layers()
+    monkeypatch.setenv(choose.ENV, "prefill=bf16_tiles")
+    choose_paths(layers)
+    assert layers[2].chosen == {"decode": "kernel", "prefill": "bf16_tiles"}
+    monkeypatch.setenv(choose.ENV, "kernel")
+    choose_paths(layers)
+    assert {p for layer in layers for p in layer.chosen.values()} == {"kernel"}
+    monkeypatch.setenv(choose.ENV, "decode=fp32_tiles")  # prefill: the rule
+    choose_paths(layers)
+    assert layers[0].chosen == {"decode": "fp32_tiles", "prefill": "fp32_tiles"}
+    monkeypatch.setenv(choose.ENV, "prefill=fast")
+    with pytest.raises(ConfigError) as error:
+        choose_paths(layers)
+    assert str(error.value) == (
+        "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles) "
+        "or decode=PATH,prefill=PATH"
+    )
+
+
+def test_a_forced_path_a_layer_lacks_is_one_error(monkeypatch):
+    layer = quantized("int8", 96, torch.float32)  # fp32 activations: no bf16 tiles
+    monkeypatch.setenv(choose.ENV, "bf16_tiles")
+    with pytest.raises(WeightsError) as error:
+        choose_paths(layer)
+    assert str(error.value) == (
+        "Int8Linear (96, 256) has no path 'bf16_tiles' here (it has: kernel, fp32_tiles)"
+    )
+
+
+def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
+    monkeypatch.delenv(choose.ENV, raising=False)
+    layers = three_layers()
+    layers[2].use_paths("kernel", "fp32_tiles")
+    table = path_table(layers)
+    assert [(r["kind"], r["shape"], r["bucket"], r["path"]) for r in table] == [
+        ("Int8Linear", (96, 256), "decode", "kernel"),
+        ("Int8Linear", (96, 256), "prefill", "kernel"),
+        ("Int4Linear", (48, 256, 32), "decode", "kernel"),
+        ("Int4Linear", (48, 256, 32), "prefill", "fp32_tiles"),
+    ]
+    assert all(list(r["ms"]) == list(paths.PATHS) for r in table)
+    assert all(0 < ms < 1e3 for r in table for ms in r["ms"].values())

@@ -4,7 +4,8 @@ model.py (`qinfer bench`): one model's prefill and decode speed, peak memory and
 bandwidth. engine.py (`qinfer bench --batch`, bench/bench_engine.py): the batching engine's
 throughput on a mixed workload, against one-by-one generation. speculative.py (`qinfer
 bench --speculative-method ...`): decode speed with and without speculative decoding.
-common.py: the timer and the transformers loader both use. The library itself imports
+common.py: the timer and the transformers loader both use. linear_paths.py: what each
+path of each quantized shape costs, beside the path `qinfer.linear.choose` gave it. The library itself imports
 none of this.
 """
 

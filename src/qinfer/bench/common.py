@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from qinfer.bench.linear_paths import format_path_table, path_table
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
 from qinfer.linear.compute import bf16_matmul_is_fast, cpu_flags
@@ -31,7 +32,8 @@ def load_qinfer(model_spec: str | None, load_args: dict | None) -> tuple[Path, T
 
 def describe_setup(model: Transformer) -> dict:
     """What the figures depend on: device, threads, compute dtype and why, CPU features,
-    and how many linear layers of each kind the model holds."""
+    how many linear layers of each kind the model holds, and the path each quantized
+    shape takes per row bucket with what each path costs (`qinfer.bench.linear_paths`)."""
     kinds = Counter(type(w).__name__ for w in model.linears().values())
     setup = {
         "device": str(model.device),
@@ -42,6 +44,7 @@ def describe_setup(model: Transformer) -> dict:
     if model.device.type == "cpu":
         setup["cpu_flags"] = cpu_flags()
         setup["bf16_matmul_is_fast"] = bf16_matmul_is_fast(model.device)
+        setup["linear_paths"] = path_table(model)
     return setup
 
 
@@ -52,6 +55,9 @@ def format_setup(report: dict) -> str:
     if "cpu_flags" in report:
         fast = "fast" if report["bf16_matmul_is_fast"] else "slow"
         line += f"\nCPU flags: {' '.join(report['cpu_flags']) or '-'} (bf16 GEMM measured {fast})"
+    if report.get("linear_paths"):
+        line += "\nquantized linear paths (kind, out x in [x group], bucket (rows timed)):\n"
+        line += format_path_table(report["linear_paths"])
     return line
 
 

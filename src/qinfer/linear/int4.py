@@ -8,17 +8,20 @@ fused step, (q - 8) * scale + zero rounded once, the value ggml's dequantization
 
 Kernels: `aten._weight_int4pack_mm_for_cpu` (rows a multiple of 16, groups of 32, 64, 128
 or 256; fast only with bf16 activations) and `aten._weight_int4pack_mm` on CUDA (bf16).
-Weights with a row count that is not a multiple of 16 are padded with zero rows.
+Weights with a row count that is not a multiple of 16 are padded with zero rows. On CPU the
+tile paths (`qinfer.linear.paths`) read the nibbles back out of the kernel's own packed
+layout (`_unpack_cpu`), so a weight is held once, packed.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from qinfer.errors import WeightsError
-from qinfer.linear.base import Linear
+from qinfer.linear.paths import QuantizedLinear, scratch
 
 #: Group sizes torch's int4 kernels accept.
 GROUP_SIZES = (32, 64, 128, 256)
@@ -83,8 +86,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -
     return Int4Groups(q.to(torch.uint8).reshape(N, K), scales, low + 8 * scales)
 
 
-class Int4Linear(Linear):
+class Int4Linear(QuantizedLinear):
     """A packed int4 weight with its (K / group, N, 2) scales and zeros, bias (N,) or None."""
+
+    _tile_multiple = 64  # whole blocks of the CPU layout (64 or 32 rows)
 
     def __init__(self, stored: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -102,13 +107,20 @@ class Int4Linear(Linear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
         self.register_buffer("packed", _pack(q))
         self.register_buffer("bias", bias)
+        self._init_paths()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, self.in_features))  # the kernels take 2-D activations
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
 
-    def _matmul(self, flat: torch.Tensor) -> torch.Tensor:
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def shape_key(self) -> tuple:
+        return (self.out_features, self.in_features, self.group_size)
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) -> (M, N) without the bias."""
         if flat.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -120,10 +132,28 @@ class Int4Linear(Linear):
             )
         return y[:, : self.out_features] if self._padded else y
 
+    def _tiles_supported(self) -> bool:
+        return self.device.type == "cpu" and _cpu_block_rows() is not None
+
+    def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """(q - 8) * scale + zero in fp32 (then rounded once to bf16), built transposed:
+        (K, rows), the packed layout's own order, read by the GEMM as (rows, K)."""
+        block = _cpu_block_rows()
+        end = min(-(-stop // block) * block, len(self.packed))  # whole blocks (or the tail)
+        k, rows = self.in_features, end - start
+        w = scratch(k * rows, torch.float32, self.packed.device).view(k, rows)
+        _unpack_cpu(self.packed, start, end, block, w)
+        sz = self.scales_and_zeros[:, start:end].float()  # (groups, rows, 2)
+        scales, zeros = (sz[..., i].contiguous()[:, None] for i in (0, 1))  # (groups, 1, rows)
+        w.view(-1, self.group_size, rows).sub_(8).mul_(scales).add_(zeros)
+        if dtype != torch.float32:
+            w = scratch(k * rows, dtype, w.device).view(k, rows).copy_(w)
+        return w.T[: stop - start]
+
     def dequantize(self) -> torch.Tensor:
         """Run the kernel on the identity: (K, K) @ W^T gives W^T, as the kernel computes it."""
         dtype, device = self.scales_and_zeros.dtype, self.packed.device
-        return self._matmul(torch.eye(self.in_features, dtype=dtype, device=device)).float().T
+        return self._kernel(torch.eye(self.in_features, dtype=dtype, device=device)).float().T
 
     @property
     def nbytes(self) -> int:
@@ -138,3 +168,48 @@ def _pack(q: torch.Tensor) -> torch.Tensor:
     pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (N, K / 2)
     inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
     return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+@functools.cache
+def _cpu_block_rows() -> int | None:
+    """Rows per block of the CPU kernel's packed layout on this CPU (64 with AVX512, 32
+    otherwise), found by packing random probes and reading them back with `_unpack_cpu`;
+    None if neither reads them back (another torch's layout: the tile paths are then off)."""
+    generator = torch.Generator().manual_seed(0)
+    probes = [torch.randint(0, 16, shape, generator=generator) for shape in ((176, 64), (80, 96))]
+    for block in (64, 32):
+        if all(_reads_back(q, block, start) for q in probes for start in (0, block)):
+            return block
+    return None
+
+
+def _reads_back(q: torch.Tensor, block: int, start: int) -> bool:
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2)
+    out = torch.empty(q.shape[1], len(q) - start)
+    _unpack_cpu(packed, start, len(q), block, out)
+    return torch.equal(out.T, q[start:].float())
+
+
+def _unpack_cpu(packed: torch.Tensor, start: int, stop: int, block: int, out: torch.Tensor) -> None:
+    """Rows start:stop of the CPU packed layout into out (K, stop - start) as 0..15; start
+    is a multiple of `block`, stop too or the padded row count.
+
+    The layout (torch's `_convert_weight_to_int4pack_for_cpu`): rows in blocks of `block`,
+    each block stored column by column, block / 2 bytes per column, the low nibbles holding
+    the block's first half of rows and the high nibbles its second half; a last block of
+    fewer rows (16, 32 or 48) stores row pairs (2j low, 2j + 1 high) instead.
+    """
+    rows, half = packed.shape  # padded rows, K / 2
+    k = 2 * half
+    data = packed.view(-1)
+    full = min(stop, rows // block * block)  # end of the whole blocks in start:stop
+    if start < full:
+        b = data[start * half : full * half].view(-1, k, block // 2)  # (blocks, K, block/2)
+        halves = out[:, : full - start].view(k, -1, 2, block // 2)  # (K, blocks, 2, block/2)
+        halves[:, :, 0].copy_((b & 15).transpose(0, 1))
+        halves[:, :, 1].copy_((b >> 4).transpose(0, 1))
+    if stop > full:
+        b = data[full * half : stop * half].view(k, -1)  # (K, tail/2)
+        pairs = out[:, full - start :].view(k, -1, 2)  # (K, tail/2, 2)
+        pairs[..., 0].copy_(b & 15)
+        pairs[..., 1].copy_(b >> 4)

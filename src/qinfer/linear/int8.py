@@ -1,13 +1,11 @@
 """int8 weights, one scale per output channel: W ~= q * scale[:, None].
 
-On CPU, torch's weight-only kernel (`aten._weight_int8pack_mm`) reads the int8 weight and
-multiplies by bf16 activations; it is fast only with bf16 activations (measured 30-100x
-slower with fp32 ones: `python bench/linear_kernels.py`), and only for few rows: it does
-not block like a GEMM. From `MANY_ROWS` rows up (a prefill chunk), on a CPU whose bf16
-GEMM is fast, widening the weight to bf16 for this call and running the GEMM costs less:
-2.5-2.8x less at 512 rows for a 2048 x 640 weight, the same from about 32 rows (measured on
-AVX512-BF16). int8 values are exact in bf16, so both ways compute the same products. On
-other devices the weight is widened at each call (correct, not a fast path).
+Paths (`qinfer.linear.paths`): the kernel is torch's weight-only `aten._weight_int8pack_mm`
+on CPU, fast only with bf16 activations (measured 30-100x slower with fp32 ones: `python
+bench/linear_kernels.py`) and only for few rows: it does not block like a GEMM. The tile
+paths widen the int8 rows into the shared buffer (exact in bf16 and fp32) and run the GEMM;
+the per-row scales multiply the output columns. On other devices the kernel path widens
+the whole weight at each call (correct, not a fast path).
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qinfer.linear.base import Linear
-from qinfer.linear.compute import bf16_matmul_is_fast
+from qinfer.linear.paths import QuantizedLinear, scratch
 
 
 @dataclass
@@ -38,11 +35,6 @@ class Int8Rows:
 
 #: Rows quantized at a time: a 150k-row embedding then needs no fp32 copy of itself.
 CHUNK_ROWS = 4096
-#: From this many rows of activations a widened weight and a bf16 GEMM beat the int8 kernel.
-MANY_ROWS = 128
-#: Weights larger than this (elements) are never widened: a 262k-row head would need a
-#: transient 335 MB copy, and the widening alone outweighs the kernel's cost.
-MAX_WIDENED = 1 << 25
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Rows:
@@ -58,7 +50,7 @@ def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-class Int8Linear(Linear):
+class Int8Linear(QuantizedLinear):
     """int8 weight (N, K), scales (N,) in the compute dtype, bias (N,) or None."""
 
     def __init__(self, stored: Int8Rows, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -67,22 +59,30 @@ class Int8Linear(Linear):
         self.register_buffer("scales", stored.scales.to(dtype))
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = self.q.shape
-        # Whether a call with MANY_ROWS rows widens the weight for a bf16 GEMM (module doc).
-        self.widen_for_many_rows = (
-            self.q.device.type == "cpu"
-            and dtype == torch.bfloat16
-            and self.q.numel() <= MAX_WIDENED
-            and bf16_matmul_is_fast(self.q.device)
-        )
+        self._init_paths()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D activations
-        if x.device.type == "cpu" and not (self.widen_for_many_rows and len(flat) >= MANY_ROWS):
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
-        else:
-            y = F.linear(flat, self.q.to(x.dtype)) * self.scales
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
+        return F.linear(flat, self.q.to(flat.dtype)) * self.scales
+
+    def _tiles_supported(self) -> bool:
+        return True
+
+    def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        out = scratch((stop - start) * self.in_features, dtype, self.q.device)
+        return out.view(stop - start, -1).copy_(self.q[start:stop])  # exact in bf16 and fp32
+
+    def _output_scales(self) -> torch.Tensor:
+        return self.scales
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scales.float()[:, None]

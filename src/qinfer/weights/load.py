@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from qinfer.errors import QinferError
 from qinfer.linear import DenseLinear, Linear, RowParallelLinear
+from qinfer.linear.choose import choose_paths
 from qinfer.linear.grouped import GroupedLinear, make_grouped_linear
 from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Quantize, Weights
@@ -45,6 +46,8 @@ def load(
         the model evenly is refused before anything is read.
     quantize: weight-only quantization of the dense weights (None: they stay dense; a
         GGUF reader's kept blocks stay as they are).
+    Quantized Linears on CPU then take the paths of `qinfer.linear.choose.choose_paths`'s
+    rule (nothing is timed).
     """
     parallel = parallel or SINGLE
     _place(model, parallel, checkpoint.dtype, checkpoint.device)
@@ -68,6 +71,7 @@ def load(
         norm.fill(checkpoint.tensor(norm.source, norm.shape))
 
     _fill(model, read, fill, "loading weights")
+    choose_paths(model)  # each quantized Linear's decode and prefill path, by rule
     return model
 
 

@@ -1,0 +1,82 @@
+"""Which path (`qinfer.linear.paths`) each quantized Linear takes, per row bucket: a rule
+from what the process measures once anyway, not a timing per shape.
+
+The rule (`rule_paths`), for quantized Linears on CPU:
+
+- decode bucket (up to `DECODE_MAX_ROWS` rows): the kernel, always. A tile path
+  dequantizes the whole weight for a row or a few: measured 10-30x slower than the kernel
+  at 1 row, on AVX512-BF16 and on emulated AVX2.
+- prefill bucket: `fp32_tiles` where the CPU's bf16 GEMM is slow
+  (`compute.bf16_matmul_is_fast`: one 64 x 1024 GEMM pair, measured once per process;
+  AVX2-class CPUs), the kernel elsewhere. Under emulated AVX2 at 128 rows fp32 tiles took
+  1.6 ms against the kernel's 9.3 for a 576 x 576 weight, 15.2 against 23.3 for
+  3072 x 576; on AVX512-BF16 timing kept the kernel.
+
+An earlier version timed every path of every (kind, shape) at load instead. That cost
+seconds per load (the 49,152 x 576 int8 head alone hundreds of ms per path; loading the
+embedded SmolLM2 took 16-18 s instead of 3.4-9) and the RSS of the tile buffers on every
+CPU; and on a shared machine the timings are noise that flipped choices between runs,
+and with them the numerics a test saw. The rule costs nothing at load, and a layer on a
+CPU that keeps the kernel never allocates a tile buffer. `qinfer bench` still times every
+path per shape, beside the one taken.
+
+`QINFER_LINEAR_PATH` forces paths instead of the rule: a path name for both buckets
+(`kernel`, `fp32_tiles`, `bf16_tiles`), or `decode=PATH,prefill=PATH` (a bucket left out
+follows the rule).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from qinfer.errors import ConfigError
+from qinfer.linear.compute import bf16_matmul_is_fast
+from qinfer.linear.paths import BUCKETS, FP32_TILES, KERNEL, PATHS, QuantizedLinear
+
+ENV = "QINFER_LINEAR_PATH"
+
+
+def forced_paths() -> dict[str, str]:
+    """{bucket: path} that QINFER_LINEAR_PATH forces (empty when it is unset)."""
+    value = os.environ.get(ENV, "").strip()
+    if not value:
+        return {}
+    if "=" not in value:
+        value = ",".join(f"{bucket}={value}" for bucket in BUCKETS)
+    forced = {}
+    for item in value.split(","):
+        bucket, _, path = (part.strip() for part in item.partition("="))
+        if bucket not in BUCKETS or path not in PATHS:
+            raise ConfigError(
+                f"{ENV}={os.environ[ENV]!r}: expected a path ({', '.join(PATHS)}) or "
+                f"{'=PATH,'.join(BUCKETS)}=PATH"
+            )
+        forced[bucket] = path
+    return forced
+
+
+def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
+    """{bucket: path} the rule (module docstring) gives `layer` on the running CPU."""
+    slow_bf16 = FP32_TILES in layer.paths() and not bf16_matmul_is_fast(layer.device)
+    return {"decode": KERNEL, "prefill": FP32_TILES if slow_bf16 else KERNEL}
+
+
+def choose_paths(module: nn.Module) -> None:
+    """Set the decode and prefill path of every quantized Linear on CPU in `module`: the
+    rule's, except where QINFER_LINEAR_PATH forces one. Layers on other devices keep the
+    kernel."""
+    forced = forced_paths()
+    for layer in cpu_quantized(module):
+        paths = rule_paths(layer) | forced
+        layer.use_paths(paths["decode"], paths["prefill"])
+
+
+def cpu_quantized(module: nn.Module) -> list[QuantizedLinear]:
+    """module's quantized Linears on CPU (the layers whose paths are chosen)."""
+    return [
+        layer
+        for layer in module.modules()
+        if isinstance(layer, QuantizedLinear) and layer.device.type == "cpu"
+    ]

@@ -241,16 +241,31 @@ def three_layers() -> torch.nn.ModuleList:
 
 
 @pytest.mark.parametrize(
-    ("bf16_fast", "prefill"), [(True, "kernel"), (False, "fp32_tiles")], ids=["fast", "slow"]
+    ("bf16_fast", "prefills"),
+    [(True, ["bf16_tiles", "bf16_tiles", "kernel"]), (False, ["fp32_tiles"] * 3)],
+    ids=["fast", "slow"],
 )
-def test_the_rule_takes_the_kernel_at_decode_and_fp32_tiles_at_prefill_where_bf16_is_slow(
-    monkeypatch, bf16_fast, prefill
+def test_the_rule_takes_the_kernel_at_decode_and_tiles_at_prefill_by_what_bf16_costs(
+    monkeypatch, bf16_fast, prefills
 ):
+    """Decode: the kernel. Prefill where bf16 is slow: fp32 tiles; where it is fast: bf16
+    tiles for int8 rows (their kernel does not block like a GEMM), the int4 kernel."""
     monkeypatch.delenv(choose.ENV, raising=False)
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
     layers = three_layers()
     choose_paths(layers)
-    assert [layer.chosen for layer in layers] == [{"decode": "kernel", "prefill": prefill}] * 3
+    assert [layer.chosen for layer in layers] == [
+        {"decode": "kernel", "prefill": prefill} for prefill in prefills
+    ]
+
+
+def test_an_int8_weight_past_the_tiled_size_keeps_its_kernel(monkeypatch):
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: True)
+    monkeypatch.setattr(choose, "INT8_TILED_MAX", 96 * 256 - 1)  # one element short
+    layer = quantized("int8", 96, torch.bfloat16)
+    choose_paths(layer)
+    assert layer.chosen == {"decode": "kernel", "prefill": "kernel"}
 
 
 def test_a_layer_without_tile_paths_keeps_the_kernel(monkeypatch):

@@ -10,7 +10,10 @@ The rule (`rule_paths`), for quantized Linears on CPU:
   (`compute.bf16_matmul_is_fast`: one 64 x 1024 GEMM pair, measured once per process;
   AVX2-class CPUs), the kernel elsewhere. Under emulated AVX2 at 128 rows fp32 tiles took
   1.6 ms against the kernel's 9.3 for a 576 x 576 weight, 15.2 against 23.3 for
-  3072 x 576; on AVX512-BF16 timing kept the kernel.
+  3072 x 576; on AVX512-BF16 timing kept the int4 kernel. int8 rows there take
+  `bf16_tiles` (up to `INT8_TILED_MAX` elements): the int8 kernel does not block like a
+  GEMM, and a bf16 GEMM on the widened weight measured the same from about 32 rows and
+  2.5-2.8x faster at 512 (2048 x 640, AVX512-BF16).
 
 An earlier version timed every path of every (kind, shape) at load instead. That cost
 seconds per load (the 49,152 x 576 int8 head alone hundreds of ms per path; loading the
@@ -33,9 +36,13 @@ from torch import nn
 
 from qinfer.errors import ConfigError
 from qinfer.linear.compute import bf16_matmul_is_fast
-from qinfer.linear.paths import BUCKETS, FP32_TILES, KERNEL, PATHS, QuantizedLinear
+from qinfer.linear.int8 import Int8Linear
+from qinfer.linear.paths import BF16_TILES, BUCKETS, FP32_TILES, KERNEL, PATHS, QuantizedLinear
 
 ENV = "QINFER_LINEAR_PATH"
+#: int8 weights up to this many elements take bf16 tiles at prefill where bf16 is fast;
+#: past it (a 262k-row head) the dequantizing outweighs what the GEMM saves.
+INT8_TILED_MAX = 1 << 25
 
 
 def forced_paths() -> dict[str, str]:
@@ -59,8 +66,11 @@ def forced_paths() -> dict[str, str]:
 
 def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
     """{bucket: path} the rule (module docstring) gives `layer` on the running CPU."""
-    slow_bf16 = FP32_TILES in layer.paths() and not bf16_matmul_is_fast(layer.device)
-    return {"decode": KERNEL, "prefill": FP32_TILES if slow_bf16 else KERNEL}
+    paths = layer.paths()
+    if not bf16_matmul_is_fast(layer.device):
+        return {"decode": KERNEL, "prefill": FP32_TILES if FP32_TILES in paths else KERNEL}
+    widened = isinstance(layer, Int8Linear) and layer.q.numel() <= INT8_TILED_MAX
+    return {"decode": KERNEL, "prefill": BF16_TILES if widened and BF16_TILES in paths else KERNEL}
 
 
 def choose_paths(module: nn.Module) -> None:

@@ -8,8 +8,9 @@ For each (out, in) weight shape and each number of activation rows M it times on
 dense fp32, dense bf16, int8 per channel and int4 groups of 32 (bf16 activations) through
 qinfer's own Linear kinds, each quantized kind along each of its paths (`kernel`, then
 `f32t` / `b16t`: dequantized tile by tile into an fp32 / bf16 buffer + GEMM, see
-`qinfer.linear.paths`), and prints milliseconds and the best GFLOP/s. Several copies of each weight are cycled through so that a decode-sized call
-reads its weight from memory, not from cache, as a real forward does.
+`qinfer.linear.paths`), and prints milliseconds and the best GFLOP/s. Several copies of
+each weight are cycled through so that a decode-sized call reads its weight from memory,
+not from cache, as a real forward does.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.kv_cache import position_mask
-from qinfer.kv_quant import raw_bytes
+from qinfer.kv_quant import KVFormat, raw_bytes
 from qinfer.runtime.kv_pool import KVPool, LayerKV
 from qinfer.runtime.step_buffers import StepBuffers, StepTensors
 
@@ -279,14 +279,18 @@ def _store(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def _history(
-    kv: LayerKV, group: Group, data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
+    group: Group,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: KVFormat,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The group's histories of `data` (the layer's keys or values) -> (G, Hkv, S, D) in
-    `dtype`, dequantized with `scales` (gathered the same way)."""
+    """The group's histories of `data` (one layer's keys or values, stored as `fmt`) ->
+    (G, Hkv, S, D) in `dtype`, dequantized with `scales` (gathered the same way)."""
     history = group.history(data)
     if scales is None and history.dtype == dtype:
         return history
-    return kv.format.dequantize(history, _gathered_scales(group, scales), dtype)
+    return fmt.dequantize(history, _gathered_scales(group, scales), dtype)
 
 
 def _gathered_scales(group: Group, scales: torch.Tensor | None) -> torch.Tensor | None:
@@ -335,7 +339,7 @@ def _chunk(
     q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float, sdpa: Sdpa
 ) -> torch.Tensor:
     """q (G, L, Hq, D), L new tokens per sequence -> (G, L, Hq, D), through `sdpa`."""
-    history_k = _history(kv, group, kv.keys, kv.key_scales, q.dtype)  # (G, Hkv, S, D)
-    history_v = _history(kv, group, kv.values, kv.value_scales, q.dtype)
+    history_k = _history(group, kv.keys, kv.key_scales, kv.format, q.dtype)  # (G, Hkv, S, D)
+    history_v = _history(group, kv.values, kv.value_scales, kv.format, q.dtype)
     out = sdpa(q.transpose(1, 2), history_k, history_v, scale, group.mask(window))
     return out.transpose(1, 2)  # (G, Hq, L, D) -> (G, L, Hq, D)

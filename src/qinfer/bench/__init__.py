@@ -5,8 +5,8 @@ bandwidth. engine.py (`qinfer bench --batch`, bench/bench_engine.py): the batchi
 throughput on a mixed workload, against one-by-one generation. speculative.py (`qinfer
 bench --speculative-method ...`): decode speed with and without speculative decoding.
 common.py: the timer and the transformers loader both use. linear_paths.py: what each
-path of each quantized shape costs, beside the path `qinfer.linear.choose` gave it. The library itself imports
-none of this.
+path of each quantized shape costs, beside the path `qinfer.linear.choose` gave it. The
+library itself imports none of this.
 """
 
 from qinfer.bench.engine import Workload, format_engine_report, run_engine_benchmark

@@ -35,9 +35,10 @@ class LLM:
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
     `qinfer.load_model`, when a path is given (kv_cache_dtype "int8" or "fp8" halves the KV
-    pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size: ranks the checkpoint is split over (N - 1
-    worker processes, see `qinfer.distributed`; `close()` or this process's exit stops
-    them). engine_args: see `qinfer.engine.EngineConfig`.
+    pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size:
+    ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.distributed`;
+    `close()` or this process's exit stops them). engine_args: see
+    `qinfer.engine.EngineConfig`.
     """
 
     def __init__(

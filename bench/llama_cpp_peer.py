@@ -59,7 +59,9 @@ class Settings:
     engine_seqs: int = 32
     repeats: int = 3
     seed: int = 0
-    load_kwargs: dict = field(default_factory=dict)  # dtype= / quantize= for load_model
+    load_kwargs: dict = field(
+        default_factory=dict
+    )  # dtype= / quantize= / kv_cache_dtype= for load_model
 
 
 class Qinfer:
@@ -283,6 +285,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="passed to qinfer.load_model if given")
     parser.add_argument("--quantize", default=None, help="passed to qinfer.load_model if given")
+    parser.add_argument(
+        "--kv-cache-dtype", default=None, help="qinfer's KV storage (llama.cpp keeps f16)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
@@ -297,7 +302,7 @@ def main() -> None:
         parser.error(f"{path} is not a .gguf file; llama.cpp reads GGUF only")
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2 (the first comes from the prefill)")
-    given = {"dtype": args.dtype, "quantize": args.quantize}
+    given = {"dtype": args.dtype, "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype}
     settings = Settings(
         str(path),
         threads=args.threads,

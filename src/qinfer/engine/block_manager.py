@@ -166,7 +166,7 @@ class BlockManager:
         num_blocks: int | list[int],
         block_size: int,
         enable_prefix_caching: bool = True,
-        windows: TokenIds[int | None] = (None,),
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(windows):
@@ -297,9 +297,8 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
             parent_hash, parent_content = seq.last_block_key or (None, None)
             h = block_hash(parent_hash, tokens)
-            twin = self.pools[0].lookup(
-                h, tokens, parent_content
-            )  # the same prefix, computed before
+            # a twin: the same prefix computed before (children of either chain match)
+            twin = self.pools[0].lookup(h, tokens, parent_content)
             content = next(self._content_ids) if twin is None else twin.content_id
             for pool, table in zip(self.pools, self._tables(seq), strict=True):
                 pool.register(table[i], h, tokens, parent_content, content)

@@ -24,7 +24,13 @@ from checkpoints import reference_logits as transformers_logits
 
 import qinfer
 from qinfer.attention import paged
-from qinfer.attention.paged import SPLIT_KEYS, PagedAttention, PagedStep, split_by_history
+from qinfer.attention.paged import (
+    SPLIT_KEYS,
+    PagedAttention,
+    PagedStep,
+    paged_layers,
+    split_by_history,
+)
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
@@ -40,9 +46,10 @@ from qinfer.runtime.step_buffers import StepBuffers
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 
 
-def one_layer(window: int | None) -> BlockSpaces:
-    """The block spaces of a one-layer model of this window, its K/V in one space."""
-    return BlockSpaces((None,), ((0, 0),), (window,))
+def one_layer(pool: KVPool, window: int | None, space_window: int | None = None):
+    """The `PagedLayer`s of a one-layer model of this window over `pool`, one block
+    space of space_window."""
+    return paged_layers([pool], BlockSpaces((space_window,), ((0, 0),), (window,)))
 
 
 def test_split_by_history_cuts_where_padding_is_spared():
@@ -114,7 +121,7 @@ def test_paged_attend_equals_the_reference_on_each_history(
     T = sum(n for _, n in rows)
     q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
     want, want_keys, want_values = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
-    got = PagedAttention([pool], [step], one_layer(window), sdpa).attend(0, q, k, v, D**-0.5)
+    got = PagedAttention(one_layer(pool, window), [step], sdpa).attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
     assert torch.equal(pool.keys[0], want_keys) and torch.equal(pool.values[0], want_values)
 
@@ -145,8 +152,8 @@ def test_paged_attend_over_a_window_space_reads_only_the_window(rows, sdpa):
     read = [table[first:] for first, table in zip(firsts, tables, strict=True)]
     num_new, computed = [n for _, n in rows], [start for start, _ in rows]
     step = PagedStep(num_new, computed, read, BLOCK, "cpu", window=window)
-    spaces = BlockSpaces((window,), ((0, 0),), (window,))
-    got = PagedAttention([pool], [step], spaces, sdpa).attend(0, q, k, v, D**-0.5)
+    attention = PagedAttention(one_layer(pool, window, window), [step], sdpa)
+    got = attention.attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
 
 
@@ -241,7 +248,7 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
-    attention = PagedAttention([pool], [step], one_layer(None), torch_sdpa_grouped)
+    attention = PagedAttention(one_layer(pool, None), [step], torch_sdpa_grouped)
     got = attention.attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
 

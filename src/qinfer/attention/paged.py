@@ -34,6 +34,7 @@ blocks, however long the sequence), its keys placed by position (key_starts) for
 from __future__ import annotations
 
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -243,22 +244,35 @@ class Group:
         return self._value_rows[key]
 
 
+class PagedLayer(NamedTuple):
+    """Where one layer's K/V live: its part of its block space's pool, the space, and the
+    layer's own sliding window (None: full attention)."""
+
+    kv: LayerKV
+    space: int
+    window: int | None
+
+
+def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer]:
+    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner)."""
+    return [
+        PagedLayer(pools[space].layers[index], space, window)
+        for (space, index), window in zip(spaces.layers, spaces.layer_windows, strict=True)
+    ]
+
+
 class PagedAttention:
     """The attention of one step over the pools of a model's block spaces: `attend` for
     each layer in turn.
 
-    pools[s], steps[s]: block space s's `KVPool` and this step's `PagedStep` over it;
-    spaces: which space (and which of its pool's layers) each layer's K/V live in, and
-    each layer's sliding window (None: full attention); sdpa: the attention function of
-    prompt chunks (decode groups use this module's own, which reads the values where they
-    sit). Both answer `scaled_dot_product_attention_grouped`'s contract.
+    layers[l]: where layer l's K/V live (`paged_layers`); steps[s]: this step's
+    `PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
+    (decode groups use this module's own, which reads the values where they sit). Both
+    answer `scaled_dot_product_attention_grouped`'s contract.
     """
 
-    def __init__(
-        self, pools: list[KVPool], steps: list[PagedStep], spaces: BlockSpaces, sdpa: Sdpa
-    ) -> None:
-        self.pools, self.steps = pools, steps
-        self.spaces = spaces
+    def __init__(self, layers: list[PagedLayer], steps: list[PagedStep], sdpa: Sdpa) -> None:
+        self.layers, self.steps = layers, steps
         self.sdpa = sdpa
 
     def attend(
@@ -266,10 +280,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
         into the layer's pool, then attends each group of sequences to its own histories."""
-        space, index = self.spaces.layers[layer]
-        kv, step = self.pools[space].layers[index], self.steps[space]
+        kv, space, window = self.layers[layer]
+        step = self.steps[space]
         _store(kv, step.slots, k, v)
-        window = self.spaces.layer_windows[layer]
         if step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = step.groups
             queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)

@@ -175,6 +175,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = [BlockPool(count) for count in counts]
         self.windows = tuple(windows)
+        self._window_spaces = [s for s, window in enumerate(windows) if window is not None]
         self._content_ids = itertools.count()
 
     @property
@@ -201,12 +202,16 @@ class BlockManager:
         return [max(0, blocks - len(table)) for table in self._tables(seq)]
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = self.blocks_needed(seq, num_tokens)
-        return all(n <= pool.num_free_blocks for n, pool in zip(needed, self.pools, strict=True))
+        blocks = -(-num_tokens // self.block_size)
+        # (a sequence has a space-1 table even where the model has one space: zip stops)
+        spaces = zip(self.pools, seq.tables, strict=False)
+        return all(blocks - len(table) <= len(pool.free_blocks) for pool, table in spaces)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks to `seq`'s tables until they cover num_tokens positions."""
         needed = self.blocks_needed(seq, num_tokens)
+        if not any(needed):  # most decode steps
+            return
         for space, (n, pool) in enumerate(zip(needed, self.pools, strict=True)):
             if n > pool.num_free_blocks:
                 raise CacheError(
@@ -279,11 +284,9 @@ class BlockManager:
         a step)."""
         if self.enable_prefix_caching:
             self._register(seq)
-        size = self.block_size
-        for pool, window, table in zip(self.pools, self.windows, self._tables(seq), strict=True):
-            if window is None:
-                continue
-            end = first_block(seq.num_computed_tokens, window, size)
+        for space in self._window_spaces:
+            pool, table = self.pools[space], seq.tables[space]
+            end = first_block(seq.num_computed_tokens, self.windows[space], self.block_size)
             start = end  # the blocks released by an earlier step come before
             while start > 0 and table[start - 1] != NULL_BLOCK:
                 start -= 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.attention.backend import sdpa_for
-from qinfer.attention.paged import PagedAttention, PagedStep
+from qinfer.attention.paged import PagedAttention, PagedStep, paged_layers
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
@@ -197,6 +197,7 @@ class ModelRunner:
             )
             for space, count in enumerate(num_blocks)
         ]
+        self.layers = paged_layers(self.pools, spaces)
         self.sdpa = sdpa_for(model.features)
         # Every step's inputs, written in place (sized for the scheduler's largest step; a
         # longer one, or a longer block table, grows them).
@@ -254,5 +255,5 @@ class ModelRunner:
             positions=tensors.positions,
             query_starts=tensors.query_starts,
             logits_indices=tensors.logits_indices,
-            attention=PagedAttention(self.pools, paged, self.spaces, self.sdpa),
+            attention=PagedAttention(self.layers, paged, self.sdpa),
         )

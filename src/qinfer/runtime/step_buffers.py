@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,8 +36,7 @@ import torch
 from qinfer.runtime.block_spaces import first_block
 
 
-@dataclass(frozen=True)
-class SpaceTensors:
+class SpaceTensors(NamedTuple):
     """One block space's part of a step (views of `StepBuffers`, on the device).
 
     slots (T,): where each new token's K/V go in the space's pool; block_tables (S, W) long:
@@ -138,7 +138,7 @@ class StepBuffers:
         for n in num_new:
             starts.append(starts[-1] + n)
         T, S = starts[-1], len(new_tokens)
-        widths = tuple(max(len(table) for table in tables) for tables in block_tables)
+        widths = [max(map(len, tables)) for tables in block_tables]
         tokens, seqs, blocks = self.capacity
         if T > tokens or S > seqs or any(w > c for w, c in zip(widths, blocks, strict=True)):
             grown = tuple(max(w, 2 * c) for w, c in zip(widths, blocks, strict=True))

@@ -4,9 +4,10 @@ A full-attention layer reads the whole history of its sequence; a sliding-window
 (window W) reads only the W positions up to each query: a query at position q reads keys
 q - W + 1 .. q (`kv_cache.position_mask`). Once a step's queries start at position c (the
 tokens already computed), no query of this or a later step reads a position below
-c - W + 1, so the blocks wholly below it can go back to the pool. The layers of a model
-are therefore split into block spaces, each with a `KVPool` over its own layers, a
-`BlockManager` pool of its own, and one block table per sequence:
+c - W + 1, so the blocks wholly below it go back to the pool (after each step,
+`BlockManager.register_computed`). The layers of a model are therefore split into block
+spaces, each with a `KVPool` over its own layers, a `BlockPool` of its own (who holds which
+block, `qinfer.engine.block_manager`), and one block table per sequence:
 
 - a model without sliding layers: one space, whole histories (every layer of the model);
 - full-attention and sliding layers (Gemma 3, Qwen2 with max_window_layers): space 0 holds

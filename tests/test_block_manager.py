@@ -35,9 +35,9 @@ def test_shared_prefix_blocks_are_reference_counted():
     second = Sequence("b", list(range(8)) + [99, 98])
     assert manager.allocate_prefix(second) == 8
     assert second.block_table == first.block_table[:2]
-    assert [manager.blocks[i].ref_count for i in second.block_table] == [2, 2]
+    assert [manager.pools[0].blocks[i].ref_count for i in second.block_table] == [2, 2]
     manager.free(first)
-    assert [manager.blocks[i].ref_count for i in second.block_table] == [1, 1]
+    assert [manager.pools[0].blocks[i].ref_count for i in second.block_table] == [1, 1]
     manager.free(second)
     assert manager.num_free_blocks == 8
 
@@ -95,8 +95,8 @@ def test_cached_free_block_count_follows_frees_hits_and_evictions():
     manager = BlockManager(num_blocks=3, block_size=BLOCK)
 
     def counted() -> int:
-        blocks = manager.blocks
-        return sum(blocks[i].content_id is not None for i in manager.free_blocks)
+        (pool,) = manager.pools
+        return sum(pool.blocks[i].content_id is not None for i in pool.free_blocks)
 
     manager.free(computed(manager, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))  # 2 full blocks cached
     assert manager.num_cached_free_blocks == counted() == 2

@@ -264,11 +264,11 @@ def test_block_accounting_holds_through_random_adds_aborts_and_preemptions(model
         for out in engine.step():
             if out.finished and out.request_id in live:
                 live.remove(out.request_id)
-        manager = engine.block_manager
+        (pool,) = engine.block_manager.pools
         held = Counter(b for seq in engine.scheduler.running for b in seq.block_table)
-        for block in manager.blocks:
+        for block in pool.blocks:
             assert block.ref_count == held[block.block_id]
-            assert (block.ref_count == 0) == (block.block_id in manager.free_blocks)
+            assert (block.ref_count == 0) == (block.block_id in pool.free_blocks)
         assert all(not seq.block_table for seq in engine.scheduler.waiting)
     for request_id in live:
         engine.abort(request_id)

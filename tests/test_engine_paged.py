@@ -24,19 +24,32 @@ from checkpoints import reference_logits as transformers_logits
 
 import qinfer
 from qinfer.attention import paged
-from qinfer.attention.paged import SPLIT_KEYS, PagedAttention, PagedStep, split_by_history
+from qinfer.attention.paged import (
+    SPLIT_KEYS,
+    PagedAttention,
+    PagedStep,
+    paged_layers,
+    split_by_history,
+)
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError, RequestError
 from qinfer.kv_cache import position_mask
+from qinfer.runtime.block_spaces import BlockSpaces, first_block
 from qinfer.runtime.executor import Executor, ParallelConfig
 from qinfer.runtime.kv_pool import KVPool
 from qinfer.runtime.runner import step_inputs
 from qinfer.runtime.step_buffers import StepBuffers
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
+
+
+def one_layer(pool: KVPool, window: int | None, space_window: int | None = None):
+    """The `PagedLayer`s of a one-layer model of this window over `pool`, one block
+    space of space_window."""
+    return paged_layers([pool], BlockSpaces((space_window,), ((0, 0),), (window,)))
 
 
 def test_split_by_history_cuts_where_padding_is_spared():
@@ -108,9 +121,40 @@ def test_paged_attend_equals_the_reference_on_each_history(
     T = sum(n for _, n in rows)
     q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
     want, want_keys, want_values = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
-    got = PagedAttention(pool, step, [window], sdpa).attend(0, q, k, v, D**-0.5)
+    got = PagedAttention(one_layer(pool, window), [step], sdpa).attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
     assert torch.equal(pool.keys[0], want_keys) and torch.equal(pool.values[0], want_values)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(17, 1), (3, 1), (9, 1), (30, 1)],  # decode, histories of different lengths
+        [(21, 1), (22, 1)],  # decode, equally long windows
+        [(17, 1), (0, 6), (5, 1), (8, 3), (14, 6), (4, 3)],  # decode + chunks of 3 and 6
+    ],
+)
+@pytest.mark.parametrize("sdpa", [torch_sdpa_grouped, reference_sdpa_fp32])
+def test_paged_attend_over_a_window_space_reads_only_the_window(rows, sdpa):
+    """A window space's tables start at each sequence's first block inside its window:
+    the result of its whole history masked to the window, and the blocks before (NaN
+    here) are never read."""
+    window = 5
+    pool, tables, _ = random_step(len(rows), rows, shared_blocks=0)
+    T = sum(n for _, n in rows)
+    q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
+    want, _, _ = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
+    firsts = [first_block(start, window, BLOCK) for start, _ in rows]
+    for first, table in zip(firsts, tables, strict=True):
+        for block in table[:first]:  # released: whatever they hold now is not the sequence's
+            pool.keys[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+            pool.values[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+    read = [table[first:] for first, table in zip(firsts, tables, strict=True)]
+    num_new, computed = [n for _, n in rows], [start for start, _ in rows]
+    step = PagedStep(num_new, computed, read, BLOCK, "cpu", window=window)
+    attention = PagedAttention(one_layer(pool, window, window), [step], sdpa)
+    got = attention.attend(0, q, k, v, D**-0.5)
+    assert max_diff(got, want) < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +184,11 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     want = [transformers_logits(reference, torch.tensor([ids]))[0] for ids in full]
     prompts = [7, 9, 12, 2, 10]  # then the rest of each row is fed back one token at a time
     seqs = [Sequence(str(b), ids[:n]) for b, (ids, n) in enumerate(zip(full, prompts, strict=True))]
-    free = iter(range(executor.num_blocks))
+    spaces = executor.spaces
+    free = iter(range(min(executor.num_blocks)))
     # (sequence, new tokens) per step: prompts in chunks, then decode; the last prompt
     # joins late and reads the first two blocks of the first sequence (a prefix-cache hit).
+    # Every block stays in its tables (a window space's step reads only its window's).
     plan = [[(0, 7), (1, 4), (2, 5)], [(0, 1), (1, 5), (2, 7), (3, 2)]]
     plan += [[(0, 1), (1, 1), (2, 1), (3, 1), (4, 2)]] + [[(b, 1) for b in range(5)]] * 3
     for step in plan:
@@ -153,9 +199,12 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
                 seq.num_computed_tokens = 8
             while len(seq.block_table) * BLOCK < seq.num_computed_tokens + n:
                 seq.block_table.append(next(free))
+            seq.window_table = list(seq.block_table)  # the same ids in the window space
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
-        inputs = step_inputs([seqs[b] for b, _ in step], [n for _, n in step], num_logits)
+        inputs = step_inputs(
+            [seqs[b] for b, _ in step], [n for _, n in step], num_logits, spaces, BLOCK
+        )
         logits = executor.execute(inputs).logits
         assert logits.shape == (len(done), model.config.vocab_size)
         for b, n in step:
@@ -199,7 +248,8 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
-    got = PagedAttention(pool, step, [None], torch_sdpa_grouped).attend(0, q, k, v, D**-0.5)
+    attention = PagedAttention(one_layer(pool, None), [step], torch_sdpa_grouped)
+    got = attention.attend(0, q, k, v, D**-0.5)
     assert max_diff(got, want) < 1e-5
 
 
@@ -207,21 +257,38 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     """Steps are written into the same tensors (a CUDA graph reads its inputs where they
     were when captured); a step past the capacities reallocates them, with the same values."""
     buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2)
-    first = buffers.write([[7], [8]], [5, 0], [[3, 1], [2]], [1, 1])
-    second = buffers.write([[9], [10]], [6, 1], [[3, 1], [2]], [1, 1])
+    first = buffers.write([[7], [8]], [5, 0], [[[3, 1], [2]]], [1, 1])
+    second = buffers.write([[9], [10]], [6, 1], [[[3, 1], [2]]], [1, 1])
     assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
     assert second.token_ids.tolist() == [9, 10] and second.positions.tolist() == [6, 1]
-    assert second.slots.tolist() == [1 * 4 + 2, 2 * 4 + 1]
+    (space,) = second.spaces
+    assert space.slots.tolist() == [1 * 4 + 2, 2 * 4 + 1]
     assert second.context_lens.tolist() == [7, 2]
-    assert second.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
+    assert space.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
+    assert space.first_blocks is None and space.key_starts is None
     assert second.logits_indices.tolist() == [0, 1] and second.query_starts == [0, 1, 2]
-    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[0], [5, 6, 4]], [0, 2])
-    assert buffers.capacity == (8, 4, 4)
+    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[[0], [5, 6, 4]]], [0, 2])
+    assert buffers.capacity == (8, 4, (4,))
     assert grown.token_ids.tolist() == [1, 2, 3, 4, 5]
     assert grown.positions.tolist() == [0, 1, 2, 9, 10]
-    assert grown.slots.tolist() == [0, 1, 2, 4 * 4 + 1, 4 * 4 + 2]
-    assert grown.block_tables.tolist() == [[0, 0, 0], [5, 6, 4]]
+    assert grown.spaces[0].slots.tolist() == [0, 1, 2, 4 * 4 + 1, 4 * 4 + 2]
+    assert grown.spaces[0].block_tables.tolist() == [[0, 0, 0], [5, 6, 4]]
     assert grown.logits_indices.tolist() == [3, 4] and grown.query_starts == [0, 3, 5]
+
+
+def test_step_buffers_of_a_window_space_place_tables_from_their_first_block():
+    """A window space's tables start at the first block the step reads: slots count from
+    there, and key_starts gives that block's first position (window 6, blocks of 4)."""
+    buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2, windows=(None, 6))
+    # sequence 0: 13 computed, reads from position 8 (block 2); sequence 1: 3 computed
+    tables = [[[4, 5, 6, 7], [1, 2]], [[9, 8], [3, 2]]]
+    step = buffers.write([[7], [8, 9]], [13, 3], tables, [1, 1])
+    whole, window = step.spaces
+    assert whole.slots.tolist() == [7 * 4 + 1, 1 * 4 + 3, 2 * 4 + 0]
+    assert whole.first_blocks is None and whole.key_starts is None
+    assert window.first_blocks == [2, 0] and window.key_starts.tolist() == [8, 0]
+    assert window.slots.tolist() == [8 * 4 + 1, 3 * 4 + 3, 2 * 4 + 0]
+    assert window.block_tables.tolist() == [[9, 8], [3, 2]]
 
 
 def test_parallel_config_refuses_pipeline_stages_and_non_positive_sizes():

@@ -18,6 +18,7 @@ from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.kv_quant import KVFormat, kv_format
+from qinfer.runtime.block_spaces import BlockSpaces
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.kv_pool import KVPool
 from qinfer.runtime.runner import kv_pool_blocks, step_inputs
@@ -153,16 +154,17 @@ def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8():
         executor = Executor(model, EngineConfig(block_size=4, num_kv_blocks=32))
         prompts = [random_tokens(1, n, seed=60 + n)[0].tolist() for n in (9, 17)]
         seqs = [Sequence(str(b), ids) for b, ids in enumerate(prompts)]
-        free = iter(range(executor.num_blocks))
-        for seq in seqs:
+        free = iter(range(executor.num_blocks[0]))
+        for seq in seqs:  # every block kept (a window space's step reads its window's)
             seq.block_table = [next(free) for _ in range(-(-(len(seq.token_ids) + 3) // 4))]
-        logits = executor.execute(step_inputs(seqs, [9, 17], [1, 1])).logits
+        spaces = executor.spaces
+        logits = executor.execute(step_inputs(seqs, [9, 17], [1, 1], spaces, 4)).logits
         want = [model(torch.tensor([ids]))[0, -1] for ids in prompts]
         assert max_diff(logits[0], want[0]) < 1e-4 and max_diff(logits[1], want[1]) < 1e-4
         for seq in seqs:
             seq.num_computed_tokens = len(seq.token_ids)
             seq.token_ids.append(7)
-        logits = executor.execute(step_inputs(seqs, [1, 1], [1, 1])).logits
+        logits = executor.execute(step_inputs(seqs, [1, 1], [1, 1], spaces, 4)).logits
         for row, ids in enumerate(prompts):
             want = model(torch.tensor([ids + [7]]))[0, -1]
             assert max_diff(logits[row], want) < 1e-4, kv_cache_dtype
@@ -182,7 +184,7 @@ def test_the_same_budget_holds_about_twice_the_blocks_and_sequences_in_int8():
             config, dtype=torch.bfloat16, features=Features(kv_cache_dtype=kv_cache_dtype)
         )
         engine_config = EngineConfig(kv_cache_memory=budget, block_size=16)
-        blocks = kv_pool_blocks(model, engine_config)
+        (blocks,) = kv_pool_blocks(model, engine_config, BlockSpaces.of(model.config))
         llm = LLM(model, kv_cache_memory=budget, block_size=16, enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         engine = llm.engine

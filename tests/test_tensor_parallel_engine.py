@@ -109,8 +109,8 @@ def test_the_pool_holds_the_ranks_kv_heads(checkpoint):
     single = LLM(checkpoint, dtype="float32", device="cpu", **budget)
     split = LLM(checkpoint, dtype="float32", device="cpu", tensor_parallel_size=2, **budget)
     try:
-        assert split.engine.executor.runner.pool.keys.shape[1] == 1
-        assert split.engine.executor.num_blocks == 2 * single.engine.executor.num_blocks
+        assert split.engine.executor.runner.pools[0].keys.shape[1] == 1
+        assert split.engine.executor.num_blocks == [2 * single.engine.executor.num_blocks[0]]
     finally:
         split.close()
 

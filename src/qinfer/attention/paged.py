@@ -23,13 +23,19 @@ weights; chunks dequantize the gathered histories for sdpa. An unquantized pool 
 of these steps.
 
 A group's histories are padded to its longest (in whole blocks) and masked by position.
-Sliding-window layers keep their whole history in the pool and are masked to their window
-(correct, but they use as much memory as full-attention layers).
+
+Block spaces (`qinfer.runtime.block_spaces`): a model with sliding-window layers keeps
+their K/V in a pool of their own, whose tables hold only each sequence's window (the
+blocks before it go back to the pool). The step is then two `PagedStep`s, one per space,
+each with its own slots and tables, and each layer reads its space's: a sliding layer's
+history starts at its table's first block (a decode reads at most ceil(window / B) + 1
+blocks, however long the sequence), its keys placed by position (key_starts) for the mask.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +43,9 @@ import torch.nn.functional as F
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.kv_cache import position_mask
 from qinfer.kv_quant import KVFormat, raw_bytes
+from qinfer.runtime.block_spaces import BlockSpaces
 from qinfer.runtime.kv_pool import KVPool, LayerKV
-from qinfer.runtime.step_buffers import StepBuffers, StepTensors
+from qinfer.runtime.step_buffers import SpaceTensors, StepBuffers, StepTensors
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
@@ -48,13 +55,15 @@ FUSED_DECODE_MAX_KEYS = 1024
 
 
 class PagedStep:
-    """Where the K/V of one step's tokens go to and come from in the pool: the metadata
-    that every layer's `PagedAttention.attend` shares, built once per step.
+    """Where the K/V of one step's tokens go to and come from in one block space's pool:
+    the metadata that every layer of that space shares, built once per step.
 
     Per sequence b: num_new[b] tokens run now (flat, sequence after sequence),
     num_computed[b] tokens already in the pool (at positions 0..num_computed[b]-1),
-    block_tables[b]. The host lists decide the grouping; the tensors come from `tensors`
-    (the runner's `StepBuffers`, written in place; default: buffers of this step's own).
+    block_tables[b]: its blocks in this space, from the step's first block on (see
+    `StepBuffers.write`). The host lists decide the grouping; the tensors come from
+    `tensors` (the runner's `StepBuffers`, written in place, `space` naming this space's
+    part; default: buffers of this step's own, for a space of this `window`).
     slots: (T,) the pool slot each new token's K/V is written to.
     """
 
@@ -66,18 +75,25 @@ class PagedStep:
         block_size: int,
         device: torch.device | str,
         tensors: StepTensors | None = None,
+        space: int = 0,
+        window: int | None = None,
     ) -> None:
         if tensors is None:
-            buffers = StepBuffers(block_size, device, sum(num_new), len(num_new))
+            buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])
             no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
-            tensors = buffers.write(no_ids, num_computed, block_tables, no_logits)
-        self.slots = tensors.slots  # (T,)
+            tensors = buffers.write(no_ids, num_computed, [block_tables], no_logits)
+        part = tensors.spaces[space]
+        self.slots = part.slots  # (T,)
+        # the keys each sequence reads: its history, less the blocks before its table's first
         histories = [computed + n for computed, n in zip(num_computed, num_new, strict=True)]
+        if part.first_blocks is not None:
+            skipped = [first * block_size for first in part.first_blocks]
+            histories = [h - k for h, k in zip(histories, skipped, strict=True)]
         by_length: dict[int, list[int]] = {}
         for b, n in enumerate(num_new):
             by_length.setdefault(n, []).append(b)
         self.groups = [
-            Group(rows, num_new[rows[0]], num_computed, block_tables, block_size, tensors)
+            Group(rows, num_new[rows[0]], histories, block_tables, block_size, tensors, part)
             for same_length in by_length.values()
             for rows in split_by_history(same_length, histories, block_size)
         ]
@@ -108,41 +124,46 @@ def split_by_history(rows: list[int], histories: list[int], block_size: int) -> 
 
 class Group:
     """The sequences of one step that add the same number L of new tokens: where their
-    queries sit in the step and where their histories sit in the pool.
+    queries sit in the step and where their histories sit in one space's pool.
 
-    rows: the group's sequences (indices into the step's). tables: (G, W) their block
-    tables padded with block 0. A history is read as whole blocks, S = W * block_size
-    keys; key_positions (G, S) gives each key's position, -1 past the sequence's history.
-    When every history of the group is equally long, S is cut to that length and the
-    bottom-right causal rule says all (mask "causal": the fast paths of sdpa). What only
-    some paths read (the queries' flat indices, the masks, the value rows) is made on
-    first use, once per step.
+    rows: the group's sequences (indices into the step's); lengths[b]: the keys sequence b
+    reads (its history after the step, less the positions before its table's first
+    block). tables: (G, W) their block tables padded with block 0. A history is read as
+    whole blocks, S = W * block_size keys; key_positions (G, S) gives each key's position,
+    -1 past the sequence's history. When every history of the group is equally long, S
+    is cut to that length and, within the window, the bottom-right causal rule says all
+    (mask "causal": the fast paths of sdpa). What only some paths read (the queries' flat
+    indices, the masks, the value rows) is made on first use, once per step.
     """
 
     def __init__(
         self,
         rows: list[int],
         num_new: int,
-        num_computed: list[int],
+        lengths: list[int],
         block_tables: list[list[int]],
         block_size: int,
         tensors: StepTensors,
+        space: SpaceTensors,
     ) -> None:
         G, L = len(rows), num_new
         width = max(len(block_tables[b]) for b in rows)
-        totals = [num_computed[b] + L for b in rows]  # history length after this step
+        read = [lengths[b] for b in rows]  # keys each sequence reads
         self.rows, self.num_new, self.block_size = rows, L, block_size
         self.starts = [tensors.query_starts[b] for b in rows]  # each one's first new token
-        self.equal_lengths = len(set(totals)) == 1
-        self.length = totals[0] if self.equal_lengths else width * block_size  # S
+        self.equal_lengths = len(set(read)) == 1
+        self.length = read[0] if self.equal_lengths else width * block_size  # S
         self._tensors = tensors
+        self.key_starts = space.key_starts  # (G,) position of each first key, or None: 0
         if rows == list(range(len(tensors.query_starts) - 1)):  # every sequence, in order
-            self.tables = tensors.block_tables[:, :width]  # (G, W) views of the buffers
+            self.tables = space.block_tables[:, :width]  # (G, W) views of the buffers
             self.totals = tensors.context_lens  # (G,)
         else:
-            index = torch.tensor(rows, device=tensors.block_tables.device)
-            self.tables = tensors.block_tables[index, :width]
+            index = torch.tensor(rows, device=space.block_tables.device)
+            self.tables = space.block_tables[index, :width]
             self.totals = tensors.context_lens[index]
+            if self.key_starts is not None:
+                self.key_starts = self.key_starts[index]
         self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
         self._value_rows: dict[tuple[int, int, int], torch.Tensor] = {}
         # A lone sequence whose blocks follow each other in the pool (as a fresh pool hands
@@ -162,6 +183,8 @@ class Group:
     def key_positions(self) -> torch.Tensor:
         """(G, S): each key's position in its sequence, -1 past its history."""
         keys = torch.arange(self.length, device=self.tables.device).expand(len(self.rows), -1)
+        if self.key_starts is not None:  # a window space's tables start past position 0
+            keys = keys + self.key_starts[:, None]
         return torch.where(keys < self.totals[:, None], keys, -1)
 
     @cached_property
@@ -191,8 +214,9 @@ class Group:
         return self._mask(window, additive=False)
 
     def causal_only(self, window: int | None) -> bool:
-        """True when the S keys are each sequence's whole history and inside the window:
-        the bottom-right causal rule is then the whole mask."""
+        """True when the S keys are each sequence's whole read history (positions
+        consecutive up to its last) and inside the window: the bottom-right causal rule
+        is then the whole mask."""
         return self.equal_lengths and (window is None or self.length <= window)
 
     def score_mask(self, window: int | None) -> torch.Tensor:
@@ -223,35 +247,51 @@ class Group:
         return self._value_rows[key]
 
 
-class PagedAttention:
-    """The attention of one step over a `KVPool`: `attend` for each layer in turn.
+class PagedLayer(NamedTuple):
+    """Where one layer's K/V live: its part of its block space's pool, the space, and the
+    layer's own sliding window (None: full attention)."""
 
-    windows: each layer's sliding window (None: full attention); sdpa: the attention
-    function of prompt chunks (decode groups use this module's own, which reads the
-    values where they sit). Both answer `scaled_dot_product_attention_grouped`'s contract.
+    kv: LayerKV
+    space: int
+    window: int | None
+
+
+def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer]:
+    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner)."""
+    return [
+        PagedLayer(pools[space].layers[index], space, window)
+        for (space, index), window in zip(spaces.layers, spaces.layer_windows, strict=True)
+    ]
+
+
+class PagedAttention:
+    """The attention of one step over the pools of a model's block spaces: `attend` for
+    each layer in turn.
+
+    layers[l]: where layer l's K/V live (`paged_layers`); steps[s]: this step's
+    `PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
+    (decode groups use this module's own, which reads the values where they sit). Both
+    answer `scaled_dot_product_attention_grouped`'s contract.
     """
 
-    def __init__(
-        self, pool: KVPool, step: PagedStep, windows: list[int | None], sdpa: Sdpa
-    ) -> None:
-        self.pool, self.step = pool, step
-        self.windows = windows
+    def __init__(self, layers: list[PagedLayer], steps: list[PagedStep], sdpa: Sdpa) -> None:
+        self.layers, self.steps = layers, steps
         self.sdpa = sdpa
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q (T, Hq, D) and the new k, v (T, Hkv, D) -> (T, Hq, D) in q's dtype. Stores k, v
-        into the pool, then attends each group of sequences to its own histories."""
-        kv = self.pool.layers[layer]
-        _store(kv, self.step.slots, k, v)
-        window = self.windows[layer]
-        if self.step.in_order:  # one group holding the tokens in order: no gather, no scatter
-            (group,) = self.step.groups
+        into the layer's pool, then attends each group of sequences to its own histories."""
+        kv, space, window = self.layers[layer]
+        step = self.steps[space]
+        _store(kv, step.slots, k, v)
+        if step.in_order:  # one group holding the tokens in order: no gather, no scatter
+            (group,) = step.groups
             queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)
             return self._group(queries, kv, group, window, scale).view(q.shape)
         out = torch.empty_like(q)  # every token belongs to exactly one group
-        for group in self.step.groups:
+        for group in step.groups:
             queries = q[group.tokens]  # (G, L, Hq, D)
             out[group.tokens] = self._group(queries, kv, group, window, scale)
         return out

@@ -1,20 +1,33 @@
-"""Who owns which KV block: a reference-counted pool of fixed-size blocks with prefix caching.
+"""Who owns which KV block: reference-counted pools of fixed-size blocks with prefix caching.
 
-The pool holds `num_blocks` blocks of `block_size` token positions each. A sequence owns
-a block table (block ids for its positions 0..B-1, B..2B-1, ...); blocks are reference
-counted so that several sequences can share the full blocks of a common prefix.
+A pool (`BlockPool`) holds `num_blocks` blocks of `block_size` token positions each. A
+sequence owns a block table in each block space of the model (`qinfer.runtime.block_spaces`:
+one space for most models; two, each with a pool of its own, for a model with sliding-window
+and full-attention layers): block ids for its positions 0..B-1, B..2B-1, ... Blocks are
+reference counted so that several sequences can share the full blocks of a common prefix.
+
+Window spaces. A space of window W (its layers slide) gives a block back as soon as no query
+can read it any more: once a sequence's first c tokens are computed, its next queries start
+at position c and read from c - W + 1 on, so after each step (`register_computed`) every
+block wholly before that is released and its table entry becomes `NULL_BLOCK`. A sequence
+then holds about W / B + 2 blocks of that space, however long it grows.
 
 Prefix caching. Once a block is full and its K/V computed, it is registered under a hash
 chained over (parent block's hash, its token ids), so that the hash of block i names the
 whole prefix 0..i. A new prompt walks its full blocks from the start and takes every
 registered block it finds, until the first miss. A hash is only an index: a hit must also
 match the stored token ids and the parent's *content id* (a number given to each distinct
-prefix content), so a hash collision can never hand one sequence another's K/V.
+prefix content), so a hash collision can never hand one sequence another's K/V. The walk is
+space 0's; a window space registers each block under the hash and content id of space 0's
+block at that index, and a hit of N tokens takes from it only the blocks the sequence's next
+step reads (positions N - W + 1 .. N - 1; before them, NULL_BLOCK): the hit is the longest
+for which every space holds what it needs. When every layer slides, space 0 is a window
+space: its released blocks stay registered, and a hit needs the whole chain still there.
 
-Freed blocks keep their K/V and their registration in a least-recently-used free list:
-allocating a fresh block takes the least recently freed one and only then forgets what it
-held. A sequence frees its blocks last-to-first, so a prompt's tail is evicted before its
-head (the head is the part other prompts are likely to share).
+Freed (and released) blocks keep their K/V and their registration in a least-recently-used
+free list: allocating a fresh block takes the least recently freed one and only then forgets
+what it held. A sequence frees its blocks last-to-first, so a prompt's tail is evicted before
+its head (the head is the part other prompts are likely to share).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from collections.abc import Sequence as TokenIds
 
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import CacheError
+from qinfer.runtime.block_spaces import NULL_BLOCK, first_block
 
 
 def block_hash(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
@@ -33,7 +47,7 @@ def block_hash(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
 
 
 class Block:
-    """One block of the pool: who uses it and, once registered, which prefix it holds."""
+    """One block of a pool: who uses it and, once registered, which prefix it holds."""
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -48,18 +62,16 @@ class Block:
         self.parent_content_id: int | None = None
 
 
-class BlockManager:
-    """Allocates, shares and frees the blocks of the KV pool for sequences."""
+class BlockPool:
+    """The blocks of one block space: who holds each, which are free (least recently
+    freed first), and which prefix each registered one holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+    def __init__(self, num_blocks: int) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks nobody uses, least recently freed first (the next to be evicted).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cached_free_blocks = 0  # free blocks still holding registered K/V
         self.cached: dict[int, int] = {}  # hash -> id of a registered block
-        self._content_ids = itertools.count()
 
     @property
     def num_blocks(self) -> int:
@@ -70,64 +82,40 @@ class BlockManager:
         """Blocks no sequence uses (some still hold reusable prefix K/V)."""
         return len(self.free_blocks)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Fresh blocks `seq` needs so that its table covers positions 0..num_tokens-1."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+    def allocate(self) -> int:
+        """A fresh block for one holder: the least recently freed, which forgets the prefix
+        it held."""
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.content_id is not None:  # evict: forget the prefix it held
+            self.num_cached_free_blocks -= 1
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.reset()
+        block.ref_count = 1
+        return block_id
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)
+    def take(self, block: Block) -> int:
+        """One more holder of a registered block (a prefix-cache hit); its id."""
+        if block.ref_count == 0:
+            del self.free_blocks[block.block_id]
+            self.num_cached_free_blocks -= 1
+        block.ref_count += 1
+        return block.block_id
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Append fresh blocks to `seq`'s table until it covers num_tokens positions."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self.free_blocks):
-            raise CacheError(f"KV pool has {len(self.free_blocks)} free blocks, {needed} needed")
-        for _ in range(needed):
-            block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
-            block = self.blocks[block_id]
-            if block.content_id is not None:  # evict: forget the prefix it held
-                self.num_cached_free_blocks -= 1
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.reset()
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+    def release(self, block_id: int) -> None:
+        """One holder fewer. A block nobody holds joins the free list: evicted last when it
+        holds a registered prefix (its K/V stay cached), first when it holds nothing."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None  # most recently used: evicted last
+            if block.content_id is None:
+                self.free_blocks.move_to_end(block_id, last=False)  # nothing to keep
+            else:
+                self.num_cached_free_blocks += 1
 
-    def allocate_prefix(self, seq: Sequence) -> int:
-        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
-
-        At least one token is always left to compute, so that the step that finishes the
-        prompt produces the logits of its last token. A sequence that does not use the
-        prefix cache (`Sequence.uses_prefix_cache`) gets none. Returns the tokens found.
-        """
-        if seq.block_table:
-            raise CacheError(f"sequence {seq.request_id!r} already holds blocks")
-        looks_up = self.enable_prefix_caching and seq.uses_prefix_cache
-        hits = self._match_prefix(seq.token_ids) if looks_up else []
-        for block in hits:
-            if block.ref_count == 0:
-                del self.free_blocks[block.block_id]
-                self.num_cached_free_blocks -= 1
-            block.ref_count += 1
-            seq.block_table.append(block.block_id)
-        seq.num_computed_tokens = seq.num_hashed_blocks = len(hits)
-        seq.num_computed_tokens *= self.block_size
-        return seq.num_computed_tokens
-
-    def _match_prefix(self, token_ids: list[int]) -> list[Block]:
-        hits: list[Block] = []
-        parent_hash, parent_content = None, None
-        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
-            tokens = tuple(token_ids[start : start + self.block_size])
-            h = block_hash(parent_hash, tokens)
-            block = self._lookup(h, tokens, parent_content)
-            if block is None:
-                break
-            hits.append(block)
-            parent_hash, parent_content = h, block.content_id
-        return hits
-
-    def _lookup(self, h: int, tokens: tuple[int, ...], parent_content: int | None) -> Block | None:
+    def lookup(self, h: int, tokens: tuple[int, ...], parent_content: int | None) -> Block | None:
         """The registered block for this hash, if it really holds these tokens after this parent."""
         block_id = self.cached.get(h)
         if block_id is None:
@@ -137,43 +125,198 @@ class BlockManager:
             return None  # a hash collision: another prefix lives under this key
         return block
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Register every full block of `seq` whose K/V are now computed (call after a step)."""
-        if not self.enable_prefix_caching:
+    def holding(self, h: int, content_id: int) -> Block | None:
+        """The block registered under this hash, if it holds that content."""
+        block_id = self.cached.get(h)
+        if block_id is None or self.blocks[block_id].content_id != content_id:
+            return None
+        return self.blocks[block_id]
+
+    def register(
+        self,
+        block_id: int,
+        h: int,
+        tokens: tuple[int, ...],
+        parent_content: int | None,
+        content_id: int,
+    ) -> None:
+        """Record the prefix a computed block holds (once). The hash finds it from now on,
+        unless another block holds that content already (the same prefix computed twice:
+        children of either chain match)."""
+        block = self.blocks[block_id]
+        if block.content_id is not None:
             return
+        block.hash, block.token_ids = h, tokens
+        block.parent_content_id, block.content_id = parent_content, content_id
+        if self.holding(h, content_id) is None:  # a new prefix (or the key held a colliding one)
+            self.cached[h] = block_id
+
+
+class BlockManager:
+    """Allocates, shares and frees the blocks of each block space for sequences.
+
+    num_blocks: each space's pool size (an int: one space); windows: each space's window
+    (None: it keeps whole histories), as `BlockSpaces.windows`. A sequence's table in
+    space s is `seq.tables[s]`. The pool statistics (num_blocks, num_free_blocks,
+    num_cached_free_blocks) are space 0's, the one that bounds the context held.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | list[int],
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: tuple[int | None, ...] = (None,),
+    ) -> None:
+        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(windows):
+            raise CacheError(f"{len(counts)} pool sizes for {len(windows)} block spaces")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pools = [BlockPool(count) for count in counts]
+        self.windows = tuple(windows)
+        self._window_spaces = [s for s, window in enumerate(windows) if window is not None]
+        self._content_ids = itertools.count()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pools[0].num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Space 0's blocks no sequence uses (some still hold reusable prefix K/V)."""
+        return self.pools[0].num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pools[0].num_cached_free_blocks
+
+    def _tables(self, seq: Sequence) -> tuple[list[int], ...]:
+        """`seq`'s tables in this manager's spaces."""
+        return seq.tables[: len(self.pools)]
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Fresh blocks `seq` needs in each space so that its tables cover positions
+        0..num_tokens-1."""
+        blocks = -(-num_tokens // self.block_size)
+        return [max(0, blocks - len(table)) for table in self._tables(seq)]
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        blocks = -(-num_tokens // self.block_size)
+        # (a sequence has a space-1 table even where the model has one space: zip stops)
+        spaces = zip(self.pools, seq.tables, strict=False)
+        return all(blocks - len(table) <= len(pool.free_blocks) for pool, table in spaces)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks to `seq`'s tables until they cover num_tokens positions."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if not any(needed):  # most decode steps
+            return
+        for space, (n, pool) in enumerate(zip(needed, self.pools, strict=True)):
+            if n > pool.num_free_blocks:
+                raise CacheError(
+                    f"KV pool of block space {space} has {pool.num_free_blocks} free blocks, "
+                    f"{n} needed"
+                )
+        for n, pool, table in zip(needed, self.pools, self._tables(seq), strict=True):
+            table.extend(pool.allocate() for _ in range(n))
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        At least one token is always left to compute, so that the step that finishes the
+        prompt produces the logits of its last token. A sequence that does not use the
+        prefix cache (`Sequence.uses_prefix_cache`) gets none. Returns the tokens found.
+        """
+        if any(self._tables(seq)):
+            raise CacheError(f"sequence {seq.request_id!r} already holds blocks")
+        looks_up = self.enable_prefix_caching and seq.uses_prefix_cache
+        hits = self._match_prefix(seq.token_ids) if looks_up else []
+        # each space's block of each hit index, None where a window space lacks it
+        held = [hits] + [
+            [pool.holding(b.hash, b.content_id) for b in hits] for pool in self.pools[1:]
+        ]
+        n = self._longest_hit(held)
+        size = self.block_size
+        spaces = zip(self.pools, self.windows, self._tables(seq), held, strict=True)
+        for pool, window, table, blocks in spaces:
+            first = first_block(n * size, window, size)  # the next step reads from here
+            table.extend([NULL_BLOCK] * first)
+            table.extend(pool.take(block) for block in blocks[first:n])
+        seq.num_hashed_blocks, seq.num_computed_tokens = n, n * size
+        seq.last_block_key = (hits[n - 1].hash, hits[n - 1].content_id) if n else None
+        return seq.num_computed_tokens
+
+    def _match_prefix(self, token_ids: list[int]) -> list[Block]:
+        """Space 0's registered blocks of the longest prefix of token_ids (but its last)."""
+        pool = self.pools[0]
+        hits: list[Block] = []
+        parent_hash, parent_content = None, None
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            tokens = tuple(token_ids[start : start + self.block_size])
+            h = block_hash(parent_hash, tokens)
+            block = pool.lookup(h, tokens, parent_content)
+            if block is None:
+                break
+            hits.append(block)
+            parent_hash, parent_content = h, block.content_id
+        return hits
+
+    def _longest_hit(self, held: list[list[Block | None]]) -> int:
+        """The most leading blocks of a prefix hit (held: each space's blocks of its indices)
+        for which every space holds the blocks that a step from the hit's end reads."""
+        n, size = len(held[0]), self.block_size
+        while n:
+            missing = [
+                j
+                for window, blocks in zip(self.windows, held, strict=True)
+                for j in range(first_block(n * size, window, size), n)
+                if blocks[j] is None
+            ]
+            if not missing:
+                return n
+            n = max(missing)  # a shorter hit must end before the block that is missing
+        return 0
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register every full block of `seq` whose K/V are now computed, in every space,
+        then release the blocks of its window spaces that no later query reads (call after
+        a step)."""
+        if self.enable_prefix_caching:
+            self._register(seq)
+        for space in self._window_spaces:
+            pool, table = self.pools[space], seq.tables[space]
+            end = first_block(seq.num_computed_tokens, self.windows[space], self.block_size)
+            start = end  # the blocks released by an earlier step come before
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            for i in range(start, end):
+                pool.release(table[i])
+                table[i] = NULL_BLOCK
+
+    def _register(self, seq: Sequence) -> None:
         size = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // size):
-            block = self.blocks[seq.block_table[i]]
-            parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
-            if block.content_id is None:
-                tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-                parent_hash = parent.hash if parent else None
-                parent_content = parent.content_id if parent else None
-                block.hash = block_hash(parent_hash, tokens)
-                block.token_ids = tokens
-                block.parent_content_id = parent_content
-                twin = self._lookup(block.hash, tokens, parent_content)
-                if twin is None:  # a new prefix (or the key held a colliding one)
-                    block.content_id = next(self._content_ids)
-                    self.cached[block.hash] = block.block_id
-                else:  # the same prefix computed twice: children of either chain match
-                    block.content_id = twin.content_id
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent_hash, parent_content = seq.last_block_key or (None, None)
+            h = block_hash(parent_hash, tokens)
+            # a twin: the same prefix computed before (children of either chain match)
+            twin = self.pools[0].lookup(h, tokens, parent_content)
+            content = next(self._content_ids) if twin is None else twin.content_id
+            for pool, table in zip(self.pools, self._tables(seq), strict=True):
+                pool.register(table[i], h, tokens, parent_content, content)
             seq.num_hashed_blocks = i + 1
+            seq.last_block_key = (h, content)
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (finished, aborted or preempted); its K/V stay cached."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.content_id is None:
-                    self.free_blocks[block_id] = None
-                    self.free_blocks.move_to_end(block_id, last=False)  # nothing to keep
-                else:
-                    self.free_blocks[block_id] = None  # most recently used: evicted last
-                    self.num_cached_free_blocks += 1
-        seq.block_table = []
+        for pool, table in zip(self.pools, self._tables(seq), strict=True):
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    pool.release(block_id)
+        seq.block_table, seq.window_table = [], []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        seq.last_block_key = None
         seq.num_draft_computed = 0  # the draft's K/V sat in the same blocks
         seq.proposed = []

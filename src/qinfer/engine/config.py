@@ -59,6 +59,11 @@ class EngineConfig:
                 f"at least max_num_seqs ({self.max_num_seqs}): every running sequence needs a token"
             )
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most tokens proposed per sequence and step (0 without speculative decoding)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
     @classmethod
     def from_kwargs(cls, **engine_args) -> EngineConfig:
         """An EngineConfig from keyword arguments, naming any unknown one."""

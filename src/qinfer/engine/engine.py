@@ -36,6 +36,7 @@ from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
 from qinfer.prompt_logprobs import PromptLogprobs
 from qinfer.request_state import RequestState, sample_next
+from qinfer.runtime.block_spaces import window_space_blocks
 from qinfer.runtime.executor import Executor, follow
 from qinfer.runtime.runner import step_inputs
 from qinfer.sampling import SamplingParams
@@ -158,20 +159,28 @@ class Engine:
         self.executor = Executor(model, self.config, group)
         # close() on demand, else when the engine is collected or the interpreter exits
         self._close = weakref.finalize(self, self.executor.close)
+        blocks, windows = self.executor.num_blocks, self.executor.spaces.windows
         self.block_manager = BlockManager(
-            self.executor.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            blocks, self.config.block_size, self.config.enable_prefix_caching, windows
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.speculator = None
-        if self.config.speculative is not None:
+        if self.config.speculative is not None:  # a draft model's pool mirrors space 0's
             self.speculator = Speculator(
-                self.config.speculative, model, self.executor.num_blocks, self.config.block_size
+                self.config.speculative, model, blocks[0], self.config.block_size
             )
         context = model.config.max_position_embeddings
         self.context_len = min(self.config.max_model_len or context, context)
         # The longest sequence: within the context, and its K/V (all but the last token,
-        # which is never fed back) within the pool.
-        self.max_len = min(self.context_len, self.executor.num_blocks * self.config.block_size + 1)
+        # which is never fed back) within the pool of space 0, unless that space keeps only
+        # windows and holds the most blocks one sequence needs there.
+        size, step_tokens = self.config.block_size, self.config.max_num_batched_tokens
+        self.pool_tokens = blocks[0] * size
+        if windows[0] is not None and blocks[0] >= window_space_blocks(
+            windows[0], size, 1, step_tokens, self.config.num_speculative_tokens
+        ):
+            self.pool_tokens = context
+        self.max_len = min(self.context_len, self.pool_tokens + 1)
         # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
         # front-ends without a tokenizer: `qinfer.generation.generate_ids`).
         if eos_token_ids is None:
@@ -227,7 +236,7 @@ class Engine:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
-                f"{self.executor.num_blocks * self.config.block_size} tokens)"
+                f"{self.pool_tokens} tokens)"
             )
         # A cache hit skips rows that mean pooling and prompt logprobs need.
         uses_prefix_cache = (
@@ -311,7 +320,13 @@ class Engine:
             request.num_logits(n)
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        step = step_inputs(scheduled.seqs, scheduled.num_new, num_logits)
+        step = step_inputs(
+            scheduled.seqs,
+            scheduled.num_new,
+            num_logits,
+            self.executor.spaces,
+            self.config.block_size,
+        )
         result = self.executor.execute(step, hidden_rows)
         requests, firsts, outputs = [], [], []
         end = 0  # the logits rows of the sequences so far

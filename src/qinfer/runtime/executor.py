@@ -8,8 +8,8 @@
 The engine talks to the executor only: it never sees a rank, a group or a channel. In one
 process the executor's `ModelRunner` runs the step. Under tensor parallelism the executor is
 rank 0's: it broadcasts each step to the workers (`StepChannel`) and runs it on its own
-shard, while every worker runs `follow` (the same steps, in the same order, over a pool of
-the same number of blocks). A failed collective becomes the group's one-line
+shard, while every worker runs `follow` (the same steps, in the same order, over pools of
+the same block spaces and numbers of blocks). A failed collective becomes the group's one-line
 `TensorParallelError`, naming the rank that died.
 
 `ParallelConfig(tensor, pipeline)` says how the ranks are laid out: `pipeline` stages of
@@ -27,6 +27,7 @@ from qinfer.distributed import TensorParallelGroup
 from qinfer.engine.config import EngineConfig
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
+from qinfer.runtime.block_spaces import BlockSpaces
 from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks
 from qinfer.runtime.step_channel import StepChannel, StepInputs
 
@@ -65,8 +66,9 @@ class Executor:
     """Runs each step on every rank of the model and hands rank 0's result back.
 
     group: the tensor-parallel group whose rank 0 this process is (model is its shard),
-    or None for one process. The pool of every rank has the same number of blocks (the
-    fewest any rank can hold), so a block id means the same slots everywhere.
+    or None for one process. The pools of every rank have the same block spaces and
+    numbers of blocks (the fewest any rank can hold), so a block id means the same slots
+    everywhere. `spaces`: the model's block spaces (`qinfer.runtime.block_spaces`).
     """
 
     def __init__(
@@ -75,7 +77,8 @@ class Executor:
         self.group = group
         self.parallel = ParallelConfig(tensor=1 if group is None else group.parallel.world_size)
         self._channel = None if group is None else StepChannel(group)
-        self.runner = ModelRunner(model, config, kv_pool_blocks(model, config, self._channel))
+        self.spaces, blocks = pool_layout(model, config, self._channel)
+        self.runner = ModelRunner(model, config, blocks, self.spaces)
 
     @property
     def model(self) -> Transformer:
@@ -83,8 +86,8 @@ class Executor:
         return self.runner.model
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks in every rank's KV pool."""
+    def num_blocks(self) -> list[int]:
+        """Blocks in each block space's KV pool (the same on every rank)."""
         return self.runner.num_blocks
 
     def execute(
@@ -113,9 +116,24 @@ class Executor:
 
 
 def follow(model: Transformer, config: EngineConfig, group: TensorParallelGroup) -> None:
-    """A worker rank: size the same pool as every rank, then run rank 0's steps, in its
+    """A worker rank: size the same pools as every rank, then run rank 0's steps, in its
     order, until it stops."""
     channel = StepChannel(group)
-    runner = ModelRunner(model, config, kv_pool_blocks(model, config, channel))
+    spaces, blocks = pool_layout(model, config, channel)
+    runner = ModelRunner(model, config, blocks, spaces)
     while (step := channel.receive()) is not None:
         runner.forward(step)
+
+
+def pool_layout(
+    model: Transformer, config: EngineConfig, channel: StepChannel | None
+) -> tuple[BlockSpaces, list[int]]:
+    """The model's block spaces and each one's blocks (`kv_pool_blocks`). A draft model
+    reads space 0's tables for its own pool, so with one, space 0 keeps whole histories.
+    Under tensor parallelism every rank takes rank 0's word for that (a worker's config has
+    no speculative settings: the draft model is rank 0's)."""
+    drafted = config.speculative is not None and config.speculative.method == "draft"
+    if channel is not None:
+        drafted = bool(channel.rank_0(int(drafted)))
+    spaces = BlockSpaces.of(model.config, whole_space_0=drafted)
+    return spaces, kv_pool_blocks(model, config, spaces, channel)

@@ -1,8 +1,10 @@
-"""Where the engine's K/V live: one preallocated pool of blocks, plain storage.
+"""Where the engine's K/V live: preallocated pools of blocks, plain storage.
 
 Slot `block_id * block_size + i` holds position i of that block; a sequence's block table
 lists its blocks in order (`qinfer.engine.block_manager` hands them out, shared between
-sequences with a common prefix). Reading and writing the pool is the paged attention
+sequences with a common prefix). A pool holds the layers of one block space
+(`qinfer.runtime.block_spaces`: a model with sliding-window and full-attention layers has
+two pools, each with its own blocks). Reading and writing a pool is the paged attention
 backend's (`qinfer.attention.paged`).
 
 A quantized pool (`qinfer.kv_quant`: int8 or fp8) holds one fp32 scale per (layer, head,
@@ -33,7 +35,8 @@ class LayerKV:
 
 
 class KVPool:
-    """K and V of every layer: (num_layers, Hkv, num_slots, D) each, allocated once.
+    """K and V of the layers of one block space: (num_layers, Hkv, num_slots, D) each,
+    allocated once.
 
     Heads outermost: one head's keys of consecutive slots are contiguous, so a history
     lying in consecutive blocks is read as attention reads a contiguous cache, one
@@ -41,9 +44,10 @@ class KVPool:
     step on CPU, the keys read at a stride of Hkv * D).
 
     num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
-    under tensor parallelism, `Parallel.attention_heads`). fmt: the storage, a dtype or a
-    `KVFormat`; a quantized one adds key_scales and value_scales, (num_layers, Hkv,
-    num_slots) fp32 each (None otherwise).
+    under tensor parallelism, `Parallel.attention_heads`). num_layers: the layers it holds
+    (default: every layer of the config). fmt: the storage, a dtype or a `KVFormat`; a
+    quantized one adds key_scales and value_scales, (num_layers, Hkv, num_slots) fp32
+    each (None otherwise).
     """
 
     def __init__(
@@ -54,11 +58,12 @@ class KVPool:
         fmt: torch.dtype | KVFormat,
         device: torch.device,
         num_kv_heads: int | None = None,
+        num_layers: int | None = None,
     ) -> None:
         self.format = fmt if isinstance(fmt, KVFormat) else KVFormat(fmt)
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (
-            config.num_hidden_layers,
+            config.num_hidden_layers if num_layers is None else num_layers,
             num_kv_heads or config.num_key_value_heads,
             num_blocks * block_size,
             config.head_dim,
@@ -87,10 +92,12 @@ class KVPool:
         block_size: int,
         fmt: torch.dtype | KVFormat,
         num_kv_heads: int | None = None,
+        num_layers: int | None = None,
     ) -> int:
-        """Bytes one block takes across all layers, keys and values, their scales included
-        (of num_kv_heads KV heads; default: the config's)."""
+        """Bytes one block takes across num_layers layers (default: all of them), keys and
+        values, their scales included (of num_kv_heads KV heads; default: the config's)."""
         fmt = fmt if isinstance(fmt, KVFormat) else KVFormat(fmt)
         heads = num_kv_heads or config.num_key_value_heads
-        per_token = 2 * config.num_hidden_layers * heads * fmt.element_bytes(config.head_dim)
+        layers = config.num_hidden_layers if num_layers is None else num_layers
+        per_token = 2 * layers * heads * fmt.element_bytes(config.head_dim)
         return per_token * block_size

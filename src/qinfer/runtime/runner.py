@@ -1,7 +1,8 @@
-"""One rank's forward of a scheduled step: the KV pool, its size, and the logits of each row.
+"""One rank's forward of a scheduled step: the KV pools, their sizes, and the logits of each row.
 
 A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
-attending through the paged backend (`qinfer.attention.paged`) over this runner's pool;
+attending through the paged backend (`qinfer.attention.paged`) over this runner's pools
+(one per block space, `qinfer.runtime.block_spaces`);
 logits are computed only at the rows that ask for them: the last token of each sequence
 that samples, the last 1 + k of one that verifies k proposed tokens. The step's tensors
 are written in place into the runner's `StepBuffers`.
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.attention.backend import sdpa_for
-from qinfer.attention.paged import PagedAttention, PagedStep
+from qinfer.attention.paged import PagedAttention, PagedStep, paged_layers
 from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
+from qinfer.runtime.block_spaces import BlockSpaces, first_block, window_space_blocks
 from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.runtime.kv_pool import KVPool
 from qinfer.runtime.step_buffers import StepBuffers
@@ -38,33 +40,75 @@ def kv_heads(model: Transformer) -> int:
 
 
 def kv_pool_blocks(
-    model: Transformer, config: EngineConfig, channel: StepChannel | None = None
-) -> int:
-    """How many blocks the pool gets: num_kv_blocks, else the byte budget divided by a block's
-    size (the budget: kv_cache_memory, or a share of free GPU memory, or the CPU default; a
-    block holds this rank's KV heads, stored as `model.kv_format` says: an int8 pool gets
-    about twice the blocks of a bf16 one). With a channel (tensor parallelism), the fewest any
-    rank can hold, so that every rank allocates the same block ids."""
+    model: Transformer,
+    config: EngineConfig,
+    spaces: BlockSpaces,
+    channel: StepChannel | None = None,
+) -> list[int]:
+    """How many blocks each block space's pool gets (`spaces`).
+
+    One space: num_kv_blocks, else the byte budget divided by a block's size (the budget:
+    kv_cache_memory, or a share of free GPU memory, or the CPU default; a block holds this
+    rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about twice the
+    blocks of a bf16 one). A window space besides space 0 (sliding layers beside
+    full-attention ones): `whole` = num_kv_blocks, or the budget divided by a block of
+    every layer (one space's count); the window space gets what its running sequences can
+    hold at once (`window_space_blocks`, with rank 0's speculative settings), at most
+    `whole` but at least what one sequence holds, and space 0 the rest of the budget (with
+    num_kv_blocks: `whole`). With a channel (tensor parallelism), the fewest any rank can
+    hold, so that every rank allocates the same block ids."""
+    heads = kv_heads(model)
+    per_block = [
+        KVPool.bytes_per_block(
+            model.config, config.block_size, model.kv_format, heads, spaces.num_layers(s)
+        )
+        for s in range(len(spaces.windows))
+    ]
+    budget = None
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_memory
-    if budget is None:
-        if model.device.type == "cuda":
-            budget = _gpu_budget(model, config)
-        else:
-            budget = DEFAULT_CPU_KV_MEMORY
-    per_block = KVPool.bytes_per_block(
-        model.config, config.block_size, model.kv_format, kv_heads(model)
-    )
-    blocks = budget // per_block
+        whole = config.num_kv_blocks
+    else:
+        budget = config.kv_cache_memory
+        if budget is None:
+            if model.device.type == "cuda":
+                budget = _gpu_budget(model, config)
+            else:
+                budget = DEFAULT_CPU_KV_MEMORY
+        whole = budget // sum(per_block)
+    counts = [whole]
+    if len(per_block) == 2:
+        proposed = config.num_speculative_tokens
+        if channel is not None:  # a worker's config has no speculative settings
+            proposed = channel.rank_0(proposed)
+        counts = _split(whole, budget, per_block, spaces.windows[1], config, proposed)
     if channel is not None:
-        blocks = channel.min(blocks)
-    if blocks < 1:
+        counts = [channel.min(count) for count in counts]
+    if min(counts) < 1:
         raise QinferError(
-            f"the KV pool budget of {budget} bytes holds no block ({per_block} bytes each): "
+            f"the KV pool budget of {budget} bytes holds no block ({sum(per_block)} bytes each): "
             "raise kv_cache_memory or gpu_memory_utilization"
         )
-    return blocks
+    return counts
+
+
+def _split(
+    whole: int,
+    budget: int | None,
+    per_block: list[int],
+    window: int,
+    config: EngineConfig,
+    proposed: int,
+) -> list[int]:
+    """[space 0's blocks, the window space's] of `kv_pool_blocks`: the window space's
+    are the most its running sequences hold, at most `whole` but at least one sequence's;
+    space 0 gets `whole` (num_kv_blocks: budget None), or the rest of the budget."""
+    size, step_tokens = config.block_size, config.max_num_batched_tokens
+    most = window_space_blocks(window, size, config.max_num_seqs, step_tokens, proposed)
+    one = window_space_blocks(window, size, 1, step_tokens, proposed)
+    window_blocks = min(most, max(whole, one))
+    if budget is None:
+        return [whole, window_blocks]
+    return [(budget - window_blocks * per_block[1]) // per_block[0], window_blocks]
 
 
 def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
@@ -95,36 +139,65 @@ class StepOutput:
     hidden: list[torch.Tensor | None]
 
 
-def step_inputs(seqs: list[Sequence], num_new: list[int], num_logits: list[int]) -> StepInputs:
+def step_inputs(
+    seqs: list[Sequence],
+    num_new: list[int],
+    num_logits: list[int],
+    spaces: BlockSpaces,
+    block_size: int,
+) -> StepInputs:
     """The step that runs num_new[b] new tokens of each sequence (their blocks already
     allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
     num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
-    leaves more of its prompt for later steps, or a pooling sequence). Token ids are not
-    checked: the engine checked every prompt when it came in, sampled ids come from the
-    logits, and proposed ids from the vocabulary."""
+    leaves more of its prompt for later steps, or a pooling sequence); its tables in each
+    of the model's block spaces, a window space's from the first block the step reads.
+    Token ids are not checked: the engine checked every prompt when it came in, sampled
+    ids come from the logits, and proposed ids from the vocabulary."""
+    tables = [
+        [
+            _read_table(seq.tables[space], seq.num_computed_tokens, window, block_size)
+            for seq in seqs
+        ]
+        for space, window in enumerate(spaces.windows)
+    ]
     return StepInputs(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
-        [seq.block_table for seq in seqs],
+        tables[0],
         list(num_logits),
+        tables[1] if len(tables) > 1 else None,
     )
 
 
-class ModelRunner:
-    """One rank's model over its own KV pool of num_blocks blocks: `forward` runs a step."""
+def _read_table(table: list[int], num_computed: int, window: int | None, size: int) -> list[int]:
+    """The entries of a sequence's table in a space of this window that a step whose
+    queries start at num_computed reads: all of them, or a window's from its first block."""
+    return table if window is None else table[first_block(num_computed, window, size) :]
 
-    def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int) -> None:
+
+class ModelRunner:
+    """One rank's model over its own KV pools, num_blocks[s] blocks in block space s of
+    `spaces`: `forward` runs a step."""
+
+    def __init__(
+        self, model: Transformer, config: EngineConfig, num_blocks: list[int], spaces: BlockSpaces
+    ) -> None:
         self.model = model
         self.block_size = config.block_size
-        self.pool = KVPool(
-            model.config,
-            num_blocks,
-            config.block_size,
-            model.kv_format,
-            model.device,
-            kv_heads(model),
-        )
-        self.windows = [model.config.window(i) for i in range(model.config.num_hidden_layers)]
+        self.spaces = spaces
+        self.pools = [
+            KVPool(
+                model.config,
+                count,
+                config.block_size,
+                model.kv_format,
+                model.device,
+                kv_heads(model),
+                spaces.num_layers(space),
+            )
+            for space, count in enumerate(num_blocks)
+        ]
+        self.layers = paged_layers(self.pools, spaces)
         self.sdpa = sdpa_for(model.features)
         # Every step's inputs, written in place (sized for the scheduler's largest step; a
         # longer one, or a longer block table, grows them).
@@ -134,12 +207,14 @@ class ModelRunner:
             model.device,
             config.max_num_batched_tokens,
             config.max_num_seqs,
-            max_blocks=min(num_blocks, context_blocks),
+            max_blocks=min(num_blocks[0], context_blocks),
+            windows=spaces.windows,
         )
 
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
+    def num_blocks(self) -> list[int]:
+        """Blocks in each block space's pool."""
+        return [pool.num_blocks for pool in self.pools]
 
     def forward(
         self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
@@ -165,18 +240,20 @@ class ModelRunner:
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
-        positions, over this runner's pool; logits at the last num_logits[b] rows of each.
+        positions, over this runner's pools; logits at the last num_logits[b] rows of each.
         Its tensors are views of this runner's `StepBuffers`, rewritten by the next step."""
-        tensors = self.buffers.write(
-            step.new_tokens, step.num_computed, step.block_tables, step.num_logits
-        )
+        tables = step.tables
+        tensors = self.buffers.write(step.new_tokens, step.num_computed, tables, step.num_logits)
         num_new = [len(ids) for ids in step.new_tokens]
         device, size = self.model.device, self.block_size
-        paged = PagedStep(num_new, step.num_computed, step.block_tables, size, device, tensors)
+        paged = [
+            PagedStep(num_new, step.num_computed, space_tables, size, device, tensors, space)
+            for space, space_tables in enumerate(tables)
+        ]
         return ForwardBatch(
             token_ids=tensors.token_ids,
             positions=tensors.positions,
             query_starts=tensors.query_starts,
             logits_indices=tensors.logits_indices,
-            attention=PagedAttention(self.pool, paged, self.windows, self.sdpa),
+            attention=PagedAttention(self.layers, paged, self.sdpa),
         )

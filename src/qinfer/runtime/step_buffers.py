@@ -6,14 +6,18 @@ tensor whose fields sit at fixed offsets and writes each step's numbers into it 
 numpy view of its memory (no tensor is made); on a GPU the flat buffer travels in one
 copy to its twin on the device. The same addresses serve every step, which is what
 capturing a decode step in a CUDA graph needs (a graph reads its inputs where they were
-when it was captured). The fields, capacities Tc tokens, Sc sequences, Wc blocks:
+when it was captured). The fields, capacities Tc tokens, Sc sequences, Wc blocks (per
+block space, `qinfer.runtime.block_spaces`):
 
     token_ids       (Tc,)     the step's new tokens, flat, sequence after sequence
     positions       (Tc,)     each token's position in its sequence
-    slots           (Tc,)     the pool slot each token's K/V is written to
     logits_indices  (Tc,)     the rows whose logits are wanted
     context_lens    (Sc,)     each sequence's history length after the step
-    block_tables    (Sc, Wc)  each sequence's blocks, padded with block 0
+    and per block space:
+    slots           (Tc,)     the slot each token's K/V is written to in the space's pool
+    block_tables    (Sc, Wc)  the blocks each sequence's step reads, padded with block 0
+    key_starts      (Sc,)     a window space's only: the position of each table's first
+                              block (the blocks before it were released)
 
 A step sees views of their first T, R, S rows and W columns (`StepTensors`). A step larger
 than the capacities reallocates the buffers (at most a few times: they double).
@@ -21,31 +25,64 @@ than the capacities reallocates the buffers (at most a few times: they double).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from qinfer.runtime.block_spaces import first_block
+
+
+class SpaceTensors(NamedTuple):
+    """One block space's part of a step (views of `StepBuffers`, on the device).
+
+    slots (T,): where each new token's K/V go in the space's pool; block_tables (S, W) long:
+    the blocks each sequence's step reads, padded with block 0. In a window space each
+    table starts at logical block first_blocks[b] (host ints) and key_starts (S,) holds
+    first_blocks[b] * block_size; in a whole-history space both are None (tables start
+    at block 0)."""
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    first_blocks: list[int] | None
+    key_starts: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class StepTensors:
     """One step's inputs as views of `StepBuffers` (valid until the next `write`).
 
-    token_ids, positions, slots (T,); logits_indices (R,); context_lens (S,); block_tables
-    (S, W) long, on the device; query_starts: S + 1 host ints (sequence s runs tokens
-    query_starts[s]:query_starts[s + 1])."""
+    token_ids, positions (T,); logits_indices (R,); context_lens (S,) long, on the device;
+    query_starts: S + 1 host ints (sequence s runs tokens query_starts[s]:query_starts[s +
+    1]); spaces: each block space's slots and tables (`SpaceTensors`)."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    slots: torch.Tensor
     logits_indices: torch.Tensor
     context_lens: torch.Tensor
-    block_tables: torch.Tensor
     query_starts: list[int]
+    spaces: list[SpaceTensors]
+
+
+class _SpaceBuffers:
+    """One block space's fields of the flat buffer: host (numpy) views to write, device
+    views to read."""
+
+    def __init__(self, host: list[np.ndarray], parts: list[torch.Tensor], seqs: int) -> None:
+        self.slots_host, self.slots = host[0], parts[0]
+        self.tables_host = host[1].reshape(seqs, -1)
+        self.tables = parts[1].view(seqs, -1)
+        self.starts_host = host[2] if len(host) > 2 else None
+        self.starts = parts[2] if len(parts) > 2 else None
 
 
 class StepBuffers:
-    """Reused input tensors for the steps of one runner (see the module's docstring)."""
+    """Reused input tensors for the steps of one runner (see the module's docstring).
+
+    windows: each block space's window (None: whole histories; default one such space)."""
 
     def __init__(
         self,
@@ -54,59 +91,69 @@ class StepBuffers:
         max_tokens: int = 512,
         max_seqs: int = 32,
         max_blocks: int = 64,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
-        self._allocate(max_tokens, max_seqs, max_blocks)
+        self.windows = tuple(windows)
+        self._allocate(max_tokens, max_seqs, (max_blocks,) * len(self.windows))
 
-    def _allocate(self, tokens: int, seqs: int, blocks: int) -> None:
+    def _allocate(self, tokens: int, seqs: int, blocks: tuple[int, ...]) -> None:
         self.capacity = (tokens, seqs, blocks)
-        sizes = [tokens] * 4 + [seqs, seqs * blocks]
+        shared = [tokens] * 3 + [seqs]
+        per_space = [
+            [tokens, seqs * width] + ([] if window is None else [seqs])
+            for window, width in zip(self.windows, blocks, strict=True)
+        ]
+        sizes = shared + list(chain.from_iterable(per_space))
         self._host = torch.zeros(sum(sizes), dtype=torch.long)
         on_host = self.device.type == "cpu"
         self._flat = self._host if on_host else torch.zeros_like(self._host, device=self.device)
         host_np = self._host.numpy()  # shares the tensor's memory: writes land in it
         host_parts = [host_np[s - n : s] for s, n in zip(accumulate(sizes), sizes, strict=True)]
         parts = list(self._flat.split(sizes))
-        self._tokens, self._positions, self._slots, self._logits, self._lens = host_parts[:5]
-        self._tables = host_parts[5].reshape(seqs, blocks)
-        self.token_ids, self.positions, self.slots, self.logits_indices = parts[:4]
-        self.context_lens, self.block_tables = parts[4], parts[5].view(seqs, blocks)
+        self._tokens, self._positions, self._logits, self._lens = host_parts[:4]
+        self.token_ids, self.positions, self.logits_indices, self.context_lens = parts[:4]
+        self._spaces = []
+        first = 4
+        for fields in per_space:
+            last = first + len(fields)
+            self._spaces.append(_SpaceBuffers(host_parts[first:last], parts[first:last], seqs))
+            first = last
 
     def write(
         self,
         new_tokens: list[list[int]],
         num_computed: list[int],
-        block_tables: list[list[int]],
+        block_tables: Sequence[list[list[int]]],
         num_logits: list[int],
     ) -> StepTensors:
         """Write one step (per sequence b: its new token ids, the tokens already in the
-        pool, its block table, how many of its last new tokens produce logits) and return
-        the views that hold it."""
-        size = self.block_size
+        pool, its block table in each space, how many of its last new tokens produce
+        logits) and return the views that hold it. block_tables[s][b]: sequence b's blocks
+        in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
+        step reads no released block)."""
         num_new = [len(ids) for ids in new_tokens]
         starts = [0]
         for n in num_new:
             starts.append(starts[-1] + n)
         T, S = starts[-1], len(new_tokens)
-        W = max(len(table) for table in block_tables)
+        widths = [max(map(len, tables)) for tables in block_tables]
         tokens, seqs, blocks = self.capacity
-        if T > tokens or S > seqs or W > blocks:
-            self._allocate(max(T, 2 * tokens), max(S, 2 * seqs), max(W, 2 * blocks))
+        if T > tokens or S > seqs or any(w > c for w, c in zip(widths, blocks, strict=True)):
+            grown = tuple(max(w, 2 * c) for w, c in zip(widths, blocks, strict=True))
+            self._allocate(max(T, 2 * tokens), max(S, 2 * seqs), grown)
         positions = [
             p
             for computed, n in zip(num_computed, num_new, strict=True)
             for p in range(computed, computed + n)
         ]
-        first = 0
-        for b, (table, n) in enumerate(zip(block_tables, num_new, strict=True)):
-            last = first + n
-            self._slots[first:last] = [
-                table[p // size] * size + p % size for p in positions[first:last]
-            ]
-            self._tables[b, : len(table)] = table
-            self._tables[b, len(table) : W] = 0
-            first = last
+        spaces = [
+            self._write_space(space, window, tables, W, positions, num_new, num_computed)
+            for space, window, tables, W in zip(
+                self._spaces, self.windows, block_tables, widths, strict=True
+            )
+        ]
         wanted = [
             row
             for end, count in zip(starts[1:], num_logits, strict=True)
@@ -122,9 +169,42 @@ class StepBuffers:
         return StepTensors(
             token_ids=self.token_ids[:T],
             positions=self.positions[:T],
-            slots=self.slots[:T],
             logits_indices=self.logits_indices[:R],
             context_lens=self.context_lens[:S],
-            block_tables=self.block_tables[:S, :W],
             query_starts=starts,
+            spaces=spaces,
+        )
+
+    def _write_space(
+        self,
+        space: _SpaceBuffers,
+        window: int | None,
+        tables: list[list[int]],
+        W: int,
+        positions: list[int],
+        num_new: list[int],
+        num_computed: list[int],
+    ) -> SpaceTensors:
+        """One space's slots and tables into its host fields; its views of the step."""
+        size, S = self.block_size, len(tables)
+        firsts = None
+        if window is not None:
+            firsts = [first_block(c, window, size) for c in num_computed]
+            space.starts_host[:S] = [f * size for f in firsts]
+        first = 0
+        for b, (table, n) in enumerate(zip(tables, num_new, strict=True)):
+            last = first + n
+            skip = 0 if firsts is None else firsts[b]  # the logical index of table[0]
+            space.slots_host[first:last] = [
+                table[p // size - skip] * size + p % size for p in positions[first:last]
+            ]
+            space.tables_host[b, : len(table)] = table
+            space.tables_host[b, len(table) : W] = 0
+            first = last
+        T = first
+        return SpaceTensors(
+            slots=space.slots[:T],
+            block_tables=space.tables[:S, :W],
+            first_blocks=firsts,
+            key_starts=None if firsts is None else space.starts[:S],
         )

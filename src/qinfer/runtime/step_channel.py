@@ -3,15 +3,18 @@
 The scheduler, block manager and sampler live on rank 0 only. Every rank must still run
 each forward with the same inputs, in the same order (`qinfer.parallel`), so before each
 forward rank 0 broadcasts what a `StepLayout` is built from, and every worker builds the
-same layout over its own KV pool (same block ids: the pools have the same number of
+same layout over its own KV pools (same block ids: the pools have the same number of
 blocks) and runs the same `Transformer.forward`. Two broadcasts per step, on the group's
 CPU `control` group:
 
-    header  (3,) int64: [S sequences, T new tokens, E block-table entries]; S = 0: stop
-    payload (4 S + T + E,) int64: new-token counts (S) | computed counts (S) |
-            block-table lengths (S) | logits rows (S) | new tokens (T) | tables (E)
+    header  (4,) int64: [S sequences, T new tokens, K block spaces, E block-table
+            entries of every space]; S = 0: stop
+    payload (3 S + K S + T + E,) int64: new-token counts (S) | computed counts (S) |
+            logits rows (S) | block-table lengths, space after space (K S) |
+            new tokens (T) | tables, space after space (E)
 
-A decode step of 32 sequences with 8-block tables is 32 * 13 = 416 numbers (3.3 KB).
+A decode step of 32 sequences with 8-block tables in one space is 32 * 13 = 416 numbers
+(3.3 KB).
 """
 
 from __future__ import annotations
@@ -27,15 +30,50 @@ from qinfer.distributed import TensorParallelGroup
 @dataclass(frozen=True)
 class StepInputs:
     """One engine step: per sequence b, new_tokens[b] (ids to run now), num_computed[b]
-    (tokens already in the pool), block_tables[b], and num_logits[b]: how many of its last
-    new tokens produce logits (0 for a prompt chunk that leaves more for later steps; 1 to
-    sample the next token; 1 + k to verify k proposed tokens; all of them for a prompt's
-    logprobs)."""
+    (tokens already in the pool), block_tables[b] (its blocks in block space 0), and
+    num_logits[b]: how many of its last new tokens produce logits (0 for a prompt chunk
+    that leaves more for later steps; 1 to sample the next token; 1 + k to verify k
+    proposed tokens; all of them for a prompt's logprobs). window_tables[b]: its blocks in
+    space 1, the sliding-window layers' of a model that also has full-attention layers
+    (None for a model of one space). A window space's table starts at the first block the
+    step reads (`block_spaces.first_block`), whichever space it is."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
     block_tables: list[list[int]]
     num_logits: list[int]
+    window_tables: list[list[int]] | None = None
+
+    @property
+    def tables(self) -> list[list[list[int]]]:
+        """Every block space's tables, space after space."""
+        if self.window_tables is None:
+            return [self.block_tables]
+        return [self.block_tables, self.window_tables]
+
+
+def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step as the channel's (header, payload) int64 tensors (the module's docstring)."""
+    tables = step.tables
+    tokens = [t for ids in step.new_tokens for t in ids]
+    entries = [b for space in tables for table in space for b in table]
+    header = torch.tensor([len(step.new_tokens), len(tokens), len(tables), len(entries)])
+    payload = [len(ids) for ids in step.new_tokens] + list(step.num_computed)
+    payload += list(step.num_logits) + [len(table) for space in tables for table in space]
+    return header, torch.tensor(payload + tokens + entries, dtype=torch.long)
+
+
+def unpack(header: list[int], payload: list[int]) -> StepInputs:
+    """The step `pack` made these numbers from (header as ints, payload as ints)."""
+    S, T, K, _ = header
+    lengths, computed, num_logits = payload[:S], payload[S : 2 * S], payload[2 * S : 3 * S]
+    table_lengths = payload[3 * S : 3 * S + K * S]
+    tokens = payload[3 * S + K * S : 3 * S + K * S + T]
+    tables = _split(payload[3 * S + K * S + T :], table_lengths)
+    spaces = [tables[k * S : (k + 1) * S] for k in range(K)]
+    return StepInputs(
+        _split(tokens, lengths), computed, spaces[0], num_logits, spaces[1] if K > 1 else None
+    )
 
 
 class StepChannel:
@@ -46,32 +84,26 @@ class StepChannel:
 
     def send(self, step: StepInputs) -> None:
         """Rank 0: broadcast a step (before running it itself)."""
-        tokens = [t for ids in step.new_tokens for t in ids]
-        tables = [b for table in step.block_tables for b in table]
-        self._broadcast(torch.tensor([len(step.new_tokens), len(tokens), len(tables)]))
-        payload = [len(ids) for ids in step.new_tokens] + list(step.num_computed)
-        payload += [len(table) for table in step.block_tables] + list(step.num_logits)
-        self._broadcast(torch.tensor(payload + tokens + tables, dtype=torch.long))
+        header, payload = pack(step)
+        self._broadcast(header)
+        self._broadcast(payload)
 
     def stop(self) -> None:
         """Rank 0: tell the workers there are no more steps."""
-        self._broadcast(torch.zeros(3, dtype=torch.long))
+        self._broadcast(torch.zeros(4, dtype=torch.long))
 
     def receive(self) -> StepInputs | None:
         """A worker: the next step, or None once rank 0 has stopped."""
-        header = self._broadcast(torch.empty(3, dtype=torch.long))
-        S, T, E = header.tolist()
+        header = self._broadcast(torch.empty(4, dtype=torch.long)).tolist()
+        S, T, K, E = header
         if S == 0:
             return None
-        payload = self._broadcast(torch.empty(4 * S + T + E, dtype=torch.long)).tolist()
-        lengths, computed = payload[:S], payload[S : 2 * S]
-        table_lengths, num_logits = payload[2 * S : 3 * S], payload[3 * S : 4 * S]
-        return StepInputs(
-            _split(payload[4 * S : 4 * S + T], lengths),
-            computed,
-            _split(payload[4 * S + T :], table_lengths),
-            num_logits,
-        )
+        payload = self._broadcast(torch.empty(3 * S + K * S + T + E, dtype=torch.long))
+        return unpack(header, payload.tolist())
+
+    def rank_0(self, value: int) -> int:
+        """Every rank: rank 0's value (a setting only rank 0's config holds)."""
+        return int(self._broadcast(torch.tensor([value], dtype=torch.long)).item())
 
     def min(self, value: int) -> int:
         """Every rank: the smallest of every rank's value (the KV pool size all can hold)."""

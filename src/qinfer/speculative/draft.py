@@ -1,9 +1,13 @@
 """A draft model: a smaller (or more quantized) model that guesses the target's next tokens.
 
-The draft keeps its own KV pool with as many blocks as the target's, and uses each
-sequence's block table as it is: the target's blocks hold the target's K/V at the same
-positions, so no second allocator is needed, and the blocks the scheduler grows for a
-verification already cover the positions the draft writes first.
+The draft keeps its own KV pool with as many blocks as the target's block space 0, and uses
+each sequence's table of that space as it is: the target's blocks hold the target's K/V at
+the same positions, so no second allocator is needed, and the blocks the scheduler grows for
+a verification already cover the positions the draft writes first. Space 0 keeps whole
+histories whenever a draft model drafts (`qinfer.runtime.block_spaces`: the full-attention
+layers' space, or every layer's when all of the target's slide), and the draft keeps all
+its layers in one space: its sliding layers, if any, read whole histories masked to their
+window.
 
 Proposing k tokens for a batch of sequences costs k draft forwards: the first catches each
 sequence up on the tokens its draft cache lacks (the whole prompt the first time, then
@@ -24,6 +28,7 @@ from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
+from qinfer.runtime.block_spaces import BlockSpaces
 from qinfer.runtime.runner import ModelRunner
 from qinfer.runtime.step_channel import StepInputs
 from qinfer.sampling import argmax_rows
@@ -33,7 +38,8 @@ class DraftModel:
     """Greedy proposals from a draft model over the target's block tables.
 
     target: the model it drafts for (vocabulary and device are checked against it);
-    num_blocks, block_size: the target pool's, so that block ids mean the same.
+    num_blocks, block_size: the target's pool of block space 0, so that block ids mean the
+    same.
     """
 
     def __init__(
@@ -50,7 +56,8 @@ class DraftModel:
                 "load the draft on the target's device"
             )
         self.model = draft
-        self.runner = ModelRunner(draft, EngineConfig(block_size=block_size), num_blocks)
+        spaces = BlockSpaces.whole(draft.config)
+        self.runner = ModelRunner(draft, EngineConfig(block_size=block_size), [num_blocks], spaces)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         """ks[b] greedy guesses for each sequence after its last token (its blocks cover

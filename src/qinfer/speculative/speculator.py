@@ -58,8 +58,8 @@ class _Length:
 class Speculator:
     """Proposes tokens for an engine's decoding sequences (`SpeculativeConfig`).
 
-    target: the engine's model; num_blocks, block_size: its KV pool's (a draft model's
-    pool mirrors it). The draft checkpoint, when the config names a path, is loaded here on
+    target: the engine's model; num_blocks, block_size: its KV pool's of block space 0 (a
+    draft model's pool mirrors it). The draft checkpoint, when the config names a path, is loaded here on
     the target's device.
     """
 

@@ -38,7 +38,6 @@ from functools import cached_property
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.kv_cache import position_mask
@@ -165,7 +164,7 @@ class Group:
             if self.key_starts is not None:
                 self.key_starts = self.key_starts[index]
         self._masks: dict[tuple[int | None, bool], torch.Tensor] = {}
-        self._value_rows: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._value_rows: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # A lone sequence whose blocks follow each other in the pool (as a fresh pool hands
         # them out) reads its history as a slice of the pool, without a copy.
         table = block_tables[rows[0]]
@@ -232,9 +231,13 @@ class Group:
             self._masks[window, additive] = allowed
         return self._masks[window, additive]
 
-    def value_rows(self, num_heads: int, num_kv_heads: int, num_slots: int) -> torch.Tensor:
-        """(G * Hq, S): for query head h of each sequence, the row of the values viewed as
-        (Hkv * slots, D) that it reads at each key: (h // (Hq / Hkv)) * slots + slot."""
+    def value_rows(
+        self, num_heads: int, num_kv_heads: int, num_slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bags `_decode`'s embedding_bag reads: (G * Hq * S,) value rows, and the
+        (G * Hq,) offsets where each bag starts. Bag (g, h), for query head h of sequence g,
+        holds the row of the values viewed as (Hkv * slots, D) that h reads at each key:
+        (h // (Hq / Hkv)) * slots + slot."""
         key = (num_heads, num_kv_heads, num_slots)
         if key not in self._value_rows:
             G, W = self.tables.shape
@@ -243,7 +246,8 @@ class Group:
             slots = slots[:, : self.length]  # (G, S)
             kv_head = torch.arange(num_heads, device=slots.device) // (num_heads // num_kv_heads)
             rows = kv_head[None, :, None] * num_slots + slots[:, None, :]  # (G, Hq, S)
-            self._value_rows[key] = rows.view(G * num_heads, -1)
+            starts = torch.arange(0, rows.numel(), self.length, device=rows.device)
+            self._value_rows[key] = rows.reshape(-1), starts
         return self._value_rows[key]
 
 
@@ -368,26 +372,34 @@ def _decode(
     Hkv, num_slots = kv.keys.shape[:2]
     # (G, Hkv, S, D) -> fp32, converted in one copy
     history = group.history(kv.keys).to(torch.float32, memory_format=torch.contiguous_format)
-    queries = q.reshape(G, Hkv, Hq // Hkv, D).float()  # query head h reads KV head h // n_rep
+    # query head h reads KV head h // n_rep; the scale goes on the queries, which hold
+    # fewer values than the scores (the two orders differ by fp32 rounding only)
+    queries = q.reshape(G, Hkv, Hq // Hkv, D).float() * scale
     scores = torch.matmul(queries, history.transpose(-1, -2))  # (G, Hkv, n_rep, S)
-    if kv.key_scales is None:
-        scores = scores * scale
-    else:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, S)
-        scores = scores * (_gathered_scales(group, kv.key_scales)[:, :, None] * scale)
-    weights = torch.softmax(scores + group.score_mask(window), dim=-1)
+    if kv.key_scales is not None:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, S)
+        scores = scores * _gathered_scales(group, kv.key_scales)[:, :, None]
+    if not group.causal_only(window):  # else every key is visible: nothing to mask
+        scores = scores + group.score_mask(window)
+    weights = torch.softmax(scores, dim=-1)
     if kv.value_scales is not None:
         values = group.history(kv.values).to(q.dtype)  # (G, Hkv, S, D)
         weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None]
         out = torch.matmul(weights.to(q.dtype), values)  # (G, Hkv, n_rep, D)
         return out.view(G, 1, Hq, D)
-    # Row (g, h): sum over s of weights[g, h, s] * value row value_rows[g, h, s].
-    out = F.embedding_bag(
-        group.value_rows(Hq, Hkv, num_slots),
+    # Bag (g, h): sum over s of weights[g, h, s] * its value row at s (`value_rows`);
+    # torch.embedding_bag itself, not F.embedding_bag, whose checks and 2-D handling
+    # cost more than the op at decode sizes.
+    rows, starts = group.value_rows(Hq, Hkv, num_slots)
+    out = torch.embedding_bag(
         kv.values.view(-1, D),  # (Hkv * slots, D)
-        per_sample_weights=weights.view(G * Hq, -1).to(kv.values.dtype),
-        mode="sum",
-    )  # (G * Hq, D)
-    return out.view(G, 1, Hq, D).to(q.dtype)
+        rows,
+        starts,
+        False,  # scale_grad_by_freq
+        0,  # mode: sum
+        False,  # sparse
+        weights.view(-1).to(kv.values.dtype),  # per_sample_weights
+    )[0]  # (G * Hq, D)
+    return out.view(G, 1, Hq, D) if out.dtype == q.dtype else out.view(G, 1, Hq, D).to(q.dtype)
 
 
 def _chunk(

@@ -1,20 +1,27 @@
 """Two qinfer source trees against each other, measured at the same moments: a speed gate
 that survives a noisy machine.
 
-    python bench/paired_ab.py BEFORE_SRC AFTER_SRC [--pairs 2] [--rounds 4] [--json]
+    python bench/paired_ab.py BEFORE_SRC AFTER_SRC [--pairs 2] [--rounds 4] [--turns] [--json]
     # e.g. git worktree add --detach ../before 5c3a668
     #      python bench/paired_ab.py ../before/src src
 
 On a shared host the speed of one process drifts by 10-30% between minutes, more than
 the 5% such a gate allows, so measuring "before" and "after" in alternating processes
-cannot resolve it. Here both trees run at the same time, one thread each, each pinned to
-its own core (`os.sched_setaffinity`; the cores swap between pairs), and a file barrier
-starts every timed run in both processes together: a slow moment slows both. Each timed
-run is set against its twin; the report gives, per workload, the after/before ratios and
-their median and geometric mean. The workloads are `bench/llama_cpp_peer.py`'s, smaller:
-prefill of 512 random ids (the model's forward), greedy decode of 48 tokens at batch 1
-(512-token prompt) and batch 8 (128-token prompts), and `LLM.generate` of 32 x 128-token
-prompts x 64 tokens. Needs two cores.
+cannot resolve it. Here both trees are loaded at once, in two processes, and each timed
+run is set against its twin, taken at the same moment or the moment next to it:
+
+- lockstep (default): both run at the same time, one thread each, each pinned to its own
+  core (`os.sched_setaffinity`; the cores swap between pairs), and a file barrier starts
+  every timed run in both together: a slow moment slows both.
+- `--turns`: they take turns on every core, with the default threads, run by run
+  (before, after, before, ...; the first of each pair alternates): the configuration
+  users run, each run a few seconds from its twin. A drift slower than a run cancels.
+
+The report gives, per workload, the after/before ratios and their median and geometric
+mean. The workloads are `bench/llama_cpp_peer.py`'s, smaller: prefill of 512 random ids
+(the model's forward), greedy decode of 48 tokens at batch 1 (512-token prompt) and batch
+8 (128-token prompts), and `LLM.generate` of 32 x 128-token prompts x 64 tokens. Needs two
+cores.
 """
 
 from __future__ import annotations
@@ -33,8 +40,12 @@ from pathlib import Path
 WORKLOADS = ("prefill", "decode_b1", "decode_b8", "engine")
 
 
-def worker(side: str, other: str, barrier_dir: Path, rounds: int) -> dict[str, list[float]]:
-    """One tree's timings (tok/s per timed run), run in lockstep with the `other` side."""
+def worker(
+    side: str, other: str, sync_dir: Path, rounds: int, turns: bool
+) -> dict[str, list[float]]:
+    """One tree's timings (tok/s per timed run), each run taken with its twin in the
+    `other` side's process: at the same moment (lockstep), or just before or after it
+    (`turns`)."""
     import torch
 
     from qinfer import LLM, SamplingParams, load_model
@@ -45,7 +56,8 @@ def worker(side: str, other: str, barrier_dir: Path, rounds: int) -> dict[str, l
     except ImportError:  # trees before the one engine (5c3a668 and older)
         from qinfer.generate import generate_ids
 
-    torch.set_num_threads(1)
+    if not turns:
+        torch.set_num_threads(1)
     model = load_model(resolve_model(None), device="cpu")
     llm = LLM(model)
     rng = random.Random(0)
@@ -57,39 +69,49 @@ def worker(side: str, other: str, barrier_dir: Path, rounds: int) -> dict[str, l
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-    def barrier() -> None:
-        nonlocal count
-        count += 1
-        (barrier_dir / f"{side}_{count}").touch()
-        while not (barrier_dir / f"{other}_{count}").exists():
+    def wait_for(name: str) -> None:
+        while not (sync_dir / name).exists():
             time.sleep(0.002)
 
-    def prefill() -> float:
-        tokens = torch.tensor([ids(512)])
-        barrier()
+    def timed(run, *inputs) -> float:
+        """run(*inputs) -> tok/s, started together with the other side's twin (lockstep),
+        or in turn: "before" runs first in odd pairs, "after" in even ones."""
+        nonlocal count
+        count += 1
+        if not turns:  # a barrier: both sides start now
+            (sync_dir / f"{side}_{count}").touch()
+            wait_for(f"{other}_{count}")
+            return run(*inputs)
+        first = "before" if count % 2 else "after"
+        if side != first:
+            wait_for(f"{other}_{count}")
+        value = run(*inputs)
+        (sync_dir / f"{side}_{count}").touch()
+        if side == first:  # the twin runs now: wait, so that the next run starts clean
+            wait_for(f"{other}_{count}")
+        return value
+
+    def prefill(tokens: torch.Tensor) -> float:
         start = time.perf_counter()
         model(tokens, cache=model.make_cache(1, max_length=512), last_only=True)
         return 512 / (time.perf_counter() - start)
 
     def decode(rows: list[list[int]], n: int) -> float:
-        barrier()
         results = generate_ids(model, rows, greedy(n))
         return len(rows) * (n - 1) / max(r.timings.decode_seconds for r in results)
 
-    def engine() -> float:
-        rows = [ids(128) for _ in range(32)]
-        barrier()
+    def engine(rows: list[list[int]]) -> float:
         start = time.perf_counter()
         llm.generate(rows, greedy(64), use_tqdm=False)
         return 32 * 64 / (time.perf_counter() - start)
 
     runs = {
-        "prefill": prefill,
-        "decode_b1": lambda: decode([ids(512)], 48),
-        "decode_b8": lambda: decode([ids(128) for _ in range(8)], 48),
-        "engine": engine,
+        "prefill": lambda: timed(prefill, torch.tensor([ids(512)])),
+        "decode_b1": lambda: timed(decode, [ids(512)], 48),
+        "decode_b8": lambda: timed(decode, [ids(128) for _ in range(8)], 48),
+        "engine": lambda: timed(engine, [ids(128) for _ in range(32)]),
     }
-    for run in runs.values():  # warm-up, in lockstep too
+    for run in runs.values():  # warm-up, synchronised too
         run()
     out: dict[str, list[float]] = {name: [] for name in WORKLOADS}
     for _ in range(rounds):
@@ -104,35 +126,39 @@ def main() -> None:
     parser.add_argument("after", type=Path, help="the 'after' tree's src folder")
     parser.add_argument("--pairs", type=int, default=2, help="process pairs (cores swap)")
     parser.add_argument("--rounds", type=int, default=4, help="timed runs per workload")
+    parser.add_argument(
+        "--turns", action="store_true", help="take turns on every core instead of lockstep"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        side, other, barrier_dir, out = args.worker
-        timings = worker(side, other, Path(barrier_dir), args.rounds)
+        side, other, sync_dir, out = args.worker
+        timings = worker(side, other, Path(sync_dir), args.rounds, args.turns)
         Path(out).write_text(json.dumps(timings))
         return
     if len(os.sched_getaffinity(0)) < 2:
-        parser.error("needs two cores: the two trees run side by side")
+        parser.error("needs two cores: the two trees run side by side, or take turns on both")
     core_a, core_b = sorted(os.sched_getaffinity(0))[:2]
     ratios: dict[str, list[float]] = {name: [] for name in WORKLOADS}
     for pair in range(args.pairs):
-        cores = (
+        cores = (  # lockstep's
             {"before": core_a, "after": core_b}
             if pair % 2 == 0
             else {"before": core_b, "after": core_a}
         )
-        with tempfile.TemporaryDirectory() as barrier_dir:
+        with tempfile.TemporaryDirectory() as sync_dir:
             procs, outs = [], {}
             for side, other in (("before", "after"), ("after", "before")):
-                outs[side] = Path(barrier_dir) / f"{side}.json"
+                outs[side] = Path(sync_dir) / f"{side}.json"
                 src = getattr(args, side).resolve()
                 env = {**os.environ, "PYTHONPATH": str(src)}
                 command = [sys.executable, __file__, str(args.before), str(args.after)]
                 command += ["--rounds", str(args.rounds), "--worker", side, other]
-                command += [barrier_dir, str(outs[side])]
+                command += [sync_dir, str(outs[side])] + ["--turns"] * args.turns
                 process = subprocess.Popen(command, env=env)
-                os.sched_setaffinity(process.pid, {cores[side]})
+                if not args.turns:
+                    os.sched_setaffinity(process.pid, {cores[side]})
                 procs.append(process)
             if any(process.wait() != 0 for process in procs):
                 sys.exit("a worker failed (see its traceback above)")

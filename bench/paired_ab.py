@@ -38,6 +38,16 @@ import time
 from pathlib import Path
 
 WORKLOADS = ("prefill", "decode_b1", "decode_b8", "engine")
+SIDES = ("before", "after")
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    """min, median and max of a side's tok/s."""
+    return {
+        "min": round(min(values), 1),
+        "median": round(statistics.median(values), 1),
+        "max": round(max(values), 1),
+    }
 
 
 def worker(
@@ -141,6 +151,7 @@ def main() -> None:
         parser.error("needs two cores: the two trees run side by side, or take turns on both")
     core_a, core_b = sorted(os.sched_getaffinity(0))[:2]
     ratios: dict[str, list[float]] = {name: [] for name in WORKLOADS}
+    speeds: dict[str, dict[str, list[float]]] = {side: {n: [] for n in WORKLOADS} for side in SIDES}
     for pair in range(args.pairs):
         cores = (  # lockstep's
             {"before": core_a, "after": core_b}
@@ -149,7 +160,7 @@ def main() -> None:
         )
         with tempfile.TemporaryDirectory() as sync_dir:
             procs, outs = [], {}
-            for side, other in (("before", "after"), ("after", "before")):
+            for side, other in zip(SIDES, reversed(SIDES), strict=True):
                 outs[side] = Path(sync_dir) / f"{side}.json"
                 src = getattr(args, side).resolve()
                 env = {**os.environ, "PYTHONPATH": str(src)}
@@ -162,14 +173,18 @@ def main() -> None:
                 procs.append(process)
             if any(process.wait() != 0 for process in procs):
                 sys.exit("a worker failed (see its traceback above)")
-            before, after = (json.loads(outs[side].read_text()) for side in ("before", "after"))
+            before, after = (json.loads(outs[side].read_text()) for side in SIDES)
         for name in WORKLOADS:
             ratios[name] += [a / b for a, b in zip(after[name], before[name], strict=True)]
+            speeds["before"][name] += before[name]
+            speeds["after"][name] += after[name]
     report = {
         name: {
             "after_over_before": [round(r, 3) for r in values],
             "median": round(statistics.median(values), 3),
             "geomean": round(statistics.geometric_mean(values), 3),
+            # each side's own tok/s: how far the host's noise moved them
+            **{f"{side}_tok_s": _spread(speeds[side][name]) for side in SIDES},
         }
         for name, values in ratios.items()
     }

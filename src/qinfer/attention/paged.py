@@ -398,8 +398,8 @@ def _decode(
         0,  # mode: sum
         False,  # sparse
         weights.view(-1).to(kv.values.dtype),  # per_sample_weights
-    )[0]  # (G * Hq, D)
-    return out.view(G, 1, Hq, D) if out.dtype == q.dtype else out.view(G, 1, Hq, D).to(q.dtype)
+    )[0].view(G, 1, Hq, D)  # in the values' dtype
+    return out if out.dtype == q.dtype else out.to(q.dtype)  # (a no-op `.to` costs a call)
 
 
 def _chunk(

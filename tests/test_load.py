@@ -8,10 +8,6 @@ layers.
 
 from __future__ import annotations
 
-import platform
-import resource
-import sys
-
 import pytest
 import torch
 from checkpoints import build_checkpoint, random_model, random_tokens, tiny_config
@@ -157,25 +153,3 @@ def test_mirrored_submodules_and_buffers_follow_every_change():
     assert torch.equal(new.bias, torch.ones(64))
     del attention.q_norm
     assert not hasattr(attention, "q_norm")
-
-
-@pytest.mark.skipif(
-    not (sys.platform == "linux" and platform.libc_ver()[0] == "glibc"),
-    reason="the malloc settings are glibc's",
-)
-def test_after_load_model_freed_step_temporaries_are_reused_without_page_faults(folder):
-    """An engine step frees its temporaries and allocates them again the next step. After
-    `load_model`, glibc must keep those pages (trim threshold 64 MiB): with its 128 KiB
-    default the heap top went back to the OS each step and was faulted in again
-    (SmolLM2, 32 sequences decoding: 30,112 faults per step)."""
-    qinfer.load_model(folder, dtype="float32", device="cpu")
-
-    def step() -> None:  # six 8 MiB temporaries (under the 32 MiB mmap threshold: heap)
-        temporaries = [torch.ones(2**21) for _ in range(6)]
-        del temporaries
-
-    step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 1200, f"{faults} page faults re-allocating 48 MiB (12,288 pages)"

@@ -103,23 +103,23 @@ def worker(
 
     def prefill(tokens: torch.Tensor) -> float:
         start = time.perf_counter()
-        model(tokens, cache=model.make_cache(1, max_length=512), last_only=True)
-        return 512 / (time.perf_counter() - start)
+        model(tokens, cache=model.make_cache(1, max_length=tokens.shape[1]), last_only=True)
+        return tokens.shape[1] / (time.perf_counter() - start)
 
     def decode(rows: list[list[int]], n: int) -> float:
         results = generate_ids(model, rows, greedy(n))
         return len(rows) * (n - 1) / max(r.timings.decode_seconds for r in results)
 
-    def engine(rows: list[list[int]]) -> float:
+    def engine(rows: list[list[int]], n: int) -> float:
         start = time.perf_counter()
-        llm.generate(rows, greedy(64), use_tqdm=False)
-        return 32 * 64 / (time.perf_counter() - start)
+        llm.generate(rows, greedy(n), use_tqdm=False)
+        return len(rows) * n / (time.perf_counter() - start)
 
     runs = {
         "prefill": lambda: timed(prefill, torch.tensor([ids(512)])),
         "decode_b1": lambda: timed(decode, [ids(512)], 48),
         "decode_b8": lambda: timed(decode, [ids(128) for _ in range(8)], 48),
-        "engine": lambda: timed(engine, [ids(128) for _ in range(32)]),
+        "engine": lambda: timed(engine, [ids(128) for _ in range(32)], 64),
     }
     for run in runs.values():  # warm-up, synchronised too
         run()

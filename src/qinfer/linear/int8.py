@@ -71,7 +71,7 @@ class Int8Linear(QuantizedLinear):
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scales)
+            return torch._weight_int8pack_mm(flat, self.q, self.scales)  # (see Int4Linear)
         return F.linear(flat, self.q.to(flat.dtype)) * self.scales
 
     def _tiles_supported(self) -> bool:

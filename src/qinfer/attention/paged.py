@@ -253,11 +253,13 @@ class Group:
         key = (num_heads, num_kv_heads, num_slots)
         if key not in self._value_rows:
             G, W = self.tables.shape
-            offsets = torch.arange(self.block_size, device=self.tables.device)
-            slots = (self.tables[:, :, None] * self.block_size + offsets).view(G, -1)
-            slots = slots[:, : self.length]  # (G, S)
-            kv_head = torch.arange(num_heads, device=slots.device) // (num_heads // num_kv_heads)
-            rows = kv_head[None, :, None] * num_slots + slots[:, None, :]  # (G, Hq, S)
+            # each block's row of block_size * D values is block_size rows of D
+            blocks = self.block_rows(num_kv_heads, num_slots // self.block_size)
+            offsets = torch.arange(self.block_size, device=blocks.device)
+            rows = (blocks.view(G, num_kv_heads, W, 1) * self.block_size + offsets).view(
+                G, num_kv_heads, -1
+            )[:, :, : self.length]  # (G, Hkv, S)
+            rows = rows.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (G, Hq, S)
             starts = torch.arange(0, rows.numel(), self.length, device=rows.device)
             self._value_rows[key] = rows.reshape(-1), starts
         return self._value_rows[key]

@@ -109,6 +109,21 @@ def test_forward_hooks_fire_on_the_layers_and_the_projections():
     assert all(out.shape == (5, 64) for _, out in seen)  # (T, hidden): the flat tokens
 
 
+def test_a_hook_set_after_the_model_ran_fires_and_the_output_is_unchanged():
+    """Calls skip nn.Module's hook checks until a hook is set on any qinfer module: one set
+    after the model ran (on the fast path) still fires, and nothing else changes."""
+    model = random_model("qwen3", **QWEN3)
+    tokens = random_tokens(1, 5)
+    first = model(tokens)
+    seen = []
+    mlp = dict(model.named_modules())["layers.1.mlp"]
+    handle = mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    again = model(tokens)
+    handle.remove()
+    assert seen == [(5, 64)]
+    assert torch.equal(first, again) and torch.equal(model(tokens), first)
+
+
 def test_a_global_forward_hook_sees_every_module_call():
     """`Module.__call__` skips nn.Module's hook machinery only while no hook is set: a
     global hook (as profilers and debuggers add) still sees each layer's call."""

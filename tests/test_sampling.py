@@ -15,6 +15,7 @@ import transformers
 from qinfer import SamplingParams
 from qinfer.errors import QinferError, SamplingError
 from qinfer.sampling import (
+    ARGMAX_ROWS_PER_THREAD,
     ARGMAX_SLICED_FROM,
     ThinkingBudget,
     apply_min_p,
@@ -26,6 +27,7 @@ from qinfer.sampling import (
     process_logits,
     sample,
     sampling_distribution,
+    sliced_argmax,
 )
 
 VOCAB = 64
@@ -235,7 +237,7 @@ def test_logprobs_are_computed_only_when_a_row_asks():
 
 
 @pytest.mark.parametrize("vocab", [ARGMAX_SLICED_FROM, 49152, 151936, ARGMAX_SLICED_FROM + 1])
-def test_argmax_rows_is_argmax_with_its_ties_and_nans(vocab):
+def test_sliced_argmax_is_argmax_with_its_ties_and_nans(vocab):
     """Sliced argmax == torch's argmax: the first index of the maximum, NaN counted as the
     largest, wherever it falls (the short tail slice included)."""
     generator = torch.Generator().manual_seed(vocab)
@@ -245,7 +247,10 @@ def test_argmax_rows_is_argmax_with_its_ties_and_nans(vocab):
         logits[1, columns[:2]] = float("nan")
         logits[2, -1] = 9.0  # the maximum in the tail
         logits[3, columns[2]] = 9.0
+        assert torch.equal(sliced_argmax(logits), logits.argmax(dim=-1)), trial
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), trial
+    many = torch.randn(ARGMAX_ROWS_PER_THREAD * torch.get_num_threads() + 1, vocab)  # sliced
+    assert torch.equal(argmax_rows(many), many.argmax(dim=-1))
     small = torch.randn(2, 100)  # below ARGMAX_SLICED_FROM: one pass
     assert torch.equal(argmax_rows(small), small.argmax(dim=-1))
 

@@ -278,7 +278,7 @@ class Transformer(Module, Placed):
         mask = "causal" if mask is None else mask
         attention = ReferenceAttention(cache, B, L, mask, sdpa_for(self.features))
         batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only)
-        logits = self.compute_logits(self.forward(batch)[batch.logits_indices])
+        logits = self.compute_logits(batch.logits_rows(self.forward(batch)))
         return logits.view(B, -1, logits.shape[-1])
 
     @torch.inference_mode()

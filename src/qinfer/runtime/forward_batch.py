@@ -6,15 +6,15 @@ of prompt chunks and decode tokens the step holds:
     token_ids       (T,)   long   the ids to run
     positions       (T,)   long   each token's position in its sequence (RoPE)
     query_starts    S + 1  ints   sequence s runs tokens query_starts[s]:query_starts[s + 1]
-    logits_indices  (R,)   long   the rows of the hidden states whose logits are wanted: any
-                                  number per sequence (the last token of each sequence that
-                                  samples; several when verifying proposed tokens; every
-                                  token for prompt logprobs)
+    logits_indices  (R,)   long   the rows of the hidden states whose logits are wanted,
+                                  ascending: any number per sequence (the last token of each
+                                  sequence that samples; several when verifying proposed
+                                  tokens; every token for prompt logprobs)
     attention       the step's `AttentionBackend`: K/V storage and this step's metadata
                     (caches and row shape, or block tables, slots and history lengths)
 
     hidden = model.forward(batch)                                    # (T, hidden)
-    logits = model.compute_logits(hidden[batch.logits_indices])     # (R, vocab) fp32
+    logits = model.compute_logits(batch.logits_rows(hidden))        # (R, vocab) fp32
 
 Nothing reaches the layers but this argument (no global context): data flow one can follow.
 """
@@ -61,3 +61,11 @@ class ForwardBatch:
             logits_indices=logits_indices,
             attention=attention,
         )
+
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (T, hidden) -> its rows at logits_indices (R, hidden): hidden itself when
+        R == T (ascending indices, so every row in order: a decode step), which spares a
+        gather of the whole step."""
+        if self.logits_indices.shape[0] == hidden.shape[0]:
+            return hidden
+        return hidden[self.logits_indices]

@@ -227,7 +227,7 @@ class ModelRunner:
         (the hidden states are whole on every rank)."""
         batch = self.forward_batch(step)
         hidden = self.model.forward(batch)  # (T, hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (R, V)
+        logits = self.model.compute_logits(batch.logits_rows(hidden))  # (R, V)
         pooled: list[torch.Tensor | None] = []
         hidden_rows = hidden_rows or [None] * len(step.new_tokens)
         for start, rows in zip(batch.query_starts[:-1], hidden_rows, strict=True):

@@ -69,7 +69,8 @@ class StepTensors:
 
 class _SpaceBuffers:
     """One block space's fields of the flat buffer: host (numpy) views to write, device
-    views to read."""
+    views to read, and the table rows as last written (a row that has not changed since,
+    as in most decode steps, is not written again)."""
 
     def __init__(self, host: list[np.ndarray], parts: list[torch.Tensor], seqs: int) -> None:
         self.slots_host, self.slots = host[0], parts[0]
@@ -77,6 +78,7 @@ class _SpaceBuffers:
         self.tables = parts[1].view(seqs, -1)
         self.starts_host = host[2] if len(host) > 2 else None
         self.starts = parts[2] if len(parts) > 2 else None
+        self.written: list[tuple[list[int], int]] = []  # per row: (its table, padded to width)
 
 
 class StepBuffers:
@@ -115,6 +117,7 @@ class StepBuffers:
         self._tokens, self._positions, self._logits, self._lens = host_parts[:4]
         self.token_ids, self.positions, self.logits_indices, self.context_lens = parts[:4]
         self._spaces = []
+        self._views_key: tuple | None = None  # the views of the last step's shape
         first = 4
         for fields in per_space:
             last = first + len(fields)
@@ -132,13 +135,18 @@ class StepBuffers:
         pool, its block table in each space, how many of its last new tokens produce
         logits) and return the views that hold it. block_tables[s][b]: sequence b's blocks
         in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
-        step reads no released block)."""
+        step reads no released block).
+
+        A batch-1 decode step takes a few ms, and this runs between two of them with the
+        CPU's caches full of the model's: each numpy write and tensor view costs several
+        times what it costs in a loop of its own. So each field is written in one call,
+        table rows only when they changed, and a step shaped like the previous one (same
+        T, R, S and widths: decode steps) gets the same views back, positions excepted:
+        RoPE keeps the cos/sin of a forward keyed by its positions tensor object."""
         num_new = [len(ids) for ids in new_tokens]
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(num_new, initial=0))
         T, S = starts[-1], len(new_tokens)
-        widths = [max(map(len, tables)) for tables in block_tables]
+        widths = tuple(max(map(len, tables)) for tables in block_tables)
         tokens, seqs, blocks = self.capacity
         if T > tokens or S > seqs or any(w > c for w, c in zip(widths, blocks, strict=True)):
             grown = tuple(max(w, 2 * c) for w, c in zip(widths, blocks, strict=True))
@@ -148,7 +156,7 @@ class StepBuffers:
             for computed, n in zip(num_computed, num_new, strict=True)
             for p in range(computed, computed + n)
         ]
-        spaces = [
+        firsts = [
             self._write_space(space, window, tables, W, positions, num_new, num_computed)
             for space, window, tables, W in zip(
                 self._spaces, self.windows, block_tables, widths, strict=True
@@ -166,13 +174,32 @@ class StepBuffers:
         self._lens[:S] = [c + n for c, n in zip(num_computed, num_new, strict=True)]
         if self._flat is not self._host:  # one host-to-device copy of every field
             self._flat.copy_(self._host)
+        if (T, R, S, widths) != self._views_key:
+            self._views_key = (T, R, S, widths)
+            self._views = (
+                self.token_ids[:T],
+                self.logits_indices[:R],
+                self.context_lens[:S],
+                [
+                    (
+                        space.slots[:T],
+                        space.tables[:S, :W],
+                        None if space.starts is None else space.starts[:S],
+                    )
+                    for space, W in zip(self._spaces, widths, strict=True)
+                ],
+            )
+        token_ids, logits_indices, context_lens, space_views = self._views
         return StepTensors(
-            token_ids=self.token_ids[:T],
+            token_ids=token_ids,
             positions=self.positions[:T],
-            logits_indices=self.logits_indices[:R],
-            context_lens=self.context_lens[:S],
+            logits_indices=logits_indices,
+            context_lens=context_lens,
             query_starts=starts,
-            spaces=spaces,
+            spaces=[
+                SpaceTensors(slots, tables, first, None if first is None else key_starts)
+                for (slots, tables, key_starts), first in zip(space_views, firsts, strict=True)
+            ],
         )
 
     def _write_space(
@@ -184,27 +211,26 @@ class StepBuffers:
         positions: list[int],
         num_new: list[int],
         num_computed: list[int],
-    ) -> SpaceTensors:
-        """One space's slots and tables into its host fields; its views of the step."""
-        size, S = self.block_size, len(tables)
+    ) -> list[int] | None:
+        """One space's slots and tables into its host fields; the logical index of each
+        table's first block in a window space (None in a whole-history one)."""
+        size = self.block_size
         firsts = None
         if window is not None:
             firsts = [first_block(c, window, size) for c in num_computed]
-            space.starts_host[:S] = [f * size for f in firsts]
-        first = 0
+            space.starts_host[: len(tables)] = [f * size for f in firsts]
+        slots, first = [], 0
         for b, (table, n) in enumerate(zip(tables, num_new, strict=True)):
-            last = first + n
             skip = 0 if firsts is None else firsts[b]  # the logical index of table[0]
-            space.slots_host[first:last] = [
-                table[p // size - skip] * size + p % size for p in positions[first:last]
+            slots += [
+                table[p // size - skip] * size + p % size for p in positions[first : first + n]
             ]
-            space.tables_host[b, : len(table)] = table
-            space.tables_host[b, len(table) : W] = 0
-            first = last
-        T = first
-        return SpaceTensors(
-            slots=space.slots[:T],
-            block_tables=space.tables[:S, :W],
-            first_blocks=firsts,
-            key_starts=None if firsts is None else space.starts[:S],
-        )
+            first += n
+            if b == len(space.written):
+                space.written.append(([], 0))
+            written, padded = space.written[b]
+            if written != table or padded < W:  # padded with block 0 to the step's width
+                space.tables_host[b, :W] = table + [0] * (W - len(table))
+                space.written[b] = (list(table), W)
+        space.slots_host[:first] = slots
+        return firsts

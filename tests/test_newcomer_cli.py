@@ -35,11 +35,15 @@ def embedded():
 
 
 class Pipes:
-    """A running `qinfer` with its stdin, stdout and stderr as pipes read without blocking."""
+    """A running `qinfer` with its stdin, stdout and stderr as pipes read without blocking;
+    with sigint_ignored, started as a shell starts a background job (SIGINT ignored)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
+        command = [*QINFER, *args]
+        if sigint_ignored:  # `exec` keeps the pid, so signals reach qinfer itself
+            command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
         self.process = subprocess.Popen(
-            [*QINFER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         self.out, self.err = b"", b""
 
@@ -70,9 +74,10 @@ class Pipes:
 def test_ctrl_c_in_chat_stops_the_reply_and_keeps_what_was_shown_in_the_history(embedded):
     """Turn 1 is stopped once its first words are out; turn 2 must be the reply to the
     conversation holding turn 1 with the stopped reply as it was shown (checked against
-    the Python API, greedy); then two Ctrl-C in a row leave, with status 130."""
+    the Python API, greedy); then two Ctrl-C in a row leave, with status 130. Started with
+    SIGINT ignored, as from a script's background job: chat takes Ctrl-C all the same."""
     path, model, tokenizer = embedded
-    chat = Pipes("chat", "--temperature", "0", "--max-tokens", "40")
+    chat = Pipes("chat", "--temperature", "0", "--max-tokens", "40", sigint_ignored=True)
     chat.send("Write a long story about a dragon.")
     chat.read_until("out", b" ")  # a few words of the reply are out
     chat.process.send_signal(signal.SIGINT)

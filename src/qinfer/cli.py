@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,6 +260,10 @@ def run_chat(args: argparse.Namespace) -> int:
     Ctrl-C in a row (during a reply and then at the prompt, or twice at the prompt)
     leave, with status 130. A turn the model cannot take (the conversation outgrew the
     context) is reported on stderr and left out of the history; the chat goes on."""
+    # Ctrl-C is how a reply is stopped, so chat takes SIGINT even where it came in ignored
+    # (a shell starts background jobs so, and Python then leaves it ignored), as `serve`
+    # takes it through uvicorn.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     path, tokenizer, stream_generate = load_streamer(args)
     if not tokenizer.has_chat_template:
         raise QinferError(f"{path} has no chat template: use `qinfer generate --no-chat`")

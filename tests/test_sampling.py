@@ -15,7 +15,7 @@ import transformers
 from qinfer import SamplingParams
 from qinfer.errors import QinferError, SamplingError
 from qinfer.sampling import (
-    ARGMAX_ROWS_PER_THREAD,
+    ARGMAX_LOGITS_PER_THREAD,
     ARGMAX_SLICED_FROM,
     ThinkingBudget,
     apply_min_p,
@@ -249,7 +249,8 @@ def test_sliced_argmax_is_argmax_with_its_ties_and_nans(vocab):
         logits[3, columns[2]] = 9.0
         assert torch.equal(sliced_argmax(logits), logits.argmax(dim=-1)), trial
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), trial
-    many = torch.randn(ARGMAX_ROWS_PER_THREAD * torch.get_num_threads() + 1, vocab)  # sliced
+    rows = (ARGMAX_LOGITS_PER_THREAD // vocab + 1) * torch.get_num_threads()
+    many = torch.randn(rows, vocab)  # more logits per thread than one argmax pass: sliced
     assert torch.equal(argmax_rows(many), many.argmax(dim=-1))
     small = torch.randn(2, 100)  # below ARGMAX_SLICED_FROM: one pass
     assert torch.equal(argmax_rows(small), small.argmax(dim=-1))

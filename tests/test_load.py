@@ -18,6 +18,7 @@ from checkpoints import build_checkpoint, random_model, random_tokens, tiny_conf
 from gguf_files import smollm2_path
 
 import qinfer
+import qinfer.module
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.layers.attention import Attention
@@ -97,6 +98,16 @@ def test_a_world_size_that_does_not_split_the_model_is_refused_before_any_read(f
         load(model, Unread(folder, torch.float32, "cpu"), Parallel(0, 3))
 
 
+@pytest.fixture
+def hooks_then_fast_calls():
+    """A hook test sets `qinfer.module._hooked` for good (every call then takes
+    nn.Module's path); once its hooked model is gone, the rest of the suite goes back to
+    the calls users run, with no hook set."""
+    yield
+    qinfer.module._hooked = False
+
+
+@pytest.mark.usefixtures("hooks_then_fast_calls")
 def test_forward_hooks_fire_on_the_layers_and_the_projections():
     model = random_model("qwen3", **QWEN3)
     seen = []
@@ -109,11 +120,13 @@ def test_forward_hooks_fire_on_the_layers_and_the_projections():
     assert all(out.shape == (5, 64) for _, out in seen)  # (T, hidden): the flat tokens
 
 
+@pytest.mark.usefixtures("hooks_then_fast_calls")
 def test_a_hook_set_after_the_model_ran_fires_and_the_output_is_unchanged():
     """Calls skip nn.Module's hook checks until a hook is set on any qinfer module: one set
     after the model ran (on the fast path) still fires, and nothing else changes."""
     model = random_model("qwen3", **QWEN3)
     tokens = random_tokens(1, 5)
+    assert not qinfer.module._hooked  # so the first call takes the fast path
     first = model(tokens)
     seen = []
     mlp = dict(model.named_modules())["layers.1.mlp"]

@@ -78,7 +78,8 @@ class _SpaceBuffers:
         self.tables = parts[1].view(seqs, -1)
         self.starts_host = host[2] if len(host) > 2 else None
         self.starts = parts[2] if len(parts) > 2 else None
-        self.written: list[tuple[list[int], int]] = []  # per row: (its table, padded to width)
+        # per row: its table as last written, and the width it was padded to
+        self.written: list[tuple[list[int], int]] = [([], 0)] * seqs
 
 
 class StepBuffers:
@@ -226,8 +227,6 @@ class StepBuffers:
                 table[p // size - skip] * size + p % size for p in positions[first : first + n]
             ]
             first += n
-            if b == len(space.written):
-                space.written.append(([], 0))
             written, padded = space.written[b]
             if written != table or padded < W:  # padded with block 0 to the step's width
                 space.tables_host[b, :W] = table + [0] * (W - len(table))

@@ -30,6 +30,7 @@ from qinfer.linear import (
     quantize_int8,
 )
 from qinfer.linear.choose import choose_paths
+from qinfer.linear.compute import cpu_class
 from qinfer.linear.int4 import _cpu_block_rows
 from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
@@ -257,6 +258,32 @@ def test_the_rule_takes_the_kernel_at_decode_and_tiles_at_prefill_by_what_bf16_c
     assert [layer.chosen for layer in layers] == [
         {"decode": "kernel", "prefill": prefill} for prefill in prefills
     ]
+
+
+AMX_XEON = ["avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "expected"),
+    [
+        (AMX_XEON, {}, "amx"),
+        (AMX_XEON[:-1], {}, "avx512_bf16"),
+        (["avx2", "fma", "avx512f", "avx512_vnni"], {}, "avx512"),
+        (["avx2", "fma"], {}, "avx2"),
+        ([], {}, "default"),
+        (AMX_XEON, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "avx2"),
+        (AMX_XEON, {"ONEDNN_MAX_CPU_ISA": "avx512_core"}, "avx512"),
+        (AMX_XEON, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "avx512_bf16"),
+        (AMX_XEON, {"ONEDNN_MAX_CPU_ISA": "ALL"}, "amx"),
+        (AMX_XEON, {"ATEN_CPU_CAPABILITY": "avx2"}, "avx2"),
+        (AMX_XEON, {"ATEN_CPU_CAPABILITY": "avx512"}, "amx"),
+        (["avx2"], {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "avx2"),  # a cap adds nothing
+    ],
+)
+def test_the_cpu_class_is_the_flags_capped_by_the_emulation_knobs(flags, environ, expected):
+    """What decides bf16 and the prefill paths is a table of flags and ISA caps: the same
+    answer in every process of a machine (a timing at load flipped it on an AMX Xeon)."""
+    assert cpu_class(flags, environ) == expected
 
 
 def test_an_int8_weight_past_the_tiled_size_keeps_its_kernel(monkeypatch):

@@ -106,8 +106,8 @@ def test_half_precision_left_padded_batch_has_no_nan(qwen3_folder, dtype):
 
 
 def test_checkpoint_stored_in_bfloat16_computes_in_the_faster_dtype(qwen3_folder, tmp_path):
-    """bf16 where this CPU's bf16 GEMM is not slower than fp32 (AVX512-BF16, AMX), else fp32
-    (AVX2 only: ~8x slower in bf16); the verdict is measured once per process."""
+    """bf16 where this CPU multiplies bf16 natively (AVX512-BF16, AMX), else fp32 (AVX2
+    only: ~8x slower in bf16); the verdict is the CPU class's, the same in every process."""
     _, reference = qwen3_folder
     copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path)
     model = qinfer.load_model(tmp_path, device="cpu")

@@ -13,7 +13,7 @@ import torch
 from qinfer.bench.linear_paths import format_path_table, path_table
 from qinfer.checkpoint import resolve_model
 from qinfer.errors import QinferError
-from qinfer.linear.compute import bf16_matmul_is_fast, cpu_flags
+from qinfer.linear.compute import bf16_matmul_is_fast, cpu_class, cpu_flags
 from qinfer.model import Transformer, default_device, load_model
 
 
@@ -43,6 +43,7 @@ def describe_setup(model: Transformer) -> dict:
     }
     if model.device.type == "cpu":
         setup["cpu_flags"] = cpu_flags()
+        setup["cpu_class"] = cpu_class()
         setup["bf16_matmul_is_fast"] = bf16_matmul_is_fast(model.device)
         setup["linear_paths"] = path_table(model)
     return setup
@@ -54,7 +55,8 @@ def format_setup(report: dict) -> str:
     line = f"{report['dtype']} on {report['device']}, {report['threads']} threads; linear: {kinds}"
     if "cpu_flags" in report:
         fast = "fast" if report["bf16_matmul_is_fast"] else "slow"
-        line += f"\nCPU flags: {' '.join(report['cpu_flags']) or '-'} (bf16 GEMM measured {fast})"
+        flags = " ".join(report["cpu_flags"]) or "-"
+        line += f"\nCPU flags: {flags}; class {report['cpu_class']} (bf16 GEMM {fast})"
     if report.get("linear_paths"):
         line += "\nquantized linear paths (kind, out x in [x group], bucket (rows timed)):\n"
         line += format_path_table(report["linear_paths"])

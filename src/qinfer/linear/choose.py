@@ -1,14 +1,14 @@
 """Which path (`qinfer.linear.paths`) each quantized Linear takes, per row bucket: a rule
-from what the process measures once anyway, not a timing per shape.
+from what the machine is (`compute.cpu_class`), never a timing.
 
 The rule (`rule_paths`), for quantized Linears on CPU:
 
 - decode bucket (up to `DECODE_MAX_ROWS` rows): the kernel, always. A tile path
   dequantizes the whole weight for a row or a few: measured 10-30x slower than the kernel
   at 1 row, on AVX512-BF16 and on emulated AVX2.
-- prefill bucket: `fp32_tiles` where the CPU's bf16 GEMM is slow
-  (`compute.bf16_matmul_is_fast`: a 64 x 1024 GEMM in each dtype, timed in turns once per process;
-  AVX2-class CPUs), the kernel elsewhere. Under emulated AVX2 at 128 rows fp32 tiles took
+- prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
+  (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
+  elsewhere. Under emulated AVX2 at 128 rows fp32 tiles took
   1.6 ms against the kernel's 9.3 for a 576 x 576 weight, 15.2 against 23.3 for
   3072 x 576; on AVX512-BF16 timing kept the int4 kernel. int8 rows there take
   `bf16_tiles` (up to `INT8_TILED_MAX` elements): the int8 kernel does not block like a

@@ -1,4 +1,5 @@
-"""Which dtype the activations use, chosen from what the running device does, measured.
+"""Which dtype the activations use, chosen by a table of what the running CPU is, never by a
+timing.
 
 CPUs differ: with AVX512-BF16 (or AMX) a bf16 GEMM runs at several times the fp32 rate;
 on AVX2-only CPUs it runs ~8x slower than fp32. The int8/int4 weight-only kernels are fast
@@ -6,20 +7,57 @@ only with bf16 activations on both (30-100x slower with fp32 ones). So:
 
 - quantized weights compute in bf16;
 - dense weights keep the checkpoint's dtype, except that a bf16/fp16 checkpoint computes
-  in fp32 on a CPU whose bf16 GEMM measures slower than its fp32 GEMM (fp16 becomes bf16
-  on a CPU where bf16 is fast: CPU fp16 matmuls are slow).
+  in fp32 on a CPU without native bf16 dot products (fp16 becomes bf16 on a CPU with them:
+  CPU fp16 matmuls are slow).
+
+Whether bf16 is fast (`bf16_matmul_is_fast`) is read from the CPU's flags and the ISA the
+libraries are allowed to use (`cpu_class`), so every process on a machine decides alike.
+It used to be a GEMM timed at each load: on an AMX Xeon it answered "slow" in 2 loads of 3,
+and the prefill path, and with it the rounding and the first greedy token, followed it.
 """
 
 from __future__ import annotations
 
 import functools
-import time
+import os
 from pathlib import Path
 
 import torch
 
 #: The CPU features that decide which kernels are fast, as /proc/cpuinfo names them.
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "avx_vnni",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+)
+
+#: CPU classes from least to most capable, as far as bf16 GEMMs go: what oneDNN (torch's
+#: bf16 GEMM) may use. "avx512_bf16" and "amx" multiply bf16 natively.
+CPU_CLASSES = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+#: oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA, the emulation knob) -> the class they leave.
+_ONEDNN_CAPS = {
+    "SSE41": "default",
+    "AVX": "default",
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2",
+    "AVX2_VNNI_2": "avx2",
+    "AVX512_CORE": "avx512",
+    "AVX512_CORE_VNNI": "avx512",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX10_1_512": "avx512_bf16",
+    "AVX512_CORE_FP16": "avx512_bf16",
+    "AVX10_1_512_AMX": "amx",
+    "AVX512_CORE_AMX": "amx",
+    "AVX10_1_512_AMX_FP16": "amx",
+    "AVX512_CORE_AMX_FP16": "amx",
+    "AVX10_2_512": "avx512_bf16",
+    "AVX10_2_512_AMX_2": "amx",
+}
 
 
 def cpu_flags() -> list[str]:
@@ -33,36 +71,47 @@ def cpu_flags() -> list[str]:
     return [flag for flag in CPU_FLAGS if flag in have]
 
 
+def cpu_class(flags: list[str] | None = None, environ: dict[str, str] | None = None) -> str:
+    """This CPU's class (`CPU_CLASSES`) from its flags, capped where the environment caps
+    the ISA torch's libraries use: ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) for oneDNN's
+    GEMMs, ATEN_CPU_CAPABILITY for torch's own kernels (the int4/int8 ones among them)."""
+    flags = cpu_flags() if flags is None else flags
+    environ = os.environ if environ is None else environ
+    if "amx_bf16" in flags:
+        found = "amx"
+    elif "avx512_bf16" in flags:
+        found = "avx512_bf16"
+    elif "avx512f" in flags:
+        found = "avx512"
+    elif "avx2" in flags:
+        found = "avx2"
+    else:
+        found = "default"
+    caps = [found]
+    isa = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA")
+    if isa and isa.upper() != "ALL":
+        caps.append(_ONEDNN_CAPS.get(isa.upper(), "default"))
+    aten = environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if aten in ("default", "avx2"):  # torch's kernels at that width; "avx512" leaves them
+        caps.append(aten)
+    return min(caps, key=CPU_CLASSES.index)
+
+
 @functools.cache
 def bf16_matmul_is_fast(device: torch.device) -> bool:
-    """Whether a bf16 GEMM on `device` is at least as fast as an fp32 one (measured once)."""
+    """Whether a bf16 GEMM on `device` runs at least at fp32's rate: on CPU, whether its
+    class multiplies bf16 natively (`cpu_class`: AVX512-BF16 or AMX). A table, not a timing.
+
+    Measured (64 x 1024 by 1024 x 1024, 2 threads, best of 15, ms, bf16 vs fp32): AMX Xeon
+    0.155 vs 0.563; the same capped to AVX512_CORE_BF16 0.67 vs 0.46 (on an AMD EPYC with
+    AVX512-BF16, bf16 measured ~400 GFLOP/s against ~140 for fp32, so the class keeps bf16),
+    to AVX512_CORE 1.98 vs 0.47, to AVX2 128 vs 0.46.
+    """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
-
-    # a prefill-like shape, ~1 ms in fp32; the first call of each selects and packs
-    operands = {
-        dtype: (torch.randn(64, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype))
-        for dtype in (torch.bfloat16, torch.float32)
-    }
-    best = dict.fromkeys(operands, float("inf"))
-    for a, b in operands.values():
-        torch.matmul(a, b)
-    # The fastest of several runs, the two dtypes taking turns: other processes only ever
-    # slow a run down, and a busy spell then slows both alike. Measured 4x apart one way
-    # (AVX512-BF16) or 8x the other (AVX2); timed back to back (7 runs of one, then 7 of
-    # the other) while another process ran GEMMs on both cores, 1 load in 12 took
-    # AVX512-BF16's bf16 for slow, and with it the fp32 prefill path (half the speed).
-    for rounds in range(1, 16):
-        for dtype, (a, b) in operands.items():
-            start = time.perf_counter()
-            torch.matmul(a, b)
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-        ratio = best[torch.bfloat16] / best[torch.float32]
-        if rounds >= 5 and (ratio < 0.5 or ratio > 2):  # the wide margin is showing
-            break
-    return best[torch.bfloat16] <= best[torch.float32]
+    return cpu_class() in ("avx512_bf16", "amx")
 
 
 def compute_dtype(stored: torch.dtype, device: torch.device, quantized: bool) -> torch.dtype:

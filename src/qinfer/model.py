@@ -39,7 +39,7 @@ from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm, rms_norm
-from qinfer.linear import Linear, linear
+from qinfer.linear import Linear
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
@@ -53,6 +53,10 @@ from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 class Block(Module):
     """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
+
+    The residual stream is fp32 whatever the compute dtype: the norms before attention and
+    the MLP read it and write the compute dtype their matmuls take, and the outputs are
+    added to it in fp32 (`set_dtype`), as llama.cpp keeps its activations.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
     With `config.wiring.sandwich_norms` (Gemma) the outputs of attention and MLP are normed too,
@@ -80,8 +84,16 @@ class Block(Module):
             self.mlp_norm = norm("post_attention_layernorm")
         self.mlp = SparseMoE(prefix, config) if config.sparse(layer) else MLP(prefix, config)
 
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in `dtype`: the pre-norms write it; the sandwich norms, whose outputs
+        join the residual stream, write fp32."""
+        self.attention_norm.out_dtype = self.mlp_norm.out_dtype = dtype
+        for norm in (self.attention_output_norm, self.mlp_output_norm):
+            if norm is not None:
+                norm.out_dtype = torch.float32
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden): the flat tokens of `batch`."""
+        """x (T, hidden) fp32 -> (T, hidden) fp32: the flat tokens of `batch`."""
         attended = self.self_attn(self.attention_norm(x), batch.positions, batch.attention)
         x = x + _normed(self.attention_output_norm, attended)
         return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
@@ -171,11 +183,14 @@ class Transformer(Module, Placed):
                     config.moe.shared_expert_intermediate_size, "shared expert FFN channels"
                 )
         self.parallel, self.dtype, self.device = parallel, dtype, device
-        # Gemma scales the embeddings by sqrt(hidden) in their own dtype, as transformers does
-        # (in bf16, sqrt(640) = 25.3 rounds to 25.25).
+        for block in self.layers:
+            block.set_dtype(dtype)
+        self.norm.out_dtype = torch.float32  # the head takes fp32 (`Linear.logits`)
+        # Gemma scales the embeddings by sqrt(hidden), in the fp32 residual stream (where
+        # transformers scales in the compute dtype: in bf16, sqrt(640) = 25.3 is 25.25).
         scale = config.wiring.embedding_scale
         self.embedding_scale = (
-            None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
+            None if scale is None else torch.tensor(scale, dtype=torch.float32, device=device)
         )
 
     def linears(self) -> dict[str, Linear | GroupedLinear]:
@@ -283,8 +298,8 @@ class Transformer(Module, Placed):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward of a `ForwardBatch` -> the final residual stream (T, hidden), before
-        the final norm (`compute_logits` applies it to the rows it is given). No checks and
+        """One forward of a `ForwardBatch` -> the final residual stream (T, hidden) fp32,
+        before the final norm (`compute_logits` applies it to the rows it is given). No checks and
         no host syncs: the batch's builder checked the ids and positions."""
         h = self.embed(batch.token_ids)  # (T, hidden)
         for layer in self.layers:
@@ -292,14 +307,18 @@ class Transformer(Module, Placed):
         return h
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (any shape P) -> the residual stream's input (*P, hidden)."""
-        h = self.embed_tokens.rows(tokens)
+        """tokens (any shape P) -> the residual stream's input (*P, hidden), fp32."""
+        h = self.embed_tokens.rows(tokens).float()
         return h if self.embedding_scale is None else h * self.embedding_scale
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """A residual (*P, hidden) -> fp32 logits (*P, vocab): final norm, lm_head and the
-        config's softcap (also the logit lens of an inner layer's residual)."""
-        logits = linear(self.norm(h), self.lm_head).float()
+        config's softcap (also the logit lens of an inner layer's residual). The head
+        multiplies in the compute dtype; the highest logits of each row are fp32's
+        (`qinfer.linear.logits`)."""
+        normed = self.norm(h)  # (*P, hidden) fp32
+        logits = self.lm_head.logits(normed.view(-1, normed.shape[-1]), self.dtype)
+        logits = logits.view(*normed.shape[:-1], -1)
         cap = self.config.wiring.final_logit_softcapping
         if cap is not None:  # squashed smoothly into (-cap, cap)
             logits = torch.tanh(logits / cap) * cap

@@ -1,4 +1,8 @@
-"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, with the variance taken in fp32."""
+"""RMSNorm: x / sqrt(mean(x^2) + eps) * weight, with the variance taken in fp32.
+
+A block's norms read the fp32 residual stream and write the dtype its matmuls take
+(`out_dtype`): the statistics and the scaling in fp32, rounded once on the way out.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ class RMSNorm(Module, TensorSlot):
     cast first, then scale: the order of transformers' Llama/Qwen norms).
     source: the checkpoint tensor that holds the weight, for a norm built empty
     (`rms_norm`) and filled by `qinfer.weights.load`.
+    out_dtype: the dtype it writes (None: its input's). The model sets it: the compute dtype
+    for the norms before a matmul, fp32 for those whose output joins the residual stream.
     """
 
     def __init__(
@@ -30,6 +36,7 @@ class RMSNorm(Module, TensorSlot):
     ) -> None:
         super().__init__()
         self.shape, self.eps, self.source = (dims,), eps, source
+        self.out_dtype: torch.dtype | None = None
         self.scale_in_fp32 = offset != 0.0
         self.offset = offset
         self.initial = 1.0 - offset  # a fresh model's scale is 1
@@ -53,9 +60,10 @@ class RMSNorm(Module, TensorSlot):
         # fp16/bf16 squares overflow or lose precision: compute the statistics in fp32.
         # F.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one call.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.scale_in_fp32:
-            return (normed * weight).to(x.dtype)
-        return weight * normed.to(x.dtype)
+        out = self.out_dtype or x.dtype
+        if self.scale_in_fp32 or x.dtype == torch.float32:  # scaled in fp32, rounded once
+            return (normed * weight).to(out)
+        return weight * normed.to(x.dtype)  # half inputs (QK-norm): transformers' order
 
 
 def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from qinfer.errors import WeightsError
+from qinfer.linear.logits import fp32_logits
 from qinfer.module import Module
 
 
@@ -40,8 +41,18 @@ class Linear(Module, ABC):
         """Bytes of weight (and scales, and bias) a forward reads."""
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of W at `ids` (...,) -> (..., in_features): an embedding lookup."""
+        """Rows of W at `ids` (...,) -> (..., in_features): an embedding lookup, each row
+        as `dequantize` holds it (exact in fp32)."""
         raise WeightsError(f"{type(self).__name__} weights cannot serve embedding lookups")
+
+    def has_rows(self) -> bool:
+        """Whether `rows` works for this weight where it lives."""
+        return False
+
+    def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The lm_head's call: x (R, in_features) fp32 -> fp32 logits (R, out_features),
+        the weight multiplied in the compute `dtype` (`qinfer.linear.logits`)."""
+        return fp32_logits(self, x, dtype)
 
     def _bias_nbytes(self) -> int:
         return 0 if self.bias is None else self.bias.nbytes

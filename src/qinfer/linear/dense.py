@@ -26,6 +26,9 @@ class DenseLinear(Linear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+    def has_rows(self) -> bool:
+        return True
+
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self._bias_nbytes()

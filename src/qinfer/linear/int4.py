@@ -150,6 +150,21 @@ class Int4Linear(QuantizedLinear):
             w = scratch(k * rows, dtype, w.device).view(k, rows).copy_(w)
         return w.T[: stop - start]
 
+    def has_rows(self) -> bool:
+        return self._tiles_supported()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(..., K) fp32: rows `ids` read out of the CPU packed layout, (q - 8) * scale +
+        zero in fp32 as `_dequantize_rows` computes them."""
+        if not self.has_rows():
+            return super().rows(ids)
+        flat = ids.reshape(-1)
+        k = torch.arange(self.in_features, device=flat.device)
+        q = _gather_cpu(self.packed, flat, k, _cpu_block_rows()).float()  # (R, K)
+        sz = self.scales_and_zeros[k // self.group_size][:, flat].float()  # (K, R, 2)
+        w = (q - 8) * sz[..., 0].T + sz[..., 1].T
+        return w.view(*ids.shape, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """Run the kernel on the identity: (K, K) @ W^T gives W^T, as the kernel computes it."""
         dtype, device = self.scales_and_zeros.dtype, self.packed.device
@@ -188,6 +203,24 @@ def _reads_back(q: torch.Tensor, block: int, start: int) -> bool:
     out = torch.empty(q.shape[1], len(q) - start)
     _unpack_cpu(packed, start, len(q), block, out)
     return torch.equal(out.T, q[start:].float())
+
+
+def _gather_cpu(
+    packed: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, block: int
+) -> torch.Tensor:
+    """q (R, K) 0..15 of rows `ids` (R,) of the CPU packed layout, at columns `k` (K,):
+    `_unpack_cpu`'s layout read one nibble at a time."""
+    rows, half = packed.shape
+    full = rows // block * block  # rows in whole blocks; the tail stores row pairs
+    in_block = ids % block
+    tail = ids >= full
+    # the byte of (row, column 0), and the bytes between two columns of one row
+    base = torch.where(tail, full * half + (ids - full) // 2, ids // block * block * half)
+    base = base + torch.where(tail, 0, in_block % (block // 2))
+    stride = torch.where(tail, (rows - full) // 2, block // 2)
+    high = torch.where(tail, (ids - full) % 2 == 1, in_block >= block // 2)
+    data = packed.view(-1)[base[:, None] + stride[:, None] * k]  # (R, K)
+    return torch.where(high[:, None], data >> 4, data & 15)
 
 
 def _unpack_cpu(packed: torch.Tensor, start: int, stop: int, block: int, out: torch.Tensor) -> None:

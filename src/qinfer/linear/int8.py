@@ -88,8 +88,12 @@ class Int8Linear(QuantizedLinear):
         return self.q.float() * self.scales.float()[:, None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        q = F.embedding(ids, self.q).to(self.scales.dtype)  # (..., K)
-        return q * F.embedding(ids, self.scales[:, None])  # (..., 1) scale per row
+        """(..., K) fp32, each q * scale exact (8 by 8 significant bits) as `dequantize`."""
+        q = F.embedding(ids, self.q).float()  # (..., K)
+        return q * F.embedding(ids, self.scales[:, None]).float()  # (..., 1) scale per row
+
+    def has_rows(self) -> bool:
+        return True
 
     @property
     def nbytes(self) -> int:

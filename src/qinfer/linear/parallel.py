@@ -66,7 +66,14 @@ class VocabParallelLinear(Linear):
         self.share = -(-vocab_size // parallel.world_size)  # ceil(V / N) rows per rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.local(x)  # (..., len(vocab)): this rank's ids
+        return self._gathered(self.local(x))
+
+    def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's fp32 logits (`Linear.logits`), all-gathered as `forward`'s."""
+        return self._gathered(self.local.logits(x, dtype))
+
+    def _gathered(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., len(vocab)), this rank's ids -> (..., V), every rank's."""
         padding = self.share - self.local.out_features
         if padding:
             logits = F.pad(logits, (0, padding))  # (..., ceil(V / N))

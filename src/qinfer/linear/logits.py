@@ -1,0 +1,41 @@
+"""fp32 logits from a head that multiplies in a narrower dtype.
+
+The kernels that make bf16 decoding fast (int4/int8 weight-only, bf16 GEMMs) write bf16:
+logits near 25 are then 0.125 apart, and near ties, which decide greedy text, are settled
+by rounding (SmolLM2's first answer token: fp32 "The" 25.325 and "L" 25.243 came out of
+the bf16 head both as 25.5). No fast CPU kernel of torch multiplies bf16 or int weights into
+fp32 (fp32 activations make the int kernels 10-30x slower), so `fp32_logits` runs the
+kernel for every logit and then recomputes the `EXACT_TOP` highest of each row exactly:
+the fp32 input against the weight's rows as `dequantize` holds them, summed in fp64 and
+rounded to fp32. The greedy pick, the top logprobs and what a sampler keeps at any usual
+temperature, top-k or top-p are fp32's; the rest keep the kernel's precision.
+
+Every step is one row's own (top-k, gather, a dot product per logit), so a row's logits do
+not depend on the other rows of its batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from qinfer.linear.base import Linear
+
+#: Logits of each row recomputed exactly: far more than bf16's rounding (at most 1/256 of
+#: a logit) can reorder at the top.
+EXACT_TOP = 16
+
+
+def fp32_logits(head: Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (R, K) fp32 -> (R, N) fp32 logits of `head` (R rows of the final norm's output):
+    the kernel in `dtype`, then each row's EXACT_TOP highest recomputed from x and the
+    weight's rows (where the head can read its rows; else the kernel's values)."""
+    logits = head(x.to(dtype)).float()  # (R, N)
+    if dtype == torch.float32 or not head.has_rows():
+        return logits
+    top = logits.topk(min(EXACT_TOP, logits.shape[-1]), dim=-1).indices  # (R, k)
+    rows = head.rows(top).double()  # (R, k, K)
+    exact = torch.bmm(rows, x.double()[..., None]).squeeze(-1)  # (R, k)
+    return logits.scatter_(-1, top, exact.float())

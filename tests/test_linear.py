@@ -23,6 +23,7 @@ from qinfer.linear import (
     DenseLinear,
     Int4Linear,
     Int8Linear,
+    Linear,
     choose,
     make_linear,
     paths,
@@ -351,3 +352,48 @@ def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
     ]
     assert all(list(r["ms"]) == list(paths.PATHS) for r in table)
     assert all(0 < ms < 1e3 for r in table for ms in r["ms"].values())
+
+
+def head_kinds() -> dict[str, Linear]:
+    """A 1000-row bf16 head of each kind (the int4 one ends in its layout's 40-row tail)."""
+    heads = {kind: quantized(kind, 1000, torch.bfloat16) for kind in ("int8", "int4/32")}
+    heads["dense"] = DenseLinear(weight(1000, 256).bfloat16())
+    for head in heads.values():
+        head.bias = None
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4/32"])
+def test_a_bf16_head_gives_each_row_its_top_logits_as_fp32_computes_them(kind):
+    """The kernel rounds logits to bf16 (0.125 apart near 25); the 16 highest of each row
+    are recomputed from the fp32 input and the exact weight: fp64 sums rounded to fp32."""
+    head = head_kinds()[kind]
+    x = torch.randn(5, 256) * 3
+    got = head.logits(x, torch.bfloat16)
+    weight = head.rows(torch.arange(1000)).double()  # as stored, exact in fp32
+    exact = (x.double() @ weight.T).float()  # (5, 1000)
+    top = exact.topk(8, dim=-1).indices
+    assert torch.equal(got.gather(1, top), exact.gather(1, top))
+    torch.testing.assert_close(got, exact, atol=0.5, rtol=1 / 128)  # the rest: bf16's
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4/32"])
+def test_a_quantized_head_gives_a_row_the_same_logits_in_any_batch(kind):
+    head = head_kinds()[kind]
+    x = torch.randn(40, 256)
+    alone = torch.cat([head.logits(x[i : i + 1], torch.bfloat16) for i in range(len(x))])
+    for rows in (1, 5, 17, 40):
+        assert torch.equal(head.logits(x[:rows], torch.bfloat16), alone[:rows])
+
+
+@pytest.mark.parametrize("out", [48, 64, 200, 1000])
+def test_int4_rows_read_the_packed_layout_as_the_kernel_multiplies(out):
+    """Rows of whole 64-row blocks and of the short last block (16 or 48 rows of pairs),
+    in any order: (q - 8) * scale + zero with the stored (bf16) scales and zeros."""
+    groups = quantize_int4(weight(out, 128), 32)
+    layer = Int4Linear(groups, None, torch.bfloat16)
+    ids = torch.randperm(out)
+    scales = groups.scales.bfloat16().float().repeat_interleave(32, dim=1)
+    zeros = groups.zeros.bfloat16().float().repeat_interleave(32, dim=1)
+    expected = ((groups.q.float() - 8) * scales + zeros)[ids]
+    assert torch.equal(layer.rows(ids.view(2, -1)).view(out, -1), expected)

@@ -61,7 +61,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=None,
-        help="compute dtype: float32, bfloat16 or float16 (default: measured for this device; "
+        help="compute dtype: float32, bfloat16 or float16 (default: chosen by this device's CPU class; "
         "float32 dequantizes a GGUF file, the exact reference)",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: best)")

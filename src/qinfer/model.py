@@ -318,7 +318,7 @@ class Transformer(Module, Placed):
         (`qinfer.linear.logits`)."""
         normed = self.norm(h)  # (*P, hidden) fp32
         logits = self.lm_head.logits(normed.view(-1, normed.shape[-1]), self.dtype)
-        logits = logits.view(*normed.shape[:-1], -1)
+        logits = logits.view(*normed.shape[:-1], logits.shape[-1])
         cap = self.config.wiring.final_logit_softcapping
         if cap is not None:  # squashed smoothly into (-cap, cap)
             logits = torch.tanh(logits / cap) * cap

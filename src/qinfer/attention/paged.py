@@ -10,8 +10,11 @@ their own histories:
 - decode (one new token each): the keys are copied as whole blocks (one row of
   block_size * D values per block and head, not one per token), scores and softmax are fp32
   as in every attention path, and the weighted sum of the values is one `embedding_bag`
-  that reads each value row where it sits in the pool: the values are never copied (a
-  lone sequence over a short history takes the fused sdpa instead: `_fused_decode`);
+  that reads each value row where it sits in the pool: the values are never copied. A
+  sequence decodes this way alone and in any group: padding a group's histories to its
+  longest adds keys of weight exactly 0, so a row's attention is the same whatever else
+  runs beside it (a lone sequence used to take torch's fused sdpa, whose other reduction
+  order made its tokens differ from the same sequence's in a batch);
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
   step's sdpa.
 
@@ -49,8 +52,6 @@ from qinfer.runtime.step_buffers import SpaceTensors, StepBuffers, StepTensors
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
 SPLIT_KEYS = 1024
-#: The longest history a lone decoding sequence attends through sdpa (`_fused_decode`).
-FUSED_DECODE_MAX_KEYS = 1024
 
 
 class PagedStep:
@@ -318,23 +319,10 @@ class PagedAttention:
         self, q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
     ) -> torch.Tensor:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
-        place (`_decode`), except a lone sequence's over a short whole history, and chunks go
-        through sdpa on copied histories."""
-        if group.num_new == 1 and not _fused_decode(group, window):
+        place (`_decode`), chunks go through sdpa on copied histories."""
+        if group.num_new == 1:
             return _decode(q, kv, group, window, scale)
         return _chunk(q, kv, group, window, scale, self.sdpa)
-
-
-def _fused_decode(group: Group, window: int | None) -> bool:
-    """Whether a decode group takes sdpa (`_chunk`) rather than `_decode`: one sequence whose
-    keys are its whole history, at most FUSED_DECODE_MAX_KEYS of them. There the fused
-    kernel wins; with more sequences, or longer histories, its per-row setup loses to
-    `_decode` (measured, 2 threads, AVX512-BF16, SmolLM2's 3 x 64 KV heads, us per layer,
-    sdpa vs `_decode`: one sequence of 570 keys 55 vs 67, of 2000 keys 157 vs 128; 8
-    sequences of 180 keys 158 vs 154; 32 of 150 keys 551 vs 480, 764 vs 459 on one thread)."""
-    return (
-        len(group.rows) == 1 and group.causal_only(window) and group.length <= FUSED_DECODE_MAX_KEYS
-    )
 
 
 def _store(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -54,6 +54,11 @@ class Linear(Module, ABC):
         the weight multiplied in the compute `dtype` (`qinfer.linear.logits`)."""
         return fp32_logits(self, x, dtype)
 
+    def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), along a path that gives a row the same output whatever the row
+        count (the head's first pass: its rows are a step's sequences)."""
+        return self(x)
+
     def _bias_nbytes(self) -> int:
         return 0 if self.bias is None else self.bias.nbytes
 

@@ -10,8 +10,10 @@ the fp32 input against the weight's rows as `dequantize` holds them, summed in f
 rounded to fp32. The greedy pick, the top logprobs and what a sampler keeps at any usual
 temperature, top-k or top-p are fp32's; the rest keep the kernel's precision.
 
-Every step is one row's own (top-k, gather, a dot product per logit), so a row's logits do
-not depend on the other rows of its batch.
+Every step is one row's own (a kernel that computes each row alike at any row count, top-k,
+gather, a dot product per logit), so a row's logits do not depend on the other rows of its
+step: a quantized head takes its kernel however many rows it is given (the tile paths'
+GEMMs block by row count), where its other calls choose by row bucket.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def fp32_logits(head: Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """x (R, K) fp32 -> (R, N) fp32 logits of `head` (R rows of the final norm's output):
     the kernel in `dtype`, then each row's EXACT_TOP highest recomputed from x and the
     weight's rows (where the head can read its rows; else the kernel's values)."""
-    logits = head(x.to(dtype)).float()  # (R, N)
+    logits = head.same_at_any_rows(x.to(dtype)).float()  # (R, N)
     if dtype == torch.float32 or not head.has_rows():
         return logits
     top = logits.topk(min(EXACT_TOP, logits.shape[-1]), dim=-1).indices  # (R, k)

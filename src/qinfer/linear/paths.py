@@ -81,6 +81,12 @@ class QuantizedLinear(Linear):
         y = run(flat).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel whatever the row count: torch's int4/int8 kernels compute each row
+        alike at any count (tested), the GEMMs of the tile paths do not."""
+        y = self._kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
     @property
     @abstractmethod
     def dtype(self) -> torch.dtype:

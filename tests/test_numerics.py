@@ -206,8 +206,8 @@ def test_a_request_gets_the_same_tokens_and_logprobs_in_any_batch(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a prompt cut into chunks where its neighbours end attends through sdpa chunk by "
-    "chunk: other reduction orders than in one pass (not yet batch-invariant)",
+    reason="without batch_invariant a prompt cut into chunks where its neighbours end "
+    "attends through sdpa chunk by chunk: other reduction orders than in one pass",
 )
 def test_a_prompt_chunked_where_its_neighbours_end_gets_the_same_tokens_and_logprobs():
     """LONG alone, then beside each of 4 short prompts: the step's token budget cuts it after
@@ -215,3 +215,41 @@ def test_a_prompt_chunked_where_its_neighbours_end_gets_the_same_tokens_and_logp
     prompts = chat([*PROMPTS[:4], LONG])
     beside = {"alone": [[-1]], "beside": [[i, -1] for i in range(4)]}
     same_in_every_batch(smollm2_path(), prompts, beside, checked=[-1])
+
+
+def test_batch_invariant_keeps_a_request_alike_chunked_cached_preempted_and_speculated():
+    """`batch_invariant=True` (`Features.batch_invariant`): LONG and two short prompts give
+    the tokens and logprobs they give alone when they run side by side, when the step's
+    budget cuts them into chunks of 40 tokens, after a prefix-cache hit, when a small pool
+    preempts and recomputes them, and when n-gram speculation verifies several tokens at
+    a time."""
+    path, checked = smollm2_path(), [0, 1, -1]
+    prompts = chat([*PROMPTS[:2], LONG])
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run(llm: LLM, batch: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+        outputs = llm.generate([prompts[i] for i in batch], params, use_tqdm=False)
+        return {
+            i: (o.token_ids, [lp.logprob for lp in o.logprobs])
+            for i, o in zip(batch, outputs, strict=True)
+        }
+
+    llm = LLM(str(path), batch_invariant=True)
+    alone = {i: run(llm, [i])[i] for i in checked}
+    runs = {"side by side": run(llm, checked), "prefix-cache hit": run(llm, checked[::-1])}
+    llm.close()
+    chunked = LLM(str(path), batch_invariant=True, max_num_batched_tokens=40)
+    runs["chunks of 40"] = run(chunked, checked)
+    chunked.close()
+    small = LLM(str(path), batch_invariant=True, num_kv_blocks=26, enable_prefix_caching=False)
+    runs["preempted"] = run(small, checked)
+    assert small.engine.stats().preemptions_total > 0
+    small.close()
+    speculated = LLM(str(path), batch_invariant=True, speculative={"method": "ngram"})
+    runs["speculated"] = run(speculated, checked)
+    speculated.close()
+    for name, got in runs.items():
+        for i in checked:
+            assert got[i][0] == alone[i][0], (name, i)
+            drift = max(abs(a - b) for a, b in zip(got[i][1], alone[i][1], strict=True))
+            assert drift <= 1e-6, (name, i, drift)

@@ -87,6 +87,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "sequences in the same pool; default: auto)",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs do not depend on what runs beside it, even "
+        "with chunked prefill, prefix-cache hits, preemption or speculative decoding "
+        "(slower prefill: every query takes decode's attention; see Features)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=bounded(int, 1),
         default=1,
@@ -104,6 +111,7 @@ def load_arguments(args: argparse.Namespace) -> dict:
         "quantize": args.quantize,
         "group_size": args.group_size,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "batch_invariant": args.batch_invariant,
     }
 
 

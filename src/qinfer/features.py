@@ -29,10 +29,20 @@ class Features:
         dtype, as computed), "bf16", "int8" or "fp8" (quantized per token and head; see
         `qinfer.kv_quant`). The one switch that changes results: by the bounded error the
         tests hold quantized caches to.
+    batch_invariant: a token's logits do not depend on what else its engine step holds:
+        the same alone or beside other sequences, at decode or in a prompt chunk of any
+        length (chunked prefill, a prefix-cache hit, recomputation after preemption,
+        speculative verification). Every paged query takes the decode arithmetic with fp64
+        scores (`qinfer.attention.paged._decode`) and every quantized Linear its kernel at
+        any row count. Without it a request is the same alone and in any batch of whole
+        prompts and decodes (the tests), prefill is faster (sdpa, tile GEMMs). Not covered
+        either way: dense weights' GEMMs (torch's own block by row count) and int8/fp8 KV
+        caches (their values are summed by a matmul over the padded history).
     """
 
     fast_sdpa: bool = True
     kv_cache_dtype: str = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -428,6 +428,7 @@ def load_model(
     group_size: int = 32,
     parallel: Parallel | None = None,
     kv_cache_dtype: str | None = None,
+    batch_invariant: bool | None = None,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -441,9 +442,12 @@ def load_model(
         size that does not split the heads or the FFN evenly is refused before loading.
     kv_cache_dtype: how the model's caches store K/V, "auto", "bf16", "int8" or "fp8"
         (`Features.kv_cache_dtype`; given, it replaces the one of `features`).
+    batch_invariant: `Features.batch_invariant` (given, it replaces the one of `features`).
     """
     if kv_cache_dtype is not None:  # checked before anything loads
         features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
+    if batch_invariant is not None:
+        features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
     device = torch.device(device) if device is not None else default_device()
     scheme, keep_blocks = quantize_choice(quantize, group_size)
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)

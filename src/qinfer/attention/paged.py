@@ -16,7 +16,9 @@ their own histories:
   runs beside it (a lone sequence used to take torch's fused sdpa, whose other reduction
   order made its tokens differ from the same sequence's in a batch);
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
-  step's sdpa.
+  step's sdpa; or, batch-invariant (`Features.batch_invariant`), the decode arithmetic
+  for every query, with fp64 scores, so that a token's output is the same in a chunk of
+  any length as at decode.
 
 A quantized pool (int8 or fp8, `qinfer.kv_quant`) takes the step's K/V quantized per token
 and head, one op chain per layer for all its tokens, and gives back only what attention
@@ -290,12 +292,19 @@ class PagedAttention:
     layers[l]: where layer l's K/V live (`paged_layers`); steps[s]: this step's
     `PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
     (decode groups use this module's own, which reads the values where they sit). Both
-    answer `scaled_dot_product_attention_grouped`'s contract.
+    answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
+    decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
     """
 
-    def __init__(self, layers: list[PagedLayer], steps: list[PagedStep], sdpa: Sdpa) -> None:
+    def __init__(
+        self,
+        layers: list[PagedLayer],
+        steps: list[PagedStep],
+        sdpa: Sdpa,
+        invariant: bool = False,
+    ) -> None:
         self.layers, self.steps = layers, steps
-        self.sdpa = sdpa
+        self.sdpa, self.invariant = sdpa, invariant
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -308,7 +317,7 @@ class PagedAttention:
         if step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = step.groups
             queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)
-            return self._group(queries, kv, group, window, scale).view(q.shape)
+            return self._group(queries, kv, group, window, scale).reshape(q.shape)
         out = torch.empty_like(q)  # every token belongs to exactly one group
         for group in step.groups:
             queries = q[group.tokens]  # (G, L, Hq, D)
@@ -319,9 +328,10 @@ class PagedAttention:
         self, q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
     ) -> torch.Tensor:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
-        place (`_decode`), chunks go through sdpa on copied histories."""
-        if group.num_new == 1:
-            return _decode(q, kv, group, window, scale)
+        place (`_decode`), chunks go through sdpa on copied histories, or through `_decode`
+        too where the step is to be batch-invariant."""
+        if group.num_new == 1 or self.invariant:
+            return _decode(q, kv, group, window, scale, self.invariant)
         return _chunk(q, kv, group, window, scale, self.sdpa)
 
 
@@ -360,40 +370,59 @@ def _gathered_scales(group: Group, scales: torch.Tensor | None) -> torch.Tensor 
 
 
 def _decode(
-    q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
+    q: torch.Tensor,
+    kv: LayerKV,
+    group: Group,
+    window: int | None,
+    scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """q (G, 1, Hq, D), one token per sequence, against one layer's keys and values
-    -> (G, 1, Hq, D).
+    """q (G, L, Hq, D), L new tokens per sequence (1 at decode), against one layer's keys and
+    values -> (G, L, Hq, D).
 
     softmax(q k^T * scale + mask) v as `scaled_dot_product_attention_grouped` defines it
     (fp32 scores, weights cast to the values' dtype). Unquantized values are read where
     they sit, without a copy; quantized ones are gathered and their scales applied to the
     weights (as the key scales are to the scores): nothing is dequantized element-wise.
+
+    invariant (`Features.batch_invariant`): scores and softmax in fp64, rounded once to the
+    values' dtype, so that a query's weights do not depend on how many queries and keys its
+    GEMM held (fp32 bmm blocks by both): with the values summed one row after another in
+    key order, a token gets the same output at decode, in a prompt chunk of any length,
+    and beside any other sequences.
     """
-    G, _, Hq, D = q.shape
+    G, L, Hq, D = q.shape
     Hkv, num_slots = kv.keys.shape[:2]
-    S = group.length
+    n_rep, S = Hq // Hkv, group.length
+    wide = torch.float64 if invariant else torch.float32
     # (G, Hkv, S, D) -> (G * Hkv, S, D) fp32: one copy converts a gathered history (a
     # view of an fp32 pool's gather is used as it is)
-    history = group.history(kv.keys).float().reshape(G * Hkv, S, D)
-    # query head h reads KV head h // n_rep; the scale goes on the queries, which hold
-    # fewer values than the scores (the two orders differ by fp32 rounding only)
-    queries = q.reshape(G * Hkv, Hq // Hkv, D).float() * scale
-    scores = torch.bmm(queries, history.transpose(1, 2)).view(G, Hkv, Hq // Hkv, S)
-    if kv.key_scales is not None:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, S)
-        scores = scores * _gathered_scales(group, kv.key_scales)[:, :, None]
-    if not group.causal_only(window):  # else every key is visible: nothing to mask
-        scores = scores + group.score_mask(window)
+    history = group.history(kv.keys).to(wide).reshape(G * Hkv, S, D)
+    # query head h reads KV head h // n_rep: (G, L, Hkv, n_rep, D) -> (G * Hkv, n_rep * L, D)
+    queries = q.view(G, L, Hkv, n_rep, D)
+    if L > 1:
+        queries = queries.permute(0, 2, 3, 1, 4)
+    # the scale goes on the queries, which hold fewer values than the scores (the two
+    # orders differ by fp32 rounding only)
+    queries = queries.reshape(G * Hkv, n_rep * L, D).to(wide) * scale
+    scores = torch.bmm(queries, history.transpose(1, 2)).view(G, Hkv, n_rep, L, S)
+    if kv.key_scales is not None:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, 1, S)
+        scores = scores * _gathered_scales(group, kv.key_scales)[:, :, None, None]
+    if L > 1 or not group.causal_only(window):  # else every key is visible: nothing to mask
+        scores = scores + group.score_mask(window)[:, :, None]  # (G, 1, 1, L, S)
     weights = torch.softmax(scores, dim=-1)
     if kv.value_scales is not None:
         values = group.history(kv.values).to(q.dtype)  # (G, Hkv, S, D)
-        weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None]
-        out = torch.matmul(weights.to(q.dtype), values)  # (G, Hkv, n_rep, D)
-        return out.view(G, 1, Hq, D)
-    # Bag (g, h): sum over s of weights[g, h, s] * its value row at s (`value_rows`);
+        weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None, None]
+        out = torch.matmul(weights.to(q.dtype).view(G, Hkv, n_rep * L, S), values)
+        return out.view(G, Hq, L, D).transpose(1, 2)  # (G, L, Hq, D)
+    # Bag (g, h, l): sum over s of weights[g, h, l, s] * its value row at s (`value_rows`);
     # torch.embedding_bag itself, not F.embedding_bag, whose checks and 2-D handling
     # cost more than the op at decode sizes.
     rows, starts = group.value_rows(Hq, Hkv, num_slots)
+    if L > 1:  # each query of a sequence's head reads the same rows
+        rows = rows.view(G * Hq, 1, S).expand(-1, L, -1).reshape(-1)
+        starts = torch.arange(0, rows.numel(), S, device=rows.device)
     out = torch.embedding_bag(
         kv.values.view(-1, D),  # (Hkv * slots, D)
         rows,
@@ -401,8 +430,9 @@ def _decode(
         False,  # scale_grad_by_freq
         0,  # mode: sum
         False,  # sparse
-        weights.view(-1).to(kv.values.dtype),  # per_sample_weights
-    )[0].view(G, 1, Hq, D)  # in the values' dtype
+        weights.reshape(-1).to(kv.values.dtype),  # per_sample_weights
+    )[0]  # (G * Hq * L, D) in the values' dtype
+    out = out.view(G, 1, Hq, D) if L == 1 else out.view(G, Hq, L, D).transpose(1, 2)
     return out if out.dtype == q.dtype else out.to(q.dtype)  # (a no-op `.to` costs a call)
 
 

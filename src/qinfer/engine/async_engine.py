@@ -72,13 +72,14 @@ class AsyncEngine:
         quantize: str | None = None,
         group_size: int = 32,
         kv_cache_dtype: str | None = None,
+        batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
             model_or_path,
             tokenizer,
-            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype),
+            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
             engine_args,
             tensor_parallel_size,
         )

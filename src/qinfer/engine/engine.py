@@ -493,10 +493,13 @@ def load_arguments(
     quantize: str | None,
     group_size: int,
     kv_cache_dtype: str | None,
+    batch_invariant: bool = False,
 ) -> dict:
     """`load_model`'s keywords from an engine front-end's (`LLM`, `AsyncEngine`); a
     kv_cache_dtype of None is left to the model's default ("auto")."""
     load_args = dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    if batch_invariant:
+        load_args["batch_invariant"] = True
     if kv_cache_dtype is not None:
         check_kv_cache_dtype(kv_cache_dtype)
         load_args["kv_cache_dtype"] = kv_cache_dtype
@@ -514,8 +517,9 @@ def build_engine(
     hub id, as `qinfer.checkpoint.resolve_model` finds it), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
     defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
-    (dtype, device, quantize, group_size, kv_cache_dtype) for a checkpoint; of a loaded
-    model, only a kv_cache_dtype other than its own is refused (the others are its own).
+    (dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant) for a checkpoint;
+    of a loaded model, only a kv_cache_dtype or batch_invariant other than its own is
+    refused (the others are its own).
 
     tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.distributed`:
     N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
@@ -529,12 +533,13 @@ def build_engine(
                 "tensor_parallel_size needs a checkpoint, not a loaded model: "
                 "every rank loads its own part"
             )
-        chosen = load_args.get("kv_cache_dtype")
-        if chosen is not None and chosen != model_or_path.features.kv_cache_dtype:
-            raise QinferError(
-                f"kv_cache_dtype {chosen!r} is chosen when a model loads: give a "
-                "checkpoint path, or load the model with that kv_cache_dtype"
-            )
+        for name in ("kv_cache_dtype", "batch_invariant"):
+            chosen = load_args.get(name)
+            if chosen is not None and chosen != getattr(model_or_path.features, name):
+                raise QinferError(
+                    f"{name} {chosen!r} is chosen when a model loads: give a "
+                    f"checkpoint path, or load the model with that {name}"
+                )
         return Engine(model_or_path, _tokenizer(tokenizer, None), config)
     path = resolve_model(None if model_or_path is None else str(model_or_path))
     tokenizer = _tokenizer(tokenizer, path)

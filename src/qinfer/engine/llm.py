@@ -34,7 +34,8 @@ class LLM:
     model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
-    `qinfer.load_model`, when a path is given (kv_cache_dtype "int8" or "fp8" halves the KV
+    `qinfer.load_model`, when a path is given (batch_invariant: `Features.batch_invariant`;
+    kv_cache_dtype "int8" or "fp8" halves the KV
     pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size:
     ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.distributed`;
     `close()` or this process's exit stops them). engine_args: see
@@ -51,13 +52,14 @@ class LLM:
         quantize: str | None = None,
         group_size: int = 32,
         kv_cache_dtype: str | None = None,
+        batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
         **engine_args,
     ) -> None:
         self.engine: Engine = build_engine(
             model_or_path,
             tokenizer,
-            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype),
+            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
             engine_args,
             tensor_parallel_size,
         )

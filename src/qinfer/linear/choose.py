@@ -73,11 +73,12 @@ def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
     return {"decode": KERNEL, "prefill": BF16_TILES if widened and BF16_TILES in paths else KERNEL}
 
 
-def choose_paths(module: nn.Module) -> None:
+def choose_paths(module: nn.Module, same_at_any_rows: bool = False) -> None:
     """Set the decode and prefill path of every quantized Linear on CPU in `module`: the
-    rule's, except where QINFER_LINEAR_PATH forces one. Layers on other devices keep the
-    kernel."""
-    forced = forced_paths()
+    rule's, except where QINFER_LINEAR_PATH forces one; the kernel for both with
+    `same_at_any_rows` (a batch-invariant model: the tile paths' GEMMs block by row count).
+    Layers on other devices keep the kernel."""
+    forced = {bucket: KERNEL for bucket in BUCKETS} if same_at_any_rows else forced_paths()
     for layer in cpu_quantized(module):
         paths = rule_paths(layer) | forced
         layer.use_paths(paths["decode"], paths["prefill"])

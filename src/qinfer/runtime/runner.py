@@ -199,6 +199,7 @@ class ModelRunner:
         ]
         self.layers = paged_layers(self.pools, spaces)
         self.sdpa = sdpa_for(model.features)
+        self.invariant = model.features.batch_invariant
         # Every step's inputs, written in place (sized for the scheduler's largest step; a
         # longer one, or a longer block table, grows them).
         context_blocks = -(-model.config.max_position_embeddings // config.block_size)
@@ -255,5 +256,5 @@ class ModelRunner:
             positions=tensors.positions,
             query_starts=tensors.query_starts,
             logits_indices=tensors.logits_indices,
-            attention=PagedAttention(self.layers, paged, self.sdpa),
+            attention=PagedAttention(self.layers, paged, self.sdpa, self.invariant),
         )

@@ -680,6 +680,7 @@ def serve(
     quantize: str | None = None,
     group_size: int = 32,
     kv_cache_dtype: str | None = None,
+    batch_invariant: bool = False,
     tensor_parallel_size: int = 1,
     log_level: str = "info",
     pooling: PoolingParams | None = None,
@@ -692,7 +693,8 @@ def serve(
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
 
-    dtype, device, quantize, group_size, kv_cache_dtype: as for `qinfer.load_model`.
+    dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant: as for
+    `qinfer.load_model`.
     tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
     `/health` answers 503, the server stops and this raises its `TensorParallelError`.
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
@@ -709,6 +711,7 @@ def serve(
         quantize=quantize,
         group_size=group_size,
         kv_cache_dtype=kv_cache_dtype,
+        batch_invariant=batch_invariant,
         tensor_parallel_size=tensor_parallel_size,
         **engine_args,
     )

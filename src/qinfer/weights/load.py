@@ -71,7 +71,9 @@ def load(
         norm.fill(checkpoint.tensor(norm.source, norm.shape))
 
     _fill(model, read, fill, "loading weights")
-    choose_paths(model)  # each quantized Linear's decode and prefill path, by rule
+    # each quantized Linear's decode and prefill path, by rule
+    features = getattr(model, "features", None)
+    choose_paths(model, same_at_any_rows=features is not None and features.batch_invariant)
     return model
 
 

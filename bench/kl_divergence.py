@@ -5,14 +5,17 @@ with --kv-cache, also how much a quantized KV cache adds, in each engine.
     python bench/kl_divergence.py                          # the embedded SmolLM2 Q4_1
     python bench/kl_divergence.py --model ~/.cache/qinfer/gemma-3-270m-q4_k_m.gguf
     python bench/kl_divergence.py --kv-cache               # + int8 / fp8 / q8_0 KV caches
+    python bench/kl_divergence.py --quantize --offset 300  # + --quantize int8 / int4, windows
+                                                           #   from token 300 on
 
 The reference is qinfer with the file dequantized to fp32 (`dtype="float32"`: every
 block expanded exactly, the parity tests' path). Both qinfer's default load (kept Q4 bits
 as int4 groups, other blocks as int8 rows, bf16 activations) and llama.cpp (its own
 kernels on the same blocks) are scored against it: mean KL(reference || engine) per
 token, its largest value, top-1 agreement, and each engine's perplexity. The text is
-tests/real_text.txt (the project's own prose), in chunks of --context tokens, each scored
-on its second half. llama.cpp runs through llama-cpp-python (`pip install 'qinfer[peer]'`).
+tests/real_text.txt (the project's own prose), from token --offset on (0: the document's
+start; any other: windows that start mid-document), in chunks of --context tokens, each
+scored on its second half. llama.cpp runs through llama-cpp-python (`pip install 'qinfer[peer]'`).
 The tests hold qinfer's drift to a bound set from llama.cpp's figure printed here.
 
 --kv-cache adds qinfer's default path with an int8 and an fp8 KV cache, the fp32 reference
@@ -73,14 +76,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--offset", type=int, default=0, help="tokens of the text skipped")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--kv-cache", action="store_true", help="also measure quantized KV caches (see above)"
     )
+    parser.add_argument(
+        "--quantize", action="store_true", help="also the file requantized: --quantize int8, int4"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    ids = load_tokenizer(path).encode(TEXT.read_text())[: args.chunks * args.context]
+    ids = load_tokenizer(path).encode(TEXT.read_text())
+    ids = ids[args.offset : args.offset + args.chunks * args.context]
     reference = load_model(path, dtype="float32", device="cpu")
     default = load_model(path, device="cpu")
     base = lambda chunk: scored_log_probs(reference, chunk)  # noqa: E731
@@ -91,6 +99,9 @@ def main() -> None:
         models["qinfer fp32, int8 KV"] = load_model(
             path, dtype="float32", device="cpu", kv_cache_dtype="int8"
         )
+    if args.quantize:
+        for kind in ("int8", "int4"):
+            models[f"qinfer --quantize {kind}"] = load_model(path, device="cpu", quantize=kind)
     rows = {"qinfer fp32 (reference)": score(base, ids, args.context)}
     for name, model in models.items():
         rows[name] = score(partial(scored_log_probs, model), ids, args.context, base)

@@ -241,7 +241,14 @@ def test_batch_invariant_keeps_a_request_alike_chunked_cached_preempted_and_spec
     chunked = LLM(str(path), batch_invariant=True, max_num_batched_tokens=40)
     runs["chunks of 40"] = run(chunked, checked)
     chunked.close()
-    small = LLM(str(path), batch_invariant=True, num_kv_blocks=26, enable_prefix_caching=False)
+    # blocks of 4: the three prompts (103 blocks) fit, their 16 new tokens each (115) do not
+    small = LLM(
+        str(path),
+        batch_invariant=True,
+        block_size=4,
+        num_kv_blocks=108,
+        enable_prefix_caching=False,
+    )
     runs["preempted"] = run(small, checked)
     assert small.engine.stats().preemptions_total > 0
     small.close()

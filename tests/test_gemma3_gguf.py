@@ -251,15 +251,17 @@ def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, 
 #: llama.cpp 0.3.36's own drift on the same file and text, from `python
 #: bench/kl_divergence.py --model <this file>` (tests/real_text.txt, 3 chunks of 512; AMD
 #: EPYC, AVX512-BF16, 2026-12-01): mean KL(fp32 reference || llama.cpp) 0.00788, top-1
-#: agreement 92.94%. qinfer's default path measured 0.00740 and 92.94% in the same run.
+#: agreement 92.94%. qinfer's default path measured 0.00740 and 92.94% in the same run with
+#: a bf16 residual stream; with it and the top logits in fp32 0.00689 and 92.68% (0.00901
+#: against llama.cpp's 0.01220 on windows from token 300; Intel Xeon, AMX, 2026-12-02).
 LLAMA_CPP_KL, LLAMA_CPP_TOP1 = 0.00788, 0.9294
 
 
 def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokenizers):
     """The default load (Q4_K as int4 groups; Q5_0, Q6_K and Q8_0 as int8 rows; bf16)
     against the exact fp32 dequantization on real text, as llama-perplexity measures it:
-    within llama.cpp's own KL on the same file, with a margin of a fifth for the CPU's
-    kernels, and top-1 agreement no more than a point below llama.cpp's."""
+    no more than llama.cpp's own KL on the same file, and top-1 agreement no more than a
+    point below llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -270,7 +272,7 @@ def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokeniz
     ids = tokenizer.encode(text)[: 3 * 512]
     fast = qinfer.load_model(gemma3_path(), device="cpu")
     result = perplexity(fast, ids, 512, base=ours)
-    assert result.kl <= 1.2 * LLAMA_CPP_KL, result
+    assert result.kl <= LLAMA_CPP_KL, result
     assert result.top1 >= LLAMA_CPP_TOP1 - 0.01, result
 
 

@@ -126,15 +126,18 @@ def test_smollm2_greedy_follows_float32_except_at_near_ties():
 #: llama.cpp 0.3.36's own drift on the same file and text, from `python
 #: bench/kl_divergence.py` (tests/real_text.txt, 3 chunks of 512; AMD EPYC, AVX512-BF16,
 #: 2026-12-01): mean KL(fp32 reference || llama.cpp) 0.00358, top-1 agreement 94.64%.
-#: qinfer's default path measured 0.00457 and 95.16% in the same run.
+#: qinfer's default path measured 0.00457 and 95.16% in the same run with a bf16 residual
+#: stream and bf16 logits; with them in fp32 0.00307 and 95.69% (0.00321 against llama.cpp's
+#: 0.00352 on windows from token 300; Intel Xeon, AMX, 2026-12-02).
 SMOLLM2_LLAMA_CPP_KL, SMOLLM2_LLAMA_CPP_TOP1 = 0.00358, 0.9464
 
 
 def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp():
     """The default load (Q4_1 kept as int4 groups, the Q8_0 embedding and tied head as int8
-    rows, bf16 activations) against the exact fp32 dequantization, on real text, as
-    llama-perplexity measures it: within 1.5x llama.cpp's own KL on the same file (its
-    kernels round too), and top-1 agreement no more than a point below llama.cpp's."""
+    rows, bf16 matmuls, fp32 residual and top logits) against the exact fp32
+    dequantization, on real text, as llama-perplexity measures it: no more than llama.cpp's
+    own KL on the same file (its kernels round too), and top-1 agreement no more than a
+    point below llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -145,7 +148,7 @@ def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp():
     fast = qinfer.load_model(path, device="cpu")
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
     result = perplexity(fast, ids, 512, base=reference)
-    assert result.kl <= 1.5 * SMOLLM2_LLAMA_CPP_KL, result
+    assert result.kl <= SMOLLM2_LLAMA_CPP_KL, result
     assert result.top1 >= SMOLLM2_LLAMA_CPP_TOP1 - 0.01, result
 
 

@@ -161,8 +161,10 @@ class Int4Linear(QuantizedLinear):
         flat = ids.reshape(-1)
         k = torch.arange(self.in_features, device=flat.device)
         q = _gather_cpu(self.packed, flat, k, _cpu_block_rows()).float()  # (R, K)
-        sz = self.scales_and_zeros[k // self.group_size][:, flat].float()  # (K, R, 2)
-        w = (q - 8) * sz[..., 0].T + sz[..., 1].T
+        q = q.view(len(flat), -1, self.group_size)  # (R, groups, group)
+        # only the rows' own scales and zeros: (groups, N, 2) -> (R, groups, 2)
+        sz = self.scales_and_zeros[:, flat].float().transpose(0, 1)
+        w = (q - 8) * sz[..., :1] + sz[..., 1:]
         return w.view(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:

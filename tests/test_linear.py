@@ -32,6 +32,7 @@ from qinfer.linear import (
 )
 from qinfer.linear.choose import choose_paths
 from qinfer.linear.compute import cpu_class
+from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int4 import _cpu_block_rows
 from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
@@ -394,3 +395,35 @@ def test_int4_rows_read_the_packed_layout_as_the_kernel_multiplies(out):
     zeros = groups.zeros.bfloat16().float().repeat_interleave(32, dim=1)
     expected = ((groups.q.float() - 8) * scales + zeros)[ids]
     assert torch.equal(layer.rows(ids.view(2, -1)).view(out, -1), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_invariant_dense_layer_gives_a_row_the_same_output_at_any_row_count(dtype):
+    """fixed_rows (a batch-invariant model's dense Linears): every GEMM is FIXED_ROWS rows
+    whatever the call's row count, and a row's output is its own wherever it sits: the
+    same bits alone, at the start or the end of a call, across a chunk boundary. (Whole
+    fp32 GEMMs of this shape differ from row count to row count on the CPUs measured.)"""
+    layer = DenseLinear(weight(1024, 1024).to(dtype), torch.randn(1024).to(dtype))
+    choose_paths(layer, same_at_any_rows=True)
+    x = torch.randn(40, 1024).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for start, rows in ((0, 40), (0, 17), (3, 1), (15, 2), (23, 17)):
+        assert torch.equal(layer(x[start : start + rows]), alone[start : start + rows])
+    assert torch.equal(layer(x.view(2, 20, 1024)).view(40, -1), alone)  # leading dims kept
+    choose_paths(layer)  # a model that is not batch-invariant: whole GEMMs again
+    assert not layer.fixed_rows
+
+
+def test_batch_invariant_experts_run_each_run_in_fixed_chunks():
+    """StackedDenseLinear with fixed_rows: each expert's run of rows gets what that expert's
+    rows get alone, whatever the other runs' lengths."""
+    experts = StackedDenseLinear(torch.randn(4, 64, 256))
+    choose_paths(experts, same_at_any_rows=True)
+    x = torch.randn(30, 256)
+    counts = torch.tensor([7, 0, 20, 3])
+    got = experts(x, counts)
+    ends = counts.cumsum(0).tolist()
+    for e, (start, stop) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        for i in range(start, stop):
+            alone = experts(x[i : i + 1], torch.eye(4, dtype=torch.long)[e])
+            assert torch.equal(got[i : i + 1], alone)

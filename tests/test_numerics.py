@@ -18,7 +18,7 @@ import sys
 import pytest
 from gguf_files import smollm2_path
 
-from qinfer import LLM, SamplingParams
+from qinfer import LLM, SamplingParams, load_model, load_tokenizer
 
 PROMPTS = [
     "What is the capital of France?",
@@ -60,7 +60,7 @@ EMULATED_PROMPTS = 6
 
 GREEDY = """
 import json, sys
-from qinfer import LLM, SamplingParams
+from qinfer import LLM, SamplingParams, load_model, load_tokenizer
 prompts = json.loads(sys.argv[2])
 params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True)
 outputs = LLM(sys.argv[1]).generate([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -217,14 +217,14 @@ def test_a_prompt_chunked_where_its_neighbours_end_gets_the_same_tokens_and_logp
     same_in_every_batch(smollm2_path(), prompts, beside, checked=[-1])
 
 
-def test_batch_invariant_keeps_a_request_alike_chunked_cached_preempted_and_speculated():
-    """`batch_invariant=True` (`Features.batch_invariant`): LONG and two short prompts give
-    the tokens and logprobs they give alone when they run side by side, when the step's
-    budget cuts them into chunks of 40 tokens, after a prefix-cache hit, when a small pool
-    preempts and recomputes them, and when n-gram speculation verifies several tokens at
-    a time."""
-    path, checked = smollm2_path(), [0, 1, -1]
-    prompts = chat([*PROMPTS[:2], LONG])
+def alike_chunked_cached_preempted_and_speculated(path, prompts: list, **load) -> None:
+    """With `batch_invariant=True` (and `load`), each of three prompts (the last a long one)
+    gives the tokens and logprobs it gives alone, bit for bit, when they run side by side,
+    when the step's budget cuts them into chunks of 40 tokens, after a prefix-cache hit,
+    when a pool of blocks of 4 tokens that holds the three prompts but not their 16 new
+    tokens each preempts and recomputes them, and when n-gram speculation verifies several
+    tokens at a time."""
+    checked = [0, 1, 2]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
 
     def run(llm: LLM, batch: list[int]) -> dict[int, tuple[list[int], list[float]]]:
@@ -234,29 +234,72 @@ def test_batch_invariant_keeps_a_request_alike_chunked_cached_preempted_and_spec
             for i, o in zip(batch, outputs, strict=True)
         }
 
-    llm = LLM(str(path), batch_invariant=True)
+    tokenizer = None if isinstance(prompts[0][0], int) else load_tokenizer(path)
+    model = load_model(path, batch_invariant=True, **load)  # loaded once, for every engine
+
+    def engine(**engine_args) -> LLM:
+        return LLM(model, tokenizer, **engine_args)
+
+    llm = engine()
     alone = {i: run(llm, [i])[i] for i in checked}
+    lengths = [len(o.prompt_token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     runs = {"side by side": run(llm, checked), "prefix-cache hit": run(llm, checked[::-1])}
     llm.close()
-    chunked = LLM(str(path), batch_invariant=True, max_num_batched_tokens=40)
+    chunked = engine(max_num_batched_tokens=40)
     runs["chunks of 40"] = run(chunked, checked)
     chunked.close()
-    # blocks of 4: the three prompts (103 blocks) fit, their 16 new tokens each (115) do not
-    small = LLM(
-        str(path),
-        batch_invariant=True,
-        block_size=4,
-        num_kv_blocks=108,
-        enable_prefix_caching=False,
-    )
+    fits = sum(-(-n // 4) for n in lengths) + 3  # blocks of 4 the prompts take, and a few
+    small = engine(block_size=4, num_kv_blocks=fits, enable_prefix_caching=False)
     runs["preempted"] = run(small, checked)
     assert small.engine.stats().preemptions_total > 0
     small.close()
-    speculated = LLM(str(path), batch_invariant=True, speculative={"method": "ngram"})
+    speculated = engine(speculative={"method": "ngram"})
     runs["speculated"] = run(speculated, checked)
     speculated.close()
     for name, got in runs.items():
         for i in checked:
             assert got[i][0] == alone[i][0], (name, i)
             drift = max(abs(a - b) for a, b in zip(got[i][1], alone[i][1], strict=True))
-            assert drift <= 1e-6, (name, i, drift)
+            assert drift == 0, (name, i, drift)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_batch_invariant_keeps_a_request_alike_chunked_cached_preempted_and_speculated(model):
+    """`batch_invariant=True` (`Features.batch_invariant`) on the GGUFs' int4/int8 blocks:
+    two short prompts and a long one (chat prompts for SmolLM2, plain text for Gemma 3)."""
+    from gguf_files import gemma3_path
+
+    if model == "smollm2":
+        alike_chunked_cached_preempted_and_speculated(smollm2_path(), chat([*PROMPTS[:2], LONG]))
+    else:
+        long = " ".join(PROMPTS[2:8])  # ~100 tokens: Gemma's 262k-row head costs more
+        alike_chunked_cached_preempted_and_speculated(gemma3_path(), [*PROMPTS[:2], long])
+
+
+#: Token-id prompts for the random checkpoints: 9, 17 and 130 tokens, the long one
+#: repeating a stretch for the n-gram speculator to find.
+RANDOM_PROMPTS = [
+    [(7 * i + 3) % 200 + 20 for i in range(9)],
+    [(11 * i + 5) % 200 + 20 for i in range(17)],
+    [(13 * i + 1) % 90 + 20 for i in range(130)],
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "load"),
+    [
+        ("qwen3", {"dtype": "float32"}),
+        ("qwen3", {"dtype": "bfloat16"}),
+        ("qwen3", {"dtype": "float32", "kv_cache_dtype": "int8"}),
+        ("qwen3_moe", {"dtype": "float32"}),
+        ("qwen3_moe", {"dtype": "bfloat16"}),
+    ],
+)
+def test_batch_invariant_keeps_dense_and_moe_checkpoints_alike(tmp_path, family, load):
+    """Random Qwen3 and Qwen3-MoE checkpoints: dense GEMMs (experts' included) in fixed
+    chunks of rows, and an int8 KV cache's values summed in fp64."""
+    from checkpoints import QWEN3_MOE, build_checkpoint
+
+    overrides = QWEN3_MOE if family == "qwen3_moe" else {}
+    build_checkpoint(tmp_path, family, **overrides)
+    alike_chunked_cached_preempted_and_speculated(tmp_path, RANDOM_PROMPTS, **load)

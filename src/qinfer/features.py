@@ -33,11 +33,11 @@ class Features:
         the same alone or beside other sequences, at decode or in a prompt chunk of any
         length (chunked prefill, a prefix-cache hit, recomputation after preemption,
         speculative verification). Every paged query takes the decode arithmetic with fp64
-        scores (`qinfer.attention.paged._decode`) and every quantized Linear its kernel at
-        any row count. Without it a request is the same alone and in any batch of whole
-        prompts and decodes (the tests), prefill is faster (sdpa, tile GEMMs). Not covered
-        either way: dense weights' GEMMs (torch's own block by row count) and int8/fp8 KV
-        caches (their values are summed by a matmul over the padded history).
+        scores (`qinfer.attention.paged._decode`; quantized K/V caches' values summed in
+        fp64 too), every quantized Linear its kernel at any row count and every dense one
+        fixed-size GEMM chunks (`qinfer.linear.dense`). Without it a request of a quantized
+        model is the same alone and in any batch of whole prompts and decodes (the tests),
+        and prefill is faster (sdpa, tile GEMMs, whole GEMMs).
     """
 
     fast_sdpa: bool = True

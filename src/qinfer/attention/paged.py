@@ -412,10 +412,13 @@ def _decode(
         scores = scores + group.score_mask(window)[:, :, None]  # (G, 1, 1, L, S)
     weights = torch.softmax(scores, dim=-1)
     if kv.value_scales is not None:
-        values = group.history(kv.values).to(q.dtype)  # (G, Hkv, S, D)
+        # gathered and multiplied as a matmul over the padded history: invariant, in fp64
+        # (the padding's weights are 0) and rounded once, as the scores are
+        summed = wide if invariant else q.dtype
+        values = group.history(kv.values).to(summed)  # (G, Hkv, S, D)
         weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None, None]
-        out = torch.matmul(weights.to(q.dtype).view(G, Hkv, n_rep * L, S), values)
-        return out.view(G, Hq, L, D).transpose(1, 2)  # (G, L, Hq, D)
+        out = torch.matmul(weights.to(summed).view(G, Hkv, n_rep * L, S), values)
+        return out.to(q.dtype).view(G, Hq, L, D).transpose(1, 2)  # (G, L, Hq, D)
     # Bag (g, h, l): sum over s of weights[g, h, l, s] * its value row at s (`value_rows`);
     # torch.embedding_bag itself, not F.embedding_bag, whose checks and 2-D handling
     # cost more than the op at decode sizes.

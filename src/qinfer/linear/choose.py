@@ -36,6 +36,8 @@ from torch import nn
 
 from qinfer.errors import ConfigError
 from qinfer.linear.compute import bf16_matmul_is_fast
+from qinfer.linear.dense import DenseLinear
+from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int8 import Int8Linear
 from qinfer.linear.paths import BF16_TILES, BUCKETS, FP32_TILES, KERNEL, PATHS, QuantizedLinear
 
@@ -75,13 +77,19 @@ def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
 
 def choose_paths(module: nn.Module, same_at_any_rows: bool = False) -> None:
     """Set the decode and prefill path of every quantized Linear on CPU in `module`: the
-    rule's, except where QINFER_LINEAR_PATH forces one; the kernel for both with
-    `same_at_any_rows` (a batch-invariant model: the tile paths' GEMMs block by row count).
-    Layers on other devices keep the kernel."""
+    rule's, except where QINFER_LINEAR_PATH forces one. Quantized layers on other devices
+    keep the kernel.
+
+    same_at_any_rows (a batch-invariant model): every quantized Linear takes its kernel for
+    both buckets (the tile paths' GEMMs block by row count) and every dense one, grouped
+    experts included, its fixed-chunk GEMMs (`qinfer.linear.dense`), on any device."""
     forced = {bucket: KERNEL for bucket in BUCKETS} if same_at_any_rows else forced_paths()
     for layer in cpu_quantized(module):
         paths = rule_paths(layer) | forced
         layer.use_paths(paths["decode"], paths["prefill"])
+    for layer in module.modules():
+        if isinstance(layer, (DenseLinear, StackedDenseLinear)):
+            layer.fixed_rows = same_at_any_rows
 
 
 def cpu_quantized(module: nn.Module) -> list[QuantizedLinear]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from qinfer.linear.base import Linear
-from qinfer.linear.dense import DenseLinear
+from qinfer.linear.dense import DenseLinear, linear_in_fixed_chunks
 from qinfer.module import Module
 
 #: Row strides `torch._grouped_mm` takes are multiples of 16 bytes.
@@ -53,14 +53,26 @@ class GroupedLinear(Module, ABC):
 
 
 class StackedDenseLinear(GroupedLinear):
-    """weight (E, out, in) in the compute dtype, run by one grouped GEMM."""
+    """weight (E, out, in) in the compute dtype, run by one grouped GEMM.
+
+    fixed_rows: each run through `linear_in_fixed_chunks` instead (the grouped GEMM blocks
+    a run by its length), set by `qinfer.linear.choose_paths` for a batch-invariant model;
+    that path reads the run lengths on the host.
+    """
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.groups, self.out_features, self.in_features = weight.shape
+        self.fixed_rows = False
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.fixed_rows:
+            runs = x.split(counts.tolist())
+            outputs = [
+                linear_in_fixed_chunks(run, w) for run, w in zip(runs, self.weight, strict=True)
+            ]
+            return torch.cat(outputs)  # (N, out)
         ends = counts.cumsum(0).to(torch.int32)  # (E,) where each run ends
         # (N, in) @ (E, in, out) with runs -> (N, out)
         return torch._grouped_mm(x, self.weight.transpose(1, 2), offs=ends)

@@ -24,6 +24,9 @@ from checkpoints import reference_logits as transformers_logits
 
 import qinfer
 from qinfer.attention import paged
+from qinfer.attention.block_spaces import BlockSpaces, first_block
+from qinfer.attention.kv_cache import position_mask
+from qinfer.attention.kv_pool import KVPool
 from qinfer.attention.paged import (
     SPLIT_KEYS,
     PagedAttention,
@@ -32,16 +35,12 @@ from qinfer.attention.paged import (
     split_by_history,
 )
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
+from qinfer.attention.step_buffers import StepBuffers
 from qinfer.engine import LLM
-from qinfer.engine.config import EngineConfig
-from qinfer.engine.sequence import Sequence
+from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.errors import QinferError, RequestError
-from qinfer.kv_cache import position_mask
-from qinfer.runtime.block_spaces import BlockSpaces, first_block
+from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor, ParallelConfig
-from qinfer.runtime.kv_pool import KVPool
-from qinfer.runtime.runner import step_inputs
-from qinfer.runtime.step_buffers import StepBuffers
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 
@@ -178,7 +177,7 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     every logits row equals transformers' for its sequence alone, at that position."""
     reference, model = pair[family]
     use_features(model, qinfer.Features(fast_sdpa=fast_sdpa))
-    executor = Executor(model, EngineConfig(block_size=BLOCK, num_kv_blocks=64))
+    executor = Executor(model, RuntimeConfig(block_size=BLOCK, num_kv_blocks=64))
     full = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate([14, 14, 21, 11])]
     full.append(full[0][:8] + random_tokens(1, 6, seed=30)[0].tolist())  # shares 2 blocks
     want = [transformers_logits(reference, torch.tensor([ids]))[0] for ids in full]

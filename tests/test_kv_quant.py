@@ -12,16 +12,17 @@ import torch
 from checkpoints import max_diff, random_tokens, tiny_config
 
 import qinfer
+from qinfer.attention.block_spaces import BlockSpaces
+from qinfer.attention.kv_pool import KVPool
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
-from qinfer.engine.sequence import Sequence
+from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.errors import QinferError
 from qinfer.features import Features
 from qinfer.kv_quant import KVFormat, kv_format
-from qinfer.runtime.block_spaces import BlockSpaces
+from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
-from qinfer.runtime.kv_pool import KVPool
-from qinfer.runtime.runner import kv_pool_blocks, step_inputs
+from qinfer.runtime.runner import kv_pool_blocks
 from qinfer.sampling import SamplingParams
 
 INT8, FP8 = kv_format("int8", torch.float32), kv_format("fp8", torch.float32)
@@ -151,7 +152,7 @@ def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8():
     logits (the same K/V stored, read back on the other path)."""
     for kv_cache_dtype in ("int8", "fp8"):
         model = random_model("mistral-window", kv_cache_dtype)
-        executor = Executor(model, EngineConfig(block_size=4, num_kv_blocks=32))
+        executor = Executor(model, RuntimeConfig(block_size=4, num_kv_blocks=32))
         prompts = [random_tokens(1, n, seed=60 + n)[0].tolist() for n in (9, 17)]
         seqs = [Sequence(str(b), ids) for b, ids in enumerate(prompts)]
         free = iter(range(executor.num_blocks[0]))
@@ -184,7 +185,7 @@ def test_the_same_budget_holds_about_twice_the_blocks_and_sequences_in_int8():
             config, dtype=torch.bfloat16, features=Features(kv_cache_dtype=kv_cache_dtype)
         )
         engine_config = EngineConfig(kv_cache_memory=budget, block_size=16)
-        (blocks,) = kv_pool_blocks(model, engine_config, BlockSpaces.of(model.config))
+        (blocks,) = kv_pool_blocks(model, engine_config.runtime, BlockSpaces.of(model.config))
         llm = LLM(model, kv_cache_memory=budget, block_size=16, enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         engine = llm.engine

@@ -48,6 +48,11 @@ TOKENS = 32
 #: at gaps of 0.0016 to 0.087, 11 of 20 prompts within 32 tokens. bf16 matmul inputs and
 #: outputs move a logit by up to ~0.1 here.
 NEAR_TIE = 0.1
+#: The same under the emulated classes, where prompts are multiplied in fp32 tiles (bf16
+#: GEMMs counted slow) and decode in the bf16 kernels: measured partings at gaps up to 0.196
+#: (AMD EPYC; SmolLM2's prompt 1 at step 13, with `QINFER_LINEAR_PATH=prefill=fp32_tiles`
+#: alike unemulated: the mix of two roundings, not a class's kernel).
+EMULATED_NEAR_TIE = 0.25
 #: The emulated CPU classes of the issue (AVX512_CORE: AVX-512 without bf16).
 EMULATED = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
@@ -147,14 +152,14 @@ def test_an_emulated_cpu_class_answers_alike_in_two_processes_and_follows_fp32(f
     assert default_greedy_in_a_process(EMULATED[cpu], prompts) == first
     found = partings(reference[:EMULATED_PROMPTS], gaps, first)
     print(f"{cpu}: {len(found)} of {len(prompts)} prompts part from fp32: {found}")
-    assert all(gap < NEAR_TIE for _, _, gap in found), found
+    assert all(gap < EMULATED_NEAR_TIE for _, _, gap in found), found
 
 
-#: A prompt of ~300 tokens, to sit beside the short ones: the engine's token budget then cuts
-#: the prompts of a step into chunks where their neighbours end.
+#: A prompt of ~300 tokens, to sit beside the short ones: a step's budget of 40 tokens cuts
+#: it into chunks (`alike_chunked_cached_preempted_and_speculated`).
 LONG = " ".join(PROMPTS) * 2
 
-#: Batches (lists of prompt indices; -1 is LONG) each prompt is checked in.
+#: Batches (lists of prompt indices) each prompt is checked in.
 COMPOSITIONS = {
     "alone": lambda n: [[i] for i in range(n)],
     "in fours": lambda n: [list(range(i, min(i + 4, n))) for i in range(0, n, 4)],
@@ -163,20 +168,18 @@ COMPOSITIONS = {
 }
 
 
-def same_in_every_batch(path, prompts, compositions, checked=None) -> None:
-    """Each `checked` prompt's (default: every one's) 24 greedy tokens equal in every batch,
-    their logprobs within 1e-6."""
-    checked = range(len(prompts)) if checked is None else checked
+def same_in_every_batch(path, prompts, compositions) -> None:
+    """Each prompt's 24 greedy tokens equal in every batch, their logprobs within 1e-6. Each
+    prompt runs in one pass (no prefix caching, a step budget that holds every prompt):
+    where a prompt's chunks begin is what only batch_invariant keeps from mattering."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
-    llm = LLM(str(path))
+    llm = LLM(str(path), enable_prefix_caching=False, max_num_batched_tokens=4096)
     seen: dict[int, tuple[list[int], list[float]]] = {}
     for name, batches in compositions.items():
         for batch in batches:
             outputs = llm.generate([prompts[i] for i in batch], params, use_tqdm=False)
             for i, output in zip(batch, outputs, strict=True):
                 got = output.token_ids, [lp.logprob for lp in output.logprobs]
-                if i not in checked:
-                    continue
                 seen.setdefault(i, got)
                 assert got[0] == seen[i][0], (name, i)
                 drift = max(abs(a - b) for a, b in zip(got[1], seen[i][1], strict=True))
@@ -191,8 +194,8 @@ def test_a_request_gets_the_same_tokens_and_logprobs_in_any_batch(
     monkeypatch, model, count, as_chat
 ):
     """The default path: int4/int8 kernels compute a row alike at any row count, paged decode
-    pads a group's histories with keys of weight 0, and the head takes its kernel at every
-    row count. Gemma's int8 layers (its Q5_0/Q6_K/Q8_0 tensors) take bf16 tiles for calls
+    reads whole blocks of keys and pads a group's histories with keys of weight 0, and the
+    head takes its kernel at every row count. Gemma's int8 layers (its Q5_0/Q6_K/Q8_0 tensors) take bf16 tiles for calls
     of over 16 rows by default, whose GEMM blocks by row count, so a prompt prefilled alone
     or with others differs there: Gemma runs with QINFER_LINEAR_PATH=kernel."""
     from gguf_files import gemma3_path
@@ -202,19 +205,6 @@ def test_a_request_gets_the_same_tokens_and_logprobs_in_any_batch(
     path = smollm2_path() if model == "smollm2" else gemma3_path()
     prompts = chat(PROMPTS[:count]) if as_chat else PROMPTS[:count]
     same_in_every_batch(path, prompts, {name: f(count) for name, f in COMPOSITIONS.items()})
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="without batch_invariant a prompt cut into chunks where its neighbours end "
-    "attends through sdpa chunk by chunk: other reduction orders than in one pass",
-)
-def test_a_prompt_chunked_where_its_neighbours_end_gets_the_same_tokens_and_logprobs():
-    """LONG alone, then beside each of 4 short prompts: the step's token budget cuts it after
-    a different number of tokens each time. (The short prompts beside it keep theirs.)"""
-    prompts = chat([*PROMPTS[:4], LONG])
-    beside = {"alone": [[-1]], "beside": [[i, -1] for i in range(4)]}
-    same_in_every_batch(smollm2_path(), prompts, beside, checked=[-1])
 
 
 def alike_chunked_cached_preempted_and_speculated(path, prompts: list, **load) -> None:

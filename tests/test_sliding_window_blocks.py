@@ -1,4 +1,4 @@
-"""Sliding-window layers keep only their window's blocks (`qinfer.runtime.block_spaces`).
+"""Sliding-window layers keep only their window's blocks (`qinfer.attention.block_spaces`).
 
 A model with sliding layers keeps their K/V in a block space of its own whose tables give
 back every block before each sequence's window; a step reads only the window's blocks.
@@ -23,14 +23,15 @@ from checkpoints import GEMMA3, build_checkpoint, random_model, tiny_config
 from checkpoints import reference_logits as transformers_logits
 
 import qinfer
+from qinfer.attention.block_spaces import NULL_BLOCK, BlockSpaces, window_space_blocks
 from qinfer.engine import LLM
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import ConfigError
-from qinfer.runtime.block_spaces import NULL_BLOCK, BlockSpaces, window_space_blocks
 from qinfer.runtime.runner import kv_pool_blocks
-from qinfer.runtime.step_channel import StepInputs, pack, unpack
+from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step_channel import pack, unpack
 from qinfer.sampling import SamplingParams
 
 WINDOW, BLOCK = 8, 4
@@ -187,15 +188,17 @@ def test_the_same_budget_gives_the_full_attention_space_more_blocks():
     config = EngineConfig(
         kv_cache_memory=budget, block_size=4, max_num_seqs=2, max_num_batched_tokens=8
     )
-    assert kv_pool_blocks(model, config, BlockSpaces.whole(model.config)) == [40]
-    assert kv_pool_blocks(model, config, BlockSpaces.of(model.config)) == [100, 10]
+    assert kv_pool_blocks(model, config.runtime, BlockSpaces.whole(model.config)) == [40]
+    assert kv_pool_blocks(model, config.runtime, BlockSpaces.of(model.config)) == [100, 10]
     engine = LLM(model, **vars(config)).engine
     assert engine.executor.num_blocks == [100, 10]
     assert engine.max_len == 100 * 4 + 1
     # a model whose every layer slides keeps one space of the whole budget
     mistral = random_model("mistral", sliding_window=WINDOW, head_dim=16)
     per_block = 2 * 2 * 2 * 16 * 4 * 4  # K and V, layers, heads, dims, bytes, tokens
-    assert kv_pool_blocks(mistral, config, BlockSpaces.of(mistral.config)) == [budget // per_block]
+    assert kv_pool_blocks(mistral, config.runtime, BlockSpaces.of(mistral.config)) == [
+        budget // per_block
+    ]
 
 
 def test_a_prefix_hit_past_the_window_equals_a_cold_run(pairs):

@@ -1,4 +1,4 @@
-"""Speculative decoding (`qinfer.speculative`): proposals change the speed, never the output.
+"""Speculative decoding (`qinfer.engine.speculative`): proposals change the speed, never the output.
 
 Greedy output with speculation on is token for token the output with it off, for every
 family and with every engine feature that touches the tokens a step runs (prefix cache,
@@ -24,10 +24,10 @@ import qinfer
 from qinfer.cli import main
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence
+from qinfer.engine.speculative.draft import DraftModel
+from qinfer.engine.speculative.ngram import propose_ngram
 from qinfer.errors import QinferError
 from qinfer.sampling import SamplingParams, process_logits, sample
-from qinfer.speculative.draft import DraftModel
-from qinfer.speculative.ngram import propose_ngram
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma3", "smollm3", "phi3"]

@@ -214,7 +214,7 @@ def test_ids_past_the_tokenizer_vocabulary_are_masked(qwen3):
     model, tokenizer, _ = qwen3
     assert tokenizer.vocab_size < model.config.vocab_size == CHAT_VOCAB_SIZE
     params = SamplingParams(regex="[a-z]+")
-    processor = GrammarProcessor.create(params, tokenizer, eos_token_ids(model, tokenizer))
+    processor = GrammarProcessor.create(params, tokenizer, eos_token_ids(model.config, tokenizer))
     masked = processor(torch.zeros(CHAT_VOCAB_SIZE))
     allowed = torch.isfinite(masked).nonzero()[:, 0].tolist()
     assert allowed == [tokenizer.encode(c)[0] for c in "abcdefghijklmnopqrstuvwxyz"]
@@ -312,7 +312,7 @@ def test_the_mask_is_exactly_the_tokens_that_keep_a_valid_prefix(qwen3, fields, 
     iff the text with it is a prefix of a word of the (finite) language, and EOS iff the
     text is a word; checked at every step along `path`."""
     model, tokenizer, _ = qwen3
-    eos = eos_token_ids(model, tokenizer)
+    eos = eos_token_ids(model.config, tokenizer)
     processor = GrammarProcessor.create(SamplingParams(**fields), tokenizer, eos)
     texts = {t: tokenizer.decode([t]) for t in range(tokenizer.vocab_size)}
     text = ""
@@ -344,7 +344,7 @@ def test_the_next_mask_is_computed_on_a_worker_thread_after_each_token(qwen3, mo
         fill(matcher, bitmask)
 
     monkeypatch.setattr(qinfer.grammar.llguidance.numpy, "fill_next_token_bitmask", recording_fill)
-    eos = eos_token_ids(model, tokenizer)
+    eos = eos_token_ids(model.config, tokenizer)
     processor = GrammarProcessor.create(SamplingParams(choice=["abc"]), tokenizer, eos)
     for piece in "abc":
         allowed = torch.isfinite(processor(torch.zeros(CHAT_VOCAB_SIZE))).nonzero()[:, 0]

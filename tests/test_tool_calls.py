@@ -32,7 +32,7 @@ import qinfer
 from qinfer.grammar import _ll_tokenizer
 from qinfer.server.completions import Delta
 from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
-from qinfer.text.tool_calls import (
+from qinfer.tool_calls import (
     GENERIC,
     HERMES,
     LLAMA3_JSON,

@@ -184,7 +184,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, chat: bool) -> No
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """Speculative decoding flags (`qinfer.speculative`); none given: off."""
+    """Speculative decoding flags (`qinfer.engine.speculative`); none given: off."""
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
         "--speculative-method",

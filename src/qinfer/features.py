@@ -36,8 +36,9 @@ class Features:
         scores (`qinfer.attention.paged._decode`; quantized K/V caches' values summed in
         fp64 too), every quantized Linear its kernel at any row count and every dense one
         fixed-size GEMM chunks (`qinfer.linear.dense`). Without it a request of a quantized
-        model is the same alone and in any batch of whole prompts and decodes (the tests),
-        and prefill is faster (sdpa, tile GEMMs, whole GEMMs).
+        model is the same alone and in any batch as long as its prompt runs in the same
+        chunks (the tests: each prompt in one pass), and prefill is faster (sdpa, tile
+        GEMMs, whole GEMMs).
     """
 
     fast_sdpa: bool = True

@@ -29,8 +29,8 @@ from qinfer.attention.sdpa import (
     weigh_values_grouped,
 )
 from qinfer.errors import RequestError
+from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer
-from qinfer.runtime.forward_batch import ForwardBatch
 
 #: Longest prompt inspected: the weights of one head grow with its square.
 MAX_INSPECT_TOKENS = 256

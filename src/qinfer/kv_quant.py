@@ -9,7 +9,7 @@ for a model's compute dtype:
     fp8    float8_e4m3fn, one fp32 scale per (token, head): scale = absmax / 448
 
 A quantized vector x (D,) of one token and head is stored as data (D,) and one scale, and
-read back as data * scale. Every cache (`qinfer.kv_cache`'s contiguous and rotating ones,
+read back as data * scale. Every cache (`qinfer.attention.kv_cache`'s contiguous and rotating ones,
 the engine's `KVPool`) quantizes the step's K/V when it writes them and dequantizes only
 what attention reads. Bytes per token and KV head: D * 2 for bf16, D + 4 for int8 and fp8
 (64-wide heads: 128 against 68).

@@ -28,12 +28,13 @@ import torch
 from torch import nn
 
 from qinfer.attention.backend import sdpa_for
+from qinfer.attention.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import Mask
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features
-from qinfer.kv_cache import KVCache, RotatingKVCache, StepMasks
+from qinfer.forward_batch import ForwardBatch
 from qinfer.kv_quant import KVFormat, kv_format
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
@@ -45,7 +46,6 @@ from qinfer.linear.grouped import GroupedLinear
 from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.module import Module
 from qinfer.parallel import Parallel, Shard
-from qinfer.runtime.forward_batch import ForwardBatch
 from qinfer.weights import QUANTIZE_KINDS, Quantize, open_checkpoint
 from qinfer.weights.load import init_random, load
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed

@@ -27,8 +27,8 @@ import torch
 from qinfer.attention.backend import sdpa_for
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.errors import QinferError
+from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer
-from qinfer.runtime.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

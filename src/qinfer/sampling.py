@@ -18,7 +18,7 @@ reference the tests check against:
    whichever rows share their batch). Rows with a top_k do all of this on their k best
    candidates only, never touching the rest of the vocabulary.
 
-A row may come with a *proposed* token (speculative decoding, `qinfer.speculative`): a
+A row may come with a *proposed* token (speculative decoding, `qinfer.engine.speculative`): a
 guess of a proposer that put all its probability on it. The row then keeps the exact
 distribution of step 3 by rejection sampling (Leviathan et al. 2023, Chen et al. 2023,
 with a point-mass proposal): the proposal is accepted with probability p(proposal), else
@@ -69,7 +69,7 @@ class SamplingParams:
     seed: seeds this request's own generator, so its samples reproduce.
     logprobs: None = no log-probabilities; n = the chosen token's and the n most likely.
     prompt_logprobs: None = none; n = each prompt token's log-probability given the tokens
-    before it, and the n most likely there (`qinfer.prompt_logprobs`).
+    before it, and the n most likely there (`qinfer.engine.prompt_logprobs`).
     logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
     else (OpenAI semantics: -100 bans a token); stored as sorted (id, bias) pairs.
     thinking_budget: None = unbounded; n = a thinking model's `<think>` block is closed

@@ -29,7 +29,7 @@ of these steps.
 
 A group's histories are padded to its longest (in whole blocks) and masked by position.
 
-Block spaces (`qinfer.runtime.block_spaces`): a model with sliding-window layers keeps
+Block spaces (`qinfer.attention.block_spaces`): a model with sliding-window layers keeps
 their K/V in a pool of their own, whose tables hold only each sequence's window (the
 blocks before it go back to the pool). The step is then two `PagedStep`s, one per space,
 each with its own slots and tables, and each layer reads its space's: a sliding layer's
@@ -44,12 +44,12 @@ from typing import NamedTuple
 
 import torch
 
+from qinfer.attention.block_spaces import BlockSpaces
+from qinfer.attention.kv_cache import position_mask
+from qinfer.attention.kv_pool import KVPool, LayerKV
 from qinfer.attention.sdpa import Mask, Sdpa
-from qinfer.kv_cache import position_mask
+from qinfer.attention.step_buffers import SpaceTensors, StepBuffers, StepTensors
 from qinfer.kv_quant import KVFormat, raw_bytes
-from qinfer.runtime.block_spaces import BlockSpaces
-from qinfer.runtime.kv_pool import KVPool, LayerKV
-from qinfer.runtime.step_buffers import SpaceTensors, StepBuffers, StepTensors
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
@@ -132,9 +132,9 @@ class Group:
     reads (its history after the step, less the positions before its table's first
     block). tables: (G, W) their block tables padded with block 0. A history is read as
     whole blocks, S = W * block_size keys; key_positions (G, S) gives each key's position,
-    -1 past the sequence's history. When every history of the group is equally long, S
-    is cut to that length and, within the window, the bottom-right causal rule says all
-    (mask "causal": the fast paths of sdpa). What only some paths read (the queries' flat
+    -1 past the sequence's history. When every history of a group of prompt chunks is
+    equally long, S is cut to that length and, within the window, the bottom-right causal
+    rule says all (mask "causal": the fast paths of sdpa). What only some paths read (the queries' flat
     indices, the masks, the value rows) is made on first use, once per step.
     """
 
@@ -153,8 +153,14 @@ class Group:
         read = [lengths[b] for b in rows]  # keys each sequence reads
         self.rows, self.num_new, self.block_size = rows, L, block_size
         self.starts = [tensors.query_starts[b] for b in rows]  # each one's first new token
-        self.equal_lengths = len(set(read)) == 1
-        self.length = read[0] if self.equal_lengths else width * block_size  # S
+        equal_lengths = len(set(read)) == 1
+        # S, the keys read: a prompt chunk's exact history when the group's are equally long
+        # (the causal rule is then the whole mask: sdpa's fast paths); whole blocks at decode,
+        # so that a sequence's scores come from a GEMM of the same width of keys alone as
+        # beside longer histories (fp32 GEMMs order a partial tile's sums otherwise: scores
+        # 1e-6 apart on an AMD EPYC, and greedy tokens that differ after a few dozen steps)
+        self.length = read[0] if equal_lengths and L > 1 else width * block_size
+        self.whole = equal_lengths and self.length == read[0]  # no key past a history
         self._tensors = tensors
         self.key_starts = space.key_starts  # (G,) position of each first key, or None: 0
         if rows == list(range(len(tensors.query_starts) - 1)):  # every sequence, in order
@@ -231,7 +237,7 @@ class Group:
         """True when the S keys are each sequence's whole read history (positions
         consecutive up to its last) and inside the window: the bottom-right causal rule
         is then the whole mask."""
-        return self.equal_lengths and (window is None or self.length <= window)
+        return self.whole and (window is None or self.length <= window)
 
     def score_mask(self, window: int | None) -> torch.Tensor:
         """`mask` as (G, 1, L, S) fp32 to add to scores: 0 where allowed, -inf elsewhere."""

@@ -4,7 +4,7 @@
     out = sdpa(q, keys, values, scale, mask)
 
 Its batches are rectangular: B rows of L new tokens each (rows of different lengths are
-left-padded, and the caches mask the padding: `qinfer.kv_cache`), flattened row by row
+left-padded, and the caches mask the padding: `qinfer.attention.kv_cache`), flattened row by row
 into the T = B * L tokens of a `ForwardBatch`.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from qinfer.attention.kv_cache import KVCache, RotatingKVCache
 from qinfer.attention.sdpa import Mask, Sdpa
-from qinfer.kv_cache import KVCache, RotatingKVCache
 
 Cache = KVCache | RotatingKVCache
 

@@ -1,7 +1,7 @@
 """Who owns which KV block: reference-counted pools of fixed-size blocks with prefix caching.
 
 A pool (`BlockPool`) holds `num_blocks` blocks of `block_size` token positions each. A
-sequence owns a block table in each block space of the model (`qinfer.runtime.block_spaces`:
+sequence owns a block table in each block space of the model (`qinfer.attention.block_spaces`:
 one space for most models; two, each with a pool of its own, for a model with sliding-window
 and full-attention layers): block ids for its positions 0..B-1, B..2B-1, ... Blocks are
 reference counted so that several sequences can share the full blocks of a common prefix.
@@ -36,9 +36,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as TokenIds
 
+from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import CacheError
-from qinfer.runtime.block_spaces import NULL_BLOCK, first_block
 
 
 def block_hash(parent_hash: int | None, token_ids: TokenIds[int]) -> int:

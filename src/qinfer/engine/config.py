@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.errors import QinferError
-from qinfer.speculative.config import SpeculativeConfig
+from qinfer.runtime.config import RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -17,20 +18,20 @@ class EngineConfig:
     max_num_batched_tokens: tokens run through the model in one step (decode tokens
         plus prefill chunks); long prompts are prefilled in chunks of at most this.
     kv_cache_memory: bytes for the KV pool; default: gpu_memory_utilization of the free
-        device memory on GPU, DEFAULT_CPU_KV_MEMORY on CPU.
+        device memory on GPU, `runtime.config.DEFAULT_CPU_KV_MEMORY` on CPU.
     num_kv_blocks: exact pool size in blocks; overrides kv_cache_memory.
     max_model_len: longest sequence (prompt + output); default the model's context.
     enable_prefix_caching: reuse the K/V of full blocks shared by several prompts.
     max_waiting_requests: requests allowed to wait; more are refused as overloaded.
-    speculative: speculative decoding (`qinfer.speculative.SpeculativeConfig`, or a mapping
+    speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
     """
 
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    block_size: int = RuntimeConfig.block_size
+    max_num_seqs: int = RuntimeConfig.max_num_seqs
+    max_num_batched_tokens: int = RuntimeConfig.max_num_batched_tokens
     kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = RuntimeConfig.gpu_memory_utilization
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -64,6 +65,16 @@ class EngineConfig:
         """The most tokens proposed per sequence and step (0 without speculative decoding)."""
         return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
+    @property
+    def runtime(self) -> RuntimeConfig:
+        """What the runner and the executor are told (`qinfer.runtime.config`): the
+        settings of the same names, and what speculation asks of the pool."""
+        shared = {name: getattr(self, name) for name in SHARED}
+        drafted = self.speculative is not None and self.speculative.method == "draft"
+        return RuntimeConfig(
+            **shared, num_speculative_tokens=self.num_speculative_tokens, whole_space_0=drafted
+        )
+
     @classmethod
     def from_kwargs(cls, **engine_args) -> EngineConfig:
         """An EngineConfig from keyword arguments, naming any unknown one."""
@@ -76,5 +87,12 @@ class EngineConfig:
         return cls(**engine_args)
 
 
-#: KV pool size on CPU when no kv_cache_memory is given.
-DEFAULT_CPU_KV_MEMORY = 512 * 2**20
+#: The settings EngineConfig passes on to RuntimeConfig as they are.
+SHARED = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "num_kv_blocks",
+)

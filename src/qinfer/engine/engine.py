@@ -22,26 +22,25 @@ from pathlib import Path
 
 import torch
 
+from qinfer.attention.block_spaces import window_space_blocks
 from qinfer.checkpoint import resolve_model
 from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
+from qinfer.engine.prompt_logprobs import PromptLogprobs
 from qinfer.engine.scheduler import Scheduler
-from qinfer.engine.sequence import Sequence
+from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.features import check_kv_cache_dtype
 from qinfer.model import Transformer, load_model
 from qinfer.pooling import PoolingParams, PoolingState
-from qinfer.prompt_logprobs import PromptLogprobs
 from qinfer.request_state import RequestState, sample_next
-from qinfer.runtime.block_spaces import window_space_blocks
 from qinfer.runtime.executor import Executor, follow
-from qinfer.runtime.runner import step_inputs
 from qinfer.sampling import SamplingParams
 from qinfer.scoring import ScoreParams
-from qinfer.speculative.speculator import Speculator
 from qinfer.text.prompts import Prompt, encode_prompt
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
@@ -55,7 +54,7 @@ class Request:
     (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`;
     nor does a scoring one (`scoring` set), which finishes with `score`, nor one with
     max_tokens 0 (finish reason "length"). One with `params.prompt_logprobs` gathers them
-    while its prompt runs (`qinfer.prompt_logprobs`).
+    while its prompt runs (`qinfer.engine.prompt_logprobs`).
     """
 
     def __init__(
@@ -156,7 +155,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.default_params = default_params or SamplingParams()  # for requests without any
-        self.executor = Executor(model, self.config, group)
+        self.executor = Executor(model, self.config.runtime, group)
         # close() on demand, else when the engine is collected or the interpreter exits
         self._close = weakref.finalize(self, self.executor.close)
         blocks, windows = self.executor.num_blocks, self.executor.spaces.windows
@@ -184,7 +183,7 @@ class Engine:
         # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
         # front-ends without a tokenizer: `qinfer.generation.generate_ids`).
         if eos_token_ids is None:
-            eos_token_ids = model_eos_ids(model, tokenizer)
+            eos_token_ids = model_eos_ids(model.config, tokenizer)
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
         self._throughput = ThroughputMeter()
@@ -227,7 +226,7 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        # The model runs these ids unchecked (`runner.step_inputs`): encode_prompt checks them.
+        # The model runs these ids unchecked (`sequence.step_inputs`): encode_prompt checks them.
         try:
             ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.model.config.vocab_size)
         except QinferError as error:
@@ -559,7 +558,7 @@ def follow_engine(
     """A worker rank of a tensor-parallel engine: load its shard, size the same pool as
     every rank, and run rank 0's steps until it stops."""
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
-    follow(model, config, group)
+    follow(model, config.runtime, group)
 
 
 def _load_shard(path: Path, load_args: dict, group: TensorParallelGroup) -> Transformer:

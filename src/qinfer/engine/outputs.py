@@ -33,7 +33,7 @@ class RequestOutput:
     score: a scoring request's P(yes) (`qinfer.scoring`), likewise.
     prompt_logprobs: with `SamplingParams.prompt_logprobs`, once the prompt has run, one
     entry per prompt token, None for the first (nothing predicts it; see
-    `qinfer.prompt_logprobs`).
+    `qinfer.engine.prompt_logprobs`).
     """
 
     request_id: str

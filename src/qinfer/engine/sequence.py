@@ -1,8 +1,12 @@
-"""One request as the scheduler sees it: its tokens, its KV blocks, how far it is computed."""
+"""One request as the scheduler sees it: its tokens, its KV blocks, how far it is computed;
+and the runtime's step (`step_inputs`) made of the sequences a step runs."""
 
 from __future__ import annotations
 
 import enum
+
+from qinfer.attention.block_spaces import BlockSpaces, first_block
+from qinfer.runtime.step import StepInputs
 
 
 class SequenceStatus(enum.Enum):
@@ -17,14 +21,14 @@ class Sequence:
     `num_computed_tokens` tokens have their K/V in the pool (at positions 0 .. n-1, in the
     blocks of `block_table`); the rest still have to run through the model. A model with
     sliding-window and full-attention layers keeps the sliding layers' K/V in a block space
-    of its own (`qinfer.runtime.block_spaces`), in the blocks of `window_table`, whose
+    of its own (`qinfer.attention.block_spaces`), in the blocks of `window_table`, whose
     entries before the window are `NULL_BLOCK` (released). A decoding
     sequence has exactly one uncomputed token, the one it sampled last; a preempted one
     has none computed and prefills prompt and output again.
 
     `proposed` holds the tokens a speculative proposer guessed to follow (never part of
     `token_ids`): a step runs them after the uncomputed ones, and the verification keeps
-    those the model agrees with (`qinfer.speculative`).
+    those the model agrees with (`qinfer.engine.speculative`).
     """
 
     def __init__(
@@ -79,3 +83,39 @@ class Sequence:
             f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
+
+
+def step_inputs(
+    seqs: list[Sequence],
+    num_new: list[int],
+    num_logits: list[int],
+    spaces: BlockSpaces,
+    block_size: int,
+) -> StepInputs:
+    """The step that runs num_new[b] new tokens of each sequence (their blocks already
+    allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
+    num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
+    leaves more of its prompt for later steps, or a pooling sequence); its tables in each
+    of the model's block spaces, a window space's from the first block the step reads.
+    Token ids are not checked: the engine checked every prompt when it came in, sampled
+    ids come from the logits, and proposed ids from the vocabulary."""
+    tables = [
+        [
+            _read_table(seq.tables[space], seq.num_computed_tokens, window, block_size)
+            for seq in seqs
+        ]
+        for space, window in enumerate(spaces.windows)
+    ]
+    return StepInputs(
+        [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
+        [seq.num_computed_tokens for seq in seqs],
+        tables[0],
+        list(num_logits),
+        tables[1] if len(tables) > 1 else None,
+    )
+
+
+def _read_table(table: list[int], num_computed: int, window: int | None, size: int) -> list[int]:
+    """The entries of a sequence's table in a space of this window that a step whose
+    queries start at num_computed reads: all of them, or a window's from its first block."""
+    return table if window is None else table[first_block(num_computed, window, size) :]

@@ -109,7 +109,7 @@ class Attention(Module, Placed):
         The seed's call, x (B, L, hidden) -> (B, L, hidden), runs the same layer over one
         contiguous cache through the reference backend (`qinfer.attention.reference`):
         positions are then offsets (int or (B,): each row's first position; or (B, L)),
-        attention is a `qinfer.kv_cache` cache and mask as in
+        attention is a `qinfer.attention.kv_cache` cache and mask as in
         `scaled_dot_product_attention_grouped`, handed to the cache to complete."""
         if x.dim() == 3:  # the seed's call: the flat forward over its rows
             B, L, H = x.shape

@@ -18,19 +18,27 @@ GEMMs block by row count), where its other calls choose by row bucket.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from qinfer.linear.base import Linear
+
+class Head(Protocol):
+    """What `fp32_logits` asks of a head (every `qinfer.linear.Linear` answers it)."""
+
+    def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def has_rows(self) -> bool: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
 
 #: Logits of each row recomputed exactly: far more than bf16's rounding (at most 1/256 of
 #: a logit) can reorder at the top.
 EXACT_TOP = 16
 
 
-def fp32_logits(head: Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fp32_logits(head: Head, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (R, K) fp32 -> (R, N) fp32 logits of `head` (R rows of the final norm's output):
     the kernel in `dtype`, then each row's EXACT_TOP highest recomputed from x and the
     weight's rows (where the head can read its rows; else the kernel's values)."""

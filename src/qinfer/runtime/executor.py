@@ -1,7 +1,7 @@
 """Who runs a step: the `Executor` owns the ranks the model is split over.
 
-    executor = Executor(model, engine_config)              # one process
-    executor = Executor(shard, engine_config, group)       # rank 0 of a tensor-parallel group
+    executor = Executor(model, runtime_config)             # one process
+    executor = Executor(shard, runtime_config, group)      # rank 0 of a tensor-parallel group
     output = executor.execute(step)                        # StepInputs -> StepOutput
     executor.close()                                       # stops the workers (if any)
 
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qinfer.attention.block_spaces import BlockSpaces
 from qinfer.distributed import TensorParallelGroup
-from qinfer.engine.config import EngineConfig
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
-from qinfer.runtime.block_spaces import BlockSpaces
+from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks
-from qinfer.runtime.step_channel import StepChannel, StepInputs
+from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step_channel import StepChannel
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,11 @@ class Executor:
     group: the tensor-parallel group whose rank 0 this process is (model is its shard),
     or None for one process. The pools of every rank have the same block spaces and
     numbers of blocks (the fewest any rank can hold), so a block id means the same slots
-    everywhere. `spaces`: the model's block spaces (`qinfer.runtime.block_spaces`).
+    everywhere. `spaces`: the model's block spaces (`qinfer.attention.block_spaces`).
     """
 
     def __init__(
-        self, model: Transformer, config: EngineConfig, group: TensorParallelGroup | None = None
+        self, model: Transformer, config: RuntimeConfig, group: TensorParallelGroup | None = None
     ) -> None:
         self.group = group
         self.parallel = ParallelConfig(tensor=1 if group is None else group.parallel.world_size)
@@ -115,7 +116,7 @@ class Executor:
             group.close()
 
 
-def follow(model: Transformer, config: EngineConfig, group: TensorParallelGroup) -> None:
+def follow(model: Transformer, config: RuntimeConfig, group: TensorParallelGroup) -> None:
     """A worker rank: size the same pools as every rank, then run rank 0's steps, in its
     order, until it stops."""
     channel = StepChannel(group)
@@ -126,13 +127,13 @@ def follow(model: Transformer, config: EngineConfig, group: TensorParallelGroup)
 
 
 def pool_layout(
-    model: Transformer, config: EngineConfig, channel: StepChannel | None
+    model: Transformer, config: RuntimeConfig, channel: StepChannel | None
 ) -> tuple[BlockSpaces, list[int]]:
     """The model's block spaces and each one's blocks (`kv_pool_blocks`). A draft model
     reads space 0's tables for its own pool, so with one, space 0 keeps whole histories.
     Under tensor parallelism every rank takes rank 0's word for that (a worker's config has
     no speculative settings: the draft model is rank 0's)."""
-    drafted = config.speculative is not None and config.speculative.method == "draft"
+    drafted = config.whole_space_0
     if channel is not None:
         drafted = bool(channel.rank_0(int(drafted)))
     spaces = BlockSpaces.of(model.config, whole_space_0=drafted)

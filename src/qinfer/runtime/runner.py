@@ -2,7 +2,7 @@
 
 A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
 attending through the paged backend (`qinfer.attention.paged`) over this runner's pools
-(one per block space, `qinfer.runtime.block_spaces`);
+(one per block space, `qinfer.attention.block_spaces`);
 logits are computed only at the rows that ask for them: the last token of each sequence
 that samples, the last 1 + k of one that verifies k proposed tokens. The step's tensors
 are written in place into the runner's `StepBuffers`.
@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from qinfer.attention.backend import sdpa_for
+from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
+from qinfer.attention.kv_pool import KVPool
 from qinfer.attention.paged import PagedAttention, PagedStep, paged_layers
-from qinfer.engine.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
-from qinfer.engine.sequence import Sequence
+from qinfer.attention.step_buffers import StepBuffers
 from qinfer.errors import QinferError
+from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer
-from qinfer.runtime.block_spaces import BlockSpaces, first_block, window_space_blocks
-from qinfer.runtime.forward_batch import ForwardBatch
-from qinfer.runtime.kv_pool import KVPool
-from qinfer.runtime.step_buffers import StepBuffers
-from qinfer.runtime.step_channel import StepChannel, StepInputs
+from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
+from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step_channel import StepChannel
 
 
 def kv_heads(model: Transformer) -> int:
@@ -41,7 +41,7 @@ def kv_heads(model: Transformer) -> int:
 
 def kv_pool_blocks(
     model: Transformer,
-    config: EngineConfig,
+    config: RuntimeConfig,
     spaces: BlockSpaces,
     channel: StepChannel | None = None,
 ) -> list[int]:
@@ -96,7 +96,7 @@ def _split(
     budget: int | None,
     per_block: list[int],
     window: int,
-    config: EngineConfig,
+    config: RuntimeConfig,
     proposed: int,
 ) -> list[int]:
     """[space 0's blocks, the window space's] of `kv_pool_blocks`: the window space's
@@ -111,7 +111,7 @@ def _split(
     return [(budget - window_blocks * per_block[1]) // per_block[0], window_blocks]
 
 
-def _gpu_budget(model: Transformer, config: EngineConfig) -> int:
+def _gpu_budget(model: Transformer, config: RuntimeConfig) -> int:
     """Bytes for the pool on a GPU: gpu_memory_utilization of the memory free now, less the
     activation peak of a warm-up forward as long as the longest step (kept for the steps)."""
     device = model.device
@@ -139,48 +139,12 @@ class StepOutput:
     hidden: list[torch.Tensor | None]
 
 
-def step_inputs(
-    seqs: list[Sequence],
-    num_new: list[int],
-    num_logits: list[int],
-    spaces: BlockSpaces,
-    block_size: int,
-) -> StepInputs:
-    """The step that runs num_new[b] new tokens of each sequence (their blocks already
-    allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
-    num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
-    leaves more of its prompt for later steps, or a pooling sequence); its tables in each
-    of the model's block spaces, a window space's from the first block the step reads.
-    Token ids are not checked: the engine checked every prompt when it came in, sampled
-    ids come from the logits, and proposed ids from the vocabulary."""
-    tables = [
-        [
-            _read_table(seq.tables[space], seq.num_computed_tokens, window, block_size)
-            for seq in seqs
-        ]
-        for space, window in enumerate(spaces.windows)
-    ]
-    return StepInputs(
-        [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
-        [seq.num_computed_tokens for seq in seqs],
-        tables[0],
-        list(num_logits),
-        tables[1] if len(tables) > 1 else None,
-    )
-
-
-def _read_table(table: list[int], num_computed: int, window: int | None, size: int) -> list[int]:
-    """The entries of a sequence's table in a space of this window that a step whose
-    queries start at num_computed reads: all of them, or a window's from its first block."""
-    return table if window is None else table[first_block(num_computed, window, size) :]
-
-
 class ModelRunner:
     """One rank's model over its own KV pools, num_blocks[s] blocks in block space s of
     `spaces`: `forward` runs a step."""
 
     def __init__(
-        self, model: Transformer, config: EngineConfig, num_blocks: list[int], spaces: BlockSpaces
+        self, model: Transformer, config: RuntimeConfig, num_blocks: list[int], spaces: BlockSpaces
     ) -> None:
         self.model = model
         self.block_size = config.block_size

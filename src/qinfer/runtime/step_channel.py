@@ -2,9 +2,9 @@
 
 The scheduler, block manager and sampler live on rank 0 only. Every rank must still run
 each forward with the same inputs, in the same order (`qinfer.parallel`), so before each
-forward rank 0 broadcasts what a `StepLayout` is built from, and every worker builds the
-same layout over its own KV pools (same block ids: the pools have the same number of
-blocks) and runs the same `Transformer.forward`. Two broadcasts per step, on the group's
+forward rank 0 broadcasts the step (`qinfer.runtime.step.StepInputs`), and every worker
+runs it over its own KV pools (same block ids: the pools have the same number of blocks)
+through the same `Transformer.forward`. Two broadcasts per step, on the group's
 CPU `control` group:
 
     header  (4,) int64: [S sequences, T new tokens, K block spaces, E block-table
@@ -19,37 +19,11 @@ A decode step of 32 sequences with 8-block tables in one space is 32 * 13 = 416 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from qinfer.distributed import TensorParallelGroup
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """One engine step: per sequence b, new_tokens[b] (ids to run now), num_computed[b]
-    (tokens already in the pool), block_tables[b] (its blocks in block space 0), and
-    num_logits[b]: how many of its last new tokens produce logits (0 for a prompt chunk
-    that leaves more for later steps; 1 to sample the next token; 1 + k to verify k
-    proposed tokens; all of them for a prompt's logprobs). window_tables[b]: its blocks in
-    space 1, the sliding-window layers' of a model that also has full-attention layers
-    (None for a model of one space). A window space's table starts at the first block the
-    step reads (`block_spaces.first_block`), whichever space it is."""
-
-    new_tokens: list[list[int]]
-    num_computed: list[int]
-    block_tables: list[list[int]]
-    num_logits: list[int]
-    window_tables: list[list[int]] | None = None
-
-    @property
-    def tables(self) -> list[list[list[int]]]:
-        """Every block space's tables, space after space."""
-        if self.window_tables is None:
-            return [self.block_tables]
-        return [self.block_tables, self.window_tables]
+from qinfer.runtime.step import StepInputs
 
 
 def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,13 +39,13 @@ from qinfer.server.anthropic_messages_request import ConversationRequest, Messag
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
-from qinfer.text.tool_calls import check_tool_schemas
+from qinfer.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from qinfer.server.app import ModelServer
+    from qinfer.server.model_server import ModelServer
 
 #: Anthropic's error `type` of each status the server returns (503, the engine's full
 #: queue, goes out as Anthropic's 529).

@@ -21,7 +21,7 @@ from qinfer.cli_args import (
 from qinfer.errors import QinferError
 from qinfer.pooling import POOLING_METHODS, PoolingParams
 
-#: What `qinfer serve --task` chooses from (`qinfer.server.app.ServerSettings.task`).
+#: What `qinfer serve --task` chooses from (`qinfer.server.model_server.ServerSettings.task`).
 TASKS = ("generate", "embed", "rerank")
 
 #: Engine arguments as flags: (flag, EngineConfig field, type, help).

@@ -22,7 +22,7 @@ from qinfer.engine.outputs import TokenLogprob
 from qinfer.sampling import SamplingParams
 from qinfer.server.metrics import RequestTimer, ServerMetrics
 from qinfer.text.reasoning import ReasoningStream
-from qinfer.text.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
+from qinfer.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
     from qinfer.engine import AsyncEngine, RequestOutput

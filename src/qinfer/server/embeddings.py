@@ -26,7 +26,7 @@ from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel
 
 if TYPE_CHECKING:
-    from qinfer.server.app import ModelServer
+    from qinfer.server.model_server import ModelServer
 
 #: Most inputs one request may embed (OpenAI's own bound).
 MAX_EMBEDDING_INPUTS = 2048

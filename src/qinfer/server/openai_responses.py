@@ -46,13 +46,13 @@ from qinfer.server.openai_responses_request import (
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.text.reasoning import THINK_CLOSE
 from qinfer.text.tokenizer import Tokenizer
-from qinfer.text.tool_calls import check_tool_schemas
+from qinfer.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from qinfer.server.app import ModelServer
+    from qinfer.server.model_server import ModelServer
 
 #: Responses kept for `previous_response_id` (the least recently used go first).
 STORED_RESPONSES = 1024

@@ -32,7 +32,7 @@ from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel
 
 if TYPE_CHECKING:
-    from qinfer.server.app import ModelServer
+    from qinfer.server.model_server import ModelServer
 
 #: Most documents (or pairs) one request may score.
 MAX_SCORED_DOCUMENTS = 1024

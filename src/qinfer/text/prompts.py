@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
-from qinfer.model import Transformer
 from qinfer.text.tokenizer import Tokenizer
 
 Messages = Sequence[Mapping[str, object]]
@@ -99,8 +99,8 @@ def _token_ids(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def eos_token_ids(model: Transformer, tokenizer: Tokenizer | None) -> frozenset[int]:
+def eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
     """The union of the end-of-sequence ids the model config and the tokenizer (if any)
     declare."""
     declared = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-    return frozenset(model.config.eos_token_id) | declared
+    return frozenset(config.eos_token_id) | declared

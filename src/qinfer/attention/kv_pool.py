@@ -3,7 +3,7 @@
 Slot `block_id * block_size + i` holds position i of that block; a sequence's block table
 lists its blocks in order (`qinfer.engine.block_manager` hands them out, shared between
 sequences with a common prefix). A pool holds the layers of one block space
-(`qinfer.runtime.block_spaces`: a model with sliding-window and full-attention layers has
+(`qinfer.attention.block_spaces`: a model with sliding-window and full-attention layers has
 two pools, each with its own blocks). Reading and writing a pool is the paged attention
 backend's (`qinfer.attention.paged`).
 

@@ -7,7 +7,7 @@ numpy view of its memory (no tensor is made); on a GPU the flat buffer travels i
 copy to its twin on the device. The same addresses serve every step, which is what
 capturing a decode step in a CUDA graph needs (a graph reads its inputs where they were
 when it was captured). The fields, capacities Tc tokens, Sc sequences, Wc blocks (per
-block space, `qinfer.runtime.block_spaces`):
+block space, `qinfer.attention.block_spaces`):
 
     token_ids       (Tc,)     the step's new tokens, flat, sequence after sequence
     positions       (Tc,)     each token's position in its sequence
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from qinfer.runtime.block_spaces import first_block
+from qinfer.attention.block_spaces import first_block
 
 
 class SpaceTensors(NamedTuple):

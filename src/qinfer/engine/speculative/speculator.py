@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.sequence import Sequence
+from qinfer.engine.speculative.config import SpeculativeConfig
+from qinfer.engine.speculative.draft import DraftModel
+from qinfer.engine.speculative.ngram import propose_ngram
 from qinfer.model import Transformer, load_model
-from qinfer.speculative.config import SpeculativeConfig
-from qinfer.speculative.draft import DraftModel
-from qinfer.speculative.ngram import propose_ngram
 
 #: The longest pause (in steps) of a sequence whose proposals keep nothing.
 MAX_PAUSE = 15

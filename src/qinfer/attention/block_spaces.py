@@ -19,7 +19,7 @@ A window space's table keeps its logical indices (entry i holds positions i * B 
 (i + 1) * B - 1); the entries of released blocks are `NULL_BLOCK`. A step reads a window
 space's table from `first_block(num_computed, window, B)` on: never a released entry.
 
-A speculative draft model addresses its own pool with space 0's tables (`qinfer.speculative
+A speculative draft model addresses its own pool with space 0's tables (`qinfer.engine.speculative
 .draft`): those must hold whole histories, so a model whose every layer slides keeps them
 when a draft model drafts for it (`whole_space_0`).
 

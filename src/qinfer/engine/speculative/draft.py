@@ -4,7 +4,7 @@ The draft keeps its own KV pool with as many blocks as the target's block space 
 each sequence's table of that space as it is: the target's blocks hold the target's K/V at
 the same positions, so no second allocator is needed, and the blocks the scheduler grows for
 a verification already cover the positions the draft writes first. Space 0 keeps whole
-histories whenever a draft model drafts (`qinfer.runtime.block_spaces`: the full-attention
+histories whenever a draft model drafts (`qinfer.attention.block_spaces`: the full-attention
 layers' space, or every layer's when all of the target's slide), and the draft keeps all
 its layers in one space: its sliding layers, if any, read whole histories masked to their
 window.
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from qinfer.engine.config import EngineConfig
+from qinfer.attention.block_spaces import BlockSpaces
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import QinferError
 from qinfer.model import Transformer
-from qinfer.runtime.block_spaces import BlockSpaces
+from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.runner import ModelRunner
-from qinfer.runtime.step_channel import StepInputs
+from qinfer.runtime.step import StepInputs
 from qinfer.sampling import argmax_rows
 
 
@@ -57,7 +57,7 @@ class DraftModel:
             )
         self.model = draft
         spaces = BlockSpaces.whole(draft.config)
-        self.runner = ModelRunner(draft, EngineConfig(block_size=block_size), [num_blocks], spaces)
+        self.runner = ModelRunner(draft, RuntimeConfig(block_size=block_size), [num_blocks], spaces)
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[list[int]]:
         """ks[b] greedy guesses for each sequence after its last token (its blocks cover

@@ -1,0 +1,399 @@
+"""The request handling behind the server's routes: `ModelServer` (engine, tokenizer,
+settings, metrics; chat and completions, tokenize, the model list, inspection) and the
+`ServerSettings` it serves under. The other APIs (`openai_responses`, `anthropic_messages`,
+`embeddings`, `scores`) are objects over a ModelServer; `app.create_app` routes to them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from qinfer.chat_defaults import chat_sampling_params
+from qinfer.engine import AsyncEngine
+from qinfer.inspection import inspect_tokens
+from qinfer.pooling import PoolingParams
+from qinfer.sampling import SamplingParams
+from qinfer.server.completions import Completion, Delta
+from qinfer.server.errors import APIError
+from qinfer.server.inspection import (
+    InspectRequest,
+    encode_inspected_prompt,
+    inspection_json,
+)
+from qinfer.server.metrics import ServerMetrics
+from qinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
+from qinfer.server.responses import ChatFormat, TextFormat
+from qinfer.server.streaming import EventStreamResponse
+from qinfer.text.fill_in_middle import fim_tokens
+from qinfer.text.prompts import encode_prompt
+from qinfer.text.reasoning import splits_reasoning
+from qinfer.text.tokenizer import Tokenizer
+from qinfer.tool_calls import (
+    ToolUse,
+    check_tool_schemas,
+    tool_call_format,
+    tool_call_grammar,
+    tool_prompt,
+)
+
+
+@dataclass
+class ServerSettings:
+    """What the server adds around the engine.
+
+    model_name: the id clients name in `model` (and `GET /v1/models` lists).
+    api_key: one key or several; when set, /v1 routes (and /tokenize, /detokenize) need
+        `Authorization: Bearer <key>` with one of them (stored as a tuple; see `accepts_key`).
+    allowed_origins: the origins whose web pages may call the API (CORS), "*" for any;
+        none by default (browsers then refuse cross-origin calls).
+    chat_template_kwargs: server-wide defaults for the chat template (a request's own
+        `chat_template_kwargs` override them key by key), e.g. {"enable_thinking": False}.
+    default_params: sampling defaults that /v1/completions request fields override
+        (typically from the checkpoint's generation_config.json).
+    checkpoint_sampling: the sampling fields the checkpoint's generation_config.json sets
+        (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
+        conversation's defaults, under their own fields (`qinfer.chat_defaults`, as
+        `qinfer chat` does).
+    pooling: how `/v1/embeddings` pools a prompt (a request's `dimensions` overrides
+        its dimensions); by default Qwen3-Embedding's: last token, normalised.
+    task: "generate" (every route), "embed" (embeddings) or "rerank" (rerank and score);
+        see the module doc.
+    """
+
+    model_name: str
+    api_key: str | Sequence[str] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    default_params: SamplingParams = field(default_factory=SamplingParams)
+    allowed_origins: Sequence[str] = ()
+    checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
+    pooling: PoolingParams = field(default_factory=PoolingParams)
+    task: str = "generate"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            self.api_key = (self.api_key,)
+        elif self.api_key is not None:
+            self.api_key = tuple(self.api_key) or None
+
+    def accepts_key(self, key: str) -> bool:
+        """True when `key` is one of the API keys, or when there are none."""
+        if self.api_key is None:
+            return True
+        # Every key is compared, so the time taken does not tell which one nearly matched.
+        matches = [secrets.compare_digest(key.encode(), known.encode()) for known in self.api_key]
+        return any(matches)
+
+
+class AnswerFormat(Protocol):
+    """How one API shows a finished completion and streams one (`responses.ChatFormat`,
+    the Responses and Messages APIs' own)."""
+
+    async def whole(self, completion: Completion) -> dict[str, Any]: ...
+
+    def events(
+        self, completion: Completion, first: Delta, rest: AsyncIterator[Delta], include_usage: bool
+    ) -> AsyncIterator[str]: ...
+
+
+class ModelServer:
+    """The request handling behind the routes: engine, tokenizer, settings, metrics."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings):
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.metrics = ServerMetrics(engine.stats)
+        self.created = int(time.time())
+        self.splits_reasoning = splits_reasoning(tokenizer)
+        self.tool_format = tool_call_format(tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.settings.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def template_kwargs(
+        self, requested: Mapping[str, Any] | None, thinking: bool | None = None
+    ) -> dict[str, Any]:
+        """The chat template's keyword arguments: the server's, then `enable_thinking`
+        when a request says whether to think (`reasoning_effort`), then the request's
+        own `chat_template_kwargs`, each overriding the last key by key."""
+        if thinking and not self.splits_reasoning:
+            raise APIError(
+                400,
+                "Invalid value for 'reasoning_effort': this model does not think "
+                "(no <think> block); send 'none' or leave it out",
+                param="reasoning_effort",
+                code="invalid_value",
+            )
+        asked = {} if thinking is None else {"enable_thinking": thinking}
+        return {**self.settings.chat_template_kwargs, **asked, **(requested or {})}
+
+    def sampling_params(self, body: GenerationRequest, chat: bool = False) -> SamplingParams:
+        """The request's sampling fields over the server's defaults: a chat completion's
+        over the chat defaults (`qinfer.chat_defaults`, under the checkpoint's
+        generation_config.json), a text completion's over `settings.default_params`."""
+        # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
+        bad = next((t for t in body.logit_bias or () if t >= self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"Invalid value for 'logit_bias': token id {bad} is outside the vocabulary "
+                f"(0..{self.tokenizer.vocab_size - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        if chat:
+            return chat_sampling_params(
+                self.settings.checkpoint_sampling, **body.sampling_overrides()
+            )
+        return self.settings.default_params.replace(**body.sampling_overrides())
+
+    async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
+        self.check_model(body.model)
+        if body.tools:  # compiling schemas can take a while: off the event loop
+            await run_in_threadpool(
+                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
+            )
+        completion = await self.start_chat(
+            [message.for_template() for message in body.messages],
+            self.sampling_params(body, chat=True),
+            self.template_kwargs(body.chat_template_kwargs, body.thinking),
+            tools=body.offered_tools(),
+            forced_tool=body.forced_tool,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            n=body.n,
+        )
+        return await self.respond(
+            completion,
+            ChatFormat(self.tokenizer, self.settings.model_name),
+            connection,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        )
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
+    ) -> list[int]:
+        """The prompt ids of a conversation (messages as the template reads them) that
+        offers `tools` (OpenAI function tools, None: none), in the family's tool format;
+        prefill: text the reply starts with (after the template's opening of it)."""
+        messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
+        # Templates and tokenizers can take milliseconds on long chats: off the event loop.
+        ids = await run_in_threadpool(
+            encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
+        )
+        if prefill:
+            ids += await run_in_threadpool(self.tokenizer.encode, prefill, False)
+        return ids
+
+    async def start_chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        template_kwargs: Mapping[str, Any],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        forced_tool: str | None = None,
+        parallel_tool_calls: bool = True,
+        n: int = 1,
+        id_prefix: str = "chatcmpl",
+        prefill: str = "",
+    ) -> Completion:
+        """The engine requests (not yet started) that answer a conversation: its prompt
+        encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
+        out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
+        grammar in the model's own wrapping; prefill: text the reply continues (the
+        Messages API's last assistant message). The Responses and Messages APIs share it."""
+        prompt_ids = await self.encode_chat(messages, template_kwargs, tools, prefill)
+        names = tuple(tool["function"]["name"] for tool in tools or ())
+        tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
+        if tools and forced_tool is not None:
+            # A named tool is one call; "required" may make several unless not parallel.
+            callable_tools = [
+                t for t in tools if forced_tool in ("required", t["function"]["name"])
+            ]
+            parallel = forced_tool == "required" and parallel_tool_calls
+            params = params.replace(
+                grammar=tool_call_grammar(
+                    self.tool_format, callable_tools, self.tokenizer, parallel
+                )
+            )
+        return Completion(
+            self.engine,
+            self.metrics,
+            [prompt_ids],
+            params,
+            n,
+            id_prefix,
+            self.splits_reasoning,
+            tool_use,
+        )
+
+    async def complete(self, body: CompletionRequest, connection: Request) -> Response:
+        self.check_model(body.model)
+        params = self.sampling_params(body)
+        framed = body.prompts if body.suffix is None else self.fill_in_middle(body)
+        prompts = [
+            await run_in_threadpool(encode_prompt, self.tokenizer, prompt) for prompt in framed
+        ]
+        echo = None
+        if body.echo:  # the prompts as the client wrote them (ids decoded)
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts]
+        completion = Completion(
+            self.engine, self.metrics, prompts, params, body.n, "cmpl", echo=echo
+        )
+        return await self.respond(
+            completion,
+            TextFormat(self.tokenizer, self.settings.model_name),
+            connection,
+            stream=body.stream,
+            include_usage=body.include_usage,
+        )
+
+    def fill_in_middle(self, body: CompletionRequest) -> list[str]:
+        """The fill-in-the-middle prompts of a request with a `suffix`, or a 400 naming
+        `suffix` when the model has no FIM tokens or a prompt is token ids."""
+        tokens = fim_tokens(self.tokenizer)
+        problem = None
+        if tokens is None:
+            problem = (
+                "this model has no fill-in-the-middle tokens (<|fim_prefix|>, "
+                "<|fim_suffix|>, <|fim_middle|> or <fim_prefix>, ...) in its vocabulary"
+            )
+        elif not all(isinstance(prompt, str) for prompt in body.prompts):
+            problem = "a suffix needs text prompts, not token ids"
+        if problem is not None:
+            raise APIError(
+                400, f"Invalid value for 'suffix': {problem}", param="suffix", code="invalid_value"
+            )
+        return [tokens.prompt(prompt, body.suffix) for prompt in body.prompts]
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: the ids of a prompt, or of a chat as a chat request sends it."""
+        self.check_model(body.model)
+        if body.prompt is not None:
+            ids = await run_in_threadpool(
+                self.tokenizer.encode, body.prompt, body.add_special_tokens
+            )
+        else:
+            template_kwargs = self.template_kwargs(
+                {
+                    "add_generation_prompt": body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
+                }
+            )
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
+            messages = [message.for_template() for message in body.messages]
+            ids = await self.encode_chat(messages, template_kwargs, tools)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.context_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/detokenize`: the text of token ids."""
+        self.check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"Invalid value for 'tokens.{bad}': token id {body.tokens[bad]} is outside "
+                f"the vocabulary (0..{vocab - 1})",
+                param=f"tokens.{bad}",
+                code="invalid_value",
+            )
+        # A body may hold millions of ids: decoded off the event loop.
+        return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
+
+    async def respond(
+        self,
+        completion: Completion,
+        response_format: AnswerFormat,
+        connection: Request,
+        *,
+        stream: bool,
+        include_usage: bool = False,
+    ) -> Response:
+        """A JSON answer, or a stream of events once the first delta proves the request runs.
+
+        Waiting for the first delta lets an engine refusal (overloaded, prompt too long)
+        still answer with its own status rather than inside a 200 stream. A client that
+        leaves before its JSON answer is ready has its requests aborted, as a stream does.
+        """
+        if stream:
+            deltas = completion.deltas()
+            first = await anext(deltas)
+            return EventStreamResponse(
+                response_format.events(completion, first, deltas, include_usage)
+            )
+        answer = asyncio.ensure_future(response_format.whole(completion))
+        client_left = asyncio.ensure_future(wait_for_disconnect(connection))
+        try:
+            await asyncio.wait({answer, client_left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            client_left.cancel()
+            if not answer.done():
+                answer.cancel()  # closes the deltas, which aborts the engine requests
+        if answer.cancelled():
+            # 499 (nginx's "client closed request"): logged, never read by anyone.
+            return Response(status_code=499)
+        return JSONResponse(answer.result())
+
+    async def inspect(self, body: InspectRequest) -> dict[str, Any]:
+        """The inspection `body` asks for: the prompt encoded and the JSON built off the
+        event loop; only the forward runs in the engine's step thread (between two steps:
+        never beside one), where it pauses the engine's requests."""
+        self.check_model(body.model)
+        template_kwargs = self.template_kwargs(body.chat_template_kwargs)
+        config = self.engine.model_config
+        ids = await run_in_threadpool(
+            encode_inspected_prompt, self.tokenizer, body, config, template_kwargs
+        )
+        inspection = await self.engine.run_with_model(
+            lambda model: inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
+        )
+        return await run_in_threadpool(
+            inspection_json, inspection, self.tokenizer, self.settings.model_name, config
+        )
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.settings.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "qinfer",
+                    # qinfer's own: whether the model thinks (Qwen3's <think> blocks),
+                    # so the chat page offers its thinking switch only then.
+                    "thinking": self.splits_reasoning,
+                }
+            ],
+        }
+
+
+async def wait_for_disconnect(connection: Request) -> None:
+    """Return when the client closes the connection (its body must have been read)."""
+    while (await connection.receive())["type"] != "http.disconnect":
+        pass

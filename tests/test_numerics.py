@@ -217,8 +217,11 @@ def alike_chunked_cached_preempted_and_speculated(path, prompts: list, **load) -
     checked = [0, 1, 2]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
 
+    lengths: dict[int, int] = {}  # each prompt's tokens
+
     def run(llm: LLM, batch: list[int]) -> dict[int, tuple[list[int], list[float]]]:
         outputs = llm.generate([prompts[i] for i in batch], params, use_tqdm=False)
+        lengths.update((i, len(o.prompt_token_ids)) for i, o in zip(batch, outputs, strict=True))
         return {
             i: (o.token_ids, [lp.logprob for lp in o.logprobs])
             for i, o in zip(batch, outputs, strict=True)
@@ -232,13 +235,12 @@ def alike_chunked_cached_preempted_and_speculated(path, prompts: list, **load) -
 
     llm = engine()
     alone = {i: run(llm, [i])[i] for i in checked}
-    lengths = [len(o.prompt_token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     runs = {"side by side": run(llm, checked), "prefix-cache hit": run(llm, checked[::-1])}
     llm.close()
     chunked = engine(max_num_batched_tokens=40)
     runs["chunks of 40"] = run(chunked, checked)
     chunked.close()
-    fits = sum(-(-n // 4) for n in lengths) + 3  # blocks of 4 the prompts take, and a few
+    fits = sum(-(-n // 4) for n in lengths.values()) + 3  # blocks of 4 the prompts take, and a few
     small = engine(block_size=4, num_kv_blocks=fits, enable_prefix_caching=False)
     runs["preempted"] = run(small, checked)
     assert small.engine.stats().preemptions_total > 0

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, random_model
+from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, random_model, use_features
 
 import qinfer
 from qinfer.engine import LLM, block_manager
@@ -17,6 +17,10 @@ from qinfer.generation import generate_ids
 from qinfer.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+#: The engine's attention backends (`qinfer.attention.backend`), each held to the plain
+#: generator's tokens.
+BACKENDS = ["paged", "gathered"]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +61,21 @@ def random_prompts(seed: int, count: int, longest: int) -> list[list[int]]:
     ]
 
 
-def test_greedy_batch_with_preemption_equals_each_request_alone(model, pools):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_batch_with_preemption_equals_each_request_alone(model, pools, backend):
     rng = random.Random(0)
     prompts = random_prompts(0, 32, longest=40)
     params = [GREEDY.replace(max_tokens=rng.randint(1, 16)) for _ in prompts]
     # Tiny blocks, few sequences, a small step budget (chunked prefill) and a pool that
     # cannot hold everyone: sequences are preempted and recomputed.
-    llm = make_llm(model, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, num_kv_blocks=30)
+    llm = make_llm(
+        model,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        num_kv_blocks=30,
+        attention_backend=backend,
+    )
     pools.append(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.stats().preemptions_total > 0
@@ -77,23 +89,27 @@ def test_greedy_batch_with_preemption_equals_each_request_alone(model, pools):
     [("mistral", dict(sliding_window=6, head_dim=16)), ("gemma3", GEMMA3)],
     ids=["mistral", "gemma3"],
 )
-def test_sliding_window_model_batched_equals_alone(pools, family, overrides):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_model_batched_equals_alone(pools, family, overrides, backend):
     # Gemma 3: two sliding layers and a global one, each with its own RoPE base.
     model = random_model(family, **overrides, vocab_size=CHAT_VOCAB_SIZE)
     prompts = random_prompts(1, 8, longest=20)
     params = GREEDY.replace(max_tokens=10)
-    llm = make_llm(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = make_llm(
+        model, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, attention_backend=backend
+    )
     pools.append(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == alone(model, prompt, params)
 
 
-def test_shared_prefix_is_served_from_the_cache(model, pools):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_prefix_is_served_from_the_cache(model, pools, backend):
     prefix = list(range(30, 70))  # 40 shared tokens: 5 blocks of 8
     tails = random_prompts(3, 6, longest=6)
     params = GREEDY.replace(max_tokens=4)
-    llm = make_llm(model, block_size=8, max_num_seqs=4)
+    llm = make_llm(model, block_size=8, max_num_seqs=4, attention_backend=backend)
     pools.append(llm)
     first = llm.generate([prefix + tails[0]], params, use_tqdm=False)
     computed_before = llm.engine.stats().prompt_tokens_computed_total
@@ -241,6 +257,15 @@ def test_engine_arguments_are_checked_by_name(model):
         LLM(model, block_size=0)
     with pytest.raises(QinferError, match="holds no block"):
         LLM(model, kv_cache_memory=10)
+    with pytest.raises(QinferError, match="unknown attention_backend 'flash'; use one of auto"):
+        LLM(model, attention_backend="flash")
+
+
+def test_only_the_paged_backend_is_batch_invariant():
+    invariant = random_model("qwen3")
+    use_features(invariant, qinfer.Features(batch_invariant=True))
+    with pytest.raises(QinferError, match="'gathered' has no batch-invariant arithmetic"):
+        LLM(invariant, attention_backend="gathered")
 
 
 def test_block_accounting_holds_through_random_adds_aborts_and_preemptions(model, pools):

@@ -1,8 +1,9 @@
 """The engine's paged attention and flat steps against plain references, in float32.
 
-- `PagedAttention.attend` on random K/V (histories of different lengths, blocks shared by
-  several rows, decode rows and prompt chunks in one step, with and without a sliding
-  window) equals the reference SDPA over each row's history copied out contiguously;
+- every attention backend's `attend` (`qinfer.attention.backend`: paged, gathered) on random
+  K/V (histories of different lengths, blocks shared by several rows, decode rows and
+  prompt chunks in one step, with and without a sliding window) equals the reference SDPA
+  over each row's history copied out contiguously;
 - `ModelRunner.run` running decode tokens and prompt chunks of different lengths in one
   forward gives every sequence transformers' logits for that sequence alone.
 """
@@ -25,17 +26,12 @@ from checkpoints import reference_logits as transformers_logits
 import qinfer
 from qinfer.attention import paged
 from qinfer.attention.block_spaces import BlockSpaces, first_block
+from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.kv_cache import position_mask
-from qinfer.attention.kv_pool import KVPool
-from qinfer.attention.paged import (
-    SPLIT_KEYS,
-    PagedAttention,
-    PagedStep,
-    paged_layers,
-    split_by_history,
-)
+from qinfer.attention.kv_pool import KVLayout, KVPool, paged_layers
+from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, PagedStep, split_by_history
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
-from qinfer.attention.step_buffers import StepBuffers
+from qinfer.attention.step_buffers import StepBuffers, step_tensors
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.errors import QinferError, RequestError
@@ -43,6 +39,9 @@ from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor, ParallelConfig
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
+
+#: Every attention backend, from its attention function.
+BACKENDS = {"paged": PagedBackend, "gathered": GatheredBackend}
 
 
 def one_layer(pool: KVPool, window: int | None, space_window: int | None = None):
@@ -58,14 +57,21 @@ def test_split_by_history_cuts_where_padding_is_spared():
     assert split_by_history(list(range(5)), histories, 4) == [[0, 2], [4], [3, 1]]
 
 
-def random_step(seed: int, rows: list[tuple[int, int]], shared_blocks: int):
-    """A pool of random K/V and one step's metadata. rows: (tokens already computed, new
-    tokens) per sequence; the first `shared_blocks` blocks of every table are the same."""
+def random_pool(
+    seed: int,
+    rows: list[tuple[int, int]],
+    shared_blocks: int,
+    layout: KVLayout = KVLayout.HEADS_FIRST,
+):
+    """A pool of random K/V laid out as `layout`, and each sequence's block table. rows:
+    (tokens already computed, new tokens) per sequence; the first `shared_blocks` blocks
+    of every table are the same."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=HKV, head_dim=D)
     needed = [-(-(start + n) // BLOCK) for start, n in rows]
-    pool = KVPool(config, shared_blocks + sum(needed) + 3, BLOCK, torch.float32, "cpu")
+    blocks = shared_blocks + sum(needed) + 3
+    pool = KVPool(config, blocks, BLOCK, torch.float32, "cpu", layout=layout)
     pool.keys.normal_()
     pool.values.normal_()
     free = list(range(shared_blocks, pool.num_blocks))
@@ -73,14 +79,19 @@ def random_step(seed: int, rows: list[tuple[int, int]], shared_blocks: int):
     tables = [
         list(range(shared_blocks)) + [free.pop() for _ in range(k - shared_blocks)] for k in needed
     ]
-    step = PagedStep([n for _, n in rows], [start for start, _ in rows], tables, BLOCK, "cpu")
-    return pool, tables, step
+    return pool, tables
+
+
+def heads_first(pool: KVPool, data: torch.Tensor) -> torch.Tensor:
+    """One layer's keys or values of `pool` as (Hkv, slots, D), a view whatever its layout."""
+    return data if pool.layout is KVLayout.HEADS_FIRST else data.transpose(0, 1)
 
 
 def reference_attend(pool, tables, rows, q, k, v, window, scale):
     """Each sequence alone: write its K/V, copy its history out slot by slot, reference SDPA.
     q, k, v: (T, H, D), the rows' new tokens one sequence after the other."""
-    keys, values = pool.keys[0].clone(), pool.values[0].clone()
+    keys = heads_first(pool, pool.keys[0]).clone()
+    values = heads_first(pool, pool.values[0]).clone()
     out = torch.zeros_like(q)
     first = 0
     for (start, n), table in zip(rows, tables, strict=True):
@@ -100,6 +111,14 @@ def reference_attend(pool, tables, rows, q, k, v, window, scale):
     return out, keys, values
 
 
+def backend_attend(name, sdpa, pool, tables, rows, q, k, v, window, space_window=None):
+    """Backend `name`'s attention of one step over a one-layer pool: the runner's calls."""
+    num_new, computed = [n for _, n in rows], [start for start, _ in rows]
+    step = step_tensors(num_new, computed, tables, BLOCK, "cpu", window=space_window)
+    attention = BACKENDS[name](sdpa).plan(step, one_layer(pool, window, space_window))
+    return attention.attend(0, q, k, v, D**-0.5)
+
+
 @pytest.mark.parametrize("split_keys", [SPLIT_KEYS, 1], ids=["groups", "split-groups"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
@@ -111,18 +130,20 @@ def reference_attend(pool, tables, rows, q, k, v, window, scale):
     ],
 )
 @pytest.mark.parametrize("sdpa", [torch_sdpa_grouped, reference_sdpa_fp32])
-def test_paged_attend_equals_the_reference_on_each_history(
-    rows, window, sdpa, split_keys, monkeypatch
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_attend_equals_the_reference_on_each_history(
+    backend, rows, window, sdpa, split_keys, monkeypatch
 ):
     monkeypatch.setattr(paged, "SPLIT_KEYS", split_keys)  # 1: any cut that spares a key
     shared = 1 if min(start for start, _ in rows) >= BLOCK else 0  # a block every row reads
-    pool, tables, step = random_step(len(rows), rows, shared)
+    pool, tables = random_pool(len(rows), rows, shared, BACKENDS[backend].layout)
     T = sum(n for _, n in rows)
     q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
     want, want_keys, want_values = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
-    got = PagedAttention(one_layer(pool, window), [step], sdpa).attend(0, q, k, v, D**-0.5)
+    got = backend_attend(backend, sdpa, pool, tables, rows, q, k, v, window)
     assert max_diff(got, want) < 1e-5
-    assert torch.equal(pool.keys[0], want_keys) and torch.equal(pool.values[0], want_values)
+    assert torch.equal(heads_first(pool, pool.keys[0]), want_keys)
+    assert torch.equal(heads_first(pool, pool.values[0]), want_values)
 
 
 @pytest.mark.parametrize(
@@ -134,25 +155,23 @@ def test_paged_attend_equals_the_reference_on_each_history(
     ],
 )
 @pytest.mark.parametrize("sdpa", [torch_sdpa_grouped, reference_sdpa_fp32])
-def test_paged_attend_over_a_window_space_reads_only_the_window(rows, sdpa):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_attend_over_a_window_space_reads_only_the_window(backend, rows, sdpa):
     """A window space's tables start at each sequence's first block inside its window:
     the result of its whole history masked to the window, and the blocks before (NaN
     here) are never read."""
     window = 5
-    pool, tables, _ = random_step(len(rows), rows, shared_blocks=0)
+    pool, tables = random_pool(len(rows), rows, 0, BACKENDS[backend].layout)
     T = sum(n for _, n in rows)
     q, k, v = (torch.randn(T, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, window, D**-0.5)
     firsts = [first_block(start, window, BLOCK) for start, _ in rows]
     for first, table in zip(firsts, tables, strict=True):
         for block in table[:first]:  # released: whatever they hold now is not the sequence's
-            pool.keys[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
-            pool.values[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+            for data in (pool.keys[0], pool.values[0]):
+                heads_first(pool, data)[:, block * BLOCK : (block + 1) * BLOCK] = float("nan")
     read = [table[first:] for first, table in zip(firsts, tables, strict=True)]
-    num_new, computed = [n for _, n in rows], [start for start, _ in rows]
-    step = PagedStep(num_new, computed, read, BLOCK, "cpu", window=window)
-    attention = PagedAttention(one_layer(pool, window, window), [step], sdpa)
-    got = attention.attend(0, q, k, v, D**-0.5)
+    got = backend_attend(backend, sdpa, pool, read, rows, q, k, v, window, window)
     assert max_diff(got, want) < 1e-5
 
 
@@ -172,12 +191,15 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("fast_sdpa", [True, False])
-def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa, backend):
     """Decode tokens and prompt chunks of different lengths share each step's one forward;
-    every logits row equals transformers' for its sequence alone, at that position."""
+    every logits row equals transformers' for its sequence alone, at that position, through
+    every attention backend."""
     reference, model = pair[family]
     use_features(model, qinfer.Features(fast_sdpa=fast_sdpa))
-    executor = Executor(model, RuntimeConfig(block_size=BLOCK, num_kv_blocks=64))
+    config = RuntimeConfig(block_size=BLOCK, num_kv_blocks=64, attention_backend=backend)
+    executor = Executor(model, config)
     full = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate([14, 14, 21, 11])]
     full.append(full[0][:8] + random_tokens(1, 6, seed=30)[0].tolist())  # shares 2 blocks
     want = [transformers_logits(reference, torch.tensor([ids]))[0] for ids in full]
@@ -243,12 +265,11 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     pool.values.normal_()
     (start, n), first = rows[0], 3
     tables = [list(range(first, first + -(-(start + n) // BLOCK)))]
-    step = PagedStep([n], [start], tables, BLOCK, "cpu")
+    step = PagedStep(step_tensors([n], [start], tables, BLOCK, "cpu"))
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
-    attention = PagedAttention(one_layer(pool, None), [step], torch_sdpa_grouped)
-    got = attention.attend(0, q, k, v, D**-0.5)
+    got = backend_attend("paged", torch_sdpa_grouped, pool, tables, rows, q, k, v, None)
     assert max_diff(got, want) < 1e-5
 
 

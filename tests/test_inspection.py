@@ -15,9 +15,8 @@ import torch
 from checkpoints import random_tokens, use_features
 from server_process import start_serve_command
 
-from qinfer.attention.backend import sdpa_for
 from qinfer.attention.reference import ReferenceAttention
-from qinfer.attention.sdpa import scaled_dot_product_attention_grouped
+from qinfer.attention.sdpa import scaled_dot_product_attention_grouped, sdpa_for
 from qinfer.errors import RequestError
 from qinfer.features import Features
 from qinfer.forward_batch import ForwardBatch

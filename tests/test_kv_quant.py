@@ -118,24 +118,29 @@ def test_reference_caches_give_one_forward_of_the_whole_sequence_in_pieces(famil
     assert 1e-4 < exact < 0.05, exact
 
 
-def engine_tokens(model, prompts: list[list[int]], decode: int) -> list[list[int]]:
+def engine_tokens(
+    model, prompts: list[list[int]], decode: int, backend: str = "auto"
+) -> list[list[int]]:
     """`decode` greedy tokens of each prompt through the engine's paged pool, the prompts
     run together (prefilled in chunks, beside the others' decode tokens)."""
     params = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
-    llm = LLM(model, max_num_batched_tokens=32, max_num_seqs=8, block_size=4)
+    llm = LLM(
+        model, max_num_batched_tokens=32, max_num_seqs=8, block_size=4, attention_backend=backend
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [output.token_ids for output in outputs]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_paged_pool_follows_the_reference_caches_in_int8(family):
+@pytest.mark.parametrize("backend", ["paged", "gathered"])
+def test_paged_pool_follows_the_reference_caches_in_int8(family, backend):
     """Greedy tokens of the engine (paged int8 pool: chunked prefill, decode groups of
     different histories) == those of the reference int8 caches, step by step; batched ==
-    alone."""
+    alone; through each attention backend."""
     model = random_model(family, "int8")
     prompts = [random_tokens(1, n, seed=40 + n)[0].tolist() for n in (5, 13, 22)]
-    batched = engine_tokens(model, prompts, 10)
-    alone = [engine_tokens(model, [ids], 10)[0] for ids in prompts]
+    batched = engine_tokens(model, prompts, 10, backend)
+    alone = [engine_tokens(model, [ids], 10, backend)[0] for ids in prompts]
     assert batched == alone
     for ids, got in zip(prompts, batched, strict=True):
         cache = model.make_cache(1)
@@ -147,12 +152,14 @@ def test_paged_pool_follows_the_reference_caches_in_int8(family):
         assert got == want
 
 
-def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8():
+@pytest.mark.parametrize("backend", ["paged", "gathered"])
+def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8(backend):
     """Mixed steps over a quantized pool: each sequence's logits == its reference-cache
-    logits (the same K/V stored, read back on the other path)."""
+    logits (the same K/V stored, read back on the other path), through each backend."""
     for kv_cache_dtype in ("int8", "fp8"):
         model = random_model("mistral-window", kv_cache_dtype)
-        executor = Executor(model, RuntimeConfig(block_size=4, num_kv_blocks=32))
+        config = RuntimeConfig(block_size=4, num_kv_blocks=32, attention_backend=backend)
+        executor = Executor(model, config)
         prompts = [random_tokens(1, n, seed=60 + n)[0].tolist() for n in (9, 17)]
         seqs = [Sequence(str(b), ids) for b, ids in enumerate(prompts)]
         free = iter(range(executor.num_blocks[0]))

@@ -189,8 +189,9 @@ def test_the_lazy_names_are_what_they_name_whatever_was_imported_first():
         (["generate", "--top-p", "2", "Hi"], "--top-p"),
         (["chat", "--seed", "-3"], "--seed"),
         (["serve", "--port", "99999"], "--port"),
+        (["serve", "--attention-backend", "flash"], "--attention-backend"),
     ],
-    ids=["temperature", "max-tokens", "top-p", "seed", "port"],
+    ids=["temperature", "max-tokens", "top-p", "seed", "port", "attention-backend"],
 )
 def test_bad_flags_are_refused_in_under_2_s_without_loading_a_model(args, flag):
     """The default model takes seconds to load: a refusal this fast came before it."""

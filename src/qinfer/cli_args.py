@@ -40,6 +40,18 @@ def bounded(
     return parse
 
 
+def one_of(names: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: a text that is one of `names`."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {text!r}")
+        return text
+
+    parse.__name__ = "name"
+    return parse
+
+
 def _noun(kind: type) -> str:
     return "an integer" if kind is int else "a number"
 

@@ -1,4 +1,5 @@
-"""Run-time switches: how a layer computes, and how the K/V it keeps are stored."""
+"""Run-time switches: how a layer computes, how the K/V it keeps are stored, and the names
+of the attention backends."""
 
 from dataclasses import dataclass
 
@@ -14,6 +15,19 @@ def check_kv_cache_dtype(name: str) -> None:
     if name not in KV_CACHE_DTYPES:
         raise QinferError(
             f"unknown kv_cache_dtype {name!r}; use one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+
+
+#: The names an engine's attention_backend (and `--attention-backend`) accepts;
+#: `qinfer.attention.backend.choose_backend` says what each is.
+ATTENTION_BACKENDS = ("auto", "paged", "gathered")
+
+
+def check_attention_backend(name: str) -> None:
+    """Refuse a name that is not one of ATTENTION_BACKENDS, in one line."""
+    if name not in ATTENTION_BACKENDS:
+        raise QinferError(
+            f"unknown attention_backend {name!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
         )
 
 

@@ -10,7 +10,7 @@ of prompt chunks and decode tokens the step holds:
                                   ascending: any number per sequence (the last token of each
                                   sequence that samples; several when verifying proposed
                                   tokens; every token for prompt logprobs)
-    attention       the step's `AttentionBackend`: K/V storage and this step's metadata
+    attention       the step's `StepAttention`: K/V storage and this step's metadata
                     (caches and row shape, or block tables, slots and history lengths)
 
     hidden = model.forward(batch)                                    # (T, hidden)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.attention.backend import AttentionBackend
+from qinfer.attention.backend import StepAttention
 from qinfer.layers.rope import row_positions
 
 
@@ -35,14 +35,14 @@ class ForwardBatch:
     positions: torch.Tensor
     query_starts: list[int]
     logits_indices: torch.Tensor
-    attention: AttentionBackend
+    attention: StepAttention
 
     @classmethod
     def from_rows(
         cls,
         tokens: torch.Tensor,
         offsets: int | torch.Tensor,
-        attention: AttentionBackend,
+        attention: StepAttention,
         last_only: bool = False,
     ) -> ForwardBatch:
         """B rows of L tokens each (tokens (B, L), on the model's device), flattened row by

@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qinfer.attention.backend import sdpa_for
 from qinfer.attention.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.attention.reference import ReferenceAttention
-from qinfer.attention.sdpa import Mask
+from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.config import ModelConfig
 from qinfer.errors import QinferError
 from qinfer.features import Features

@@ -24,8 +24,8 @@ from functools import partial
 
 import torch
 
-from qinfer.attention.backend import sdpa_for
 from qinfer.attention.reference import ReferenceAttention
+from qinfer.attention.sdpa import sdpa_for
 from qinfer.errors import QinferError
 from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer

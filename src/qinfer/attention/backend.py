@@ -1,22 +1,35 @@
-"""The attention backend protocol: where the attention layer hands over its q, k and v.
+"""Attention backends: how a runner's KV pools are laid out, what a step's attention needs
+to know, and the attention itself.
 
 The layer (`qinfer.layers.attention`) does the seed's steps that are the same whatever
 stores K/V: the projections, QK-norm and RoPE. What remains, storing this step's k, v and
-attending each query to its own sequence's visible history, is the backend's:
+attending each query to its own sequence's visible history, is the step's attention:
 
-    out = backend.attend(layer, q, k, v, scale)
+    out = batch.attention.attend(layer, q, k, v, scale)
     # q (T, Hq, D), k and v (T, Hkv, D): the step's T tokens, flat (`ForwardBatch`)
     # out (T, Hq, D) in q's dtype
 
-A backend object serves one forward: it holds the storage (caches or a block pool, which
-outlive the step) and this step's metadata (row shape and mask, or block tables, slots and
-history lengths). Backends:
+An engine's backend is a triple, each part declared once:
 
-- `ReferenceAttention` (`reference.py`): the seed's `cache.update_and_fetch` and
-  `scaled_dot_product_attention_grouped` over one contiguous cache per layer, for
-  rectangular batches; the oracle and the readable path.
-- `PagedAttention` (`paged.py`): the engine's path over a pool of KV blocks shared by every
-  sequence, any mix of decode tokens and prompt chunks in one step.
+    backend = choose_backend(name, device, features)
+    pools = [KVPool(..., layout=backend.layout) ...]    # 1. the KV layout it reads
+    attention = backend.plan(step, layers)             # 2. the step's metadata, built once
+    attention.attend(layer, q, k, v, scale)            # 3. every layer, in turn
+
+`plan` takes the one step description all backends share (`StepTensors`: tokens'
+positions, slots, block tables, history lengths) and the layers' places in the pools
+(`PagedLayer`). Backends:
+
+- `PagedBackend` (`paged.py`): the CPU's, pools heads first; decode reads the values where
+  they sit (embedding_bag), sequences are grouped by new tokens and history length; the
+  only one with batch-invariant arithmetic.
+- `GatheredBackend` (`gathered.py`): pools slots first (vLLM's and flash-attn's layout);
+  every sequence's blocks gathered, then one sdpa call over the step, queries padded to
+  the longest: a few lines over any device's sdpa.
+
+`ReferenceAttention` (`reference.py`) answers `attend` too, without a pool: the seed's
+`cache.update_and_fetch` and `scaled_dot_product_attention_grouped` over one contiguous
+cache per layer, for rectangular batches; the oracle and the readable path.
 """
 
 from __future__ import annotations
@@ -25,11 +38,19 @@ from typing import Protocol
 
 import torch
 
-from qinfer.attention.sdpa import Sdpa, reference_sdpa_fp32, torch_sdpa_grouped
-from qinfer.features import Features
+from qinfer.attention.gathered import GatheredBackend
+from qinfer.attention.kv_pool import KVLayout, PagedLayer
+from qinfer.attention.paged import PagedBackend
+from qinfer.attention.sdpa import sdpa_for
+from qinfer.attention.step_buffers import StepTensors
+from qinfer.errors import QinferError
+from qinfer.features import Features, check_attention_backend
 
 
-class AttentionBackend(Protocol):
+class StepAttention(Protocol):
+    """One forward's attention: the storage (caches or pools, which outlive the step) and
+    this step's metadata (row shape and mask, or block tables, slots and history lengths)."""
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -37,7 +58,30 @@ class AttentionBackend(Protocol):
         ...
 
 
-def sdpa_for(features: Features) -> Sdpa:
-    """The attention function `features` asks for: both give the same result (the tests hold
-    them to it); torch's fused one is faster."""
-    return torch_sdpa_grouped if features.fast_sdpa else reference_sdpa_fp32
+class AttentionBackend(Protocol):
+    """A way of keeping K/V in a runner's pools and attending over them (the module's
+    docstring): `layout` of every pool, `plan` of every step."""
+
+    layout: KVLayout
+
+    def plan(self, step: StepTensors, layers: list[PagedLayer]) -> StepAttention:
+        """The attention of one step (its metadata built here, once) over the pools that
+        `layers` place."""
+        ...
+
+
+def choose_backend(name: str, device: torch.device, features: Features) -> AttentionBackend:
+    """The backend `name` asks for, set up for `features`. auto: paged on every device (the
+    one measured; a GPU has not run either yet). Batch invariance is the paged backend's."""
+    check_attention_backend(name)
+    if name == "auto":
+        name = "paged"
+    sdpa = sdpa_for(features)
+    if name == "gathered":
+        if features.batch_invariant:
+            raise QinferError(
+                "attention_backend 'gathered' has no batch-invariant arithmetic: "
+                "use 'paged' (or auto) with batch_invariant"
+            )
+        return GatheredBackend(sdpa)
+    return PagedBackend(sdpa, features.batch_invariant)

@@ -4,8 +4,9 @@ Slot `block_id * block_size + i` holds position i of that block; a sequence's bl
 lists its blocks in order (`qinfer.engine.block_manager` hands them out, shared between
 sequences with a common prefix). A pool holds the layers of one block space
 (`qinfer.attention.block_spaces`: a model with sliding-window and full-attention layers has
-two pools, each with its own blocks). Reading and writing a pool is the paged attention
-backend's (`qinfer.attention.paged`).
+two pools, each with its own blocks). Each layer's keys and values are laid out as the
+attention backend that reads them declares (`KVLayout`, `qinfer.attention.backend`);
+`store_kv` writes a step's K/V into either layout.
 
 A quantized pool (`qinfer.kv_quant`: int8 or fp8) holds one fp32 scale per (layer, head,
 slot) beside each element of keys and values: a block then takes D + 4 bytes per token,
@@ -15,39 +16,83 @@ head and layer for K and for V, against 2 * D in bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 import torch
 
+from qinfer.attention.block_spaces import BlockSpaces
 from qinfer.config import ModelConfig
-from qinfer.kv_quant import KVFormat
+from qinfer.kv_quant import KVFormat, raw_bytes
+
+
+class KVLayout(Enum):
+    """How one layer's keys (and values) lie in a pool of num_slots slots.
+
+    HEADS_FIRST (Hkv, slots, D): one head's keys of consecutive slots are contiguous, so a
+        history lying in consecutive blocks is read as attention reads a contiguous cache,
+        one stream per head (the CPU's paged backend: slots first cost it ~7 us per layer
+        of a 540-token batch-1 decode step, the keys read at a stride of Hkv * D).
+    SLOTS_FIRST (slots, Hkv, D): a token's K/V of every head are contiguous, as
+        (num_blocks, block_size, Hkv, D): the layout of vLLM's and flash-attn's paged
+        caches, and a step's k, v (T, Hkv, D) are written without a transpose.
+    A quantized pool's scales are laid out the same, less D.
+    """
+
+    HEADS_FIRST = "heads_first"
+    SLOTS_FIRST = "slots_first"
+
+    def shape(self, num_slots: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """One layer's keys (or values) in this layout."""
+        if self is KVLayout.HEADS_FIRST:
+            return (num_kv_heads, num_slots, head_dim)
+        return (num_slots, num_kv_heads, head_dim)
+
+    @property
+    def slot_dim(self) -> int:
+        """The dimension of a layer's keys that counts slots."""
+        return 1 if self is KVLayout.HEADS_FIRST else 0
 
 
 @dataclass(frozen=True, slots=True)
 class LayerKV:
-    """One layer's part of the pool, as views: keys and values (Hkv, slots, D) in the pool's
-    format and, when that is quantized, their scales (Hkv, slots) fp32 (else None)."""
+    """One layer's part of the pool, as views: keys and values in the pool's layout and
+    format ((Hkv, slots, D) or (slots, Hkv, D), `KVLayout`) and, when that is quantized,
+    their scales fp32 ((Hkv, slots) or (slots, Hkv); else None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     key_scales: torch.Tensor | None
     value_scales: torch.Tensor | None
     format: KVFormat
+    layout: KVLayout = KVLayout.HEADS_FIRST
+
+
+def store_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A step's k, v (T, Hkv, D) -> the layer's pool at the tokens' slots (T,), in its
+    layout; quantized per token and head first if its format is."""
+    dim = kv.layout.slot_dim
+    if kv.key_scales is None:
+        if k.dtype != kv.keys.dtype:  # (a no-op `.to` still costs a call per layer)
+            k, v = k.to(kv.keys.dtype), v.to(kv.values.dtype)
+        kv.keys.index_copy_(dim, slots, k.transpose(0, dim))
+        kv.values.index_copy_(dim, slots, v.transpose(0, dim))
+        return
+    for data, scales, x in ((kv.keys, kv.key_scales, k), (kv.values, kv.value_scales, v)):
+        stored, x_scales = kv.format.quantize(x)  # (T, Hkv, D), (T, Hkv)
+        raw_bytes(data).index_copy_(dim, slots, raw_bytes(stored).transpose(0, dim))
+        scales.index_copy_(dim, slots, x_scales.transpose(0, dim))
 
 
 class KVPool:
-    """K and V of the layers of one block space: (num_layers, Hkv, num_slots, D) each,
-    allocated once.
-
-    Heads outermost: one head's keys of consecutive slots are contiguous, so a history
-    lying in consecutive blocks is read as attention reads a contiguous cache, one
-    stream per head (slots outermost cost ~7 us per layer of a 540-token batch-1 decode
-    step on CPU, the keys read at a stride of Hkv * D).
+    """K and V of the layers of one block space, (num_layers, *layout.shape(num_slots, Hkv,
+    D)) each, allocated once.
 
     num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
     under tensor parallelism, `Parallel.attention_heads`). num_layers: the layers it holds
     (default: every layer of the config). fmt: the storage, a dtype or a `KVFormat`; a
-    quantized one adds key_scales and value_scales, (num_layers, Hkv, num_slots) fp32
-    each (None otherwise).
+    quantized one adds key_scales and value_scales, fp32, shaped as keys less D (None
+    otherwise). layout: as the backend that reads the pool declares (`KVLayout`).
     """
 
     def __init__(
@@ -59,28 +104,26 @@ class KVPool:
         device: torch.device,
         num_kv_heads: int | None = None,
         num_layers: int | None = None,
+        layout: KVLayout = KVLayout.HEADS_FIRST,
     ) -> None:
         self.format = fmt if isinstance(fmt, KVFormat) else KVFormat(fmt)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (
-            config.num_hidden_layers if num_layers is None else num_layers,
-            num_kv_heads or config.num_key_value_heads,
-            num_blocks * block_size,
-            config.head_dim,
-        )
+        self.num_blocks, self.block_size, self.layout = num_blocks, block_size, layout
+        layers = config.num_hidden_layers if num_layers is None else num_layers
+        heads = num_kv_heads or config.num_key_value_heads
+        shape = (layers, *layout.shape(num_blocks * block_size, heads, config.head_dim))
         # Zeros, not empty: padded reads take (masked) slots, and NaN garbage would
         # survive a mask in a matmul.
         self.keys = torch.zeros(shape, dtype=self.format.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.format.dtype, device=device)
         self.key_scales = self.value_scales = None
         key_scales = value_scales = [None] * shape[0]
-        if self.format.quantized:  # (layers, Hkv, slots)
+        if self.format.quantized:  # (layers, Hkv, slots) or (layers, slots, Hkv)
             self.key_scales = torch.zeros(shape[:3], device=device)
             self.value_scales = torch.zeros(shape[:3], device=device)
             key_scales, value_scales = self.key_scales.unbind(0), self.value_scales.unbind(0)
         # Each layer's views, made once: a step's layers index no tensor.
         self.layers = [
-            LayerKV(*views, self.format)
+            LayerKV(*views, self.format, layout)
             for views in zip(
                 self.keys.unbind(0), self.values.unbind(0), key_scales, value_scales, strict=True
             )
@@ -101,3 +144,20 @@ class KVPool:
         layers = config.num_hidden_layers if num_layers is None else num_layers
         per_token = 2 * layers * heads * fmt.element_bytes(config.head_dim)
         return per_token * block_size
+
+
+class PagedLayer(NamedTuple):
+    """Where one layer's K/V live: its part of its block space's pool, the space, and the
+    layer's own sliding window (None: full attention)."""
+
+    kv: LayerKV
+    space: int
+    window: int | None
+
+
+def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer]:
+    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner)."""
+    return [
+        PagedLayer(pools[space].layers[index], space, window)
+        for (space, index), window in zip(spaces.layers, spaces.layer_windows, strict=True)
+    ]

@@ -40,16 +40,14 @@ blocks, however long the sequence), its keys placed by position (key_starts) for
 from __future__ import annotations
 
 from functools import cached_property
-from typing import NamedTuple
 
 import torch
 
-from qinfer.attention.block_spaces import BlockSpaces
 from qinfer.attention.kv_cache import position_mask
-from qinfer.attention.kv_pool import KVPool, LayerKV
+from qinfer.attention.kv_pool import KVLayout, LayerKV, PagedLayer, store_kv
 from qinfer.attention.sdpa import Mask, Sdpa
-from qinfer.attention.step_buffers import SpaceTensors, StepBuffers, StepTensors
-from qinfer.kv_quant import KVFormat, raw_bytes
+from qinfer.attention.step_buffers import SpaceTensors, StepTensors
+from qinfer.kv_quant import KVFormat
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
@@ -58,36 +56,22 @@ SPLIT_KEYS = 1024
 
 class PagedStep:
     """Where the K/V of one step's tokens go to and come from in one block space's pool:
-    the metadata that every layer of that space shares, built once per step.
+    the metadata that every layer of that space shares, built once per step from the
+    step's `StepTensors` (the runner's `StepBuffers`, written in place; `space` names this
+    space's part). The host lists decide the grouping.
 
     Per sequence b: num_new[b] tokens run now (flat, sequence after sequence),
     num_computed[b] tokens already in the pool (at positions 0..num_computed[b]-1),
-    block_tables[b]: its blocks in this space, from the step's first block on (see
-    `StepBuffers.write`). The host lists decide the grouping; the tensors come from
-    `tensors` (the runner's `StepBuffers`, written in place, `space` naming this space's
-    part; default: buffers of this step's own, for a space of this `window`).
-    slots: (T,) the pool slot each new token's K/V is written to.
+    its table: its blocks in this space, from the step's first block on (see
+    `StepBuffers.write`). slots: (T,) the pool slot each new token's K/V is written to.
     """
 
-    def __init__(
-        self,
-        num_new: list[int],
-        num_computed: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-        device: torch.device | str,
-        tensors: StepTensors | None = None,
-        space: int = 0,
-        window: int | None = None,
-    ) -> None:
-        if tensors is None:
-            buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])
-            no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
-            tensors = buffers.write(no_ids, num_computed, [block_tables], no_logits)
+    def __init__(self, tensors: StepTensors, space: int = 0) -> None:
         part = tensors.spaces[space]
+        num_new, block_tables, block_size = tensors.num_new, part.tables, tensors.block_size
         self.slots = part.slots  # (T,)
         # the keys each sequence reads: its history, less the blocks before its table's first
-        histories = [computed + n for computed, n in zip(num_computed, num_new, strict=True)]
+        histories = [c + n for c, n in zip(tensors.num_computed, num_new, strict=True)]
         if part.first_blocks is not None:
             skipped = [first * block_size for first in part.first_blocks]
             histories = [h - k for h, k in zip(histories, skipped, strict=True)]
@@ -274,21 +258,22 @@ class Group:
         return self._value_rows[key]
 
 
-class PagedLayer(NamedTuple):
-    """Where one layer's K/V live: its part of its block space's pool, the space, and the
-    layer's own sliding window (None: full attention)."""
+class PagedBackend:
+    """The paged CPU backend (`qinfer.attention.backend`): pools laid out heads first, a
+    step's metadata as `PagedStep`s (one per block space), `PagedAttention` to attend.
 
-    kv: LayerKV
-    space: int
-    window: int | None
+    sdpa: the attention function of prompt chunks; invariant: every query through the
+    decode arithmetic (`Features.batch_invariant`)."""
 
+    layout = KVLayout.HEADS_FIRST
 
-def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer]:
-    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner)."""
-    return [
-        PagedLayer(pools[space].layers[index], space, window)
-        for (space, index), window in zip(spaces.layers, spaces.layer_windows, strict=True)
-    ]
+    def __init__(self, sdpa: Sdpa, invariant: bool = False) -> None:
+        self.sdpa, self.invariant = sdpa, invariant
+
+    def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
+        """The step's attention over the pools that `layers` place."""
+        paged = [PagedStep(step, space) for space in range(len(step.spaces))]
+        return PagedAttention(layers, paged, self.sdpa, self.invariant)
 
 
 class PagedAttention:
@@ -319,7 +304,7 @@ class PagedAttention:
         into the layer's pool, then attends each group of sequences to its own histories."""
         kv, space, window = self.layers[layer]
         step = self.steps[space]
-        _store(kv, step.slots, k, v)
+        store_kv(kv, step.slots, k, v)
         if step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = step.groups
             queries = q.view(len(group.rows), group.num_new, *q.shape[1:])  # (G, L, Hq, D)
@@ -339,20 +324,6 @@ class PagedAttention:
         if group.num_new == 1 or self.invariant:
             return _decode(q, kv, group, window, scale, self.invariant)
         return _chunk(q, kv, group, window, scale, self.sdpa)
-
-
-def _store(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The step's k, v (T, Hkv, D) -> the layer's (Hkv, slots, D), at the tokens' slots."""
-    if kv.key_scales is None:
-        if k.dtype != kv.keys.dtype:  # (a no-op `.to` still costs a call per layer)
-            k, v = k.to(kv.keys.dtype), v.to(kv.values.dtype)
-        kv.keys.index_copy_(1, slots, k.transpose(0, 1))
-        kv.values.index_copy_(1, slots, v.transpose(0, 1))
-        return
-    for data, scales, x in ((kv.keys, kv.key_scales, k), (kv.values, kv.value_scales, v)):
-        stored, x_scales = kv.format.quantize(x)  # (T, Hkv, D), (T, Hkv)
-        raw_bytes(data).index_copy_(1, slots, raw_bytes(stored).transpose(0, 1))
-        scales.index_copy_(1, slots, x_scales.transpose(0, 1))
 
 
 def _history(

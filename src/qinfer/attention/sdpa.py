@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qinfer.features import Features
+
 Mask = torch.Tensor | str | None
 
 #: An attention function: (q (B, Hq, L, D), k, v (B, Hkv, S, D), scale, mask) -> (B, Hq, L, D).
@@ -130,3 +132,9 @@ def torch_sdpa_grouped(
         )
         return out.reshape(B, Hq, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def sdpa_for(features: Features) -> Sdpa:
+    """The attention function `features` asks for: both give the same result (the tests hold
+    them to it); torch's fused one is faster."""
+    return torch_sdpa_grouped if features.fast_sdpa else reference_sdpa_fp32

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate, chain, pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -40,31 +40,42 @@ class SpaceTensors(NamedTuple):
     """One block space's part of a step (views of `StepBuffers`, on the device).
 
     slots (T,): where each new token's K/V go in the space's pool; block_tables (S, W) long:
-    the blocks each sequence's step reads, padded with block 0. In a window space each
-    table starts at logical block first_blocks[b] (host ints) and key_starts (S,) holds
-    first_blocks[b] * block_size; in a whole-history space both are None (tables start
-    at block 0)."""
+    the blocks each sequence's step reads, padded with block 0, and tables: the same as
+    host lists, unpadded. In a window space each table starts at logical block
+    first_blocks[b] (host ints) and key_starts (S,) holds first_blocks[b] * block_size; in
+    a whole-history space both are None (tables start at block 0)."""
 
     slots: torch.Tensor
     block_tables: torch.Tensor
+    tables: list[list[int]]
     first_blocks: list[int] | None
     key_starts: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class StepTensors:
-    """One step's inputs as views of `StepBuffers` (valid until the next `write`).
+    """One step's inputs as views of `StepBuffers` (valid until the next `write`): the
+    step description every attention backend plans from (`qinfer.attention.backend`).
 
     token_ids, positions (T,); logits_indices (R,); context_lens (S,) long, on the device;
     query_starts: S + 1 host ints (sequence s runs tokens query_starts[s]:query_starts[s +
-    1]); spaces: each block space's slots and tables (`SpaceTensors`)."""
+    1]); num_computed: S host ints, the tokens each sequence has in the pool before the
+    step; block_size: tokens per block; spaces: each block space's slots and tables
+    (`SpaceTensors`)."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor
     context_lens: torch.Tensor
     query_starts: list[int]
+    num_computed: list[int]
+    block_size: int
     spaces: list[SpaceTensors]
+
+    @property
+    def num_new(self) -> list[int]:
+        """The tokens each sequence runs in the step."""
+        return [end - start for start, end in pairwise(self.query_starts)]
 
 
 class _SpaceBuffers:
@@ -197,9 +208,13 @@ class StepBuffers:
             logits_indices=logits_indices,
             context_lens=context_lens,
             query_starts=starts,
+            num_computed=list(num_computed),
+            block_size=self.block_size,
             spaces=[
-                SpaceTensors(slots, tables, first, None if first is None else key_starts)
-                for (slots, tables, key_starts), first in zip(space_views, firsts, strict=True)
+                SpaceTensors(slots, padded, tables, first, None if first is None else key_starts)
+                for (slots, padded, key_starts), tables, first in zip(
+                    space_views, block_tables, firsts, strict=True
+                )
             ],
         )
 
@@ -233,3 +248,18 @@ class StepBuffers:
                 space.written[b] = (list(table), W)
         space.slots_host[:first] = slots
         return firsts
+
+
+def step_tensors(
+    num_new: list[int],
+    num_computed: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+    window: int | None = None,
+) -> StepTensors:
+    """One step of one block space (of this `window`) in buffers of its own, without token
+    ids or logits: a step to attend over, outside a runner (the attention tests)."""
+    buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])
+    no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
+    return buffers.write(no_ids, num_computed, [block_tables], no_logits)

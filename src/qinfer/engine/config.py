@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.errors import QinferError
+from qinfer.features import check_attention_backend
 from qinfer.runtime.config import RuntimeConfig
 
 
@@ -23,6 +24,8 @@ class EngineConfig:
     max_model_len: longest sequence (prompt + output); default the model's context.
     enable_prefix_caching: reuse the K/V of full blocks shared by several prompts.
     max_waiting_requests: requests allowed to wait; more are refused as overloaded.
+    attention_backend: how the runner keeps K/V and attends (`qinfer.attention.backend`):
+        auto (by device), paged (the CPU's) or gathered (one sdpa call over gathered blocks).
     speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
     """
@@ -36,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    attention_backend: str = RuntimeConfig.attention_backend
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -49,6 +53,7 @@ class EngineConfig:
                 raise QinferError(
                     f"engine argument {name} must be a positive integer, got {value!r}"
                 )
+        check_attention_backend(self.attention_backend)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise QinferError(
                 f"engine argument gpu_memory_utilization must be in (0, 1], "
@@ -95,4 +100,5 @@ SHARED = (
     "kv_cache_memory",
     "gpu_memory_utilization",
     "num_kv_blocks",
+    "attention_backend",
 )

@@ -17,9 +17,9 @@ import functools
 
 import torch
 
-from qinfer.attention.backend import AttentionBackend, sdpa_for
+from qinfer.attention.backend import StepAttention
 from qinfer.attention.reference import Cache, ReferenceAttention
-from qinfer.attention.sdpa import Mask
+from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.config import ModelConfig
 from qinfer.features import Features
 from qinfer.layers.norm import head_norms, rms_norm
@@ -100,7 +100,7 @@ class Attention(Module, Placed):
         self,
         x: torch.Tensor,
         positions: int | torch.Tensor,
-        attention: AttentionBackend | Cache,
+        attention: StepAttention | Cache,
         mask: Mask = None,
     ) -> torch.Tensor:
         """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,);

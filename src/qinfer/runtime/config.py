@@ -29,3 +29,4 @@ class RuntimeConfig:
     num_kv_blocks: int | None = None
     num_speculative_tokens: int = 0
     whole_space_0: bool = False
+    attention_backend: str = "auto"

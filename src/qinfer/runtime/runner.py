@@ -1,8 +1,8 @@
 """One rank's forward of a scheduled step: the KV pools, their sizes, and the logits of each row.
 
 A step's sequences become one `ForwardBatch`: their new tokens flat, each at its position,
-attending through the paged backend (`qinfer.attention.paged`) over this runner's pools
-(one per block space, `qinfer.attention.block_spaces`);
+attending through the runner's attention backend (`qinfer.attention.backend`) over its
+pools (one per block space, `qinfer.attention.block_spaces`, laid out as the backend says);
 logits are computed only at the rows that ask for them: the last token of each sequence
 that samples, the last 1 + k of one that verifies k proposed tokens. The step's tensors
 are written in place into the runner's `StepBuffers`.
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.attention.backend import sdpa_for
+from qinfer.attention.backend import choose_backend
 from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
-from qinfer.attention.kv_pool import KVPool
-from qinfer.attention.paged import PagedAttention, PagedStep, paged_layers
+from qinfer.attention.kv_pool import KVPool, paged_layers
 from qinfer.attention.step_buffers import StepBuffers
 from qinfer.errors import QinferError
 from qinfer.forward_batch import ForwardBatch
@@ -141,7 +140,8 @@ class StepOutput:
 
 class ModelRunner:
     """One rank's model over its own KV pools, num_blocks[s] blocks in block space s of
-    `spaces`: `forward` runs a step."""
+    `spaces`: `forward` runs a step, attending through the backend config.attention_backend
+    names (`choose_backend`)."""
 
     def __init__(
         self, model: Transformer, config: RuntimeConfig, num_blocks: list[int], spaces: BlockSpaces
@@ -149,6 +149,7 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.spaces = spaces
+        self.backend = choose_backend(config.attention_backend, model.device, model.features)
         self.pools = [
             KVPool(
                 model.config,
@@ -158,12 +159,11 @@ class ModelRunner:
                 model.device,
                 kv_heads(model),
                 spaces.num_layers(space),
+                self.backend.layout,
             )
             for space, count in enumerate(num_blocks)
         ]
         self.layers = paged_layers(self.pools, spaces)
-        self.sdpa = sdpa_for(model.features)
-        self.invariant = model.features.batch_invariant
         # Every step's inputs, written in place (sized for the scheduler's largest step; a
         # longer one, or a longer block table, grows them).
         context_blocks = -(-model.config.max_position_embeddings // config.block_size)
@@ -207,18 +207,13 @@ class ModelRunner:
         """The step as the model runs it: every sequence's new tokens flat, at their
         positions, over this runner's pools; logits at the last num_logits[b] rows of each.
         Its tensors are views of this runner's `StepBuffers`, rewritten by the next step."""
-        tables = step.tables
-        tensors = self.buffers.write(step.new_tokens, step.num_computed, tables, step.num_logits)
-        num_new = [len(ids) for ids in step.new_tokens]
-        device, size = self.model.device, self.block_size
-        paged = [
-            PagedStep(num_new, step.num_computed, space_tables, size, device, tensors, space)
-            for space, space_tables in enumerate(tables)
-        ]
+        tensors = self.buffers.write(
+            step.new_tokens, step.num_computed, step.tables, step.num_logits
+        )
         return ForwardBatch(
             token_ids=tensors.token_ids,
             positions=tensors.positions,
             query_starts=tensors.query_starts,
             logits_indices=tensors.logits_indices,
-            attention=PagedAttention(self.layers, paged, self.sdpa, self.invariant),
+            attention=self.backend.plan(tensors, self.layers),
         )

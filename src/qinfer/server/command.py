@@ -16,9 +16,11 @@ from qinfer.cli_args import (
     bounded,
     check_device,
     load_arguments,
+    one_of,
     speculative_arguments,
 )
 from qinfer.errors import QinferError
+from qinfer.features import ATTENTION_BACKENDS
 from qinfer.pooling import POOLING_METHODS, PoolingParams
 
 #: What `qinfer serve --task` chooses from (`qinfer.server.model_server.ServerSettings.task`).
@@ -42,6 +44,12 @@ ENGINE_FLAGS = [
     ("--block-size", "block_size", bounded(int, 1), "tokens per KV block"),
     ("--num-kv-blocks", "num_kv_blocks", bounded(int, 1), "exact KV pool size in blocks"),
     ("--kv-cache-memory", "kv_cache_memory", bounded(int, 1), "bytes for the KV pool"),
+    (
+        "--attention-backend",
+        "attention_backend",
+        one_of(ATTENTION_BACKENDS),
+        "paged (the CPU's) or gathered (one sdpa over gathered blocks); default: auto",
+    ),
     (
         "--max-waiting-requests",
         "max_waiting_requests",

@@ -63,6 +63,10 @@ class AttentionBackend(Protocol):
     docstring): `layout` of every pool, `plan` of every step."""
 
     layout: KVLayout
+    #: plans a step of one decode token per sequence, of shapes it has seen, with no host
+    #: work and no new tensor: only views of the step's buffers and ops over them
+    #: (`qinfer.runtime.static_decode`)
+    static_decode: bool
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> StepAttention:
         """The attention of one step (its metadata built here, once) over the pools that
@@ -70,12 +74,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-def choose_backend(name: str, device: torch.device, features: Features) -> AttentionBackend:
+def choose_backend(
+    name: str, device: torch.device, features: Features, static_decode: bool = False
+) -> AttentionBackend:
     """The backend `name` asks for, set up for `features`. auto: paged on every device (the
-    one measured; a GPU has not run either yet). Batch invariance is the paged backend's."""
+    one measured; a GPU has not run either yet), gathered for static decode steps (the one
+    that plans them). Batch invariance is the paged backend's alone."""
     check_attention_backend(name)
     if name == "auto":
-        name = "paged"
+        name = "gathered" if static_decode else "paged"
     sdpa = sdpa_for(features)
     if name == "gathered":
         if features.batch_invariant:
@@ -84,4 +91,9 @@ def choose_backend(name: str, device: torch.device, features: Features) -> Atten
                 "use 'paged' (or auto) with batch_invariant"
             )
         return GatheredBackend(sdpa)
+    if static_decode:
+        raise QinferError(
+            "attention_backend 'paged' plans no static decode step (it groups sequences on "
+            "the host): use 'gathered' (or auto) with static_decode"
+        )
     return PagedBackend(sdpa, features.batch_invariant)

@@ -24,6 +24,8 @@ itself.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qinfer.attention.kv_cache import position_mask
@@ -38,6 +40,7 @@ class GatheredBackend:
     `GatheredAttention` to attend through `sdpa` (`qinfer.attention.backend`)."""
 
     layout = KVLayout.SLOTS_FIRST
+    static_decode = True  # a step of equal query counts makes only views and op outputs
 
     def __init__(self, sdpa: Sdpa) -> None:
         self.sdpa = sdpa
@@ -64,9 +67,9 @@ class GatheredStep:
         G, W = part.block_tables.shape
         size, device = step.block_size, part.block_tables.device
         self.slots, self.num_seqs = part.slots, G
-        offsets = torch.arange(size, device=device)
+        offsets = _arange(size, device)
         self.key_slots = (part.block_tables[:, :, None] * size + offsets).view(G, W * size)
-        keys = torch.arange(W * size, device=device).expand(G, -1)
+        keys = _arange(W * size, device).expand(G, -1)
         if part.key_starts is not None:  # a window space's tables start past position 0
             keys = keys + part.key_starts[:, None]
         self.key_positions = torch.where(keys < step.context_lens[:, None], keys, -1)
@@ -122,6 +125,13 @@ class GatheredAttention:
         queries = step.padded(q).transpose(1, 2)  # (G, Hq, L, D)
         out = self.sdpa(queries, keys, values, scale, step.mask(window))  # (G, Hq, L, D)
         return step.flat(out.transpose(1, 2))
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0 .. n - 1 on `device`, made once per length (a step of a seen shape makes no tensor);
+    read only."""
+    return torch.arange(n, device=device)
 
 
 def _gather(

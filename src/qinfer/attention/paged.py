@@ -266,6 +266,7 @@ class PagedBackend:
     decode arithmetic (`Features.batch_invariant`)."""
 
     layout = KVLayout.HEADS_FIRST
+    static_decode = False  # sequences are grouped by history on the host, step by step
 
     def __init__(self, sdpa: Sdpa, invariant: bool = False) -> None:
         self.sdpa, self.invariant = sdpa, invariant

@@ -142,12 +142,14 @@ class StepBuffers:
         num_computed: list[int],
         block_tables: Sequence[list[list[int]]],
         num_logits: list[int],
+        min_widths: Sequence[int] | None = None,
     ) -> StepTensors:
         """Write one step (per sequence b: its new token ids, the tokens already in the
         pool, its block table in each space, how many of its last new tokens produce
         logits) and return the views that hold it. block_tables[s][b]: sequence b's blocks
         in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
-        step reads no released block).
+        step reads no released block). min_widths[s]: space s's tables padded to at least
+        this many blocks (default: the longest table's).
 
         A batch-1 decode step takes a few ms, and this runs between two of them with the
         CPU's caches full of the model's: each numpy write and tensor view costs several
@@ -159,6 +161,8 @@ class StepBuffers:
         starts = list(accumulate(num_new, initial=0))
         T, S = starts[-1], len(new_tokens)
         widths = tuple(max(map(len, tables)) for tables in block_tables)
+        if min_widths is not None:
+            widths = tuple(map(max, widths, min_widths))
         tokens, seqs, blocks = self.capacity
         if T > tokens or S > seqs or any(w > c for w, c in zip(widths, blocks, strict=True)):
             grown = tuple(max(w, 2 * c) for w, c in zip(widths, blocks, strict=True))

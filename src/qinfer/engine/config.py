@@ -26,6 +26,9 @@ class EngineConfig:
     max_waiting_requests: requests allowed to wait; more are refused as overloaded.
     attention_backend: how the runner keeps K/V and attends (`qinfer.attention.backend`):
         auto (by device), paged (the CPU's) or gathered (one sdpa call over gathered blocks).
+    static_decode: decode steps padded to buckets of batch sizes and table widths, each
+        bucket one set of shapes with no tensor made per step (`qinfer.runtime.static_decode`;
+        the gathered backend's: auto picks it).
     speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
     """
@@ -40,6 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     attention_backend: str = RuntimeConfig.attention_backend
+    static_decode: bool = RuntimeConfig.static_decode
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -101,4 +105,5 @@ SHARED = (
     "gpu_memory_utilization",
     "num_kv_blocks",
     "attention_backend",
+    "static_decode",
 )

@@ -30,3 +30,4 @@ class RuntimeConfig:
     num_speculative_tokens: int = 0
     whole_space_0: bool = False
     attention_backend: str = "auto"
+    static_decode: bool = False

@@ -25,6 +25,7 @@ from qinfer.errors import QinferError
 from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
+from qinfer.runtime.static_decode import is_decode, padded
 from qinfer.runtime.step import StepInputs
 from qinfer.runtime.step_channel import StepChannel
 
@@ -149,11 +150,17 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.spaces = spaces
-        self.backend = choose_backend(config.attention_backend, model.device, model.features)
+        self.backend = choose_backend(
+            config.attention_backend, model.device, model.features, config.static_decode
+        )
+        # A bucketed decode step's padding rows write into a scratch block past each pool's
+        # reported blocks (`static_decode`): no sequence is ever given it.
+        self.static_decode = config.static_decode
+        self.scratch = list(num_blocks) if config.static_decode else []
         self.pools = [
             KVPool(
                 model.config,
-                count,
+                count + int(config.static_decode),
                 config.block_size,
                 model.kv_format,
                 model.device,
@@ -178,8 +185,8 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> list[int]:
-        """Blocks in each block space's pool."""
-        return [pool.num_blocks for pool in self.pools]
+        """Blocks in each block space's pool (a scratch block not counted)."""
+        return [pool.num_blocks - int(self.static_decode) for pool in self.pools]
 
     def forward(
         self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
@@ -189,26 +196,34 @@ class ModelRunner:
 
         hidden_rows[b]: None, or for a pooling sequence the rows (0 .. num_new[b] - 1) of
         its new tokens whose final-normed hidden states it needs. Pooling is rank 0's alone
-        (the hidden states are whole on every rank)."""
-        batch = self.forward_batch(step)
+        (the hidden states are whole on every rank). With static_decode, a decode step runs
+        padded to its bucket (`qinfer.runtime.static_decode`); the padding's logits are
+        dropped."""
+        num_seqs = len(step.new_tokens)
+        hidden_rows = hidden_rows or [None] * num_seqs
+        widths = None
+        if self.static_decode and is_decode(step) and not any(hidden_rows):
+            _, max_rows, max_widths = self.buffers.capacity
+            step, widths = padded(step, self.scratch, max_rows, list(max_widths))
+        batch = self.forward_batch(step, widths)
         hidden = self.model.forward(batch)  # (T, hidden)
         logits = self.model.compute_logits(batch.logits_rows(hidden))  # (R, V)
         pooled: list[torch.Tensor | None] = []
-        hidden_rows = hidden_rows or [None] * len(step.new_tokens)
-        for start, rows in zip(batch.query_starts[:-1], hidden_rows, strict=True):
+        for start, rows in zip(batch.query_starts[:num_seqs], hidden_rows, strict=True):
             if rows is None:
                 pooled.append(None)
             else:  # the final norm alone, local to this rank: no collective to match
                 index = torch.tensor([start + r for r in rows], dtype=torch.long)
                 pooled.append(self.model.norm(hidden[index.to(hidden.device)]).float())
-        return StepOutput(logits, pooled)
+        return StepOutput(logits if widths is None else logits[:num_seqs], pooled)
 
-    def forward_batch(self, step: StepInputs) -> ForwardBatch:
+    def forward_batch(self, step: StepInputs, widths: list[int] | None = None) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
-        positions, over this runner's pools; logits at the last num_logits[b] rows of each.
-        Its tensors are views of this runner's `StepBuffers`, rewritten by the next step."""
+        positions, over this runner's pools; logits at the last num_logits[b] rows of each;
+        each space's tables padded to at least widths[s] blocks. Its tensors are views of
+        this runner's `StepBuffers`, rewritten by the next step."""
         tensors = self.buffers.write(
-            step.new_tokens, step.num_computed, step.tables, step.num_logits
+            step.new_tokens, step.num_computed, step.tables, step.num_logits, widths
         )
         return ForwardBatch(
             token_ids=tensors.token_ids,

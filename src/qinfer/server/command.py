@@ -138,6 +138,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, name, kind, help_text in ENGINE_FLAGS:
         engine.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     engine.add_argument(
+        "--static-decode",
+        action="store_true",
+        default=None,
+        help="decode steps padded to buckets of fixed shapes, no tensor made per step "
+        "(what a CUDA graph captures; the gathered attention backend)",
+    )
+    engine.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -175,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from qinfer.server.app import serve
 
     engine_args = {name: getattr(args, name) for _, name, _, _ in ENGINE_FLAGS}
+    engine_args["static_decode"] = args.static_decode
     engine_args = {name: value for name, value in engine_args.items() if value is not None}
     engine_args["speculative"] = speculative_arguments(args)
     serve(

@@ -1,0 +1,135 @@
+"""The shape-static decode step (`qinfer.runtime.static_decode`): decode steps padded to
+buckets of batch sizes and table widths.
+
+- the bucketed engine gives the dynamic engine's greedy tokens on every family of the
+  cache tests (sliding windows and block spaces, experts, Gemma 3's two RoPE bases);
+- a bucketed decode step of a seen bucket makes no tensor and reads nothing back to the
+  host (a torch function mode counts factory calls and syncs; the same count on the
+  dynamic paged step is not 0, so the count can fail);
+- the buckets themselves, and the backend that cannot plan such a step, named.
+"""
+
+import pytest
+from checkpoints import WINDOWED, random_model
+from torch.overrides import TorchFunctionMode
+
+from qinfer.engine import LLM
+from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.errors import QinferError
+from qinfer.runtime.config import RuntimeConfig
+from qinfer.runtime.executor import Executor
+from qinfer.runtime.static_decode import bucket
+from qinfer.sampling import SamplingParams
+
+FAMILIES = {"llama": ("llama", {}), **WINDOWED}
+
+
+def greedy_tokens(model, prompts, **engine_args) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(model, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, **engine_args)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().kv_blocks_used == 0
+    return [out.token_ids for out in outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bucketed_decode_gives_the_dynamic_paths_tokens(family):
+    """Five prompts of 3 to 30 tokens run together (a bucket of 8 rows, then of fewer as
+    they finish at different lengths; tables of 1 to 11 blocks of 4, in buckets of 1, 2, 4,
+    8 and 16)."""
+    name, overrides = FAMILIES[family]
+    model = random_model(name, **overrides)
+    lengths = [3, 30, 9, 17, 5]
+    prompts = [[(7 * n + 3 * i) % 256 for i in range(n)] for n in lengths]
+    dynamic = greedy_tokens(model, prompts)
+    assert greedy_tokens(model, prompts, static_decode=True) == dynamic
+
+
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "from_numpy",
+    "arange",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_strided",
+    "linspace",
+}
+SYNCS = {"item", "tolist", "__bool__", "cpu", "numpy"}
+
+
+class Made(TorchFunctionMode):
+    """Counts the torch functions a step calls that make a tensor from nothing or from
+    host data (an allocation a replayed CUDA graph cannot hold), and the reads back to
+    the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in FACTORIES or name in SYNCS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def decode_steps(
+    executor: Executor, size: int, seqs: list[Sequence], steps: int
+) -> list[list[str]]:
+    """Prefill `seqs` (blocks of `size`), then decode `steps` steps; the calls `Made`
+    counted in each decode."""
+    spaces = executor.spaces
+    free = iter(range(min(executor.num_blocks)))
+
+    def step(new: list[int]):
+        for seq, n in zip(seqs, new, strict=True):
+            while len(seq.block_table) * size < seq.num_computed_tokens + n:
+                seq.block_table.append(next(free))
+            seq.window_table = list(seq.block_table)
+        inputs = step_inputs(seqs, new, [1] * len(seqs), spaces, size)
+        with Made() as made:
+            executor.execute(inputs)
+        for seq, n in zip(seqs, new, strict=True):
+            seq.num_computed_tokens += n
+            seq.token_ids.append(5)
+        return made.calls
+
+    step([len(seq.token_ids) for seq in seqs])
+    return [step([1] * len(seqs)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_bucketed_decode_step_makes_no_tensor(family):
+    """Three sequences (a bucket of 4) whose tables stay in the bucket of 2 blocks of 16:
+    after the bucket's first step, a step makes no tensor and reads nothing back; the
+    dynamic paged step of the same sequences does both."""
+    name, overrides = FAMILIES[family]
+    model = random_model(name, **overrides)
+    counts = {}
+    for static in (True, False):
+        config = RuntimeConfig(block_size=16, num_kv_blocks=16, static_decode=static)
+        seqs = [Sequence(str(b), list(range(1, n + 1))) for b, n in enumerate([20, 17, 25])]
+        counts[static] = decode_steps(Executor(model, config), 16, seqs, steps=3)
+    first, *seen = counts[True]
+    assert seen == [[], []], seen
+    assert all(calls for calls in counts[False]), counts[False]
+
+
+def test_buckets_are_powers_of_two_up_to_the_capacity():
+    assert [bucket(n, 32) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert bucket(20, 24) == 24 and bucket(30, 24) == 30  # capped, never below n
+
+
+def test_static_decode_needs_a_backend_that_plans_it():
+    model = random_model("qwen3")
+    with pytest.raises(QinferError, match="'paged' plans no static decode step"):
+        LLM(model, static_decode=True, attention_backend="paged")
+    llm = LLM(model, static_decode=True, num_kv_blocks=8)
+    assert llm.engine.executor.num_blocks == [8]  # the scratch block is not counted

@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
@@ -39,6 +40,7 @@ from qinfer.server.anthropic_messages_request import ConversationRequest, Messag
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
+from qinfer.server.routing import Access, read_body
 from qinfer.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
@@ -243,3 +245,20 @@ class MessagesAPI:
         if body.tools:  # compiling schemas can take a while: off the event loop
             tools = [tool.for_chat() for tool in body.tools]
             await run_in_threadpool(check_tool_schemas, tools, "tools.{}.input_schema")
+
+
+def router(server: ModelServer, access: Access) -> APIRouter:
+    """POST /v1/messages and /v1/messages/count_tokens, for the generate task; every
+    failure, the API key's included, answered in Anthropic's shape (`AnthropicRoute`)."""
+    api = MessagesAPI(server)
+    routes = APIRouter(dependencies=access.serving("generate"), route_class=AnthropicRoute)
+
+    @routes.post("/v1/messages")
+    async def create_message(request: Request) -> Response:
+        return await api.create(await read_body(request, MessagesRequest), request)
+
+    @routes.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> dict[str, int]:
+        return await api.count_tokens(await read_body(request, ConversationRequest))
+
+    return routes

@@ -9,6 +9,10 @@ and qinfer's own `POST /v1/inspect` (all behind the API keys when there are any)
 at `/inspect` (plain files from `server/static/`, which ask for the key once and send it
 to /v1 themselves).
 
+Each API is a module with its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
+body reading, API key and task checks); this module adds the inspector, the pages, health
+and metrics, and starts the server.
+
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
 
@@ -26,41 +30,34 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import pydantic
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
 from qinfer.pooling import PoolingParams
 from qinfer.sampling import SamplingParams, checkpoint_sampling
-from qinfer.server.anthropic_messages import AnthropicRoute, MessagesAPI
-from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
-from qinfer.server.embeddings import EmbeddingRequest, EmbeddingsAPI
-from qinfer.server.errors import APIError, from_validation_error, install_error_handlers
-from qinfer.server.inspection import (
-    InspectRequest,
+from qinfer.server import (
+    anthropic_messages,
+    embeddings,
+    openai_responses,
+    openai_routes,
+    scores,
 )
+from qinfer.server.errors import install_error_handlers
+from qinfer.server.inspection import InspectRequest
 from qinfer.server.lifecycle import Server
 from qinfer.server.model_server import ModelServer, ServerSettings
-from qinfer.server.openai_responses import ResponsesAPI
-from qinfer.server.openai_responses_request import ResponsesRequest
-from qinfer.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from qinfer.server.scores import RerankRequest, ScoreRequest, ScoresAPI
+from qinfer.server.routing import Access, read_body
 from qinfer.startup import LoadAnnouncer, display_name
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
-#: Largest request body accepted (HTTP 413 above): generous for long prompts.
-MAX_BODY_BYTES = 16 * 2**20
+#: The APIs, each a module whose `router(server, access)` holds its routes
+#: (`qinfer.server.routing`).
+API_MODULES = (openai_routes, openai_responses, anthropic_messages, embeddings, scores)
 
 #: The web pages' files (HTML, CSS, JavaScript: no build step, nothing fetched elsewhere).
 STATIC_FILES = Path(__file__).parent / "static"
@@ -86,27 +83,6 @@ class ResponseCounter:
         await self.app(scope, receive, send_and_count)
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body validated as `model`; 413 when it is larger than MAX_BODY_BYTES."""
-    too_large = APIError(
-        413, f"Request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():  # a chunked body has no length to check upfront
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as error:
-        # Valid JSON when the failure is a field's: walk it to name that field exactly.
-        parsed = None if error.errors()[0]["type"] == "json_invalid" else json.loads(body)
-        raise from_validation_error(error, parsed) from None
-
-
 def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine`; the app shuts the engine down when it stops."""
     server = ModelServer(engine, tokenizer, settings)
@@ -118,114 +94,12 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     app = FastAPI(title="qinfer", lifespan=lifespan)
     install_error_handlers(app)
+    access = Access(settings)
+    routers = [api.router(server, access) for api in API_MODULES]
+    for router in routers:
+        app.include_router(router)
 
-    def check_api_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token.
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            key = request.headers.get("x-api-key", "")
-        if not settings.accepts_key(key.strip()):
-            raise APIError(
-                401,
-                "Missing or invalid API key (send 'Authorization: Bearer <key>' or "
-                "'x-api-key: <key>')",
-                code="invalid_api_key",
-            )
-
-    authorized = [Depends(check_api_key)]
-
-    def serving(*tasks: str) -> list[Any]:
-        """The dependencies of a route the `tasks` serve: the API key, then the task."""
-
-        def check_task(request: Request) -> None:
-            if settings.task not in tasks:
-                raise APIError(
-                    404,
-                    f"{request.url.path} is not served: this server runs the "
-                    f"'{settings.task}' task (qinfer serve --task), which serves "
-                    f"{TASK_ROUTES[settings.task]}",
-                    code="unsupported_task",
-                )
-
-        return [*authorized, Depends(check_task)]
-
-    generating = serving("generate")
-
-    @app.post("/v1/chat/completions", dependencies=generating)
-    async def chat_completions(request: Request) -> Response:
-        return await server.chat(await read_body(request, ChatCompletionRequest), request)
-
-    @app.post("/v1/completions", dependencies=generating)
-    async def completions(request: Request) -> Response:
-        return await server.complete(await read_body(request, CompletionRequest), request)
-
-    @app.post("/tokenize", dependencies=authorized)
-    async def tokenize(request: Request) -> dict[str, Any]:
-        return await server.tokenize(await read_body(request, TokenizeRequest))
-
-    @app.post("/detokenize", dependencies=authorized)
-    async def detokenize(request: Request) -> dict[str, Any]:
-        return await server.detokenize(await read_body(request, DetokenizeRequest))
-
-    responses = ResponsesAPI(server)
-
-    @app.post("/v1/responses", dependencies=generating)
-    async def create_response(request: Request) -> Response:
-        return await responses.create(await read_body(request, ResponsesRequest), request)
-
-    @app.get("/v1/responses/{response_id}", dependencies=generating)
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return responses.store.response(response_id)
-
-    @app.delete("/v1/responses/{response_id}", dependencies=generating)
-    async def delete_response(response_id: str) -> dict[str, Any]:
-        responses.store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    messages = MessagesAPI(server)
-
-    async def create_message(request: Request) -> Response:
-        return await messages.create(await read_body(request, MessagesRequest), request)
-
-    async def count_message_tokens(request: Request) -> dict[str, int]:
-        return await messages.count_tokens(await read_body(request, ConversationRequest))
-
-    # Anthropic's routes answer every failure, the API key's included, in its own shape.
-    for path, endpoint in [
-        ("/v1/messages", create_message),
-        ("/v1/messages/count_tokens", count_message_tokens),
-    ]:
-        app.router.add_api_route(
-            path,
-            endpoint,
-            methods=["POST"],
-            dependencies=generating,
-            route_class_override=AnthropicRoute,
-        )
-
-    embeddings = EmbeddingsAPI(server)
-
-    @app.post("/v1/embeddings", dependencies=serving("generate", "embed"))
-    async def create_embeddings(request: Request) -> dict[str, Any]:
-        return await embeddings.create(await read_body(request, EmbeddingRequest))
-
-    scores = ScoresAPI(server)
-
-    @app.post("/v1/rerank", dependencies=serving("generate", "rerank"))
-    async def rerank(request: Request) -> dict[str, Any]:
-        return await scores.rerank(await read_body(request, RerankRequest))
-
-    @app.post("/v1/score", dependencies=serving("generate", "rerank"))
-    async def score(request: Request) -> dict[str, Any]:
-        return await scores.score(await read_body(request, ScoreRequest))
-
-    @app.get("/v1/models", dependencies=authorized)
-    async def models() -> dict[str, Any]:
-        return server.models()
-
-    @app.post("/v1/inspect", dependencies=authorized)
+    @app.post("/v1/inspect", dependencies=access.authorized)
     async def inspect(request: Request) -> dict[str, Any]:
         return await server.inspect(await read_body(request, InspectRequest))
 
@@ -249,7 +123,13 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    routes = frozenset(route.path for route in app.routes)
+    # every route's path: the app's own and its routers' (an included router is one entry)
+    routes = frozenset(
+        path
+        for router in (app.router, *routers)
+        for path in (getattr(route, "path", None) for route in router.routes)
+        if path is not None
+    )
     if settings.allowed_origins:
         # Credentials travel as an Authorization header, which "*" headers allow; cookies
         # are never used, so credentialed CORS stays off.
@@ -266,14 +146,6 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 def served_name(path: Path) -> str:
     """The default model id of a checkpoint: its folder's name, or a GGUF file's stem."""
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-#: What each task serves besides /v1/models, /tokenize and /detokenize (for its 404s).
-TASK_ROUTES = {
-    "generate": "every route",
-    "embed": "POST /v1/embeddings",
-    "rerank": "POST /v1/rerank and /v1/score",
-}
 
 
 def checkpoint_task(path: Path) -> str:

@@ -18,12 +18,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from fastapi import APIRouter, Request
 from pydantic import Field
 
 from qinfer.errors import RequestError
 from qinfer.server.errors import APIError
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel
+from qinfer.server.routing import Access, read_body
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
@@ -99,3 +101,15 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
+
+
+def router(server: ModelServer, access: Access) -> APIRouter:
+    """POST /v1/embeddings, for the generate and embed tasks."""
+    api = EmbeddingsAPI(server)
+    routes = APIRouter(dependencies=access.serving("generate", "embed"))
+
+    @routes.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> dict[str, Any]:
+        return await api.create(await read_body(request, EmbeddingRequest))
+
+    return routes

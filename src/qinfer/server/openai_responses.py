@@ -32,6 +32,8 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.sampling import SamplingParams
@@ -44,6 +46,7 @@ from qinfer.server.openai_responses_request import (
     template_messages,
 )
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
+from qinfer.server.routing import Access, read_body
 from qinfer.text.reasoning import THINK_CLOSE
 from qinfer.text.tokenizer import Tokenizer
 from qinfer.tool_calls import check_tool_schemas
@@ -381,3 +384,24 @@ class ResponsesAPI:
             body, conversation, self.store, params, server.tokenizer, server.settings.model_name
         )
         return await server.respond(completion, answer_format, connection, stream=body.stream)
+
+
+def router(server: ModelServer, access: Access) -> APIRouter:
+    """POST /v1/responses, GET and DELETE /v1/responses/{id}, for the generate task."""
+    api = ResponsesAPI(server)
+    routes = APIRouter(dependencies=access.serving("generate"))
+
+    @routes.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await api.create(await read_body(request, ResponsesRequest), request)
+
+    @routes.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return api.store.response(response_id)
+
+    @routes.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        api.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return routes

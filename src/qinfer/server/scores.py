@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
@@ -30,6 +31,7 @@ from qinfer.scoring import reranker_params, reranker_prompt
 from qinfer.server.errors import APIError
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel
+from qinfer.server.routing import Access, read_body
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
@@ -136,3 +138,19 @@ class ScoresAPI:
         )
         outputs = await run_prompts(self.server.engine, prompts, params, field)
         return [o.score for o in outputs], sum(o.num_prompt_tokens for o in outputs)
+
+
+def router(server: ModelServer, access: Access) -> APIRouter:
+    """POST /v1/rerank and /v1/score, for the generate and rerank tasks."""
+    api = ScoresAPI(server)
+    routes = APIRouter(dependencies=access.serving("generate", "rerank"))
+
+    @routes.post("/v1/rerank")
+    async def rerank(request: Request) -> dict[str, Any]:
+        return await api.rerank(await read_body(request, RerankRequest))
+
+    @routes.post("/v1/score")
+    async def score(request: Request) -> dict[str, Any]:
+        return await api.score(await read_body(request, ScoreRequest))
+
+    return routes

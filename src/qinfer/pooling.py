@@ -91,12 +91,13 @@ class PoolingState:
             return [0] if start == 0 else []
         return list(range(n))
 
-    def add(self, start: int, rows: torch.Tensor) -> None:
-        """Take the final-normed fp32 rows (k, hidden) that `rows(start, n)` asked for. A
-        step from position 0 starts over (a preempted request computes its prompt again)."""
+    def add(self, start: int, rows: torch.Tensor | None) -> None:
+        """Take the final-normed fp32 rows (k, hidden) that `rows(start, n)` asked for
+        (None: none). A step from position 0 starts over (a preempted request computes its
+        prompt again)."""
         if start == 0:
             self._sum = None
-        if rows.shape[0] == 0:
+        if rows is None or rows.shape[0] == 0:
             return
         total = rows.sum(dim=0)
         self._sum = total if self._sum is None else self._sum + total

@@ -15,10 +15,12 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import uuid
 import weakref
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,10 +35,11 @@ from qinfer.engine.scheduler import Scheduler
 from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
+from qinfer.engine.tasks import Task, check_task_params, make_task
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.features import check_kv_cache_dtype
 from qinfer.model import Transformer, load_model
-from qinfer.pooling import PoolingParams, PoolingState
+from qinfer.pooling import PoolingParams
 from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.executor import Executor, follow
 from qinfer.sampling import SamplingParams
@@ -47,31 +50,21 @@ from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 
 class Request:
-    """A sequence plus what turns its tokens into a response: its RequestState (params,
-    generator, text, stop rule, processors), its logprobs and what was already sent.
+    """A sequence plus what turns its tokens into a response: its task (generate, pool or
+    score: `qinfer.engine.tasks`), its RequestState (params, generator, text, stop rule,
+    processors), its logprobs and what was already sent.
 
-    The state appends sampled ids to the sequence's own token list. A pooling request
-    (`pooling` set) samples nothing: it finishes when its prompt has run, with `embedding`;
-    nor does a scoring one (`scoring` set), which finishes with `score`, nor one with
-    max_tokens 0 (finish reason "length"). One with `params.prompt_logprobs` gathers them
-    while its prompt runs (`qinfer.engine.prompt_logprobs`).
+    The state appends sampled ids to the sequence's own token list. One with
+    `params.prompt_logprobs` gathers them while its prompt runs
+    (`qinfer.engine.prompt_logprobs`).
     """
 
-    def __init__(
-        self,
-        seq: Sequence,
-        prompt: str | None,
-        state: RequestState,
-        pooling: PoolingState | None = None,
-        scoring: ScoreParams | None = None,
-    ) -> None:
+    def __init__(self, seq: Sequence, prompt: str | None, state: RequestState, task: Task) -> None:
         self.seq = seq
         self.prompt = prompt
         self.state = state
-        self.pooling = pooling
-        self.scoring = scoring
-        self.embedding = None  # the pooled vector, once a pooling request has finished
-        self.score: float | None = None  # a scoring request's, once it has finished
+        self.task = task
+        self.results: dict[str, Any] = {}  # output fields a task that does not sample fills
         self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
         top_n = state.params.prompt_logprobs
         self.prompt_logprobs = (
@@ -85,19 +78,15 @@ class Request:
     def params(self) -> SamplingParams:
         return self.state.params
 
-    @property
-    def samples(self) -> bool:
-        """Whether the request samples tokens once its prompt has run."""
-        return self.pooling is None and self.scoring is None and self.state.max_tokens > 0
-
     def num_logits(self, n: int) -> int:
         """Rows of its n new tokens this step, counted from the last, whose logits it needs:
-        every row while it gathers prompt logprobs; else, once all its tokens are computed,
-        the last (to sample or score) and one per proposed token (speculative decoding:
-        each verifies one); else none (a prompt chunk, a pooling request)."""
+        every row while it gathers prompt logprobs; else, once all its tokens are computed
+        and its task reads them, the last (to sample or score) and one per proposed token
+        (speculative decoding: each verifies one); else none (a prompt chunk, a pooling
+        request)."""
         if self.prompt_logprobs is not None and not self.prompt_logprobs.complete:
             return n
-        if not (self.samples or self.scoring is not None):
+        if not self.task.reads_last_logits:
             return 0
         seq = self.seq
         return 1 + len(seq.proposed) if n == seq.num_scheduled_tokens else 0
@@ -122,13 +111,12 @@ class Request:
             num_generated_tokens=self.state.num_generated_tokens,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_opened_think=self.state.prompt_opened_think,
-            embedding=self.embedding,
-            score=self.score,
             prompt_logprobs=(
                 self.prompt_logprobs.entries
                 if self.prompt_logprobs is not None and self.prompt_logprobs.complete
                 else None
             ),
+            **self.results,
         )
         self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
         return out
@@ -206,23 +194,7 @@ class Engine:
         ScoreParams to score the prompt by two tokens' logits at its last row
         (`qinfer.scoring`; the output's `score`)."""
         params = self.default_params if params is None else params
-        pooling = params if isinstance(params, PoolingParams) else None
-        scoring = params if isinstance(params, ScoreParams) else None
-        if pooling is not None:
-            pooling.check_hidden_size(self.model.config.hidden_size)
-        if scoring is not None:
-            vocab = self.model.config.vocab_size
-            if not all(0 <= t < vocab for t in (scoring.yes_token_id, scoring.no_token_id)):
-                raise RequestError(
-                    f"{scoring} names a token outside the vocabulary (0..{vocab - 1})"
-                )
-        if pooling is not None or scoring is not None:
-            params = SamplingParams(max_tokens=1)  # a state for the output; never sampled
-        if not isinstance(params, SamplingParams):
-            raise RequestError(
-                "params must be a SamplingParams, PoolingParams or ScoreParams, got "
-                f"{type(params).__name__}"
-            )
+        sampling = check_task_params(params, self.model.config)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -237,29 +209,22 @@ class Engine:
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.pool_tokens} tokens)"
             )
-        # A cache hit skips rows that mean pooling and prompt logprobs need.
-        uses_prefix_cache = (
-            pooling is None or pooling.uses_prefix_cache
-        ) and params.prompt_logprobs is None
-        seq = Sequence(request_id, ids, uses_prefix_cache)
+        max_tokens = min(sampling.max_tokens, self.max_len - len(ids))
+        task = make_task(params, len(ids), max_tokens)
+        # A cache hit skips rows that prompt logprobs (and some poolings) need.
+        seq = Sequence(request_id, ids, task.uses_prefix_cache and sampling.prompt_logprobs is None)
         try:
             state = RequestState.create(
                 seq.token_ids,
-                params,
-                min(params.max_tokens, self.max_len - len(ids)),
+                sampling,
+                max_tokens,
                 self.eos_token_ids,
                 self.tokenizer,
                 self.model.device,
             )
         except QinferError as error:
             raise RequestError(str(error)) from None
-        return Request(
-            seq,
-            prompt if isinstance(prompt, str) else None,
-            state,
-            None if pooling is None else PoolingState(pooling, len(ids)),
-            scoring,
-        )
+        return Request(seq, prompt if isinstance(prompt, str) else None, state, task)
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request`."""
@@ -307,18 +272,18 @@ class Engine:
         if not scheduled.seqs:
             return []
         scheduled_requests = [self.requests[seq.request_id] for seq in scheduled.seqs]
-        poolings = [request.pooling for request in scheduled_requests]
+        # hidden_rows: the rows whose final-normed hidden states each task needs (None: none)
         hidden_rows = [
-            None if pooling is None else pooling.rows(seq.num_computed_tokens, n)
-            for seq, n, pooling in zip(scheduled.seqs, scheduled.num_new, poolings, strict=True)
+            request.task.hidden_rows(request.seq.num_computed_tokens, n) or None
+            for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
         # logits (R, V): num_logits[b] rows of each sequence, in order (its proposed
-        # tokens' too, see `Request.num_logits`); hidden: the rows each pooling sequence
-        # asked for
+        # tokens' too, see `Request.num_logits`); sequence b's are rows ends[b] - k .. ends[b]
         num_logits = [
             request.num_logits(n)
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
+        ends = list(itertools.accumulate(num_logits))
         step = step_inputs(
             scheduled.seqs,
             scheduled.num_new,
@@ -328,13 +293,11 @@ class Engine:
         )
         result = self.executor.execute(step, hidden_rows)
         requests, firsts, outputs = [], [], []
-        end = 0  # the logits rows of the sequences so far
-        for request, n, k, rows in zip(
-            scheduled_requests, scheduled.num_new, num_logits, result.hidden, strict=True
+        for request, n, k, end, rows in zip(
+            scheduled_requests, scheduled.num_new, num_logits, ends, result.hidden, strict=True
         ):
-            seq, end = request.seq, end + k
-            if request.pooling is not None:
-                request.pooling.add(seq.num_computed_tokens, rows)
+            seq = request.seq
+            request.task.take_hidden(seq.num_computed_tokens, rows)
             if request.prompt_logprobs is not None and k:
                 request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -342,7 +305,7 @@ class Engine:
             seq.num_computed_tokens += n - len(seq.proposed)  # a proposal counts once kept
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
-                if request.samples:  # its last row, then one per proposed token
+                if request.task.samples:  # its last row, then one per proposed token
                     requests.append(request)
                     firsts.append(end - 1 - len(seq.proposed))
                 else:
@@ -362,7 +325,7 @@ class Engine:
         decoding = []
         for seq in self.scheduler.running:
             request = self.requests[seq.request_id]
-            if request.samples and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if request.task.samples and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 state = request.state
                 decoding.append((seq, state.max_tokens - state.num_generated_tokens))
         self.speculator.propose(decoding, self.block_manager)
@@ -418,17 +381,13 @@ class Engine:
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 
-    def _prompt_ran(self, request: Request, logits) -> RequestOutput:
+    def _prompt_ran(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         """Finish a request that does not sample, now that its prompt has run (logits: the
-        (k, V) rows it asked for in this step): a pooling request with its vector, a
-        scoring one with the score of its last row, one with max_tokens 0 as "length";
-        its last output."""
-        if request.pooling is not None:
-            request.embedding = request.pooling.result()
-        if request.scoring is not None:
-            request.score = request.scoring.score(logits[-1])
-        ends_early = request.pooling is None and request.scoring is None  # max_tokens 0
-        self._finish(request, "length" if ends_early else "stop")
+        (k, V) rows it asked for in this step) as its task says: a pooling request with
+        its vector, a scoring one with its score, one with max_tokens 0 as "length"; its
+        last output."""
+        reason, request.results = request.task.prompt_ran(logits)
+        self._finish(request, reason)
         return request.output()
 
     def _accept(self, request: Request, token_id: int, logprob: float | None, top) -> None:

@@ -53,7 +53,7 @@ LAYERS = {
     "weights": {"weights", "models"},
     "attention": {"attention"},
     "layers": {"layers"},
-    "model": {"model", "forward_batch"},
+    "model": {"model", "forward_batch", "loading"},
     "text": {"text", "distributed", "inspection", "perplexity", "startup"},
     "requests": {"grammar", "stopping", "scoring", "tool_calls", "request_state"},
     "runtime": {"runtime"},

@@ -21,7 +21,7 @@ from qinfer.errors import RequestError
 from qinfer.features import Features
 from qinfer.forward_batch import ForwardBatch
 from qinfer.inspection import MAX_INSPECT_TOKENS, MAX_TOP_K, inspect_tokens
-from qinfer.model import load_model
+from qinfer.loading import load_model
 from qinfer.text.tokenizer import load_tokenizer
 
 LENGTH = 20  # past the windows of the windowed families (6 and 8 tokens)

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from qinfer.errors import QinferError
     from qinfer.features import Features
     from qinfer.generation import GenerationResult, generate, stream_generate
-    from qinfer.model import Transformer, load_model
+    from qinfer.loading import load_model
+    from qinfer.model import Transformer
     from qinfer.pooling import PoolingParams
     from qinfer.sampling import SamplingParams
     from qinfer.text.tokenizer import Tokenizer, load_tokenizer
@@ -38,7 +39,7 @@ _EXPORTS = {
     "Tokenizer": "qinfer.text.tokenizer",
     "Transformer": "qinfer.model",
     "generate": "qinfer.generation",
-    "load_model": "qinfer.model",
+    "load_model": "qinfer.loading",
     "load_tokenizer": "qinfer.text.tokenizer",
     "stream_generate": "qinfer.generation",
 }

@@ -87,7 +87,7 @@ def load_model_and_tokenizer(
     """(path, model, tokenizer) for --model / --dtype / --device / --quantize / --group-size,
     announced as `qinfer.startup` says."""
     path, announcer = start_loading(args)
-    from qinfer.model import load_model
+    from qinfer.loading import load_model
     from qinfer.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
@@ -482,7 +482,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     base = None
     if args.kl_divergence_base is not None:
         from qinfer.checkpoint import resolve_model
-        from qinfer.model import load_model
+        from qinfer.loading import load_model
 
         base = load_model(
             resolve_model(args.kl_divergence_base), dtype="float32", device=args.device

@@ -184,7 +184,7 @@ def _join(
 ) -> TensorParallelGroup:
     """init_process_group (NCCL on CUDA, gloo on CPU) and the gloo control group; local_rank
     of the local_size ranks on this machine picks the GPU (or shares the CPU cores)."""
-    from qinfer.model import default_device
+    from qinfer.loading import default_device
 
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":

@@ -17,12 +17,7 @@ any world size.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import dataclasses
 import functools
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,13 +35,10 @@ from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm, rms_norm
 from qinfer.linear import Linear
-from qinfer.linear.compute import compute_dtype
 from qinfer.linear.grouped import GroupedLinear
-from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.module import Module
 from qinfer.parallel import Parallel, Shard
-from qinfer.weights import QUANTIZE_KINDS, Quantize, open_checkpoint
-from qinfer.weights.load import init_random, load
+from qinfer.weights.load import init_random
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
@@ -353,150 +345,3 @@ class Transformer(Module, Placed):
                 f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
         return tokens
-
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None,
-    config: ModelConfig,
-    device: torch.device,
-    quantized: bool = False,
-) -> torch.dtype:
-    """The compute dtype: as asked, else chosen from the checkpoint's stored dtype, the device
-    and whether the weights are quantized (`qinfer.linear.compute.compute_dtype`)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is not None:
-        if dtype not in _DTYPES:
-            raise QinferError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
-    stored = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
-    return compute_dtype(stored, device, quantized)
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | None, bool]:
-    """load_model's `quantize` as (what to quantize dense weights to, keep GGUF blocks)."""
-    if quantize is None:
-        return None, True
-    if quantize == "none":
-        return None, False
-    if quantize not in QUANTIZE_KINDS:
-        raise QinferError(
-            f"unknown quantize {quantize!r}; use one of none, {', '.join(QUANTIZE_KINDS)}"
-        )
-    if quantize == "int4" and group_size not in GROUP_SIZES:
-        raise QinferError(
-            f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
-        )
-    return Quantize(quantize, group_size), False
-
-
-def _check_device(quantize: Quantize | None, keep_blocks: bool, device: torch.device) -> None:
-    if (quantize is not None or keep_blocks) and device.type not in ("cpu", "cuda"):
-        if quantize is None:
-            raise QinferError(
-                f"quantized GGUF weights run on cpu and cuda, not {device.type}: "
-                "pass quantize='none' to dequantize them"
-            )
-        raise QinferError(f"quantize={quantize.kind!r} runs on cpu and cuda, not {device.type}")
-
-
-def load_model(
-    path: str | Path,
-    *,
-    dtype: str | torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    features: Features | None = None,
-    quantize: str | None = None,
-    group_size: int = 32,
-    parallel: Parallel | None = None,
-    kv_cache_dtype: str | None = None,
-    batch_invariant: bool | None = None,
-) -> Transformer:
-    """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
-
-    dtype: the compute dtype (activations and dense weights); by default chosen from the
-        checkpoint, the device and the quantization (see `resolve_dtype`).
-    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0 blocks unless dtype is
-        float32; other weights stay dense), "none" (everything dense: the reference),
-        "int8" (per output channel) or "int4" (groups of `group_size` input columns).
-    parallel: this process's rank in a tensor-parallel group (default: a single process);
-        only the rank's part of each projection is read (see `qinfer.parallel`). A world
-        size that does not split the heads or the FFN evenly is refused before loading.
-    kv_cache_dtype: how the model's caches store K/V, "auto", "bf16", "int8" or "fp8"
-        (`Features.kv_cache_dtype`; given, it replaces the one of `features`).
-    batch_invariant: `Features.batch_invariant` (given, it replaces the one of `features`).
-    """
-    if kv_cache_dtype is not None:  # checked before anything loads
-        features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
-    if batch_invariant is not None:
-        features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
-    device = torch.device(device) if device is not None else default_device()
-    scheme, keep_blocks = quantize_choice(quantize, group_size)
-    _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
-
-    def dtype_for(config: ModelConfig, quantized: bool) -> torch.dtype:
-        chosen = resolve_dtype(dtype, config, device, quantized)
-        if quantized and device.type == "cuda" and chosen != torch.bfloat16:
-            raise QinferError(
-                f"quantized weights on cuda compute in bfloat16, not {chosen}: "
-                "drop dtype or pass quantize='none'"
-            )
-        return chosen
-
-    with _returning_freed_memory():
-        config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
-        return load(Transformer(config, features), weights, parallel, scheme)
-
-
-#: glibc's mallopt parameters, and the ceiling its own adaptive mmap threshold grows to.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING = -1, -3, 32 << 20
-
-
-@contextlib.contextmanager
-def _returning_freed_memory() -> Iterator[None]:
-    """Load with every large buffer (file reads, dequantized copies) given back to the OS
-    when freed, then trim what the heap still holds.
-
-    glibc serves buffers above its mmap threshold with their own mappings, returned on
-    free; but the threshold grows to the size of each such buffer freed, after which the
-    load's many temporary buffers come from the heap and stay resident. Measured on SmolLM2
-    (94 MB of weights): about 290 MB kept after loading without this, 140 MB with it (peak
-    390 MB instead of 520, the imports included).
-
-    After the load, both thresholds are set where glibc's adaptive ones end up anyway: mmap
-    at its ceiling, and the heap trimmed only once twice that is free at its top. Fixing
-    the mmap threshold stops glibc adapting the trim threshold too; left at its 128 KiB
-    default, every engine step handed its temporaries (history copies, scores, logits)
-    back to the OS and faulted them in again: SmolLM2, 32 sequences decoding, 2 threads:
-    30,112 page faults per step and 119-164 ms, against none and 97-113 ms with the trim
-    threshold at 64 MiB. A no-op where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_CEILING)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_CEILING)
-        libc.malloc_trim(0)

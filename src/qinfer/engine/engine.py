@@ -38,7 +38,8 @@ from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.engine.tasks import Task, check_task_params, make_task
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.features import check_kv_cache_dtype
-from qinfer.model import Transformer, load_model
+from qinfer.loading import load_model
+from qinfer.model import Transformer
 from qinfer.pooling import PoolingParams
 from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.executor import Executor, follow

@@ -29,6 +29,8 @@ class EngineConfig:
     static_decode: decode steps padded to buckets of batch sizes and table widths, each
         bucket one set of shapes with no tensor made per step (`qinfer.runtime.static_decode`;
         the gathered backend's: auto picks it).
+    cuda_graphs: replay each decode bucket's step as a CUDA graph (`qinfer.runtime.cuda_graphs`;
+        it implies static_decode); None: on with a CUDA device, False: eager everywhere.
     speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
     """
@@ -44,6 +46,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     attention_backend: str = RuntimeConfig.attention_backend
     static_decode: bool = RuntimeConfig.static_decode
+    cuda_graphs: bool | None = RuntimeConfig.cuda_graphs
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -106,4 +109,5 @@ SHARED = (
     "num_kv_blocks",
     "attention_backend",
     "static_decode",
+    "cuda_graphs",
 )

@@ -19,7 +19,8 @@ class RuntimeConfig:
     num_kv_blocks, gpu_memory_utilization: the pool's size (`runner.kv_pool_blocks`).
     num_speculative_tokens: the most tokens proposed per sequence and step (what a
     window space must hold beyond a step's). whole_space_0: a draft model reads block
-    space 0's tables for its own pool, so space 0 keeps whole histories."""
+    space 0's tables for its own pool, so space 0 keeps whole histories.
+    attention_backend, static_decode, cuda_graphs: as `EngineConfig`'s."""
 
     block_size: int = 16
     max_num_seqs: int = 32
@@ -31,3 +32,4 @@ class RuntimeConfig:
     whole_space_0: bool = False
     attention_backend: str = "auto"
     static_decode: bool = False
+    cuda_graphs: bool | None = None

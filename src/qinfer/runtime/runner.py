@@ -13,6 +13,7 @@ A runner is one rank's: which ranks run a step, and how a step reaches them, is 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +21,12 @@ import torch
 from qinfer.attention.backend import choose_backend
 from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
 from qinfer.attention.kv_pool import KVPool, paged_layers
-from qinfer.attention.step_buffers import StepBuffers
+from qinfer.attention.step_buffers import StepBuffers, StepTensors
 from qinfer.errors import QinferError
 from qinfer.forward_batch import ForwardBatch
 from qinfer.model import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
+from qinfer.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from qinfer.runtime.static_decode import is_decode, padded
 from qinfer.runtime.step import StepInputs
 from qinfer.runtime.step_channel import StepChannel
@@ -150,17 +152,20 @@ class ModelRunner:
         self.model = model
         self.block_size = config.block_size
         self.spaces = spaces
+        # CUDA graphs replay the bucketed decode step (`qinfer.runtime.cuda_graphs`)
+        graphs = use_cuda_graphs(config.cuda_graphs, model.device)
+        self.graphs = StepGraphs() if graphs else None
+        self.static_decode = config.static_decode or graphs
         self.backend = choose_backend(
-            config.attention_backend, model.device, model.features, config.static_decode
+            config.attention_backend, model.device, model.features, self.static_decode
         )
         # A bucketed decode step's padding rows write into a scratch block past each pool's
         # reported blocks (`static_decode`): no sequence is ever given it.
-        self.static_decode = config.static_decode
-        self.scratch = list(num_blocks) if config.static_decode else []
+        self.scratch = list(num_blocks) if self.static_decode else []
         self.pools = [
             KVPool(
                 model.config,
-                count + int(config.static_decode),
+                count + int(self.static_decode),
                 config.block_size,
                 model.kv_format,
                 model.device,
@@ -182,6 +187,7 @@ class ModelRunner:
             max_blocks=min(num_blocks[0], context_blocks),
             windows=spaces.windows,
         )
+        self._graphed_capacity = self.buffers.capacity  # what the graphs' buffers hold
 
     @property
     def num_blocks(self) -> list[int]:
@@ -198,13 +204,15 @@ class ModelRunner:
         its new tokens whose final-normed hidden states it needs. Pooling is rank 0's alone
         (the hidden states are whole on every rank). With static_decode, a decode step runs
         padded to its bucket (`qinfer.runtime.static_decode`); the padding's logits are
-        dropped."""
+        dropped; with CUDA graphs its bucket's graph is replayed (`qinfer.runtime.cuda_graphs`)."""
         num_seqs = len(step.new_tokens)
         hidden_rows = hidden_rows or [None] * num_seqs
         widths = None
         if self.static_decode and is_decode(step) and not any(hidden_rows):
             _, max_rows, max_widths = self.buffers.capacity
             step, widths = padded(step, self.scratch, max_rows, list(max_widths))
+            if self.graphs is not None:
+                return StepOutput(self._replayed(step, widths)[:num_seqs], [None] * num_seqs)
         batch = self.forward_batch(step, widths)
         hidden = self.model.forward(batch)  # (T, hidden)
         logits = self.model.compute_logits(batch.logits_rows(hidden))  # (R, V)
@@ -222,9 +230,14 @@ class ModelRunner:
         positions, over this runner's pools; logits at the last num_logits[b] rows of each;
         each space's tables padded to at least widths[s] blocks. Its tensors are views of
         this runner's `StepBuffers`, rewritten by the next step."""
-        tensors = self.buffers.write(
+        return self._batch(self._write(step, widths))
+
+    def _write(self, step: StepInputs, widths: list[int] | None) -> StepTensors:
+        return self.buffers.write(
             step.new_tokens, step.num_computed, step.tables, step.num_logits, widths
         )
+
+    def _batch(self, tensors: StepTensors) -> ForwardBatch:
         return ForwardBatch(
             token_ids=tensors.token_ids,
             positions=tensors.positions,
@@ -232,3 +245,22 @@ class ModelRunner:
             logits_indices=tensors.logits_indices,
             attention=self.backend.plan(tensors, self.layers),
         )
+
+    def _replayed(self, step: StepInputs, widths: list[int]) -> torch.Tensor:
+        """The logits (Gb, V) of a bucketed decode step, its inputs written into the step
+        buffers and its bucket's graph replayed over them (the plan is in the graph: it
+        reads only those buffers)."""
+        tensors = self._write(step, widths)
+        if self.buffers.capacity != self._graphed_capacity:  # grown: new memory
+            self.graphs.clear()
+            self._graphed_capacity = self.buffers.capacity
+        key = (len(step.new_tokens), tuple(widths))
+
+        def run() -> torch.Tensor:
+            # each run a forward of its own: RoPE keeps one forward's cos/sin keyed by the
+            # positions tensor object, so each gets a new view (a capture then records the
+            # rotation instead of reading the eager run's)
+            batch = self._batch(dataclasses.replace(tensors, positions=tensors.positions.view(-1)))
+            return self.model.compute_logits(batch.logits_rows(self.model.forward(batch)))
+
+        return self.graphs.run(key, run)

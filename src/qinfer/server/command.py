@@ -145,6 +145,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(what a CUDA graph captures; the gathered attention backend)",
     )
     engine.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="replay each decode bucket as a CUDA graph (default on a CUDA device)",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_false",
+        default=None,
+        help="no CUDA graphs: every step runs eagerly",
+    )
+    engine.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -183,6 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine_args = {name: getattr(args, name) for _, name, _, _ in ENGINE_FLAGS}
     engine_args["static_decode"] = args.static_decode
+    engine_args["cuda_graphs"] = args.cuda_graphs
     engine_args = {name: value for name, value in engine_args.items() if value is not None}
     engine_args["speculative"] = speculative_arguments(args)
     serve(

@@ -173,8 +173,8 @@ class GrammarProcessor:
         accepted so far. Runs on the worker thread; reads only state that `accept` does
         not change before this result is taken. NumPy only: a torch op large enough to
         go parallel would start a second OpenMP team on this thread, whose spinning
-        threads then slow every later forward on a small machine (measured: 311 -> 181
-        tok/s on 2 cores, constrained or not)."""
+        threads then slow every later forward on a small machine (docs/BENCHMARKS.md,
+        "A second OpenMP team")."""
         if matcher is None or matcher.is_error():
             # Cannot happen while the mask is obeyed; end the request rather than the engine.
             forbidden = np.ones(self.tokenizer_vocab, dtype=bool)

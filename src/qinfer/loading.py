@@ -149,17 +149,15 @@ def _returning_freed_memory() -> Iterator[None]:
 
     glibc serves buffers above its mmap threshold with their own mappings, returned on
     free; but the threshold grows to the size of each such buffer freed, after which the
-    load's many temporary buffers come from the heap and stay resident. Measured on SmolLM2
-    (94 MB of weights): about 290 MB kept after loading without this, 140 MB with it (peak
-    390 MB instead of 520, the imports included).
+    load's many temporary buffers come from the heap and stay resident (about twice the
+    memory kept after loading SmolLM2: docs/BENCHMARKS.md, "Memory after loading").
 
     After the load, both thresholds are set where glibc's adaptive ones end up anyway: mmap
     at its ceiling, and the heap trimmed only once twice that is free at its top. Fixing
     the mmap threshold stops glibc adapting the trim threshold too; left at its 128 KiB
     default, every engine step handed its temporaries (history copies, scores, logits)
-    back to the OS and faulted them in again: SmolLM2, 32 sequences decoding, 2 threads:
-    30,112 page faults per step and 119-164 ms, against none and 97-113 ms with the trim
-    threshold at 64 MiB. A no-op where the C library is not glibc.
+    back to the OS and faulted them in again (docs/BENCHMARKS.md, "Memory after
+    loading"). A no-op where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL(None)

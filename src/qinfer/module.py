@@ -2,11 +2,10 @@
 decode step.
 
 `nn.Module` keeps submodules and buffers in dicts of its own and finds them through
-`__getattr__`, which Python calls only after the ordinary lookup fails: ~0.6 us per read,
-against ~0.03 us for an instance attribute. A decode step of SmolLM2 (30 layers) reads
-about 700 of them (each block's norms and projections, each projection's tensors): measured
-1.0 ms more CPU per token on one thread (9.3 -> 10.4 ms) than the same layers as plain
-objects. Here each submodule and buffer is also mirrored in the instance dict, so a read is
+`__getattr__`, which Python calls only after the ordinary lookup fails: some twenty times
+an instance attribute's cost, and a decode step of SmolLM2 (30 layers) reads about 700 of
+them (each block's norms and projections, each projection's tensors; figures:
+docs/BENCHMARKS.md, "Module attribute reads"). Here each submodule and buffer is also mirrored in the instance dict, so a read is
 an ordinary lookup; `nn.Module` still owns them (`named_modules`, `state_dict`, hooks,
 `.to()`), and every way it sets, moves or deletes one updates the mirror.
 
@@ -14,10 +13,9 @@ What remains is `nn.Module.__call__`: two frames of its own and, before `forward
 of the module's four hook dicts, of the global ones, of `torch.compile` and of tracing,
 about 270 calls a SmolLM2 decode step. Reading an nn.Module's attributes stays slower
 than a plain object's even when mirrored (`nn.Module.__getattr__` keeps CPython 3.11 from
-specializing the read: 25 ns against 9, warm), and between two decode steps the CPU's
-caches hold the model's data, not the interpreter's: the module checks alone cost 0.25 ms
-a SmolLM2 batch-1 decode step (8 ms; measured against the same step with the checks left
-out, 2 threads, AMD EPYC). So `Module.__call__` reads one flag instead, set for good once
+specializing the read), and between two decode steps the CPU's caches hold the model's
+data, not the interpreter's: the module checks alone cost a few percent of a SmolLM2
+batch-1 decode step (docs/BENCHMARKS.md, "Module attribute reads"). So `Module.__call__` reads one flag instead, set for good once
 any qinfer module takes a hook or is compiled (a removed hook is not noticed: the calls
 stay on the full path, which costs speed, never a hook), and the four global hook dicts
 (a profiler's or a debugger's hooks); while none is set it calls `forward` directly,

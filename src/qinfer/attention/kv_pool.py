@@ -31,8 +31,8 @@ class KVLayout(Enum):
 
     HEADS_FIRST (Hkv, slots, D): one head's keys of consecutive slots are contiguous, so a
         history lying in consecutive blocks is read as attention reads a contiguous cache,
-        one stream per head (the CPU's paged backend: slots first cost it ~7 us per layer
-        of a 540-token batch-1 decode step, the keys read at a stride of Hkv * D).
+        one stream per head (the CPU's paged backend, which slots first would slow: the
+        keys read at a stride of Hkv * D; docs/BENCHMARKS.md, "Gathering blocks").
     SLOTS_FIRST (slots, Hkv, D): a token's K/V of every head are contiguous, as
         (num_blocks, block_size, Hkv, D): the layout of vLLM's and flash-attn's paged
         caches, and a step's k, v (T, Hkv, D) are written without a transpose.

@@ -93,8 +93,7 @@ def split_by_history(rows: list[int], histories: list[int], block_size: int) -> 
     the most padded keys (a group's histories are padded to its longest, in whole blocks),
     then each part again, as long as a cut spares at least SPLIT_KEYS keys.
 
-    32 decode rows with histories of 150 to 600 tokens read 18,944 keys as one group,
-    15,360 as two: on CPU their attention takes 59 ms per step instead of 90 (30 layers).
+    (What a cut spares: docs/BENCHMARKS.md, "Splitting decode groups by history".)
     """
     rows = sorted(rows, key=lambda b: histories[b])
     widths = [-(-histories[b] // block_size) for b in rows]  # blocks, ascending
@@ -194,8 +193,8 @@ class Group:
             return pool[:, self.first_slot : self.first_slot + self.length][None]
         Hkv, slots, D = pool.shape
         # index_select over dim 0 copies whole rows; over another dim, or indexing with a
-        # (G, W) tensor, it gathers element by element (8 sequences of 10 blocks, SmolLM2's
-        # 3 x 64 heads in bf16: 6.4 us against 9.8 over dim 1; 7x slower as a (G, W) index)
+        # (G, W) tensor, it gathers element by element (docs/BENCHMARKS.md, "Gathering
+        # blocks")
         rows = self.block_rows(Hkv, slots // self.block_size)
         history = pool.view(-1, self.block_size * D).index_select(0, rows)
         return history.view(len(self.rows), Hkv, -1, D)[:, :, : self.length]

@@ -4,21 +4,16 @@ from what the machine is (`compute.cpu_class`), never a timing.
 The rule (`rule_paths`), for quantized Linears on CPU:
 
 - decode bucket (up to `DECODE_MAX_ROWS` rows): the kernel, always. A tile path
-  dequantizes the whole weight for a row or a few: measured 10-30x slower than the kernel
-  at 1 row, on AVX512-BF16 and on emulated AVX2.
+  dequantizes the whole weight for a row or a few, an order of magnitude slower.
 - prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
   (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
-  elsewhere. Under emulated AVX2 at 128 rows fp32 tiles took
-  1.6 ms against the kernel's 9.3 for a 576 x 576 weight, 15.2 against 23.3 for
-  3072 x 576; on AVX512-BF16 timing kept the int4 kernel. int8 rows there take
-  `bf16_tiles` (up to `INT8_TILED_MAX` elements): the int8 kernel does not block like a
-  GEMM, and a bf16 GEMM on the widened weight measured the same from about 32 rows and
-  2.5-2.8x faster at 512 (2048 x 640, AVX512-BF16).
+  elsewhere. int8 rows there take `bf16_tiles` (up to `INT8_TILED_MAX` elements): the
+  int8 kernel does not block like a GEMM, and a bf16 GEMM on the widened weight catches
+  it up from a few dozen rows.
 
+(The figures behind each bucket: docs/BENCHMARKS.md, "Paths of quantized Linears".)
 An earlier version timed every path of every (kind, shape) at load instead. That cost
-seconds per load (the 49,152 x 576 int8 head alone hundreds of ms per path; loading the
-embedded SmolLM2 took 16-18 s instead of 3.4-9) and the RSS of the tile buffers on every
-CPU; and on a shared machine the timings are noise that flipped choices between runs,
+seconds per load and the RSS of the tile buffers on every CPU; and on a shared machine the timings are noise that flipped choices between runs,
 and with them the numerics a test saw. The rule costs nothing at load, and a layer on a
 CPU that keeps the kernel never allocates a tile buffer. `qinfer bench` still times every
 path per shape, beside the one taken.

@@ -102,10 +102,7 @@ def bf16_matmul_is_fast(device: torch.device) -> bool:
     """Whether a bf16 GEMM on `device` runs at least at fp32's rate: on CPU, whether its
     class multiplies bf16 natively (`cpu_class`: AVX512-BF16 or AMX). A table, not a timing.
 
-    Measured (64 x 1024 by 1024 x 1024, 2 threads, best of 15, ms, bf16 vs fp32): AMX Xeon
-    0.155 vs 0.563; the same capped to AVX512_CORE_BF16 0.67 vs 0.46 (on an AMD EPYC with
-    AVX512-BF16, bf16 measured ~400 GFLOP/s against ~140 for fp32, so the class keeps bf16),
-    to AVX512_CORE 1.98 vs 0.47, to AVX2 128 vs 0.46.
+    The table's figures, by CPU class: docs/BENCHMARKS.md, "bf16 against fp32 GEMMs".
     """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()

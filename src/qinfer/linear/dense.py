@@ -1,9 +1,9 @@
 """A dense weight in the compute dtype: torch's own GEMM/GEMV, or the same in fixed chunks
 of rows where a row's output must not depend on how many rows its call held.
 
-torch's GEMMs choose their blocking by the row count M: row 0 of an fp32 (M, 1024) x
-(1024, 3072) product differs from its M=1 value by up to 5.5e-5 at M >= 2 (measured on an
-AVX512 AMD EPYC), and nothing promises that a bf16 GEMM never does. In `FIXED_ROWS` chunks
+torch's GEMMs choose their blocking by the row count M: row 0 of an fp32 (M, K) x (K, N)
+product can differ from its M=1 value at M >= 2 (docs/BENCHMARKS.md, "Row-count
+dependence of GEMMs"), and nothing promises that a bf16 GEMM never does. In `FIXED_ROWS` chunks
 every call has one shape, (FIXED_ROWS, K) x (K, N), whose rows are computed alike wherever
 they sit in the chunk (tested): a batch-invariant model (`Features.batch_invariant`) takes
 that path for all its dense Linears, grouped experts included.

@@ -122,8 +122,8 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) -> (M, N) without the bias."""
-        # torch's own bindings of the aten ops: `torch.ops.aten.*` adds a Python call of
-        # ~2 us to each (measured at decode sizes, 120 calls a SmolLM2 step)
+        # torch's own bindings of the aten ops: `torch.ops.aten.*` adds a Python call to
+        # each, 120 calls a SmolLM2 step (docs/BENCHMARKS.md, "Kernel bindings")
         if flat.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group_size, self.scales_and_zeros

@@ -1,8 +1,8 @@
 """int8 weights, one scale per output channel: W ~= q * scale[:, None].
 
 Paths (`qinfer.linear.paths`): the kernel is torch's weight-only `aten._weight_int8pack_mm`
-on CPU, fast only with bf16 activations (measured 30-100x slower with fp32 ones: `python
-bench/linear_kernels.py`) and only for few rows: it does not block like a GEMM. The tile
+on CPU, fast only with bf16 activations (an order of magnitude slower or worse with fp32
+ones: `python bench/linear_kernels.py`) and only for few rows: it does not block like a GEMM. The tile
 paths widen the int8 rows into the shared buffer (exact in bf16 and fp32) and run the GEMM;
 the per-row scales multiply the output columns. On other devices the kernel path widens
 the whole weight at each call (correct, not a fast path).

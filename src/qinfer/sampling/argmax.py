@@ -25,10 +25,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     spread over the threads), while `sliced_argmax` costs about 100 us whatever B, then a
     few us per row: its dozen small ops each pay their dispatch, and between two forwards
     (where sampling runs, the CPU's caches full of the model's) that is several us an op.
-    Measured there, 2 threads, AMD EPYC AVX512, median us, argmax vs sliced: SmolLM2's
-    49,152 logits B=1 45 vs 112, B=2 45 vs 107, B=8 129 vs 128, B=32 476 vs 208 (one
-    thread: B=2 74 vs 118, B=8 248 vs 140); Qwen3's 151,936 B=1 98 vs 88, B=2 105 vs
-    104, B=4 199 vs 135.
+    (Where each wins: docs/BENCHMARKS.md, "Argmax over a vocabulary".)
     """
     B, V = logits.shape
     threads = torch.get_num_threads()
@@ -46,8 +43,7 @@ def sliced_argmax(logits: torch.Tensor) -> torch.Tensor:
     maximum is found per slice of ARGMAX_SLICE logits (`amax`), the first slice holding
     the row's maximum is picked (argmax over B x V/1024 values), and the argmax within that
     slice (B x 1024) is the answer: the same index argmax gives, NaN included (both take
-    NaN as largest). Qwen3's 151,936 logits, 8 rows, one thread: 0.2 ms against 1.2 ms
-    for argmax."""
+    NaN as largest)."""
     B, V = logits.shape
     whole = V - V % ARGMAX_SLICE  # the tail past the last whole slice is a slice of its own
     maxima = logits[:, :whole].view(B, -1, ARGMAX_SLICE).amax(dim=-1)  # (B, V // slice)

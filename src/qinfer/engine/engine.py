@@ -303,7 +303,7 @@ class Engine:
                 request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
-            seq.num_computed_tokens += n - len(seq.proposed)  # a proposal counts once kept
+            seq.mark_computed(n - len(seq.proposed))  # a proposal counts once kept
             self.block_manager.register_computed(seq)
             if seq.num_uncomputed_tokens == 0:
                 if request.task.samples:  # its last row, then one per proposed token
@@ -366,7 +366,7 @@ class Engine:
                 request = requests[i]
                 self._accept(request, token_ids[r], logprobs[r], result.top_logprobs[r])
                 if token_ids[r] == guesses[r] and not request.state.finished:
-                    request.seq.num_computed_tokens += 1  # the proposal's K/V is its own
+                    request.seq.mark_computed(1)  # the proposal's K/V is its own
                     kept[i] += 1
                     going[i] = j + 1
                 else:

@@ -287,6 +287,39 @@ def test_a_streamed_tool_use_adds_up_to_the_whole_one(client):
     assert blocks(final) == blocks(whole)
 
 
+def forced_message(client, streamed: bool, **fields):
+    """A forced use of WEATHER, whole or as the client's stream puts it together
+    (parallel tool use at its default unless `fields` say otherwise)."""
+    fields = dict(tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=CALL_TOKENS) | fields
+    return final_streamed(client, **fields) if streamed else create(client, **fields)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_use_ends_the_message_once_it_repeats(client, streamed):
+    """Parallel tool use allowed, the planted model writes its call again: the message
+    ends as soon as the repeat's input is complete, with the one tool use."""
+    one = forced_message(client, streamed, tool_choice=ANY_ONE)
+    assert one.stop_reason == "tool_use" and len(one.content) == 1
+    repeated = forced_message(client, streamed)
+    assert repeated.stop_reason == "tool_use" and blocks(repeated) == blocks(one)
+    assert repeated.usage.output_tokens < 2 * one.usage.output_tokens
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_max_tokens_inside_a_second_tool_use_keeps_the_first(client, streamed):
+    one = forced_message(client, streamed, tool_choice=ANY_ONE)
+    max_tokens = one.usage.output_tokens * 7 // 4  # inside the repeat's arguments
+    cut = forced_message(client, streamed, max_tokens=max_tokens)
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", max_tokens)
+    assert blocks(cut) == blocks(one)
+
+
+def test_max_tokens_inside_the_only_tool_use_leaves_it_out(client):
+    one = forced_message(client, False, tool_choice=ANY_ONE)
+    cut = forced_message(client, False, max_tokens=one.usage.output_tokens * 3 // 4)
+    assert (cut.stop_reason, cut.content) == ("max_tokens", [])
+
+
 def test_thinking_then_a_forced_tool_use(client):
     message = create(
         client, tools=[WEATHER], tool_choice=ANY_ONE, max_tokens=CALL_TOKENS, thinking=THINKING

@@ -307,6 +307,46 @@ def test_streamed_call_arguments_add_up_to_the_whole_call(client):
     assert events[-1].type == "response.completed"
 
 
+def forced_response(client, streamed: bool, **fields):
+    """The response to a forced call of WEATHER, whole or the stream's final one (parallel
+    calls at their default unless `fields` say otherwise)."""
+    fields = dict(input="Weather in Paris?", tools=[WEATHER], tool_choice="required") | fields
+    if not streamed:
+        return create(client, **fields)
+    events, final = stream(client, **fields)
+    assert events[-1].type == f"response.{final.status}"
+    return final
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_ends_the_response_once_it_repeats(client, streamed):
+    """Parallel calls allowed, the planted model writes its call again: the response ends
+    as soon as the repeat's arguments are complete, with the one call."""
+    one = forced_response(client, streamed, parallel_tool_calls=False)
+    assert one.status == "completed" and len(one.output) == 1
+    repeated = forced_response(client, streamed)
+    assert repeated.status == "completed" and shape(repeated.output) == shape(one.output)
+    assert repeated.usage.output_tokens < 2 * one.usage.output_tokens
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_max_output_tokens_inside_a_call_keeps_the_whole_calls(client, streamed):
+    """Cut inside its first call, the response has no call; inside the second, the first:
+    incomplete, never a server error (a cut call's arguments are not JSON)."""
+    one = forced_response(client, streamed, parallel_tool_calls=False)
+    inside = one.usage.output_tokens * 3 // 4  # past a call's header, inside its arguments
+    for max_output_tokens, kept in (
+        (inside, []),
+        (one.usage.output_tokens + inside, shape(one.output)),
+    ):
+        cut = forced_response(client, streamed, max_output_tokens=max_output_tokens)
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+        assert shape(cut.output) == kept and cut.usage.output_tokens == max_output_tokens
+        # Stored as it was answered: the conversation goes on from it.
+        follow_up = create(client, previous_response_id=cut.id, input="Go on.", max_output_tokens=1)
+        assert follow_up.previous_response_id == cut.id
+
+
 def test_thinking_then_a_forced_call(client):
     response = create(
         client,

@@ -4,8 +4,10 @@
 The server runs a random Qwen3 checkpoint with Qwen3's real template (tests/text_assets.py),
 so its replies are noise unless something forces them: the calls a test expects come from
 a grammar (`tool_choice` required or named, or a test's own `guided_grammar`), never
-from a mock of the server. Template renderings are checked against `transformers`'
-`apply_chat_template(..., tools=...)` on the same files.
+from a mock of the server. Another serves the planted Qwen3 (tests/planted_qwen3.py),
+which never ends a reply of its own off its planted path: greedy, under the grammar of
+several calls, it writes its one call again and again. Template renderings are checked
+against `transformers`' `apply_chat_template(..., tools=...)` on the same files.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import llguidance
 import openai
 import pytest
 from checkpoints import CHATML_TEMPLATE, build_checkpoint
+from planted_qwen3 import build_planted_qwen3
 from server_process import start_serve_command
 from text_assets import (
     CHATML_SPECIAL,
@@ -37,6 +40,7 @@ from qinfer.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCallParser,
+    _may_become,
     tool_call_format,
     tool_call_grammar,
     tool_prompt,
@@ -153,6 +157,132 @@ def test_a_forced_call_cut_short_is_left_out_and_the_complete_ones_kept(step):
         answer.extend(Delta(0, content=p.content, tool_calls=p.tool_calls, cut_call=p.cut_call))
     assert [call.name for call in answer.tool_calls] == ["get_weather"]
     assert json.loads(answer.tool_calls[0].arguments)["city"] == 'Pa"}ris'
+
+
+def call_block(name: str, arguments: str) -> str:
+    """A hermes call block, its arguments as written."""
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+PARIS = '{"city": "Paris", "days": 2}'
+#: PARIS written otherwise: the same JSON (key order, spaces and an escape aside).
+PARIS_AGAIN = '{ "days" : 2, "city": "Pa\\u0072is" }'
+REPEATING = "\n".join(
+    [
+        call_block("get_weather", PARIS),
+        call_block("get_weather", PARIS_AGAIN),
+        call_block("get_time", '{"city": "Tokyo"}'),
+    ]
+)
+
+
+def repeated_after(text: str, forced: bool) -> int | None:
+    """How many characters of `text`, pushed one at a time, the parser read when it found
+    the reply repeating a call (None: it never did)."""
+    parser = ToolCallParser(HERMES, ("get_weather", "get_time"), forced)
+    for i, char in enumerate(text):
+        parser.push(char)
+        if parser.repeated:
+            return i + 1
+    return None
+
+
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("step", [1, 5, 10_000])
+def test_a_repeated_call_ends_the_reply_and_is_never_sent(step, forced):
+    """The same call again (as JSON: not as text) ends the reply: it is never sent, and
+    what follows it (here a call of another tool) is ignored."""
+    content, calls, _ = parse(HERMES, REPEATING + " Done.", step, forced)
+    assert content == "" and calls == [("get_weather", PARIS)]
+    end = REPEATING.index(PARIS_AGAIN) + len(PARIS_AGAIN)
+    # A forced repeat is over once its arguments are; an unforced one once its block is.
+    expected = end if forced else REPEATING.index("</tool_call>", end) + len("</tool_call>")
+    assert repeated_after(REPEATING, forced) == expected
+
+
+def test_a_call_of_the_same_tool_is_held_until_its_arguments_differ():
+    """A second call of get_weather goes out as soon as its arguments cannot be the first
+    call's (its id, name and arguments so far at once); a call of another tool at once."""
+    other_days = '{"city": "Paris", "days": 3}'
+    time_call = call_block("get_time", '{"city": "Tokyo"}')
+    text = "\n".join([call_block("get_weather", PARIS), call_block("get_weather", other_days)])
+    text += "\n" + time_call
+    parser = ToolCallParser(HERMES, ("get_weather", "get_time"), forced=True)
+    opened = {}  # call index -> (characters read when it went out, its first delta)
+    for i, char in enumerate(text):
+        for call in parser.push(char).tool_calls:
+            if call.id is not None:
+                opened[call.index] = (i + 1, call)
+    assert not parser.repeated
+    second_at, second = opened[1]
+    assert second_at == text.index("3}") + 1
+    assert (second.name, second.arguments) == ("get_weather", '{"city": "Paris", "days": 3')
+    third_at, third = opened[2]
+    assert third_at == text.index('{"city": "Tokyo"}') + 1 and third.arguments == ""
+    assert [name for name, _ in parse(HERMES, text, 1, forced=True)[1]] == [
+        "get_weather",
+        "get_weather",
+        "get_time",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cut", "cut_call"),
+    [
+        ("<tool_", None),  # in the opening tag
+        ('<tool_call>\n{"na', None),  # in the header
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None),  # held
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "To', 1),  # sent
+    ],
+    ids=["tag", "header", "possible-repeat", "other-arguments"],
+)
+def test_a_forced_reply_cut_in_its_second_call_keeps_the_first(cut, cut_call):
+    """max_tokens (or a stop string) ends the reply inside its second call: the whole
+    answer is the first call; what of the second was never sent is dropped, and one sent
+    already is marked cut."""
+    parser = ToolCallParser(HERMES, ("get_weather", "get_time"), forced=True)
+    parsed = [parser.push(call_block("get_weather", PARIS) + "\n"), parser.push(cut)]
+    parsed.append(parser.finish())
+    assert parsed[-1].cut_call == cut_call and parser.made_calls
+    answer = Delta(0)
+    for p in parsed:
+        answer.extend(Delta(0, content=p.content, tool_calls=p.tool_calls, cut_call=p.cut_call))
+    assert answer.content == ""
+    assert [(c.name, c.arguments) for c in answer.tool_calls] == [("get_weather", PARIS)]
+
+
+VALUE = {"city": "Paris", "days": 2, "tags": ["a", "b"], "x": None, "ok": True, "q": 1.5}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(VALUE),
+        json.dumps(VALUE, indent=2),
+        '{"q": 15e-1, "ok": true, "x": null, "tags": [ "a" ,"b"], "days": 2, "city": "\\u0050aris"}',
+    ],
+    ids=["compact", "indented", "reordered"],
+)
+def test_every_start_of_a_json_text_may_become_its_value(text):
+    assert json.loads(text) == VALUE
+    assert all(_may_become(text[:i], VALUE) for i in range(len(text) + 1))
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        '{"city": "T',  # another string
+        '{"days": 3',  # another integer
+        '{"days": 2.0',  # a float is another number
+        '{"ok": 1',  # 1 is not true
+        '{"tags": ["a"]',  # fewer items
+        '{"days": 2, "days"',  # a key twice
+        '{"extra"',  # a key the value has not
+        '{"city": "Paris", "days": 2, "tags": ["a", "b"], "x": null, "ok": true}',  # one short
+    ],
+)
+def test_a_json_start_that_differs_cannot_become_the_value(start):
+    assert not _may_become(start, VALUE)
 
 
 @pytest.mark.parametrize(
@@ -411,8 +541,17 @@ class StreamedChoice:
 
 def streamed_choices(client, **fields) -> dict[int, StreamedChoice]:
     """Each choice of a streamed chat, by index."""
+    return streamed_chat(client, **fields)[0]
+
+
+def streamed_chat(
+    client, **fields
+) -> tuple[dict[int, StreamedChoice], openai.types.CompletionUsage | None]:
+    """Each choice of a streamed chat, by index, and the stream's usage."""
     choices: dict[int, StreamedChoice] = {}
-    for chunk in chat(client, stream=True, **fields):
+    usage = None
+    for chunk in chat(client, stream=True, stream_options={"include_usage": True}, **fields):
+        usage = chunk.usage or usage
         for delta_choice in chunk.choices:
             choice = choices.setdefault(delta_choice.index, StreamedChoice())
             delta = delta_choice.delta
@@ -424,7 +563,7 @@ def streamed_choices(client, **fields) -> dict[int, StreamedChoice]:
                     choice.calls[call.index] = [call.id, call.function.name, ""]
                 choice.calls[call.index][2] += call.function.arguments or ""
             choice.finish_reason = delta_choice.finish_reason or choice.finish_reason
-    return choices
+    return choices, usage
 
 
 def streamed(client, **fields):
@@ -570,6 +709,63 @@ def test_a_named_tool_is_called_and_ends_with_stop(served):
     assert reply.finish_reason == "stop"
     (call,) = reply.message.tool_calls
     assert call.function.name == "get_time" and valid_call(call)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """An openai client of `qinfer serve` on the planted Qwen3 (module docstring)."""
+    folder = build_planted_qwen3(
+        tmp_path_factory.mktemp("tools-planted"), max_position_embeddings=4096
+    )
+    process, url = start_serve_command(
+        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"),
+        timeout=120,
+    )
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@dataclass
+class ForcedReply:
+    """What the tests read off a reply under `tool_choice` "required"."""
+
+    calls: list[tuple[str, str]]  # (name, arguments)
+    finish_reason: str
+    tokens: int  # completion tokens
+
+
+def forced_reply(client, stream: bool, **fields) -> ForcedReply:
+    """A greedy reply of the planted model under `tool_choice` "required", whole or
+    streamed (parallel calls at their default unless `fields` say otherwise)."""
+    fields = dict(tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=400) | fields
+    if stream:
+        choices, usage = streamed_chat(client, **fields)
+        calls = [(name, arguments) for _, name, arguments in choices[0].calls.values()]
+        return ForcedReply(calls, choices[0].finish_reason, usage.completion_tokens)
+    reply = chat(client, **fields)
+    choice = reply.choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    return ForcedReply(calls, choice.finish_reason, reply.usage.completion_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_ends_the_reply_once_it_repeats(planted, stream):
+    """Parallel calls allowed, the planted model writes its call again: the reply ends as
+    soon as the repeat's arguments are complete, with the one call (the repeat never sent)."""
+    one = forced_reply(planted, stream, parallel_tool_calls=False)
+    assert one.finish_reason == "tool_calls" and len(one.calls) == 1
+    repeated = forced_reply(planted, stream)
+    assert (repeated.calls, repeated.finish_reason) == (one.calls, "tool_calls")
+    assert repeated.tokens < 2 * one.tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_max_tokens_inside_a_second_call_keeps_the_first(planted, stream):
+    one = forced_reply(planted, stream, parallel_tool_calls=False)
+    max_tokens = one.tokens * 7 // 4  # inside the repeat's arguments
+    cut = forced_reply(planted, stream, max_tokens=max_tokens)
+    assert (cut.calls, cut.finish_reason, cut.tokens) == (one.calls, "length", max_tokens)
 
 
 def test_tool_results_go_back_through_the_template(served):

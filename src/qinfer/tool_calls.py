@@ -33,11 +33,21 @@ false`, leaves objects open. `ToolCallParser` turns the
 streamed reply into content and call deltas: text goes out as content except a tail that
 may be the start of a tag. A call whose syntax a grammar forces goes out as soon as its
 header `{"name": "...", "arguments": ` is read (its id and name once), then its arguments
-as they arrive; one whose arguments max_tokens cuts is marked (`ParsedDelta.cut_call`),
-and a whole answer leaves it out (a stream has sent its fragments already; its
-finish_reason "length" says the last call is cut). An unforced call (`tool_choice` "auto") goes out when its block ends and
-parses whole as a call of an offered tool; any other block (malformed JSON, an unknown
-tool) is returned as content, as written.
+as they arrive; one whose arguments the reply's end (max_tokens, a stop string) cuts is
+marked (`ParsedDelta.cut_call`), and a whole answer leaves it out (a stream has sent its
+fragments already; its finish_reason "length" says the last call is cut); the start of
+a call cut before its arguments is dropped (a forced reply holds nothing else). An
+unforced call (`tool_choice` "auto") goes out when its block ends and parses whole as a
+call of an offered tool; any other block (malformed JSON, an unknown tool) is returned
+as content, as written.
+
+A call identical to one the reply made already (same name, same arguments as parsed
+JSON) ends the reply: a small model under a grammar that allows several calls tends to
+write its call again and again until max_tokens. The repeat is never handed out: a
+forced call that names an earlier call's tool is held back (its id, name and arguments
+so far) while its arguments may still turn out to be that call's, and goes out as soon
+as they differ; once a repeat's arguments are complete, `ToolCallParser.repeated` tells
+the caller to stop generating, and the reply is over (it ends as one that made calls).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,8 +302,8 @@ class ParsedDelta:
 
 
 # Where the parser is: in plain text, in a call whose header is not yet read, in its
-# arguments, after them (until the block closes).
-_TEXT, _BLOCK, _ARGUMENTS, _AFTER = "text", "block", "arguments", "after"
+# arguments, after them (until the block closes), past a repeated call (the reply is over).
+_TEXT, _BLOCK, _ARGUMENTS, _AFTER, _OVER = "text", "block", "arguments", "after", "over"
 
 
 class ToolCallParser:
@@ -302,12 +312,17 @@ class ToolCallParser:
     tool_names: the tools offered; a call naming another is content. forced: a grammar
     forces the calls' syntax, so they stream from their header on (else each call waits
     for its block's end, to be checked whole).
-    `push(text)` and `finish()` return a ParsedDelta; `push` may hold text back.
+    `push(text)` and `finish()` return a ParsedDelta; `push` may hold text back. Once
+    `repeated` is true (the reply wrote one of its calls again), the rest is ignored.
     """
 
     def __init__(self, fmt: ToolCallFormat, tool_names: Sequence[str], forced: bool) -> None:
         self.fmt, self.tool_names, self.forced = fmt, frozenset(tool_names), forced
-        self.num_calls = 0
+        self.num_calls = 0  # calls opened (each call's index), a cut one included
+        self.repeated = False  # the reply wrote one of its calls again: it is over
+        self._made: list[tuple[str, Any]] = []  # (name, arguments; None: unparsable) per call
+        self._name, self._arguments = "", ""  # the open call's name and arguments so far
+        self._holding: ToolCallDelta | None = None  # the open call, held: it may be a repeat
         self._state = _TEXT
         self._after_call = False  # a call was made and no text has come since
         self._held = ""  # text not yet handed out
@@ -324,6 +339,7 @@ class ToolCallParser:
             _BLOCK: self._in_block,
             _ARGUMENTS: self._in_arguments,
             _AFTER: self._in_after,
+            _OVER: self._in_over,
         }
 
     def push(self, text: str) -> ParsedDelta:
@@ -336,16 +352,23 @@ class ToolCallParser:
             if self._state == state and self._held == held:
                 return out
 
+    @property
+    def made_calls(self) -> bool:
+        """Whether the reply made a call (a whole one: not one the reply's end cut)."""
+        return bool(self._made)
+
     def finish(self) -> ParsedDelta:
-        """The end of the reply: what was held, or a pending block, goes out."""
+        """The end of the reply: what was held, or a pending block, goes out; but in a
+        forced reply, whose text can only be calls, what the end cut (a call's start, a
+        call held back as a possible repeat) was never sent and is dropped."""
         out = self.push("")
-        if self._state == _ARGUMENTS:  # the arguments never ended: not a call to run
-            out.cut_call = self.num_calls - 1
-        elif self._state == _BLOCK:
+        if self._state == _ARGUMENTS and self._holding is None:
+            out.cut_call = self.num_calls - 1  # its fragments are out: not a call to run
+        elif not self.forced and self._state == _BLOCK:
             self._close_block(self._block + self._held, out, closed=False)
-        elif self._state == _TEXT:
+        elif not self.forced and self._state == _TEXT:
             out.content += self._held
-        self._held, self._state = "", _TEXT
+        self._held, self._state, self._holding = "", _TEXT, None
         return out
 
     # -- the states -------------------------------------------------------------------
@@ -389,26 +412,32 @@ class ToolCallParser:
         if header and (end < 0 or header.end() <= end):
             name = json.loads(header.group(1))
             if name in self.tool_names:
-                out.tool_calls.append(self._open_call(name))
+                call = self._open_call(name)
+                if self._may_repeat(name, ""):
+                    self._holding = call
+                else:
+                    out.tool_calls.append(call)
                 self._held, self._state = self._block[header.end() :], _ARGUMENTS
-                self._scan = _ValueScanner()
+                self._name, self._arguments, self._scan = name, "", _ValueScanner()
                 return
         if end >= 0:
-            rest = self._block[end + len(TOOL_CALL_CLOSE) :]
-            self._close_block(self._block[:end], out, closed=True)
-            self._held, self._state = rest, _TEXT
+            block = self._block[:end]
+            self._held, self._state = self._block[end + len(TOOL_CALL_CLOSE) :], _TEXT
+            self._close_block(block, out, closed=True)
 
     def _in_arguments(self, out: ParsedDelta) -> None:
         end = self._held.find(TOOL_CALL_CLOSE) if self.fmt.tagged else -1
         scanned = self._held if end < 0 else self._held[:end]
         length = self._scan.feed(scanned)
         if length:
-            out.tool_calls.append(ToolCallDelta(self.num_calls - 1, arguments=scanned[:length]))
+            self._add_arguments(scanned[:length], out)
         self._held = self._held[length:]
         if self._scan.done:
             self._state = _AFTER
+            self._call_made(out)
         elif end >= 0:  # the block closed inside the arguments: they stay as written
             self._held, self._state = self._held[end - length + len(TOOL_CALL_CLOSE) :], _TEXT
+            self._call_made(out)
 
     def _in_after(self, out: ParsedDelta) -> None:
         """After the arguments: skip to the end of the block (`}` then the closing tag)."""
@@ -421,6 +450,10 @@ class ToolCallParser:
         if end >= 0:
             self._held, self._state = self._held[end + len(TOOL_CALL_CLOSE) :], _TEXT
 
+    def _in_over(self, out: ParsedDelta) -> None:
+        """Past a repeated call: the reply is over, whatever the model still writes."""
+        self._held = ""
+
     # -- calls --------------------------------------------------------------------------
 
     def _open_call(self, name: str) -> ToolCallDelta:
@@ -428,13 +461,60 @@ class ToolCallParser:
         self._after_call = True
         return ToolCallDelta(self.num_calls - 1, id=f"call_{uuid.uuid4().hex[:24]}", name=name)
 
+    def _add_arguments(self, text: str, out: ParsedDelta) -> None:
+        """More of the open call's arguments: out, or held with the call while it may
+        still repeat an earlier one (all of it goes out once it cannot)."""
+        self._arguments += text
+        if self._holding is None:
+            out.tool_calls.append(ToolCallDelta(self.num_calls - 1, arguments=text))
+            return
+        self._holding.arguments += text
+        if not self._may_repeat(self._name, self._arguments):
+            out.tool_calls.append(self._holding)
+            self._holding = None
+
+    def _call_made(self, out: ParsedDelta) -> None:
+        """The open call's arguments ended: a repeat ends the reply, any other call is
+        made (and goes out, if it was held)."""
+        arguments = _json_or_none(self._arguments)
+        if self._repeats(self._name, arguments):
+            self._holding = None
+            self._end_repeated()
+            return
+        if self._holding is not None:
+            out.tool_calls.append(self._holding)
+            self._holding = None
+        self._made.append((self._name, arguments))
+
+    def _repeats(self, name: str, arguments: Any) -> bool:
+        """Whether a call of `name` with these (parsed) arguments is one made already."""
+        return arguments is not None and any(
+            made == name and _same_json(args, arguments) for made, args in self._made
+        )
+
+    def _may_repeat(self, name: str, arguments: str) -> bool:
+        """Whether a call of `name` whose arguments start with this text may still turn
+        out to be one made already."""
+        return any(
+            made == name and args is not None and _may_become(arguments, args)
+            for made, args in self._made
+        )
+
+    def _end_repeated(self) -> None:
+        self.repeated, self._held, self._state = True, "", _OVER
+
     def _close_block(self, block: str, out: ParsedDelta, closed: bool) -> None:
-        """A block whose header did not parse: a call if it parses whole, else content."""
+        """A block whose header did not parse: a call if it parses whole (a repeat ends
+        the reply), else content."""
         call = _parse_call(block, self.fmt.arguments_key)
         if call is not None and call[0] in self.tool_names:
+            if self._repeats(*call):
+                self._end_repeated()
+                return
             delta = self._open_call(call[0])
             delta.arguments = json.dumps(call[1], ensure_ascii=False)
             out.tool_calls.append(delta)
+            self._made.append(call)
             return
         if self.fmt.tagged:
             block = TOOL_CALL_OPEN + block + (TOOL_CALL_CLOSE if closed else "")
@@ -458,6 +538,149 @@ def _json_or_none(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Whether two parsed JSON values are the same: key order aside, but 1 is neither
+    1.0 nor true (Python's == would say they are)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _may_become(text: str, value: Any) -> bool:
+    """Whether JSON `text`, which may stop anywhere, can still turn out to be `value` (as
+    `_same_json` compares); a float still being written counts as yes (`1` may become
+    `1.5` or `15e-1`), since the caller then only waits longer. A key written twice
+    counts as a difference."""
+    try:
+        _PartialJSON(text).value(value)
+    except _Differs:
+        return False
+    except _TextEnded:
+        pass
+    return True
+
+
+class _Differs(Exception):
+    """The JSON read so far is not the expected value's."""
+
+
+class _TextEnded(Exception):
+    """The text stops inside the value: what follows may still make it the expected one."""
+
+
+#: A string's text up to its closing quote (escapes whole), an escape still being
+#: written, a number's or a literal's characters.
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
+_PARTIAL_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{0,3})?")
+_SCALAR = re.compile(r"[-+.\w]*")
+_LITERALS = ("true", "false", "null")
+
+
+class _PartialJSON:
+    """Reads JSON text that may stop anywhere against an expected value (`_may_become`):
+    `value` returns when the value is whole and the expected one, or raises _Differs or
+    _TextEnded."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.at = text, 0
+
+    def value(self, expected: Any) -> None:
+        char = self._next()
+        if char == "{":
+            self._object(expected)
+        elif char == "[":
+            self._array(expected)
+        elif char == '"':
+            if not isinstance(expected, str):
+                raise _Differs
+            self._string_among([expected])
+        else:
+            self._scalar(expected)
+
+    def _object(self, expected: Any) -> None:
+        if not isinstance(expected, dict):
+            raise _Differs
+        missing = dict(expected)  # the keys not read yet
+        char = self._next()
+        while char != "}":
+            if char != '"':
+                raise _Differs
+            key = self._string_among(missing)
+            if self._next() != ":":
+                raise _Differs
+            self.value(missing.pop(key))
+            char = self._next()
+            if char == ",":
+                char = self._next()
+            elif char != "}":
+                raise _Differs
+        if missing:
+            raise _Differs
+
+    def _array(self, expected: Any) -> None:
+        if not isinstance(expected, list):
+            raise _Differs
+        for i, item in enumerate(expected):
+            self.value(item)
+            if self._next() != ("]" if i == len(expected) - 1 else ","):
+                raise _Differs
+        if not expected and self._next() != "]":
+            raise _Differs
+
+    def _string_among(self, candidates: Iterable[str]) -> str:
+        """A string (read from after its opening quote) that must be one of `candidates`:
+        its text, or _TextEnded while it may still become one."""
+        body = _STRING_BODY.match(self.text, self.at)
+        self.at, rest = body.end(), self.text[body.end() :]
+        try:
+            text = json.loads(f'"{body.group()}"')
+        except json.JSONDecodeError:  # an unknown escape, a raw control character
+            raise _Differs from None
+        if rest.startswith('"'):
+            self.at += 1
+            if text in candidates:
+                return text
+            raise _Differs
+        if rest and not _PARTIAL_ESCAPE.fullmatch(rest):  # else: an escape being written
+            raise _Differs
+        if text[-1:] and "\ud800" <= text[-1] <= "\udbff":  # half of a surrogate pair
+            text = text[:-1]
+        if any(candidate.startswith(text) for candidate in candidates):
+            raise _TextEnded
+        raise _Differs
+
+    def _scalar(self, expected: Any) -> None:
+        word = _SCALAR.match(self.text, self.at - 1).group()
+        self.at += len(word) - 1
+        if self.at == len(self.text):  # the scalar may go on
+            if _may_start(word, expected):
+                raise _TextEnded
+            raise _Differs
+        try:
+            value = json.loads(word)
+        except json.JSONDecodeError:
+            raise _Differs from None
+        if not _same_json(value, expected):
+            raise _Differs
+
+    def _next(self) -> str:
+        """The next character past whitespace (read); _TextEnded at the text's end."""
+        while self.at < len(self.text) and self.text[self.at] in " \t\n\r":
+            self.at += 1
+        if self.at == len(self.text):
+            raise _TextEnded
+        self.at += 1
+        return self.text[self.at - 1]
+
+
+def _may_start(word: str, value: Any) -> bool:
+    """Whether a scalar's first characters can still become `value`: an integer is
+    written one way (`-0` aside), a float many (`1.5`, `15e-1`), a literal one way."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).startswith(word) or (value == 0 and "-0".startswith(word))
+    if isinstance(value, float):
+        return word[:1] in "-0123456789"
+    return any(lit.startswith(word) and _same_json(json.loads(lit), value) for lit in _LITERALS)
 
 
 class _ValueScanner:

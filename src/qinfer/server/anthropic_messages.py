@@ -114,7 +114,7 @@ class MessagesFormat(PartsFormat):
     def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
         # A call cut by max_tokens has arguments that do not parse: it is left out (the
         # stop reason says the reply was cut), never returned with made-up input.
-        content = [block for part in reply.parts if (block := _block(part)) is not None]
+        content = [_block(part) for part in reply.parts if not part.cut]
         return self.message(completion, content, _stop(completion, reply))
 
     def opening_events(self, completion: Completion) -> list[dict[str, Any]]:
@@ -163,24 +163,21 @@ def _empty_block(part: Part) -> dict[str, Any]:
     return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": {}}
 
 
-def _block(part: Part) -> dict[str, Any] | None:
-    """The content block of a whole part (None: a call whose arguments do not parse)."""
+def _block(part: Part) -> dict[str, Any]:
+    """The content block of a whole part."""
     if part.kind == "text":
         return {"type": "text", "text": part.text}
     if part.kind == "reasoning":
         return {"type": "thinking", "thinking": part.text, "signature": ""}
-    try:
-        arguments = json.loads(part.text)
-    except json.JSONDecodeError:
-        return None
+    arguments = json.loads(part.text)
     return {"type": "tool_use", "id": part.call_id, "name": part.name, "input": arguments}
 
 
 def _stop(completion: Completion, reply: ReplyParts) -> dict[str, Any]:
     """stop_reason (max_tokens, tool_use, stop_sequence, end_turn) and stop_sequence."""
-    output = completion.choices[0].output
-    matched = output.stop_reason if isinstance(output.stop_reason, str) else None
-    if output.finish_reason == "length":
+    choice = completion.choices[0]
+    matched = choice.output.stop_reason if isinstance(choice.output.stop_reason, str) else None
+    if choice.finish_reason == "length":
         reason = "max_tokens"
     elif reply.made_calls:
         reason = "tool_use"

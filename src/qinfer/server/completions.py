@@ -39,7 +39,7 @@ class Delta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    cut_call: int | None = None  # a call whose arguments max_tokens cut (the last one)
+    cut_call: int | None = None  # a call whose arguments the reply's end cut (the last one)
 
     @property
     def empty(self) -> bool:
@@ -69,7 +69,9 @@ class Choice:
     split_reasoning: split a `<think>` block off the text (chat answers of thinking models),
     where the engine's request says where its prompt left the block
     (`RequestOutput.prompt_opened_think`); else all text is content.
-    tools: the tools the request offers, whose calls are parsed out of the content, or None.
+    tools: the tools the request offers, whose calls are parsed out of the content, or None;
+    a reply that repeats one of its calls ends there (`finish_reason` "stop", as if the
+    model had stopped: the caller aborts the engine request and ignores its later outputs).
     echo: text the content starts with (a text completion's `echo`: its prompt); with
     `params.prompt_logprobs`, the logprobs start with the prompt tokens' (the first's None).
     """
@@ -95,10 +97,12 @@ class Choice:
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
         self.output: RequestOutput | None = None  # the latest engine output
+        # Once the reply ended: the engine's finish reason, or "stop" (a repeated call).
+        self.finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.output is not None and self.output.finished
+        return self.finish_reason is not None
 
     def advance(self, output: RequestOutput) -> Delta:
         """The delta of `output`, the engine's latest output for this choice."""
@@ -106,8 +110,8 @@ class Choice:
             if output.prompt_opened_think is not None:  # decided once, by the request
                 self.reasoning = ReasoningStream(output.prompt_opened_think)
         self.output = output
+        self.finish_reason = output.finish_reason if output.finished else None
         delta = Delta(self.index, text_offset=self.content_length)
-        delta.finish_reason = output.finish_reason if output.finished else None
         if output.logprobs is not None:
             delta.logprobs = output.logprobs[self.num_logprobs :]
             self.num_logprobs = len(output.logprobs)
@@ -123,15 +127,18 @@ class Choice:
                 tail_reasoning, tail_content = self.reasoning.finish()
                 delta.reasoning += tail_reasoning
                 delta.content += tail_content
+        delta.finish_reason = self.finish_reason
         if self.tool_parser is not None:
             parsed = self.tool_parser.push(delta.content)
-            if output.finished:
+            if self.tool_parser.repeated:  # the reply is over: its calls are all made
+                self.finish_reason = "stop"
+            if self.finished:
                 tail = self.tool_parser.finish()
                 parsed.content += tail.content
                 parsed.tool_calls += tail.tool_calls
                 delta.cut_call = tail.cut_call
-                made_calls = self.tool_parser.num_calls > 0
-                delta.finish_reason = self.tools.finish_reason(delta.finish_reason, made_calls)
+                made_calls = self.tool_parser.made_calls
+                delta.finish_reason = self.tools.finish_reason(self.finish_reason, made_calls)
             delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
         delta.content, self.echo = self.echo + delta.content, ""
         self.content_length += len(delta.content)
@@ -224,7 +231,11 @@ class Completion:
                     raise item
                 else:
                     choice, output = item
+                    if choice.finished:  # the reply ended before its request (aborted below)
+                        continue
                     delta = choice.advance(output)
+                    if choice.finished and not output.finished:
+                        self.engine.abort(choice.request_id)
                     if not delta.empty:
                         yield delta
         finally:

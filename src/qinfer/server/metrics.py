@@ -78,7 +78,10 @@ class EngineCollector(Collector):
             ),
             "qinfer_preemptions": ("Requests preempted to free KV blocks", s.preemptions_total),
             "qinfer_requests_finished": ("Requests the engine finished", s.requests_finished_total),
-            "qinfer_requests_aborted": ("Requests aborted (client gone)", s.requests_aborted_total),
+            "qinfer_requests_aborted": (
+                "Requests aborted (client gone, or a reply over: a tool call repeated)",
+                s.requests_aborted_total,
+            ),
             "qinfer_spec_decode_verifications": (
                 "Sequence steps that verified proposed tokens",
                 s.spec_verifications_total,

@@ -214,7 +214,12 @@ class ResponsesFormat(PartsFormat):
     def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
         status = _status(completion)
         parts = reply.parts or [Part("text", 0)]  # a reply of nothing is an empty message
-        output = [self.item(part, status if part is parts[-1] else "completed") for part in parts]
+        # A call the reply's end cut is left out: its arguments are not JSON.
+        output = [
+            self.item(part, _last_status(part, status) if part is parts[-1] else "completed")
+            for part in parts
+            if not part.cut
+        ]
         response = self.response_object(completion, status, output, self.usage(completion, parts))
         if self.body.store:
             items = [*self.conversation, *(input_item(o) for o in output)]
@@ -253,7 +258,8 @@ class ResponsesFormat(PartsFormat):
             return self._opened(part)
         if event.action == "add":
             return [self._delta(part, event.text)]
-        return self._closed(part, _status(completion) if event.final else "completed")
+        status = _last_status(part, _status(completion)) if event.final else "completed"
+        return self._closed(part, status)
 
     def _where(self, part: Part) -> dict[str, Any]:
         """The fields that place an event: its item, and the item's text part."""
@@ -332,8 +338,13 @@ def _no_logprobs(part: Part) -> dict[str, Any]:
 
 def _status(completion: Completion) -> str:
     """ "incomplete" when the reply ran out of tokens, else "completed"."""
-    output = completion.choices[0].output
-    return "incomplete" if output is not None and output.finish_reason == "length" else "completed"
+    return "incomplete" if completion.choices[0].finish_reason == "length" else "completed"
+
+
+def _last_status(part: Part, status: str) -> str:
+    """The status of a reply's last part: the reply's, but a whole call is "completed"
+    whatever cut the reply after it (a repeat held back, the start of another call)."""
+    return "completed" if part.kind == "call" and not part.cut else status
 
 
 # --- the endpoint -----------------------------------------------------------------------

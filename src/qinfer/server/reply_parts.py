@@ -12,7 +12,9 @@ reply as a sequence of parts instead, each opened, filled and closed in turn:
 
 A part opens when text of another kind arrives (text after a call opens a second text
 part), so the parts keep the order in which the model wrote them. Whole answers are built
-from the same events as streams, so the two always agree.
+from the same events as streams, so the two always agree, but for a call whose arguments
+the reply's end cut (`Part.cut`): a stream has shown it already and closes it, a whole
+answer leaves it out (its arguments do not parse, and it is no call to run).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ PartKind = Literal["reasoning", "text", "call"]
 @dataclass
 class Part:
     """One part of a reply. text: the reasoning, the text, or a call's arguments so far;
-    call_id and name: a call's."""
+    call_id and name: a call's; cut: a call whose arguments the reply's end cut."""
 
     kind: PartKind
     index: int  # its position among the reply's parts
     text: str = ""
     call_id: str | None = None
     name: str | None = None
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class ReplyParts:
 
     @property
     def made_calls(self) -> bool:
-        return bool(self._calls)
+        """Whether the reply made a call (a whole one: not one its end cut)."""
+        return any(not part.cut for part in self._calls.values())
 
     def push(self, delta: Delta) -> list[PartEvent]:
         """The events of one delta (in a delta, reasoning comes before content, and
@@ -81,6 +85,8 @@ class ReplyParts:
                 part = self._calls[call.index]
                 part.text += call.arguments
                 events.append(PartEvent("add", part, call.arguments))
+        if delta.cut_call is not None:
+            self._calls[delta.cut_call].cut = True
         return events
 
     def finish(self) -> list[PartEvent]:

@@ -52,19 +52,23 @@ class Task(Protocol):
         ...
 
 
-class Generate:
-    """Sample tokens after the prompt (none with max_tokens 0: the request then ends)."""
-
-    uses_prefix_cache = True
-
-    def __init__(self, max_tokens: int) -> None:
-        self.samples = self.reads_last_logits = max_tokens > 0
+class _NoHiddenRows:
+    """A task that reads logits only: it asks for no hidden rows and takes none."""
 
     def hidden_rows(self, start: int, n: int) -> list[int]:
         return []
 
     def take_hidden(self, start: int, rows: torch.Tensor | None) -> None:
         pass
+
+
+class Generate(_NoHiddenRows):
+    """Sample tokens after the prompt (none with max_tokens 0: the request then ends)."""
+
+    uses_prefix_cache = True
+
+    def __init__(self, max_tokens: int) -> None:
+        self.samples = self.reads_last_logits = max_tokens > 0
 
     def prompt_ran(self, logits: torch.Tensor) -> tuple[str, dict[str, Any]]:
         return "length", {}  # max_tokens 0: nothing to sample
@@ -89,7 +93,7 @@ class Pool:
         return "stop", {"embedding": self.state.result()}
 
 
-class Score:
+class Score(_NoHiddenRows):
     """Score the prompt by two tokens' logits at its last row (`qinfer.scoring`)."""
 
     samples = False
@@ -97,12 +101,6 @@ class Score:
 
     def __init__(self, params: ScoreParams) -> None:
         self.params = params
-
-    def hidden_rows(self, start: int, n: int) -> list[int]:
-        return []
-
-    def take_hidden(self, start: int, rows: torch.Tensor | None) -> None:
-        pass
 
     def prompt_ran(self, logits: torch.Tensor) -> tuple[str, dict[str, Any]]:
         return "stop", {"score": self.params.score(logits[-1])}

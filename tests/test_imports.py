@@ -49,7 +49,7 @@ LAYERS = {
         "chat_defaults",
         "heatmap",
     },
-    "linear": {"linear"},
+    "linear": {"linear", "kernels"},
     "weights": {"weights", "models"},
     "attention": {"attention"},
     "layers": {"layers"},

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from gguf_files import synthetic_tensor
 
+from qinfer import kernels
 from qinfer.bench.linear_paths import path_table
 from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import (
@@ -214,7 +215,55 @@ def test_int4_tiles_read_the_kernels_packed_layout_on_this_cpu():
     """The layout is read back (blocks of 64 rows with AVX512, 32 with AVX2), so the tile
     paths are offered; a torch whose layout differs would turn them off here."""
     assert _cpu_block_rows() in (64, 32)
-    assert quantized("int4/32", 48, torch.bfloat16).paths() == paths.PATHS
+    offered = paths.PATHS if kernels.buildable() else paths.PATHS[:-1]  # int8_dot: compiled
+    assert quantized("int4/32", 48, torch.bfloat16).paths() == offered
+
+
+@pytest.fixture
+def int8_dot_built() -> None:
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("out", [48, 200])
+def test_int8_dot_multiplies_the_kernels_own_weight(int8_dot_built, out, dtype):
+    """The int8_dot path reads the weight back out of torch's packed layout: its output is
+    the compiled kernel's on the layer's own groups (bit for bit, plus the bias), and so
+    within the activations' int8 rounding of the dequantized weight (test_int4_dot_kernel
+    holds the kernel to that bound)."""
+    w = quantized("int4/32", out, dtype)
+    assert "int8_dot" in w.paths()
+    w.use_paths("int8_dot", "int8_dot")
+    x = activations(5, 256, dtype)
+    expected = kernels.int4_mm(x, kernels.pack_int4(w.groups())).to(dtype) + w.bias
+    assert torch.equal(w(x), expected)
+    assert_matches_dequantized(w, x, tolerance=2e-2)
+
+
+def test_int8_dot_is_a_path_of_int4_groups_of_32_only(monkeypatch):
+    assert "int8_dot" not in quantized("int4/128", 48, torch.bfloat16).paths()
+    assert "int8_dot" not in quantized("int8", 48, torch.bfloat16).paths()
+    monkeypatch.setattr(kernels, "buildable", lambda: False)  # no compiler, say
+    assert quantized("int4/32", 48, torch.bfloat16).paths() == (
+        "kernel",
+        "fp32_tiles",
+        "bf16_tiles",
+    )
+
+
+def test_a_forced_kind_path_applies_to_the_layers_that_have_it(monkeypatch):
+    """QINFER_LINEAR_PATH=int8_dot on a model of int8 and int4 layers: the int4 groups of 32
+    take it, the int8 rows keep the rule's paths (no error: the path is not theirs)."""
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    layers = three_layers()
+    monkeypatch.setenv(choose.ENV, "decode=int8_dot")
+    choose_paths(layers)
+    assert [layer.chosen for layer in layers] == [
+        {"decode": "kernel", "prefill": "fp32_tiles"}
+    ] * 2 + [{"decode": "int8_dot", "prefill": "fp32_tiles"}]
 
 
 def test_calls_up_to_decode_max_rows_take_the_decode_path():
@@ -319,8 +368,8 @@ def test_the_environment_overrides_the_rule(monkeypatch):
     with pytest.raises(ConfigError) as error:
         choose_paths(layers)
     assert str(error.value) == (
-        "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles) "
-        "or decode=PATH,prefill=PATH"
+        "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles, "
+        "int8_dot) or decode=PATH,prefill=PATH"
     )
 
 
@@ -345,7 +394,9 @@ def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
         ("Int4Linear", (48, 256, 32), "decode", "kernel"),
         ("Int4Linear", (48, 256, 32), "prefill", "fp32_tiles"),
     ]
-    assert all(list(r["ms"]) == list(paths.PATHS) for r in table)
+    assert [list(r["ms"]) for r in table] == [list(layers[0].paths())] * 2 + [
+        list(layers[2].paths())
+    ] * 2
     assert all(0 < ms < 1e3 for r in table for ms in r["ms"].values())
 
 

@@ -19,8 +19,9 @@ CPU that keeps the kernel never allocates a tile buffer. `qinfer bench` still ti
 path per shape, beside the one taken.
 
 `QINFER_LINEAR_PATH` forces paths instead of the rule: a path name for both buckets
-(`kernel`, `fp32_tiles`, `bf16_tiles`), or `decode=PATH,prefill=PATH` (a bucket left out
-follows the rule).
+(`kernel`, `fp32_tiles`, `bf16_tiles`, `int8_dot`), or `decode=PATH,prefill=PATH` (a bucket
+left out follows the rule). A kind's own path (`int8_dot`: int4 groups of 32) is forced on
+the layers that have it; the others follow the rule.
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ from qinfer.linear.compute import bf16_matmul_is_fast
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int8 import Int8Linear
-from qinfer.linear.paths import BF16_TILES, BUCKETS, FP32_TILES, KERNEL, PATHS, QuantizedLinear
+from qinfer.linear.paths import (
+    BF16_TILES,
+    BUCKETS,
+    FP32_TILES,
+    KERNEL,
+    KIND_PATHS,
+    PATHS,
+    QuantizedLinear,
+)
 
 ENV = "QINFER_LINEAR_PATH"
 #: int8 weights up to this many elements take bf16 tiles at prefill where bf16 is fast;
@@ -80,7 +89,10 @@ def choose_paths(module: nn.Module, same_at_any_rows: bool = False) -> None:
     experts included, its fixed-chunk GEMMs (`qinfer.linear.dense`), on any device."""
     forced = {bucket: KERNEL for bucket in BUCKETS} if same_at_any_rows else forced_paths()
     for layer in cpu_quantized(module):
-        paths = rule_paths(layer) | forced
+        # a kind's own path forced: the layers of other kinds follow the rule
+        has = layer.paths()
+        ours = {b: p for b, p in forced.items() if p not in KIND_PATHS or p in has}
+        paths = rule_paths(layer) | ours
         layer.use_paths(paths["decode"], paths["prefill"])
     for layer in module.modules():
         if isinstance(layer, (DenseLinear, StackedDenseLinear)):

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qinfer import kernels
 from qinfer.errors import WeightsError
-from qinfer.linear.paths import QuantizedLinear, scratch
+from qinfer.linear.paths import INT8_DOT, QuantizedLinear, scratch
 
 #: Group sizes torch's int4 kernels accept.
 GROUP_SIZES = (32, 64, 128, 256)
@@ -107,6 +108,8 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
         self.register_buffer("packed", _pack(q))
         self.register_buffer("bias", bias)
+        # int8_dot's copy of the weight in the kernel's layout, made at its first call
+        self._dot_weight: kernels.PackedInt4 | None = None
         self._init_paths()
 
     @property
@@ -134,6 +137,39 @@ class Int4Linear(QuantizedLinear):
 
     def _tiles_supported(self) -> bool:
         return self.device.type == "cpu" and _cpu_block_rows() is not None
+
+    def _kind_paths(self) -> tuple[str, ...]:
+        """int8_dot where the weight can be read back (the CPU layout) in groups of the
+        kernel's block and the kernel can be built (it is, at its first call)."""
+        readable = self._tiles_supported() and self.group_size == kernels.BLOCK
+        return (INT8_DOT,) if readable and kernels.buildable() else ()
+
+    def _kind_path(self, path: str):
+        return self._int8_dot
+
+    def _int8_dot(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, N) through `qinfer.kernels.int4_mm` (activations rounded to int8
+        per block of 32), on a copy of the weight in the kernel's layout made at the first
+        call (the same q, scales and zeros as the kernel's, read back)."""
+        if self._dot_weight is None:
+            reason = kernels.available()
+            if reason is not None:
+                raise WeightsError(f"Int4Linear {self.shape_key()}: no int8_dot path: {reason}")
+            self._dot_weight = kernels.pack_int4(self.groups())
+        return kernels.int4_mm(flat, self._dot_weight).to(flat.dtype)
+
+    def groups(self) -> Int4Groups:
+        """The weight as `Int4Groups` (q read back out of the CPU packed layout, scales and
+        zeros in fp32 from the kernel's compute-dtype copies)."""
+        n, k = self.out_features, self.in_features
+        q = torch.empty(k, len(self.packed))
+        _unpack_cpu(self.packed, 0, len(self.packed), _cpu_block_rows(), q)
+        sz = self.scales_and_zeros[:, :n].float()  # (groups, N, 2)
+        return Int4Groups(
+            q.T[:n].to(torch.uint8).contiguous(),
+            sz[..., 0].T.contiguous(),
+            sz[..., 1].T.contiguous(),
+        )
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """(q - 8) * scale + zero in fp32 (then rounded once to bf16), built transposed:

@@ -10,6 +10,11 @@ A quantized Linear (int8 rows, int4 groups) can run a call in several ways ("pat
   rounded back): the fast prefill path on CPUs whose bf16 GEMM is slow (AVX2 only).
 - `bf16_tiles`: the same into a bf16 buffer with a bf16 GEMM: the fast prefill path where
   bf16 GEMMs are fast (AVX512-BF16, AMX).
+- `int8_dot` (int4 groups of 32 on x86 CPUs only: a kind's own path): the compiled kernel
+  of `qinfer.kernels`, activations rounded to int8 per block of 32 and multiplied in
+  integer dot products, as llama.cpp multiplies Q4 weights. Never the rule's choice yet
+  (forced only: `QINFER_LINEAR_PATH=int8_dot`); it packs a second copy of the weight at
+  its first call.
 
 Which path a layer takes is set per row bucket (`DECODE_MAX_ROWS` rows or fewer: the decode
 choice; more: the prefill choice) by `qinfer.linear.choose`'s rule; a call costs one
@@ -36,9 +41,11 @@ from qinfer.linear.base import Linear
 DECODE_MAX_ROWS = 16
 #: Bytes of one dequantized tile: small enough to stay in the cache next to the GEMM's.
 TILE_BYTES = 4 << 20
-KERNEL, FP32_TILES, BF16_TILES = "kernel", "fp32_tiles", "bf16_tiles"
+KERNEL, FP32_TILES, BF16_TILES, INT8_DOT = "kernel", "fp32_tiles", "bf16_tiles", "int8_dot"
 #: Every path name.
-PATHS = (KERNEL, FP32_TILES, BF16_TILES)
+PATHS = (KERNEL, FP32_TILES, BF16_TILES, INT8_DOT)
+#: Paths only some kinds have: forced, they apply to the layers that have them.
+KIND_PATHS = (INT8_DOT,)
 BUCKETS = ("decode", "prefill")
 
 _TILE_DTYPES = {FP32_TILES: torch.float32, BF16_TILES: torch.bfloat16}
@@ -99,10 +106,12 @@ class QuantizedLinear(Linear):
 
     def paths(self) -> tuple[str, ...]:
         """The paths this layer can take on its device (the kernel always; bf16 tiles only
-        for bf16 activations: they would round an fp32 model's weights and activations)."""
+        for bf16 activations: they would round an fp32 model's weights and activations;
+        then the kind's own, `_kind_paths`)."""
         if not self._tiles_supported():
-            return (KERNEL,)
-        return PATHS if self.dtype == torch.bfloat16 else (KERNEL, FP32_TILES)
+            return (KERNEL, *self._kind_paths())
+        tiles = (FP32_TILES, BF16_TILES) if self.dtype == torch.bfloat16 else (FP32_TILES,)
+        return (KERNEL, *tiles, *self._kind_paths())
 
     def use_paths(self, decode: str, prefill: str) -> None:
         """Take `decode` for calls of up to DECODE_MAX_ROWS rows and `prefill` above."""
@@ -126,7 +135,17 @@ class QuantizedLinear(Linear):
     def _path(self, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
         if path == KERNEL:
             return self._kernel
+        if path in KIND_PATHS:
+            return self._kind_path(path)
         return functools.partial(self._tiles, dtype=_TILE_DTYPES[path])
+
+    def _kind_paths(self) -> tuple[str, ...]:
+        """The paths of `KIND_PATHS` this layer has (none by default)."""
+        return ()
+
+    def _kind_path(self, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """(M, K) -> (M, N) along one of `_kind_paths()`, without the bias."""
+        raise WeightsError(f"{type(self).__name__} has no path {path!r}")
 
     def _tiles(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(M, K) -> (M, N): dequantize `tile` output rows at a time into a shared buffer of

@@ -1,0 +1,212 @@
+"""Compiled CPU kernels, built on first use: int4 weights times int8 activations.
+
+    packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
+    y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
+
+What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
+
+- the weight, per block b of 32 input columns of output row n: w = d[n, b] * q + m[n, b],
+  q in 0..15, d = scale and m = zero - 8 * scale (the same weight as `Int4Groups`'
+  (q - 8) * scale + zero, m rounded once to fp32); qs (N, K/2) uint8 holds a block's 32
+  nibbles in 16 bytes, element j in the low nibble of byte j, element j + 16 in its high one.
+- each row of x, per block of 32: dx = max|x| / 127, qx = round(x * (1 / dx)) in int8 (round
+  half to even), and sum(qx) kept per block (Q8_1).
+- y[r, n] = sum_b dx[r, b] * (d[n, b] * (q[n, b, :] . qx[r, b, :]) + m[n, b] * sum(qx[r, b]))
+  with the dot products in integers (AVX512-VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd) and
+  the rest in fp32, in an order fixed by K alone (`int4_dot.cpp`'s header).
+
+Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
+floating point; integer dot products multiply four int8 pairs per lane per instruction and read
+activations of a byte, so at decode (a few rows) the weight read can bound the time and at
+prefill the multiply is cheaper. The price is the activations' int8 rounding: each output
+moves by at most sum_b dx[r, b] / 2 * sum_j |w[n, b, j]| from x @ W.T (tested), as it does in
+llama.cpp. d and m are fp32 here, 0.75 bytes a weight in all against torch's 0.5625 (bf16
+scales and zeros): more to read at decode.
+
+Each output row depends only on its own row of x: the same instructions in the same order
+whatever M is, whichever rows share a tile and however N is split between threads (qinfer's
+batch invariance). The path (`paths()`: "vnni", "avx2", "scalar") is picked once per CPU, never
+per call; `path=` forces one (the tests compare them), and the paths round differently.
+
+The extension builds with the system C++ compiler and ninja into
+~/.cache/qinfer/extensions/<torch version>-<hash of the source and flags>, so it is rebuilt only
+when either changes; `available()` says why it cannot be used here (None when it can).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+_SOURCE = Path(__file__).with_name("int4_dot.cpp")
+_NAME = "qinfer_int4_dot"
+# -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
+# library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
+# kernel shares torch's thread pool and torch.set_num_threads.
+# -ffp-contract=off: no fused multiply-adds but the written ones, so the fp32 order in the
+# source is the order that runs.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
+BLOCK = 32  # input columns per weight / activation block
+# The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
+# resolution cost about 3 µs a call, a tenth of a small decode matmul.
+_int4_mm = None
+
+
+class Int4Groups(Protocol):
+    """What `pack_int4` reads (`qinfer.linear.int4.Int4Groups` is one; named by shape here,
+    so that the kernels import nothing of the layers that use them)."""
+
+    q: torch.Tensor  # (N, K) uint8, 0..15
+    scales: torch.Tensor  # (N, K / group) fp32
+    zeros: torch.Tensor  # (N, K / group) fp32
+
+    @property
+    def group_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """A weight for `int4_mm`: qs (N, K/2) uint8, d and m (N, K/32) fp32 (w = d q + m)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), as the weight's."""
+        return (self.qs.shape[0], 2 * self.qs.shape[1])
+
+
+def build_directory() -> Path:
+    """Where this source is built for this torch (the name changes with either)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode())
+    return (
+        Path.home()
+        / ".cache"
+        / "qinfer"
+        / "extensions"
+        / (f"{torch.__version__}-{digest.hexdigest()[:16]}")
+    )
+
+
+def on_x86() -> bool:
+    """Whether this machine is one the kernels are written for (x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def available() -> str | None:
+    """None if the kernels are loaded (building them the first time), else the one-line reason
+    they cannot be: not x86-64, no compiler or ninja, or the build failed."""
+    if not on_x86():
+        machine = platform.machine() or "unknown"
+        return f"the int4 dot kernels are x86-64 only, this machine is {machine}"
+    if not _SOURCE.is_file():  # an install that left the .cpp out of the package data
+        return f"the kernel source {_SOURCE} is not installed"
+    directory = build_directory()
+    built = directory / f"{_NAME}.so"
+    try:
+        # built before for this source, flags and torch (the directory's name says so):
+        # load it without cpp_extension, whose ninja check and imports take 0.2 s
+        torch.ops.load_library(str(built))
+    except OSError:  # not built yet, or an interrupted build left no loadable library
+        pass
+    else:
+        return _bind()
+    missing = _missing_tool()
+    if missing is not None:
+        return missing
+    from torch.utils import cpp_extension
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # is_python_module=False: a plain shared library whose TORCH_LIBRARY block registers
+        # torch.ops.qinfer.*, so no torch/extension.h and pybind11 (that header alone takes
+        # 35 s to compile on a 2-core EPYC, the four ATen headers the source needs 7.5 s)
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+            is_python_module=False,
+        )
+    except Exception as error:  # a compiler's or loader's message, many lines: keep the gist
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        gist = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+        return f"building {_SOURCE.name} failed ({type(error).__name__}: {gist[:200]})"
+    return _bind()
+
+
+def buildable() -> bool:
+    """Whether `available()` can be expected to load the kernels without building anything
+    first being known to fail: x86-64, the source installed, and the library built already
+    or a compiler and ninja at hand. Cheap (no build), for listing the paths a layer has."""
+    if not on_x86() or not _SOURCE.is_file():
+        return False
+    return (build_directory() / f"{_NAME}.so").is_file() or _missing_tool() is None
+
+
+def _missing_tool() -> str | None:
+    """Why the extension cannot be built here (no compiler, no ninja), or None."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) to build {_SOURCE.name}"
+    if not cpp_extension.is_ninja_available():
+        return f"no ninja to build {_SOURCE.name}"
+    return None
+
+
+def _bind() -> None:
+    global _int4_mm
+    _int4_mm = torch.ops.qinfer.int4_mm.default
+
+
+def _require() -> None:
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+def paths() -> tuple[str, ...]:
+    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni");
+    `int4_mm(path="auto")` takes the last."""
+    _require()
+    return tuple(torch.ops.qinfer.int4_paths().split(","))
+
+
+def pack_int4(groups: Int4Groups) -> PackedInt4:
+    """The kernel's layout of int4 groups of 32 (module docstring)."""
+    _require()
+    if groups.group_size != BLOCK:
+        raise ValueError(
+            f"pack_int4: the kernel takes int4 groups of {BLOCK}, got groups of {groups.group_size}"
+        )
+    qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
+    return PackedInt4(qs, d, m)
+
+
+def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
+    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32."""
+    if _int4_mm is None:
+        _require()
+    return _int4_mm(x, packed.qs, packed.d, packed.m, path)
+
+
+def quantize_q8_1(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:
+    """The activations as `int4_mm` quantizes them: qx (M, K) int8, dx (M, K/32) fp32 and
+    sum(qx) (M, K/32) int32, computed by the path's own code."""
+    _require()
+    return tuple(torch.ops.qinfer.quantize_q8_1(x, path))

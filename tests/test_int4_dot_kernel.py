@@ -1,0 +1,221 @@
+"""qinfer.kernels' int4 x int8 dot-product kernel: exact against a float64 reference built
+from the same quantized activations, within int8 rounding of F.linear, alike on every
+dispatch path this CPU runs, the same for a row whatever batch it is in, and one-line errors.
+
+The extension builds on first use (about 20 s, then cached); every test skips with the
+loader's reason where it cannot (no compiler, not x86-64, the build failed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qinfer import kernels
+from qinfer.linear import quantize_int4
+
+ALL_PATHS = ("scalar", "avx2", "vnni")
+# (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
+# a multiple of 16 (the kernel's column tiles of 16, 4 and 2 all get a tail)
+SHAPES = [(40, 32), (77, 576), (33, 96), (50, 1536), (19, 288)]
+FP32_UNIT = 2.0**-24  # fp32's unit roundoff
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(params=ALL_PATHS)
+def path(request, built) -> str:
+    if request.param not in kernels.paths():
+        pytest.skip(f"this CPU has no {request.param} path (it has {', '.join(kernels.paths())})")
+    return request.param
+
+
+def weight(n: int, k: int, seed: int = 0):
+    """Random int4 groups of 32, with rows of very different magnitude (and so scales)."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=generator) * 0.05
+    w *= torch.logspace(-2, 1, n)[torch.randperm(n, generator=generator)][:, None]
+    return quantize_int4(w, 32)
+
+
+def activations(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    """Gaussian rows with a few outlier columns, as real activations have."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator)
+    x[:, torch.randint(0, k, (max(1, k // 64),), generator=generator)] *= 20
+    return x.to(dtype)
+
+
+def kernel_weight(packed: kernels.PackedInt4, q: torch.Tensor) -> torch.Tensor:
+    """(N, K) float64: d * q + m, the weight the kernel multiplies by."""
+    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.m))
+    return d * q.double() + m
+
+
+def test_pack_layout(built) -> None:
+    groups = weight(24, 96)
+    packed = kernels.pack_int4(groups)
+    assert packed.shape == (24, 96)
+    blocks = packed.qs.view(24, 3, 16)
+    q = groups.q.view(24, 3, 32)
+    assert torch.equal(blocks & 15, q[..., :16])  # byte j: element j low, j + 16 high
+    assert torch.equal(blocks >> 4, q[..., 16:])
+    assert torch.equal(packed.d, groups.scales)
+    assert torch.equal(packed.m, groups.zeros - 8 * groups.scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_is_q8_1_on_every_path(built, dtype) -> None:
+    """Every path's quantizer gives the bits this torch computation gives: dx = amax / 127,
+    qx = round half to even of x * (1 / dx), and the block sums."""
+    x = activations(7, 288, dtype)
+    x[3, :32] = 0  # an all-zero block: dx = 0, qx = 0
+    blocks = x.float().view(7, -1, 32)
+    dx = blocks.abs().amax(-1) / 127
+    inverse = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    qx = torch.round(blocks * inverse[..., None]).to(torch.int8)
+    for name in kernels.paths():
+        got_qx, got_dx, got_sums = kernels.quantize_q8_1(x, name)
+        assert torch.equal(got_qx, qx.view(7, -1)), name
+        assert torch.equal(got_dx, dx), name
+        assert torch.equal(got_sums, qx.int().sum(-1)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_exact_from_the_same_quantized_activations(path, dtype, n, k) -> None:
+    """Against float64 from the kernel's own int8 activations: only fp32 rounding differs,
+    at most (blocks + 8) units in the last place of the sum of the terms' magnitudes."""
+    groups = weight(n, k)
+    packed = kernels.pack_int4(groups)
+    x = activations(6, k, dtype)
+    qx, dx, _ = kernels.quantize_q8_1(x, path)
+    xq = qx.double() * dx.double().repeat_interleave(32, 1)  # (M, K): dx * qx
+    w = kernel_weight(packed, groups.q)
+    reference = xq @ w.T
+    # every term of the kernel's sum, in magnitude: dx |qx| (d q + |m|)
+    magnitude = xq.abs() @ (w.abs() + packed.m.double().abs().repeat_interleave(32, 1)).T
+    y = kernels.int4_mm(x, packed, path)
+    assert y.dtype == torch.float32 and y.shape == (6, n)
+    bound = (k // 32 + 8) * 2 * FP32_UNIT * magnitude
+    assert ((y.double() - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_within_int8_rounding_of_float_linear(path, dtype, n, k) -> None:
+    """Against F.linear(x, W) with W the dequantized weight: rounding x to int8 moves each
+    element by at most dx / 2, so an output by at most sum_j dx_j / 2 |W[n, j]|; and a
+    little fp32 slack for the kernel's m = zero - 8 * scale and its fp32 sums."""
+    groups = weight(n, k)
+    packed = kernels.pack_int4(groups)
+    x = activations(6, k, dtype)
+    _, dx, _ = kernels.quantize_q8_1(x, path)
+    w = groups.dequantize().double()
+    reference = F.linear(x.double(), w)
+    rounding = 0.5 * dx.double().repeat_interleave(32, 1) @ w.abs().T
+    offsets = (8 * groups.scales.abs() + groups.zeros.abs()).double().repeat_interleave(32, 1)
+    slack = (k // 32 + 8) * 4 * FP32_UNIT * (x.double().abs() @ (w.abs() + offsets).T)
+    error = (kernels.int4_mm(x, packed, path).double() - reference).abs()
+    assert (error <= rounding + slack).all()
+    assert error.max() > 0  # the int8 activations do round (a vacuous bound would pass too)
+
+
+def test_paths_agree_to_rounding(built) -> None:
+    groups = weight(77, 1536)
+    packed = kernels.pack_int4(groups)
+    x = activations(9, 1536, torch.float32)
+    results = [kernels.int4_mm(x, packed, name) for name in kernels.paths()]
+    scale = results[0].abs().max()
+    for other in results[1:]:
+        assert (other - results[0]).abs().max() <= 1e-5 * scale
+    assert torch.equal(kernels.int4_mm(x, packed), results[-1])  # auto: the last path
+
+
+@pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])
+def test_a_row_is_the_same_in_any_batch(path, n, k) -> None:
+    """Row i of an M-row call equals the 1-row call of that row, bit for bit, for every M
+    up to 33 (row tiles of 4 and their remainders, column tiles that change with them), and
+    with 1 thread or all of them."""
+    groups = weight(n, k)
+    packed = kernels.pack_int4(groups)
+    x = activations(33, k, torch.float32)
+    alone = torch.cat([kernels.int4_mm(x[i : i + 1], packed, path) for i in range(33)])
+    for m in range(1, 34):
+        assert torch.equal(kernels.int4_mm(x[:m], packed, path), alone[:m]), f"M = {m}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = kernels.int4_mm(x, packed, path)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, alone)
+
+
+def test_empty_batch(built) -> None:
+    packed = kernels.pack_int4(weight(19, 64))
+    assert kernels.int4_mm(torch.empty(0, 64), packed).shape == (0, 19)
+
+
+def test_non_contiguous_activations(built) -> None:
+    packed = kernels.pack_int4(weight(40, 64))
+    x = activations(64, 5, torch.float32).T  # (5, 64), strided
+    assert torch.equal(kernels.int4_mm(x, packed), kernels.int4_mm(x.contiguous(), packed))
+
+
+def _error(call) -> str:
+    with pytest.raises(RuntimeError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message.strip(), message
+    return message
+
+
+def test_bad_inputs_name_the_tensor(built) -> None:
+    groups = weight(16, 64)
+    packed = kernels.pack_int4(groups)
+    qs, d, m = packed.qs, packed.d, packed.m
+    op = torch.ops.qinfer.int4_mm
+    x = torch.randn(2, 64)
+    assert "x must be torch.float32 or torch.bfloat16, got torch.float64" in _error(
+        lambda: kernels.int4_mm(x.double(), packed)
+    )
+    assert "x's K must be a positive multiple of 32, got shape (2, 40)" in _error(
+        lambda: kernels.int4_mm(torch.randn(2, 40), packed)
+    )
+    assert "x must be 2-D" in _error(lambda: kernels.int4_mm(torch.randn(64), packed))
+    assert "qs must have shape (16, 48)" in _error(
+        lambda: kernels.int4_mm(torch.randn(2, 96), packed)
+    )
+    assert "qs must be torch.uint8, got torch.int32" in _error(lambda: op(x, qs.int(), d, m))
+    assert "d must have shape (16, 2)" in _error(lambda: op(x, qs, d[:, :1], m))
+    assert "m must be torch.float32, got torch.bfloat16" in _error(
+        lambda: op(x, qs, d, m.bfloat16())
+    )
+    assert "path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
+        lambda: kernels.int4_mm(x, packed, "fast")
+    )
+    pack = torch.ops.qinfer.pack_int4
+    assert "q must be torch.uint8, got torch.int32" in _error(
+        lambda: pack(groups.q.int(), groups.scales, groups.zeros)
+    )
+    assert "q must hold values 0..15" in _error(
+        lambda: pack(groups.q | 16, groups.scales, groups.zeros)
+    )
+    assert "zeros must have shape (16, 2)" in _error(
+        lambda: pack(groups.q, groups.scales, groups.zeros[:8])
+    )
+    assert "q's K must be a positive multiple of 32" in _error(
+        lambda: pack(groups.q[:, :48], groups.scales, groups.zeros)
+    )
+
+
+def test_groups_of_other_sizes_are_refused(built) -> None:
+    with pytest.raises(ValueError, match="groups of 32, got groups of 64"):
+        kernels.pack_int4(quantize_int4(torch.randn(16, 128), 64))

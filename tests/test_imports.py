@@ -11,7 +11,8 @@ The layers, from the bottom (a unit is a subpackage or a module of the package's
     weights      checkpoint readers, family adapters (`models`)
     attention    attention arithmetic, its backends and their KV storage
     layers       norm, RoPE, MLP, MoE, the Attention layer (which calls a backend)
-    model        the Transformer and the batch it runs (`forward_batch`)
+    model        the Transformer and the batch it runs (`forward_batch`); images in
+                 (`vision`: decoding, patches, the vision towers)
     text         tokenizer, templates, prompts; model-level tools (tensor-parallel
                  bootstrap, inspection, perplexity, load messages)
     requests     per-request decoding: grammar, stop strings, scoring, tool calls, state
@@ -53,7 +54,7 @@ LAYERS = {
     "weights": {"weights", "models"},
     "attention": {"attention"},
     "layers": {"layers"},
-    "model": {"model", "forward_batch", "loading"},
+    "model": {"model", "forward_batch", "loading", "vision"},
     "text": {"text", "distributed", "inspection", "perplexity", "startup"},
     "requests": {"grammar", "stopping", "scoring", "tool_calls", "request_state"},
     "runtime": {"runtime"},

@@ -1,0 +1,64 @@
+"""A checkpoint's vision side: its vision tower's weights and its image settings.
+
+`load_vision_encoder(folder)` builds the tower of the config's `model_type` empty, then
+fills it through the weights seam (`qinfer.weights.load.load`), from the checkpoint's
+`visual.*` tensors; the text model's tensors are never read. `load_image_settings(folder)`
+reads `preprocessor_config.json`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qinfer.checkpoint import read_json_object
+from qinfer.errors import ConfigError
+from qinfer.vision.image import ImageSettings
+from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
+from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
+from qinfer.weights.load import load
+from qinfer.weights.safetensors import SafetensorsWeights
+
+#: model_type -> (its vision config, its encoder).
+ENCODERS = {
+    "qwen2_5_vl": (VisionConfig, Qwen2_5_VisionEncoder),
+    "qwen3_vl": (Qwen3VisionConfig, Qwen3_VisionEncoder),
+}
+
+#: Where checkpoints keep the tower (Qwen2.5-VL's original layout, Qwen3-VL's).
+PREFIXES = ("visual", "model.visual")
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def load_vision_encoder(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> Qwen2_5_VisionEncoder | Qwen3_VisionEncoder:
+    """The vision tower of a Hugging Face checkpoint folder, its weights in `dtype` on
+    `device` (see each encoder's `forward` for what it returns). A ConfigError names an unsupported model_type or a bad config field; a
+    WeightsError a missing or misshapen tensor."""
+    folder = Path(folder)
+    cfg = read_json_object(folder / "config.json", ConfigError)
+    model_type = cfg.get("model_type")
+    if model_type not in ENCODERS:
+        raise ConfigError(
+            f"{folder / 'config.json'}: model_type {model_type!r} has no vision encoder; "
+            f"supported: {', '.join(ENCODERS)}"
+        )
+    config_class, encoder_class = ENCODERS[model_type]
+    config = config_class.from_hf(cfg)  # its refusals before any file is opened
+    weights = SafetensorsWeights(folder, dtype, torch.device(device))
+    first = "patch_embed.proj.weight"
+    found = [p for p in PREFIXES if weights.has(f"{p}.{first}")]
+    # none found: the encoder's own prefix, under which the missing tensor is named
+    encoder = encoder_class(config, found[0]) if found else encoder_class(config)
+    return load(encoder, weights)
+
+
+def load_image_settings(folder: str | Path) -> ImageSettings:
+    """The image settings of a checkpoint folder's preprocessor_config.json."""
+    file = Path(folder) / PREPROCESSOR_FILE
+    if not file.is_file():
+        raise ConfigError(f"no {PREPROCESSOR_FILE} found in {folder}")
+    return ImageSettings.from_hf(read_json_object(file, ConfigError))

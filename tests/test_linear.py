@@ -226,25 +226,32 @@ def int8_dot_built() -> None:
         pytest.skip(reason)
 
 
+def dot_kernel_output(w, x: torch.Tensor) -> torch.Tensor:
+    """What the compiled kernel gives for `w`'s own weight (int4: its groups read back)."""
+    if isinstance(w, Int8Linear):
+        return kernels.int8_mm(x, w.q, w.scales.float())
+    return kernels.int4_mm(x, kernels.pack_int4(w.groups()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4/32"])
 @pytest.mark.parametrize("out", [48, 200])
-def test_int8_dot_multiplies_the_kernels_own_weight(int8_dot_built, out, dtype):
-    """The int8_dot path reads the weight back out of torch's packed layout: its output is
-    the compiled kernel's on the layer's own groups (bit for bit, plus the bias), and so
-    within the activations' int8 rounding of the dequantized weight (test_int4_dot_kernel
-    holds the kernel to that bound)."""
-    w = quantized("int4/32", out, dtype)
+def test_int8_dot_multiplies_the_kernels_own_weight(int8_dot_built, kind, out, dtype):
+    """The int8_dot path gives the compiled kernel's output on the layer's own weight (int8
+    rows as stored, int4 groups read back out of torch's packed layout), bit for bit plus
+    the bias, and so lies within the activations' int8 rounding of the dequantized weight
+    (test_int_dot_kernels holds the kernels to that bound)."""
+    w = quantized(kind, out, dtype)
     assert "int8_dot" in w.paths()
     w.use_paths("int8_dot", "int8_dot")
     x = activations(5, 256, dtype)
-    expected = kernels.int4_mm(x, kernels.pack_int4(w.groups())).to(dtype) + w.bias
-    assert torch.equal(w(x), expected)
+    assert torch.equal(w(x), dot_kernel_output(w, x).to(dtype) + w.bias)
     assert_matches_dequantized(w, x, tolerance=2e-2)
 
 
-def test_int8_dot_is_a_path_of_int4_groups_of_32_only(monkeypatch):
+def test_int8_dot_is_offered_where_the_kernels_take_the_weight(monkeypatch):
     assert "int8_dot" not in quantized("int4/128", 48, torch.bfloat16).paths()
-    assert "int8_dot" not in quantized("int8", 48, torch.bfloat16).paths()
+    assert "int8_dot" not in quantized("int8", 48, torch.bfloat16, columns=80).paths()
     monkeypatch.setattr(kernels, "buildable", lambda: False)  # no compiler, say
     assert quantized("int4/32", 48, torch.bfloat16).paths() == (
         "kernel",
@@ -253,17 +260,29 @@ def test_int8_dot_is_a_path_of_int4_groups_of_32_only(monkeypatch):
     )
 
 
+def test_a_kernel_that_cannot_be_built_is_one_error_at_the_first_call(monkeypatch):
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: "no C++ compiler (c++) to build int_dot.cpp")
+    w = quantized("int8", 48, torch.bfloat16)
+    w.use_paths("int8_dot", "kernel")
+    with pytest.raises(WeightsError) as error:
+        w(activations(1, 256, torch.bfloat16))
+    assert str(error.value) == (
+        "Int8Linear (48, 256) has no int8_dot path: no C++ compiler (c++) to build int_dot.cpp"
+    )
+
+
 def test_a_forced_kind_path_applies_to_the_layers_that_have_it(monkeypatch):
-    """QINFER_LINEAR_PATH=int8_dot on a model of int8 and int4 layers: the int4 groups of 32
-    take it, the int8 rows keep the rule's paths (no error: the path is not theirs)."""
+    """QINFER_LINEAR_PATH=decode=int8_dot on layers of which one (int4 groups of 128) lacks
+    it: the others take it, that one keeps the rule's path (no error: the path is not its)."""
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
     monkeypatch.setattr(kernels, "buildable", lambda: True)
-    layers = three_layers()
+    layers = torch.nn.ModuleList(
+        [quantized(kind, 48, torch.bfloat16) for kind in ("int8", "int4/32", "int4/128")]
+    )
     monkeypatch.setenv(choose.ENV, "decode=int8_dot")
     choose_paths(layers)
-    assert [layer.chosen for layer in layers] == [
-        {"decode": "kernel", "prefill": "fp32_tiles"}
-    ] * 2 + [{"decode": "int8_dot", "prefill": "fp32_tiles"}]
+    assert [layer.chosen["decode"] for layer in layers] == ["int8_dot", "int8_dot", "kernel"]
 
 
 def test_calls_up_to_decode_max_rows_take_the_decode_path():
@@ -374,6 +393,7 @@ def test_the_environment_overrides_the_rule(monkeypatch):
 
 
 def test_a_forced_path_a_layer_lacks_is_one_error(monkeypatch):
+    monkeypatch.setattr(kernels, "buildable", lambda: False)  # no int8_dot either
     layer = quantized("int8", 96, torch.float32)  # fp32 activations: no bf16 tiles
     monkeypatch.setenv(choose.ENV, "bf16_tiles")
     with pytest.raises(WeightsError) as error:

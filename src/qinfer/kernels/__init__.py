@@ -1,7 +1,8 @@
-"""Compiled CPU kernels, built on first use: int4 weights times int8 activations.
+"""Compiled CPU kernels, built on first use: int4 and int8 weights times int8 activations.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
+    y = int8_mm(x, q, scales)      # int8 rows q (N, K), fp32 scales (N,): ~ x @ (q * s).T
 
 What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 
@@ -13,7 +14,10 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
   half to even), and sum(qx) kept per block (Q8_1).
 - y[r, n] = sum_b dx[r, b] * (d[n, b] * (q[n, b, :] . qx[r, b, :]) + m[n, b] * sum(qx[r, b]))
   with the dot products in integers (AVX512-VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd) and
-  the rest in fp32, in an order fixed by K alone (`int4_dot.cpp`'s header).
+  the rest in fp32, in an order fixed by K alone (`int_dot.cpp`'s header).
+- int8 rows (`Int8Linear`'s q (N, K) and per-row scales, read where they are, no copy):
+  y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :]), the signed products as
+  llama.cpp's q8_0 dot takes them (|q| times qx with q's sign).
 
 Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
 floating point; integer dot products multiply four int8 pairs per lane per instruction and read
@@ -45,8 +49,8 @@ from typing import Protocol
 
 import torch
 
-_SOURCE = Path(__file__).with_name("int4_dot.cpp")
-_NAME = "qinfer_int4_dot"
+_SOURCE = Path(__file__).with_name("int_dot.cpp")
+_NAME = "qinfer_int_dot"
 # -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
 # library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
 # kernel shares torch's thread pool and torch.set_num_threads.
@@ -57,7 +61,7 @@ _LDFLAGS = ["-fopenmp"]
 BLOCK = 32  # input columns per weight / activation block
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
-_int4_mm = None
+_int4_mm = _int8_mm = None
 
 
 class Int4Groups(Protocol):
@@ -170,8 +174,9 @@ def _missing_tool() -> str | None:
 
 
 def _bind() -> None:
-    global _int4_mm
+    global _int4_mm, _int8_mm
     _int4_mm = torch.ops.qinfer.int4_mm.default
+    _int8_mm = torch.ops.qinfer.int8_mm.default
 
 
 def _require() -> None:
@@ -203,6 +208,17 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
     if _int4_mm is None:
         _require()
     return _int4_mm(x, packed.qs, packed.d, packed.m, path)
+
+
+def int8_mm(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str = "auto"
+) -> torch.Tensor:
+    """(M, K) fp32 or bf16 times int8 rows q (N, K) with one fp32 scale per row (N,),
+    transposed -> (M, N) fp32: scales[n] * sum_b dx[r, b] (q[n, b] . qx[r, b]), the
+    activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's q8_0 dot)."""
+    if _int8_mm is None:
+        _require()
+    return _int8_mm(x, q, scales, path)
 
 
 def quantize_q8_1(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:

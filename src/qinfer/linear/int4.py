@@ -16,13 +16,14 @@ layout (`_unpack_cpu`), so a weight is held once, packed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from qinfer import kernels
 from qinfer.errors import WeightsError
-from qinfer.linear.paths import INT8_DOT, QuantizedLinear, scratch
+from qinfer.linear.paths import QuantizedLinear, scratch
 
 #: Group sizes torch's int4 kernels accept.
 GROUP_SIZES = (32, 64, 128, 256)
@@ -108,8 +109,6 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
         self.register_buffer("packed", _pack(q))
         self.register_buffer("bias", bias)
-        # int8_dot's copy of the weight in the kernel's layout, made at its first call
-        self._dot_weight: kernels.PackedInt4 | None = None
         self._init_paths()
 
     @property
@@ -138,25 +137,14 @@ class Int4Linear(QuantizedLinear):
     def _tiles_supported(self) -> bool:
         return self.device.type == "cpu" and _cpu_block_rows() is not None
 
-    def _kind_paths(self) -> tuple[str, ...]:
-        """int8_dot where the weight can be read back (the CPU layout) in groups of the
-        kernel's block and the kernel can be built (it is, at its first call)."""
-        readable = self._tiles_supported() and self.group_size == kernels.BLOCK
-        return (INT8_DOT,) if readable and kernels.buildable() else ()
+    def _dot_supported(self) -> bool:
+        """The weight can be read back (the CPU layout) in groups of the kernel's block."""
+        return self._tiles_supported() and self.group_size == kernels.BLOCK
 
-    def _kind_path(self, path: str):
-        return self._int8_dot
-
-    def _int8_dot(self, flat: torch.Tensor) -> torch.Tensor:
-        """(M, K) -> (M, N) through `qinfer.kernels.int4_mm` (activations rounded to int8
-        per block of 32), on a copy of the weight in the kernel's layout made at the first
-        call (the same q, scales and zeros as the kernel's, read back)."""
-        if self._dot_weight is None:
-            reason = kernels.available()
-            if reason is not None:
-                raise WeightsError(f"Int4Linear {self.shape_key()}: no int8_dot path: {reason}")
-            self._dot_weight = kernels.pack_int4(self.groups())
-        return kernels.int4_mm(flat, self._dot_weight).to(flat.dtype)
+    def _dot_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`kernels.int4_mm` on a copy of the weight in its layout (the same q, scales and
+        zeros as torch's kernel multiplies, read back)."""
+        return functools.partial(kernels.int4_mm, packed=kernels.pack_int4(self.groups()))
 
     def groups(self) -> Int4Groups:
         """The weight as `Int4Groups` (q read back out of the CPU packed layout, scales and

@@ -10,11 +10,14 @@ the whole weight at each call (correct, not a fast path).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.linear.paths import QuantizedLinear, scratch
 
 
@@ -76,6 +79,13 @@ class Int8Linear(QuantizedLinear):
 
     def _tiles_supported(self) -> bool:
         return True
+
+    def _dot_supported(self) -> bool:
+        return self.device.type == "cpu" and self.in_features % kernels.BLOCK == 0
+
+    def _dot_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`kernels.int8_mm` on q as it is, with an fp32 copy of the scales (exact)."""
+        return functools.partial(kernels.int8_mm, q=self.q, scales=self.scales.float())
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         out = scratch((stop - start) * self.in_features, dtype, self.q.device)

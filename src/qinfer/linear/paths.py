@@ -10,11 +10,12 @@ A quantized Linear (int8 rows, int4 groups) can run a call in several ways ("pat
   rounded back): the fast prefill path on CPUs whose bf16 GEMM is slow (AVX2 only).
 - `bf16_tiles`: the same into a bf16 buffer with a bf16 GEMM: the fast prefill path where
   bf16 GEMMs are fast (AVX512-BF16, AMX).
-- `int8_dot` (int4 groups of 32 on x86 CPUs only: a kind's own path): the compiled kernel
-  of `qinfer.kernels`, activations rounded to int8 per block of 32 and multiplied in
-  integer dot products, as llama.cpp multiplies Q4 weights. Never the rule's choice yet
-  (forced only: `QINFER_LINEAR_PATH=int8_dot`); it packs a second copy of the weight at
-  its first call.
+- `int8_dot` (x86 CPUs with a C++ compiler; int8 rows, and int4 groups of 32: a kind's own
+  path): the compiled kernels of `qinfer.kernels`, activations rounded to int8 per block of
+  32 and multiplied in integer dot products, as llama.cpp multiplies Q4 and Q8 weights. Never
+  the rule's choice yet (forced only: `QINFER_LINEAR_PATH=int8_dot`). At its first call it
+  builds the kernels if need be and takes the kernel's view of the weight: int8 rows as they
+  are (and fp32 scales), int4 groups as a second, repacked copy.
 
 Which path a layer takes is set per row bucket (`DECODE_MAX_ROWS` rows or fewer: the decode
 choice; more: the prefill choice) by `qinfer.linear.choose`'s rule; a call costs one
@@ -34,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.errors import WeightsError
 from qinfer.linear.base import Linear
 
@@ -81,6 +83,8 @@ class QuantizedLinear(Linear):
         self._decode: Callable[[torch.Tensor], torch.Tensor] = self._kernel
         self._prefill: Callable[[torch.Tensor], torch.Tensor] = self._kernel
         self.chosen = {bucket: KERNEL for bucket in BUCKETS}
+        # int8_dot's kernel bound to its view of the weight, made at its first call
+        self._bound_dot: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K): the kernels take 2-D activations
@@ -107,11 +111,13 @@ class QuantizedLinear(Linear):
     def paths(self) -> tuple[str, ...]:
         """The paths this layer can take on its device (the kernel always; bf16 tiles only
         for bf16 activations: they would round an fp32 model's weights and activations;
-        then the kind's own, `_kind_paths`)."""
+        int8_dot where the kind can hand the compiled kernels its weight and they can be
+        built here)."""
+        dot = (INT8_DOT,) if self._dot_supported() and kernels.buildable() else ()
         if not self._tiles_supported():
-            return (KERNEL, *self._kind_paths())
+            return (KERNEL, *dot)
         tiles = (FP32_TILES, BF16_TILES) if self.dtype == torch.bfloat16 else (FP32_TILES,)
-        return (KERNEL, *tiles, *self._kind_paths())
+        return (KERNEL, *tiles, *dot)
 
     def use_paths(self, decode: str, prefill: str) -> None:
         """Take `decode` for calls of up to DECODE_MAX_ROWS rows and `prefill` above."""
@@ -135,17 +141,29 @@ class QuantizedLinear(Linear):
     def _path(self, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
         if path == KERNEL:
             return self._kernel
-        if path in KIND_PATHS:
-            return self._kind_path(path)
+        if path == INT8_DOT:
+            return self._int8_dot
         return functools.partial(self._tiles, dtype=_TILE_DTYPES[path])
 
-    def _kind_paths(self) -> tuple[str, ...]:
-        """The paths of `KIND_PATHS` this layer has (none by default)."""
-        return ()
+    def _int8_dot(self, flat: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, N) through the compiled int8-activation kernel (`qinfer.kernels`),
+        bound to the weight at the first call (the build, if any, then: one line if it fails)."""
+        if self._bound_dot is None:
+            reason = kernels.available()
+            if reason is not None:
+                raise WeightsError(
+                    f"{type(self).__name__} {tuple(self.shape_key())} has no int8_dot path: {reason}"
+                )
+            self._bound_dot = self._dot_kernel()
+        return self._bound_dot(flat).to(flat.dtype)
 
-    def _kind_path(self, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """(M, K) -> (M, N) along one of `_kind_paths()`, without the bias."""
-        raise WeightsError(f"{type(self).__name__} has no path {path!r}")
+    def _dot_supported(self) -> bool:
+        """Whether `_dot_kernel` can bind this layer's weight (none by default)."""
+        return False
+
+    def _dot_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """(M, K) -> (M, N) fp32: a `qinfer.kernels` op bound to this layer's weight."""
+        raise WeightsError(f"{type(self).__name__} has no int8_dot path")
 
     def _tiles(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(M, K) -> (M, N): dequantize `tile` output rows at a time into a shared buffer of

@@ -1,5 +1,6 @@
-// int4 weights x int8 activations on integer dot products, the way llama.cpp multiplies
-// Q4_1 weights by Q8_1 activations. See qinfer/kernels/__init__.py for what it computes.
+// int4 and int8 weights x int8 activations on integer dot products, the way llama.cpp
+// multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0. See qinfer/kernels/__init__.py
+// for what it computes; the int8 rows' kernel is described above its tiles (Weights8).
 //
 // Layouts (all row-major, contiguous):
 //   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds
@@ -63,21 +64,21 @@ bool cpu_has_vnni() {
 
 // "auto" is the best path this CPU has; the same for every call, whatever M is, so that the
 // rounding (which differs between paths) never depends on the batch.
-Path resolve_path(const std::string& name) {
+Path resolve_path(const char* op, const std::string& name) {
   if (name == "auto") {
     return cpu_has_vnni() ? Path::Vnni : cpu_has_avx2() ? Path::Avx2 : Path::Scalar;
   }
   if (name == "scalar") return Path::Scalar;
   if (name == "avx2") {
-    TORCH_CHECK(cpu_has_avx2(), "int4_mm: path 'avx2' needs AVX2 and FMA, which this CPU lacks");
+    TORCH_CHECK(cpu_has_avx2(), op, ": path 'avx2' needs AVX2 and FMA, which this CPU lacks");
     return Path::Avx2;
   }
   if (name == "vnni") {
     TORCH_CHECK(cpu_has_vnni(),
-                "int4_mm: path 'vnni' needs AVX512 F/BW/VL/DQ and VNNI, which this CPU lacks");
+                op, ": path 'vnni' needs AVX512 F/BW/VL/DQ and VNNI, which this CPU lacks");
     return Path::Vnni;
   }
-  TORCH_CHECK(false, "int4_mm: path must be auto, scalar, avx2 or vnni, got '", name, "'");
+  TORCH_CHECK(false, op, ": path must be auto, scalar, avx2 or vnni, got '", name, "'");
   return Path::Scalar;
 }
 
@@ -104,8 +105,11 @@ struct Act {
   float* row_s(int64_t r) const { return s + r * nbs; }
 };
 
-// Where element j (0..31) of block b lands in a row's qx (the weight pair's unpacked order).
+// Where element j (0..31) of block b lands in a row's qx: the int4 weight pair's unpacked
+// order, or (Natural, for int8 weights, read as they are stored) the row's own order.
+template <bool Natural = false>
 inline int64_t qx_pos(int64_t b, int64_t j) {
+  if constexpr (Natural) return b * kBlock + j;
   return (b >> 1) * 64 + (j >= 16 ? 32 : 0) + (b & 1) * 16 + (j & 15);
 }
 
@@ -140,11 +144,16 @@ inline void store_block(const Act& a, int64_t r, int64_t b, float dx, int32_t su
 
 // Zeros what a row holds beyond its nb blocks: the second block of an odd last pair (a
 // kernel reads the whole pair) and s up to nbs. The buffers are reused between calls.
+template <bool Natural>
 inline void pad_row(const Act& a, int64_t r) {
   if (a.nb & 1) {
     int8_t* q = a.row_qx(r) + (a.np - 1) * 64;
-    std::memset(q + 16, 0, 16);
-    std::memset(q + 48, 0, 16);
+    if constexpr (Natural) {
+      std::memset(q + 32, 0, 32);
+    } else {
+      std::memset(q + 16, 0, 16);
+      std::memset(q + 48, 0, 16);
+    }
     float* dx8 = a.row_dx8(r) + (a.np - 1) * 8 + 4;
     for (int i = 0; i < 4; ++i) dx8[i] = 0.0f;
   }
@@ -160,7 +169,7 @@ inline float load_scalar(const T* x, int64_t i) {
   }
 }
 
-template <typename T>
+template <bool Natural, typename T>
 void quantize_row_scalar(const T* x, const Act& a, int64_t r, float* dx_out, int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -174,12 +183,12 @@ void quantize_row_scalar(const T* x, const Act& a, int64_t r, float* dx_out, int
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       int32_t q = round_ss(load_scalar(x, b * kBlock + j) * id);
-      qx[qx_pos(b, j)] = static_cast<int8_t>(q);
+      qx[qx_pos<Natural>(b, j)] = static_cast<int8_t>(q);
       sum += static_cast<int8_t>(q);
     }
     store_block(a, r, b, dx, sum, dx_out, sum_out);
   }
-  pad_row(a, r);
+  pad_row<Natural>(a, r);
 }
 
 template <typename T>
@@ -192,7 +201,7 @@ QINFER_AVX2 inline __m256 load8_avx2(const T* x) {
   }
 }
 
-template <typename T>
+template <bool Natural, typename T>
 QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* dx_out,
                                    int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
@@ -222,12 +231,13 @@ QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* d
     __m256i p23 = _mm256_packs_epi32(q[2], q[3]);
     __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 0)), _mm256_castsi256_si128(bytes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 16)),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 0)),
+                     _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 16)),
                      _mm256_extracti128_si256(bytes, 1));
     store_block(a, r, b, dx, _mm_cvtsi128_si32(t), dx_out, sum_out);
   }
-  pad_row(a, r);
+  pad_row<Natural>(a, r);
 }
 
 template <typename T>
@@ -240,7 +250,7 @@ QINFER_VNNI inline __m512 load16_avx512(const T* x) {
   }
 }
 
-template <typename T>
+template <bool Natural, typename T>
 QINFER_VNNI void quantize_row_avx512(const T* x, const Act& a, int64_t r, float* dx_out,
                                      int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
@@ -253,17 +263,20 @@ QINFER_VNNI void quantize_row_avx512(const T* x, const Act& a, int64_t r, float*
     const __m512 vid = _mm512_set1_ps(id);
     __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
     __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 0)), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 16)), _mm512_cvtepi32_epi8(qhi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 0)),
+                     _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 16)),
+                     _mm512_cvtepi32_epi8(qhi));
     int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     store_block(a, r, b, dx, sum, dx_out, sum_out);
   }
-  pad_row(a, r);
+  pad_row<Natural>(a, r);
 }
 
-// Quantizes rows of x (M, K) into `a` with the path's own ISA, in parallel over rows.
-// dx_out / sum_out (M, nb), natural order, are optional (the test's reference reads them).
-template <typename T>
+// Quantizes rows of x (M, K) into `a` with the path's own ISA, in parallel over rows, qx in
+// the int4 pair order or (Natural) the row's. dx_out / sum_out (M, nb), natural order, are
+// optional (the test's reference reads them).
+template <bool Natural, typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Path path, float* dx_out,
                    int32_t* sum_out) {
   const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -273,11 +286,11 @@ void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Path path, fl
       float* dxr = dx_out ? dx_out + r * a.nb : nullptr;
       int32_t* sr = sum_out ? sum_out + r * a.nb : nullptr;
       if (path == Path::Vnni) {
-        quantize_row_avx512(xr, a, r, dxr, sr);
+        quantize_row_avx512<Natural>(xr, a, r, dxr, sr);
       } else if (path == Path::Avx2) {
-        quantize_row_avx2(xr, a, r, dxr, sr);
+        quantize_row_avx2<Natural>(xr, a, r, dxr, sr);
       } else {
-        quantize_row_scalar(xr, a, r, dxr, sr);
+        quantize_row_scalar<Natural>(xr, a, r, dxr, sr);
       }
     }
   });
@@ -522,6 +535,140 @@ void dot_scalar(const Weights& w, int64_t n, const Act& a, int64_t r, float* out
   out[r * ldo + n] = acc;
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 weights (N, K) as stored, one scale per output row: y[r, n] = scale[n] * sum_b dx[r, b]
+// * (q[n, b, :] . qx[r, b, :]), the activations in the row's own order (`qx_pos<true>`).
+// The signed x signed products take llama.cpp's q8_0 trick: |w| (unsigned) times x with w's
+// sign, so that VNNI's u8 x s8 dpbusd and AVX2's maddubs (127 * 128 * 2 < 2^15: no
+// saturation) serve. Per output: acc (lanes) += float(dot lanes) * dx lanes, pair by pair;
+// out = horizontal sum of acc (a fixed tree) times the row's scale.
+// ---------------------------------------------------------------------------------------
+
+struct Weights8 {
+  const int8_t* q;     // (N, K)
+  const float* scale;  // (N,)
+  int64_t nb;
+};
+
+template <int R, int C>
+QINFER_VNNI void tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
+  // a pair's 64 bytes are block 2p (lanes 0-7) then 2p + 1 (lanes 8-15); dx8 holds their
+  // scales four times each
+  const __m512i pair_lanes = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i zero = _mm512_setzero_si512();
+  const int8_t* q[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
+  const int8_t* qx[R];
+  const float* dx8[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    qx[i] = a.row_qx(r0 + i);
+    dx8[i] = a.row_dx8(r0 + i);
+  }
+  __m512 acc[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512i x[R];
+    __m512 dx[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      x[i] = _mm512_loadu_si512(qx[i] + p * 64);
+      dx[i] = _mm512_permutexvar_ps(pair_lanes,
+                                    _mm512_castps256_ps512(_mm256_loadu_ps(dx8[i] + p * 8)));
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetch), _MM_HINT_T0);
+      // an odd last block: read only its own 32 bytes (the next row may not exist)
+      const __m512i wq = p < full ? _mm512_loadu_si512(q[c] + p * 64)
+                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q[c] + p * 64);
+      const __m512i magnitude = _mm512_abs_epi8(wq);
+      const __mmask64 negative = _mm512_movepi8_mask(wq);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512i signed_x = _mm512_mask_sub_epi8(x[i], negative, zero, x[i]);
+        const __m512i dot = _mm512_dpbusd_epi32(zero, magnitude, signed_x);
+        acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx[i], acc[c][i]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]) * w.scale[n0 + c];
+}
+
+template <int R, int C>
+QINFER_AVX2 void tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* q[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
+  const int8_t* qx[R];
+  const float* dx8[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    qx[i] = a.row_qx(r0 + i);
+    dx8[i] = a.row_dx8(r0 + i);
+  }
+  __m256 acc[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetch), _MM_HINT_T0);
+      __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
+      wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64));
+      wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64 + 32))
+                       : _mm256_setzero_si256();
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i x =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[i] + p * 64 + 32 * h));
+          const __m256i s16 =
+              _mm256_maddubs_epi16(_mm256_abs_epi8(wq[h]), _mm256_sign_epi8(x, wq[h]));
+          const __m256i dot = _mm256_madd_epi16(s16, ones);
+          acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_broadcast_ss(dx8[i] + p * 8 + 4 * h), acc[c][i]);
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]) * w.scale[n0 + c];
+}
+
+void dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = w.nb * kBlock;
+  const int8_t* q = w.q + n * K;
+  const int8_t* qx = a.row_qx(r);
+  const float* dx8 = a.row_dx8(r);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < kBlock; ++j) dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
+    acc += static_cast<float>(dot) * dx8[(b >> 1) * 8 + (b & 1) * 4];
+  }
+  out[r * ldo + n] = acc * w.scale[n];
+}
+
 // Rows per tile: one unpacked weight pair serves up to this many rows.
 constexpr int kRows = 4;
 // Columns per task step: their weights (cols * K/2 bytes + scales) stay in L1/L2 while
@@ -533,8 +680,8 @@ constexpr int64_t kCols = 16;
 // fast from memory (4 rows read K/2 bytes apart), and a decode step's weights come from
 // memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in VNNI's 32
 // registers); AVX2's 16 registers take one column.
-template <int R>
-QINFER_VNNI void columns_vnni(const Weights& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W>
+QINFER_VNNI void columns_vnni(const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
                               float* out, int64_t ldo) {
   constexpr int C = R == 1 ? 1 : 2;
   int64_t n = n0;
@@ -544,14 +691,14 @@ QINFER_VNNI void columns_vnni(const Weights& w, int64_t n0, int64_t n1, const Ac
   }
 }
 
-template <int R>
-QINFER_AVX2 void columns_avx2(const Weights& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W>
+QINFER_AVX2 void columns_avx2(const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
                               float* out, int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) tile_avx2<R, 1>(w, n, a, r0, out, ldo);
 }
 
-template <int R>
-void columns(Path path, const Weights& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W>
+void columns(Path path, const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
              float* out, int64_t ldo) {
   if (path == Path::Vnni) {
     columns_vnni<R>(w, n0, n1, a, r0, out, ldo);
@@ -560,7 +707,9 @@ void columns(Path path, const Weights& w, int64_t n0, int64_t n1, const Act& a, 
   }
 }
 
-void matmul(Path path, const Weights& w, int64_t N, int64_t M, const Act& a, float* out) {
+// W: `Weights` (int4 pairs) or `Weights8` (int8 rows); its tiles and dot_scalar overloads.
+template <typename W>
+void matmul(Path path, const W& w, int64_t N, int64_t M, const Act& a, float* out) {
   const int64_t K = w.nb * kBlock;
   // enough columns per task that the pool's wake-up is paid for (it changes which thread
   // computes a column, never how)
@@ -629,6 +778,19 @@ void check_x(const char* op, const at::Tensor& x) {
               ": x's K must be a positive multiple of 32, got shape ", shape_of(x));
 }
 
+// x (M, K) contiguous fp32 or bf16 into `a` (qx in int4 pair order, or Natural's).
+template <bool Natural = false>
+void quantize(const at::Tensor& x, const Act& a, Path path, float* dx_out = nullptr,
+              int32_t* sum_out = nullptr) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows<Natural>(x.data_ptr<float>(), M, K, a, path, dx_out, sum_out);
+  } else {
+    quantize_rows<Natural>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a,
+                           path, dx_out, sum_out);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
                                                          const at::Tensor& scales_in,
                                                          const at::Tensor& zeros_in) {
@@ -669,19 +831,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_1(const at::Tensor& x_in,
                                                              const std::string& path_name_in) {
   check_x("quantize_q8_1", x_in);
-  const Path path = resolve_path(path_name_in);
+  const Path path = resolve_path("quantize_q8_1", path_name_in);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   ActStorage storage;
   Act a = storage.make(M, K);
   at::Tensor dx = at::empty({M, nb}, x.options().dtype(at::kFloat));
   at::Tensor sums = at::empty({M, nb}, x.options().dtype(at::kInt));
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), M, K, a, path, dx.data_ptr<float>(), sums.data_ptr<int32_t>());
-  } else {
-    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a, path,
-                  dx.data_ptr<float>(), sums.data_ptr<int32_t>());
-  }
+  quantize(x, a, path, dx.data_ptr<float>(), sums.data_ptr<int32_t>());
   at::Tensor qx = at::empty({M, K}, x.options().dtype(at::kChar));
   int8_t* qp = qx.data_ptr<int8_t>();
   for (int64_t r = 0; r < M; ++r)
@@ -700,20 +857,38 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
   check_tensor("int4_mm", "qs", qs_in, at::kByte, N, K / 2, "(N, K/2) for " + k);
   check_tensor("int4_mm", "d", d_in, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
   check_tensor("int4_mm", "m", m_in, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
-  const Path path = resolve_path(path_name_in);
+  const Path path = resolve_path("int4_mm", path_name_in);
   const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous(),
                    m = m_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   static thread_local ActStorage storage;
   Act a = storage.make(M, K);
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), M, K, a, path, nullptr, nullptr);
-  } else {
-    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a, path,
-                  nullptr, nullptr);
-  }
+  quantize(x, a, path);
   const Weights w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), nb};
+  matmul(path, w, N, M, a, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in,
+                   const std::string& path_name_in) {
+  check_x("int8_mm", x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_of(q_in));
+  const int64_t N = q_in.size(0);
+  check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
+  TORCH_CHECK(scales_in.scalar_type() == at::kFloat, "int8_mm: scales must be torch.float32, got ",
+              dtype_name(scales_in.scalar_type()));
+  TORCH_CHECK(scales_in.dim() == 1 && scales_in.size(0) == N, "int8_mm: scales must have shape (",
+              N, ",) for q's N, got ", shape_of(scales_in));
+  const Path path = resolve_path("int8_mm", path_name_in);
+  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  static thread_local ActStorage storage;
+  Act a = storage.make(M, K);
+  quantize<true>(x, a, path);
+  const Weights8 w{q.data_ptr<int8_t>(), sc.data_ptr<float>(), K / kBlock};
   matmul(path, w, N, M, a, out.data_ptr<float>());
   return out;
 }
@@ -725,5 +900,6 @@ TORCH_LIBRARY(qinfer, lib) {
           &pack_int4);
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)", &quantize_q8_1);
   lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor", &int4_mm);
+  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor", &int8_mm);
   lib.def("int4_paths() -> str", &paths_here);
 }

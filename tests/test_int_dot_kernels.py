@@ -139,6 +139,20 @@ def test_paths_agree_to_rounding(built) -> None:
     assert torch.equal(kernels.int4_mm(x, packed), results[-1])  # auto: the last path
 
 
+@pytest.mark.parametrize(("cap", "expected"), [("avx2", "avx2"), ("default", "scalar"), ("", None)])
+def test_auto_follows_torchs_cap_on_its_own_kernels(built, monkeypatch, cap, expected) -> None:
+    """ATEN_CPU_CAPABILITY emulates a smaller CPU for torch's kernels, and so for these:
+    an emulated AVX2 machine rounds as a real one does."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+    kernels.auto_path.cache_clear()
+    try:
+        if expected is not None and expected not in kernels.paths():
+            pytest.skip(f"this CPU has no {expected} path")
+        assert kernels.auto_path() == (expected or kernels.paths()[-1])
+    finally:
+        kernels.auto_path.cache_clear()
+
+
 @pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])
 def test_a_row_is_the_same_in_any_batch(path, n, k) -> None:
     """Row i of an M-row call equals the 1-row call of that row, bit for bit, for every M

@@ -388,7 +388,7 @@ def test_the_environment_overrides_the_rule(monkeypatch):
         choose_paths(layers)
     assert str(error.value) == (
         "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles, "
-        "int8_dot) or decode=PATH,prefill=PATH"
+        "int8_dot) or decode=PATH,prefill=PATH[,head=PATH] (head: kernel or int8_dot)"
     )
 
 
@@ -434,6 +434,8 @@ def test_a_bf16_head_gives_each_row_its_top_logits_as_fp32_computes_them(kind):
     """The kernel rounds logits to bf16 (0.125 apart near 25); the 16 highest of each row
     are recomputed from the fp32 input and the exact weight: fp64 sums rounded to fp32."""
     head = head_kinds()[kind]
+    if kind != "dense":
+        head.use_head_path("kernel")
     x = torch.randn(5, 256) * 3
     got = head.logits(x, torch.bfloat16)
     weight = head.rows(torch.arange(1000)).double()  # as stored, exact in fp32
@@ -444,11 +446,55 @@ def test_a_bf16_head_gives_each_row_its_top_logits_as_fp32_computes_them(kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4/32"])
-def test_a_quantized_head_gives_a_row_the_same_logits_in_any_batch(kind):
-    """Even where its other calls of over 16 rows take tiles (whose GEMM blocks by rows):
-    the head's first pass is its kernel at every row count."""
+def test_an_int8_dot_head_gives_each_row_its_top_logits_as_fp32_computes_them(int8_dot_built, kind):
+    """The compiled kernel takes the fp32 input and writes fp32, its activations rounded
+    to int8: the 16 highest of each row are still recomputed exactly, the rest lie within
+    the int8 rounding (half a step of each block of 32, test_int_dot_kernels' bound)."""
     head = head_kinds()[kind]
+    head.use_head_path("int8_dot")
+    x = torch.randn(5, 256) * 3
+    got = head.logits(x, torch.bfloat16)
+    weight = head.rows(torch.arange(1000)).double()
+    exact = (x.double() @ weight.T).float()
+    top = exact.topk(8, dim=-1).indices
+    assert torch.equal(got.gather(1, top), exact.gather(1, top))
+    _, dx, _ = kernels.quantize_q8_1(x)
+    rounding = 0.5 * dx.double().repeat_interleave(32, 1) @ weight.abs().T
+    assert ((got.double() - exact.double()).abs() <= rounding + 1e-4).all()
+
+
+def test_a_quantized_head_keeps_its_kernel_unless_int8_dot_is_forced(monkeypatch):
+    """int8_dot is faster at the head but moves the KL divergence (rule_head_path): the rule
+    keeps torch's kernel; QINFER_LINEAR_PATH=head=int8_dot (or int8_dot for all) takes it."""
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    layers = three_layers()
+    monkeypatch.delenv(choose.ENV, raising=False)
+    choose_paths(layers)
+    assert [layer.head_path for layer in layers] == ["kernel"] * 3
+    for forced in ("head=int8_dot", "int8_dot"):
+        monkeypatch.setenv(choose.ENV, forced)
+        choose_paths(layers)
+        assert [layer.head_path for layer in layers] == ["int8_dot"] * 3
+    monkeypatch.setenv(choose.ENV, "bf16_tiles")  # a tile path is no head path: the rule's
+    choose_paths(layers)
+    assert [layer.head_path for layer in layers] == ["kernel"] * 3
+    monkeypatch.setenv(choose.ENV, "head=bf16_tiles")
+    with pytest.raises(ConfigError, match="head: kernel or int8_dot"):
+        choose_paths(layers)
+    with pytest.raises(WeightsError, match="has no head path 'bf16_tiles'"):
+        layers[0].use_head_path("bf16_tiles")
+
+
+@pytest.mark.parametrize("head_path", ["kernel", "int8_dot"])
+@pytest.mark.parametrize("kind", ["int8", "int4/32"])
+def test_a_quantized_head_gives_a_row_the_same_logits_in_any_batch(kind, head_path):
+    """Even where its other calls of over 16 rows take tiles (whose GEMM blocks by rows):
+    the head's first pass takes its head path (the kernel, or int8_dot) at every row count."""
+    head = head_kinds()[kind]
+    if head_path not in head.paths():
+        pytest.skip(f"no {head_path} path here")
     head.use_paths("kernel", "bf16_tiles")
+    head.use_head_path(head_path)
     x = torch.randn(40, 256)
     alone = torch.cat([head.logits(x[i : i + 1], torch.bfloat16) for i in range(len(x))])
     for rows in (1, 5, 17, 40):

@@ -29,8 +29,9 @@ scales and zeros): more to read at decode.
 
 Each output row depends only on its own row of x: the same instructions in the same order
 whatever M is, whichever rows share a tile and however N is split between threads (qinfer's
-batch invariance). The path (`paths()`: "vnni", "avx2", "scalar") is picked once per CPU, never
-per call; `path=` forces one (the tests compare them), and the paths round differently.
+batch invariance). The path (`paths()`: "vnni", "avx2", "scalar") is picked once per CPU
+(`auto_path`), never per call; `path=` forces one (the tests compare them), and the paths
+round differently.
 
 The extension builds with the system C++ compiler and ninja into
 ~/.cache/qinfer/extensions/<torch version>-<hash of the source and flags>, so it is rebuilt only
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -161,6 +163,7 @@ def buildable() -> bool:
     return (build_directory() / f"{_NAME}.so").is_file() or _missing_tool() is None
 
 
+@functools.cache
 def _missing_tool() -> str | None:
     """Why the extension cannot be built here (no compiler, no ninja), or None."""
     from torch.utils import cpp_extension
@@ -186,10 +189,23 @@ def _require() -> None:
 
 
 def paths() -> tuple[str, ...]:
-    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni");
-    `int4_mm(path="auto")` takes the last."""
+    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni")."""
     _require()
     return tuple(torch.ops.qinfer.int4_paths().split(","))
+
+
+#: ATEN_CPU_CAPABILITY (torch's cap on its own CPU kernels, which emulates a smaller CPU) ->
+#: the fastest path it allows.
+_CAPS = {"default": "scalar", "avx2": "avx2"}
+
+
+@functools.cache
+def auto_path() -> str:
+    """The path `path="auto"` takes: the fastest this CPU runs, capped as torch caps its own
+    kernels by ATEN_CPU_CAPABILITY (so an emulated AVX2 machine rounds as a real one)."""
+    here = paths()
+    cap = _CAPS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
+    return cap if cap in here else here[-1]
 
 
 def pack_int4(groups: Int4Groups) -> PackedInt4:
@@ -207,7 +223,7 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
     """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32."""
     if _int4_mm is None:
         _require()
-    return _int4_mm(x, packed.qs, packed.d, packed.m, path)
+    return _int4_mm(x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path)
 
 
 def int8_mm(
@@ -218,11 +234,11 @@ def int8_mm(
     activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's q8_0 dot)."""
     if _int8_mm is None:
         _require()
-    return _int8_mm(x, q, scales, path)
+    return _int8_mm(x, q, scales, auto_path() if path == "auto" else path)
 
 
 def quantize_q8_1(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:
     """The activations as `int4_mm` quantizes them: qx (M, K) int8, dx (M, K/32) fp32 and
     sum(qx) (M, K/32) int32, computed by the path's own code."""
     _require()
-    return tuple(torch.ops.qinfer.quantize_q8_1(x, path))
+    return tuple(torch.ops.qinfer.quantize_q8_1(x, auto_path() if path == "auto" else path))

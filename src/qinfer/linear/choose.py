@@ -10,6 +10,7 @@ The rule (`rule_paths`), for quantized Linears on CPU:
   elsewhere. int8 rows there take `bf16_tiles` (up to `INT8_TILED_MAX` elements): the
   int8 kernel does not block like a GEMM, and a bf16 GEMM on the widened weight catches
   it up from a few dozen rows.
+- the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel.
 
 (The figures behind each bucket: docs/BENCHMARKS.md, "Paths of quantized Linears".)
 An earlier version timed every path of every (kind, shape) at load instead. That cost
@@ -19,9 +20,10 @@ CPU that keeps the kernel never allocates a tile buffer. `qinfer bench` still ti
 path per shape, beside the one taken.
 
 `QINFER_LINEAR_PATH` forces paths instead of the rule: a path name for both buckets
-(`kernel`, `fp32_tiles`, `bf16_tiles`, `int8_dot`), or `decode=PATH,prefill=PATH` (a bucket
-left out follows the rule). A kind's own path (`int8_dot`: int4 groups of 32) is forced on
-the layers that have it; the others follow the rule.
+(`kernel`, `fp32_tiles`, `bf16_tiles`, `int8_dot`; `kernel` and `int8_dot` for the head
+too), or `decode=PATH,prefill=PATH,head=PATH` (a bucket left out follows the rule). A kind's
+own path (`int8_dot`: int8 rows, int4 groups of 32) is forced on the layers that have it;
+the others follow the rule.
 """
 
 from __future__ import annotations
@@ -42,32 +44,48 @@ from qinfer.linear.paths import (
     KERNEL,
     KIND_PATHS,
     PATHS,
+    ROW_INVARIANT,
     QuantizedLinear,
 )
 
 ENV = "QINFER_LINEAR_PATH"
+#: QINFER_LINEAR_PATH's name for the lm_head's call.
+HEAD = "head"
 #: int8 weights up to this many elements take bf16 tiles at prefill where bf16 is fast;
 #: past it (a 262k-row head) the dequantizing outweighs what the GEMM saves.
 INT8_TILED_MAX = 1 << 25
 
 
 def forced_paths() -> dict[str, str]:
-    """{bucket: path} that QINFER_LINEAR_PATH forces (empty when it is unset)."""
+    """{bucket: path} that QINFER_LINEAR_PATH forces (empty when it is unset); "head" is the
+    lm_head's call (`QuantizedLinear.use_head_path`), which a single path name forces too
+    where the path computes a row alike at any row count."""
     value = os.environ.get(ENV, "").strip()
     if not value:
         return {}
     if "=" not in value:
-        value = ",".join(f"{bucket}={value}" for bucket in BUCKETS)
+        buckets = (*BUCKETS, HEAD) if value in ROW_INVARIANT else BUCKETS
+        value = ",".join(f"{bucket}={value}" for bucket in buckets)
     forced = {}
     for item in value.split(","):
         bucket, _, path = (part.strip() for part in item.partition("="))
-        if bucket not in BUCKETS or path not in PATHS:
+        valid = path in ROW_INVARIANT if bucket == HEAD else bucket in BUCKETS and path in PATHS
+        if not valid:
             raise ConfigError(
                 f"{ENV}={os.environ[ENV]!r}: expected a path ({', '.join(PATHS)}) or "
-                f"{'=PATH,'.join(BUCKETS)}=PATH"
+                f"{'=PATH,'.join(BUCKETS)}=PATH[,head=PATH] (head: {' or '.join(ROW_INVARIANT)})"
             )
         forced[bucket] = path
     return forced
+
+
+def rule_head_path(layer: QuantizedLinear) -> str:
+    """The lm_head's path: torch's kernel. int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran
+    1.6-3x faster on a 49152 x 576 and a 151936 x 1024 head, but its int8 activations move
+    the logits below the exactly recomputed top 16 enough to show in the KL divergence to
+    fp32 (SmolLM2 Q4_1 on real text: 0.00305 -> 0.00352, mid-document windows 0.00316 ->
+    0.00358, llama.cpp's own 0.00352; docs/BENCHMARKS.md)."""
+    return KERNEL
 
 
 def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
@@ -94,6 +112,7 @@ def choose_paths(module: nn.Module, same_at_any_rows: bool = False) -> None:
         ours = {b: p for b, p in forced.items() if p not in KIND_PATHS or p in has}
         paths = rule_paths(layer) | ours
         layer.use_paths(paths["decode"], paths["prefill"])
+        layer.use_head_path(ours.get(HEAD) or rule_head_path(layer))
     for layer in module.modules():
         if isinstance(layer, (DenseLinear, StackedDenseLinear)):
             layer.fixed_rows = same_at_any_rows

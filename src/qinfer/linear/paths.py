@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from qinfer import kernels
 from qinfer.errors import WeightsError
 from qinfer.linear.base import Linear
+from qinfer.linear.logits import fp32_logits
 
 #: Calls with at most this many rows (of the flattened activations) take the decode choice.
 DECODE_MAX_ROWS = 16
@@ -48,6 +49,8 @@ KERNEL, FP32_TILES, BF16_TILES, INT8_DOT = "kernel", "fp32_tiles", "bf16_tiles",
 PATHS = (KERNEL, FP32_TILES, BF16_TILES, INT8_DOT)
 #: Paths only some kinds have: forced, they apply to the layers that have them.
 KIND_PATHS = (INT8_DOT,)
+#: Paths that compute a row alike at any row count: the head's (`same_at_any_rows`).
+ROW_INVARIANT = (KERNEL, INT8_DOT)
 BUCKETS = ("decode", "prefill")
 
 _TILE_DTYPES = {FP32_TILES: torch.float32, BF16_TILES: torch.bfloat16}
@@ -85,6 +88,8 @@ class QuantizedLinear(Linear):
         self.chosen = {bucket: KERNEL for bucket in BUCKETS}
         # int8_dot's kernel bound to its view of the weight, made at its first call
         self._bound_dot: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._any_rows: Callable[[torch.Tensor], torch.Tensor] = self._kernel
+        self.head_path = KERNEL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # (M, K): the kernels take 2-D activations
@@ -93,10 +98,27 @@ class QuantizedLinear(Linear):
         return y if self.bias is None else y + self.bias
 
     def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel whatever the row count: torch's int4/int8 kernels compute each row
-        alike at any count (tested), the GEMMs of the tile paths do not."""
-        y = self._kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        """The head path (`use_head_path`) whatever the row count: torch's int4/int8 kernels
+        and qinfer's int8_dot compute each row alike at any count (tested), the GEMMs of the
+        tile paths do not."""
+        flat = x.reshape(-1, self.in_features)
+        y = self._any_rows(flat).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def use_head_path(self, path: str) -> None:
+        """Take `path` (one of ROW_INVARIANT) in `same_at_any_rows` and so as the lm_head."""
+        if path not in ROW_INVARIANT or path not in self.paths():
+            raise WeightsError(
+                f"{type(self).__name__} {tuple(self.shape_key())} has no head path {path!r} "
+                f"here (it has: {', '.join(p for p in self.paths() if p in ROW_INVARIANT)})"
+            )
+        self._any_rows, self.head_path = self._path(path), path
+
+    def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As `Linear.logits`; int8_dot takes the fp32 input as it is and writes fp32."""
+        if self.head_path == INT8_DOT:
+            return fp32_logits(self, x, torch.float32, exact=False)
+        return fp32_logits(self, x, dtype)
 
     @property
     @abstractmethod

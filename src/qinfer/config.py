@@ -30,6 +30,10 @@ class RopeConfig:
 
     partial_rotary_factor: the share of each head's dimensions that rotate (the first
     head_dim * factor; Phi-4-mini: 0.75); the others pass through unrotated.
+    mrope_section: M-RoPE (Qwen2.5-VL, Qwen3-VL): how many of the rotary dims / 2
+        frequencies follow each of a token's three positions (temporal, height, width);
+        empty: one position. mrope_interleaved: the sections' frequencies alternate
+        (Qwen3-VL: t, h, w, t, h, w, ...) instead of lying in three runs (Qwen2.5-VL).
     """
 
     theta: float = 10000.0
@@ -52,6 +56,8 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     wiring: Wiring = field(default_factory=Wiring)
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # The token whose rows images' embeddings replace (Qwen-VL's <|image_pad|>); None: a
+    # text-only model, which refuses images.
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -191,6 +200,15 @@ def _check_rope(rope: RopeConfig, head_dim: int) -> None:
         raise ConfigError(
             f"partial_rotary_factor {rope.partial_rotary_factor} must rotate an even number "
             f"of the {head_dim} dimensions of a head, got {rotary}"
+        )
+    if rope.mrope_section and (
+        len(rope.mrope_section) != 3
+        or min(rope.mrope_section) < 0
+        or sum(rope.mrope_section) != rotary // 2
+    ):
+        raise ConfigError(
+            f"mrope_section {list(rope.mrope_section)} must be 3 sizes adding up to the "
+            f"{rotary // 2} rotary frequencies of a head (rotary dims / 2)"
         )
     if rope.type == "longrope":
         for key in ("short_factor", "long_factor"):

@@ -4,7 +4,8 @@ The tokens of every sequence in the step are flat, sequence after sequence, what
 of prompt chunks and decode tokens the step holds:
 
     token_ids       (T,)   long   the ids to run
-    positions       (T,)   long   each token's position in its sequence (RoPE)
+    positions       (T,)   long   each token's position in its sequence (RoPE); (3, T) under
+                                  M-RoPE (temporal, height, width: `qinfer.vision.mrope`)
     query_starts    S + 1  ints   sequence s runs tokens query_starts[s]:query_starts[s + 1]
     logits_indices  (R,)   long   the rows of the hidden states whose logits are wanted,
                                   ascending: any number per sequence (the last token of each
@@ -12,6 +13,8 @@ of prompt chunks and decode tokens the step holds:
                                   tokens; every token for prompt logprobs)
     attention       the step's `StepAttention`: K/V storage and this step's metadata
                     (caches and row shape, or block tables, slots and history lengths)
+    images          None (text), or the step's `BatchImages`: embeddings that replace the
+                    image tokens' rows, and DeepStack features added to them
 
     hidden = model.forward(batch)                                    # (T, hidden)
     logits = model.compute_logits(batch.logits_rows(hidden))        # (R, vocab) fp32
@@ -30,12 +33,30 @@ from qinfer.layers.rope import row_positions
 
 
 @dataclass(frozen=True)
+class BatchImages:
+    """The images of one step, as the language model takes them (Qwen2.5-VL, Qwen3-VL).
+
+    rows        (N,) long: the step's token rows (its image tokens) the images fill, in the
+                order of the embeddings; a chunk of a prompt holds the rows it runs
+    embeddings  (N, hidden) fp32: the vision tower's merged tokens, which replace the
+                embedded image tokens at those rows
+    deepstack   k tensors (N, hidden) fp32 (Qwen3-VL; none for Qwen2.5-VL): feature i is
+                added to those rows' hidden states after text layer i
+    """
+
+    rows: torch.Tensor
+    embeddings: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     token_ids: torch.Tensor
     positions: torch.Tensor
     query_starts: list[int]
     logits_indices: torch.Tensor
     attention: StepAttention
+    images: BatchImages | None = None
 
     @classmethod
     def from_rows(

@@ -291,10 +291,25 @@ class Transformer(Module, Placed):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward of a `ForwardBatch` -> the final residual stream (T, hidden) fp32,
         before the final norm (`compute_logits` applies it to the rows it is given). No checks and
-        no host syncs: the batch's builder checked the ids and positions."""
+        no host syncs: the batch's builder checked the ids and positions.
+
+        With `batch.images` (a vision-language model's step), the images' embeddings take
+        the place of their tokens' embedded rows, and DeepStack feature i joins those rows
+        after layer i, as transformers' Qwen2.5-VL and Qwen3-VL do."""
         h = self.embed(batch.token_ids)  # (T, hidden)
-        for layer in self.layers:
+        images, deepstack = batch.images, ()
+        if images is not None:
+            if self.config.image_token_id is None:
+                raise QinferError(
+                    f"the batch holds {images.rows.shape[0]} image tokens' embeddings, but "
+                    f"model_type {self.config.model_type!r} is a text-only model"
+                )
+            h = h.index_copy(0, images.rows, images.embeddings)  # (N, hidden) into (T, hidden)
+            deepstack = images.deepstack
+        for i, layer in enumerate(self.layers):
             h = layer(h, batch)
+            if i < len(deepstack):
+                h = h.index_add(0, images.rows, deepstack[i])
         return h
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

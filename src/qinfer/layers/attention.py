@@ -23,7 +23,7 @@ from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.config import ModelConfig
 from qinfer.features import Features
 from qinfer.layers.norm import head_norms, rms_norm
-from qinfer.layers.rope import NoRoPE, RoPE, row_positions
+from qinfer.layers.rope import layer_rope, row_positions
 from qinfer.linear import linear
 from qinfer.module import Module
 from qinfer.parallel import SINGLE, Parallel, Shard
@@ -92,9 +92,10 @@ class Attention(Module, Placed):
         self.num_kv_heads = len(kv_rows) // self.head_dim
         # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
         # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`),
-        # or none (SmolLM3's NoPE layers: q and k pass through).
+        # none (SmolLM3's NoPE layers: q and k pass through), or M-RoPE's (Qwen-VL: three
+        # positions per token): `layer_rope` picks the kind, the calls below are the same.
         context, rope = self.rope_settings
-        self.rope = NoRoPE() if rope is None else RoPE(self.head_dim, context, rope, device)
+        self.rope = layer_rope(self.head_dim, context, rope, device)
 
     def forward(
         self,
@@ -103,7 +104,8 @@ class Attention(Module, Placed):
         attention: StepAttention | Cache,
         mask: Mask = None,
     ) -> torch.Tensor:
-        """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,);
+        """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,), or (3, T)
+        under M-RoPE (`ForwardBatch.positions`);
         attention: the step's backend, which stores K/V and attends. Returns (T, hidden).
 
         The seed's call, x (B, L, hidden) -> (B, L, hidden), runs the same layer over one

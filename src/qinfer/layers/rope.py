@@ -9,9 +9,16 @@ The RoPE types differ only in `inv_freq` (and yarn and longrope in a scale on co
 computed by `qinfer.rope_scaling.rope_frequencies` once per (rotary dims, settings, context,
 device) and shared by all layers. Under partial rotary (`RopeConfig.partial_rotary_factor`)
 only a head's first dimensions rotate, in the same layout; the others pass through. A layer
-without RoPE (SmolLM3's NoPE layers) has a `NoRoPE`, which leaves q and k as they are. cos/sin are computed for each step's positions only (the same fp32 products a
-table would hold, so the same values): a table of every position up to a long context
-would cost tens of MB per setting (Gemma 3: 32k positions x 128 frequencies, two settings).
+without RoPE (SmolLM3's NoPE layers) has a `NoRoPE`, which leaves q and k as they are.
+cos/sin are computed for each step's positions only (the same fp32 products a table would
+hold, so the same values): a table of every position up to a long context would cost tens
+of MB per setting (Gemma 3: 32k positions x 128 frequencies, two settings).
+
+M-RoPE (`MRoPE`: Qwen2.5-VL, Qwen3-VL) gives a token three positions (temporal, height,
+width: `qinfer.vision.mrope`) and each frequency follows one of them, by
+`RopeConfig.mrope_section`: frequency i of the rotary half turns by
+positions[axis[i]] * inv_freq[i] (`mrope_axes`). A text token's three positions are equal,
+so it rotates as under `RoPE`. `layer_rope` picks a layer's kind from its settings.
 """
 
 from __future__ import annotations
@@ -80,6 +87,52 @@ class RoPE:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class MRoPE(RoPE):
+    """Multimodal RoPE: each of the R/2 frequencies turns by one of a token's three
+    positions (temporal, height, width), as `rope.mrope_section` assigns them
+    (`mrope_axes`). The same calls as `RoPE`; `rotation` takes positions (3, *P), or (T,)
+    for tokens whose three positions are equal (text, and every token after a prompt)."""
+
+    def __call__(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """x: (B, L, H, D); offset as `row_positions` takes it, or (3, B, L) positions."""
+        B, L = x.shape[:2]
+        device = self.frequencies.inv_freq.device
+        if isinstance(offset, torch.Tensor) and offset.dim() == 3:
+            positions = offset.to(device)
+        else:  # text rows: one position in every section, (B, L) -> (3, B, L)
+            positions = row_positions(offset, B, L, device).expand(3, B, L)
+        return self.apply(x, *self.rotation(positions, x.dtype))
+
+
+def mrope_axes(half: int, section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """(half,) long: which of the three positions (0 temporal, 1 height, 2 width) each of
+    the rotary half's frequencies follows.
+
+    Runs (Qwen2.5-VL, transformers' `Qwen2_5_VLRotaryEmbedding`): the first section[0]
+    frequencies follow t, the next section[1] h, the last section[2] w. Interleaved
+    (Qwen3-VL, `Qwen3VLTextRotaryEmbedding`): frequency i follows h when i % 3 == 1 and
+    i < 3 * section[1], w when i % 3 == 2 and i < 3 * section[2], else t.
+    """
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    i = torch.arange(half)
+    axes = torch.zeros(half, dtype=torch.long)
+    for axis in (1, 2):
+        axes[(i % 3 == axis) & (i < 3 * section[axis])] = axis
+    return axes
+
+
+def layer_rope(
+    dims: int, max_position_embeddings: int, rope: RopeConfig | None, device: torch.device
+) -> RoPE | MRoPE | NoRoPE:
+    """The RoPE of a layer with these settings: none (`NoRoPE`), M-RoPE where the
+    settings have sections (`MRoPE`), else `RoPE`."""
+    if rope is None:
+        return NoRoPE()
+    kind = MRoPE if rope.mrope_section else RoPE
+    return kind(dims, max_position_embeddings, rope, device)
+
+
 class NoRoPE:
     """The RoPE of a layer without rotary embeddings: q and k pass through unchanged (the
     same calls as `RoPE`, so the attention layer never asks which it has)."""
@@ -112,12 +165,15 @@ def row_positions(
 
 class _Frequencies:
     """inv_freq (dims/2,) fp32 and the cos/sin scale of one RoPE setting, shared by every
-    layer using it. Every layer of a forward asks for the same positions: the last rotation
-    is kept, keyed by the positions tensor object (held by the memo, so never a recycled one).
+    layer using it; under M-RoPE, `axes` (dims/2,): the position each frequency follows.
+    Every layer of a forward asks for the same positions: the last rotation is kept, keyed
+    by the positions tensor object (held by the memo, so never a recycled one).
     """
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float) -> None:
-        self.inv_freq, self.scale = inv_freq, scale
+    def __init__(
+        self, inv_freq: torch.Tensor, scale: float, axes: torch.Tensor | None = None
+    ) -> None:
+        self.inv_freq, self.scale, self.axes = inv_freq, scale, axes
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def rotation(
@@ -127,7 +183,12 @@ class _Frequencies:
         if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
         clamped = positions.to(self.inv_freq.device).clamp(min=0)
-        angles = clamped[..., None, None].float() * self.inv_freq  # (*P, 1, D/2)
+        if self.axes is not None and clamped.dim() > 1:  # M-RoPE's (3, *P) positions
+            # each frequency at its section's position: (3, *P) -> (D/2, *P) -> (*P, 1, D/2)
+            clamped = clamped[self.axes].movedim(0, -1)[..., None, :]
+            angles = clamped.float() * self.inv_freq
+        else:
+            angles = clamped[..., None, None].float() * self.inv_freq  # (*P, 1, D/2)
         cos = (angles.cos() * self.scale).to(dtype)
         sin = (angles.sin() * self.scale).to(dtype)
         self._last = (positions, dtype, cos, sin)
@@ -138,4 +199,7 @@ class _Frequencies:
 def _frequencies(dims: int, rope: RopeConfig, context: int, device: torch.device) -> _Frequencies:
     """The frequencies of one setting, shared by every layer with these settings."""
     inv_freq, scale = rope_frequencies(dims, rope, context)
-    return _Frequencies(inv_freq.to(device), scale)
+    axes = None
+    if rope.mrope_section:
+        axes = mrope_axes(dims // 2, rope.mrope_section, rope.mrope_interleaved).to(device)
+    return _Frequencies(inv_freq.to(device), scale, axes)

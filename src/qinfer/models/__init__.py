@@ -23,9 +23,11 @@ from qinfer.models import (
     mistral,
     phi3,
     qwen2,
+    qwen2_5_vl,
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_vl,
     smollm3,
 )
 from qinfer.models.base import Family, FusedTensor, GGUFHeader, HFConfig
@@ -54,6 +56,8 @@ FAMILIES: tuple[Family, ...] = (
     gemma3.FAMILY,
     smollm3.FAMILY,
     phi3.FAMILY,
+    qwen2_5_vl.FAMILY,
+    qwen3_vl.FAMILY,
 )
 
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}

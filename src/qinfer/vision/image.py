@@ -238,6 +238,11 @@ def patchify(pixels: torch.Tensor, settings: ImageSettings) -> tuple[torch.Tenso
     return frames.reshape(gh * gw, C * T * P * P), gh, gw
 
 
+def image_name(index: int, source: ImageSource | Image.Image) -> str:
+    """What errors call image `index` of a request: its number, and its path if a file."""
+    return f"{index} ({source})" if isinstance(source, str | Path) else str(index)
+
+
 def preprocess_images(
     sources: Sequence[ImageSource | Image.Image],
     settings: ImageSettings,
@@ -248,7 +253,7 @@ def preprocess_images(
     max_pixels: the most pixels a file may hold before decoding (`open_image`)."""
     patches, grids = [], []
     for i, source in enumerate(sources):
-        name = f"{i} ({source})" if isinstance(source, str | Path) else str(i)
+        name = image_name(i, source)
         image = (
             to_rgb(source)
             if isinstance(source, Image.Image)

@@ -92,6 +92,7 @@ class PackedInt4:
         return (self.qs.shape[0], 2 * self.qs.shape[1])
 
 
+@functools.cache
 def build_directory() -> Path:
     """Where this source is built for this torch (the name changes with either)."""
     digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode())

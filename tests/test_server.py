@@ -358,6 +358,20 @@ def test_completion_logprobs_lists_tokens_offsets_and_alternatives(client, token
     assert logprobs.text_offset == offsets
 
 
+def test_logprobs_of_tokens_a_grammar_forbids_are_finite_json(client, http):
+    """Under a grammar most alternatives have logprob -inf, which JSON cannot spell: they
+    go out as -9999.0 (as vLLM sends them), whole and streamed, never as a 500."""
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "logprobs": 5}
+    reply = client.completions.create(**body, extra_body={"guided_choice": ["up", "down"]})
+    values = [v for top in reply.choices[0].logprobs.top_logprobs for v in top.values()]
+    assert -9999.0 in values and all(v >= -9999.0 for v in values)
+    chat = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "logprobs": True}
+    chat |= {"top_logprobs": 5, "guided_choice": ["up", "down"], **NO_THINKING}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    events = stream_events(http, "/v1/chat/completions", chat)
+    assert "-9999.0" in "".join(events) and "Infinity" not in "".join(events)
+
+
 def test_usage_reports_cached_prompt_tokens_on_a_repeated_prompt(client):
     prompt = " ".join(["The weather in Paris is sunny"] * 8)  # several KV blocks
     body = dict(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=2)
@@ -525,6 +539,8 @@ def test_field_of_the_wrong_type_is_a_400_naming_it(http, field, value):
         ("presence_penalty", -5),
         ("seed", -1),
         ("seed", 2**64),
+        ("top_k", 2**63),  # past int64: it would fail the engine step and its whole batch
+        ("guided_choice", []),
     ],
 )
 def test_out_of_range_value_is_a_400_naming_it(http, field, value):

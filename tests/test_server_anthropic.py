@@ -353,6 +353,14 @@ def test_tool_choice_none_shows_no_tools(client):
         ({"messages": []}, 400, "invalid_request_error", "Invalid value for 'messages'"),
         ({"model": "nope"}, 404, "not_found_error", "The model 'nope' does not exist"),
         ({"temperature": 1.5}, 400, "invalid_request_error", "less than or equal to 1"),
+        # Past int64 it would fail the engine step, and every request batched in it.
+        ({"top_k": 2**63}, 400, "invalid_request_error", "Invalid value for 'top_k'"),
+        (
+            {"messages": [{"role": "assistant", "content": "Hel"}]},
+            400,
+            "invalid_request_error",
+            "Invalid value for 'messages': a prefill",
+        ),
         (
             {"messages": [*USER, {"role": "assistant", "content": "Hel"}], "thinking": THINKING},
             400,
@@ -443,6 +451,8 @@ def test_tool_choice_none_shows_no_tools(client):
         "no-messages",
         "unknown-model",
         "temperature-above-one",
+        "top-k-past-int64",
+        "a-lone-prefill",
         "prefill-while-thinking",
         "prefill-trailing-space",
         "prefill-tool-use",
@@ -466,6 +476,24 @@ def test_bad_requests_are_anthropic_errors_and_the_server_keeps_serving(
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == kind
     assert message in error["error"]["message"]
+    assert create(client, max_tokens=1).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize(
+    "thread",
+    [{"type": "create"}, {"type": "continue", "previous_message_id": "msg_0"}],
+    ids=["create", "continue"],
+)
+def test_a_thread_is_refused_in_the_words_the_client_goes_on_without_one(client, thread):
+    """The client's tool runner asks for a server-held thread, then sends only each turn's
+    new messages. Ignored, that would lose the history and the tools; refused with
+    `error.details.error_code` "thread_unsupported_request", the runner sends the whole
+    conversation again without a thread (tests/test_agent_loops.py)."""
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.beta.messages.create(model=MODEL, max_tokens=1, messages=USER, thread=thread)
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error" and "thread" in error["message"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
     assert create(client, max_tokens=1).usage.output_tokens == 1
 
 

@@ -12,6 +12,7 @@ against transformers.
 from __future__ import annotations
 
 import json
+import signal
 from typing import Literal
 
 import httpx
@@ -426,6 +427,12 @@ BAD_SCHEMA = {"type": "object", "dependentSchemas": {"a": {}}}
             "'nope' is not one of the tools",
         ),
         ({"previous_response_id": "resp_nope"}, 400, "previous_response_id", "not found"),
+        (
+            {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}]},
+            400,
+            "input",
+            "it holds no message to answer",
+        ),
         ({"background": True}, 400, "background", "an OpenAI-hosted feature"),
         (
             {"input": [{"role": "user", "content": "hi"}] * (MAX_INPUT_ITEMS + 1)},
@@ -450,6 +457,7 @@ BAD_SCHEMA = {"type": "object", "dependentSchemas": {"a": {}}}
         "required-without-tools",
         "unknown-named-tool",
         "unknown-previous-response",
+        "only-reasoning",
         "background",
         "too-many-items",
     ],
@@ -463,6 +471,47 @@ def test_bad_requests_are_openai_errors_and_the_server_keeps_serving(
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == param
     assert create(client, input="Hello world", max_output_tokens=1).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize(("max_output_tokens", "status"), [(None, "completed"), (3, "incomplete")])
+def test_each_status_ends_the_stream_with_the_event_clients_expect(
+    client, max_output_tokens, status
+):
+    """The `openai` client's stream helper reads the response's end from its last event:
+    response.completed, or response.incomplete with the reason."""
+    fields = dict(input="Hello world", reasoning=THINKING, max_output_tokens=max_output_tokens)
+    events, final = stream(client, **fields)
+    assert [event.type for event in events].count(f"response.{status}") == 1
+    assert events[-1].type == f"response.{status}" and final.status == status
+    assert final.error is None
+    reason = None if status == "completed" else "max_output_tokens"
+    assert (final.incomplete_details and final.incomplete_details.reason) == reason
+
+
+def test_a_stream_the_stopping_server_cuts_ends_with_response_failed(served):
+    """Ctrl-C on `qinfer serve` aborts every request: an open stream ends with
+    response.failed (a server_error), not as if the model had finished."""
+    process, url = start_serve_command("--model", str(served[2]), "--served-model-name", MODEL)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    endless = {"format": {"type": "json_schema", "name": "s", "schema": {"type": "string"}}}
+    try:
+        with client.responses.stream(
+            model=MODEL, input="Hello world", text=endless, max_output_tokens=2000, temperature=0
+        ) as stream:
+            events, deltas = [], 0
+            for event in stream:
+                events.append(event)
+                deltas += event.type == "response.output_text.delta"
+                if deltas == 3 and event.type == "response.output_text.delta":
+                    process.send_signal(signal.SIGINT)  # once, mid-reply
+    finally:
+        process.wait(timeout=30)
+    final = events[-1]
+    assert final.type == "response.failed" and final.response.status == "failed"
+    assert final.response.error.code == "server_error"
+    assert [e.type for e in events].count("response.completed") == 0
+    *_, cut = final.response.output  # the reply so far, its last item cut
+    assert cut.status == "incomplete" and cut.content[0].text
 
 
 def test_a_wrong_api_key_is_a_401(http):

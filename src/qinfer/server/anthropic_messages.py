@@ -22,6 +22,12 @@ then message_delta (stop_reason and usage) and message_stop.
 Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with
 its status codes (529 when the engine's queue is full); `AnthropicRoute` makes every
 failure of these routes (authentication and request validation included) one of them.
+
+Server-held threads (`thread`: "create", or "continue" from a stored reply with only the
+new messages) are not held here: a request with one is a 400 whose
+`error.details.error_code` is Anthropic's "thread_unsupported_request", on which the
+client's tool runner sends that turn and the later ones again with the whole
+conversation and no thread. Ignored, a "continue" would lose the history and the tools.
 """
 
 from __future__ import annotations
@@ -64,11 +70,28 @@ ERROR_TYPES = {
 }
 
 
+#: Anthropic's error codes that its clients act on, sent as `error.details.error_code`.
+ERROR_CODES = ("thread_unsupported_request",)
+
+
+def threads_unsupported() -> APIError:
+    """The refusal of a `thread` (module docstring), in the words the client acts on."""
+    return APIError(
+        400,
+        "qinfer does not hold threads: send the whole conversation without 'thread'",
+        param="thread",
+        code="thread_unsupported_request",
+    )
+
+
 def anthropic_error(error: APIError) -> tuple[int, dict[str, Any]]:
     """(status, body) of an error in Anthropic's shape."""
     status = 529 if error.status == 503 else error.status
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+    fields = {"type": kind, "message": error.message}
+    if error.code in ERROR_CODES:
+        fields["details"] = {"error_code": error.code}
+    return status, {"type": "error", "error": fields}
 
 
 class AnthropicRoute(APIRoute):
@@ -208,12 +231,14 @@ class MessagesAPI:
 
     async def create(self, body: MessagesRequest, connection: Request) -> Response:
         server = self.server
+        if body.thread is not None:
+            raise threads_unsupported()
         server.check_model(body.model)
         await self._check_tools(body)
         params = server.settings.default_params.replace(**body.sampling_overrides())
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
         completion = await server.start_chat(
-            body.template_messages(),
+            _conversation(body),
             params,
             body.template_kwargs(server.template_kwargs(None)),
             tools=body.offered_tools(),
@@ -231,7 +256,7 @@ class MessagesAPI:
         server.check_model(body.model)
         await self._check_tools(body)
         ids = await server.encode_chat(
-            body.template_messages(),
+            _conversation(body),
             body.template_kwargs(server.template_kwargs(None)),
             body.offered_tools(),
             body.prefill or "",
@@ -242,6 +267,21 @@ class MessagesAPI:
         if body.tools:  # compiling schemas can take a while: off the event loop
             tools = [tool.for_chat() for tool in body.tools]
             await run_in_threadpool(check_tool_schemas, tools, "tools.{}.input_schema")
+
+
+def _conversation(body: ConversationRequest) -> list[dict[str, Any]]:
+    """The messages of a request for the template, or a 400 naming `messages` when there
+    are none: a lone assistant message is a prefill, which continues no turn."""
+    messages = body.template_messages()
+    if not messages:
+        raise APIError(
+            400,
+            "Invalid value for 'messages': a prefill (a last assistant message) needs a "
+            "system prompt or a message before it",
+            param="messages",
+            code="invalid_value",
+        )
+    return messages
 
 
 def router(server: ModelServer, access: Access) -> APIRouter:

@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from qinfer.sampling import MAX_STOP_STRINGS
-from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, MAX_TOOLS, StrictModel, check_tools
+from qinfer.server.protocol import (
+    MAX_CONSTRAINT_BYTES,
+    MAX_TOOLS,
+    MAX_TOP_K,
+    StrictModel,
+    check_tools,
+)
 
 #: Most messages one request may send (each becomes one or more for the template).
 MAX_MESSAGES = 4096
@@ -306,7 +312,7 @@ class MessagesRequest(ConversationRequest):
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
@@ -314,6 +320,8 @@ class MessagesRequest(ConversationRequest):
     # Anthropic-hosted features, named so that asking for one is a 400 that says so.
     container: str | dict[str, Any] | None = None
     mcp_servers: list[dict[str, Any]] | None = None
+    # Server-held threads: read only to be refused (anthropic_messages.threads_unsupported).
+    thread: dict[str, Any] | None = None
 
     @field_validator("container", "mcp_servers")
     @classmethod

@@ -23,7 +23,9 @@ documented events, each with its `sequence_number`:
         call       response.function_call_arguments.delta...,
                    response.function_call_arguments.done
     then response.output_item.done
-    response.completed, or response.incomplete (max_output_tokens reached)
+    response.completed, response.incomplete (max_output_tokens reached), or
+    response.failed: the reply was stopped by the server (`qinfer serve` stopping) or
+    failed (an `error` event before it)
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ class ResponsesFormat(PartsFormat):
 
     def answer(self, completion: Completion, reply: ReplyParts) -> dict[str, Any]:
         status = _status(completion)
+        error = _STOPPED if status == "failed" else None
         parts = reply.parts or [Part("text", 0)]  # a reply of nothing is an empty message
         # A call the reply's end cut is left out: its arguments are not JSON.
         output = [
@@ -220,7 +223,8 @@ class ResponsesFormat(PartsFormat):
             for part in parts
             if not part.cut
         ]
-        response = self.response_object(completion, status, output, self.usage(completion, parts))
+        usage = self.usage(completion, parts)
+        response = self.response_object(completion, status, output, usage, error)
         if self.body.store:
             items = [*self.conversation, *(input_item(o) for o in output)]
             self.store.save(self.id, items, response)
@@ -308,8 +312,7 @@ class ResponsesFormat(PartsFormat):
                 for payload in self.part_events(PartEvent(action, empty, final=True), completion)
             ]
         response = self.answer(completion, reply)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        return [*events, {"type": kind, "response": response}]
+        return [*events, {"type": f"response.{response['status']}", "response": response}]
 
     def error_events(self, error: APIError, completion: Completion) -> list[dict[str, Any]]:
         failure = {"code": "server_error", "message": error.message}
@@ -336,15 +339,25 @@ def _no_logprobs(part: Part) -> dict[str, Any]:
     return {"logprobs": []} if part.kind == "text" else {}
 
 
+#: The error of a response the server stopped before its end: the engine aborted its
+#: request (`qinfer serve` stopping aborts every one), which is no reply the model finished.
+_STOPPED = {"code": "server_error", "message": "the server stopped before the response ended"}
+
+
 def _status(completion: Completion) -> str:
-    """ "incomplete" when the reply ran out of tokens, else "completed"."""
-    return "incomplete" if completion.choices[0].finish_reason == "length" else "completed"
+    """ "incomplete" when the reply ran out of tokens, "failed" when the server stopped
+    it, else "completed"."""
+    reason = completion.choices[0].finish_reason
+    return {"length": "incomplete", "abort": "failed"}.get(reason, "completed")
 
 
 def _last_status(part: Part, status: str) -> str:
-    """The status of a reply's last part: the reply's, but a whole call is "completed"
-    whatever cut the reply after it (a repeat held back, the start of another call)."""
-    return "completed" if part.kind == "call" and not part.cut else status
+    """The status of a reply's last part: "incomplete" when the reply was cut, but a whole
+    call is "completed" whatever cut the reply after it (a repeat held back, the start of
+    another call)."""
+    if part.kind == "call" and not part.cut:
+        return "completed"
+    return "incomplete" if status == "failed" else status
 
 
 # --- the endpoint -----------------------------------------------------------------------
@@ -382,8 +395,17 @@ class ResponsesAPI:
         if body.reasoning is not None and body.reasoning.thinking is not None:
             template_kwargs["enable_thinking"] = body.reasoning.thinking
         params = server.settings.default_params.replace(**body.sampling_overrides())
+        messages = template_messages(body.instructions, conversation)
+        if not messages:  # reasoning items alone: no turn for the template to render
+            raise APIError(
+                400,
+                "Invalid value for 'input': it holds no message to answer (only reasoning "
+                "items); give some text or a message",
+                param="input",
+                code="invalid_value",
+            )
         completion = await server.start_chat(
-            template_messages(body.instructions, conversation),
+            messages,
             params,
             template_kwargs,
             tools=tools,

@@ -42,6 +42,10 @@ RESERVED_TEMPLATE_NAMES = frozenset({"messages", "special_tokens", "source", "to
 MAX_CONSTRAINT_BYTES = 256 * 2**10
 #: Most tools one request may offer.
 MAX_TOOLS = 128
+#: Largest `top_k` accepted. A k past the vocabulary keeps every token already; the bound
+#: is torch's int64, which the sampler's tensor of every row's k holds (a larger k would
+#: fail the engine step, and with it every request batched in that step).
+MAX_TOP_K = 2**63 - 1
 #: The request fields that constrain the output, and the SamplingParams field each sets.
 CONSTRAINT_FIELDS = {
     "response_format": "json_schema",
@@ -272,7 +276,7 @@ class GenerationRequest(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, description="0 = no top-k cut")
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, description="0 = no top-k cut")
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -290,9 +294,12 @@ class GenerationRequest(StrictModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     guided_json: dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    # Empty constraints mean nothing: refused here, so that the 400 names the field.
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None
+    ) = None
+    guided_grammar: str | None = Field(None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod

@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from qinfer.engine import TokenLogprob
 
 
+#: The logprob sent for a token the sampler could not pick (masked by a grammar, cut by
+#: top-k or top-p): its -inf has no JSON spelling, so it goes out as vLLM sends it.
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (and NaN) become MIN_LOGPROB."""
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
 class ResponseFormat:
     """How one kind of completion (chat or text) shows its choices."""
 
@@ -141,7 +151,7 @@ class ChatFormat(ResponseFormat):
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             token = self.token_text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+            return {"token": token, "logprob": json_logprob(logprob), "bytes": list(token.encode())}
 
         content = [
             {
@@ -175,7 +185,9 @@ class TextFormat(ResponseFormat):
             offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in delta.logprobs],
+            "token_logprobs": [
+                None if lp.logprob is None else json_logprob(lp.logprob) for lp in delta.logprobs
+            ],
             "top_logprobs": [self._alternatives(lp) for lp in delta.logprobs],
             "text_offset": offsets,
         }
@@ -187,5 +199,5 @@ class TextFormat(ResponseFormat):
             return None
         alternatives: dict[str, float] = {}
         for token_id, value in sorted(logprob.top_logprobs.items(), key=lambda item: -item[1]):
-            alternatives.setdefault(self.token_text(token_id), value)
+            alternatives.setdefault(self.token_text(token_id), json_logprob(value))
         return alternatives

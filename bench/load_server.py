@@ -3,6 +3,7 @@
     python bench/load_server.py                        # starts `qinfer serve` (SmolLM2)
     python bench/load_server.py --concurrency 1 4 16 --requests 32 --max-tokens 64
     python bench/load_server.py --url http://127.0.0.1:8000 --api-key KEY
+    python bench/load_server.py --soak 10000 --concurrency 8 --max-tokens 16
 
 At each concurrency level, that many clients stream chat completions (`stream: true`,
 raw server-sent events over httpx) until `--requests` have been sent; every request,
@@ -16,6 +17,12 @@ inter-token latency is per event. The peer, measured in the same run once the se
 gone: the same chats, at the same concurrency, through an `AsyncEngine` in this process
 (the engine the server wraps, without HTTP); server/direct tokens/s is the share of the
 engine's throughput that survives the HTTP layer.
+
+`--soak N` runs a different test instead of the levels: N requests of every API at once
+(chat, Responses with previous_response_id chains, Anthropic Messages with tool blocks,
+embeddings, dropped streams; bench/server_mix.py), at the largest `--concurrency`, then
+the 5xx count, what is left held once the server is idle (KV blocks, grammar matchers)
+and the server's RSS at start, middle and end.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import httpx
+from server_mix import format_report, soak
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = [
@@ -250,6 +258,13 @@ def main() -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send N requests of the mixed APIs instead of the levels (bench/server_mix.py)",
+    )
+    parser.add_argument(
         "--no-direct",
         action="store_true",
         help="skip the peer run (the same chats through an in-process AsyncEngine, no HTTP)",
@@ -262,7 +277,30 @@ def main() -> None:
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         parser.error("--url must be a loopback address (127.0.0.1, localhost, ::1)")
 
+    if not 0 <= args.soak <= 100_000:
+        parser.error("--soak must be in [0, 100000]")
+
     server, url = (None, args.url) if args.url else start_server(args)
+    if args.soak:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        pid = server.pid if server is not None else None
+        run = soak(
+            url,
+            headers,
+            args.soak,
+            max(args.concurrency),
+            args.max_tokens,
+            args.request_timeout,
+            pid,
+        )
+        try:
+            report = asyncio.run(run)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=30)
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        return
     try:
         # One short request first, so the first level does not pay for warm-up.
         asyncio.run(run_level(url, args.api_key, 1, 1, 4, args.request_timeout))

@@ -6,10 +6,17 @@ model always writes `<think>The answer</think>\\n\\nHello<|im_end|>` (a Qwen3 th
 reply), and after the "\\n\\n" that closes Qwen3's empty think block
 (`enable_thinking=False`) it writes `Hello<|im_end|>`. Anywhere else it writes random
 text and, in practice, never stops before max_tokens.
+
+`build_planted_qwen3(folder, tool_loop=True)` plants an agent's two-tool loop on top
+(`plant_tool_loop`): offered `WEATHER_TOOL` (its description is the cue), the model thinks
+as above and then calls get_weather; once get_weather's result is in the conversation it
+calls get_time; once get_time's is too, it answers `LOOP_ANSWER`. Without the tool it
+answers "Hello" as before.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import tokenizers
@@ -19,6 +26,16 @@ from text_assets import CHATML_SPECIAL, QWEN3_ADDED, save_qwen3_tokenizer, train
 
 #: What the planted model thinks, then answers, greedily after a chat prompt.
 PLANTED_REASONING, PLANTED_ANSWER = "The answer", "Hello"
+
+#: The tools of the planted loop: (name, description); the weather tool's description
+#: (one token) is what tells the model that tools are offered.
+WEATHER_TOOL = ("get_weather", "Look up the weather in a city.")
+TIME_TOOL = ("get_time", "Look up the local time in a city.")
+#: The calls the loop makes, in order, as (name, arguments); the results its tools must
+#: return (each one token, the cue for the next step); its final answer.
+LOOP_CALLS = (("get_weather", {"city": "Paris"}), ("get_time", {"city": "Paris"}))
+LOOP_RESULTS = ("Sunny, 22 degrees.", "It is 10:30.")
+LOOP_ANSWER = "Paris is sunny at 10:30."
 
 
 def plant_path(model, path: list[int]) -> None:
@@ -44,12 +61,88 @@ def plant_path(model, path: list[int]) -> None:
             head[following, k] = 4.0
 
 
-def build_planted_qwen3(folder: Path, **overrides) -> Path:
+def plant_tool_loop(
+    model,
+    branch_dim: int,
+    bias_dim: int,
+    first_dim: int,
+    tokens: dict[str, int | tuple[int, ...]],
+) -> None:
+    """Plant the tool loop (module docstring) on a model `plant_path` planted, in the
+    hidden dimensions from `first_dim` on; its path's token at dimension `branch_dim` (the
+    "\\n\\n" that ends the think block) is where the reply branches.
+
+    tokens: "open", "close" (the call tags), "calls" (each call's text, one token each),
+    "answer", "eos", "cues" (the weather tool's description, then each result).
+
+    One attention head of layer 0 finds the cues in view. Its query is the same at every
+    position (it reads the bias dimension), its key is nonzero only on a cue, so it
+    attends evenly to the cues in view and to nothing else (nothing: no output). Its value
+    writes two dimensions, as averages over the cues: "call" (+1, +1, -5: 1 with one or
+    two cues, -1 with all three) and "which" (+1, -3, 0: 1 with one cue, -1 with two).
+    After the branch token, the call tag reads +call and the answer -call, each a little
+    below the path's own "Hello" otherwise; after the call tag, the first call reads
+    +which and the second -which. Query and key sit in the slowest RoPE pair, which turns
+    by a fraction of a radian across the context.
+    """
+    open_, close, answer, eos = (tokens[k] for k in ("open", "close", "answer", "eos"))
+    calls, cues = tokens["calls"], tokens["cues"]
+    stepping = [open_, *calls, close, answer]  # the tokens that get a "current token" dim
+    dim = {token: first_dim + i for i, token in enumerate(stepping)}
+    cue_dims = [first_dim + len(stepping) + i for i in range(len(cues))]
+    call_dim, which_dim = cue_dims[-1] + 1, cue_dims[-1] + 2
+    attn = model.model.layers[0].self_attn
+    head_dim = attn.head_dim
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    slow = head_dim // 2 - 1  # the first component of the slowest RoPE pair
+    # How much "call" and "which" tip their branches, and how far below the path's own
+    # successor the branch to the call tag or the answer lies (the margins stay ~10 logits).
+    tip_call, tip_which, lower = 6.0, 2.0, 3.0
+    with torch.no_grad():
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed[:, first_dim : which_dim + 1] = 0
+        for token, d in dim.items():
+            embed[token, d] = 10.0
+        for token, d in zip(cues, cue_dims, strict=True):
+            embed[token, d] = 10.0
+        for token in stepping:  # pushed down everywhere off the loop, as the path's are
+            head[token] = 0
+            head[token, bias_dim] = -1.0
+        for token, following in [*((c, close) for c in calls), (close, eos), (answer, eos)]:
+            head[following, dim[token]] = 4.0
+        for token, sign in ((open_, 1.0), (answer, -1.0)):
+            head[token, branch_dim], head[token, call_dim] = 4.0, sign * tip_call
+            head[token, bias_dim] = -1.0 - lower
+        for token, sign in zip(calls, (1.0, -1.0), strict=True):
+            head[token, dim[open_]], head[token, which_dim] = 4.0, sign * tip_which
+        # Head 0 (and kv head 0, shared by the first `group` heads) finds the cues.
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight[:head_dim] = 0
+        attn.q_proj.weight[slow, bias_dim] = 1.0
+        attn.k_proj.weight[slow, cue_dims] = 1.0
+        attn.v_proj.weight[0, cue_dims] = torch.tensor([1.0, 1.0, -5.0])
+        attn.v_proj.weight[1, cue_dims] = torch.tensor([1.0, -3.0, 0.0])
+        attn.q_norm.weight[slow] = attn.k_norm.weight[slow] = 2.0
+        for layer in model.model.layers:  # only that head writes the two dimensions
+            layer.self_attn.o_proj.weight[[call_dim, which_dim]] = 0
+            layer.mlp.down_proj.weight[[call_dim, which_dim]] = 0
+        attn.o_proj.weight[:, : group * head_dim] = 0
+        attn.o_proj.weight[call_dim, 0] = attn.o_proj.weight[which_dim, 1] = 0.75
+
+
+def build_planted_qwen3(folder: Path, tool_loop: bool = False, **overrides) -> Path:
     """Save the planted Qwen3 (module docstring) with a Qwen3 tokenizer and chat template
-    to `folder`; `overrides` shape its config (max_position_embeddings for long prompts)."""
+    to `folder`; tool_loop: plant the tool loop too; `overrides` shape its config
+    (max_position_embeddings for long prompts)."""
     backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
     # "\n\n" as one token tells the end of Qwen3's empty think block from a lone "\n".
     backend.add_tokens([tokenizers.AddedToken("\n\n", special=False, normalized=False)])
+    calls = [f"\n{json.dumps({'name': name, 'arguments': args})}\n" for name, args in LOOP_CALLS]
+    loop_texts = [WEATHER_TOOL[1], *LOOP_RESULTS, *calls, LOOP_ANSWER]
+    if tool_loop:  # each one token: the cues the head finds, and whole calls
+        backend.add_tokens(
+            [tokenizers.AddedToken(text, special=False, normalized=False) for text in loop_texts]
+        )
     im_end = backend.token_to_id("<|im_end|>")
     save_qwen3_tokenizer(folder, backend)
     model = build_checkpoint(
@@ -67,5 +160,17 @@ def build_planted_qwen3(folder: Path, **overrides) -> Path:
     think = ids(f"<think>{PLANTED_REASONING}</think>")
     path = [*ids("\n"), *think, *ids(f"\n\n{PLANTED_ANSWER}"), im_end]
     plant_path(model, path)
+    if tool_loop:
+        (branch,) = ids("\n\n")
+        tokens = {
+            "open": backend.token_to_id("<tool_call>"),
+            "close": backend.token_to_id("</tool_call>"),
+            "calls": tuple(backend.token_to_id(call) for call in calls),
+            "answer": backend.token_to_id(LOOP_ANSWER),
+            "eos": im_end,
+            "cues": tuple(backend.token_to_id(cue) for cue in [WEATHER_TOOL[1], *LOOP_RESULTS]),
+        }
+        bias_dim = len(path) - 1
+        plant_tool_loop(model, path.index(branch), bias_dim, bias_dim + 1, tokens)
     model.save_pretrained(folder)
     return folder

@@ -14,6 +14,11 @@ both engines get the same random prompt token ids and the same number of threads
   step with the 8 sequences' tokens, each under its own sequence id.
 - engine tok/s: qinfer's batching engine (`qinfer.LLM`) on 32 such prompts, all output
   tokens / wall seconds, prefill included; set against llama.cpp's batch-8 decode.
+- weight GB/s (batch 1): the bytes of weights one decode step reads (qinfer: its layers,
+  final norm and head as loaded, `weight_bytes_per_step`; llama.cpp: the file's tensors but
+  the embedding table, unless it is also the head) x batch-1 decode steps per second, beside
+  the machine's read bandwidth measured here (`read_bandwidth_gb_s`: the best of a few sums
+  over a 1 GiB buffer with the same threads), the ceiling both approach.
 - peak memory: each engine in a fresh process of its own (multiprocessing, spawn) loads
   the model and runs the prefill and the two decodes once (not the batching engine); its
   peak RSS (VmHWM) is the whole process's, interpreter and libraries included.
@@ -208,6 +213,32 @@ def measure(engine: Qinfer | LlamaCpp, s: Settings, seed: int, n: int, batching:
     return figures
 
 
+def gguf_bytes_per_token(path: str) -> int:
+    """Bytes of the file's tensors a llama.cpp decode step reads: all but the embedding table,
+    of which a step reads one row, unless the model has no output.weight (a tied head)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def read_bandwidth_gb_s(threads: int, gib: int = 1) -> float:
+    """The machine's read bandwidth with `threads` threads: the best of 5 sums over a buffer
+    of `gib` GiB (fp32; far larger than any cache), in GB/s."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(gib << 28)  # 4 bytes each
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
 def peak_memory_mb(engine_class: type[Qinfer | LlamaCpp], s: Settings) -> float:
     """In a fresh process: load one engine, run the measurements once; its VmHWM in MB."""
     measure(engine_class(s), s, s.seed, s.decode_tokens, batching=False)
@@ -233,9 +264,19 @@ def run(s: Settings) -> dict:
         with ProcessPoolExecutor(1, mp_context=spawn) as process:
             peak = process.submit(peak_memory_mb, type(engine), s).result()
         best[engine.name]["peak_memory_mb"] = peak
+    from qinfer.bench.model import weight_bytes_per_step
+
+    step_bytes = {
+        "qinfer": weight_bytes_per_step(engines[0].model),
+        "llama.cpp": gguf_bytes_per_token(s.model),
+    }
+    for name, nbytes in step_bytes.items():
+        best[name]["weight_mb_per_step"] = nbytes / 1e6
+        best[name]["weight_gb_s"] = nbytes * best[name]["decode_b1_tok_s"] / 1e9
     settings = {k: v for k, v in asdict(s).items() if k != "model"}
     return {
         "model": s.model,
+        "read_bandwidth_gb_s": read_bandwidth_gb_s(s.threads),
         "gguf_mb": Path(s.model).stat().st_size / 2**20,
         "qinfer_dtype": str(engines[0].model.dtype).removeprefix("torch."),
         "settings": settings,
@@ -259,6 +300,8 @@ def table_rows(s: dict) -> list[tuple[str, str, str]]:
             "engine_tok_s",
             "decode_batch_tok_s",
         ),
+        ("weights read per step (MB)", "weight_mb_per_step", "weight_mb_per_step"),
+        ("weight GB/s (batch 1)", "weight_gb_s", "weight_gb_s"),
         ("peak memory MB (lower is better)", "peak_memory_mb", "peak_memory_mb"),
     ]
 
@@ -274,6 +317,9 @@ def format_report(report: dict) -> str:
     for label, key, their_key in table_rows(s):
         ratio = report["qinfer_over_llama_cpp"][key]
         lines.append(f"{label:38}{ours[key]:10.1f}{theirs[their_key]:11.1f}{ratio:18.2f}")
+    lines.append(
+        f"machine read bandwidth, {s['threads']} threads: {report['read_bandwidth_gb_s']:.1f} GB/s"
+    )
     return "\n".join(lines)
 
 

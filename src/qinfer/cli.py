@@ -2,6 +2,7 @@
 
     qinfer generate [--model M] PROMPT      stream a completion of PROMPT to stdout
     qinfer chat [--model M]                 a multi-turn chat read from stdin
+    (either with --image PATH: the first user message shows it to a vision-language model)
     qinfer bench [--model M] [--json]       prefill / decode speed, memory, weight GB/s
     qinfer serve [--model M] [--port P]     the OpenAI-compatible HTTP API (and web pages)
     qinfer inspect PROMPT --layer L --head H --out attn.png
@@ -110,11 +111,13 @@ def start_loading(args: argparse.Namespace) -> tuple[Path, LoadAnnouncer]:
 
 def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     """(path, tokenizer, stream) for the model flags: at --tensor-parallel-size 1 the plain
-    generator over a loaded model (`stream_generate`); above, or with speculative decoding
-    (whose draft model loads once), a batching engine whose rank 0 this process is
-    (`LLM.stream`), its workers following each step."""
+    generator over a loaded model (`stream_generate`); above, with speculative decoding
+    (whose draft model loads once) or with --image (a vision-language checkpoint's tower
+    loads with it), a batching engine whose rank 0 this process is (`LLM.stream`), its
+    workers following each step."""
     speculative = speculative_arguments(args)
-    if args.tensor_parallel_size == 1 and speculative is None:
+    # images need the engine's vision tower, which a checkpoint's engine loads
+    if args.tensor_parallel_size == 1 and speculative is None and not args.image:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
@@ -186,10 +189,30 @@ def print_stats(result: GenerationResult) -> None:
 # --- qinfer generate ----------------------------------------------------------------------
 
 
+def add_image_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image the (first) user message shows, before its text, for a "
+        "vision-language checkpoint (Qwen2.5-VL, Qwen3-VL); repeat for several",
+    )
+
+
+def user_message(text: str, images: list[str]) -> dict:
+    """A user message of `text`, after the content parts of `images` (paths) if any."""
+    if not images:
+        return {"role": "user", "content": text}
+    parts = [{"type": "image", "image": path} for path in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_speculative_arguments(parser)
     add_sampling_arguments(parser, chat=False)
+    add_image_argument(parser)
     parser.add_argument(
         "--no-chat",
         action="store_true",
@@ -226,11 +249,12 @@ def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args, path).replace(json_schema=schema, regex=args.regex)
     chat = tokenizer.has_chat_template and not args.no_chat
     if chat:
-        prompt = [{"role": "user", "content": args.prompt}]
+        prompt = [user_message(args.prompt, args.image)]
         if args.system:
             prompt.insert(0, {"role": "system", "content": args.system})
-    elif args.system:
-        raise QinferError("--system needs the chat template (drop --no-chat)")
+    elif args.system or args.image:
+        flag = "--system" if args.system else "--image"
+        raise QinferError(f"{flag} needs the chat template (drop --no-chat)")
     else:
         prompt = args.prompt
     stream = stream_generate(prompt, params)
@@ -246,6 +270,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_speculative_arguments(parser)
     add_sampling_arguments(parser, chat=True)
+    add_image_argument(parser)
 
 
 #: What a Ctrl-C at the prompt, or during a reply, prints (on stderr).
@@ -270,6 +295,7 @@ def run_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args, path, chat=True)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
+    images = list(args.image)  # shown by the first user turn (again after /reset)
     interactive = sys.stdin.isatty()
     if interactive:
         print("(type /reset to forget the conversation, /exit to leave)", file=sys.stderr)
@@ -287,17 +313,20 @@ def run_chat(args: argparse.Namespace) -> int:
             if line == "/exit":
                 return 0
             if line == "/reset":
-                messages = list(start)
+                messages, images = list(start), list(args.image)
                 print("(conversation reset)", file=sys.stderr)
                 continue
             if not line:
                 continue
-            turn = [*messages, {"role": "user", "content": line}]
+            turn = [*messages, user_message(line, images)]
             try:
                 stream = stream_generate(turn, params)
             except QinferError as error:  # e.g. the conversation outgrew the context
+                if images:  # an image the model cannot take ends the chat, as a bad flag
+                    raise
                 print(f"qinfer: error: {error} (/reset starts over)", file=sys.stderr)
                 continue
+            images = []  # in the history now: later turns show them again, cached
             shown = []
             stream_to(sys.stdout, stream, shown)
             result = stream.result

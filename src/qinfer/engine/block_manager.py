@@ -13,10 +13,11 @@ block wholly before that is released and its table entry becomes `NULL_BLOCK`. A
 then holds about W / B + 2 blocks of that space, however long it grows.
 
 Prefix caching. Once a block is full and its K/V computed, it is registered under a hash
-chained over (parent block's hash, its token ids), so that the hash of block i names the
+chained over (parent block's hash, its token ids and the digests of the images whose
+tokens it holds: `Sequence.block_key`), so that the hash of block i names the
 whole prefix 0..i. A new prompt walks its full blocks from the start and takes every
 registered block it finds, until the first miss. A hash is only an index: a hit must also
-match the stored token ids and the parent's *content id* (a number given to each distinct
+match the stored key and the parent's *content id* (a number given to each distinct
 prefix content), so a hash collision can never hand one sequence another's K/V. The walk is
 space 0's; a window space registers each block under the hash and content id of space 0's
 block at that index, and a hit of N tokens takes from it only the blocks the sequence's next
@@ -34,16 +35,16 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence as TokenIds
 
 from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.engine.sequence import Sequence
 from qinfer.errors import CacheError
 
 
-def block_hash(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
-    """The prefix-cache key of a full block: a hash over its parent's key and its tokens."""
-    return hash((parent_hash, tuple(token_ids)))
+def block_hash(parent_hash: int | None, key: tuple[int | bytes, ...]) -> int:
+    """The prefix-cache hash of a full block: over its parent's hash and its key (its token
+    ids, then its images' digests: `Sequence.block_key`)."""
+    return hash((parent_hash, key))
 
 
 class Block:
@@ -57,7 +58,7 @@ class Block:
     def reset(self) -> None:
         """Forget the registered content (the block is about to hold new K/V)."""
         self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.key: tuple[int | bytes, ...] = ()  # its token ids, then its images' digests
         self.content_id: int | None = None  # equal for blocks holding equal prefixes
         self.parent_content_id: int | None = None
 
@@ -115,13 +116,16 @@ class BlockPool:
             else:
                 self.num_cached_free_blocks += 1
 
-    def lookup(self, h: int, tokens: tuple[int, ...], parent_content: int | None) -> Block | None:
-        """The registered block for this hash, if it really holds these tokens after this parent."""
+    def lookup(
+        self, h: int, key: tuple[int | bytes, ...], parent_content: int | None
+    ) -> Block | None:
+        """The registered block for this hash, if it really holds this key (tokens, images)
+        after this parent."""
         block_id = self.cached.get(h)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != tokens or block.parent_content_id != parent_content:
+        if block.key != key or block.parent_content_id != parent_content:
             return None  # a hash collision: another prefix lives under this key
         return block
 
@@ -136,7 +140,7 @@ class BlockPool:
         self,
         block_id: int,
         h: int,
-        tokens: tuple[int, ...],
+        key: tuple[int | bytes, ...],
         parent_content: int | None,
         content_id: int,
     ) -> None:
@@ -146,7 +150,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.content_id is not None:
             return
-        block.hash, block.token_ids = h, tokens
+        block.hash, block.key = h, key
         block.parent_content_id, block.content_id = parent_content, content_id
         if self.holding(h, content_id) is None:  # a new prefix (or the key held a colliding one)
             self.cached[h] = block_id
@@ -231,7 +235,7 @@ class BlockManager:
         if any(self._tables(seq)):
             raise CacheError(f"sequence {seq.request_id!r} already holds blocks")
         looks_up = self.enable_prefix_caching and seq.uses_prefix_cache
-        hits = self._match_prefix(seq.token_ids) if looks_up else []
+        hits = self._match_prefix(seq) if looks_up else []
         # each space's block of each hit index, None where a window space lacks it
         held = [hits] + [
             [pool.holding(b.hash, b.content_id) for b in hits] for pool in self.pools[1:]
@@ -247,15 +251,15 @@ class BlockManager:
         seq.last_block_key = (hits[n - 1].hash, hits[n - 1].content_id) if n else None
         return seq.num_computed_tokens
 
-    def _match_prefix(self, token_ids: list[int]) -> list[Block]:
-        """Space 0's registered blocks of the longest prefix of token_ids (but its last)."""
+    def _match_prefix(self, seq: Sequence) -> list[Block]:
+        """Space 0's registered blocks of the longest prefix of seq's tokens (but its last)."""
         pool = self.pools[0]
         hits: list[Block] = []
         parent_hash, parent_content = None, None
-        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
-            tokens = tuple(token_ids[start : start + self.block_size])
-            h = block_hash(parent_hash, tokens)
-            block = pool.lookup(h, tokens, parent_content)
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            key = seq.block_key(start, start + self.block_size)
+            h = block_hash(parent_hash, key)
+            block = pool.lookup(h, key, parent_content)
             if block is None:
                 break
             hits.append(block)
@@ -297,14 +301,14 @@ class BlockManager:
     def _register(self, seq: Sequence) -> None:
         size = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // size):
-            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            key = seq.block_key(i * size, (i + 1) * size)
             parent_hash, parent_content = seq.last_block_key or (None, None)
-            h = block_hash(parent_hash, tokens)
+            h = block_hash(parent_hash, key)
             # a twin: the same prefix computed before (children of either chain match)
-            twin = self.pools[0].lookup(h, tokens, parent_content)
+            twin = self.pools[0].lookup(h, key, parent_content)
             content = next(self._content_ids) if twin is None else twin.content_id
             for pool, table in zip(self.pools, self._tables(seq), strict=True):
-                pool.register(table[i], h, tokens, parent_content, content)
+                pool.register(table[i], h, key, parent_content, content)
             seq.num_hashed_blocks = i + 1
             seq.last_block_key = (h, content)
 

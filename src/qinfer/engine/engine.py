@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import uuid
 import weakref
 from functools import partial
@@ -29,9 +30,10 @@ from qinfer.checkpoint import resolve_model
 from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
+from qinfer.engine.images import encode_images, prompt_images
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
 from qinfer.engine.prompt_logprobs import PromptLogprobs
-from qinfer.engine.scheduler import Scheduler
+from qinfer.engine.scheduler import ScheduledStep, Scheduler
 from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
@@ -45,9 +47,11 @@ from qinfer.request_state import RequestState, sample_next
 from qinfer.runtime.executor import Executor, follow
 from qinfer.sampling import SamplingParams
 from qinfer.scoring import ScoreParams
-from qinfer.text.prompts import Prompt, encode_prompt
+from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
+from qinfer.vision.language_model import VisionLanguageModel
+from qinfer.vision.load import load_image_settings, load_vision_encoder
 
 
 class Request:
@@ -129,6 +133,9 @@ class Engine:
     group: under tensor parallelism, the group whose rank 0 this is (model is rank 0's
     shard; the workers follow each step, see `Executor`); `close()` stops them.
     eos_token_ids: the ids that end a request (default: the model's and tokenizer's).
+    vision: a vision-language checkpoint's tower and image settings over `model`, for
+    prompts with images (`qinfer.engine.images`; None: images are refused, naming the
+    first).
     """
 
     def __init__(
@@ -139,8 +146,10 @@ class Engine:
         default_params: SamplingParams | None = None,
         group: TensorParallelGroup | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        vision: VisionLanguageModel | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision or VisionLanguageModel(model, None, None)
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.default_params = default_params or SamplingParams()  # for requests without any
@@ -177,8 +186,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(
-            ["prompt", "prompt_computed", "generated", "finished", "aborted", "preempted"], 0
+            ["prompt", "prompt_computed", "generated", "finished", "aborted", "preempted"]
+            + ["images_encoded"],
+            0,
         )
+        self._encoder_seconds = 0.0
 
     # -- requests -------------------------------------------------------------------------
 
@@ -199,11 +211,21 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        # The model runs these ids unchecked (`sequence.step_inputs`): encode_prompt checks them.
+        # The model runs these ids unchecked (`sequence.step_inputs`): they are checked here.
         try:
-            ids = encode_prompt(self.tokenizer, prompt, vocab_size=self.model.config.vocab_size)
+            parts = encode_prompt_parts(
+                self.tokenizer, prompt, vocab_size=self.model.config.vocab_size
+            )
         except QinferError as error:
             raise RequestError(str(error)) from None
+        ids, images = parts.token_ids, None
+        if parts.images:
+            if self.executor.parallel.tensor > 1:
+                raise RequestError(
+                    "images need tensor_parallel_size 1: the workers take no image embeddings",
+                    "image",
+                )
+            ids, images = prompt_images(parts, self.vision)
         if len(ids) >= self.max_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
@@ -213,7 +235,9 @@ class Engine:
         max_tokens = min(sampling.max_tokens, self.max_len - len(ids))
         task = make_task(params, len(ids), max_tokens)
         # A cache hit skips rows that prompt logprobs (and some poolings) need.
-        seq = Sequence(request_id, ids, task.uses_prefix_cache and sampling.prompt_logprobs is None)
+        seq = Sequence(
+            request_id, ids, task.uses_prefix_cache and sampling.prompt_logprobs is None, images
+        )
         try:
             state = RequestState.create(
                 seq.token_ids,
@@ -285,6 +309,7 @@ class Engine:
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
         ends = list(itertools.accumulate(num_logits))
+        self._encode_images(scheduled)
         step = step_inputs(
             scheduled.seqs,
             scheduled.num_new,
@@ -305,6 +330,8 @@ class Engine:
             self._counts["prompt_computed"] += min(n, prompt_left)
             seq.mark_computed(n - len(seq.proposed))  # a proposal counts once kept
             self.block_manager.register_computed(seq)
+            if seq.images is not None:
+                seq.images.ran(seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:
                 if request.task.samples:  # its last row, then one per proposed token
                     requests.append(request)
@@ -318,6 +345,24 @@ class Engine:
         self._throughput.add(generated)
         self._counts["generated"] += generated
         return outputs
+
+    def _encode_images(self, scheduled: ScheduledStep) -> None:
+        """Run the vision tower over the images of every sequence whose step reaches image
+        tokens without embeddings (a first prefill, or a recompute after a preemption):
+        one call for all of them, timed into the stats."""
+        pending = [
+            seq.images
+            for seq, n in zip(scheduled.seqs, scheduled.num_new, strict=True)
+            if seq.images is not None and seq.images.needs_encoding(seq.num_computed_tokens, n)
+        ]
+        if not pending:
+            return
+        start = time.perf_counter()
+        encode_images(self.vision, pending)
+        if self.model.device.type == "cuda":  # the tower's time, not its launches'
+            torch.cuda.synchronize(self.model.device)
+        self._encoder_seconds += time.perf_counter() - start
+        self._counts["images_encoded"] += sum(len(images.spans) for images in pending)
 
     def _propose(self) -> None:
         """Let the speculator guess the next tokens of every decoding sequence (its prompt
@@ -431,6 +476,8 @@ class Engine:
             requests_finished_total=self._counts["finished"],
             requests_aborted_total=self._counts["aborted"],
             preemptions_total=self._counts["preempted"],
+            images_encoded_total=self._counts["images_encoded"],
+            vision_encoder_seconds_total=self._encoder_seconds,
             generation_tokens_per_s=self._throughput.rate(),
             **self._speculation_stats(),
         )
@@ -466,14 +513,16 @@ def load_arguments(
 
 
 def build_engine(
-    model_or_path: Transformer | str | Path | None,
+    model_or_path: Transformer | VisionLanguageModel | str | Path | None,
     tokenizer: Tokenizer | str | Path | None,
     load_args: dict,
     engine_args: dict,
     tensor_parallel_size: int = 1,
 ) -> Engine:
-    """An Engine from a loaded model or a checkpoint (None: the embedded SmolLM2; a path or
-    hub id, as `qinfer.checkpoint.resolve_model` finds it), whose tokenizer is loaded too
+    """An Engine from a loaded model (a `VisionLanguageModel`: with its vision tower) or a
+    checkpoint (None: the embedded SmolLM2; a path or hub id, as
+    `qinfer.checkpoint.resolve_model` finds it; a vision-language one's tower and image
+    settings are loaded with it, in the model's dtype), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
     defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
     (dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant) for a checkpoint;
@@ -486,6 +535,9 @@ def build_engine(
     process exits.
     """
     config = EngineConfig.from_kwargs(**engine_args)
+    vision = None
+    if isinstance(model_or_path, VisionLanguageModel):
+        vision, model_or_path = model_or_path, model_or_path.model
     if isinstance(model_or_path, Transformer):
         if tensor_parallel_size != 1:
             raise QinferError(
@@ -499,17 +551,29 @@ def build_engine(
                     f"{name} {chosen!r} is chosen when a model loads: give a "
                     f"checkpoint path, or load the model with that {name}"
                 )
-        return Engine(model_or_path, _tokenizer(tokenizer, None), config)
+        tokenizer = _tokenizer(tokenizer, None)
+        return Engine(model_or_path, tokenizer, config, vision=vision)
     path = resolve_model(None if model_or_path is None else str(model_or_path))
     tokenizer = _tokenizer(tokenizer, path)
     default_params = SamplingParams.from_generation_config(path)
     if tensor_parallel_size == 1:
-        return Engine(load_model(path, **load_args), tokenizer, config, default_params)
+        model = load_model(path, **load_args)
+        vision = _vision(path, model)
+        return Engine(model, tokenizer, config, default_params, vision=vision)
     # The workers run the target's steps only: a draft model is rank 0's.
     worker = partial(follow_engine, path, load_args, dataclasses.replace(config, speculative=None))
     group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
     return Engine(model, tokenizer, config, default_params, group)
+
+
+def _vision(path: Path, model: Transformer) -> VisionLanguageModel | None:
+    """The vision tower and image settings of a vision-language checkpoint folder (its
+    config names an image token), over its loaded text model; None for the others."""
+    if model.config.image_token_id is None or not path.is_dir():
+        return None
+    encoder = load_vision_encoder(path, model.dtype, model.device)
+    return VisionLanguageModel(model, encoder, load_image_settings(path))
 
 
 def follow_engine(

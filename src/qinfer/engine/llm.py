@@ -26,12 +26,15 @@ from qinfer.sampling import SamplingParams
 from qinfer.scoring import reranker_params, reranker_prompt
 from qinfer.text.prompts import Prompt, is_batch
 from qinfer.text.tokenizer import Tokenizer
+from qinfer.vision.language_model import VisionLanguageModel
 
 
 class LLM:
     """A model with a batching engine, for offline generation.
 
-    model_or_path: a loaded `Transformer`, or a checkpoint (folder or .gguf) to load.
+    model_or_path: a loaded `Transformer` (a `VisionLanguageModel` for prompts with
+        images), or a checkpoint (folder or .gguf) to load, a vision-language one with its
+        vision tower.
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
     `qinfer.load_model`, when a path is given (batch_invariant: `Features.batch_invariant`;
@@ -44,7 +47,7 @@ class LLM:
 
     def __init__(
         self,
-        model_or_path: Transformer | str | Path,
+        model_or_path: Transformer | VisionLanguageModel | str | Path,
         tokenizer: Tokenizer | str | Path | None = None,
         *,
         dtype: str | torch.dtype | None = None,
@@ -70,8 +73,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text, token ids or chat messages, or a list of them);
-        the outputs come back in the prompts' order. params: one for all, or one each."""
+        """Complete every prompt (text, token ids, chat messages, whose content parts may
+        hold images, or an `ImagePrompt`; or a list of them); the outputs come back in the
+        prompts' order. params: one for all, or one each."""
         if isinstance(prompts, (list, tuple)) and not prompts:
             raise RequestError("prompts is empty: give at least one prompt")
         prompts = list(prompts) if is_batch(prompts) else [prompts]

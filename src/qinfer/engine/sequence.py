@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 
 from qinfer.attention.block_spaces import BlockSpaces, first_block
+from qinfer.engine.images import SequenceImages
 from qinfer.runtime.step import StepInputs
 
 
@@ -29,12 +30,20 @@ class Sequence:
     `proposed` holds the tokens a speculative proposer guessed to follow (never part of
     `token_ids`): a step runs them after the uncomputed ones, and the verification keeps
     those the model agrees with (`qinfer.engine.speculative`).
+
+    `images` (a vision-language model's prompt with images: `qinfer.engine.images`) holds
+    where their tokens are, their M-RoPE positions, their cache keys and their embeddings.
     """
 
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], uses_prefix_cache: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        uses_prefix_cache: bool = True,
+        images: SequenceImages | None = None,
     ) -> None:
         self.request_id = request_id
+        self.images = images
         # False: starts from no cached block (a pooling that needs every prompt row)
         self.uses_prefix_cache = uses_prefix_cache
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -67,6 +76,13 @@ class Sequence:
     def num_scheduled_tokens(self) -> int:
         """Tokens the next step would run: the uncomputed ones and the proposed ones."""
         return self.num_uncomputed_tokens + len(self.proposed)
+
+    def block_key(self, start: int, end: int) -> tuple[int | bytes, ...]:
+        """What the prefix cache keys its block of positions start .. end - 1 on: their
+        token ids, then the digests of the images whose tokens they hold (the same ids
+        with another image's pixels are another block)."""
+        tokens = tuple(self.token_ids[start:end])
+        return tokens if self.images is None else tokens + self.images.digests_in(start, end)
 
     def mark_computed(self, n: int) -> None:
         """n more of its tokens have their K/V in the pool: a step's uncomputed tokens once
@@ -103,7 +119,8 @@ def step_inputs(
     allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
     num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
     leaves more of its prompt for later steps, or a pooling sequence); its tables in each
-    of the model's block spaces, a window space's from the first block the step reads.
+    of the model's block spaces, a window space's from the first block the step reads;
+    the positions and image embeddings of its sequences with images (encoded already).
     Token ids are not checked: the engine checked every prompt when it came in, sampled
     ids come from the logits, and proposed ids from the vocabulary."""
     tables = [
@@ -113,12 +130,17 @@ def step_inputs(
         ]
         for space, window in enumerate(spaces.windows)
     ]
+    images = [
+        None if seq.images is None else seq.images.step(seq.num_computed_tokens, n)
+        for seq, n in zip(seqs, num_new, strict=True)
+    ]
     return StepInputs(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
         tables[0],
         list(num_logits),
         tables[1] if len(tables) > 1 else None,
+        images if any(image is not None for image in images) else None,
     )
 
 

@@ -30,6 +30,9 @@ class EngineStats:
     requests_aborted_total: int
     preemptions_total: int
     generation_tokens_per_s: float
+    # images through the vision tower (re-encodes after a preemption too), and its seconds
+    images_encoded_total: int = 0
+    vision_encoder_seconds_total: float = 0.0
     # speculative decoding (0 when off): steps of a sequence that verified proposals,
     # tokens proposed, tokens of those accepted
     spec_verifications_total: int = 0

@@ -23,7 +23,7 @@ from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
 from qinfer.attention.kv_pool import KVPool, paged_layers
 from qinfer.attention.step_buffers import StepBuffers, StepTensors
 from qinfer.errors import QinferError
-from qinfer.forward_batch import ForwardBatch
+from qinfer.forward_batch import BatchImages, ForwardBatch
 from qinfer.model import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
 from qinfer.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
@@ -208,7 +208,8 @@ class ModelRunner:
         num_seqs = len(step.new_tokens)
         hidden_rows = hidden_rows or [None] * num_seqs
         widths = None
-        if self.static_decode and is_decode(step) and not any(hidden_rows):
+        # (a step with images has per-step positions: it runs as it is)
+        if self.static_decode and is_decode(step) and not any(hidden_rows) and not step.images:
             _, max_rows, max_widths = self.buffers.capacity
             step, widths = padded(step, self.scratch, max_rows, list(max_widths))
             if self.graphs is not None:
@@ -229,8 +230,43 @@ class ModelRunner:
         """The step as the model runs it: every sequence's new tokens flat, at their
         positions, over this runner's pools; logits at the last num_logits[b] rows of each;
         each space's tables padded to at least widths[s] blocks. Its tensors are views of
-        this runner's `StepBuffers`, rewritten by the next step."""
-        return self._batch(self._write(step, widths))
+        this runner's `StepBuffers`, rewritten by the next step.
+
+        A step with images (`StepInputs.images`) runs at (3, T) M-RoPE positions and
+        carries the embeddings of its image tokens (`BatchImages`); the attention plan
+        keeps the buffers' (T,) positions, which order the keys for the masks."""
+        batch = self._batch(self._write(step, widths))
+        if step.images is None:
+            return batch
+        return dataclasses.replace(batch, **self._images(step, batch.query_starts))
+
+    def _images(self, step: StepInputs, starts: list[int]) -> dict:
+        """The `ForwardBatch` fields of a step with images: positions (3, T), each
+        sequence's from its `StepImages` or, without images, its index in all three
+        sections; and the image rows of the flat step with their embeddings (None: the
+        step runs no image token, as when decoding)."""
+        positions, rows, embeddings, deepstack = [], [], [], []
+        for b, images in enumerate(step.images):
+            if images is None:  # text: (n,) -> (3, n)
+                computed, n = step.num_computed[b], len(step.new_tokens[b])
+                positions.append(torch.arange(computed, computed + n).expand(3, -1))
+                continue
+            positions.append(images.positions)
+            if images.rows:
+                rows += [starts[b] + row for row in images.rows]
+                embeddings.append(images.embeddings)
+                deepstack.append(images.deepstack)
+        device = self.model.device
+        fields: dict = {"positions": torch.cat(positions, dim=1).to(device), "images": None}
+        if rows:
+            fields["images"] = BatchImages(
+                rows=torch.tensor(rows, device=device),
+                embeddings=torch.cat(embeddings).to(device),
+                deepstack=tuple(
+                    torch.cat(level).to(device) for level in zip(*deepstack, strict=True)
+                ),
+            )
+        return fields
 
     def _write(self, step: StepInputs, widths: list[int] | None) -> StepTensors:
         return self.buffers.write(

@@ -3,7 +3,7 @@
     step = StepInputs(new_tokens, num_computed, block_tables, num_logits)
     output = executor.execute(step)
 
-Plain lists, no engine types: the engine builds one from its scheduled sequences
+Plain lists (and, for images, their tensors), no engine types: the engine builds one from its scheduled sequences
 (`qinfer.engine.sequence.step_inputs`), a draft model from its own, and a tensor-parallel
 worker from the two int64 tensors of `qinfer.runtime.step_channel`.
 """
@@ -11,6 +11,23 @@ worker from the two int64 tensors of `qinfer.runtime.step_channel`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepImages:
+    """One sequence's part of a step of a vision-language model, for a sequence with images.
+
+    positions: (3, n) long, the M-RoPE positions (temporal, height, width) of its n new
+    tokens; rows: which of them (0 .. n - 1, ascending) are image tokens; embeddings:
+    (len(rows), hidden) fp32, the vision tower's tokens for those rows, in order;
+    deepstack: Qwen3-VL's features for the same rows, (len(rows), hidden) fp32 each."""
+
+    positions: torch.Tensor
+    rows: list[int]
+    embeddings: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -22,13 +39,17 @@ class StepInputs:
     proposed tokens; all of them for a prompt's logprobs). window_tables[b]: its blocks in
     space 1, the sliding-window layers' of a model that also has full-attention layers
     (None for a model of one space). A window space's table starts at the first block the
-    step reads (`block_spaces.first_block`), whichever space it is."""
+    step reads (`block_spaces.first_block`), whichever space it is. images[b]: None for a
+    sequence without images (its positions count up from num_computed[b]), else its
+    `StepImages`; images None: no sequence of the step has any (a text step). Images stay
+    on rank 0's runner: `step_channel` carries none."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
     block_tables: list[list[int]]
     num_logits: list[int]
     window_tables: list[list[int]] | None = None
+    images: list[StepImages | None] | None = None
 
     @property
     def tables(self) -> list[list[list[int]]]:

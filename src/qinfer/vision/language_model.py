@@ -29,7 +29,13 @@ from qinfer.errors import RequestError
 from qinfer.forward_batch import BatchImages, ForwardBatch
 from qinfer.loading import load_model
 from qinfer.model import Transformer
-from qinfer.vision.image import ImageSettings, ImageSource, image_name, preprocess_images
+from qinfer.vision.image import (
+    ImageSettings,
+    ImageSource,
+    PatchedImages,
+    image_name,
+    preprocess_images,
+)
 from qinfer.vision.load import load_image_settings, load_vision_encoder
 from qinfer.vision.mrope import mrope_positions
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder
@@ -109,7 +115,11 @@ class VisionLanguageModel:
                 f"{self.model.config.model_type!r}, a text-only model",
                 "image",
             )
-        patched = preprocess_images(images, self.settings)
+        return self.encode_patches(preprocess_images(images, self.settings))
+
+    def encode_patches(self, patched: PatchedImages) -> EncodedImages:
+        """Preprocessed images (every image's patches, one after the other) -> the vision
+        tower's embeddings (one call for all of them)."""
         with torch.inference_mode():
             out = self.encoder(patched.pixel_values, patched.grids)
         if isinstance(out, VisionFeatures):

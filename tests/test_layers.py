@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -234,6 +235,22 @@ def test_gemma_rms_norm_scales_by_one_plus_weight_like_transformers(dtype):
     want = reference.to(dtype)(x).detach()
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_a_block_norm_on_the_fp32_stream_is_its_two_step_arithmetic_bit_for_bit(
+    weight_dtype, offset
+):
+    """`forward`'s one F.rms_norm call with the fp32 weight against `normalize`'s fp32
+    statistics times the weight, rounded once to the matmul dtype (what decode calls 2x a
+    layer): the same bits, so fusing them changed no output."""
+    x = torch.randn(5, 576) * torch.logspace(-2, 2, 5)[:, None]  # rows of any magnitude
+    norm = RMSNorm(576, (torch.randn(576) * 0.1 + 1).to(weight_dtype), 1e-6, offset=offset)
+    for out in (torch.float32, torch.bfloat16):
+        norm.out_dtype = out
+        expected = (F.rms_norm(x, (576,), eps=1e-6) * norm.weight.float()).to(out)
+        assert torch.equal(norm(x), expected)
 
 
 # ---------------------------------------------------------------- ModelConfig

@@ -47,11 +47,18 @@ class RMSNorm(Module, TensorSlot):
             raise ValueError(
                 f"RMSNorm weight has shape {tuple(tensor.shape)}, expected ({self.shape[0]},)"
             )
-        self.register_buffer(
-            "weight", tensor.float() + self.offset if self.scale_in_fp32 else tensor
-        )
+        weight = tensor.float() + self.offset if self.scale_in_fp32 else tensor
+        self.register_buffer("weight", weight)
+        # The scale in fp32 (the same tensor when it is fp32 already), for `forward`'s one call.
+        self.register_buffer("weight32", weight.float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_in_fp32 or x.dtype == torch.float32:
+            # normalize's fp32 branch in one call (the block norms on the fp32 residual, a
+            # decode step's 2 per layer): F.rms_norm with the fp32 weight multiplies as
+            # `normed * weight` does, bit for bit (measured on CPU, 20 shapes)
+            out = self.out_dtype or x.dtype
+            return F.rms_norm(x.float(), self.shape, self.weight32, self.eps).to(out)
         return self.normalize(x, self.weight)
 
     def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

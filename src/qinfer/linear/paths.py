@@ -92,9 +92,12 @@ class QuantizedLinear(Linear):
         self.head_path = KERNEL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (M, K): the kernels take 2-D activations
-        run = self._decode if flat.shape[0] <= DECODE_MAX_ROWS else self._prefill
-        y = run(flat).view(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:  # (T, K): a model's flat tokens, as the kernels take them
+            y = (self._decode if len(x) <= DECODE_MAX_ROWS else self._prefill)(x)
+        else:  # (*P, K) -> (M, K) -> (*P, N)
+            flat = x.reshape(-1, self.in_features)
+            run = self._decode if flat.shape[0] <= DECODE_MAX_ROWS else self._prefill
+            y = run(flat).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor:

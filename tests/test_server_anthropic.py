@@ -345,6 +345,10 @@ def test_tool_choice_none_shows_no_tools(client):
 # --- errors, keys, aborted streams ---------------------------------------------------
 
 
+#: An image block (of no image: a text-only model refuses it before reading it).
+IMAGE = {"type": "base64", "media_type": "image/png", "data": "AAAA"}
+
+
 @pytest.mark.parametrize(
     ("fields", "status", "kind", "message"),
     [
@@ -401,10 +405,10 @@ def test_tool_choice_none_shows_no_tools(client):
             "a user message cannot hold a tool_use block",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": IMAGE}]}]},
             400,
             "invalid_request_error",
-            "does not match any of the expected tags",
+            "'messages.0.content.0.source.data': this model takes no images",  # text-only
         ),
         (
             {"tools": [{**WEATHER, "input_schema": {"type": "nope"}}]},

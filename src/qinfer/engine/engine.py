@@ -227,8 +227,9 @@ class Engine:
                 )
             ids, images = prompt_images(parts, self.vision)
         if len(ids) >= self.max_len:
+            of_images = "" if images is None else f" ({images.num_image_tokens} for its images)"
             raise RequestError(
-                f"prompt has {len(ids)} tokens; this engine serves prompts of at most "
+                f"prompt has {len(ids)} tokens{of_images}; this engine serves prompts of at most "
                 f"{self.max_len - 1} (context {self.context_len} positions, KV pool "
                 f"{self.pool_tokens} tokens)"
             )

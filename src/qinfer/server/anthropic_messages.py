@@ -255,13 +255,14 @@ class MessagesAPI:
         server = self.server
         server.check_model(body.model)
         await self._check_tools(body)
-        ids = await server.encode_chat(
+        parts = await server.encode_chat(
             _conversation(body),
             body.template_kwargs(server.template_kwargs(None)),
             body.offered_tools(),
             body.prefill or "",
         )
-        return {"input_tokens": len(ids)}
+        # An image counts as its placeholder: its run's length needs the image decoded.
+        return {"input_tokens": len(parts.token_ids)}
 
     async def _check_tools(self, body: ConversationRequest) -> None:
         if body.tools:  # compiling schemas can take a while: off the event loop

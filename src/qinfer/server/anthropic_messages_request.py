@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from qinfer.sampling import MAX_STOP_STRINGS
+from qinfer.server.images import ImageRef, image_part
 from qinfer.server.protocol import (
     MAX_CONSTRAINT_BYTES,
     MAX_TOOLS,
@@ -71,15 +72,40 @@ class RedactedThinkingBlock(Block):
     data: str
 
 
+class Base64Source(StrictModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(StrictModel):
+    """An http(s) URL, fetched only from a host the server allows (`qinfer.server.images`)."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def ref(self, field: str) -> ImageRef:
+        """The image of this block, which is the request's `field`."""
+        source = self.source
+        if isinstance(source, Base64Source):
+            return ImageRef(f"{field}.source.data", data=source.data)
+        return ImageRef(f"{field}.source.url", url=source.url)
+
+
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
 
 #: The blocks each role's messages may hold.
 ROLE_BLOCKS = {
-    "user": ("text", "tool_result"),
+    "user": ("text", "image", "tool_result"),
     "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
 }
 
@@ -248,16 +274,18 @@ class ConversationRequest(StrictModel):
         messages = [{"role": "system", "content": system}] if system else []
         # A prefill is not a turn: the prompt ends with the reply opened, then its text.
         turns = self.messages[:-1] if self.prefill is not None else self.messages
-        for message in turns:
+        for i, message in enumerate(turns):
             blocks = message.content
             if isinstance(blocks, str):
                 blocks = [TextBlock(type="text", text=blocks)]
             if message.role == "assistant":
                 messages.append(_assistant_turn(blocks))
                 continue
-            texts: list[TextBlock] = []
-            for block in blocks:
-                if isinstance(block, ToolResultBlock):
+            texts: list[TextBlock | dict[str, Any]] = []
+            for j, block in enumerate(blocks):
+                if isinstance(block, ImageBlock):
+                    texts.append(image_part(block.ref(f"messages.{i}.content.{j}")))
+                elif isinstance(block, ToolResultBlock):
                     tool = {
                         "role": "tool",
                         "content": block.text,
@@ -267,7 +295,7 @@ class ConversationRequest(StrictModel):
                 else:
                     texts.append(block)
             if texts or not blocks:
-                messages.append({"role": "user", "content": _joined(texts)})
+                messages.append({"role": "user", "content": _user_content(texts)})
         return messages
 
 
@@ -295,6 +323,17 @@ def _assistant_turn(blocks: list[Any]) -> dict[str, Any]:
 def _message_text(message: Message) -> str:
     content = message.content
     return content if isinstance(content, str) else _joined(content)
+
+
+def _user_content(blocks: list[TextBlock | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user turn's text blocks as one text; with images (the engine's image parts, in
+    `blocks` already), its text and image parts in order."""
+    if all(isinstance(block, TextBlock) for block in blocks):
+        return _joined(blocks)
+    return [
+        {"type": "text", "text": block.text} if isinstance(block, TextBlock) else block
+        for block in blocks
+    ]
 
 
 def _joined(blocks: list[TextBlock]) -> str:

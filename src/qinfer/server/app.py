@@ -175,6 +175,7 @@ def serve(
     port: int = 8000,
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
+    allowed_media_domains: Sequence[str] = (),
     served_model_name: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     dtype: str | None = None,
@@ -191,7 +192,8 @@ def serve(
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
 
-    api_key: one key or several (see `ServerSettings`); allowed_origins: CORS origins.
+    api_key: one key or several (see `ServerSettings`); allowed_origins: CORS origins;
+    allowed_media_domains: the hosts whose image URLs are fetched (`ServerSettings`).
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
 
@@ -222,6 +224,7 @@ def serve(
         model_name=served_model_name or served_name(path),
         api_key=api_key,
         allowed_origins=tuple(allowed_origins),
+        allowed_media_domains=tuple(allowed_media_domains),
         pooling=pooling or PoolingParams(),
         task=task or checkpoint_task(path),
         chat_template_kwargs=dict(chat_template_kwargs or {}),

@@ -59,6 +59,16 @@ ENGINE_FLAGS = [
 ]
 
 
+def host_name(text: str) -> str:
+    """An argparse type: one host of --allowed-media-domains (`images.media_domain`)."""
+    from qinfer.server.images import media_domain  # the server's modules load on serve only
+
+    try:
+        return media_domain(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def json_object(text: str) -> dict[str, Any]:
     """An argparse type: a JSON object such as '{"enable_thinking": false}'."""
     try:
@@ -99,6 +109,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="let web pages from ORIGIN call the API (CORS), e.g. http://localhost:3000; "
         "repeat for several, '*' for any (default: none)",
+    )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        action="extend",
+        type=host_name,
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) image URLs of these hosts (exact names, e.g. images.example.com; "
+        "default: none, only data URLs and base64 images are read)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -205,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=api_keys(args),
         allowed_origins=args.allowed_origins or (),
+        allowed_media_domains=args.allowed_media_domains or (),
         served_model_name=args.served_model_name,
         chat_template_kwargs=args.chat_template_kwargs,
         **load_arguments(args),

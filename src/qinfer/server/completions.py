@@ -26,6 +26,7 @@ from qinfer.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
     from qinfer.engine import AsyncEngine, RequestOutput
+    from qinfer.text.prompts import PromptParts
 
 
 @dataclass
@@ -74,20 +75,22 @@ class Choice:
     model had stopped: the caller aborts the engine request and ignores its later outputs).
     echo: text the content starts with (a text completion's `echo`: its prompt); with
     `params.prompt_logprobs`, the logprobs start with the prompt tokens' (the first's None).
+    prompt: the prompt's ids, or its `PromptParts` when it holds images (which the engine
+    reads, and whose placeholders it expands).
     """
 
     def __init__(
         self,
         index: int,
         request_id: str,
-        prompt_ids: list[int],
+        prompt: list[int] | PromptParts,
         params: SamplingParams,
         split_reasoning: bool,
         tools: ToolUse | None = None,
         echo: str = "",
     ):
         self.index, self.request_id = index, request_id
-        self.prompt_ids, self.params = prompt_ids, params
+        self.prompt, self.params = prompt, params
         self.split_reasoning = split_reasoning
         self.reasoning: ReasoningStream | None = None  # made at the first output
         self.tools = tools
@@ -116,7 +119,7 @@ class Choice:
             delta.logprobs = output.logprobs[self.num_logprobs :]
             self.num_logprobs = len(output.logprobs)
         if self.echo_logprobs and output.prompt_logprobs is not None:
-            first = TokenLogprob(self.prompt_ids[0], None, {})  # nothing predicts it
+            first = TokenLogprob(output.prompt_token_ids[0], None, {})  # nothing predicts it
             delta.logprobs = [first, *output.prompt_logprobs[1:], *delta.logprobs]
             self.echo_logprobs = False
         if self.reasoning is None:
@@ -164,17 +167,18 @@ def usage(outputs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
 class Completion:
     """The engine requests behind one API request, and their merged stream of deltas.
 
-    prompts: token ids of each prompt; params: the sampling of choice 0 of every prompt
-    (choice j gets `seed + j`); split_reasoning: split `<think>` blocks off the text; tools: parse tool calls out of the
-    content (chat requests that offer tools); echo: the text each prompt's choices start
-    with (a text completion's `echo`), or None.
+    prompts: token ids of each prompt (its `PromptParts` when it holds images); params: the
+    sampling of choice 0 of every prompt (choice j gets `seed + j`); split_reasoning: split
+    `<think>` blocks off the text; tools: parse tool calls out of the content (chat
+    requests that offer tools); echo: the text each prompt's choices start with (a text
+    completion's `echo`), or None.
     """
 
     def __init__(
         self,
         engine: AsyncEngine,
         metrics: ServerMetrics,
-        prompts: Sequence[list[int]],
+        prompts: Sequence[list[int] | PromptParts],
         params: SamplingParams,
         n: int,
         id_prefix: str,
@@ -186,14 +190,14 @@ class Completion:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = []
-        for i, prompt_ids in enumerate(prompts):
+        for i, prompt in enumerate(prompts):
             for j in range(n):
                 index = i * n + j
                 seeded = params if params.seed is None else params.replace(seed=params.seed + j)
                 echoed = "" if echo is None else echo[i]
                 request_id = f"{self.id}-{index}"
                 self.choices.append(
-                    Choice(index, request_id, prompt_ids, seeded, split_reasoning, tools, echoed)
+                    Choice(index, request_id, prompt, seeded, split_reasoning, tools, echoed)
                 )
 
     def usage(self) -> dict[str, Any]:
@@ -210,7 +214,7 @@ class Completion:
         async def pump(choice: Choice) -> None:
             """Relay one engine request's outputs to the queue, then None (or its error)."""
             timer = RequestTimer(self.metrics)
-            stream = self.engine.generate(choice.prompt_ids, choice.params, choice.request_id)
+            stream = self.engine.generate(choice.prompt, choice.params, choice.request_id)
             try:
                 async for output in stream:
                     timer.tokens_arrived(len(output.delta_token_ids))

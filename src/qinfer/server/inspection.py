@@ -48,7 +48,7 @@ class InspectRequest(StrictModel):
             and self.prompt
             and isinstance(self.prompt[0], ChatMessage)
         ):
-            return [message.for_template() for message in self.prompt]
+            return [message.for_template(i) for i, message in enumerate(self.prompt)]
         return self.prompt
 
 

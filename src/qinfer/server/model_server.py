@@ -7,6 +7,7 @@ settings, metrics; chat and completions, tokenize, the model list, inspection) a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -24,6 +25,7 @@ from qinfer.pooling import PoolingParams
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError
+from qinfer.server.images import ImageReader
 from qinfer.server.inspection import (
     InspectRequest,
     encode_inspected_prompt,
@@ -40,7 +42,7 @@ from qinfer.server.protocol import (
 from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.text.fill_in_middle import fim_tokens
-from qinfer.text.prompts import encode_prompt
+from qinfer.text.prompts import PromptParts, encode_prompt, encode_prompt_parts
 from qinfer.text.reasoning import splits_reasoning
 from qinfer.text.tokenizer import Tokenizer
 from qinfer.tool_calls import (
@@ -73,6 +75,8 @@ class ServerSettings:
         its dimensions); by default Qwen3-Embedding's: last token, normalised.
     task: "generate" (every route), "embed" (embeddings) or "rerank" (rerank and score);
         see the module doc.
+    allowed_media_domains: the hosts whose http(s) image URLs the server fetches (exact
+        names); none by default: only inline images (data URLs, base64) are read.
     """
 
     model_name: str
@@ -83,6 +87,7 @@ class ServerSettings:
     checkpoint_sampling: Mapping[str, Any] = field(default_factory=dict)
     pooling: PoolingParams = field(default_factory=PoolingParams)
     task: str = "generate"
+    allowed_media_domains: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -119,6 +124,12 @@ class ModelServer:
         self.created = int(time.time())
         self.splits_reasoning = splits_reasoning(tokenizer)
         self.tool_format = tool_call_format(tokenizer)
+        self.images = ImageReader(settings.allowed_media_domains)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model reads images (a vision-language checkpoint with its tower)."""
+        return self.engine.engine.vision.encoder is not None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -173,7 +184,7 @@ class ModelServer:
                 check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
             )
         completion = await self.start_chat(
-            [message.for_template() for message in body.messages],
+            [message.for_template(i) for i, message in enumerate(body.messages)],
             self.sampling_params(body, chat=True),
             self.template_kwargs(body.chat_template_kwargs, body.thinking),
             tools=body.offered_tools(),
@@ -195,18 +206,20 @@ class ModelServer:
         template_kwargs: Mapping[str, Any],
         tools: list[dict[str, Any]] | None = None,
         prefill: str = "",
-    ) -> list[int]:
-        """The prompt ids of a conversation (messages as the template reads them) that
-        offers `tools` (OpenAI function tools, None: none), in the family's tool format;
-        prefill: text the reply starts with (after the template's opening of it)."""
+    ) -> PromptParts:
+        """The prompt ids and images of a conversation (messages as the template reads
+        them, image parts the engine's) that offers `tools` (OpenAI function tools, None:
+        none), in the family's tool format; prefill: text the reply starts with (after the
+        template's opening of it)."""
         messages, tool_kwargs = tool_prompt(self.tool_format, messages, tools)
         # Templates and tokenizers can take milliseconds on long chats: off the event loop.
-        ids = await run_in_threadpool(
-            encode_prompt, self.tokenizer, messages, **template_kwargs, **tool_kwargs
+        parts = await run_in_threadpool(
+            encode_prompt_parts, self.tokenizer, messages, **template_kwargs, **tool_kwargs
         )
         if prefill:
-            ids += await run_in_threadpool(self.tokenizer.encode, prefill, False)
-        return ids
+            ids = await run_in_threadpool(self.tokenizer.encode, prefill, False)
+            parts = dataclasses.replace(parts, token_ids=parts.token_ids + ids)
+        return parts
 
     async def start_chat(
         self,
@@ -225,8 +238,13 @@ class ModelServer:
         encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
         out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
         grammar in the model's own wrapping; prefill: text the reply continues (the
-        Messages API's last assistant message). The Responses and Messages APIs share it."""
-        prompt_ids = await self.encode_chat(messages, template_kwargs, tools, prefill)
+        Messages API's last assistant message). The Responses and Messages APIs share it.
+        Image parts (`qinfer.server.images`) are read here, so a bad one is a 400 naming
+        it before the engine sees the request."""
+        messages = await self.images.read_images(messages, self.accepts_images)
+        parts = await self.encode_chat(messages, template_kwargs, tools, prefill)
+        # With images the engine gets the parts: it expands each placeholder to its image's run.
+        prompt = parts if parts.images else parts.token_ids
         names = tuple(tool["function"]["name"] for tool in tools or ())
         tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
         if tools and forced_tool is not None:
@@ -243,7 +261,7 @@ class ModelServer:
         return Completion(
             self.engine,
             self.metrics,
-            [prompt_ids],
+            [prompt],
             params,
             n,
             id_prefix,
@@ -305,8 +323,8 @@ class ModelServer:
                 }
             )
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
-            messages = [message.for_template() for message in body.messages]
-            ids = await self.encode_chat(messages, template_kwargs, tools)
+            messages = [message.for_template(i) for i, message in enumerate(body.messages)]
+            ids = (await self.encode_chat(messages, template_kwargs, tools)).token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.context_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:

@@ -395,7 +395,7 @@ class ResponsesAPI:
         if body.reasoning is not None and body.reasoning.thinking is not None:
             template_kwargs["enable_thinking"] = body.reasoning.thinking
         params = server.settings.default_params.replace(**body.sampling_overrides())
-        messages = template_messages(body.instructions, conversation)
+        messages = template_messages(body.instructions, conversation, len(earlier))
         if not messages:  # reasoning items alone: no turn for the template to render
             raise APIError(
                 400,

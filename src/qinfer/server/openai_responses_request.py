@@ -21,11 +21,13 @@ from pydantic import (
     model_validator,
 )
 
+from qinfer.server.images import ImageRef, image_part
 from qinfer.server.protocol import (
     MAX_CONSTRAINT_BYTES,
     MAX_TOOLS,
     ResponseFormat,
     StrictModel,
+    Unsupported,
     check_tools,
     json_object,
 )
@@ -55,7 +57,17 @@ class Refusal(EchoedModel):
     refusal: str
 
 
-ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+class InputImage(StrictModel):
+    """An image: `image_url` a data URL or an http(s) URL (`qinfer.server.images`);
+    uploaded files are OpenAI-hosted (refused)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None  # None: refused as no URL (a file_id is refused first)
+    detail: Literal["auto", "low", "high", "original"] | None = None  # the checkpoint sizes images
+    file_id: Unsupported("uploaded files are OpenAI-hosted: send a data URL") = None
+
+
+ContentPart = Annotated[InputText | InputImage | OutputText | Refusal, Field(discriminator="type")]
 
 
 class MessageItem(EchoedModel):
@@ -70,7 +82,22 @@ class MessageItem(EchoedModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+        texts = [p for p in self.content if not isinstance(p, InputImage)]
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in texts)
+
+    def template_content(self, field: str) -> str | list[dict[str, Any]]:
+        """The content as the template reads it: its text, or with images (this item
+        being `field`) its text and the engine's image parts, in order."""
+        if isinstance(self.content, str) or not any(
+            isinstance(p, InputImage) for p in self.content
+        ):
+            return self.text
+        return [
+            image_part(ImageRef(f"{field}.content.{j}.image_url", p.image_url))
+            if isinstance(p, InputImage)
+            else {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text}
+            for j, p in enumerate(self.content)
+        ]
 
 
 class FunctionCallItem(EchoedModel):
@@ -314,8 +341,12 @@ class ResponsesRequest(StrictModel):
         return {name: value for name, value in fields.items() if value is not None}
 
 
-def template_messages(instructions: str | None, items: list[Any]) -> list[dict[str, Any]]:
-    """The conversation of `items` as a chat template reads it.
+def template_messages(
+    instructions: str | None, items: list[Any], first_input: int = 0
+) -> list[dict[str, Any]]:
+    """The conversation of `items` as a chat template reads it; items from `first_input`
+    on are the request's `input` (before: the previous response's), which names their
+    image parts.
 
     Developer messages are system messages; a reasoning item becomes the
     `reasoning_content` of the assistant turn after it; consecutive function calls join
@@ -323,7 +354,7 @@ def template_messages(instructions: str | None, items: list[Any]) -> list[dict[s
     """
     messages = [{"role": "system", "content": instructions}] if instructions else []
     reasoning = None  # a reasoning item's text, for the next assistant turn
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             reasoning = item.text
             continue
@@ -332,7 +363,8 @@ def template_messages(instructions: str | None, items: list[Any]) -> list[dict[s
             continue
         if isinstance(item, MessageItem) and item.role != "assistant":
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text})
+            field = f"input.{i - first_input}" if i >= first_input else "previous_response_id"
+            messages.append({"role": role, "content": item.template_content(field)})
             continue
         last = messages[-1] if messages else None
         if isinstance(item, FunctionCallItem) and last is not None and last["role"] == "assistant":

@@ -28,6 +28,7 @@ from pydantic import (
 
 from qinfer.grammar import lenient_schema
 from qinfer.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS
+from qinfer.server.images import ImageRef, image_part
 from qinfer.text.prompts import Prompt
 
 log = logging.getLogger("qinfer.server")
@@ -137,10 +138,25 @@ class StreamOptions(StrictModel):
 
 
 class TextPart(StrictModel):
-    """A part of a message's content; only text parts are supported."""
+    """A text part of a message's content."""
 
     type: Literal["text"]
     text: str
+
+
+class ImageURL(StrictModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the checkpoint sizes images
+
+
+class ImageURLPart(StrictModel):
+    """An image part: a data URL, or an http(s) URL (`qinfer.server.images`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
 class CalledFunction(StrictModel):
@@ -174,16 +190,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[AssistantToolCall] | None = None
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it: content parts joined into one string;
-        a call's arguments decoded; an assistant turn of only calls has content "" (OpenAI
-        clients send null, which Qwen's template cannot read)."""
+    def for_template(self, index: int = 0) -> dict[str, Any]:
+        """The message (`messages.{index}`) as a chat template reads it: text parts joined
+        into one string, or, when it holds images, text parts and the engine's image parts
+        (`images.image_part`); a call's arguments decoded; an assistant turn of only calls
+        has content "" (OpenAI clients send null, which Qwen's template cannot read)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.text for part in self.content)
+            if any(isinstance(part, ImageURLPart) for part in self.content):
+                message["content"] = [
+                    image_part(
+                        ImageRef(f"messages.{index}.content.{j}.image_url", part.image_url.url)
+                    )
+                    if isinstance(part, ImageURLPart)
+                    else {"type": "text", "text": part.text}
+                    for j, part in enumerate(self.content)
+                ]
+            else:
+                message["content"] = "".join(part.text for part in self.content)
         if self.tool_calls and self.content is None:
             message["content"] = ""
         return message

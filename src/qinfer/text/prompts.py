@@ -34,7 +34,6 @@ from qinfer.vision.image import ImageSource
 from qinfer.vision.language_model import ImagePrompt
 
 Messages = Sequence[Mapping[str, object]]
-Prompt = str | Sequence[int] | Messages | ImagePrompt
 
 #: Qwen-VL's image token, and the run an image part stands for in a rendered prompt (one
 #: <|image_pad|>, which the engine expands to the image's tokens).
@@ -53,6 +52,10 @@ class PromptParts:
     token_ids: list[int]
     images: tuple[ImageSource | Image.Image, ...] = ()
     placeholders: bool = False
+
+
+#: A `PromptParts` is a prompt already encoded (`encode_prompt_parts`).
+Prompt = str | Sequence[int] | Messages | ImagePrompt | PromptParts
 
 
 def is_batch(prompt: object) -> bool:
@@ -105,8 +108,13 @@ def encode_prompt_parts(
     vocab_size: int | None = None,
     **template_kwargs,
 ) -> PromptParts:
-    """Token ids and images of one prompt (`encode_prompt`'s arguments), images allowed."""
-    if isinstance(prompt, ImagePrompt):
+    """Token ids and images of one prompt (`encode_prompt`'s arguments), images allowed.
+
+    A `PromptParts` is taken as encoded (its ids still checked): a caller that renders the
+    template itself, with tools and template variables (the server), hands it on so."""
+    if isinstance(prompt, PromptParts):
+        parts = prompt
+    elif isinstance(prompt, ImagePrompt):
         if not is_token_ids(prompt.token_ids):
             raise QinferError("ImagePrompt.token_ids must be a non-empty list of token ids")
         parts = PromptParts(list(prompt.token_ids), tuple(prompt.images))

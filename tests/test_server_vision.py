@@ -67,8 +67,9 @@ def huge_png() -> bytes:
 # --- the checkpoint and the servers ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def build_tiny_vl(folder) -> None:
+    """A random Qwen2.5-VL checkpoint with its preprocessor and a Qwen-VL tokenizer in
+    `folder` (tests/test_vl_engine.py's sizes and tokens)."""
     import transformers
 
     config = transformers.Qwen2_5_VLConfig(
@@ -76,10 +77,21 @@ def folder(tmp_path_factory):
     )
     reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
     spread_weights(reference.eval())
-    folder = tmp_path_factory.mktemp("tiny-vl")
     reference.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR["qwen2.5-vl"]))
     save_vl_tokenizer(folder, VL_TEMPLATE)
+
+
+def build_text_only(folder) -> None:
+    """A random Qwen3 (no vision tower) with the same tokenizer."""
+    build_checkpoint(folder, "qwen3", vocab_size=VOCAB)
+    save_vl_tokenizer(folder, VL_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-vl")
+    build_tiny_vl(folder)
     return folder
 
 
@@ -309,8 +321,7 @@ def test_bad_anthropic_images_are_400s_in_its_shape_naming_their_part(claude, ht
 
 
 def test_an_image_sent_to_a_text_only_model_is_a_400_naming_its_part(tmp_path):
-    build_checkpoint(tmp_path, "qwen3", vocab_size=VOCAB)
-    save_vl_tokenizer(tmp_path, VL_TEMPLATE)
+    build_text_only(tmp_path)
     running = start(tmp_path)
     try:
         text_only = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)

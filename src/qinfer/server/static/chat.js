@@ -1,7 +1,8 @@
 // The chat page: a conversation with the served model over /v1/chat/completions (SSE).
 //
 // The conversations live in conversations.js (localStorage); the one on the page is
-// `chats.current.messages` ({role, content, reasoning?, stats?, error?}). Each answer
+// `chats.current.messages` ({role, content, images?, reasoning?, stats?, error?}; images:
+// a user message's data URLs, sent as OpenAI image_url parts before its text). Each answer
 // streams in; its reasoning (Qwen3's <think> block, split by the server into
 // reasoning_content) shows in a collapsible block; Stop aborts the fetch, which closes
 // the connection, and the server aborts the request. A failed answer leaves an error
@@ -17,7 +18,7 @@ const SETTINGS = ["system", "temperature", "top-p", "max-tokens", "thinking"];
 
 const $ = (id) => document.getElementById(id);
 const chats = new Conversations();
-const chat = { running: null };
+const chat = { running: null, images: [] }; // images: attached to the next message
 const messages = () => chats.current.messages;
 
 // --- settings -------------------------------------------------------------------------
@@ -56,7 +57,7 @@ function requestBody(conversation) {
   const system = $("system").value.trim();
   if (system) body.messages.push({ role: "system", content: system });
   for (const message of conversation) {
-    if (!message.error) body.messages.push({ role: message.role, content: message.content });
+    if (!message.error) body.messages.push({ role: message.role, content: contentOf(message) });
   }
   const number = (id) => ($(id).value === "" ? undefined : Number($(id).value));
   if (number("temperature") !== undefined) body.temperature = number("temperature");
@@ -65,6 +66,65 @@ function requestBody(conversation) {
   if (!$("thinking-setting").hidden && $("thinking").value)
     body.chat_template_kwargs = { enable_thinking: $("thinking").value === "on" };
   return body;
+}
+
+// A message's content as the API takes it: its text, or its images' parts then the text.
+function contentOf(message) {
+  if (!message.images || !message.images.length) return message.content;
+  const parts = message.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (message.content) parts.push({ type: "text", text: message.content });
+  return parts;
+}
+
+// --- attaching images -----------------------------------------------------------------
+// Chosen with the + button (a file input) or pasted into the message box; read as data
+// URLs, shown above the box until the next message takes them.
+
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  for (const url of await Promise.all(images.map(readImage))) chat.images.push(url);
+  drawAttachments();
+}
+
+function drawAttachments() {
+  const list = $("attachments");
+  list.hidden = !chat.images.length;
+  list.replaceChildren();
+  chat.images.forEach((url, index) => {
+    const item = element("li");
+    const image = element("img", "thumbnail");
+    image.src = url;
+    image.alt = `Attached image ${index + 1}`;
+    const remove = smallButton("remove-image", "✕", () => {
+      chat.images.splice(index, 1);
+      drawAttachments();
+      $("prompt").focus();
+    });
+    remove.setAttribute("aria-label", `Remove image ${index + 1}`);
+    item.append(image, remove);
+    list.append(item);
+  });
+}
+
+// The thumbnails of a user message's images, in its bubble.
+function messageImages(images) {
+  const row = element("div", "images");
+  images.forEach((url, index) => {
+    const image = element("img", "thumbnail");
+    image.src = url;
+    image.alt = `Image ${index + 1}`;
+    row.append(image);
+  });
+  return row;
 }
 
 // --- the drawer and the history of conversations --------------------------------------
@@ -186,6 +246,7 @@ function drawMessage(node, message, index) {
     details.append(element("div", "reasoning-text", message.reasoning));
     bubble.append(details);
   }
+  if (message.images && message.images.length) bubble.append(messageImages(message.images));
   const content = element("div", "content");
   if (message.role === "assistant") content.append(renderMarkdown(message.content));
   else content.textContent = message.content;
@@ -305,10 +366,13 @@ async function answer() {
 function send(event) {
   event.preventDefault();
   const text = $("prompt").value.trim();
-  if (!text || chat.running) return;
+  if ((!text && !chat.images.length) || chat.running) return;
   $("prompt").value = "";
   fitPrompt();
-  messages().push({ role: "user", content: text });
+  const message = { role: "user", content: text };
+  if (chat.images.length) message.images = chat.images.splice(0);
+  drawAttachments();
+  messages().push(message);
   chats.save();
   answer();
 }
@@ -340,6 +404,17 @@ $("prompt").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) send(event);
 });
 $("prompt").addEventListener("input", fitPrompt);
+$("prompt").addEventListener("paste", (event) => {
+  const files = [...event.clipboardData.files].filter((file) => file.type.startsWith("image/"));
+  if (!files.length) return; // text pastes as text
+  event.preventDefault();
+  attach(files);
+});
+$("attach").addEventListener("click", () => $("image-input").click());
+$("image-input").addEventListener("change", (event) => {
+  attach(event.target.files).finally(() => (event.target.value = "")); // the same file again
+  $("prompt").focus();
+});
 $("stop").addEventListener("click", () => {
   stopAnswer();
   $("prompt").focus();

@@ -44,7 +44,7 @@ export class Conversations {
     if (chat.named) return chat.title;
     const first = chat.messages.find((message) => message.role === "user");
     if (!first) return "New chat";
-    const line = first.content.trim().split("\n")[0];
+    const line = first.content.trim().split("\n")[0] || "Image"; // an image sent alone
     return line.length > TITLE_LENGTH ? `${line.slice(0, TITLE_LENGTH - 1)}…` : line;
   }
 

@@ -271,3 +271,17 @@ def build_chat_checkpoint(folder: Path, family: str, **overrides):
     reference = build_checkpoint(folder, family, vocab_size=CHAT_VOCAB_SIZE, **overrides)
     build_tokenizer(folder)
     return reference
+
+
+def spread_weights(model: torch.nn.Module) -> None:
+    """Weights of order 1/sqrt(fan_in), norm scales around 1, biases around 0: a random
+    model whose outputs are of order 1, so that a parity tolerance means something."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator) * p[0].numel() ** -0.5)
+            elif "norm" in name or "ln_q" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=generator))

@@ -260,6 +260,12 @@ def test_int8_dot_is_offered_where_the_kernels_take_the_weight(monkeypatch):
     )
 
 
+def test_int8_dot_is_not_offered_to_fp16_activations(monkeypatch):
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    assert "int8_dot" not in quantized("int8", 48, torch.float16).paths()
+    assert "int8_dot" in quantized("int8", 48, torch.float32).paths()
+
+
 def test_a_kernel_that_cannot_be_built_is_one_error_at_the_first_call(monkeypatch):
     monkeypatch.setattr(kernels, "buildable", lambda: True)
     monkeypatch.setattr(kernels, "available", lambda: "no C++ compiler (c++) to build int_dot.cpp")

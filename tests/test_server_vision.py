@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import struct
 import threading
 import zlib
@@ -25,7 +24,7 @@ from checkpoints import build_checkpoint
 from server_process import wait_until_idle
 from test_server import ServerThread
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
-from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, spread_weights
+from test_vl_models import TEXT, make_image, save_vl_checkpoint
 
 import qinfer
 from qinfer import LLM, SamplingParams
@@ -50,6 +49,12 @@ def png(image) -> bytes:
     return buffer.getvalue()
 
 
+def ppm(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PPM")
+    return out.getvalue()
+
+
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
@@ -70,15 +75,7 @@ def huge_png() -> bytes:
 def build_tiny_vl(folder) -> None:
     """A random Qwen2.5-VL checkpoint with its preprocessor and a Qwen-VL tokenizer in
     `folder` (tests/test_vl_engine.py's sizes and tokens)."""
-    import transformers
-
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(TEXT, vocab_size=VOCAB), vision_config=VISION["qwen2.5-vl"], **SPECIAL
-    )
-    reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    spread_weights(reference.eval())
-    reference.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR["qwen2.5-vl"]))
+    save_vl_checkpoint(folder, "qwen2.5-vl", dict(TEXT, vocab_size=VOCAB), SPECIAL)
     save_vl_tokenizer(folder, VL_TEMPLATE)
 
 
@@ -255,6 +252,8 @@ PART = "messages.0.content.0.image_url"
 BAD_IMAGE_URLS = {
     "https://example.com/cat.png": "--allowed-media-domains does not name it",
     "file:///etc/passwd": "must be a data URL or an http(s) URL",
+    "http://[abc/x.png": "not a valid URL",  # urlsplit raises on the open IPv6 bracket
+    data_url(ppm(IMAGE)): "not an image file",  # PPM: a format Pillow reads, not one of ours
     data_url(b"hello", "text/plain"): "not an image",
     "data:image/png;base64,***": "not valid base64",
     data_url(b"\x00" * 64): "not an image file",
@@ -328,6 +327,11 @@ def test_an_image_sent_to_a_text_only_model_is_a_400_naming_its_part(tmp_path):
         with pytest.raises(openai.BadRequestError, match="takes no images") as caught:
             chat_image(text_only, data_url(png(IMAGE)))
         assert caught.value.body["param"] == PART
+        # /tokenize of the same chat: refused alike, not the placeholder text's tokens
+        image_part = {"type": "image_url", "image_url": {"url": data_url(png(IMAGE))}}
+        body = {"messages": [{"role": "user", "content": [image_part]}]}
+        answer = httpx.post(f"{running.url}/tokenize", json=body, timeout=60)
+        assert answer.status_code == 400 and "takes no images" in answer.text
     finally:
         running.stop()
 

@@ -11,6 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from checkpoints import spread_weights
 from PIL import Image
 
 from qinfer.errors import ConfigError, RequestError
@@ -170,6 +171,8 @@ def test_an_image_more_elongated_than_200_to_1_is_refused():
     settings = ImageSettings.from_hf(QWEN2_5_PREPROCESSOR)
     with pytest.raises(RequestError, match=r"^image strip is 2010 x 10: more elongated"):
         smart_resize(10, 2010, settings, "strip")
+    with pytest.raises(RequestError, match=r"^image empty is 0 x 5: it has no pixels"):
+        smart_resize(5, 0, settings, "empty")
 
 
 @pytest.mark.parametrize(
@@ -199,21 +202,6 @@ def test_patch_positions_and_windows_match_transformers(grids):
     expected_order, expected_bounds = get_vision_window_index(grid_thw, 2, 56, 14)
     assert torch.equal(order, expected_order)
     assert bounds == expected_bounds.tolist()
-
-
-def spread_weights(model: torch.nn.Module) -> None:
-    """Weights of order 1/sqrt(fan_in), biases and norm scales spread around 0 and 1: a
-    random tower whose embeddings are of order 1, so that the tolerance means something."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=generator) * fan_in**-0.5)
-            elif "norm" in name or "ln_q" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
 
 
 @pytest.fixture(scope="module")

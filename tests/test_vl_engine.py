@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from checkpoints import CHATML_TEMPLATE, build_checkpoint, build_tokenizer
-from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, spread_weights
+from test_vl_models import TEXT, VISION, make_image, save_vl_checkpoint
 from tokenizers import Tokenizer
 
 from qinfer import LLM, SamplingParams
@@ -61,23 +61,8 @@ def save_vl_tokenizer(folder, template: str) -> None:
 @pytest.fixture(scope="module", params=list(VISION))
 def checkpoint(request, tmp_path_factory):
     """(folder, transformers' model) of one family's random checkpoint with a tokenizer."""
-    import transformers
-
-    family, text = request.param, dict(TEXT, vocab_size=VOCAB)
-    if family == "qwen2.5-vl":
-        config = transformers.Qwen2_5_VLConfig(
-            text_config=text, vision_config=VISION[family], **SPECIAL
-        )
-        reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    else:
-        config = transformers.Qwen3VLConfig(
-            text_config=dict(text, head_dim=16), vision_config=VISION[family], **SPECIAL
-        )
-        reference = transformers.Qwen3VLForConditionalGeneration(config)
-    spread_weights(reference.eval())
-    folder = tmp_path_factory.mktemp(family)
-    reference.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR[family]))
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = save_vl_checkpoint(folder, request.param, dict(TEXT, vocab_size=VOCAB), SPECIAL)
     save_vl_tokenizer(folder, VL_TEMPLATE)
     return folder, reference
 

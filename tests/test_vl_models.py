@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from checkpoints import spread_weights
 from PIL import Image
 
 from qinfer.attention.reference import ReferenceAttention
@@ -99,40 +100,33 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
 IMAGES = [make_image(112, 84, 0), make_image(56, 112, 1)]
 
 
-def spread_weights(model: torch.nn.Module) -> None:
-    """Weights of order 1/sqrt(fan_in), norm scales around 1, biases around 0: logits of
-    order 1, so that the tolerance means something."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=generator) * p[0].numel() ** -0.5)
-            elif "norm" in name or "ln_q" in name:
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+def save_vl_checkpoint(folder, family: str, text: dict = TEXT, special: dict = SPECIAL):
+    """transformers' random `family` model (VISION's tower, `text`'s text model, `special`'s
+    vision token ids) with spread weights, saved to `folder` with its preprocessor config;
+    returns the model (the reference)."""
+    import transformers
+
+    if family == "qwen2.5-vl":
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=VISION[family], **special
+        )
+        reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        config = transformers.Qwen3VLConfig(
+            text_config=dict(text, head_dim=16), vision_config=VISION[family], **special
+        )
+        reference = transformers.Qwen3VLForConditionalGeneration(config)
+    spread_weights(reference.eval())
+    reference.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR[family]))
+    return reference
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     """(our VisionLanguageModel, transformers' model) of one family's random checkpoint."""
-    import transformers
-
-    family = request.param
-    if family == "qwen2.5-vl":
-        config = transformers.Qwen2_5_VLConfig(
-            text_config=TEXT, vision_config=VISION[family], **SPECIAL
-        )
-        reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    else:
-        config = transformers.Qwen3VLConfig(
-            text_config=dict(TEXT, head_dim=16), vision_config=VISION[family], **SPECIAL
-        )
-        reference = transformers.Qwen3VLForConditionalGeneration(config)
-    spread_weights(reference.eval())
-    folder = tmp_path_factory.mktemp(family)
-    reference.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR[family]))
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = save_vl_checkpoint(folder, request.param)
     return VisionLanguageModel.load(folder, dtype="float32"), reference
 
 

@@ -51,7 +51,7 @@ from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
-from qinfer.vision.load import load_image_settings, load_vision_encoder
+from qinfer.vision.load import has_vision_tower, load_image_settings, load_vision_encoder
 
 
 class Request:
@@ -571,7 +571,7 @@ def build_engine(
 def _vision(path: Path, model: Transformer) -> VisionLanguageModel | None:
     """The vision tower and image settings of a vision-language checkpoint folder (its
     config names an image token), over its loaded text model; None for the others."""
-    if model.config.image_token_id is None or not path.is_dir():
+    if model.config.image_token_id is None or not path.is_dir() or not has_vision_tower(path):
         return None
     encoder = load_vision_encoder(path, model.dtype, model.device)
     return VisionLanguageModel(model, encoder, load_image_settings(path))

@@ -61,6 +61,8 @@ _NAME = "qinfer_int_dot"
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
 BLOCK = 32  # input columns per weight / activation block
+#: The activation dtypes the kernels take (fp16 is not one).
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
 _int4_mm = _int8_mm = None

@@ -136,9 +136,10 @@ class QuantizedLinear(Linear):
     def paths(self) -> tuple[str, ...]:
         """The paths this layer can take on its device (the kernel always; bf16 tiles only
         for bf16 activations: they would round an fp32 model's weights and activations;
-        int8_dot where the kind can hand the compiled kernels its weight and they can be
-        built here)."""
-        dot = (INT8_DOT,) if self._dot_supported() and kernels.buildable() else ()
+        int8_dot where the kind can hand the compiled kernels its weight, the activations
+        are fp32 or bf16 and the kernels can be built here)."""
+        takes = self.dtype in kernels.ACTIVATION_DTYPES and self._dot_supported()
+        dot = (INT8_DOT,) if takes and kernels.buildable() else ()
         if not self._tiles_supported():
             return (KERNEL, *dot)
         tiles = (FP32_TILES, BF16_TILES) if self.dtype == torch.bfloat16 else (FP32_TILES,)

@@ -83,6 +83,14 @@ def _refused(ref: ImageRef, reason: str) -> APIError:
     )
 
 
+def accepted_refs(messages: list[dict[str, Any]], accepts_images: bool) -> list[ImageRef]:
+    """The conversation's image parts; a 400 naming the first when the model takes none."""
+    refs = refs_in(messages)
+    if refs and not accepts_images:
+        raise _refused(refs[0], "this model takes no images (it is not a vision-language model)")
+    return refs
+
+
 class ImageReader:
     """Reads a request's image refs: decodes inline images, fetches allowed URLs.
 
@@ -103,13 +111,9 @@ class ImageReader:
     ) -> list[dict[str, Any]]:
         """The conversation with each ImageRef replaced by its decoded image (a 400 naming
         the part when it cannot be read, or when the model takes no images)."""
-        refs = refs_in(messages)
+        refs = accepted_refs(messages, accepts_images)
         if not refs:
             return messages
-        if not accepts_images:
-            raise _refused(
-                refs[0], "this model takes no images (it is not a vision-language model)"
-            )
         images = {ref: await self.read(ref) for ref in refs}
 
         def replaced(part: Any) -> Any:
@@ -161,31 +165,38 @@ class ImageReader:
 
     async def _fetched(self, ref: ImageRef, url: str) -> bytes:
         """The bytes at an allowed http(s) URL (no redirects: one could leave the list)."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(url)
+            hostname = parts.hostname  # parsed lazily: a bad port or IPv6 host raises here
+        except ValueError:
+            raise _refused(ref, "the image URL is not a valid URL") from None
+        if parts.scheme not in ("http", "https") or not hostname:
             raise _refused(ref, "an image URL must be a data URL or an http(s) URL")
-        if parts.hostname.lower() not in self.allowed_domains:
+        if hostname.lower() not in self.allowed_domains:
             raise _refused(
                 ref,
-                f"image URLs of {parts.hostname} are not fetched (the server's "
+                f"image URLs of {hostname} are not fetched (the server's "
                 "--allowed-media-domains does not name it): send the image as a data URL",
             )
         try:
-            # httpx's timeout bounds each read; this bounds the whole fetch (a slow drip).
-            async with (
-                asyncio.timeout(self.timeout),
-                httpx.AsyncClient(timeout=self.timeout, follow_redirects=False) as client,
-                client.stream("GET", url) as response,
-            ):
-                if response.status_code != 200:
-                    raise _refused(ref, f"fetching the image answered HTTP {response.status_code}")
-                body = bytearray()
-                async for chunk in response.aiter_bytes():
-                    body += chunk
-                    if len(body) > self.max_bytes:
-                        raise _refused(ref, f"the image is over {self.max_bytes:,} bytes")
-                return bytes(body)
-        except (httpx.HTTPError, TimeoutError) as error:
+            # httpx's timeout bounds each read; wait_for bounds the whole fetch (a slow drip)
+            return await asyncio.wait_for(self._download(ref, url), self.timeout)
+        except (httpx.HTTPError, httpx.InvalidURL, TimeoutError) as error:
             raise _refused(
                 ref, f"the image could not be fetched ({type(error).__name__})"
             ) from None
+
+    async def _download(self, ref: ImageRef, url: str) -> bytes:
+        """GET `url` without redirects (one could leave the allowed hosts), up to max_bytes."""
+        async with (
+            httpx.AsyncClient(timeout=self.timeout, follow_redirects=False) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise _refused(ref, f"fetching the image answered HTTP {response.status_code}")
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > self.max_bytes:
+                    raise _refused(ref, f"the image is over {self.max_bytes:,} bytes")
+            return bytes(body)

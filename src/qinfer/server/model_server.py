@@ -25,7 +25,7 @@ from qinfer.pooling import PoolingParams
 from qinfer.sampling import SamplingParams
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError
-from qinfer.server.images import ImageReader
+from qinfer.server.images import ImageReader, accepted_refs
 from qinfer.server.inspection import (
     InspectRequest,
     encode_inspected_prompt,
@@ -324,6 +324,9 @@ class ModelServer:
             )
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
             messages = [message.for_template(i) for i, message in enumerate(body.messages)]
+            # an image counts as its placeholder here (decoding it to count its tokens is
+            # the chat request's work), and only where the model takes images at all
+            accepted_refs(messages, self.accepts_images)
             ids = (await self.encode_chat(messages, template_kwargs, tools)).token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.context_len}
 

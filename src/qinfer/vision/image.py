@@ -36,6 +36,8 @@ from qinfer.errors import ConfigError, RequestError
 #: (about 89.5 million pixels, 256 MiB as RGB). Over twice that Pillow refuses on its own.
 MAX_IMAGE_PIXELS = 1024 * 1024 * 1024 // 4 // 3
 
+#: The formats `open_image` decodes: what browsers, cameras and the APIs' clients send.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 #: transformers' `smart_resize` refuses images more elongated than this.
 MAX_ASPECT_RATIO = 200
 
@@ -150,7 +152,9 @@ def open_image(
         raise RequestError(f"image {name} cannot be read: {e.strerror or e}", "image") from None
     with file:
         try:
-            image = Image.open(file)  # reads the header only
+            # reads the header only; the formats images are sent in (Pillow's rarer plugins,
+            # DDS or EPS, fail in ways of their own, or call out to Ghostscript)
+            image = Image.open(file, formats=IMAGE_FORMATS)
         except UnidentifiedImageError:
             raise RequestError(
                 f"image {name} is not an image file Pillow can read", "image"
@@ -168,7 +172,7 @@ def open_image(
             )
         try:
             image.load()  # decodes every pixel: a truncated file fails here
-        except (OSError, SyntaxError, ValueError) as e:
+        except (OSError, SyntaxError, ValueError, NotImplementedError) as e:
             raise RequestError(f"image {name} is truncated or corrupt: {e}", "image") from None
     return to_rgb(image)
 
@@ -187,6 +191,8 @@ def smart_resize(height: int, width: int, settings: ImageSettings, name: str) ->
     """(height, width) resized: both multiples of `settings.factor`, height * width within
     [min_pixels, max_pixels], the aspect ratio kept as closely as that allows. The same
     arithmetic as transformers' `smart_resize`; name: the image, for the error."""
+    if min(height, width) < 1:
+        raise RequestError(f"image {name} is {width} x {height}: it has no pixels", "image")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise RequestError(
             f"image {name} is {width} x {height}: more elongated than {MAX_ASPECT_RATIO}:1",

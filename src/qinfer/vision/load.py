@@ -56,6 +56,14 @@ def load_vision_encoder(
     return load(encoder, weights)
 
 
+def has_vision_tower(folder: str | Path) -> bool:
+    """Whether the folder's config.json is a vision-language model's (a model_type of
+    ENCODERS with a vision_config), not the text model of one saved on its own
+    (`qwen2_5_vl_text`, `qwen3_vl_text`), whose config still names an image token."""
+    cfg = read_json_object(Path(folder) / "config.json", ConfigError)
+    return cfg.get("model_type") in ENCODERS and isinstance(cfg.get("vision_config"), dict)
+
+
 def load_image_settings(folder: str | Path) -> ImageSettings:
     """The image settings of a checkpoint folder's preprocessor_config.json."""
     file = Path(folder) / PREPROCESSOR_FILE

@@ -33,6 +33,7 @@ from checkpoints import build_checkpoint, build_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planted_qwen3 import build_planted_qwen3
+from test_server_anthropic import FORECAST
 
 import qinfer
 from qinfer.engine import AsyncEngine
@@ -310,15 +311,6 @@ unknown_fields = st.sampled_from(["x", "", "temprature", "messages ", "__proto__
     max_size=4
 )
 
-FORECAST = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Tokyo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 #: Schemas a reply or a tool's arguments may follow: good, odd and invalid ones.
 schemas = st.sampled_from(
     [

@@ -278,18 +278,17 @@ def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokeniz
 
 #: The same run with `--kv-cache` (2026-12-01): llama.cpp with flash attention and its q8_0
 #: K and V cache (blocks of 32, an fp16 scale each) drifted 0.01029 (top-1 92.42%; 0.00826
-#: and 94.51% with its f16 cache). qinfer's default path with an int8 KV cache (one scale
-#: per token and 256-wide head) measured 0.01820 and 89.93%; the fp32 reference with an
-#: int8 KV cache alone 0.01138; with an fp8 cache the default path 0.01782. One scale per
-#: 256 values rounds Gemma's keys coarser than q8_0's blocks of 32: the bound is twice
-#: llama.cpp's, where SmolLM2's 64-wide heads keep within 1.5x (tests/test_quantize.py).
+#: and 94.51% with its f16 cache). qinfer's default path with an int8 KV cache measured
+#: 0.01820 and 89.93% with one scale per token and 256-wide head, and 0.00807 and 92.68%
+#: with one per block of 32 (2026-12-03, AMD EPYC; from token 300: 0.01204 against
+#: llama.cpp's 0.01393); the fp32 reference with an int8 KV cache alone 0.00110.
 LLAMA_CPP_Q8_KV_KL, LLAMA_CPP_Q8_KV_TOP1 = 0.01029, 0.9242
 
 
-def test_int8_kv_cache_drifts_from_float32_within_twice_llama_cpp_q8_0(gemma3, tokenizers):
+def test_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(gemma3, tokenizers):
     """The default load with an int8 KV cache against the exact fp32 dequantization, on
-    real text: within twice llama.cpp's KL with its q8_0 cache, and top-1 agreement at most
-    3.5 points below llama.cpp's."""
+    real text: no more than llama.cpp's KL with its q8_0 cache, and top-1 agreement no more
+    than a point below llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -300,5 +299,5 @@ def test_int8_kv_cache_drifts_from_float32_within_twice_llama_cpp_q8_0(gemma3, t
     ids = tokenizer.encode(text)[: 3 * 512]
     fast = qinfer.load_model(gemma3_path(), device="cpu", kv_cache_dtype="int8")
     result = perplexity(fast, ids, 512, base=ours)
-    assert result.kl <= 2 * LLAMA_CPP_Q8_KV_KL, result
-    assert result.top1 >= LLAMA_CPP_Q8_KV_TOP1 - 0.035, result
+    assert result.kl <= LLAMA_CPP_Q8_KV_KL, result
+    assert result.top1 >= LLAMA_CPP_Q8_KV_TOP1 - 0.01, result

@@ -28,32 +28,46 @@ from qinfer.sampling import SamplingParams
 INT8, FP8 = kv_format("int8", torch.float32), kv_format("fp8", torch.float32)
 
 
-def vectors(seed: int = 0) -> torch.Tensor:
-    """(64, 3, 32) K-like vectors: of magnitudes from 1e-3 to 1e3, one outlier per row."""
+def vectors(seed: int = 0, head_dim: int = 64) -> torch.Tensor:
+    """(64, 3, head_dim) K-like vectors: of magnitudes from 1e-3 to 1e3, one outlier per row."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(64, 3, 32, generator=generator)
+    x = torch.randn(64, 3, head_dim, generator=generator)
     x = x * torch.logspace(-3, 3, 64)[:, None, None]
     x[:, :, 5] *= 8  # an outlier channel, as keys have
     return x
 
 
-def test_int8_round_trip_is_within_half_a_step_of_each_vector():
+def test_int8_round_trip_is_within_half_a_step_of_each_block():
     x = vectors()
     data, scales = INT8.quantize(x)
-    assert data.dtype == torch.int8 and scales.shape == (64, 3) and scales.dtype == torch.float32
-    assert torch.equal(data.abs().amax(-1), torch.full((64, 3), 127, dtype=torch.int8))
-    error = (INT8.dequantize(data, scales, torch.float32) - x).abs()
-    step = x.abs().amax(-1, keepdim=True) / 127  # one int8 step of each (token, head)
+    assert data.dtype == torch.int8 and scales.shape == (64, 3, 2) and scales.dtype == torch.float32
+    blocks = data.view(64, 3, 2, 32)
+    assert torch.equal(blocks.abs().amax(-1), torch.full((64, 3, 2), 127, dtype=torch.int8))
+    error = (INT8.dequantize(data, scales, torch.float32) - x).view(64, 3, 2, 32).abs()
+    # one int8 step of each block of 32: the outlier in block 0 leaves block 1's alone
+    step = x.view(64, 3, 2, 32).abs().amax(-1, keepdim=True) / 127
     assert (error <= step * (0.5 + 1e-5)).all()
+    one_scale = KVFormat(torch.int8, 127.0, block=64)  # one scale per vector, as before
+    coarse = (one_scale.round_trip(x) - x).view(64, 3, 2, 32)[:, :, 1].abs()
+    assert error[:, :, 1].mean() < coarse.mean() / 2
+
+
+def test_a_head_dim_that_32_does_not_divide_takes_one_scale_per_vector():
+    x = vectors(head_dim=80)
+    data, scales = INT8.quantize(x)
+    assert scales.shape == (64, 3, 1) and INT8.element_bytes(80) == 80 + 4
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((INT8.dequantize(data, scales, torch.float32) - x).abs() <= step * 0.50001).all()
 
 
 def test_fp8_round_trip_keeps_three_mantissa_bits():
     x = vectors()
     data, scales = FP8.quantize(x)
     assert data.dtype == torch.float8_e4m3fn
-    error = (FP8.round_trip(x) - x).abs()
+    error = (FP8.round_trip(x) - x).abs().view(64, 3, 2, 32)
     # e4m3: relative error 2^-4 for normal values; below 2^-6 * scale, absolute 2^-10 * scale
-    assert (error <= x.abs() / 16 + scales[..., None] * 2**-10 * (1 + 1e-5)).all()
+    bound = x.abs().view(64, 3, 2, 32) / 16 + scales[..., None] * 2**-10 * (1 + 1e-5)
+    assert (error <= bound).all()
 
 
 def test_a_zero_vector_stays_zero_and_unquantized_formats_only_cast():
@@ -77,10 +91,10 @@ def test_bad_kv_cache_dtype_is_named():
 def test_bytes_per_block_count_the_quantized_elements_and_their_scales():
     config = tiny_config("qwen3", head_dim=64)  # 2 layers, 2 KV heads
     assert KVPool.bytes_per_block(config, 16, torch.bfloat16) == 2 * 2 * 2 * 128 * 16
-    assert KVPool.bytes_per_block(config, 16, INT8) == 2 * 2 * 2 * (64 + 4) * 16
-    assert KVPool.bytes_per_block(config, 16, FP8) == 2 * 2 * 2 * (64 + 4) * 16
+    assert KVPool.bytes_per_block(config, 16, INT8) == 2 * 2 * 2 * (64 + 4 * 2) * 16
+    assert KVPool.bytes_per_block(config, 16, FP8) == 2 * 2 * 2 * (64 + 4 * 2) * 16
     pool = KVPool(config, 3, 16, INT8, "cpu")
-    assert pool.keys.dtype == torch.int8 and pool.key_scales.shape == (2, 2, 48)
+    assert pool.keys.dtype == torch.int8 and pool.key_scales.shape == (2, 2, 48, 2)
     assert pool.layers[1].value_scales.data_ptr() == pool.value_scales[1].data_ptr()
 
 
@@ -182,8 +196,9 @@ def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8(backend):
 
 
 def test_the_same_budget_holds_about_twice_the_blocks_and_sequences_in_int8():
-    """A bf16 model's pool of 8 blocks' worth of bytes: 15 int8 blocks (D = 64: 68 bytes per
-    token and head against 128), and as many one-block sequences running at once."""
+    """A bf16 model's pool of 8 blocks' worth of bytes: 14 int8 blocks (D = 64: 72 bytes per
+    token and head, two fp32 scales included, against 128), and as many one-block sequences
+    running at once."""
     config = tiny_config("qwen3", head_dim=64)
     budget = 8 * KVPool.bytes_per_block(config, 16, torch.bfloat16)
     running = {}
@@ -203,7 +218,7 @@ def test_the_same_budget_holds_about_twice_the_blocks_and_sequences_in_int8():
             engine.step()
             peak = max(peak, engine.stats().num_running)
         running[kv_cache_dtype] = (blocks, peak)
-    assert running == {"auto": (8, 8), "int8": (15, 15)}
+    assert running == {"auto": (8, 8), "int8": (14, 14)}
 
 
 def test_the_server_serves_with_an_int8_cache_what_llm_gives(tmp_path):

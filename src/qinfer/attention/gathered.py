@@ -142,7 +142,7 @@ def _gather(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """One layer's keys or values (slots, Hkv, D), stored as `fmt`, at slots (G, S) ->
-    (G, Hkv, S, D) in `dtype`, dequantized with `scales` (slots, Hkv) read the same way."""
+    (G, Hkv, S, D) in `dtype`, dequantized with `scales` (slots, Hkv, N) read the same way."""
     if scales is None:
         history = data[slots]  # (G, S, Hkv, D)
         history = history if history.dtype == dtype else history.to(dtype)

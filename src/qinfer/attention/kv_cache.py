@@ -24,9 +24,9 @@ The caches of one model (`Transformer.make_cache`) share a `StepMasks`, so that 
 built once per step for all the layers of one window rather than once per layer.
 
 A cache given a `KVFormat` (`qinfer.kv_quant`) stores K/V in it: a quantized one keeps
-int8 or fp8 elements in `keys`/`values` and one fp32 scale per (row, head, position) in
-`key_scales`/`value_scales` (B, Hkv, positions), quantizes each step's entries as it writes
-them, and returns the history dequantized to the entries' dtype. The entries of the step
+int8 or fp8 elements in `keys`/`values` and N fp32 scales per (row, head, position), one
+per block of 32 elements, in `key_scales`/`value_scales` (B, Hkv, positions, N), quantizes
+each step's entries as it writes them, and returns the history dequantized to the entries' dtype. The entries of the step
 itself come back as stored too, so a sequence fed whole or in pieces sees the same K/V.
 """
 
@@ -128,7 +128,7 @@ class _Cache:
         self.kv_format = kv_format  # None: K/V stored as they come
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.key_scales: torch.Tensor | None = None  # (B, Hkv, positions), quantized only
+        self.key_scales: torch.Tensor | None = None  # (B, Hkv, positions, N), quantized only
         self.value_scales: torch.Tensor | None = None
 
     def _allocate(self, k: torch.Tensor, positions: int) -> None:
@@ -141,7 +141,8 @@ class _Cache:
         old = [self.keys, self.values, self.key_scales, self.value_scales]
         self.keys = k.new_zeros(B, H, positions, D, dtype=dtype)
         self.values = k.new_zeros(B, H, positions, D, dtype=dtype)
-        scales = lambda: k.new_zeros(B, H, positions, dtype=torch.float32)  # noqa: E731
+        N = fmt.scales_per_vector(D) if scaled else 0
+        scales = lambda: k.new_zeros(B, H, positions, N, dtype=torch.float32)  # noqa: E731
         self.key_scales, self.value_scales = (scales(), scales()) if scaled else (None, None)
         new = [self.keys, self.values, self.key_scales, self.value_scales]
         for before, after in zip(old, new, strict=True):

@@ -8,9 +8,9 @@ two pools, each with its own blocks). Each layer's keys and values are laid out 
 attention backend that reads them declares (`KVLayout`, `qinfer.attention.backend`);
 `store_kv` writes a step's K/V into either layout.
 
-A quantized pool (`qinfer.kv_quant`: int8 or fp8) holds one fp32 scale per (layer, head,
-slot) beside each element of keys and values: a block then takes D + 4 bytes per token,
-head and layer for K and for V, against 2 * D in bf16.
+A quantized pool (`qinfer.kv_quant`: int8 or fp8) holds N = D / 32 fp32 scales per (layer,
+head, slot) beside the elements of keys and values: a block then takes D + 4 * N bytes per
+token, head and layer for K and for V, against 2 * D in bf16.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class KVLayout(Enum):
     SLOTS_FIRST (slots, Hkv, D): a token's K/V of every head are contiguous, as
         (num_blocks, block_size, Hkv, D): the layout of vLLM's and flash-attn's paged
         caches, and a step's k, v (T, Hkv, D) are written without a transpose.
-    A quantized pool's scales are laid out the same, less D.
+    A quantized pool's scales are laid out the same, with N scales in place of D.
     """
 
     HEADS_FIRST = "heads_first"
@@ -58,7 +58,8 @@ class KVLayout(Enum):
 class LayerKV:
     """One layer's part of the pool, as views: keys and values in the pool's layout and
     format ((Hkv, slots, D) or (slots, Hkv, D), `KVLayout`) and, when that is quantized,
-    their scales fp32 ((Hkv, slots) or (slots, Hkv); else None)."""
+    their scales fp32 ((Hkv, slots, N) or (slots, Hkv, N), `KVFormat.scales_per_vector`;
+    else None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -70,7 +71,7 @@ class LayerKV:
 
 def store_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """A step's k, v (T, Hkv, D) -> the layer's pool at the tokens' slots (T,), in its
-    layout; quantized per token and head first if its format is."""
+    layout; quantized per block of each token's head vector first if its format is."""
     dim = kv.layout.slot_dim
     if kv.key_scales is None:
         if k.dtype != kv.keys.dtype:  # (a no-op `.to` still costs a call per layer)
@@ -79,7 +80,7 @@ def store_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         kv.values.index_copy_(dim, slots, v.transpose(0, dim))
         return
     for data, scales, x in ((kv.keys, kv.key_scales, k), (kv.values, kv.value_scales, v)):
-        stored, x_scales = kv.format.quantize(x)  # (T, Hkv, D), (T, Hkv)
+        stored, x_scales = kv.format.quantize(x)  # (T, Hkv, D), (T, Hkv, N)
         raw_bytes(data).index_copy_(dim, slots, raw_bytes(stored).transpose(0, dim))
         scales.index_copy_(dim, slots, x_scales.transpose(0, dim))
 
@@ -91,8 +92,8 @@ class KVPool:
     num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
     under tensor parallelism, `Parallel.attention_heads`). num_layers: the layers it holds
     (default: every layer of the config). fmt: the storage, a dtype or a `KVFormat`; a
-    quantized one adds key_scales and value_scales, fp32, shaped as keys less D (None
-    otherwise). layout: as the backend that reads the pool declares (`KVLayout`).
+    quantized one adds key_scales and value_scales, fp32, shaped as keys with N scales in
+    place of D (None otherwise). layout: as the backend that reads the pool declares (`KVLayout`).
     """
 
     def __init__(
@@ -117,9 +118,10 @@ class KVPool:
         self.values = torch.zeros(shape, dtype=self.format.dtype, device=device)
         self.key_scales = self.value_scales = None
         key_scales = value_scales = [None] * shape[0]
-        if self.format.quantized:  # (layers, Hkv, slots) or (layers, slots, Hkv)
-            self.key_scales = torch.zeros(shape[:3], device=device)
-            self.value_scales = torch.zeros(shape[:3], device=device)
+        if self.format.quantized:  # (layers, Hkv, slots, N) or (layers, slots, Hkv, N)
+            scales = (*shape[:3], self.format.scales_per_vector(config.head_dim))
+            self.key_scales = torch.zeros(scales, device=device)
+            self.value_scales = torch.zeros(scales, device=device)
             key_scales, value_scales = self.key_scales.unbind(0), self.value_scales.unbind(0)
         # Each layer's views, made once: a step's layers index no tensor.
         self.layers = [

@@ -20,12 +20,11 @@ their own histories:
   for every query, with fp64 scores, so that a token's output is the same in a chunk of
   any length as at decode.
 
-A quantized pool (int8 or fp8, `qinfer.kv_quant`) takes the step's K/V quantized per token
-and head, one op chain per layer for all its tokens, and gives back only what attention
-reads: decode keys are gathered as stored, their scales multiply the scores; decode values
-are gathered too (torch's embedding_bag reads no int8 or fp8) and their scales multiply the
-weights; chunks dequantize the gathered histories for sdpa. An unquantized pool takes none
-of these steps.
+A quantized pool (int8 or fp8, `qinfer.kv_quant`) takes the step's K/V quantized per block
+of each token's head vector, one op chain per layer for all its tokens, and gives back only
+what attention reads: the gathered histories, dequantized in the copy that converts them
+(decode values too: torch's embedding_bag reads no int8 or fp8). An unquantized pool takes
+none of these steps.
 
 A group's histories are padded to its longest (in whole blocks) and masked by position.
 
@@ -334,16 +333,12 @@ def _history(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The group's histories of `data` (one layer's keys or values, stored as `fmt`) ->
-    (G, Hkv, S, D) in `dtype`, dequantized with `scales` (gathered the same way)."""
+    (G, Hkv, S, D) in `dtype`, dequantized with `scales` (Hkv, slots, N), gathered the
+    same way."""
     history = group.history(data)
-    if scales is None and history.dtype == dtype:
-        return history
-    return fmt.dequantize(history, _gathered_scales(group, scales), dtype)
-
-
-def _gathered_scales(group: Group, scales: torch.Tensor | None) -> torch.Tensor | None:
-    """A layer's scales (Hkv, slots) read as the group's histories -> (G, Hkv, S)."""
-    return None if scales is None else group.history(scales[..., None])[..., 0]
+    if scales is None:
+        return history if history.dtype == dtype else history.to(dtype)
+    return fmt.dequantize(history, group.history(scales), dtype)
 
 
 def _decode(
@@ -359,8 +354,8 @@ def _decode(
 
     softmax(q k^T * scale + mask) v as `scaled_dot_product_attention_grouped` defines it
     (fp32 scores, weights cast to the values' dtype). Unquantized values are read where
-    they sit, without a copy; quantized ones are gathered and their scales applied to the
-    weights (as the key scales are to the scores): nothing is dequantized element-wise.
+    they sit, without a copy; quantized ones are gathered and dequantized, as the keys
+    are in the copy that widens them.
 
     invariant (`Features.batch_invariant`): scores and softmax in fp64, rounded once to the
     values' dtype, so that a query's weights do not depend on how many queries and keys its
@@ -372,9 +367,9 @@ def _decode(
     Hkv, num_slots = kv.keys.shape[:2]
     n_rep, S = Hq // Hkv, group.length
     wide = torch.float64 if invariant else torch.float32
-    # (G, Hkv, S, D) -> (G * Hkv, S, D) fp32: one copy converts a gathered history (a
-    # view of an fp32 pool's gather is used as it is)
-    history = group.history(kv.keys).to(wide).reshape(G * Hkv, S, D)
+    # (G, Hkv, S, D) -> (G * Hkv, S, D) fp32: one copy converts (and dequantizes) a
+    # gathered history (a view of an fp32 pool's gather is used as it is)
+    history = _history(group, kv.keys, kv.key_scales, kv.format, wide).reshape(G * Hkv, S, D)
     # query head h reads KV head h // n_rep: (G, L, Hkv, n_rep, D) -> (G * Hkv, n_rep * L, D)
     queries = q.view(G, L, Hkv, n_rep, D)
     if L > 1:
@@ -383,8 +378,6 @@ def _decode(
     # orders differ by fp32 rounding only)
     queries = queries.reshape(G * Hkv, n_rep * L, D).to(wide) * scale
     scores = torch.bmm(queries, history.transpose(1, 2)).view(G, Hkv, n_rep, L, S)
-    if kv.key_scales is not None:  # each key's scale, (G, Hkv, S) -> (G, Hkv, 1, 1, S)
-        scores = scores * _gathered_scales(group, kv.key_scales)[:, :, None, None]
     if L > 1 or not group.causal_only(window):  # else every key is visible: nothing to mask
         scores = scores + group.score_mask(window)[:, :, None]  # (G, 1, 1, L, S)
     weights = torch.softmax(scores, dim=-1)
@@ -392,8 +385,7 @@ def _decode(
         # gathered and multiplied as a matmul over the padded history: invariant, in fp64
         # (the padding's weights are 0) and rounded once, as the scores are
         summed = wide if invariant else q.dtype
-        values = group.history(kv.values).to(summed)  # (G, Hkv, S, D)
-        weights = weights * _gathered_scales(group, kv.value_scales)[:, :, None, None]
+        values = _history(group, kv.values, kv.value_scales, kv.format, summed)  # (G, Hkv, S, D)
         out = torch.matmul(weights.to(summed).view(G, Hkv, n_rep * L, S), values)
         return out.to(q.dtype).view(G, Hq, L, D).transpose(1, 2)  # (G, L, Hq, D)
     # Bag (g, h, l): sum over s of weights[g, h, l, s] * its value row at s (`value_rows`);

@@ -18,6 +18,11 @@ start; any other: windows that start mid-document), in chunks of --context token
 scored on its second half. llama.cpp runs through llama-cpp-python (`pip install 'qinfer[peer]'`).
 The tests hold qinfer's drift to a bound set from llama.cpp's figure printed here.
 
+--quantize adds `--quantize int8` and `--quantize int4` beside llama.cpp's own requantization
+of the same file to Q8_0 and to Q4_0 (llama-quantize --allow-requantize, through
+llama-cpp-python's `llama_model_quantize`; it keeps the tied or output head at Q6_K for
+Q4_0), each scored against the same fp32 reference of the original file.
+
 --kv-cache adds qinfer's default path with an int8 and an fp8 KV cache, the fp32 reference
 with an int8 KV cache (the cache's cost alone), and llama.cpp with its q8_0 K and V cache
 (type_k = type_v = GGML_TYPE_Q8_0, which needs flash attention for V) beside llama.cpp with
@@ -27,7 +32,9 @@ flash attention and its f16 cache (the same kernels, so the difference is the ca
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -44,6 +51,21 @@ TEXT = Path(__file__).resolve().parent.parent / "tests" / "real_text.txt"
 #: ggml's type id of Q8_0 (blocks of 32 int8 values and one fp16 scale), llama.cpp's
 #: 8-bit KV cache.
 GGML_TYPE_Q8_0 = 8
+#: `--quantize` kind -> the llama.cpp file type (llama_ftype) of its requantization.
+LLAMA_FTYPES = {"int8": ("Q8_0", 7), "int4": ("Q4_0", 2)}
+
+
+def llama_cpp_requantized(path: Path, kind: str, directory: Path, threads: int) -> Path:
+    """`path` requantized by llama.cpp to the type `LLAMA_FTYPES[kind]` names, in directory."""
+    import llama_cpp
+
+    name, ftype = LLAMA_FTYPES[kind]
+    out = directory / f"{path.stem}-{name}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, threads
+    if llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params)):
+        raise SystemExit(f"llama.cpp could not requantize {path} to {name}")
+    return out
 
 
 def llama_cpp_scorer(path: Path, context: int, threads: int, **params):
@@ -114,6 +136,13 @@ def main() -> None:
         for name, params in peers.items():
             scorer = llama_cpp_scorer(path, args.context, args.threads, **params)
             rows[name] = score(scorer, ids, args.context, base)
+        with tempfile.TemporaryDirectory() as directory:
+            for kind in LLAMA_FTYPES if args.quantize else ():
+                requantized = llama_cpp_requantized(path, kind, Path(directory), args.threads)
+                scorer = llama_cpp_scorer(requantized, args.context, args.threads)
+                rows[f"llama.cpp requantized {LLAMA_FTYPES[kind][0]}"] = score(
+                    scorer, ids, args.context, base
+                )
     except ImportError:
         print("llama.cpp: skipped (pip install 'qinfer[peer]')")
     if args.json:

@@ -78,7 +78,7 @@ def test_smollm2_projections_keep_their_q4_1_bits(smollm2_reader):
     from gguf_files import smollm2_path
 
     _, weights = open_gguf(smollm2_path(), lambda config, quantized: torch.bfloat16, "cpu")
-    assert weights.keep_blocks
+    assert weights.keep_types
     for name in [n for n in weights.names() if n.startswith("model.layers.3.")]:
         if not name.endswith("proj.weight"):
             continue

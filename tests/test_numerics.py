@@ -14,34 +14,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gguf_files import smollm2_path
 
 from qinfer import LLM, SamplingParams, load_model, load_tokenizer
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "What is 17 times 23?",
-    "Name three primary colors.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish.",
-    "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet goldfish.",
-    "What does CPU stand for?",
-    "Describe a rainbow to a child.",
-    "List two uses of copper.",
-    "Why is the sky blue?",
-    "What is the largest planet in our solar system?",
-    "Write one sentence about autumn leaves.",
-    "What is the square root of 81?",
-    "Recommend a book for a long flight.",
-    "How do bees make honey?",
-]
+#: 20 short chat prompts, one per line (bench/greedy_partings.py reads the same file).
+PROMPTS = (Path(__file__).parent / "chat_prompts.txt").read_text().splitlines()
 TOKENS = 32
 #: fp32's top-two gap (logits) below which the default path may choose the other token.
 #: The issue asks for 0.05; measured on SmolLM2 (AMX Xeon, and it capped to AVX2): partings

@@ -64,7 +64,9 @@ def default_device() -> torch.device:
 
 
 def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | None, bool]:
-    """load_model's `quantize` as (what to quantize dense weights to, keep GGUF blocks)."""
+    """load_model's `quantize` as (what to quantize dense weights to, keep GGUF blocks):
+    a file's blocks are kept unless quantize is "none" (`weights.gguf.open_gguf` says which
+    an int4 load keeps)."""
     if quantize is None:
         return None, True
     if quantize == "none":
@@ -77,7 +79,7 @@ def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | N
         raise QinferError(
             f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
         )
-    return Quantize(quantize, group_size), False
+    return Quantize(quantize, group_size), True
 
 
 def _check_device(quantize: Quantize | None, keep_blocks: bool, device: torch.device) -> None:
@@ -108,7 +110,9 @@ def load_model(
         checkpoint, the device and the quantization (see `resolve_dtype`).
     quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0 blocks unless dtype is
         float32; other weights stay dense), "none" (everything dense: the reference),
-        "int8" (per output channel) or "int4" (groups of `group_size` input columns).
+        "int8" (per output channel) or "int4" (groups of `group_size` input columns). A
+        GGUF file's blocks are not re-rounded to as many bits or more: "int8" keeps them,
+        "int4" keeps its int4 groups and takes its wider blocks to int4.
     parallel: this process's rank in a tensor-parallel group (default: a single process);
         only the rank's part of each projection is read (see `qinfer.parallel`). A world
         size that does not split the heads or the FFN evenly is refused before loading.

@@ -110,14 +110,18 @@ def open_gguf(
     keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups and
     the other block types as int8 rows (unless the compute dtype is fp32, which asks for
     the exact dequantized reference); float tensors are read as they are, and `quantize`
-    then applies to them.
+    then applies to them. Blocks are never re-rounded to a kind as wide as theirs or wider:
+    `quantize="int8"` keeps them all, `quantize="int4"` keeps the int4 groups and takes the
+    other block types (Q5_0, Q6_K, Q8_0, ...) to int4 from their exact values.
     """
     path = Path(path)
     file = read_gguf(path)
     config = config_from_gguf(file, path)
     kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
     dtype = dtype_for(config, kept or quantize is not None)
-    keep = kept and dtype != torch.float32
+    if not kept or dtype == torch.float32:
+        return config, GGUFWeights(file, config, dtype, device)
+    keep = INT4_GROUPS if quantize is not None and quantize.kind == "int4" else KEPT_TYPES
     return config, GGUFWeights(file, config, dtype, device, keep)
 
 
@@ -337,11 +341,13 @@ class GGUFWeights(Weights):
         config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device | str,
-        keep_blocks: bool = False,
+        keep_types: tuple[GGMLQuantizationType, ...] = (),
     ) -> None:
+        """keep_types: the block types `_stored` gives in their bits (int4 groups or int8
+        rows, see the module's docstring); every other tensor is dequantized."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
-        self.keep_blocks = keep_blocks
+        self.keep_types = keep_types
         self._tensors: dict[str, TensorInfo] = {}
         family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
         for stored in file.tensors:
@@ -386,24 +392,24 @@ class GGUFWeights(Weights):
 
     def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
         stored = self._tensors[name]
-        if self.keep_blocks and stored.tensor_type in INT4_GROUPS:
+        if stored.tensor_type not in self.keep_types:
+            return self._read(name, rows, columns)
+        if stored.tensor_type in INT4_GROUPS:
             data, within = self._blocks(stored, rows, columns)
             groups = self._int4_columns(name, self._decode(stored, int4_groups, data), within)
             groups.q, groups.scales, groups.zeros = (
                 self._unpermuted(name, t) for t in (groups.q, groups.scales, groups.zeros)
             )
             return groups
-        if self.keep_blocks and stored.tensor_type in INT8_ROW_TYPES:
-            # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
-            # large embedding never exists in fp32 whole.
-            data, within = self._blocks(stored, rows, columns)
-            chunks = [
-                quantize_int8(dequantize(chunk, stored.tensor_type, self.device)[:, within])
-                for chunk in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
-            ]
-            q = self._unpermuted(name, torch.cat([c.q for c in chunks]))
-            return Int8Rows(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
-        return self._read(name, rows, columns)
+        # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
+        # large embedding never exists in fp32 whole.
+        data, within = self._blocks(stored, rows, columns)
+        chunks = [
+            quantize_int8(dequantize(chunk, stored.tensor_type, self.device)[:, within])
+            for chunk in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
+        ]
+        q = self._unpermuted(name, torch.cat([c.q for c in chunks]))
+        return Int8Rows(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
 
     def _blocks(self, stored: TensorInfo, rows: slice, columns: slice) -> tuple[np.ndarray, slice]:
         """The stored data of `rows`, in the whole blocks that cover `columns`, and where

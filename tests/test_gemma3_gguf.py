@@ -18,7 +18,7 @@ from server_process import start_serve_command
 import qinfer
 from qinfer.cli import main
 from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
+from qinfer.linear import DenseLinear, Int4Linear, Int8BlockLinear
 from qinfer.weights.gguf import read_gguf
 
 PROMPTS = [
@@ -232,15 +232,16 @@ def test_qinfer_serve_completes_on_it_and_refuses_chat_in_one_line():
 
 def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):
     """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) and the
-    Q5_0 and Q6_K projections as int8 rows, in bf16; its greedy tokens follow the fp32
-    model but at near-ties its error explains."""
+    Q5_0 and Q6_K projections as int8 blocks, their values exactly, in bf16; its greedy
+    tokens follow the fp32 model but at near-ties its error explains."""
     reference, _ = gemma3
     tokenizer, _ = tokenizers
     fast = qinfer.load_model(gemma3_path(), device="cpu")
     assert fast.dtype == torch.bfloat16
-    assert isinstance(fast.lm_head, Int8Linear) and fast.lm_head is fast.embed_tokens
+    assert isinstance(fast.lm_head, Int8BlockLinear) and fast.lm_head is fast.embed_tokens
     assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
-    assert isinstance(fast.layers[0].mlp.gate_up, Int8Linear)  # blk.0.ffn_gate/up are Q5_0
+    assert isinstance(fast.layers[0].mlp.gate_up, Int8BlockLinear)  # blk.0.ffn_gate/up: Q5_0
+    assert fast.layers[1].mlp.down.scales.shape[1] == 2048 // 16  # blk.1.ffn_down: Q6_K
     assert not any(isinstance(w, DenseLinear) for w in fast.linears().values())
     comparisons = [compare_greedy(fast, reference, tokenizer.encode(p)) for p in PROMPTS]
     # On the AVX512-BF16 development machine: 2 of 3 prompts, top-1 92/96 (real text: 92.9%
@@ -253,15 +254,17 @@ def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, 
 #: EPYC, AVX512-BF16, 2026-12-01): mean KL(fp32 reference || llama.cpp) 0.00788, top-1
 #: agreement 92.94%. qinfer's default path measured 0.00740 and 92.94% in the same run with
 #: a bf16 residual stream; with it and the top logits in fp32 0.00689 and 92.68% (0.00901
-#: against llama.cpp's 0.01220 on windows from token 300; Intel Xeon, AMX, 2026-12-02).
+#: against llama.cpp's 0.01220 on windows from token 300; Intel Xeon, AMX, 2026-12-02); with
+#: the Q5_0, Q6_K and Q8_0 tensors kept in their int8 blocks instead of re-rounded to one
+#: scale per row, 0.00043 and 98.69% (AMD EPYC, 2026-12-03). The bound is half llama.cpp's.
 LLAMA_CPP_KL, LLAMA_CPP_TOP1 = 0.00788, 0.9294
 
 
 def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokenizers):
-    """The default load (Q4_K as int4 groups; Q5_0, Q6_K and Q8_0 as int8 rows; bf16)
-    against the exact fp32 dequantization on real text, as llama-perplexity measures it:
-    no more than llama.cpp's own KL on the same file, and top-1 agreement no more than a
-    point below llama.cpp's."""
+    """The default load (Q4_K as int4 groups; Q5_0, Q6_K and Q8_0 as int8 blocks; bf16
+    matmul inputs) against the exact fp32 dequantization on real text, as llama-perplexity
+    measures it: no more than half llama.cpp's own KL on the same file, and top-1 agreement
+    above llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -272,8 +275,8 @@ def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokeniz
     ids = tokenizer.encode(text)[: 3 * 512]
     fast = qinfer.load_model(gemma3_path(), device="cpu")
     result = perplexity(fast, ids, 512, base=ours)
-    assert result.kl <= LLAMA_CPP_KL, result
-    assert result.top1 >= LLAMA_CPP_TOP1 - 0.01, result
+    assert result.kl <= LLAMA_CPP_KL / 2, result
+    assert result.top1 >= LLAMA_CPP_TOP1, result
 
 
 #: The same run with `--kv-cache` (2026-12-01): llama.cpp with flash attention and its q8_0
@@ -281,14 +284,15 @@ def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokeniz
 #: and 94.51% with its f16 cache). qinfer's default path with an int8 KV cache measured
 #: 0.01820 and 89.93% with one scale per token and 256-wide head, and 0.00807 and 92.68%
 #: with one per block of 32 (2026-12-03, AMD EPYC; from token 300: 0.01204 against
-#: llama.cpp's 0.01393); the fp32 reference with an int8 KV cache alone 0.00110.
+#: llama.cpp's 0.01393), 0.00156 and 97.26% with the int8 blocks of the weights kept too;
+#: the fp32 reference with an int8 KV cache alone 0.00110. The bound is half llama.cpp's.
 LLAMA_CPP_Q8_KV_KL, LLAMA_CPP_Q8_KV_TOP1 = 0.01029, 0.9242
 
 
 def test_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(gemma3, tokenizers):
     """The default load with an int8 KV cache against the exact fp32 dequantization, on
-    real text: no more than llama.cpp's KL with its q8_0 cache, and top-1 agreement no more
-    than a point below llama.cpp's."""
+    real text: no more than half llama.cpp's KL with its q8_0 cache, and top-1 agreement
+    above llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -299,5 +303,37 @@ def test_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(gemma3
     ids = tokenizer.encode(text)[: 3 * 512]
     fast = qinfer.load_model(gemma3_path(), device="cpu", kv_cache_dtype="int8")
     result = perplexity(fast, ids, 512, base=ours)
-    assert result.kl <= LLAMA_CPP_Q8_KV_KL, result
-    assert result.top1 >= LLAMA_CPP_Q8_KV_TOP1 - 0.01, result
+    assert result.kl <= LLAMA_CPP_Q8_KV_KL / 2, result
+    assert result.top1 >= LLAMA_CPP_Q8_KV_TOP1, result
+
+
+#: `python bench/kl_divergence.py --model <this file> --quantize` (2026-12-03, AMD EPYC):
+#: llama.cpp's own requantization of the file to Q4_0 (llama-quantize --allow-requantize,
+#: the tied head kept at Q6_K) drifted 0.65625 (top-1 53.60%), qinfer's `--quantize int4`
+#: 0.35910 (61.83%): Gemma 3 270M loses much at 4 bits in either engine.
+LLAMA_CPP_Q4_0_KL, LLAMA_CPP_Q4_0_TOP1 = 0.65625, 0.5360
+
+
+def test_quantize_int4_takes_only_the_wider_blocks_to_int4(gemma3, tokenizers):
+    """`quantize="int4"`: the Q5_0, Q6_K and Q8_0 projections become int4 groups from their
+    exact values, the Q4_K ones keep their bits (as the default load has them), the Q8_0
+    embedding and tied head stay int8 (rows: a lookup table takes int8 under `Quantize`); on real text it drifts from fp32 no further
+    than llama.cpp's own Q4_0 requantization of the file."""
+    from pathlib import Path
+
+    from qinfer.perplexity import perplexity
+
+    ours, _ = gemma3
+    tokenizer, _ = tokenizers
+    fast = qinfer.load_model(gemma3_path(), device="cpu", quantize="int4")
+    default = qinfer.load_model(gemma3_path(), device="cpu")
+    assert isinstance(fast.lm_head, Int8BlockLinear) and fast.lm_head is fast.embed_tokens
+    assert isinstance(fast.layers[0].mlp.gate_up, Int4Linear)  # Q5_0 in the file
+    assert isinstance(fast.layers[0].self_attn.wqkv, Int4Linear)  # Q5_0
+    kept, q4_k = fast.layers[0].self_attn.wo, default.layers[0].self_attn.wo
+    assert torch.equal(kept.dequantize(), q4_k.dequantize())
+    text = (Path(__file__).parent / "real_text.txt").read_text()
+    ids = tokenizer.encode(text)[: 3 * 512]
+    result = perplexity(fast, ids, 512, base=ours)
+    assert result.kl <= LLAMA_CPP_Q4_0_KL, result
+    assert result.top1 >= LLAMA_CPP_Q4_0_TOP1, result

@@ -23,6 +23,8 @@ from qinfer.linear import (
     ConcatLinear,
     DenseLinear,
     Int4Linear,
+    Int8BlockLinear,
+    Int8Blocks,
     Int8Linear,
     Linear,
     choose,
@@ -36,7 +38,7 @@ from qinfer.linear.compute import cpu_class
 from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int4 import _cpu_block_rows
 from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
-from qinfer.weights.gguf_quants import INT4_GROUPS, int4_groups
+from qinfer.weights.gguf_quants import INT4_GROUPS, INT8_BLOCKS, int4_groups, int8_blocks
 
 
 def weight(rows: int = 48, columns: int = 256, seed: int = 0) -> torch.Tensor:
@@ -73,6 +75,22 @@ def test_int4_groups_of_gguf_blocks_dequantize_bit_identically(qtype):
     assert torch.equal(Int4Linear(groups, None, torch.float32).dequantize(), reference)
 
 
+@pytest.mark.parametrize("qtype", list(INT8_BLOCKS), ids=lambda t: t.name)
+def test_int8_blocks_of_gguf_blocks_dequantize_bit_identically(qtype):
+    """Q8_0, Q5_0 (blocks of 32) and Q6_K (16) as int8 with their own scales: the file's
+    values exactly, in `dequantize`, in embedding rows and in the layer's tiles."""
+    data = synthetic_tensor(qtype, rows=32, columns=512)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    blocks = int8_blocks(data, qtype)
+    assert blocks.block_size == (16 if qtype == gguf.GGMLQuantizationType.Q6_K else 32)
+    assert torch.equal(blocks.dequantize(), reference)
+    layer = Int8BlockLinear(blocks, None, torch.float32)
+    assert torch.equal(layer.dequantize(), reference)
+    ids = torch.tensor([[5, 0, 31]])
+    assert torch.equal(layer.rows(ids), reference[ids])
+    assert torch.equal(layer._dequantize_rows(8, 24, torch.float32), reference[8:24])
+
+
 def test_smollm2_projections_keep_their_q4_1_bits(smollm2_reader):
     """Every Q4_1 projection of one layer (q/k rows unpermuted as for the dense path)."""
     from gguf_files import smollm2_path
@@ -101,6 +119,33 @@ def test_int4_kernel_matches_its_dequantized_weight(dtype, rows):
 def test_int8_kernel_matches_its_dequantized_weight(dtype, rows):
     w = Int8Linear(quantize_int8(weight()), None, dtype)
     assert_matches_dequantized(w, activations(rows, 256, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block", [32, 16])
+def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, dtype):
+    """The compiled kernel: the exact weight times the activations (bf16 widened exactly),
+    fp32 sums only, whatever the path; each row alike at any row count, bit for bit."""
+    w = Int8BlockLinear(int8_blocks_of(weight(200, 256), block), None, dtype)
+    x = activations(20, 256, dtype)
+    expected = x.double() @ w.dequantize().double().T
+    for path in kernels.paths():
+        got = kernels.int8_blocks_mm(x, w.q, w.scales, path)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+        for rows in (1, 3, 5, 17):  # tiles of 4 rows, one column or two
+            assert torch.equal(kernels.int8_blocks_mm(x[:rows], w.q, w.scales, path), got[:rows])
+    assert_matches_dequantized(w, x, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
+    q, d = torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2)
+    with pytest.raises(RuntimeError, match=r"d must have shape \(N, K/32\) or \(N, K/16\)"):
+        kernels.int8_blocks_mm(torch.zeros(1, 64), q, torch.zeros(4, 3))
+    with pytest.raises(RuntimeError, match="q must be torch.int8, got torch.uint8"):
+        kernels.int8_blocks_mm(torch.zeros(1, 64), q.view(torch.uint8), d)
+    with pytest.raises(WeightsError, match="int8 blocks of 8 columns are not one of 32, 16"):
+        Int8BlockLinear(Int8Blocks(q, torch.zeros(4, 8)), None, torch.float32)
 
 
 def test_int4_rows_not_a_multiple_of_16_are_padded():
@@ -173,7 +218,7 @@ def test_parts_of_different_kinds_run_side_by_side():
 
 
 @pytest.mark.parametrize("qtype", sorted(INT8_ROW_TYPES))
-def test_gguf_blocks_other_than_int4_become_int8_rows_within_half_a_row_step(qtype):
+def test_the_other_gguf_blocks_become_int8_rows_within_half_a_row_step(qtype):
     data = synthetic_tensor(qtype, rows=8, columns=256)
     exact = torch.from_numpy(gguf.quants.dequantize(data, qtype))
     rows = quantize_int8(exact)
@@ -185,16 +230,26 @@ def test_gguf_blocks_other_than_int4_become_int8_rows_within_half_a_row_step(qty
 # ------------------------------------------------- paths: kernel, fp32 tiles, bf16 tiles
 
 
+def int8_blocks_of(w: torch.Tensor, block: int) -> Int8Blocks:
+    """w as int8 blocks of `block` columns, each block's absmax at 127 (as Q8_0 rounds)."""
+    blocks = w.view(len(w), -1, block)
+    scales = blocks.abs().amax(-1) / 127  # (N, K / block)
+    q = torch.round(blocks / scales[..., None]).to(torch.int8).view_as(w)
+    return Int8Blocks(q, scales)
+
+
 def quantized(kind: str, rows: int, dtype: torch.dtype, columns: int = 256):
     w, bias = weight(rows, columns), torch.randn(rows).to(dtype)
     if kind == "int8":
         return Int8Linear(quantize_int8(w), bias, dtype)
+    if kind.startswith("int8/"):
+        return Int8BlockLinear(int8_blocks_of(w, int(kind.removeprefix("int8/"))), bias, dtype)
     return Int4Linear(quantize_int4(w, int(kind.removeprefix("int4/"))), bias, dtype)
 
 
 @pytest.mark.parametrize("path", ["fp32_tiles", "bf16_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["int8", "int4/32", "int4/128"])
+@pytest.mark.parametrize("kind", ["int8", "int8/32", "int8/16", "int4/32", "int4/128"])
 @pytest.mark.parametrize("out", [48, 200, 1000])
 def test_tile_paths_match_the_dequantized_weight(monkeypatch, kind, out, dtype, path):
     """Tiles of 64 rows (so 200 and 1000 rows take several, and end in the int4 layout's

@@ -16,7 +16,7 @@ from gguf_files import assert_greedy_follows, compare_greedy, smollm2_path
 
 import qinfer
 from qinfer.errors import QinferError, WeightsError
-from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
+from qinfer.linear import DenseLinear, Int4Linear, Int8BlockLinear, Int8Linear
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_smollm2_keeps_its_blocks_and_computes_in_bf16():
     assert model.dtype == torch.bfloat16
     kinds = {type(w) for name, w in model.linears().items() if name.startswith("layers.")}
     assert kinds == {Int4Linear}  # every projection is Q4_1: int4 groups of 32, bit for bit
-    assert isinstance(model.lm_head, Int8Linear)  # Q8_0 embedding, tied: int8 rows
+    assert isinstance(model.lm_head, Int8BlockLinear)  # Q8_0 embedding, tied: its blocks
     weight_bytes = sum(w.nbytes for w in model.linears().values())
     assert weight_bytes < 1.05 * smollm2_path().stat().st_size
 
@@ -128,16 +128,19 @@ def test_smollm2_greedy_follows_float32_except_at_near_ties():
 #: 2026-12-01): mean KL(fp32 reference || llama.cpp) 0.00358, top-1 agreement 94.64%.
 #: qinfer's default path measured 0.00457 and 95.16% in the same run with a bf16 residual
 #: stream and bf16 logits; with them in fp32 0.00307 and 95.69% (0.00321 against llama.cpp's
-#: 0.00352 on windows from token 300; Intel Xeon, AMX, 2026-12-02).
+#: 0.00352 on windows from token 300; Intel Xeon, AMX, 2026-12-02); with the Q8_0 embedding
+#: and tied head kept in its blocks instead of re-rounded to one scale per row, 0.00041 and
+#: 98.17% (AMD EPYC, 2026-12-03). The bound is half llama.cpp's: four times what we
+#: measure, and below what the per-row copy gave.
 SMOLLM2_LLAMA_CPP_KL, SMOLLM2_LLAMA_CPP_TOP1 = 0.00358, 0.9464
 
 
 def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp():
-    """The default load (Q4_1 kept as int4 groups, the Q8_0 embedding and tied head as int8
-    rows, bf16 matmuls, fp32 residual and top logits) against the exact fp32
-    dequantization, on real text, as llama-perplexity measures it: no more than llama.cpp's
-    own KL on the same file (its kernels round too), and top-1 agreement no more than a
-    point below llama.cpp's."""
+    """The default load (Q4_1 kept as int4 groups, the Q8_0 embedding and tied head as its
+    int8 blocks, bf16 matmul inputs, fp32 residual and logits) against the exact fp32
+    dequantization, on real text, as llama-perplexity measures it: no more than half
+    llama.cpp's own KL on the same file (its kernels round too), and top-1 agreement above
+    llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -148,23 +151,24 @@ def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp():
     fast = qinfer.load_model(path, device="cpu")
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
     result = perplexity(fast, ids, 512, base=reference)
-    assert result.kl <= SMOLLM2_LLAMA_CPP_KL, result
-    assert result.top1 >= SMOLLM2_LLAMA_CPP_TOP1 - 0.01, result
+    assert result.kl <= SMOLLM2_LLAMA_CPP_KL / 2, result
+    assert result.top1 >= SMOLLM2_LLAMA_CPP_TOP1, result
 
 
 #: The same run with `--kv-cache` (2026-12-01): llama.cpp with flash attention and its q8_0 KV
 #: cache (blocks of 32 with an fp16 scale) drifted 0.00386 (top-1 95.95%; 0.00372 and 95.56%
 #: with its f16 cache). qinfer's default path with an int8 KV cache measured 0.00521 and
 #: 93.33% with one scale per token and head, and 0.00354 and 95.43% with one per block of 32
-#: (2026-12-03, AMD EPYC); the fp32 reference with an int8 KV cache alone 0.00040 and
-#: 98.30%; with an fp8 cache the default path measured 0.00835.
+#: (2026-12-03, AMD EPYC); 0.00076 and 97.91% with the head's blocks kept as well (the fp32
+#: reference with an int8 KV cache alone: 0.00040 and 98.30%; with an fp8 cache the default
+#: path measured 0.00552). The bound is half llama.cpp's, as the default path's.
 SMOLLM2_LLAMA_CPP_Q8_KV_KL, SMOLLM2_LLAMA_CPP_Q8_KV_TOP1 = 0.00386, 0.9595
 
 
 def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0():
     """The default load with an int8 KV cache (blocks of 32, as q8_0's) against the exact
-    fp32 dequantization, on real text: no more than llama.cpp's own KL with its q8_0 cache,
-    and top-1 agreement no more than a point below llama.cpp's."""
+    fp32 dequantization, on real text: no more than half llama.cpp's own KL with its q8_0
+    cache, and top-1 agreement no more than a point below llama.cpp's."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity
@@ -175,15 +179,15 @@ def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_
     fast = qinfer.load_model(path, device="cpu", kv_cache_dtype="int8")
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
     result = perplexity(fast, ids, 512, base=reference)
-    assert result.kl <= SMOLLM2_LLAMA_CPP_Q8_KV_KL, result
+    assert result.kl <= SMOLLM2_LLAMA_CPP_Q8_KV_KL / 2, result
     assert result.top1 >= SMOLLM2_LLAMA_CPP_Q8_KV_TOP1 - 0.01, result
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantize_keeps_a_gguf_files_blocks_that_are_no_wider(quantize):
     """`quantize="int8"|"int4"` on the Q4_1 file re-rounds nothing: its Q4_1 groups are
-    int4 already and its Q8_0 embedding (the tied head) stays int8 rows, as the default load
-    has them, so the logits are the default's bit for bit. (Re-rounding them was what
+    int4 already and its Q8_0 embedding (the tied head) stays in its int8 blocks, as the
+    default load has them, so the logits are the default's bit for bit. (Re-rounding them was what
     `--quantize int8` did: KL 0.0063 against the default's 0.0031; llama.cpp's own
     requantization of this file measured 0.0048 to Q8_0 and 0.28 to Q4_0, 2026-12-03,
     `python bench/kl_divergence.py --quantize`.)"""

@@ -669,6 +669,142 @@ void dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* ou
   out[r * ldo + n] = acc * w.scale[n];
 }
 
+// ---------------------------------------------------------------------------------------
+// int8 weights with one fp32 scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
+// Q6_K values, kept exactly) times fp32 activations (bf16 ones widened exactly): neither
+// operand is rounded, so the result is x @ W.T up to fp32 summation. Per output (r, n), on
+// every path (lanes L: 16 AVX512, 8 AVX2, 1 scalar):
+//   acc (lanes) = 0
+//   for each block b:  t (lanes) = 0; t = fma(float(q chunk), x chunk, t) for its B / L chunks
+//                      acc = fma(t, d[n, b], acc)
+//   out = horizontal sum of acc (a fixed tree of adds)
+// ---------------------------------------------------------------------------------------
+
+struct WeightsF {
+  const int8_t* q;  // (N, K)
+  const float* d;   // (N, K/B)
+  int64_t nb;       // K / 32 (the grain's measure of K, as the other kinds')
+  int64_t B;        // 16 or 32
+};
+
+struct ActF {
+  const float* x;  // (M, K), contiguous
+};
+
+template <int R, int C>
+QINFER_VNNI void tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
+  const int8_t* q[C];
+  const float* d[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    q[c] = w.q + (n0 + c) * K;
+    d[c] = w.d + (n0 + c) * blocks;
+  }
+  const float* x[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  __m512 acc[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 t[C][R];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) t[c][i] = _mm512_setzero_ps();
+    for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+      __m512 xv[R];
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(x[i] + k);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(q[c] + k + kPrefetch), _MM_HINT_T0);
+        const __m512 wv = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[c] + k))));
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv, xv[i], t[c][i]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 dv = _mm512_set1_ps(d[c][b]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
+}
+
+template <int R, int C>
+QINFER_AVX2 void tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
+  const int8_t* q[C];
+  const float* d[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    q[c] = w.q + (n0 + c) * K;
+    d[c] = w.d + (n0 + c) * blocks;
+  }
+  const float* x[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  __m256 acc[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 t[C][R];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) t[c][i] = _mm256_setzero_ps();
+    for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(q[c] + k + kPrefetch), _MM_HINT_T0);
+        const __m256 wv = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[c] + k))));
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i)
+          t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[i] + k), t[c][i]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 dv = _mm256_set1_ps(d[c][b]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
+}
+
+void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
+  const int8_t* q = w.q + n * K;
+  const float* d = w.d + n * blocks;
+  const float* x = a.x + r * K;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float t = 0.0f;
+    for (int64_t k = b * B; k < (b + 1) * B; ++k) t += static_cast<float>(q[k]) * x[k];
+    acc += t * d[b];
+  }
+  out[r * ldo + n] = acc;
+}
+
 // Rows per tile: one unpacked weight pair serves up to this many rows.
 constexpr int kRows = 4;
 // Columns per task step: their weights (cols * K/2 bytes + scales) stay in L1/L2 while
@@ -680,8 +816,8 @@ constexpr int64_t kCols = 16;
 // fast from memory (4 rows read K/2 bytes apart), and a decode step's weights come from
 // memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in VNNI's 32
 // registers); AVX2's 16 registers take one column.
-template <int R, typename W>
-QINFER_VNNI void columns_vnni(const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W, typename A>
+QINFER_VNNI void columns_vnni(const W& w, int64_t n0, int64_t n1, const A& a, int64_t r0,
                               float* out, int64_t ldo) {
   constexpr int C = R == 1 ? 1 : 2;
   int64_t n = n0;
@@ -691,14 +827,14 @@ QINFER_VNNI void columns_vnni(const W& w, int64_t n0, int64_t n1, const Act& a, 
   }
 }
 
-template <int R, typename W>
-QINFER_AVX2 void columns_avx2(const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W, typename A>
+QINFER_AVX2 void columns_avx2(const W& w, int64_t n0, int64_t n1, const A& a, int64_t r0,
                               float* out, int64_t ldo) {
   for (int64_t n = n0; n < n1; ++n) tile_avx2<R, 1>(w, n, a, r0, out, ldo);
 }
 
-template <int R, typename W>
-void columns(Path path, const W& w, int64_t n0, int64_t n1, const Act& a, int64_t r0,
+template <int R, typename W, typename A>
+void columns(Path path, const W& w, int64_t n0, int64_t n1, const A& a, int64_t r0,
              float* out, int64_t ldo) {
   if (path == Path::Vnni) {
     columns_vnni<R>(w, n0, n1, a, r0, out, ldo);
@@ -707,9 +843,10 @@ void columns(Path path, const W& w, int64_t n0, int64_t n1, const Act& a, int64_
   }
 }
 
-// W: `Weights` (int4 pairs) or `Weights8` (int8 rows); its tiles and dot_scalar overloads.
-template <typename W>
-void matmul(Path path, const W& w, int64_t N, int64_t M, const Act& a, float* out) {
+// W: `Weights` (int4 pairs) or `Weights8` (int8 rows) with A = `Act` (int8 activations), or
+// `WeightsF` (int8 blocks) with A = `ActF` (fp32 ones); their tiles and dot_scalar overloads.
+template <typename W, typename A>
+void matmul(Path path, const W& w, int64_t N, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
   // enough columns per task that the pool's wake-up is paid for (it changes which thread
   // computes a column, never how)
@@ -893,6 +1030,43 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   return out;
 }
 
+at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,
+                          const std::string& path_name_in) {
+  check_x("int8_blocks_mm", x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_of(q_in));
+  const int64_t N = q_in.size(0);
+  const std::string k = "x's K = " + std::to_string(K);
+  check_tensor("int8_blocks_mm", "q", q_in, at::kChar, N, K, "(N, K) for " + k);
+  TORCH_CHECK(d_in.dim() == 2 && (d_in.size(1) == K / 32 || d_in.size(1) == K / 16),
+              "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
+              shape_of(d_in));
+  const int64_t B = K / d_in.size(1);
+  check_tensor("int8_blocks_mm", "d", d_in, at::kFloat, N, K / B,
+               "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
+  const Path path = resolve_path("int8_blocks_mm", path_name_in);
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  // fp32 activations as they are; bf16 ones widened (exactly) into this thread's buffer
+  static thread_local std::vector<float> widened;
+  const float* xf;
+  at::Tensor x32;
+  if (x_in.scalar_type() == at::kFloat) {
+    x32 = x_in.contiguous();
+    xf = x32.data_ptr<float>();
+  } else {
+    const at::Tensor xb = x_in.contiguous();
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    widened.resize(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(src[i]);
+    xf = widened.data();
+  }
+  const WeightsF w{q.data_ptr<int8_t>(), d.data_ptr<float>(), K / kBlock, B};
+  matmul(path, w, N, M, ActF{xf}, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qinfer, lib) {
@@ -901,5 +1075,7 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)", &quantize_q8_1);
   lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor", &int4_mm);
   lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor", &int8_mm);
+  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor",
+          &int8_blocks_mm);
   lib.def("int4_paths() -> str", &paths_here);
 }

@@ -9,9 +9,10 @@ from qinfer.linear.concat import ConcatLinear
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.int4 import Int4Groups, Int4Linear
 from qinfer.linear.int8 import Int8Linear, Int8Rows
+from qinfer.linear.int8_blocks import Int8BlockLinear, Int8Blocks
 
 #: A weight as a checkpoint reader hands it over: dense (any float dtype) or quantized.
-StoredWeight = torch.Tensor | Int8Rows | Int4Groups
+StoredWeight = torch.Tensor | Int8Rows | Int8Blocks | Int4Groups
 
 
 def make_linear(
@@ -24,11 +25,11 @@ def make_linear(
 
     Parts of one kind are stacked into a single weight, so a fused q/k/v or gate/up
     projection is one kernel call; parts of different kinds (or int4 groups of different
-    sizes) become a ConcatLinear. biases: one per part (all None: no bias); dense weights
+    sizes, int8 blocks of different sizes) become a ConcatLinear. biases: one per part (all None: no bias); dense weights
     and biases are cast to the compute dtype and moved to the device.
     """
     kinds = {type(p) if not isinstance(p, torch.Tensor) else torch.Tensor for p in parts}
-    if len(kinds) > 1 or (kinds == {Int4Groups} and len({p.group_size for p in parts}) > 1):
+    if len(kinds) > 1 or len({_columns_per_scale(p) for p in parts}) > 1:
         return ConcatLinear(
             [make_linear([p], [b], dtype, device) for p, b in zip(parts, biases, strict=True)]
         )
@@ -46,6 +47,9 @@ def make_linear(
             _stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales", "zeros")
         )
         return Int4Linear(Int4Groups(*fields), bias, dtype)
+    if isinstance(first, Int8Blocks):
+        fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
+        return Int8BlockLinear(Int8Blocks(*fields), bias, dtype)
     if isinstance(first, Int8Rows):
         fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
         return Int8Linear(Int8Rows(*fields), bias, dtype)
@@ -57,6 +61,13 @@ def _stacked(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     embedding would briefly exist twice)."""
     stacked = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     return stacked.to(device)
+
+
+def _columns_per_scale(part: StoredWeight) -> int | None:
+    """The input columns one scale covers (int4 groups, int8 blocks); None for the others."""
+    if isinstance(part, Int4Groups):
+        return part.group_size
+    return part.block_size if isinstance(part, Int8Blocks) else None
 
 
 def _rows(part: StoredWeight) -> int:

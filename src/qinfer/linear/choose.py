@@ -7,7 +7,7 @@ The rule (`rule_paths`), for quantized Linears on CPU:
   dequantizes the whole weight for a row or a few, an order of magnitude slower.
 - prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
   (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
-  elsewhere. int8 rows there take `bf16_tiles` (up to `INT8_TILED_MAX` elements): the
+  elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX` elements): the
   int8 kernel does not block like a GEMM, and a bf16 GEMM on the widened weight catches
   it up from a few dozen rows.
 - the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel.
@@ -37,6 +37,7 @@ from qinfer.linear.compute import bf16_matmul_is_fast
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int8 import Int8Linear
+from qinfer.linear.int8_blocks import Int8BlockLinear
 from qinfer.linear.paths import (
     BF16_TILES,
     BUCKETS,
@@ -93,7 +94,8 @@ def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
     paths = layer.paths()
     if not bf16_matmul_is_fast(layer.device):
         return {"decode": KERNEL, "prefill": FP32_TILES if FP32_TILES in paths else KERNEL}
-    widened = isinstance(layer, Int8Linear) and layer.q.numel() <= INT8_TILED_MAX
+    int8 = isinstance(layer, (Int8Linear, Int8BlockLinear))
+    widened = int8 and layer.q.numel() <= INT8_TILED_MAX
     return {"decode": KERNEL, "prefill": BF16_TILES if widened and BF16_TILES in paths else KERNEL}
 
 

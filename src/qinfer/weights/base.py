@@ -20,6 +20,7 @@ import torch
 from qinfer.errors import WeightsError
 from qinfer.linear import (
     Int4Groups,
+    Int8Blocks,
     Linear,
     RowParallelLinear,
     StoredWeight,
@@ -39,8 +40,8 @@ ALL = slice(None)
 @dataclass(frozen=True)
 class Quantize:
     """Weight-only quantization of dense weights at load: "int8" (per output channel) or
-    "int4" (groups of `group_size` input columns). Tables read by embedding lookups take
-    int8 either way (int4 kernels cannot read single rows)."""
+    "int4" (groups of `group_size` input columns; a GGUF file's int8 blocks too). Tables
+    read by embedding lookups take int8 either way (int4 kernels cannot read single rows)."""
 
     kind: str
     group_size: int = 32
@@ -203,6 +204,8 @@ def _quantized(
         return quantize_int8(weight)
     if rows and isinstance(weight, Int4Groups):
         return quantize_int8(weight.dequantize())
+    if quantize is not None and quantize.kind == "int4" and isinstance(weight, Int8Blocks):
+        return weight if rows else quantize_int4(weight.dequantize(), quantize.group_size, what)
     return weight
 
 

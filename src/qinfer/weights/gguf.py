@@ -17,10 +17,11 @@ llama.cpp's conventions onto ours:
 - Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
   w of a Hugging Face checkpoint (our norms add the 1: `Wiring.norm_weight_offset`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
-  Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`); every other
-  block type (Q8_0, Q5_0, Q6_K, ...) becomes int8 per output channel, re-rounded: half
-  the bytes a decode step reads of a dequantized bf16 weight, within half a row step of
-  the stored values. With `dtype="float32"` every tensor is dequantized to fp32 by
+  Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0, Q5_0 and
+  Q6_K int8 blocks of 32 or 16 exactly, `gguf_quants.int8_blocks`); the other block types
+  (Q5_1, Q2_K, Q3_K, Q5_K) become int8 per output channel, re-rounded: half the bytes a
+  decode step reads of a dequantized bf16 weight, within half a row step of the stored
+  values. With `dtype="float32"` every tensor is dequantized to fp32 by
   `gguf_quants.dequantize` instead, one tensor at a time when the model asks for it.
 
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
@@ -48,7 +49,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
-from qinfer.linear import Int4Groups, Int8Rows, StoredWeight, quantize_int8
+from qinfer.linear import Int4Groups, Int8Blocks, Int8Rows, StoredWeight, quantize_int8
 from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.models import Family, GGUFHeader, family_of_gguf
 from qinfer.models.base import HFConfig
@@ -57,9 +58,11 @@ from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import (
     BLOCK_DEQUANTIZERS,
     INT4_GROUPS,
+    INT8_BLOCKS,
     SUPPORTED_TYPES,
     dequantize,
     int4_groups,
+    int8_blocks,
 )
 
 # llama.cpp tensor name -> ours; blk.N.* names are per layer, each family's
@@ -81,9 +84,10 @@ END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
-# Block types kept quantized: int4 groups as they are, the others re-rounded to int8 rows.
-INT8_ROW_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in INT4_GROUPS)
-KEPT_TYPES = (*INT4_GROUPS, *INT8_ROW_TYPES)
+# Block types kept quantized: int4 groups and int8 blocks as they are, the others
+# re-rounded to int8 rows.
+INT8_ROW_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in (*INT4_GROUPS, *INT8_BLOCKS))
+KEPT_TYPES = (*INT4_GROUPS, *INT8_BLOCKS, *INT8_ROW_TYPES)
 
 
 def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
@@ -111,8 +115,9 @@ def open_gguf(
     the other block types as int8 rows (unless the compute dtype is fp32, which asks for
     the exact dequantized reference); float tensors are read as they are, and `quantize`
     then applies to them. Blocks are never re-rounded to a kind as wide as theirs or wider:
-    `quantize="int8"` keeps them all, `quantize="int4"` keeps the int4 groups and takes the
-    other block types (Q5_0, Q6_K, Q8_0, ...) to int4 from their exact values.
+    `quantize="int8"` keeps them all; `quantize="int4"` keeps the int4 groups and the int8
+    blocks (which `weights.base` takes to int4 groups from their exact values, but for a
+    table embedding lookups read) and takes the other block types to int4 from theirs.
     """
     path = Path(path)
     file = read_gguf(path)
@@ -121,7 +126,8 @@ def open_gguf(
     dtype = dtype_for(config, kept or quantize is not None)
     if not kept or dtype == torch.float32:
         return config, GGUFWeights(file, config, dtype, device)
-    keep = INT4_GROUPS if quantize is not None and quantize.kind == "int4" else KEPT_TYPES
+    int4 = quantize is not None and quantize.kind == "int4"
+    keep = (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
     return config, GGUFWeights(file, config, dtype, device, keep)
 
 
@@ -396,11 +402,17 @@ class GGUFWeights(Weights):
             return self._read(name, rows, columns)
         if stored.tensor_type in INT4_GROUPS:
             data, within = self._blocks(stored, rows, columns)
-            groups = self._int4_columns(name, self._decode(stored, int4_groups, data), within)
+            groups = self._block_columns(name, self._decode(stored, int4_groups, data), within)
             groups.q, groups.scales, groups.zeros = (
                 self._unpermuted(name, t) for t in (groups.q, groups.scales, groups.zeros)
             )
             return groups
+        if stored.tensor_type in INT8_BLOCKS:
+            data, within = self._blocks(stored, rows, columns)
+            blocks = self._block_columns(name, self._decode(stored, int8_blocks, data), within)
+            return Int8Blocks(
+                self._unpermuted(name, blocks.q), self._unpermuted(name, blocks.scales)
+            )
         # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
         # large embedding never exists in fp32 whole.
         data, within = self._blocks(stored, rows, columns)
@@ -422,18 +434,24 @@ class GGUFWeights(Weights):
         data = self.file.read(stored, rows, slice(first * stored_columns, last * stored_columns))
         return data, slice(start - first * weights, stop - first * weights)
 
-    def _int4_columns(self, name: str, groups: Int4Groups, within: slice) -> Int4Groups:
-        """The int4 groups of the columns `within` (whole groups, or one clear error)."""
+    def _block_columns(
+        self, name: str, weight: Int4Groups | Int8Blocks, within: slice
+    ) -> Int4Groups | Int8Blocks:
+        """The int4 groups or int8 blocks of the columns `within` (whole ones, or one clear
+        error)."""
         if within == ALL:
-            return groups
-        g = groups.group_size
+            return weight
+        if isinstance(weight, Int4Groups):
+            kind, g = "int4 groups", weight.group_size
+        else:
+            kind, g = "int8 blocks", weight.block_size
         if within.start % g or within.stop % g:
             raise WeightsError(
                 f"tensor {name!r} in {self.path} cannot be split between tensor-parallel "
-                f"ranks at its input columns: its int4 groups of {g} columns would straddle "
+                f"ranks at its input columns: its {kind} of {g} columns would straddle "
                 f"a rank's share of {within.stop - within.start} columns"
             )
-        return groups.columns(within.start, within.stop)
+        return weight.columns(within.start, within.stop)
 
     def _decode(self, stored: TensorInfo, decode: Callable, data: np.ndarray) -> Any:
         try:

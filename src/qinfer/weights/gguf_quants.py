@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qinfer.linear import Int4Groups
+from qinfer.linear import Int4Groups, Int8Blocks
 
 QK_K = 256
 
@@ -67,10 +67,14 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
+def int8_blocks_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = d * q: q (n, 32) int8, d (n, 1)."""
+    return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks[:, :2])
+
+
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n, 32)
-    return q * d
+    q, d = int8_blocks_q8_0(blocks)
+    return q.float() * d
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -93,11 +97,16 @@ def _fifth_bits(packed: torch.Tensor) -> torch.Tensor:
     return _unpack(packed, 4, 1).transpose(1, 2).reshape(n, 32)  # (n, bit, byte) -> value order
 
 
-def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+def int8_blocks_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = d * (q - 16): q - 16 (n, 32) int8 in -16..15, d (n, 1)."""
     n = blocks.shape[0]
-    d = _f16(blocks[:, :2])
     low = _unpack(blocks[:, 6:], 16, 4).reshape(n, 32)
     q = (low | (_fifth_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
+    return q, _f16(blocks[:, :2])
+
+
+def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q, d = int8_blocks_q5_0(blocks)
     return d * q.float()
 
 
@@ -150,14 +159,21 @@ def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales)[..., None] * q - (dmin * mins)[..., None]).reshape(n, QK_K)
 
 
-def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def int8_blocks_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sub-block j of 16: w = (d * scale[j]) * (q - 32): q - 32 (n, 256) int8 in -32..31,
+    d * scale (n, 16) fp32 (exact: an fp16 times an int8)."""
     n = blocks.shape[0]
     low = _unpack(blocks[:, :128], 64, 4).reshape(n, 8, 32)
     high = _unpack(blocks[:, 128:192], 32, 2)  # (n, 8, 32)
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
-    d = _f16(blocks[:, 208:210])
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return ((d * scales)[..., None] * q).reshape(n, QK_K)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, QK_K)
+    return q, _f16(blocks[:, 208:210]) * scales
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    q, scales = int8_blocks_q6_k(blocks)
+    return (scales[..., None] * q.view(n, 16, 16).float()).reshape(n, QK_K)
 
 
 def int4_groups_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -205,6 +221,12 @@ INT4_GROUPS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Ten
     Q.Q4_1: int4_groups_q4_1,
     Q.Q4_K: int4_groups_q4_k,
 }
+#: Block types whose values are int8 with one scale per block: (q, scales) per block.
+INT8_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    Q.Q8_0: int8_blocks_q8_0,
+    Q.Q5_0: int8_blocks_q5_0,
+    Q.Q6_K: int8_blocks_q6_k,
+}
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(BLOCK_DEQUANTIZERS)
 
@@ -248,3 +270,16 @@ def int4_groups(
     _, type_size = GGML_QUANT_SIZES[qtype]
     q, scales, zeros = INT4_GROUPS[qtype](raw.reshape(-1, type_size))
     return Int4Groups(q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1))
+
+
+def int8_blocks(
+    data: np.ndarray, qtype: GGMLQuantizationType, device: torch.device | str = "cpu"
+) -> Int8Blocks:
+    """A 2-D Q8_0 / Q5_0 / Q6_K tensor (rows, row_bytes) as int8 blocks (of 32, or 16 for
+    Q6_K), with no rounding: `Int8Blocks.dequantize()` equals `dequantize(data, qtype)` bit
+    for bit."""
+    raw = _blocks(data, device)
+    rows, row_bytes = raw.shape
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    q, scales = INT8_BLOCKS[qtype](raw.reshape(-1, type_size))
+    return Int8Blocks(q.reshape(rows, -1), scales.reshape(rows, -1))

@@ -1,0 +1,150 @@
+"""int8 weights with one scale per block of B input columns: W = q * scale, B = 32 or 16.
+
+This holds GGUF's symmetric block types exactly (`qinfer.weights.gguf_quants.int8_blocks`):
+Q8_0 (q in -127..127, an fp16 scale per 32), Q5_0 (q in -16..15, per 32) and Q6_K (q in
+-32..31, a scale d * sc per 16). Re-rounded to one scale per row (`Int8Linear`), as they
+were, a block's values move by up to half a row's step, and on Gemma 3 270M Q4_K_M (whose
+projections are mostly Q5_0, its embedding Q8_0) that was most of the default path's drift
+from fp32: KL 0.0068, against 0.0005 with these blocks read dense (docs/BENCHMARKS.md).
+
+Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
+activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rounded but the
+sums, each row alike at any row count (the head's path too, whose logits are then fp32's).
+Where the kernels cannot be built it is the fp32 tile path (correct, slower at decode; one
+warning). The tile paths widen the blocks into the shared buffer (exact in fp32; bf16 tiles
+round the weight to bf16, the prefill path where bf16 GEMMs are fast). On other devices the
+kernel widens the whole weight at each call (correct, not a fast path).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qinfer import kernels
+from qinfer.errors import WeightsError
+from qinfer.linear.logits import fp32_logits
+from qinfer.linear.paths import FP32_TILES, QuantizedLinear, scratch
+
+#: Block sizes the kernel takes.
+BLOCK_SIZES = (32, 16)
+
+
+@dataclass
+class Int8Blocks:
+    """A weight as int8 blocks: q (N, K) int8, scales (N, K / B) fp32 (B = K / scales'
+    columns, one of BLOCK_SIZES)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def block_size(self) -> int:
+        return self.q.shape[1] // self.scales.shape[1]
+
+    def columns(self, start: int, stop: int) -> Int8Blocks:
+        """Input columns start:stop, which begin and end on block boundaries."""
+        b = self.block_size
+        return Int8Blocks(self.q[:, start:stop], self.scales[:, start // b : stop // b])
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32, exact (an int8 times an fp32 scale of GGUF's fp16 or fp16 * int8)."""
+        return _widened(self.q, self.scales, torch.float32)
+
+
+def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
+    """q (R, K) int8 and scales (R, K / B) -> (R, K) q * scale in `dtype` (into `out`)."""
+    R, K = q.shape
+    blocks = q.view(R, scales.shape[1], -1)  # (R, K / B, B)
+    product = torch.mul(blocks, scales[..., None])  # fp32 (R, K / B, B)
+    if out is None:
+        return product.view(R, K).to(dtype)
+    return out.view(R, K).copy_(product.view(R, K))
+
+
+class Int8BlockLinear(QuantizedLinear):
+    """int8 weight (N, K), scales (N, K / B) fp32, bias (N,) or None, computing in `dtype`."""
+
+    def __init__(self, stored: Int8Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        if stored.block_size not in BLOCK_SIZES or stored.q.shape[1] % stored.block_size:
+            raise WeightsError(
+                f"int8 blocks of {stored.block_size} columns are not one of "
+                f"{', '.join(map(str, BLOCK_SIZES))} (weight {tuple(stored.q.shape)})"
+            )
+        self.register_buffer("q", stored.q.contiguous())
+        self.register_buffer("scales", stored.scales.float().contiguous())
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = self.q.shape
+        self.compute_dtype = dtype
+        self._init_paths()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def shape_key(self) -> tuple:
+        return (self.out_features, self.in_features, self.q.shape[1] // self.scales.shape[1])
+
+    def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.device.type != "cpu":
+            return F.linear(flat, _widened(self.q, self.scales, flat.dtype))
+        if _kernel_missing() is not None:
+            return self._tiles(flat, torch.float32)
+        return kernels.int8_blocks_mm(flat, self.q, self.scales).to(flat.dtype)
+
+    def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As `Linear.logits`: the kernel takes the fp32 input as it is and writes fp32 logits
+        of the exact weight, so none needs recomputing."""
+        return fp32_logits(self, x, torch.float32, exact=True)
+
+    def _tiles_supported(self) -> bool:
+        return True
+
+    def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        out = scratch((stop - start) * self.in_features, dtype, self.q.device)
+        return _widened(self.q[start:stop], self.scales[start:stop], dtype, out)
+
+    def dequantize(self) -> torch.Tensor:
+        return _widened(self.q, self.scales, torch.float32)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(..., K) fp32, exact as `dequantize`."""
+        q = F.embedding(ids, self.q)  # (..., K)
+        scales = F.embedding(ids, self.scales)  # (..., K / B)
+        blocks = q.view(*q.shape[:-1], scales.shape[-1], -1)
+        return (blocks * scales[..., None]).flatten(-2)
+
+    def has_rows(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + self._bias_nbytes()
+
+
+_warned = False
+
+
+def _kernel_missing() -> str | None:
+    """Why the compiled kernel cannot run here (warned once), or None."""
+    global _warned
+    reason = kernels.available()
+    if reason is not None and not _warned:
+        _warned = True
+        warnings.warn(
+            f"int8 block weights multiply through {FP32_TILES} (slower at decode): {reason}",
+            stacklevel=3,
+        )
+    return reason

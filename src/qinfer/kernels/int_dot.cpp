@@ -1,6 +1,7 @@
 // int4 and int8 weights x int8 activations on integer dot products, the way llama.cpp
-// multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0. See qinfer/kernels/__init__.py
-// for what it computes; the int8 rows' kernel is described above its tiles (Weights8).
+// multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0; and int8 blocks x fp32
+// activations in fp32. See qinfer/kernels/__init__.py for what they compute; the int8 rows'
+// and int8 blocks' kernels are described above their tiles (Weights8, WeightsF).
 //
 // Layouts (all row-major, contiguous):
 //   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds

@@ -692,26 +692,36 @@ struct ActF {
   const float* x;  // (M, K), contiguous
 };
 
+// A tile's row pointers into the weight (its C columns' q and d) and the activations (its R
+// rows), copied into locals once (see the note above the int4 tiles).
+template <int R, int C>
+struct TileRows {
+  int64_t blocks;
+  const int8_t* q[C];
+  const float* d[C];
+  const float* x[R];
+  TileRows(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0) {
+    const int64_t K = w.nb * kBlock;
+    blocks = K / w.B;
+    for (int c = 0; c < C; ++c) {
+      q[c] = w.q + (n0 + c) * K;
+      d[c] = w.d + (n0 + c) * blocks;
+    }
+    for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  }
+};
+
 template <int R, int C>
 QINFER_VNNI void tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
                            int64_t ldo) {
-  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
-  const int8_t* q[C];
-  const float* d[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * K;
-    d[c] = w.d + (n0 + c) * blocks;
-  }
-  const float* x[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  const int64_t B = w.B;
+  TileRows<R, C> p(w, n0, a, r0);
   __m512 acc[C][R];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
     __m512 t[C][R];
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
@@ -720,19 +730,19 @@ QINFER_VNNI void tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t
     for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
       __m512 xv[R];
       #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(x[i] + k);
+      for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(p.x[i] + k);
       #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(q[c] + k + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
         const __m512 wv = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[c] + k))));
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k))));
         #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv, xv[i], t[c][i]);
       }
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 dv = _mm512_set1_ps(d[c][b]);
+      const __m512 dv = _mm512_set1_ps(p.d[c][b]);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -746,23 +756,14 @@ QINFER_VNNI void tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t
 template <int R, int C>
 QINFER_AVX2 void tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
                            int64_t ldo) {
-  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
-  const int8_t* q[C];
-  const float* d[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * K;
-    d[c] = w.d + (n0 + c) * blocks;
-  }
-  const float* x[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  const int64_t B = w.B;
+  TileRows<R, C> p(w, n0, a, r0);
   __m256 acc[C][R];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
     __m256 t[C][R];
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
@@ -771,17 +772,17 @@ QINFER_AVX2 void tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t
     for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
       #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(q[c] + k + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
         const __m256 wv = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[c] + k))));
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k))));
         #pragma GCC unroll 8
         for (int i = 0; i < R; ++i)
-          t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[i] + k), t[c][i]);
+          t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x[i] + k), t[c][i]);
       }
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 dv = _mm256_set1_ps(d[c][b]);
+      const __m256 dv = _mm256_set1_ps(p.d[c][b]);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
     }

@@ -9,6 +9,8 @@ gets the same rounded activations) and the output is rounded to bf16, a relative
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -146,6 +148,25 @@ def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
         kernels.int8_blocks_mm(torch.zeros(1, 64), q.view(torch.uint8), d)
     with pytest.raises(WeightsError, match="int8 blocks of 8 columns are not one of 32, 16"):
         Int8BlockLinear(Int8Blocks(q, torch.zeros(4, 8)), None, torch.float32)
+
+
+def test_int8_blocks_without_the_compiled_kernel_take_torchs_on_a_row_copy(monkeypatch):
+    """No compiler here: one warning naming why, torch's int8 kernel on a copy re-rounded
+    to one scale per row (the speed of before), embedding rows still exact."""
+    from qinfer.linear import int8_blocks
+
+    reason = "no C++ compiler (c++) to build int_dot.cpp"
+    monkeypatch.setattr(int8_blocks.kernels, "available", lambda: reason)
+    monkeypatch.setattr(int8_blocks, "_warned", False)
+    exact = int8_blocks_of(weight(96, 256), 32)
+    w = Int8BlockLinear(exact, None, torch.bfloat16)
+    x = activations(3, 256, torch.bfloat16)
+    with pytest.warns(UserWarning, match=f"multiply as int8 rows .*: {re.escape(reason)}"):
+        got = w(x)
+    rows = quantize_int8(exact.dequantize())
+    assert torch.equal(got, torch._weight_int8pack_mm(x, rows.q, rows.scales.bfloat16()))
+    assert_matches_dequantized(w, x)
+    assert torch.equal(w.rows(torch.tensor([4])), exact.dequantize()[[4]])
 
 
 def test_int4_rows_not_a_multiple_of_16_are_padded():

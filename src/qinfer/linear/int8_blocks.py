@@ -10,8 +10,9 @@ from fp32: KL 0.0068, against 0.0005 with these blocks read dense (docs/BENCHMAR
 Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
 activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rounded but the
 sums, each row alike at any row count (the head's path too, whose logits are then fp32's).
-Where the kernels cannot be built it is the fp32 tile path (correct, slower at decode; one
-warning). The tile paths widen the blocks into the shared buffer (exact in fp32; bf16 tiles
+Where the kernels cannot be built (no compiler or ninja) it is torch's int8 kernel on a
+copy re-rounded to one scale per row, made at the first call: the speed and the precision
+of before, with one warning; embedding rows stay exact. The tile paths widen the blocks into the shared buffer (exact in fp32; bf16 tiles
 round the weight to bf16, the prefill path where bf16 GEMMs are fast). On other devices the
 kernel widens the whole weight at each call (correct, not a fast path).
 """
@@ -26,8 +27,9 @@ import torch.nn.functional as F
 
 from qinfer import kernels
 from qinfer.errors import WeightsError
+from qinfer.linear.int8 import Int8Rows, quantize_int8
 from qinfer.linear.logits import fp32_logits
-from qinfer.linear.paths import FP32_TILES, QuantizedLinear, scratch
+from qinfer.linear.paths import QuantizedLinear, scratch
 
 #: Block sizes the kernel takes.
 BLOCK_SIZES = (32, 16)
@@ -84,6 +86,7 @@ class Int8BlockLinear(QuantizedLinear):
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = self.q.shape
         self.compute_dtype = dtype
+        self._row_copy: Int8Rows | None = None  # made only where the kernel cannot run
         self._init_paths()
 
     @property
@@ -100,14 +103,20 @@ class Int8BlockLinear(QuantizedLinear):
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device.type != "cpu":
             return F.linear(flat, _widened(self.q, self.scales, flat.dtype))
-        if _kernel_missing() is not None:
-            return self._tiles(flat, torch.float32)
-        return kernels.int8_blocks_mm(flat, self.q, self.scales).to(flat.dtype)
+        if _kernel_missing() is None:
+            return kernels.int8_blocks_mm(flat, self.q, self.scales).to(flat.dtype)
+        if self._row_copy is None:  # no compiled kernel here: torch's on a row copy
+            self._row_copy = quantize_int8(self.dequantize())
+        rows = self._row_copy
+        return torch._weight_int8pack_mm(flat, rows.q, rows.scales.to(flat.dtype))
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """As `Linear.logits`: the kernel takes the fp32 input as it is and writes fp32 logits
-        of the exact weight, so none needs recomputing."""
-        return fp32_logits(self, x, torch.float32, exact=True)
+        """As `Linear.logits`: the compiled kernel takes the fp32 input as it is and writes
+        fp32 logits of the exact weight, none to recompute; without it, the row copy's
+        logits in `dtype` with the top ones recomputed from the exact rows."""
+        if self.device.type == "cpu" and _kernel_missing() is None:
+            return fp32_logits(self, x, torch.float32, exact=True)
+        return fp32_logits(self, x, dtype)
 
     def _tiles_supported(self) -> bool:
         return True
@@ -144,7 +153,7 @@ def _kernel_missing() -> str | None:
     if reason is not None and not _warned:
         _warned = True
         warnings.warn(
-            f"int8 block weights multiply through {FP32_TILES} (slower at decode): {reason}",
+            f"int8 block weights multiply as int8 rows (re-rounded, torch's kernel): {reason}",
             stacklevel=3,
         )
     return reason

@@ -148,6 +148,14 @@ def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
         kernels.int8_blocks_mm(torch.zeros(1, 64), q.view(torch.uint8), d)
     with pytest.raises(WeightsError, match="int8 blocks of 8 columns are not one of 32, 16"):
         Int8BlockLinear(Int8Blocks(q, torch.zeros(4, 8)), None, torch.float32)
+    with pytest.raises(WeightsError, match="int8 blocks need a multiple of 32 input columns"):
+        Int8BlockLinear(Int8Blocks(q[:, :48], torch.zeros(4, 3)), None, torch.float32)
+
+
+def test_int8_blocks_take_fp16_activations(int8_dot_built):
+    """An fp16 model on CPU (allowed) widens its activations for the kernel."""
+    w = Int8BlockLinear(int8_blocks_of(weight(48, 256), 32), None, torch.float16)
+    assert_matches_dequantized(w, activations(3, 256, torch.float16), 1e-2)
 
 
 def test_int8_blocks_without_the_compiled_kernel_take_torchs_on_a_row_copy(monkeypatch):

@@ -81,8 +81,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         default=None,
         choices=["none", "int8", "int4"],
-        help="weight-only quantization at load (default: a GGUF file keeps its Q4/Q8 blocks, "
-        "other weights stay dense; none: everything dense)",
+        help="weight-only quantization at load (default: a GGUF file keeps its quantized "
+        "blocks, other weights stay dense; none: everything dense)",
     )
     parser.add_argument(
         "--group-size",

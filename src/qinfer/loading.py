@@ -108,7 +108,7 @@ def load_model(
 
     dtype: the compute dtype (activations and dense weights); by default chosen from the
         checkpoint, the device and the quantization (see `resolve_dtype`).
-    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0 blocks unless dtype is
+    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks unless dtype is
         float32; other weights stay dense), "none" (everything dense: the reference),
         "int8" (per output channel) or "int4" (groups of `group_size` input columns). A
         GGUF file's blocks are not re-rounded to as many bits or more: "int8" keeps them,

@@ -81,7 +81,7 @@ def forced_paths() -> dict[str, str]:
 
 
 def rule_head_path(layer: QuantizedLinear) -> str:
-    """The lm_head's path: torch's kernel. int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran
+    """The lm_head's path: the kind's kernel (torch's; int8 blocks: qinfer's exact one). int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran
     1.6-3x faster on a 49152 x 576 and a 151936 x 1024 head, but its int8 activations move
     the logits below the exactly recomputed top 16 enough to show in the KL divergence to
     fp32 (SmolLM2 Q4_1 on real text: 0.00305 -> 0.00352, mid-document windows 0.00316 ->

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from qinfer import kernels
 from qinfer.errors import WeightsError
-from qinfer.linear.int8 import Int8Rows, quantize_int8
+from qinfer.linear.int8 import CHUNK_ROWS, Int8Rows, quantize_int8
 from qinfer.linear.logits import fp32_logits
 from qinfer.linear.paths import QuantizedLinear, scratch
 
@@ -81,6 +81,11 @@ class Int8BlockLinear(QuantizedLinear):
                 f"int8 blocks of {stored.block_size} columns are not one of "
                 f"{', '.join(map(str, BLOCK_SIZES))} (weight {tuple(stored.q.shape)})"
             )
+        if stored.q.shape[1] % kernels.BLOCK:  # a split share of blocks of 16, say
+            raise WeightsError(
+                f"int8 blocks need a multiple of {kernels.BLOCK} input columns, got "
+                f"{stored.q.shape[1]} (weight {tuple(stored.q.shape)})"
+            )
         self.register_buffer("q", stored.q.contiguous())
         self.register_buffer("scales", stored.scales.float().contiguous())
         self.register_buffer("bias", bias)
@@ -104,11 +109,24 @@ class Int8BlockLinear(QuantizedLinear):
         if flat.device.type != "cpu":
             return F.linear(flat, _widened(self.q, self.scales, flat.dtype))
         if _kernel_missing() is None:
-            return kernels.int8_blocks_mm(flat, self.q, self.scales).to(flat.dtype)
+            # the kernel takes fp32 and bf16 activations; fp16 ones are widened for it
+            x = flat if flat.dtype in kernels.ACTIVATION_DTYPES else flat.float()
+            return kernels.int8_blocks_mm(x, self.q, self.scales).to(flat.dtype)
         if self._row_copy is None:  # no compiled kernel here: torch's on a row copy
-            self._row_copy = quantize_int8(self.dequantize())
+            self._row_copy = self._rounded_to_rows()
         rows = self._row_copy
         return torch._weight_int8pack_mm(flat, rows.q, rows.scales.to(flat.dtype))
+
+    def _rounded_to_rows(self) -> Int8Rows:
+        """The weight re-rounded to one scale per row, CHUNK_ROWS rows at a time (a 262k-row
+        table never exists in fp32 whole)."""
+        chunks = [
+            quantize_int8(_widened(q, scales, torch.float32))
+            for q, scales in zip(
+                self.q.split(CHUNK_ROWS), self.scales.split(CHUNK_ROWS), strict=True
+            )
+        ]
+        return Int8Rows(torch.cat([c.q for c in chunks]), torch.cat([c.scales for c in chunks]))
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As `Linear.logits`: the compiled kernel takes the fp32 input as it is and writes

@@ -1,8 +1,10 @@
 """Ways to multiply by a quantized weight, and the rule that picks one per call by row count.
 
-A quantized Linear (int8 rows, int4 groups) can run a call in several ways ("paths"):
+A quantized Linear (int8 rows, int8 blocks, int4 groups) can run a call in several ways
+("paths"):
 
-- `kernel`: torch's weight-only kernel (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+- `kernel`: the kind's weight-only kernel (torch's `_weight_int8pack_mm` and
+  `_weight_int4pack_mm_for_cpu`, qinfer's `int8_blocks_mm` for int8 blocks; see each kind)
   with the activations in the compute dtype: reads the compact weight once, so it wins at
   decode (1-8 rows), but it does not block like a GEMM and loses at prefill shapes.
 - `fp32_tiles`: dequantize the weight a tile of output rows at a time into one reused fp32

@@ -51,7 +51,7 @@ def kv_pool_blocks(
 
     One space: num_kv_blocks, else the byte budget divided by a block's size (the budget:
     kv_cache_memory, or a share of free GPU memory, or the CPU default; a block holds this
-    rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about twice the
+    rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about 1.8x the
     blocks of a bf16 one). A window space besides space 0 (sliding layers beside
     full-attention ones): `whole` = num_kv_blocks, or the budget divided by a block of
     every layer (one space's count); the window space gets what its running sequences can

@@ -111,8 +111,8 @@ def open_gguf(
 ) -> tuple[ModelConfig, GGUFWeights]:
     """The config and (lazily read) weights of a `.gguf` file.
 
-    keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups and
-    the other block types as int8 rows (unless the compute dtype is fp32, which asks for
+    keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups,
+    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows (unless the compute dtype is fp32, which asks for
     the exact dequantized reference); float tensors are read as they are, and `quantize`
     then applies to them. Blocks are never re-rounded to a kind as wide as theirs or wider:
     `quantize="int8"` keeps them all; `quantize="int4"` keeps the int4 groups and the int8
@@ -349,8 +349,8 @@ class GGUFWeights(Weights):
         device: torch.device | str,
         keep_types: tuple[GGMLQuantizationType, ...] = (),
     ) -> None:
-        """keep_types: the block types `_stored` gives in their bits (int4 groups or int8
-        rows, see the module's docstring); every other tensor is dequantized."""
+        """keep_types: the block types `_stored` gives quantized (int4 groups, int8 blocks
+        or int8 rows, see the module's docstring); every other tensor is dequantized."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
         self.keep_types = keep_types

@@ -59,5 +59,5 @@ def format_path_table(table: list[dict]) -> str:
         times = "  ".join(f"{path} {ms:.3f}" for path, ms in row["ms"].items())
         shape = "x".join(map(str, row["shape"]))
         bucket = f"{row['bucket']} ({PROBE_ROWS[row['bucket']]})"
-        lines.append(f"  {row['kind']:10} {shape:14} {bucket:13} -> {row['path']:10} ms: {times}")
+        lines.append(f"  {row['kind']:15} {shape:14} {bucket:13} -> {row['path']:10} ms: {times}")
     return "\n".join(lines)

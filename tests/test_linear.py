@@ -167,10 +167,10 @@ def test_int8_blocks_without_the_compiled_kernel_take_torchs_on_a_row_copy(monke
     monkeypatch.setattr(int8_blocks.kernels, "available", lambda: reason)
     monkeypatch.setattr(int8_blocks, "_warned", False)
     exact = int8_blocks_of(weight(96, 256), 32)
-    w = Int8BlockLinear(exact, None, torch.bfloat16)
     x = activations(3, 256, torch.bfloat16)
     with pytest.warns(UserWarning, match=f"multiply as int8 rows .*: {re.escape(reason)}"):
-        got = w(x)
+        w = Int8BlockLinear(exact, None, torch.bfloat16)  # at load, not in a step
+    got = w(x)
     rows = quantize_int8(exact.dequantize())
     assert torch.equal(got, torch._weight_int8pack_mm(x, rows.q, rows.scales.bfloat16()))
     assert_matches_dequantized(w, x)

@@ -93,6 +93,8 @@ class Int8BlockLinear(QuantizedLinear):
         self.compute_dtype = dtype
         self._row_copy: Int8Rows | None = None  # made only where the kernel cannot run
         self._init_paths()
+        if self.device.type == "cpu":  # built (the first time, ~20 s) at load, not in a step
+            _kernel_missing()
 
     @property
     def dtype(self) -> torch.dtype:

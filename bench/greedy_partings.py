@@ -24,19 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from qinfer import LLM, SamplingParams
+from qinfer.bench.greedy import partings, top_two_gaps
 from qinfer.checkpoint import resolve_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "chat_prompts.txt"
-
-
-def partings(reference: list[list[int]], gaps: list[list[float]], got: list[list[int]]):
-    """(prompt, step, fp32's top-two gap there) where `got` first leaves the reference."""
-    found = []
-    for p, (want, have) in enumerate(zip(reference, got, strict=True)):
-        step = next((i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b), None)
-        if step is not None:
-            found.append((p, step, round(gaps[p][step], 4)))
-    return found
 
 
 def llama_cpp_greedy(path: Path, prompts: list[list[int]], tokens: int, threads: int):
@@ -76,10 +67,7 @@ def main() -> None:
     llm.close()
     reference = [o.token_ids for o in outputs]
     prompt_ids = [o.prompt_token_ids for o in outputs]
-    gaps = []
-    for output in outputs:
-        top = [sorted(lp.top_logprobs.values(), reverse=True) for lp in output.logprobs]
-        gaps.append([best - second for best, second, *_ in top])
+    gaps = top_two_gaps(outputs)
 
     llm = LLM(str(path))
     rows = {"qinfer default": [o.token_ids for o in llm.generate(chats, params, use_tqdm=False)]}
@@ -95,8 +83,11 @@ def main() -> None:
     print(f"{path.name}: {len(chats)} chat prompts, {args.tokens} greedy tokens each")
     for name, parted in found.items():
         largest = max((gap for *_, gap in parted), default=0.0)
-        print(f"{name:>15}: {len(parted)} of {len(chats)} part from fp32, largest gap {largest}")
-        print(f"{'':>15}  (prompt, step, gap): {parted}")
+        shown = [(p, step, round(gap, 4)) for p, step, gap in parted]
+        print(
+            f"{name:>15}: {len(parted)} of {len(chats)} part from fp32, largest gap {largest:.4f}"
+        )
+        print(f"{'':>15}  (prompt, step, gap): {shown}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import pytest
 from gguf_files import smollm2_path
 
 from qinfer import LLM, SamplingParams, load_model, load_tokenizer
+from qinfer.bench.greedy import partings, top_two_gaps
 
 #: 20 short chat prompts, one per line (bench/greedy_partings.py reads the same file).
 PROMPTS = (Path(__file__).parent / "chat_prompts.txt").read_text().splitlines()
@@ -68,21 +69,7 @@ def fp32_greedy():
     llm = LLM(str(smollm2_path()), dtype="float32")
     outputs = llm.generate(chat(PROMPTS), params, use_tqdm=False)
     llm.close()
-    gaps = []
-    for output in outputs:
-        top = [sorted(lp.top_logprobs.values(), reverse=True) for lp in output.logprobs]
-        gaps.append([best - second for best, second, *_ in top])
-    return [output.token_ids for output in outputs], gaps
-
-
-def partings(reference, gaps, got) -> list[tuple[int, int, float]]:
-    """(prompt, step, fp32's top-two gap there) where `got` first leaves the reference."""
-    found = []
-    for p, (want, have) in enumerate(zip(reference, got, strict=True)):
-        step = next((i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b), None)
-        if step is not None:
-            found.append((p, step, gaps[p][step]))
-    return found
+    return [output.token_ids for output in outputs], top_two_gaps(outputs)
 
 
 def default_greedy_in_a_process(environ: dict[str, str], prompts: list[str]) -> list[list[int]]:

@@ -5,7 +5,8 @@ bandwidth. engine.py (`qinfer bench --batch`, bench/bench_engine.py): the batchi
 throughput on a mixed workload, against one-by-one generation. speculative.py (`qinfer
 bench --speculative-method ...`): decode speed with and without speculative decoding.
 common.py: the timer and the transformers loader both use. linear_paths.py: what each
-path of each quantized shape costs, beside the path `qinfer.linear.choose` gave it. The
+path of each quantized shape costs, beside the path `qinfer.linear.choose` gave it.
+greedy.py: where greedy decoding leaves a reference's path, and at what near-tie. The
 library itself imports none of this.
 """
 

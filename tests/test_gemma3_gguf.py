@@ -317,8 +317,9 @@ LLAMA_CPP_Q4_0_KL, LLAMA_CPP_Q4_0_TOP1 = 0.65625, 0.5360
 def test_quantize_int4_takes_only_the_wider_blocks_to_int4(gemma3, tokenizers):
     """`quantize="int4"`: the Q5_0, Q6_K and Q8_0 projections become int4 groups from their
     exact values, the Q4_K ones keep their bits (as the default load has them), the Q8_0
-    embedding and tied head stay int8 (rows: a lookup table takes int8 under `Quantize`); on real text it drifts from fp32 no further
-    than llama.cpp's own Q4_0 requantization of the file."""
+    embedding and tied head keep their int8 blocks (a lookup table takes int8 under
+    `Quantize`); on real text it drifts from fp32 no further than llama.cpp's own Q4_0
+    requantization of the file."""
     from pathlib import Path
 
     from qinfer.perplexity import perplexity

@@ -26,8 +26,9 @@ built once per step for all the layers of one window rather than once per layer.
 A cache given a `KVFormat` (`qinfer.kv_quant`) stores K/V in it: a quantized one keeps
 int8 or fp8 elements in `keys`/`values` and N fp32 scales per (row, head, position), one
 per block of 32 elements, in `key_scales`/`value_scales` (B, Hkv, positions, N), quantizes
-each step's entries as it writes them, and returns the history dequantized to the entries' dtype. The entries of the step
-itself come back as stored too, so a sequence fed whole or in pieces sees the same K/V.
+each step's entries as it writes them, and returns the history dequantized to the
+entries' dtype. The entries of the step itself come back as stored too, so a sequence fed
+whole or in pieces sees the same K/V.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
     h = w.rows(token_ids)    # an embedding lookup in the same table: (...) -> (..., in_features)
 
 Which kind a projection is (dense, int8 per channel, int8 blocks, int4 groups, or several of
-them side by side) is decided once, where the weights are loaded (`qinfer.weights`); the layers only ever
-call `linear(x, w)`. Quantizing a model is then a different `Linear`, never a new model. Under tensor
-parallelism a rank holds part of each weight, and the kinds in `parallel.py` join the
-ranks' results inside their call.
+them side by side) is decided once, where the weights are loaded (`qinfer.weights`); the
+layers only ever call `linear(x, w)`. Quantizing a model is then a different `Linear`,
+never a new model. Under tensor parallelism a rank holds part of each weight, and the
+kinds in `parallel.py` join the ranks' results inside their call.
 """
 
 from qinfer.linear.base import Linear, linear

@@ -24,9 +24,9 @@ def make_linear(
     """One Linear whose output is the parts' outputs side by side (rows stacked).
 
     Parts of one kind are stacked into a single weight, so a fused q/k/v or gate/up
-    projection is one kernel call; parts of different kinds (or int4 groups of different
-    sizes, int8 blocks of different sizes) become a ConcatLinear. biases: one per part (all None: no bias); dense weights
-    and biases are cast to the compute dtype and moved to the device.
+    projection is one kernel call; parts of different kinds (or int4 groups, or int8
+    blocks, of different sizes) become a ConcatLinear. biases: one per part (all None: no
+    bias); dense weights and biases are cast to the compute dtype and moved to the device.
     """
     kinds = {type(p) if not isinstance(p, torch.Tensor) else torch.Tensor for p in parts}
     if len(kinds) > 1 or len({_columns_per_scale(p) for p in parts}) > 1:

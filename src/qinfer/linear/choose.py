@@ -7,9 +7,9 @@ The rule (`rule_paths`), for quantized Linears on CPU:
   dequantizes the whole weight for a row or a few, an order of magnitude slower.
 - prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
   (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
-  elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX` elements): the
-  int8 kernel does not block like a GEMM, and a bf16 GEMM on the widened weight catches
-  it up from a few dozen rows.
+  elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX`
+  elements): the int8 kernels do not block like a GEMM, and a bf16 GEMM on the widened
+  weight catches them up from a few dozen rows.
 - the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel.
 
 (The figures behind each bucket: docs/BENCHMARKS.md, "Paths of quantized Linears".)
@@ -81,10 +81,11 @@ def forced_paths() -> dict[str, str]:
 
 
 def rule_head_path(layer: QuantizedLinear) -> str:
-    """The lm_head's path: the kind's kernel (torch's; int8 blocks: qinfer's exact one). int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran
-    1.6-3x faster on a 49152 x 576 and a 151936 x 1024 head, but its int8 activations move
-    the logits below the exactly recomputed top 16 enough to show in the KL divergence to
-    fp32 (SmolLM2 Q4_1 on real text: 0.00305 -> 0.00352, mid-document windows 0.00316 ->
+    """The lm_head's path: the kind's kernel (torch's; int8 blocks: qinfer's exact one).
+    int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran 1.6-3x faster on a 49152 x 576 and a
+    151936 x 1024 head, but its int8 activations move the logits below the exactly
+    recomputed top 16 enough to show in the KL divergence to fp32 (SmolLM2 Q4_1 on real
+    text, the head then int8 rows: 0.00305 -> 0.00352, mid-document windows 0.00316 ->
     0.00358, llama.cpp's own 0.00352; docs/BENCHMARKS.md)."""
     return KERNEL
 

@@ -12,9 +12,10 @@ activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rou
 sums, each row alike at any row count (the head's path too, whose logits are then fp32's).
 Where the kernels cannot be built (no compiler or ninja) it is torch's int8 kernel on a
 copy re-rounded to one scale per row, made at the first call: the speed and the precision
-of before, with one warning; embedding rows stay exact. The tile paths widen the blocks into the shared buffer (exact in fp32; bf16 tiles
-round the weight to bf16, the prefill path where bf16 GEMMs are fast). On other devices the
-kernel widens the whole weight at each call (correct, not a fast path).
+of before, with one warning; embedding rows stay exact. The tile paths widen the blocks
+into the shared buffer (exact in fp32; bf16 tiles round the weight to bf16, the prefill
+path where bf16 GEMMs are fast). On other devices the kernel widens the whole weight at
+each call (correct, not a fast path).
 """
 
 from __future__ import annotations
@@ -62,13 +63,12 @@ class Int8Blocks:
 
 
 def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
-    """q (R, K) int8 and scales (R, K / B) -> (R, K) q * scale in `dtype` (into `out`)."""
-    R, K = q.shape
-    blocks = q.view(R, scales.shape[1], -1)  # (R, K / B, B)
-    product = torch.mul(blocks, scales[..., None])  # fp32 (R, K / B, B)
+    """q (..., K) int8 and scales (..., K / B) -> (..., K) q * scale in `dtype` (into `out`)."""
+    blocks = q.unflatten(-1, (scales.shape[-1], -1))  # (..., K / B, B)
+    product = torch.mul(blocks, scales[..., None]).flatten(-2)  # fp32 (..., K)
     if out is None:
-        return product.view(R, K).to(dtype)
-    return out.view(R, K).copy_(product.view(R, K))
+        return product.to(dtype)
+    return out.view(q.shape).copy_(product)
 
 
 class Int8BlockLinear(QuantizedLinear):
@@ -105,7 +105,7 @@ class Int8BlockLinear(QuantizedLinear):
         return self.q.device
 
     def shape_key(self) -> tuple:
-        return (self.out_features, self.in_features, self.q.shape[1] // self.scales.shape[1])
+        return (self.out_features, self.in_features, self.in_features // self.scales.shape[1])
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device.type != "cpu":
@@ -150,10 +150,7 @@ class Int8BlockLinear(QuantizedLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32, exact as `dequantize`."""
-        q = F.embedding(ids, self.q)  # (..., K)
-        scales = F.embedding(ids, self.scales)  # (..., K / B)
-        blocks = q.view(*q.shape[:-1], scales.shape[-1], -1)
-        return (blocks * scales[..., None]).flatten(-2)
+        return _widened(F.embedding(ids, self.q), F.embedding(ids, self.scales), torch.float32)
 
     def has_rows(self) -> bool:
         return True

@@ -112,12 +112,13 @@ def open_gguf(
     """The config and (lazily read) weights of a `.gguf` file.
 
     keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups,
-    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows (unless the compute dtype is fp32, which asks for
-    the exact dequantized reference); float tensors are read as they are, and `quantize`
-    then applies to them. Blocks are never re-rounded to a kind as wide as theirs or wider:
-    `quantize="int8"` keeps them all; `quantize="int4"` keeps the int4 groups and the int8
-    blocks (which `weights.base` takes to int4 groups from their exact values, but for a
-    table embedding lookups read) and takes the other block types to int4 from theirs.
+    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows (unless the
+    compute dtype is fp32, which asks for the exact dequantized reference); float tensors
+    are read as they are, and `quantize` then applies to them. Blocks are never re-rounded
+    to a kind as wide as theirs or wider: `quantize="int8"` keeps them all;
+    `quantize="int4"` keeps the int4 groups and the int8 blocks (which `weights.base` takes
+    to int4 groups from their exact values, but for a table embedding lookups read) and
+    takes the other block types to int4 from theirs.
     """
     path = Path(path)
     file = read_gguf(path)

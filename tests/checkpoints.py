@@ -7,8 +7,17 @@ from pathlib import Path
 import torch
 
 import qinfer
+from qinfer import kernels
 from qinfer.config import ModelConfig
+from qinfer.linear import Int4BlockLinear, Int4Linear
 from qinfer.models import config_from_hf
+
+
+def int4_kind() -> type:
+    """The Linear that int4 groups of 32 become on this CPU (`qinfer.linear.build`): qinfer's
+    exact kernel's where it builds, torch's int4 kernel's elsewhere."""
+    return Int4BlockLinear if kernels.available() is None else Int4Linear
+
 
 TINY = dict(
     vocab_size=256,

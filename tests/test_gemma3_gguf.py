@@ -11,6 +11,7 @@ from collections import Counter
 import openai
 import pytest
 import torch
+from checkpoints import int4_kind
 from gguf import GGMLQuantizationType as Q
 from gguf_files import assert_greedy_follows, compare_greedy, gemma3_path
 from server_process import start_serve_command
@@ -18,7 +19,7 @@ from server_process import start_serve_command
 import qinfer
 from qinfer.cli import main
 from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from qinfer.linear import DenseLinear, Int4Linear, Int8BlockLinear
+from qinfer.linear import DenseLinear, Int8BlockLinear
 from qinfer.weights.gguf import read_gguf
 
 PROMPTS = [
@@ -239,7 +240,7 @@ def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, 
     fast = qinfer.load_model(gemma3_path(), device="cpu")
     assert fast.dtype == torch.bfloat16
     assert isinstance(fast.lm_head, Int8BlockLinear) and fast.lm_head is fast.embed_tokens
-    assert isinstance(fast.layers[0].self_attn.wo, Int4Linear)  # blk.0.attn_output is Q4_K
+    assert isinstance(fast.layers[0].self_attn.wo, int4_kind())  # blk.0.attn_output is Q4_K
     assert isinstance(fast.layers[0].mlp.gate_up, Int8BlockLinear)  # blk.0.ffn_gate/up: Q5_0
     assert fast.layers[1].mlp.down.scales.shape[1] == 2048 // 16  # blk.1.ffn_down: Q6_K
     assert not any(isinstance(w, DenseLinear) for w in fast.linears().values())
@@ -329,8 +330,8 @@ def test_quantize_int4_takes_only_the_wider_blocks_to_int4(gemma3, tokenizers):
     fast = qinfer.load_model(gemma3_path(), device="cpu", quantize="int4")
     default = qinfer.load_model(gemma3_path(), device="cpu")
     assert isinstance(fast.lm_head, Int8BlockLinear) and fast.lm_head is fast.embed_tokens
-    assert isinstance(fast.layers[0].mlp.gate_up, Int4Linear)  # Q5_0 in the file
-    assert isinstance(fast.layers[0].self_attn.wqkv, Int4Linear)  # Q5_0
+    assert isinstance(fast.layers[0].mlp.gate_up, int4_kind())  # Q5_0 in the file
+    assert isinstance(fast.layers[0].self_attn.wqkv, int4_kind())  # Q5_0
     kept, q4_k = fast.layers[0].self_attn.wo, default.layers[0].self_attn.wo
     assert torch.equal(kept.dequantize(), q4_k.dequantize())
     text = (Path(__file__).parent / "real_text.txt").read_text()

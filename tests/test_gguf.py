@@ -108,7 +108,9 @@ def test_tensors_are_dequantized_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(
         GGUFWeights, "_read", lambda self, n, *part: read.append(n) or original(self, n, *part)
     )
-    _, weights = open_gguf(path, lambda config, quantized: torch.float32, torch.device("cpu"))
+    _, weights = open_gguf(
+        path, lambda config, quantized, exact: torch.float32, torch.device("cpu")
+    )
     assert read == []
     weights.tensor("model.layers.1.mlp.up_proj.weight")
     assert read == ["model.layers.1.mlp.up_proj.weight"]
@@ -139,7 +141,7 @@ def test_end_of_turn_tokens_join_the_eos_ids(tmp_path):
         writer.add_eom_token_id(6)
 
     path = write_gguf(tmp_path / "eot.gguf", "llama", {}, describe)
-    config, _ = open_gguf(path, lambda config, quantized: torch.float32, torch.device("cpu"))
+    config, _ = open_gguf(path, lambda config, quantized, exact: torch.float32, torch.device("cpu"))
     assert config.eos_token_id == (2, 5, 6)
 
 

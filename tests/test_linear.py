@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import int4_kind
 from gguf_files import synthetic_tensor
 
 from qinfer import kernels
@@ -24,6 +25,7 @@ from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import (
     ConcatLinear,
     DenseLinear,
+    Int4BlockLinear,
     Int4Linear,
     Int8BlockLinear,
     Int8Blocks,
@@ -97,7 +99,7 @@ def test_smollm2_projections_keep_their_q4_1_bits(smollm2_reader):
     """Every Q4_1 projection of one layer (q/k rows unpermuted as for the dense path)."""
     from gguf_files import smollm2_path
 
-    _, weights = open_gguf(smollm2_path(), lambda config, quantized: torch.bfloat16, "cpu")
+    _, weights = open_gguf(smollm2_path(), lambda config, quantized, exact: torch.bfloat16, "cpu")
     assert weights.keep_types
     for name in [n for n in weights.names() if n.startswith("model.layers.3.")]:
         if not name.endswith("proj.weight"):
@@ -138,6 +140,35 @@ def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, d
         for rows in (1, 3, 5, 17):  # tiles of 4 rows, one column or two
             assert torch.equal(kernels.int8_blocks_mm(x[:rows], w.q, w.scales, path), got[:rows])
     assert_matches_dequantized(w, x, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype):
+    """int4 groups of 32 in qinfer's layout: each weight d q + m in fp32 (the fp32 scales
+    and zeros, not re-rounded to the activations' dtype) times the activations as they are,
+    fp32 sums only, on every path; each row alike at any row count, bit for bit; the
+    layer's tiles, rows and int8_dot path read the same packed weight."""
+    groups = quantize_int4(weight(200, 256), 32)
+    w = Int4BlockLinear(groups, None, dtype)
+    assert torch.equal(w.d, groups.scales)  # fp32, as given
+    exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
+        32, 1
+    ) + groups.zeros.double().repeat_interleave(32, 1)
+    torch.testing.assert_close(w.dequantize().double(), exact, rtol=0, atol=1e-6)
+    x = activations(20, 256, dtype)
+    expected = x.double() @ w.dequantize().double().T
+    for path in kernels.paths():
+        got = kernels.int4_groups_mm(x, w.packed, path)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5)
+        for rows in (1, 3, 5, 17):  # tiles of 4 rows, one column or two
+            assert torch.equal(kernels.int4_groups_mm(x[:rows], w.packed, path), got[:rows])
+    assert_matches_dequantized(w, x, 1e-5 if dtype == torch.float32 else 1e-2)
+    ids = torch.tensor([[0, 199], [57, 3]])
+    assert torch.equal(w.rows(ids), w.dequantize()[ids])
+    assert torch.equal(w.groups().q, groups.q)
+    for path in ("fp32_tiles", "int8_dot"):
+        torch.testing.assert_close(w.run_path(path, x).double(), expected, rtol=0.02, atol=0.05)
 
 
 def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
@@ -227,9 +258,9 @@ def test_quantize_int4_refuses_a_group_that_does_not_fit(group_size, message):
 def test_parts_of_one_kind_become_one_kernel():
     parts = [quantize_int4(weight(seed=s), 32) for s in range(3)]
     fused = make_linear(parts, [None] * 3, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(fused, Int4Linear) and fused.out_features == 144
+    assert isinstance(fused, int4_kind()) and fused.out_features == 144
     x = activations(2, 256, torch.bfloat16)
-    alone = [Int4Linear(p, None, torch.bfloat16)(x) for p in parts]
+    alone = [int4_kind()(p, None, torch.bfloat16)(x) for p in parts]
     torch.testing.assert_close(fused(x), torch.cat(alone, -1), rtol=0, atol=0)
 
 
@@ -238,7 +269,7 @@ def test_parts_of_different_kinds_run_side_by_side():
     biases = [None, torch.ones(48), None]
     fused = make_linear(parts, biases, torch.bfloat16, torch.device("cpu"))
     assert isinstance(fused, ConcatLinear)
-    assert [type(p) for p in fused.parts] == [Int4Linear, DenseLinear, Int8Linear]
+    assert [type(p) for p in fused.parts] == [int4_kind(), DenseLinear, Int8Linear]
     assert fused.parts[1].bias is not None and fused.parts[0].bias is None
     x = activations(3, 256, torch.bfloat16)
     bias = torch.cat([torch.zeros(48), torch.ones(48), torch.zeros(48)])

@@ -13,6 +13,7 @@ from checkpoints import (
     QWEN2_MOE,
     QWEN3_MOE,
     build_checkpoint,
+    int4_kind,
     load_pair,
     max_diff,
     random_tokens,
@@ -27,7 +28,7 @@ from qinfer.errors import ConfigError, QinferError
 from qinfer.generation import generate_ids
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
-from qinfer.linear import DenseLinear, Int4Linear, Int8Linear
+from qinfer.linear import DenseLinear, Int8Linear
 from qinfer.linear.grouped import GroupedLinear, LoopedLinear, StackedDenseLinear
 from qinfer.models import config_from_file, config_from_hf
 from qinfer.parallel import Parallel
@@ -137,7 +138,7 @@ def test_engine_batch_equals_each_request_alone(moe_folder):
 # ------------------------------------------------------------------ quantized experts
 
 
-@pytest.mark.parametrize("quantize, kind", [("int8", Int8Linear), ("int4", Int4Linear)])
+@pytest.mark.parametrize("quantize, kind", [("int8", Int8Linear), ("int4", int4_kind())])
 def test_quantized_experts_compute_with_their_own_weights(moe_folder, quantize, kind):
     model = qinfer.load_model(moe_folder[0], dtype="float32", quantize=quantize, device="cpu")
     moe = model.layers[0].mlp
@@ -201,7 +202,7 @@ def test_gguf_experts_keep_their_q4_0_blocks(gguf_pair, tmp_path, tokens):
     path = write_gguf_model(reference, tmp_path / "model.gguf", arch, Q.Q4_0)
     model = qinfer.load_model(path, device="cpu")
     moe = model.layers[0].mlp
-    assert all(isinstance(p, Int4Linear) for p in moe.gate_up.parts + moe.down.parts)
+    assert all(isinstance(p, int4_kind()) for p in moe.gate_up.parts + moe.down.parts)
     exact = qinfer.load_model(path, dtype="float32", device="cpu")  # blocks dequantized
     # Each expert's own blocks: equal up to the bf16 scales and zeros the kernel reads (a
     # slice of another expert would differ by the weights' whole size).

@@ -44,9 +44,11 @@ def resolve_dtype(
     config: ModelConfig,
     device: torch.device,
     quantized: bool = False,
+    exact: bool = False,
 ) -> torch.dtype:
     """The compute dtype: as asked, else chosen from the checkpoint's stored dtype, the device
-    and whether the weights are quantized (`qinfer.linear.compute.compute_dtype`)."""
+    and whether the weights are quantized, and all of exact kinds (`qinfer.linear.compute.
+    compute_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is not None:
@@ -54,7 +56,7 @@ def resolve_dtype(
             raise QinferError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
         return _DTYPES[dtype]
     stored = _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
-    return compute_dtype(stored, device, quantized)
+    return compute_dtype(stored, device, quantized, exact)
 
 
 def default_device() -> torch.device:
@@ -108,8 +110,8 @@ def load_model(
 
     dtype: the compute dtype (activations and dense weights); by default chosen from the
         checkpoint, the device and the quantization (see `resolve_dtype`).
-    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks unless dtype is
-        float32; other weights stay dense), "none" (everything dense: the reference),
+    quantize: None (a GGUF file keeps its Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks unless dtype
+        float32 is asked; other weights stay dense), "none" (everything dense: the reference),
         "int8" (per output channel) or "int4" (groups of `group_size` input columns). A
         GGUF file's blocks are not re-rounded to as many bits or more: "int8" keeps them,
         "int4" keeps its int4 groups and takes its wider blocks to int4.
@@ -126,10 +128,12 @@ def load_model(
         features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
     device = torch.device(device) if device is not None else default_device()
     scheme, keep_blocks = quantize_choice(quantize, group_size)
+    if _DTYPES.get(dtype, dtype) == torch.float32:  # asked: a GGUF file's exact reference
+        keep_blocks = False
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
 
-    def dtype_for(config: ModelConfig, quantized: bool) -> torch.dtype:
-        chosen = resolve_dtype(dtype, config, device, quantized)
+    def dtype_for(config: ModelConfig, quantized: bool, exact: bool) -> torch.dtype:
+        chosen = resolve_dtype(dtype, config, device, quantized, exact)
         if quantized and device.type == "cuda" and chosen != torch.bfloat16:
             raise QinferError(
                 f"quantized weights on cuda compute in bfloat16, not {chosen}: "

@@ -74,7 +74,7 @@ BLOCK = 32  # input columns per weight / activation block
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
-_int4_mm = _int8_mm = _int8_blocks_mm = None
+_int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = None
 
 
 class Int4Groups(Protocol):
@@ -189,10 +189,11 @@ def _missing_tool() -> str | None:
 
 
 def _bind() -> None:
-    global _int4_mm, _int8_mm, _int8_blocks_mm
+    global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
+    _int4_groups_mm = torch.ops.qinfer.int4_groups_mm.default
 
 
 def _require() -> None:
@@ -259,6 +260,17 @@ def int8_blocks_mm(
     if _int8_blocks_mm is None:
         _require()
     return _int8_blocks_mm(x, q, d, auto_path() if path == "auto" else path)
+
+
+def int4_groups_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
+    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32: each
+    weight dequantized once in fp32 (d q + m, one rounding) and multiplied by the
+    activations as they are (bf16 widened exactly), in fp32 fused multiply-adds."""
+    if _int4_groups_mm is None:
+        _require()
+    return _int4_groups_mm(
+        x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path
+    )
 
 
 def quantize_q8_1(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:

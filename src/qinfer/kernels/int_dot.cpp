@@ -807,6 +807,147 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
   out[r * ldo + n] = acc;
 }
 
+// ---------------------------------------------------------------------------------------
+// int4 groups of 32 (`Weights`' layout: GGUF's Q4_0, Q4_1 and Q4_K values, kept exactly)
+// times fp32 activations (bf16 ones widened exactly): each weight is dequantized once, w =
+// fma(float(q), d, m) (one rounding: the fp32 value of d q + m), and multiplied in fp32, so
+// the result is x @ W.T of the fp32 weight up to fp32 summation. Two chains per output, the
+// block's first 16 elements and its last 16 (one chain's fused multiply-add latency would
+// bound a decode row). Per output (r, n), on every path (lanes L: 16 AVX512, 8 AVX2):
+//   lo, hi (lanes) = 0
+//   for each block b: lo = fma(fma(q, d, m), x, lo) over elements 0..15 of b, L at a time;
+//                     hi the same over elements 16..31
+//   out = horizontal sum of (lo + hi) (a fixed tree of adds)
+// The scalar path keeps one chain, element by element.
+// ---------------------------------------------------------------------------------------
+
+template <int R, int C>
+QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t nb = w.nb, K = nb * kBlock;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const uint8_t* qs[C];
+  const float* d[C];
+  const float* m[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    qs[c] = w.qs + (n0 + c) * nb * 16;
+    d[c] = w.d + (n0 + c) * nb;
+    m[c] = w.m + (n0 + c) * nb;
+  }
+  const float* x[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  __m512 lo[C][R], hi[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) lo[c][i] = hi[c][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 xlo[R], xhi[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      xlo[i] = _mm512_loadu_ps(x[i] + b * kBlock);
+      xhi[i] = _mm512_loadu_ps(x[i] + b * kBlock + 16);
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + b * 16 + kPrefetch), _MM_HINT_T0);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
+      const __m512 dv = _mm512_set1_ps(d[c][b]), mv = _mm512_set1_ps(m[c][b]);
+      const __m512 wlo = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low4))), dv, mv);
+      const __m512 whi = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low4))),
+          dv, mv);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        lo[c][i] = _mm512_fmadd_ps(wlo, xlo[i], lo[c][i]);
+        hi[c][i] = _mm512_fmadd_ps(whi, xhi[i], hi[c][i]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(_mm512_add_ps(lo[c][i], hi[c][i]));
+}
+
+// Elements 8h..8h+7 of a block from its 16 bytes: low nibbles for h = 0, 1, high for 2, 3.
+QINFER_AVX2 inline __m256 int4_chunk_avx2(__m128i nibbles, int h, __m256 d, __m256 m) {
+  const __m128i bytes = (h & 1) ? _mm_srli_si128(nibbles, 8) : nibbles;
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), d, m);
+}
+
+template <int R, int C>
+QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+                           int64_t ldo) {
+  const int64_t nb = w.nb, K = nb * kBlock;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const uint8_t* qs[C];
+  const float* d[C];
+  const float* m[C];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    qs[c] = w.qs + (n0 + c) * nb * 16;
+    d[c] = w.d + (n0 + c) * nb;
+    m[c] = w.m + (n0 + c) * nb;
+  }
+  const float* x[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  __m256 lo[C][R], hi[C][R];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) lo[c][i] = hi[c][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + b * 16 + kPrefetch), _MM_HINT_T0);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
+      const __m128i nibbles[2] = {_mm_and_si128(packed, low4),
+                                  _mm_and_si128(_mm_srli_epi16(packed, 4), low4)};
+      const __m256 dv = _mm256_set1_ps(d[c][b]), mv = _mm256_set1_ps(m[c][b]);
+      #pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        const __m256 wv = int4_chunk_avx2(nibbles[h >> 1], h, dv, mv);
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m256 xv = _mm256_loadu_ps(x[i] + b * kBlock + 8 * h);
+          if (h < 2) {
+            lo[c][i] = _mm256_fmadd_ps(wv, xv, lo[c][i]);
+          } else {
+            hi[c][i] = _mm256_fmadd_ps(wv, xv, hi[c][i]);
+          }
+        }
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(_mm256_add_ps(lo[c][i], hi[c][i]));
+}
+
+void dot_scalar(const Weights& w, int64_t n, const ActF& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t nb = w.nb, K = nb * kBlock;
+  const uint8_t* qs = w.qs + n * nb * 16;
+  const float* d = w.d + n * nb;
+  const float* m = w.m + n * nb;
+  const float* x = a.x + r * K;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 32; ++j) {
+      const int q = j < 16 ? qs[b * 16 + j] & 15 : qs[b * 16 + j - 16] >> 4;
+      acc = std::fma(std::fma(static_cast<float>(q), d[b], m[b]), x[b * kBlock + j], acc);
+    }
+  }
+  out[r * ldo + n] = acc;
+}
+
 // Rows per tile: one unpacked weight pair serves up to this many rows.
 constexpr int kRows = 4;
 // Columns per task step: their weights (cols * K/2 bytes + scales) stay in L1/L2 while
@@ -846,7 +987,8 @@ void columns(Path path, const W& w, int64_t n0, int64_t n1, const A& a, int64_t 
 }
 
 // W: `Weights` (int4 pairs) or `Weights8` (int8 rows) with A = `Act` (int8 activations), or
-// `WeightsF` (int8 blocks) with A = `ActF` (fp32 ones); their tiles and dot_scalar overloads.
+// `WeightsF` (int8 blocks) or `Weights` (int4 groups) with A = `ActF` (fp32 ones); their
+// tiles and dot_scalar overloads.
 template <typename W, typename A>
 void matmul(Path path, const W& w, int64_t N, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
@@ -986,16 +1128,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_1(const at::Tensor& x
   return {qx, dx, sums};
 }
 
+// qs, d and m of an int4 weight in `Weights`' layout, checked against x (M, K) for `op`;
+// returns the weight's N.
+int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
+                   const at::Tensor& d, const at::Tensor& m) {
+  const int64_t K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_of(qs));
+  const int64_t N = qs.size(0);
+  const std::string k = "x's K = " + std::to_string(K);
+  check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
+  check_tensor(op, "d", d, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  check_tensor(op, "m", m, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  return N;
+}
+
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
                    const at::Tensor& m_in, const std::string& path_name_in) {
   check_x("int4_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1), nb = K / kBlock;
-  TORCH_CHECK(qs_in.dim() == 2, "int4_mm: qs must be 2-D (N, K/2), got shape ", shape_of(qs_in));
-  const int64_t N = qs_in.size(0);
-  const std::string k = "x's K = " + std::to_string(K);
-  check_tensor("int4_mm", "qs", qs_in, at::kByte, N, K / 2, "(N, K/2) for " + k);
-  check_tensor("int4_mm", "d", d_in, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
-  check_tensor("int4_mm", "m", m_in, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  const int64_t N = check_int4("int4_mm", x_in, qs_in, d_in, m_in);
   const Path path = resolve_path("int4_mm", path_name_in);
   const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous(),
                    m = m_in.contiguous();
@@ -1032,6 +1183,21 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   return out;
 }
 
+// x (M, K) as the fp32 kernels read it: fp32 as it is (held in `holder`, contiguous), bf16
+// widened (exactly) into this thread's buffer, valid until its next call.
+ActF fp32_activations(const at::Tensor& x, at::Tensor& holder) {
+  if (x.scalar_type() == at::kFloat) {
+    holder = x.contiguous();
+    return ActF{holder.data_ptr<float>()};
+  }
+  static thread_local std::vector<float> widened;
+  holder = x.contiguous();
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(holder.data_ptr<at::BFloat16>());
+  widened.resize(static_cast<size_t>(holder.numel()));
+  for (int64_t i = 0; i < holder.numel(); ++i) widened[i] = bf16_to_float(src[i]);
+  return ActF{widened.data()};
+}
+
 at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,
                           const std::string& path_name_in) {
   check_x("int8_blocks_mm", x_in);
@@ -1050,22 +1216,25 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
-  // fp32 activations as they are; bf16 ones widened (exactly) into this thread's buffer
-  static thread_local std::vector<float> widened;
-  const float* xf;
   at::Tensor x32;
-  if (x_in.scalar_type() == at::kFloat) {
-    x32 = x_in.contiguous();
-    xf = x32.data_ptr<float>();
-  } else {
-    const at::Tensor xb = x_in.contiguous();
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    widened.resize(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = bf16_to_float(src[i]);
-    xf = widened.data();
-  }
   const WeightsF w{q.data_ptr<int8_t>(), d.data_ptr<float>(), K / kBlock, B};
-  matmul(path, w, N, M, ActF{xf}, out.data_ptr<float>());
+  matmul(path, w, N, M, fp32_activations(x_in, x32), out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
+                          const at::Tensor& d_in, const at::Tensor& m_in,
+                          const std::string& path_name_in) {
+  check_x("int4_groups_mm", x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const int64_t N = check_int4("int4_groups_mm", x_in, qs_in, d_in, m_in);
+  const Path path = resolve_path("int4_groups_mm", path_name_in);
+  const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  at::Tensor x32;
+  const Weights w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K / kBlock};
+  matmul(path, w, N, M, fp32_activations(x_in, x32), out.data_ptr<float>());
   return out;
 }
 
@@ -1079,5 +1248,7 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor", &int8_mm);
   lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor",
           &int8_blocks_mm);
+  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor",
+          &int4_groups_mm);
   lib.def("int4_paths() -> str", &paths_here);
 }

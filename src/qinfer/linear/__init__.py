@@ -15,6 +15,7 @@ from qinfer.linear.build import Int4Groups, Int8Blocks, Int8Rows, StoredWeight, 
 from qinfer.linear.concat import ConcatLinear
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.int4 import Int4Linear, int4_kernel_supports, quantize_int4
+from qinfer.linear.int4_blocks import Int4BlockLinear
 from qinfer.linear.int8 import Int8Linear, quantize_int8
 from qinfer.linear.int8_blocks import Int8BlockLinear
 from qinfer.linear.parallel import RowParallelLinear, VocabParallelLinear
@@ -22,6 +23,7 @@ from qinfer.linear.parallel import RowParallelLinear, VocabParallelLinear
 __all__ = [
     "ConcatLinear",
     "DenseLinear",
+    "Int4BlockLinear",
     "Int4Groups",
     "Int4Linear",
     "Int8BlockLinear",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from qinfer import kernels
 from qinfer.linear.base import Linear
 from qinfer.linear.concat import ConcatLinear
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.int4 import Int4Groups, Int4Linear
+from qinfer.linear.int4_blocks import Int4BlockLinear
 from qinfer.linear.int8 import Int8Linear, Int8Rows
 from qinfer.linear.int8_blocks import Int8BlockLinear, Int8Blocks
 
@@ -46,7 +48,13 @@ def make_linear(
         fields = (
             _stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales", "zeros")
         )
-        return Int4Linear(Int4Groups(*fields), bias, dtype)
+        groups = Int4Groups(*fields)
+        # qinfer's exact fp32 kernel where it runs (groups of 32 on a CPU that builds it),
+        # torch's int4 kernels elsewhere (`qinfer.linear.int4_blocks` says why)
+        ours = device.type == "cpu" and groups.group_size == kernels.BLOCK
+        if ours and kernels.available() is None:
+            return Int4BlockLinear(groups, bias, dtype)
+        return Int4Linear(groups, bias, dtype)
     if isinstance(first, Int8Blocks):
         fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
         return Int8BlockLinear(Int8Blocks(*fields), bias, dtype)

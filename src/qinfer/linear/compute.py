@@ -2,10 +2,13 @@
 timing.
 
 CPUs differ: with AVX512-BF16 (or AMX) a bf16 GEMM runs at several times the fp32 rate;
-on AVX2-only CPUs it runs ~8x slower than fp32. The int8/int4 weight-only kernels are fast
-only with bf16 activations on both (30-100x slower with fp32 ones). So:
+on AVX2-only CPUs it runs ~8x slower than fp32. torch's int8/int4 weight-only kernels are
+fast only with bf16 activations on both (30-100x slower with fp32 ones); qinfer's own
+(`Int4BlockLinear`, `Int8BlockLinear`) take fp32 activations at the same speed. So:
 
-- quantized weights compute in bf16;
+- quantized weights compute in fp32 on CPU where all of them are qinfer's exact kinds (a
+  GGUF file of Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K matrices: `weights.gguf.exact_kernels`), in
+  bf16 otherwise;
 - dense weights keep the checkpoint's dtype, except that a bf16/fp16 checkpoint computes
   in fp32 on a CPU without native bf16 dot products (fp16 becomes bf16 on a CPU with them:
   CPU fp16 matmuls are slow).
@@ -111,10 +114,13 @@ def bf16_matmul_is_fast(device: torch.device) -> bool:
     return cpu_class() in ("avx512_bf16", "amx")
 
 
-def compute_dtype(stored: torch.dtype, device: torch.device, quantized: bool) -> torch.dtype:
-    """The activations' dtype for weights stored in `stored` (see the module docstring)."""
+def compute_dtype(
+    stored: torch.dtype, device: torch.device, quantized: bool, exact: bool = False
+) -> torch.dtype:
+    """The activations' dtype for weights stored in `stored` (see the module docstring);
+    exact: every quantized weight is a kind qinfer's kernels multiply by fp32 activations."""
     if quantized:
-        return torch.bfloat16
+        return torch.float32 if exact and device.type == "cpu" else torch.bfloat16
     if stored in (torch.bfloat16, torch.float16) and device.type == "cpu":
         return torch.bfloat16 if bf16_matmul_is_fast(device) else torch.float32
     return stored

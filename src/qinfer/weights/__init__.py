@@ -15,9 +15,10 @@ from qinfer.weights.safetensors import SafetensorsWeights
 
 __all__ = ["QUANTIZE_KINDS", "Quantize", "SafetensorsWeights", "Weights", "open_checkpoint"]
 
-#: dtype_for(config, quantized) -> the compute dtype, once the config (and its stored
-#: dtype) is known and whether the weights will be quantized.
-DtypeChoice = Callable[[ModelConfig, bool], torch.dtype]
+#: dtype_for(config, quantized, exact) -> the compute dtype, once the config (and its
+#: stored dtype) is known, whether the weights will be quantized and whether they are all
+#: kinds that qinfer's kernels multiply exactly by fp32 activations (`gguf.exact_kernels`).
+DtypeChoice = Callable[[ModelConfig, bool, bool], torch.dtype]
 
 
 def open_checkpoint(
@@ -42,7 +43,7 @@ def open_checkpoint(
         config, weights = open_gguf(path, dtype_for, device, quantize, keep_gguf_blocks)
     elif path.is_dir():
         config = config_from_file(path)
-        dtype = dtype_for(config, quantize is not None)
+        dtype = dtype_for(config, quantize is not None, False)
         weights = SafetensorsWeights(path, dtype, device)
     else:
         raise QinferError(f"model path {path} is neither a checkpoint folder nor a .gguf file")

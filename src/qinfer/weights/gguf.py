@@ -21,15 +21,18 @@ llama.cpp's conventions onto ours:
   Q6_K int8 blocks of 32 or 16 exactly, `gguf_quants.int8_blocks`); the other block types
   (Q5_1, Q2_K, Q3_K, Q5_K) become int8 per output channel, re-rounded: half the bytes a
   decode step reads of a dequantized bf16 weight, within half a row step of the stored
-  values. With `dtype="float32"` every tensor is dequantized to fp32 by
+  values. With `dtype="float32"` asked every tensor is dequantized to fp32 by
   `gguf_quants.dequantize` instead, one tensor at a time when the model asks for it.
 
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
 ne = [in, out] arrives as (out, in), the layout of a Hugging Face weight.
 
-By default the blocks are kept and the activations are bf16 (the int kernels are fast only
-with bf16 activations). `dtype="float32"` (or `quantize="none"`) dequantizes every tensor
-to fp32 instead: exact values, the reference the tests compare with transformers.
+By default the blocks are kept. The activations are fp32 where every matrix is an int4
+group or int8 block kind and qinfer's kernels load (`exact_kernels`: they multiply the
+exact weight by fp32 activations, as fast as torch's int4 kernel in bf16), bf16 otherwise
+(torch's int kernels are fast only with bf16 activations). `dtype="float32"` asked (or
+`quantize="none"`) dequantizes every tensor to fp32 instead: exact values, the reference
+the tests compare with transformers.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+from qinfer import kernels
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError, WeightsError
 from qinfer.linear import Int4Groups, Int8Blocks, Int8Rows, StoredWeight, quantize_int8
@@ -104,7 +108,7 @@ def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None
 
 def open_gguf(
     path: str | Path,
-    dtype_for: Callable[[ModelConfig, bool], torch.dtype],
+    dtype_for: Callable[[ModelConfig, bool, bool], torch.dtype],
     device: torch.device,
     quantize: Quantize | None = None,
     keep_blocks: bool = True,
@@ -112,9 +116,10 @@ def open_gguf(
     """The config and (lazily read) weights of a `.gguf` file.
 
     keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups,
-    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows (unless the
-    compute dtype is fp32, which asks for the exact dequantized reference); float tensors
-    are read as they are, and `quantize` then applies to them. Blocks are never re-rounded
+    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows; float tensors
+    are read as they are, and `quantize` then applies to them. dtype_for is told whether
+    the weights are quantized and whether every matrix is then one that qinfer's exact
+    kernels multiply in fp32 (`exact_kernels`). Blocks are never re-rounded
     to a kind as wide as theirs or wider: `quantize="int8"` keeps them all;
     `quantize="int4"` keeps the int4 groups and the int8 blocks (which `weights.base` takes
     to int4 groups from their exact values, but for a table embedding lookups read) and
@@ -124,12 +129,27 @@ def open_gguf(
     file = read_gguf(path)
     config = config_from_gguf(file, path)
     kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
-    dtype = dtype_for(config, kept or quantize is not None)
-    if not kept or dtype == torch.float32:
+    # `quantize` keeps what is exact and takes the rest to int4 groups of its size
+    requantized_exact = quantize is None or quantize.kind == "int8" or quantize.group_size == 32
+    exact = kept and requantized_exact and exact_kernels(file, device)
+    dtype = dtype_for(config, kept or quantize is not None, exact)
+    if not kept:
         return config, GGUFWeights(file, config, dtype, device)
     int4 = quantize is not None and quantize.kind == "int4"
     keep = (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
     return config, GGUFWeights(file, config, dtype, device, keep)
+
+
+def exact_kernels(file: GGUFFile, device: torch.device) -> bool:
+    """Whether every matrix of the file, its blocks kept, is one that qinfer's compiled
+    kernels multiply exactly by fp32 activations (int4 groups: `Int4BlockLinear`; int8
+    blocks: `Int8BlockLinear`) on `device`: a CPU where the kernels load (building them if
+    need be). The other kinds (int8 rows, float matrices) are fast only in bf16."""
+    exact = (*INT4_GROUPS, *INT8_BLOCKS)
+    matrices = [t for t in file.tensors if len(t.shape) > 1]
+    if torch.device(device).type != "cpu" or not all(t.tensor_type in exact for t in matrices):
+        return False
+    return kernels.available() is None
 
 
 @dataclass(frozen=True)

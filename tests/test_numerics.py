@@ -25,19 +25,14 @@ from qinfer.bench.greedy import partings, top_two_gaps
 #: 20 short chat prompts, one per line (bench/greedy_partings.py reads the same file).
 PROMPTS = (Path(__file__).parent / "chat_prompts.txt").read_text().splitlines()
 TOKENS = 32
-#: fp32's top-two gap (logits) below which the default path may choose the other token.
-#: The issue asks for 0.05; measured on SmolLM2 (AMX Xeon, and it capped to AVX2): partings
-#: at gaps of 0.0016 to 0.087, 11 of 20 prompts within 32 tokens; with the head's Q8_0 blocks
-#: kept, 8 of 20, one above 0.05 (0.087; AMD EPYC, 2026-12-03). llama.cpp on the same file
-#: parts on 16 of 20, at gaps up to 0.226 (`python bench/greedy_partings.py`). What is left
-#: is bf16's rounding of matmul outputs (torch's int4 kernel writes bf16): docs/BENCHMARKS.md,
-#: "Kept blocks".
-NEAR_TIE = 0.1
-#: The same under the emulated classes, where prompts are multiplied in fp32 tiles (bf16
-#: GEMMs counted slow) and decode in the bf16 kernels: measured partings at gaps up to 0.196
-#: (AMD EPYC; SmolLM2's prompt 1 at step 13, with `QINFER_LINEAR_PATH=prefill=fp32_tiles`
-#: alike unemulated: the mix of two roundings, not a class's kernel).
-EMULATED_NEAR_TIE = 0.25
+#: fp32's top-two gap (logits) below which the default path may choose the other token: the
+#: issue's 0.05. The default path multiplies the file's exact weights by fp32 activations
+#: (`Int4BlockLinear`, `Int8BlockLinear`) with a bf16 KV cache; measured on SmolLM2 (AMD EPYC,
+#: 2026-12-03, and under each emulated class): 2 of 20 prompts part within 32 tokens, at gaps
+#: of 0.0002-0.010. Before, with bf16 activations and torch's int4 kernel (bf16 scales and
+#: outputs): 8 of 20, up to 0.087; llama.cpp on the same file parts on 16 of 20, at gaps up
+#: to 0.226 (`python bench/greedy_partings.py`).
+NEAR_TIE = 0.05
 #: The emulated CPU classes of the issue (AVX512_CORE: AVX-512 without bf16).
 EMULATED = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
@@ -110,7 +105,7 @@ def test_default_greedy_follows_fp32_except_after_near_ties(fp32_greedy):
     found = partings(reference, gaps, got)
     print(f"{len(found)} of {len(PROMPTS)} prompts part from fp32 within {TOKENS} tokens: {found}")
     assert all(gap < NEAR_TIE for _, _, gap in found), found
-    assert len(found) < len(PROMPTS) * 3 // 4, found
+    assert len(found) <= len(PROMPTS) // 4, found
 
 
 @pytest.mark.parametrize("cpu", sorted(EMULATED))
@@ -123,7 +118,7 @@ def test_an_emulated_cpu_class_answers_alike_in_two_processes_and_follows_fp32(f
     assert default_greedy_in_a_process(EMULATED[cpu], prompts) == first
     found = partings(reference[:EMULATED_PROMPTS], gaps, first)
     print(f"{cpu}: {len(found)} of {len(prompts)} prompts part from fp32: {found}")
-    assert all(gap < EMULATED_NEAR_TIE for _, _, gap in found), found
+    assert all(gap < NEAR_TIE for _, _, gap in found), found
 
 
 #: A prompt of ~300 tokens, to sit beside the short ones: a step's budget of 40 tokens cuts

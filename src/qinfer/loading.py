@@ -132,8 +132,12 @@ def load_model(
         keep_blocks = False
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
 
+    exact_default = []  # set when the dtype is fp32 because every weight is an exact kind
+
     def dtype_for(config: ModelConfig, quantized: bool, exact: bool) -> torch.dtype:
         chosen = resolve_dtype(dtype, config, device, quantized, exact)
+        if dtype is None and exact and chosen == torch.float32:
+            exact_default.append(True)
         if quantized and device.type == "cuda" and chosen != torch.bfloat16:
             raise QinferError(
                 f"quantized weights on cuda compute in bfloat16, not {chosen}: "
@@ -143,7 +147,13 @@ def load_model(
 
     with _returning_freed_memory():
         config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
-        return load(Transformer(config, features), weights, parallel, scheme)
+        model = load(Transformer(config, features), weights, parallel, scheme)
+    if exact_default:
+        # fp32 activations over a GGUF file's blocks: K/V in bf16, half the bytes (llama.cpp
+        # keeps f16 ones); greedy text then leaves the fp32 cache's only at near-ties
+        # (SmolLM2, 20 chat prompts: 2 partings at fp32 gaps under 0.011, docs/BENCHMARKS.md)
+        model.kv_auto_dtype = torch.bfloat16
+    return model
 
 
 #: glibc's mallopt parameters, and the ceiling its own adaptive mmap threshold grows to.

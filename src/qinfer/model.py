@@ -126,6 +126,8 @@ class Transformer(Module, Placed):
         self.features = features or Features()
         # Until loaded: nothing is held anywhere, and a call says so (`slots.not_loaded`).
         self.parallel, self.dtype, self.device = Parallel(), torch.float32, torch.device("meta")
+        # what kv_cache_dtype "auto" stores, where not the compute dtype (`loading.load_model`)
+        self.kv_auto_dtype: torch.dtype | None = None
         self.embedding_scale = None
         V, H = config.vocab_size, config.hidden_size
         # The embedding table is a Linear too (read by rows): quantized like the rest, split
@@ -229,8 +231,9 @@ class Transformer(Module, Placed):
 
     @property
     def kv_format(self) -> KVFormat:
-        """How this model's caches store K/V (`features.kv_cache_dtype` at its dtype)."""
-        return kv_format(self.features.kv_cache_dtype, self.dtype)
+        """How this model's caches store K/V (`features.kv_cache_dtype`; "auto" is
+        `kv_auto_dtype`, else the compute dtype)."""
+        return kv_format(self.features.kv_cache_dtype, self.kv_auto_dtype or self.dtype)
 
     @torch.inference_mode()
     def __call__(

@@ -94,7 +94,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="how the KV cache stores keys and values: auto (the compute dtype), bf16, or "
+        help="how the KV cache stores keys and values: auto (the compute dtype; bf16 for a "
+        "GGUF file computing in fp32), bf16, or "
         "int8 / fp8 with one scale per 32 elements of a token's head (about 0.56x bf16's "
         "memory, 1.78x the sequences in the same pool; default: auto)",
     )

@@ -40,7 +40,8 @@ class Features:
         `layers/attention.py`. Both give the same result; the tests hold them to it.
     kv_cache_dtype: how every cache of the model stores K/V between steps, the reference
         caches (`Transformer.make_cache`) and the engine's pool alike: "auto" (the compute
-        dtype, as computed), "bf16", "int8" or "fp8" (quantized per block of 32 elements of
+        dtype, as computed; bf16 where a GGUF file computes in fp32 on qinfer's exact
+        kernels, `loading.load_model`), "bf16", "int8" or "fp8" (quantized per block of 32 elements of
         each token's head vector; see `qinfer.kv_quant`). The one switch that changes
         results: by the bounded error the tests hold quantized caches to.
     batch_invariant: a token's logits do not depend on what else its engine step holds:

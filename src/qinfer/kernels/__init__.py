@@ -1,11 +1,13 @@
 """Compiled CPU kernels, built on first use: int4 and int8 weights times int8 activations,
-and int8 blocks times fp32 activations.
+and int8 blocks and int4 groups times fp32 activations.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
     y = int8_mm(x, q, scales)      # int8 rows q (N, K), fp32 scales (N,): ~ x @ (q * s).T
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), fp32 scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
+    y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
+                                   #   x @ W.T, W = d q + m in fp32, neither operand rounded
 
 What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 
@@ -27,6 +29,9 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
   in fp32 fused multiply-adds, bf16 activations widened exactly. Nothing is rounded but the
   sums: what a per-row int8 copy of those blocks costs (Gemma 3 270M Q4_K_M's default path:
   KL to fp32 0.0068, 0.0005 with the blocks kept) is not paid.
+- int4 groups (`Int4BlockLinear`: Q4_0, Q4_1 and Q4_K values in the layout above, fp32 d and
+  m): y[r, n] = sum over k of fma(q, d, m)[n, k] * x[r, k] in fp32 fused multiply-adds, two
+  chains per output (a block's first and last 16 elements), bf16 activations widened.
 
 Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
 floating point; integer dot products multiply four int8 pairs per lane per instruction and read

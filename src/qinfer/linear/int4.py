@@ -8,6 +8,8 @@ fused step, (q - 8) * scale + zero rounded once, the value ggml's dequantization
 
 Kernels: `aten._weight_int4pack_mm_for_cpu` (rows a multiple of 16, groups of 32, 64, 128
 or 256; fast only with bf16 activations) and `aten._weight_int4pack_mm` on CUDA (bf16).
+Groups of 32 on a CPU where qinfer's kernels build take `Int4BlockLinear` instead (fp32
+scales, the exact weight: `qinfer.linear.int4_blocks`).
 Weights with a row count that is not a multiple of 16 are padded with zero rows. On CPU the
 tile paths (`qinfer.linear.paths`) read the nibbles back out of the kernel's own packed
 layout (`_unpack_cpu`), so a weight is held once, packed.

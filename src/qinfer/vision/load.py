@@ -15,6 +15,7 @@ import torch
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import ConfigError
 from qinfer.vision.image import ImageSettings
+from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
 from qinfer.weights.load import load
@@ -51,9 +52,10 @@ def load_vision_encoder(
     weights = SafetensorsWeights(folder, dtype, torch.device(device))
     first = "patch_embed.proj.weight"
     found = [p for p in PREFIXES if weights.has(f"{p}.{first}")]
-    # none found: the encoder's own prefix, under which the missing tensor is named
-    encoder = encoder_class(config, found[0]) if found else encoder_class(config)
-    return load(encoder, weights)
+    if not found:  # the encoder's own prefix, under which the missing tensor is named
+        return load(encoder_class(config), weights)
+    split_qkv(weights, found[0], config.depth, config.hidden_size)
+    return load(encoder_class(config, found[0]), weights)
 
 
 def has_vision_tower(folder: str | Path) -> bool:

@@ -23,10 +23,13 @@ from qinfer.module import Module
 from qinfer.rope_scaling import rope_frequencies
 from qinfer.vision.attention import Runs
 from qinfer.vision.grid import Grid, patch_positions
+from qinfer.weights.base import Weights
 from qinfer.weights.slots import LinearSlot, LinearSource, TensorSlot
 
 #: The vision norms' epsilon (fixed in the architectures, not in the configs).
 NORM_EPS = 1e-6
+#: The attention's projections, in the order a fused `qkv` tensor stacks their rows.
+QKV_PARTS = ("q", "k", "v")
 
 
 def vision_section(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +115,14 @@ class PatchEmbed(Module, TensorSlot):
         return F.linear(patches.to(self.weight.dtype), self.weight, bias)
 
 
+def split_qkv(weights: Weights, prefix: str, depth: int, hidden: int) -> None:
+    """Name the q, k and v rows of every block's fused `{prefix}.blocks.{i}.attn.qkv` (a
+    checkpoint's layout) as the parts `VisionAttention` reads."""
+    for i in range(depth):
+        attn = f"{prefix}.blocks.{i}.attn"
+        weights.split_fused(f"{attn}.qkv", [(f"{attn}.{part}", hidden) for part in QKV_PARTS])
+
+
 def rms_norm(name: str, dims: int) -> RMSNorm:
     """An empty RMSNorm of `dims` that loads tensor `name`."""
     return RMSNorm(dims, torch.empty(dims, device="meta"), NORM_EPS, source=name)
@@ -156,15 +167,17 @@ def axial_rotation(
 
 
 class VisionAttention(Module):
-    """(N, hidden) -> (N, hidden): fused q/k/v with bias (`{prefix}.qkv`), 2-D RoPE on q
-    and k, attention within runs (`Runs`: windows or frames), output projection with bias
-    (`{prefix}.proj`)."""
+    """(N, hidden) -> (N, hidden): q/k/v with bias (`{prefix}.q`, `.k`, `.v`, read as one
+    projection; a checkpoint that fuses them, `{prefix}.qkv`, names its parts with
+    `split_qkv`), 2-D RoPE on q and k, attention within runs (`Runs`: windows or frames),
+    output projection with bias (`{prefix}.proj`)."""
 
     def __init__(self, prefix: str, hidden: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = LinearSlot(LinearSource((f"{prefix}.qkv",), ((3 * hidden, hidden),), bias=True))
+        names = tuple(f"{prefix}.{part}" for part in QKV_PARTS)
+        self.qkv = LinearSlot(LinearSource(names, ((hidden, hidden),) * 3, bias=True))
         self.proj = LinearSlot(LinearSource((f"{prefix}.proj",), ((hidden, hidden),), bias=True))
 
     def forward(

@@ -133,11 +133,23 @@ def open_gguf(
     requantized_exact = quantize is None or quantize.kind == "int8" or quantize.group_size == 32
     exact = kept and requantized_exact and exact_kernels(file, device)
     dtype = dtype_for(config, kept or quantize is not None, exact)
-    if not kept:
-        return config, GGUFWeights(file, config, dtype, device)
     int4 = quantize is not None and quantize.kind == "int4"
-    keep = (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
-    return config, GGUFWeights(file, config, dtype, device, keep)
+    keep = () if not kept else (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
+    family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
+    # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows);
+    # the converter stores a Gemma norm's whole scale (1 + w), our norms add the offset
+    # themselves (Wiring.norm_weight_offset), so it is taken back off, as transformers'
+    # GGUF loader does.
+    weights = GGUFWeights(
+        file,
+        _text_tensors(file, family),
+        dtype,
+        device,
+        keep,
+        permuted_head_dim=config.head_dim if family.gguf_qk_permuted else None,
+        norm_offset=config.wiring.norm_weight_offset,
+    )
+    return config, weights
 
 
 def exact_kernels(file: GGUFFile, device: torch.device) -> bool:
@@ -359,46 +371,51 @@ def _with_llama3_rope(config: ModelConfig, file: GGUFFile, path: Path) -> ModelC
     return dataclasses.replace(config, rope=llama3)
 
 
+def _text_tensors(file: GGUFFile, family: Family) -> dict[str, TensorInfo]:
+    """A text model's tensors under our names (the family's), stacked experts one per
+    expert; the tensors we do not use are left out."""
+    tensors: dict[str, TensorInfo] = {}
+    for stored in file.tensors:
+        experts = _expert_tensors(stored)
+        name = hf_tensor_name(stored.name, family.gguf_layer_names)
+        if experts:
+            tensors.update(experts)
+        elif name is not None:
+            tensors[name] = stored
+    return tensors
+
+
 class GGUFWeights(Weights):
-    """The tensors of a GGUF file under our names, dequantized when `tensor(name)` asks."""
+    """Tensors of a GGUF file under our names, dequantized when `tensor(name)` asks."""
 
     def __init__(
         self,
         file: GGUFFile,
-        config: ModelConfig,
+        tensors: Mapping[str, TensorInfo],
         dtype: torch.dtype,
         device: torch.device | str,
         keep_types: tuple[GGMLQuantizationType, ...] = (),
+        permuted_head_dim: int | None = None,
+        norm_offset: float = 0.0,
     ) -> None:
-        """keep_types: the block types `_stored` gives quantized (int4 groups, int8 blocks
-        or int8 rows, see the module's docstring); every other tensor is dequantized."""
+        """tensors: our name -> where it lies in the file. keep_types: the block types
+        `_stored` gives quantized (int4 groups, int8 blocks or int8 rows, see the module's
+        docstring); every other tensor is dequantized. permuted_head_dim: the head size of
+        q/k rows stored permuted for interleaved RoPE (None: not permuted); norm_offset:
+        what the file adds to every norm weight (taken back off)."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
         self.keep_types = keep_types
-        self._tensors: dict[str, TensorInfo] = {}
-        family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
-        for stored in file.tensors:
-            experts = _expert_tensors(stored)
-            name = hf_tensor_name(stored.name, family.gguf_layer_names)
-            if name is None and not experts:
-                continue
+        for stored in tensors.values():
             if stored.tensor_type not in SUPPORTED_TYPES:  # fail before loading anything
                 raise WeightsError(
                     f"tensor {stored.name!r} in {self.path} has quantization type "
                     f"{stored.tensor_type.name}, which qinfer cannot dequantize "
                     f"(supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
                 )
-            if experts:
-                self._tensors.update(experts)
-            else:
-                self._tensors[name] = stored
-        # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows).
-        self._permuted = ("q_proj", "k_proj") if family.gguf_qk_permuted else ()
-        self._head_dim = config.head_dim
-        # llama.cpp's converter stores a Gemma norm's whole scale (1 + w); our norms add the
-        # offset themselves (Wiring.norm_weight_offset), so it is taken back off here,
-        # as transformers' GGUF loader does.
-        self._norm_offset = config.wiring.norm_weight_offset
+        self._tensors = dict(tensors)
+        self._head_dim = permuted_head_dim
+        self._norm_offset = norm_offset
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -485,7 +502,7 @@ class GGUFWeights(Weights):
     def _unpermuted(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """q/k rows (and their scales) of a llama file back in rotate-half order; whole
         heads, so a tensor-parallel rank's rows unpermute alone."""
-        if name.split(".")[-2] in self._permuted:
+        if self._head_dim is not None and name.split(".")[-2] in ("q_proj", "k_proj"):
             return _unpermute_rows(rows, self._head_dim)
         return rows
 

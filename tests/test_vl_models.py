@@ -100,20 +100,21 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
 IMAGES = [make_image(112, 84, 0), make_image(56, 112, 1)]
 
 
-def save_vl_checkpoint(folder, family: str, text: dict = TEXT, special: dict = SPECIAL):
-    """transformers' random `family` model (VISION's tower, `text`'s text model, `special`'s
-    vision token ids) with spread weights, saved to `folder` with its preprocessor config;
-    returns the model (the reference)."""
+def save_vl_checkpoint(
+    folder, family: str, text: dict = TEXT, special: dict = SPECIAL, vision: dict | None = None
+):
+    """transformers' random `family` model (`vision`'s tower, default VISION's; `text`'s
+    text model, `special`'s vision token ids) with spread weights, saved to `folder` with
+    its preprocessor config; returns the model (the reference)."""
     import transformers
 
+    vision = vision or VISION[family]
     if family == "qwen2.5-vl":
-        config = transformers.Qwen2_5_VLConfig(
-            text_config=text, vision_config=VISION[family], **special
-        )
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
         reference = transformers.Qwen2_5_VLForConditionalGeneration(config)
     else:
         config = transformers.Qwen3VLConfig(
-            text_config=dict(text, head_dim=16), vision_config=VISION[family], **special
+            text_config=dict(text, head_dim=16), vision_config=vision, **special
         )
         reference = transformers.Qwen3VLForConditionalGeneration(config)
     spread_weights(reference.eval())

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from qinfer.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS, chat_sampling_params
 from qinfer.cli_args import (
+    add_mmproj_argument,
     add_model_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
@@ -117,7 +118,8 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     workers following each step."""
     speculative = speculative_arguments(args)
     # images need the engine's vision tower, which a checkpoint's engine loads
-    if args.tensor_parallel_size == 1 and speculative is None and not args.image:
+    images = args.image or args.mmproj
+    if args.tensor_parallel_size == 1 and speculative is None and not images:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
@@ -134,6 +136,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
         speculative=speculative,
+        mmproj=args.mmproj,
         **load_arguments(args),
     )
     announcer.finished(llm.engine.executor.model)
@@ -198,6 +201,7 @@ def add_image_argument(parser: argparse.ArgumentParser) -> None:
         help="an image the (first) user message shows, before its text, for a "
         "vision-language checkpoint (Qwen2.5-VL, Qwen3-VL); repeat for several",
     )
+    add_mmproj_argument(parser)
 
 
 def user_message(text: str, images: list[str]) -> dict:

@@ -116,6 +116,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_mmproj_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="llama.cpp's projector file (mmproj GGUF) of a Qwen2.5-VL or Qwen3-VL GGUF "
+        "--model: its vision tower, for --image and image parts",
+    )
+
+
 def load_arguments(args: argparse.Namespace) -> dict:
     """`qinfer.load_model`'s keywords from the flags of `add_model_arguments`."""
     return {

@@ -84,6 +84,13 @@ def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | N
     return Quantize(quantize, group_size), True
 
 
+def keeps_gguf_blocks(dtype: str | torch.dtype | None, quantize: str | None) -> bool:
+    """Whether a GGUF file loaded with `load_model`'s dtype and quantize keeps its quantized
+    blocks: unless quantize is "none" or float32 is asked (every tensor dequantized, the
+    exact reference)."""
+    return quantize != "none" and _DTYPES.get(dtype, dtype) != torch.float32
+
+
 def _check_device(quantize: Quantize | None, keep_blocks: bool, device: torch.device) -> None:
     if (quantize is not None or keep_blocks) and device.type not in ("cpu", "cuda"):
         if quantize is None:
@@ -127,9 +134,8 @@ def load_model(
     if batch_invariant is not None:
         features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
     device = torch.device(device) if device is not None else default_device()
-    scheme, keep_blocks = quantize_choice(quantize, group_size)
-    if _DTYPES.get(dtype, dtype) == torch.float32:  # asked: a GGUF file's exact reference
-        keep_blocks = False
+    scheme, _ = quantize_choice(quantize, group_size)
+    keep_blocks = keeps_gguf_blocks(dtype, quantize)
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
 
     exact_default = []  # set when the dtype is fp32 because every weight is an exact kind

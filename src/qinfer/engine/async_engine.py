@@ -74,6 +74,7 @@ class AsyncEngine:
         kv_cache_dtype: str | None = None,
         batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
+        mmproj: str | Path | None = None,
         **engine_args,
     ) -> None:
         self.engine = build_engine(
@@ -82,6 +83,7 @@ class AsyncEngine:
             load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
             engine_args,
             tensor_parallel_size,
+            mmproj,
         )
         self.tokenizer = self.engine.tokenizer
         # ("add", Request) | ("abort", id) | ("call", _ModelCall) | ("stop", None)

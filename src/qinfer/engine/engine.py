@@ -40,7 +40,7 @@ from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.engine.tasks import Task, check_task_params, make_task
 from qinfer.errors import QinferError, RequestError, TokenizerError
 from qinfer.features import check_kv_cache_dtype
-from qinfer.loading import load_model
+from qinfer.loading import keeps_gguf_blocks, load_model
 from qinfer.model import Transformer
 from qinfer.pooling import PoolingParams
 from qinfer.request_state import RequestState, sample_next
@@ -51,7 +51,7 @@ from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
-from qinfer.vision.load import has_vision_tower, load_image_settings, load_vision_encoder
+from qinfer.vision.load import load_vision
 
 
 class Request:
@@ -519,11 +519,13 @@ def build_engine(
     load_args: dict,
     engine_args: dict,
     tensor_parallel_size: int = 1,
+    mmproj: str | Path | None = None,
 ) -> Engine:
     """An Engine from a loaded model (a `VisionLanguageModel`: with its vision tower) or a
     checkpoint (None: the embedded SmolLM2; a path or hub id, as
     `qinfer.checkpoint.resolve_model` finds it; a vision-language one's tower and image
-    settings are loaded with it, in the model's dtype), whose tokenizer is loaded too
+    settings are loaded with it, in the model's dtype: a folder's own, or for a GGUF text
+    model those of llama.cpp's projector file `mmproj`), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
     defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
     (dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant) for a checkpoint;
@@ -539,6 +541,11 @@ def build_engine(
     vision = None
     if isinstance(model_or_path, VisionLanguageModel):
         vision, model_or_path = model_or_path, model_or_path.model
+    if mmproj is not None and (isinstance(model_or_path, Transformer) or tensor_parallel_size > 1):
+        raise QinferError(
+            f"mmproj {mmproj} needs the GGUF text model's path and tensor_parallel_size 1 "
+            "(a loaded model brings its own vision tower: VisionLanguageModel.load)"
+        )
     if isinstance(model_or_path, Transformer):
         if tensor_parallel_size != 1:
             raise QinferError(
@@ -559,22 +566,14 @@ def build_engine(
     default_params = SamplingParams.from_generation_config(path)
     if tensor_parallel_size == 1:
         model = load_model(path, **load_args)
-        vision = _vision(path, model)
+        keep = keeps_gguf_blocks(load_args.get("dtype"), load_args.get("quantize"))
+        vision = VisionLanguageModel(model, *load_vision(path, model, mmproj, keep))
         return Engine(model, tokenizer, config, default_params, vision=vision)
     # The workers run the target's steps only: a draft model is rank 0's.
     worker = partial(follow_engine, path, load_args, dataclasses.replace(config, speculative=None))
     group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
     model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
     return Engine(model, tokenizer, config, default_params, group)
-
-
-def _vision(path: Path, model: Transformer) -> VisionLanguageModel | None:
-    """The vision tower and image settings of a vision-language checkpoint folder (its
-    config names an image token), over its loaded text model; None for the others."""
-    if model.config.image_token_id is None or not path.is_dir() or not has_vision_tower(path):
-        return None
-    encoder = load_vision_encoder(path, model.dtype, model.device)
-    return VisionLanguageModel(model, encoder, load_image_settings(path))
 
 
 def follow_engine(

@@ -29,8 +29,8 @@ import torch
 from qinfer.errors import RequestError
 from qinfer.runtime.step import StepImages
 from qinfer.text.prompts import PromptParts
-from qinfer.vision.image import PatchedImages, image_name, preprocess_images
-from qinfer.vision.language_model import EncodedImages, VisionLanguageModel
+from qinfer.vision.image import PatchedImages, preprocess_images
+from qinfer.vision.language_model import EncodedImages, VisionLanguageModel, no_vision_tower
 from qinfer.vision.mrope import mrope_positions
 
 
@@ -102,14 +102,7 @@ def prompt_images(
     one), a placeholder expanded to its image's run, the runs checked against the grids."""
     config = vision.model.config
     if vision.encoder is None:
-        name = image_name(0, parts.images[0])
-        if config.image_token_id is None:
-            reason = "a text-only model"
-        else:
-            reason = "loaded without its vision tower: give the engine its checkpoint's path"
-        raise RequestError(
-            f"image {name} was sent to model_type {config.model_type!r}, {reason}", "image"
-        )
+        raise no_vision_tower(config, parts.images[0])
     token, merge = config.image_token_id, vision.encoder.config.spatial_merge_size
     patched = preprocess_images(parts.images, vision.settings)
     counts = [t * h * w // merge**2 for t, h, w in patched.grids]

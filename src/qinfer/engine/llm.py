@@ -34,15 +34,16 @@ class LLM:
 
     model_or_path: a loaded `Transformer` (a `VisionLanguageModel` for prompts with
         images), or a checkpoint (folder or .gguf) to load, a vision-language one with its
-        vision tower.
+        vision tower (a GGUF text model's is llama.cpp's projector file, `mmproj`).
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
     `qinfer.load_model`, when a path is given (batch_invariant: `Features.batch_invariant`;
     kv_cache_dtype "int8" or "fp8" halves the KV
     pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size:
     ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.distributed`;
-    `close()` or this process's exit stops them). engine_args: see
-    `qinfer.engine.EngineConfig`.
+    `close()` or this process's exit stops them). mmproj: llama.cpp's projector file of a
+    Qwen2.5-VL or Qwen3-VL GGUF text model (its vision tower, `qinfer.vision.mmproj`).
+    engine_args: see `qinfer.engine.EngineConfig`.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class LLM:
         kv_cache_dtype: str | None = None,
         batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
+        mmproj: str | Path | None = None,
         **engine_args,
     ) -> None:
         self.engine: Engine = build_engine(
@@ -65,6 +67,7 @@ class LLM:
             load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
             engine_args,
             tensor_parallel_size,
+            mmproj,
         )
 
     def generate(

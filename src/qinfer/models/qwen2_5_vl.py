@@ -10,6 +10,11 @@ the config says.
 
 Tensor names: `model.layers.*` (original saves) or `model.language_model.*` (transformers 5),
 both read as the text model's (`weights.safetensors.TEXT_MODEL_PREFIXES`).
+
+GGUF: llama.cpp's `qwen2vl` architecture (its converter writes Qwen2-VL's and Qwen2.5-VL's
+text models so), the M-RoPE sections in `qwen2vl.rope.dimension_sections` (padded to four
+with zeros), the image token found by its text in the vocabulary (`vl_gguf_fields`); the
+vision tower is the separate projector file's (`qinfer.vision.mmproj`).
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from typing import Any
 
 from qinfer.config import ModelConfig, RopeConfig
 from qinfer.errors import ConfigError
-from qinfer.models.base import Family, HFConfig, rope_config_from_hf, shared_fields
+from qinfer.models.base import Family, GGUFHeader, HFConfig, rope_config_from_hf, shared_fields
 from qinfer.models.llama import llama_wiring
 from qinfer.models.qwen2 import qwen_windows
 
 #: Qwen-VL's <|image_pad|>: the token each merged patch block of an image replaces.
 IMAGE_TOKEN_ID = 151655
+IMAGE_TOKEN = "<|image_pad|>"
 
 #: What transformers assumes where a Qwen2.5-VL text config leaves fields out.
 DEFAULTS: dict[str, Any] = {"rope_theta": 1_000_000.0, "max_position_embeddings": 32768}
@@ -93,8 +99,28 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     )
 
 
+def vl_gguf_fields(header: GGUFHeader) -> dict[str, Any]:
+    """What a Qwen-VL text GGUF says beyond llama.cpp's shared keys: the M-RoPE sections
+    (t, h, w; the file pads them to four with a zero) and the image token's id, found by its
+    text in the vocabulary (transformers' default where the file has none)."""
+    key = f"{header.arch}.rope.dimension_sections"
+    sections = header.get("rope.dimension_sections")
+    if not isinstance(sections, list) or not all(isinstance(n, int) for n in sections):
+        raise ConfigError(f"GGUF metadata {key} must be a list of integers, got {sections!r}")
+    if len(sections) != 4 or sections[3] != 0:
+        raise ConfigError(
+            f"GGUF metadata {key} is {sections}; Qwen-VL's M-RoPE has three sections "
+            "(t, h, w) and a fourth of 0"
+        )
+    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    image_token = tokens.index(IMAGE_TOKEN) if IMAGE_TOKEN in tokens else IMAGE_TOKEN_ID
+    return {"rope_parameters": {"mrope_section": sections[:3]}, "image_token_id": image_token}
+
+
 FAMILY = Family(
     name="Qwen2.5-VL (its language model)",
     model_types=("qwen2_5_vl", "qwen2_5_vl_text"),
     read_config=read_config,
+    gguf_architectures=("qwen2vl",),
+    gguf_fields=vl_gguf_fields,
 )

@@ -185,6 +185,7 @@ def serve(
     kv_cache_dtype: str | None = None,
     batch_invariant: bool = False,
     tensor_parallel_size: int = 1,
+    mmproj: str | None = None,
     log_level: str = "info",
     pooling: PoolingParams | None = None,
     task: str | None = None,
@@ -198,7 +199,7 @@ def serve(
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
 
     dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant: as for
-    `qinfer.load_model`.
+    `qinfer.load_model`; mmproj: a GGUF text model's projector file (`qinfer.LLM`'s).
     tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
     `/health` answers 503, the server stops and this raises its `TensorParallelError`.
     engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
@@ -217,6 +218,7 @@ def serve(
         kv_cache_dtype=kv_cache_dtype,
         batch_invariant=batch_invariant,
         tensor_parallel_size=tensor_parallel_size,
+        mmproj=mmproj,
         **engine_args,
     )
     announcer.finished(engine.engine.executor.model)

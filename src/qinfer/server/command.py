@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qinfer.cli_args import (
+    add_mmproj_argument,
     add_model_arguments,
     add_speculative_arguments,
     bounded,
@@ -82,6 +83,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_mmproj_argument(parser)
     add_speculative_arguments(parser)
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
@@ -230,6 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
         chat_template_kwargs=args.chat_template_kwargs,
         **load_arguments(args),
         tensor_parallel_size=args.tensor_parallel_size,
+        mmproj=args.mmproj,
         enable_prefix_caching=args.enable_prefix_caching,
         pooling=PoolingParams(args.pooling, args.normalize),
         task=args.task,

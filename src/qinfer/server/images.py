@@ -87,7 +87,11 @@ def accepted_refs(messages: list[dict[str, Any]], accepts_images: bool) -> list[
     """The conversation's image parts; a 400 naming the first when the model takes none."""
     refs = refs_in(messages)
     if refs and not accepts_images:
-        raise _refused(refs[0], "this model takes no images (it is not a vision-language model)")
+        raise _refused(
+            refs[0],
+            "this model takes no images (it is not a vision-language model, or a GGUF one "
+            "served without its projector: --mmproj FILE)",
+        )
     return refs
 
 

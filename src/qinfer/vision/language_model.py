@@ -25,9 +25,10 @@ from PIL import Image
 
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
+from qinfer.config import ModelConfig
 from qinfer.errors import RequestError
 from qinfer.forward_batch import BatchImages, ForwardBatch
-from qinfer.loading import load_model
+from qinfer.loading import keeps_gguf_blocks, load_model
 from qinfer.model import Transformer
 from qinfer.vision.image import (
     ImageSettings,
@@ -36,7 +37,7 @@ from qinfer.vision.image import (
     image_name,
     preprocess_images,
 )
-from qinfer.vision.load import load_image_settings, load_vision_encoder
+from qinfer.vision.load import load_vision
 from qinfer.vision.mrope import mrope_positions
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, VisionFeatures
@@ -95,26 +96,22 @@ class VisionLanguageModel:
     @classmethod
     def load(
         cls,
-        folder: str | Path,
+        path: str | Path,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
+        mmproj: str | Path | None = None,
     ) -> VisionLanguageModel:
-        """The model of a Hugging Face folder (`load_model`'s dtype and device), and its
-        vision tower and preprocessor config where its config names an image token."""
-        model = load_model(folder, dtype=dtype, device=device)
-        if model.config.image_token_id is None:
-            return cls(model, None, None)
-        encoder = load_vision_encoder(folder, model.dtype, model.device)
-        return cls(model, encoder, load_image_settings(folder))
+        """The model of a Hugging Face folder or GGUF file (`load_model`'s dtype and
+        device), with its vision tower and image settings: a vision-language folder's own,
+        or those of llama.cpp's projector file `mmproj` for a GGUF text model
+        (`qinfer.vision.load_vision`)."""
+        model = load_model(path, dtype=dtype, device=device)
+        return cls(model, *load_vision(path, model, mmproj, keeps_gguf_blocks(dtype, None)))
 
     def encode(self, images: Sequence[ImageSource | Image.Image]) -> EncodedImages:
         """Images -> their patches (the checkpoint's preprocessing) -> the vision tower."""
         if self.encoder is None:
-            raise RequestError(
-                f"image {image_name(0, images[0])} was sent to model_type "
-                f"{self.model.config.model_type!r}, a text-only model",
-                "image",
-            )
+            raise no_vision_tower(self.model.config, images[0])
         return self.encode_patches(preprocess_images(images, self.settings))
 
     def encode_patches(self, patched: PatchedImages) -> EncodedImages:
@@ -180,6 +177,23 @@ class VisionLanguageModel:
         logits = self.model(tokens, offsets=state.positions, cache=state.cache)
         state.positions = state.positions + tokens.shape[1]
         return logits
+
+
+def no_vision_tower(config: ModelConfig, image: ImageSource | Image.Image) -> RequestError:
+    """The refusal of `image` (a prompt's first) by a model loaded without a vision tower,
+    naming it and why: a text-only model, or a vision-language text model without its tower
+    (a GGUF file's is llama.cpp's separate projector file)."""
+    if config.image_token_id is None:
+        reason = "a text-only model"
+    else:
+        reason = (
+            "loaded without its vision tower: give its checkpoint folder, or with a GGUF "
+            "file its projector (--mmproj FILE)"
+        )
+    return RequestError(
+        f"image {image_name(0, image)} was sent to model_type {config.model_type!r}, {reason}",
+        "image",
+    )
 
 
 def _batch_images(

@@ -3,7 +3,9 @@
 `load_vision_encoder(folder)` builds the tower of the config's `model_type` empty, then
 fills it through the weights seam (`qinfer.weights.load.load`), from the checkpoint's
 `visual.*` tensors; the text model's tensors are never read. `load_image_settings(folder)`
-reads `preprocessor_config.json`.
+reads `preprocessor_config.json`. `load_vision(path, model, mmproj)` finds both for a
+loaded text model: a folder's own, or a GGUF text model's projector file
+(`qinfer.vision.mmproj`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 
 from qinfer.checkpoint import read_json_object
 from qinfer.errors import ConfigError
+from qinfer.model import Transformer
 from qinfer.vision.image import ImageSettings
+from qinfer.vision.mmproj import load_projector
 from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
@@ -56,6 +60,24 @@ def load_vision_encoder(
         return load(encoder_class(config), weights)
     split_qkv(weights, found[0], config.depth, config.hidden_size)
     return load(encoder_class(config, found[0]), weights)
+
+
+def load_vision(
+    path: str | Path,
+    model: Transformer,
+    mmproj: str | Path | None = None,
+    keep_blocks: bool = False,
+) -> tuple[Qwen2_5_VisionEncoder | Qwen3_VisionEncoder | None, ImageSettings | None]:
+    """The vision tower (in the model's dtype, on its device) and image settings of the
+    text model `model` loaded from `path`: those of the projector file `mmproj` when given
+    (a GGUF text model's; keep_blocks: keep its quantized blocks, `load_projector`), else
+    those of a vision-language checkpoint folder, else (None, None): a text-only model, or
+    a GGUF vision-language text model without its projector, which refuses images."""
+    if mmproj is not None:
+        return load_projector(mmproj, path, model.config, model.dtype, model.device, keep_blocks)
+    if model.config.image_token_id is None or not Path(path).is_dir() or not has_vision_tower(path):
+        return None, None
+    return load_vision_encoder(path, model.dtype, model.device), load_image_settings(path)
 
 
 def has_vision_tower(folder: str | Path) -> bool:

@@ -1,0 +1,288 @@
+"""Qwen2.5-VL and Qwen3-VL from GGUF files as llama.cpp ships them: a text model
+(architectures qwen2vl and qwen3vl; models/qwen2_5_vl.py, qwen3_vl.py) and its projector
+file (`--mmproj`; qinfer.vision.mmproj), both written by llama.cpp's own converter from
+tiny random transformers checkpoints, against transformers in fp32.
+
+The converter (convert_hf_to_gguf.py, conversion/, gguf-py/ of the llama.cpp that
+llama-cpp-python 0.3.36 vendors) is what `make setup-test` extracts into the venv
+(Makefile: CONVERTER). It runs in a process of its own, where its gguf-py is the `gguf`
+package, with one change: the vocabulary's pre-tokenizer is named "qwen2", since it
+recognises a pre-tokenizer by hashing a released tokenizer's tokens and a test tokenizer
+matches none. What it writes for tensors and the rest of the metadata is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from checkpoints import build_checkpoint
+from gguf_files import write_gguf_model
+from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
+from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, save_vl_checkpoint
+
+from qinfer.cli import main
+from qinfer.errors import ConfigError, RequestError
+from qinfer.linear import DenseLinear
+from qinfer.vision import (
+    ImagePrompt,
+    VisionLanguageModel,
+    load_image_settings,
+    preprocess_images,
+)
+from qinfer.vision.mmproj import load_projector
+
+#: Where `make setup-test` puts llama.cpp's converter.
+CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
+
+#: Runs convert_hf_to_gguf.py (in argv[1]) once per job of argv[2] (a JSON list of
+#: argument lists), in one process.
+RUN_CONVERTER = """
+import json, runpy, sys
+root, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+script = root + "/convert_hf_to_gguf.py"
+converter = runpy.run_path(script, run_name="converter")
+for job in jobs:
+    sys.argv = [script, *job]
+    converter["main"]()
+"""
+
+TOLERANCE = 1e-4  # fp32 logits of order 1-5 (measured: 0 for the text model alone)
+START, END, IMAGE = SPECIAL["vision_start_token_id"], SPECIAL["vision_end_token_id"], 263
+FAMILIES = list(VISION)
+
+#: VISION's towers, Qwen2.5-VL's with transformers' window of 112 pixels (a projector
+#: file does not store it: qinfer takes that default): 2 x 2 windows over IMAGE.
+GGUF_VISION = {
+    "qwen2.5-vl": {k: v for k, v in VISION["qwen2.5-vl"].items() if k != "window_size"},
+    "qwen3-vl": VISION["qwen3-vl"],
+}
+#: The pixel budgets of the released checkpoints' preprocessor configs (Qwen2.5-VL-3B,
+#: Qwen3-VL-4B), which a projector file does not store either.
+RELEASED_BUDGET = {
+    "qwen2.5-vl": {"min_pixels": 3136, "max_pixels": 12845056},
+    "qwen3-vl": {"size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+}
+#: 224 x 168 pixels: 16 x 12 patches of Qwen2.5-VL (8 x 6 tokens in 2 x 2 windows); Qwen3-VL
+#: resizes it to its minimum of 65536 pixels (10 x 7 tokens).
+PICTURE = make_image(224, 168, 3)
+
+
+@dataclass(frozen=True)
+class Files:
+    """One family's checkpoint folder, its converted files and transformers' model."""
+
+    family: str
+    folder: Path
+    text: Path
+    mmproj: Path
+    mmproj_q8: Path
+    reference: torch.nn.Module
+
+
+def convert(folder: Path, *jobs: list[str]) -> None:
+    """Run llama.cpp's converter on `folder` for each job (its other arguments)."""
+    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not in {CONVERTER} (make setup-test puts it there)")
+    jobs_json = json.dumps([[str(folder), *job] for job in jobs])
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_CONVERTER, str(CONVERTER), jobs_json],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def files(request, tmp_path_factory) -> Files:
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    folder = root / "hf"
+    folder.mkdir()
+    text = dict(TEXT, vocab_size=VOCAB)
+    reference = save_vl_checkpoint(folder, family, text, SPECIAL, GGUF_VISION[family])
+    save_vl_tokenizer(folder, VL_TEMPLATE)
+    preprocessor = {**PREPROCESSOR[family], **RELEASED_BUDGET[family]}
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    paths = {name: root / f"{name}.gguf" for name in ("text", "mmproj", "mmproj_q8")}
+    convert(
+        folder,
+        ["--outtype", "f32", "--outfile", str(paths["text"])],
+        ["--mmproj", "--outtype", "f32", "--outfile", str(paths["mmproj"])],
+        ["--mmproj", "--outtype", "q8_0", "--outfile", str(paths["mmproj_q8"])],
+    )
+    return Files(family, folder, **paths, reference=reference)
+
+
+def image_prompt(vl: VisionLanguageModel) -> ImagePrompt:
+    """Text, PICTURE's run of image tokens, text."""
+    grid = vl.encoder.config.spatial_merge_size**2
+    [(t, h, w)] = preprocess_images([PICTURE], vl.settings).grids
+    return ImagePrompt([5, 6, START, *[IMAGE] * (t * h * w // grid), END, 7, 8, 9], [PICTURE])
+
+
+def reference_logits(files: Files, p: ImagePrompt) -> torch.Tensor:
+    """transformers' logits (L, vocab), its image preprocessed as the folder's
+    preprocessor config says."""
+    patched = preprocess_images(p.images, load_image_settings(files.folder))
+    ids = torch.tensor([list(p.token_ids)])
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=patched.pixel_values,
+        image_grid_thw=torch.tensor(patched.grids),
+        mm_token_type_ids=(ids == IMAGE).int(),
+    )
+    with torch.no_grad():
+        return files.reference(**inputs).logits[0]
+
+
+def test_logits_with_an_image_equal_transformers(files):
+    vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj)
+    p = image_prompt(vl)
+    ours = vl.prefill([p]).logits[0]
+    expected = reference_logits(files, p)
+    assert expected.abs().max() > 1  # logits of order 1
+    print(f"{files.family}: max |difference| {(ours - expected).abs().max():.2e}")
+    assert (ours - expected).abs().max() < TOLERANCE
+
+
+def test_the_projectors_image_settings_are_the_released_preprocessors(files):
+    """What the file stores (patch and merge sizes, mean, std: as float32) and the
+    defaults it does not store (the pixel budget) are the folder's."""
+    vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj)
+    ours, folder = vl.settings, load_image_settings(files.folder)
+    assert (ours.min_pixels, ours.max_pixels) == (folder.min_pixels, folder.max_pixels)
+    assert (ours.patch_size, ours.merge_size) == (folder.patch_size, folder.merge_size)
+    assert torch.allclose(torch.tensor(ours.mean), torch.tensor(folder.mean), rtol=1e-7)
+    assert torch.allclose(torch.tensor(ours.std), torch.tensor(folder.std), rtol=1e-7)
+
+
+def test_a_q8_0_projector_reads_its_blocks_as_gguf_dequantizes_them(files):
+    """The converter's q8_0 projector holds Q8_0 and F16 tensors. Dequantized, they are the
+    `gguf` package's values; kept as int8 blocks, the tower gives what the dequantized
+    weights give; the logits stay within Q8_0's rounding of transformers' (measured:
+    6.8e-2 Qwen2.5-VL, 3.7e-2 Qwen3-VL, logits of order 5)."""
+    reader = gguf.GGUFReader(files.mmproj_q8)
+    stored = {t.name: t for t in reader.tensors}
+    assert (
+        stored["mm.0.weight"].tensor_type.name,
+        stored["v.blk.0.ffn_down.weight"].tensor_type.name,
+    ) == ("Q8_0", "F16")
+    vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj_q8)
+    block = vl.encoder.blocks[0]
+    down = block.down if hasattr(block, "down") else block.fc2  # Qwen2.5-VL's, Qwen3-VL's
+    for name, linear in [("mm.0.weight", vl.encoder.merger.fc1), ("v.blk.0.ffn_down.weight", down)]:
+        tensor = stored[name]
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert torch.equal(linear.weight, torch.from_numpy(expected).float())
+    config = vl.model.config
+    kept, _ = load_projector(files.mmproj_q8, files.text, config, torch.float32, "cpu", True)
+    assert isinstance(vl.encoder.blocks[0].attn.qkv, DenseLinear)
+    assert not isinstance(kept.blocks[0].attn.qkv, DenseLinear)
+    p = image_prompt(vl)
+    patched = preprocess_images(p.images, vl.settings)
+    with torch.no_grad():
+        dense = vl.encoder(patched.pixel_values, patched.grids)
+        blocks = kept(patched.pixel_values, patched.grids)
+    dense, blocks = getattr(dense, "embeddings", dense), getattr(blocks, "embeddings", blocks)
+    assert (dense - blocks).abs().max() < 1e-5
+    difference = (vl.prefill([p]).logits[0] - reference_logits(files, p)).abs().max()
+    print(f"{files.family} q8_0 projector: max |logit difference| {difference:.2e}")
+    assert difference < 0.15
+
+
+def test_generate_with_mmproj_equals_the_folder(files, tmp_path, capsys):
+    """`qinfer generate --model model.gguf --mmproj mm.gguf --image x.png`: the greedy text
+    of the checkpoint folder."""
+    path = tmp_path / "x.png"
+    PICTURE.save(path)
+    flags = ["--image", str(path), "--max-tokens", "6", "--temperature", "0"]
+    flags += ["--dtype", "float32", "--device", "cpu", "What is it?"]
+    assert main(["generate", "--model", str(files.folder), *flags]) == 0
+    expected = capsys.readouterr().out
+    gguf_model = ["--model", str(files.text), "--mmproj", str(files.mmproj)]
+    assert main(["generate", *gguf_model, *flags]) == 0
+    assert capsys.readouterr().out == expected
+    assert len(expected.strip()) > 0
+
+
+def test_an_image_without_the_projector_is_refused_naming_mmproj(files, tmp_path, capsys):
+    vl = VisionLanguageModel.load(files.text, dtype="float32")
+    with pytest.raises(RequestError, match=r"^image 0 .*without its vision tower.*--mmproj FILE"):
+        vl.prefill([ImagePrompt([START, IMAGE, END], [PICTURE])])
+    path = tmp_path / "x.png"
+    PICTURE.save(path)
+    args = ["generate", "--model", str(files.text), "--image", str(path), "--device", "cpu", "Hi"]
+    assert main(args) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert line.startswith("qinfer: error: image 0 (") and "--mmproj FILE" in line
+
+
+def rewritten(source: Path, target: Path, **changes) -> Path:
+    """A copy of GGUF file `source` at `target` with some metadata values changed (keys with
+    dots spelled with double underscores), of the same types."""
+    reader = gguf.GGUFReader(source)
+    changes = {key.replace("__", "."): value for key, value in changes.items()}
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, changes.get(key, field.contents()), kind, sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def test_an_unsupported_projector_type_is_refused_listing_the_supported(files, tmp_path):
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__projector_type="gemma3")
+    with pytest.raises(
+        ConfigError,
+        match=r"^.*mm\.gguf: projector type 'gemma3' is not supported; "
+        r"supported: qwen2\.5vl_merger, qwen3vl_merger$",
+    ):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_a_projection_width_other_than_the_hidden_size_is_refused(files, tmp_path):
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__vision__projection_dim=32)
+    with pytest.raises(
+        ConfigError,
+        match=r"clip\.vision\.projection_dim is 32, but the text model .* hidden size 64$",
+    ):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_another_familys_projector_is_refused(files, tmp_path):
+    other = {"qwen2.5-vl": "qwen3vl_merger", "qwen3-vl": "qwen2.5vl_merger"}[files.family]
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__projector_type=other)
+    with pytest.raises(ConfigError, match=r"projector; .*text\.gguf is not a Qwen.*text model"):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_a_projector_with_a_text_only_model_is_refused(files, tmp_path):
+    reference = build_checkpoint(tmp_path, "qwen3")
+    model = write_gguf_model(reference, tmp_path / "qwen3.gguf", "qwen3")
+    with pytest.raises(
+        ConfigError, match=r"qwen3\.gguf is a text-only model \(model_type 'qwen3'\)$"
+    ):
+        VisionLanguageModel.load(model, dtype="float32", mmproj=files.mmproj)
+
+
+def test_a_text_model_given_as_the_projector_is_refused(files):
+    with pytest.raises(ConfigError, match=r"text\.gguf is not a projector \(mmproj\) file"):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.text)

@@ -20,16 +20,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint
 from gguf_files import write_gguf_model
+from test_server import ServerThread
+from test_server_vision import MAX_TOKENS, MODEL, chat_image, data_url, png
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
 from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, save_vl_checkpoint
 
-from qinfer.cli import main
+from qinfer import LLM, SamplingParams
+from qinfer.cli import build_parser, main
+from qinfer.engine import AsyncEngine
 from qinfer.errors import ConfigError, RequestError
 from qinfer.linear import DenseLinear
+from qinfer.server.app import ServerSettings, create_app
 from qinfer.vision import (
     ImagePrompt,
     VisionLanguageModel,
@@ -37,6 +43,7 @@ from qinfer.vision import (
     preprocess_images,
 )
 from qinfer.vision.mmproj import load_projector
+from qinfer.weights.gguf import read_gguf
 
 #: Where `make setup-test` puts llama.cpp's converter.
 CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
@@ -56,7 +63,7 @@ for job in jobs:
     converter["main"]()
 """
 
-TOLERANCE = 1e-4  # fp32 logits of order 1-5 (measured: 0 for the text model alone)
+TOLERANCE = 1e-4  # fp32 logits of order 1-5 (measured: 5.1e-6 Qwen2.5-VL, 2.0e-6 Qwen3-VL)
 START, END, IMAGE = SPECIAL["vision_start_token_id"], SPECIAL["vision_end_token_id"], 263
 FAMILIES = list(VISION)
 
@@ -227,6 +234,25 @@ def test_an_image_without_the_projector_is_refused_naming_mmproj(files, tmp_path
     assert line.startswith("qinfer: error: image 0 (") and "--mmproj FILE" in line
 
 
+def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
+    """`qinfer serve --model model.gguf --mmproj mm.gguf`: a chat completion with an image
+    (the real `openai` client) answers what `LLM.generate` answers on the folder."""
+    args = build_parser().parse_args(["serve", "--mmproj", str(files.mmproj)])
+    assert args.mmproj == str(files.mmproj)
+    engine = AsyncEngine(files.text, dtype="float32", mmproj=files.mmproj)
+    server = ServerThread(create_app(engine, engine.tokenizer, ServerSettings(model_name=MODEL)))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        answer = chat_image(client, data_url(png(PICTURE))).choices[0].message.content
+    finally:
+        server.stop()
+    content = [{"type": "image", "image": PICTURE}, {"type": "text", "text": "What is it?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm = LLM(files.folder, dtype="float32")
+    [expected] = llm.generate([[{"role": "user", "content": content}]], params, use_tqdm=False)
+    assert answer == expected.text and answer
+
+
 def rewritten(source: Path, target: Path, **changes) -> Path:
     """A copy of GGUF file `source` at `target` with some metadata values changed (keys with
     dots spelled with double underscores), of the same types."""
@@ -286,3 +312,24 @@ def test_a_projector_with_a_text_only_model_is_refused(files, tmp_path):
 def test_a_text_model_given_as_the_projector_is_refused(files):
     with pytest.raises(ConfigError, match=r"text\.gguf is not a projector \(mmproj\) file"):
         VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.text)
+
+
+def test_deepstack_counts_that_differ_are_refused(files, tmp_path):
+    if files.family != "qwen3-vl":
+        pytest.skip("Qwen3-VL's DeepStack")
+    stacked = [True, False, False]  # one feature; the text model adds two
+    mmproj = rewritten(
+        files.mmproj, tmp_path / "mm.gguf", clip__vision__is_deepstack_layers=stacked
+    )
+    with pytest.raises(
+        ConfigError, match=r"mm\.gguf gives 1 DeepStack features, but the text .* adds 2"
+    ):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_mrope_sections_with_a_fourth_are_refused(files, tmp_path):
+    arch = read_gguf(files.text).metadata["general.architecture"]
+    changes = {f"{arch}__rope__dimension_sections": [2, 3, 2, 1]}
+    model = rewritten(files.text, tmp_path / "text.gguf", **changes)
+    with pytest.raises(ConfigError, match=rf"{arch}\.rope\.dimension_sections is \[2, 3, 2, 1\]"):
+        VisionLanguageModel.load(model, dtype="float32")

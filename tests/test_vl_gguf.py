@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,10 +110,20 @@ def convert(folder: Path, *jobs: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def files(request, tmp_path_factory) -> Files:
-    family = request.param
-    root = tmp_path_factory.mktemp(family)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Callable[[str], Files]:
+    """A family's Files, converted once per module whichever fixture asks."""
+    done: dict[str, Files] = {}
+
+    def build(family: str) -> Files:
+        if family not in done:
+            done[family] = build_files(family, tmp_path_factory.mktemp(family))
+        return done[family]
+
+    return build
+
+
+def build_files(family: str, root: Path) -> Files:
     folder = root / "hf"
     folder.mkdir()
     text = dict(TEXT, vocab_size=VOCAB)
@@ -128,6 +139,16 @@ def files(request, tmp_path_factory) -> Files:
         ["--mmproj", "--outtype", "q8_0", "--outfile", str(paths["mmproj_q8"])],
     )
     return Files(family, folder, **paths, reference=reference)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def files(request, built) -> Files:
+    return built(request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_files(built) -> Files:
+    return built("qwen2.5-vl")
 
 
 def image_prompt(vl: VisionLanguageModel) -> ImagePrompt:
@@ -255,12 +276,15 @@ def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
 
 def rewritten(source: Path, target: Path, **changes) -> Path:
     """A copy of GGUF file `source` at `target` with some metadata values changed (keys with
-    dots spelled with double underscores), of the same types."""
+    dots spelled with double underscores), of the same types; a key changed to None is left
+    out."""
     reader = gguf.GGUFReader(source)
     changes = {key.replace("__", "."): value for key, value in changes.items()}
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in changes and changes[key] is None:
             continue
         kind = field.types[0]
         sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
@@ -333,3 +357,14 @@ def test_mrope_sections_with_a_fourth_are_refused(files, tmp_path):
     model = rewritten(files.text, tmp_path / "text.gguf", **changes)
     with pytest.raises(ConfigError, match=rf"{arch}\.rope\.dimension_sections is \[2, 3, 2, 1\]"):
         VisionLanguageModel.load(model, dtype="float32")
+
+
+def test_a_qwen2_5_vl_projector_without_its_window_pattern_is_refused(qwen2_5_files, tmp_path):
+    """llama.cpp requires clip.vision.n_wa_pattern of a qwen2.5vl_merger file: without it,
+    which blocks attend in windows is unknown."""
+    source = qwen2_5_files.mmproj
+    mmproj = rewritten(source, tmp_path / "mm.gguf", clip__vision__n_wa_pattern=None)
+    with pytest.raises(
+        ConfigError, match=r"^.*mm\.gguf: GGUF metadata clip\.vision\.n_wa_pattern is missing$"
+    ):
+        VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)

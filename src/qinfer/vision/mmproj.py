@@ -86,8 +86,10 @@ class Projector:
 
 def _qwen2_5_fields(file: GGUFFile) -> dict[str, Any]:
     """Qwen2.5-VL's full-attention blocks: every n_wa_pattern-th (llama.cpp's rule,
-    (i + 1) % n == 0; absent or 0: no windows, every block full)."""
-    depth, pattern = _need(file, "clip.vision.block_count"), _get(file, "clip.vision.n_wa_pattern")
+    (i + 1) % n == 0; 0: no windows, every block full). llama.cpp requires the key for
+    this projector type, and so does qinfer."""
+    depth = _need(file, "clip.vision.block_count")
+    pattern = _need(file, "clip.vision.n_wa_pattern")
     full = [i for i in range(depth) if not pattern or (i + 1) % pattern == 0]
     window = _get(file, "clip.vision.window_size") or VisionConfig.window_size
     return {"fullatt_block_indexes": full, "window_size": window, "hidden_act": "silu"}

@@ -274,10 +274,10 @@ def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
     assert answer == expected.text and answer
 
 
-def rewritten(source: Path, target: Path, **changes) -> Path:
+def rewritten(source: Path, target: Path, renamed: dict[str, str] | None = None, **changes) -> Path:
     """A copy of GGUF file `source` at `target` with some metadata values changed (keys with
     dots spelled with double underscores), of the same types; a key changed to None is left
-    out."""
+    out. `renamed`: tensors stored under other names."""
     reader = gguf.GGUFReader(source)
     changes = {key.replace("__", "."): value for key, value in changes.items()}
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
@@ -290,7 +290,8 @@ def rewritten(source: Path, target: Path, **changes) -> Path:
         sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, changes.get(key, field.contents()), kind, sub_type=sub_type)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        name = (renamed or {}).get(tensor.name, tensor.name)
+        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -368,3 +369,24 @@ def test_a_qwen2_5_vl_projector_without_its_window_pattern_is_refused(qwen2_5_fi
         ConfigError, match=r"^.*mm\.gguf: GGUF metadata clip\.vision\.n_wa_pattern is missing$"
     ):
         VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_a_qwen2_5_vl_projector_with_ffn_up_and_down_swapped_reads_as_stored_right(
+    qwen2_5_files, tmp_path
+):
+    """Older exports store a block's ffn_up under ffn_down's name and the reverse; as
+    llama.cpp does, a ffn_down that takes the tower's width is read as the up projection:
+    the logits are the correctly named file's, exactly."""
+    source, depth = qwen2_5_files.mmproj, GGUF_VISION["qwen2.5-vl"]["depth"]
+    swap = {}
+    for i in range(depth):
+        for suffix in ("weight", "bias"):
+            up, down = f"v.blk.{i}.ffn_up.{suffix}", f"v.blk.{i}.ffn_down.{suffix}"
+            swap |= {up: down, down: up}
+    mmproj = rewritten(source, tmp_path / "mm.gguf", renamed=swap)
+    stored = {t.name: t for t in gguf.GGUFReader(mmproj).tensors}
+    assert stored["v.blk.0.ffn_down.weight"].shape[0] == GGUF_VISION["qwen2.5-vl"]["hidden_size"]
+    expected = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=source)
+    vl = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
+    p = image_prompt(vl)
+    assert torch.equal(vl.prefill([p]).logits[0], expected.prefill([p]).logits[0])

@@ -70,7 +70,9 @@ class Projector:
     models it serves; config_class / encoder_class: the tower's; vision_fields: the
     vision_config fields its metadata gives beyond the shared ones; block_names / names:
     llama.cpp's tensor names (per block, `v.blk.i.<name>`; whole-file) -> the folder's,
-    under PREFIX; min_pixels / max_pixels: the released preprocessor config's pixel budget.
+    under PREFIX; min_pixels / max_pixels: the released preprocessor config's pixel budget;
+    ffn_may_be_swapped: older exports of this type store ffn_up and ffn_down under each
+    other's names (see `_swapped_ffn`).
     """
 
     family: str
@@ -82,6 +84,7 @@ class Projector:
     names: dict[str, str]
     min_pixels: int
     max_pixels: int
+    ffn_may_be_swapped: bool = False
 
 
 def _qwen2_5_fields(file: GGUFFile) -> dict[str, Any]:
@@ -127,6 +130,7 @@ PROJECTORS: dict[str, Projector] = {
         names={"v.post_ln": "merger.ln_q", "mm.0": "merger.mlp.0", "mm.2": "merger.mlp.2"},
         min_pixels=3136,
         max_pixels=12845056,
+        ffn_may_be_swapped=True,
     ),
     "qwen3vl_merger": Projector(
         family="Qwen3-VL",
@@ -277,6 +281,7 @@ def _tensors(
     """The file's tensors under the folder's names (PATCH_EMBED: its first frame, the second
     under `PATCH_EMBED.1`); the ones the tower does not read are left out."""
     stacked = getattr(vision, "deepstack_visual_indexes", ())
+    swapped = _swapped_ffn(file, projector, vision)
     tensors = {}
     for stored in file.tensors:
         name = stored.name
@@ -286,6 +291,8 @@ def _tensors(
             block, kind, suffix = match.groups()
             if kind not in projector.block_names:
                 continue
+            if block in swapped:
+                kind = SWAPPED_FFN.get(kind, kind)
             ours = f"{PREFIX}.blocks.{block}.{projector.block_names[kind]}.{suffix}"
         elif match := DEEPSTACK_TENSOR.fullmatch(name):
             block, kind, suffix = match.groups()
@@ -299,6 +306,28 @@ def _tensors(
             continue
         tensors[ours] = stored
     return tensors
+
+
+SWAPPED_FFN = {"ffn_up": "ffn_down", "ffn_down": "ffn_up"}
+
+
+def _swapped_ffn(
+    file: GGUFFile, projector: Projector, vision: VisionConfig | Qwen3VisionConfig
+) -> set[str]:
+    """The blocks (their numbers, as in the names) whose ffn_up and ffn_down, weights and
+    biases, are stored under each other's names: llama.cpp's rule for older exports of some
+    projector types, a ffn_down that takes the tower's width (hidden_size columns) where it
+    takes the MLP's (intermediate_size). An MLP as wide as the tower cannot tell; it is read
+    as named (llama.cpp would swap it)."""
+    if not projector.ffn_may_be_swapped or vision.intermediate_size == vision.hidden_size:
+        return set()
+    swapped = set()
+    for stored in file.tensors:
+        match = BLOCK_TENSOR.fullmatch(stored.name)
+        if match and match.group(2, 3) == ("ffn_down", "weight"):
+            if stored.weight_shape[-1] == vision.hidden_size:
+                swapped.add(match.group(1))
+    return swapped
 
 
 class ProjectorWeights(GGUFWeights):

@@ -390,3 +390,22 @@ def test_a_qwen2_5_vl_projector_with_ffn_up_and_down_swapped_reads_as_stored_rig
     vl = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
     p = image_prompt(vl)
     assert torch.equal(vl.prefill([p]).logits[0], expected.prefill([p]).logits[0])
+
+
+def test_a_bad_tower_width_is_refused_naming_its_gguf_key_once_with_the_path(files, tmp_path):
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__vision__embedding_length=0)
+    with pytest.raises(
+        ConfigError,
+        match=r"^[^:]*mm\.gguf: GGUF metadata clip\.vision\.embedding_length must be a "
+        r"positive integer$",
+    ):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_a_bad_image_mean_is_refused_naming_its_gguf_key_once_with_the_path(files, tmp_path):
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__vision__image_mean=[0.5, 0.5])
+    with pytest.raises(
+        ConfigError,
+        match=r"^[^:]*mm\.gguf: GGUF metadata clip\.vision\.image_mean must be 3 numbers$",
+    ):
+        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)

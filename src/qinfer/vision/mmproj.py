@@ -194,6 +194,7 @@ def load_projector(
         "spatial_merge_size": _get(file, "clip.vision.spatial_merge_size") or 2,
         **projector.vision_fields(file),
     }
+    mean, std = _need(file, "clip.vision.image_mean"), _need(file, "clip.vision.image_std")
     try:
         vision = projector.config_class.from_hf({"vision_config": fields})
         settings = ImageSettings.from_hf(
@@ -203,12 +204,12 @@ def load_projector(
                 "patch_size": vision.patch_size,
                 "merge_size": vision.spatial_merge_size,
                 "temporal_patch_size": len(PATCH_FRAMES),
-                "image_mean": _need(file, "clip.vision.image_mean"),
-                "image_std": _need(file, "clip.vision.image_std"),
+                "image_mean": mean,
+                "image_std": std,
             }
         )
-    except ConfigError as e:  # a field read from this file's metadata
-        raise ConfigError(f"{mmproj}: {e}") from None
+    except ConfigError as e:  # a value read from this file, named as the file names it
+        raise ConfigError(f"{mmproj}: {CONFIG_FIELD.sub(_file_key, str(e))}") from None
     # on CUDA kept blocks compute in bfloat16 only (as `loading.load_model` says of a text
     # model's); a text model there in another dtype has its tower dequantized
     keep = keep_blocks and (torch.device(device).type != "cuda" or dtype == torch.bfloat16)
@@ -306,6 +307,33 @@ def _tensors(
             continue
         tensors[ours] = stored
     return tensors
+
+
+#: The file's keys for the config fields they become (a config's refusal names its field).
+FILE_KEYS = {
+    "depth": "GGUF metadata clip.vision.block_count",
+    "hidden_size": "GGUF metadata clip.vision.embedding_length",
+    "intermediate_size": "GGUF metadata clip.vision.feed_forward_length",
+    "num_heads": "GGUF metadata clip.vision.attention.head_count",
+    "out_hidden_size": "GGUF metadata clip.vision.projection_dim",
+    "patch_size": "GGUF metadata clip.vision.patch_size",
+    "spatial_merge_size": "GGUF metadata clip.vision.spatial_merge_size",
+    "merge_size": "GGUF metadata clip.vision.spatial_merge_size",
+    "fullatt_block_indexes": "GGUF metadata clip.vision.n_wa_pattern",
+    "deepstack_visual_indexes": "GGUF metadata clip.vision.is_deepstack_layers",
+    "num_position_embeddings": "the rows of tensor v.position_embd.weight",
+    "image_mean": "GGUF metadata clip.vision.image_mean",
+    "image_std": "GGUF metadata clip.vision.image_std",
+}
+#: A config's name of a field in its refusals (`config field 'vision_config.x'`,
+#: `preprocessor config field 'x'`).
+CONFIG_FIELD = re.compile(r"(?:preprocessor )?config field '(?:vision_config\.)?(\w+)'")
+
+
+def _file_key(match: re.Match[str]) -> str:
+    """What the file calls a config field (FILE_KEYS); a default it does not store keeps the
+    config's name."""
+    return FILE_KEYS.get(match.group(1), match.group(0))
 
 
 SWAPPED_FFN = {"ffn_up": "ffn_down", "ffn_down": "ffn_up"}

@@ -409,3 +409,25 @@ def test_a_bad_image_mean_is_refused_naming_its_gguf_key_once_with_the_path(file
         match=r"^[^:]*mm\.gguf: GGUF metadata clip\.vision\.image_mean must be 3 numbers$",
     ):
         VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+@pytest.mark.parametrize("load", ["engine", "vision_language_model"])
+def test_a_wrong_projector_is_refused_before_the_text_model_loads(
+    files, tmp_path, monkeypatch, load
+):
+    """The projector's header and its pairing are checked from the files' headers: a
+    wrong --mmproj fails without the text model's load (here made to fail loudly)."""
+    import qinfer.engine.engine
+    import qinfer.vision.language_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the text model was loaded")
+
+    monkeypatch.setattr(qinfer.engine.engine, "load_model", no_load)
+    monkeypatch.setattr(qinfer.vision.language_model, "load_model", no_load)
+    mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__vision__projection_dim=32)
+    with pytest.raises(ConfigError, match=r"clip\.vision\.projection_dim is 32"):
+        if load == "engine":
+            LLM(files.text, dtype="float32", mmproj=mmproj)
+        else:
+            VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)

@@ -52,6 +52,7 @@ from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
 from qinfer.vision.load import load_vision
+from qinfer.vision.mmproj import check_projector
 
 
 class Request:
@@ -565,6 +566,8 @@ def build_engine(
     tokenizer = _tokenizer(tokenizer, path)
     default_params = SamplingParams.from_generation_config(path)
     if tensor_parallel_size == 1:
+        if mmproj is not None:  # a wrong projector fails before the text model loads
+            check_projector(mmproj, path)
         model = load_model(path, **load_args)
         keep = keeps_gguf_blocks(load_args.get("dtype"), load_args.get("quantize"))
         vision = VisionLanguageModel(model, *load_vision(path, model, mmproj, keep))

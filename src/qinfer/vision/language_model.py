@@ -38,6 +38,7 @@ from qinfer.vision.image import (
     preprocess_images,
 )
 from qinfer.vision.load import load_vision
+from qinfer.vision.mmproj import check_projector
 from qinfer.vision.mrope import mrope_positions
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, VisionFeatures
@@ -105,6 +106,8 @@ class VisionLanguageModel:
         device), with its vision tower and image settings: a vision-language folder's own,
         or those of llama.cpp's projector file `mmproj` for a GGUF text model
         (`qinfer.vision.load_vision`)."""
+        if mmproj is not None:  # a wrong projector fails before the text model loads
+            check_projector(mmproj, path)
         model = load_model(path, dtype=dtype, device=device)
         return cls(model, *load_vision(path, model, mmproj, keeps_gguf_blocks(dtype, None)))
 

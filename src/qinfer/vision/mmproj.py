@@ -52,7 +52,14 @@ from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
 from qinfer.weights.base import ALL
-from qinfer.weights.gguf import KEPT_TYPES, GGUFFile, GGUFWeights, TensorInfo, read_gguf
+from qinfer.weights.gguf import (
+    KEPT_TYPES,
+    GGUFFile,
+    GGUFWeights,
+    TensorInfo,
+    config_from_gguf,
+    read_gguf,
+)
 from qinfer.weights.load import load
 
 #: The prefix the tower's tensors take (the encoders' names of a Hugging Face folder).
@@ -181,9 +188,7 @@ def load_projector(
     projection width other than the text model's hidden size, DeepStack counts that differ.
     """
     mmproj, model_path = Path(mmproj), Path(model_path)
-    file = read_gguf(mmproj)
-    projector = _projector(file, mmproj)
-    _check_pair(file, projector, mmproj, model_path, config)
+    file, projector = check_projector(mmproj, model_path, config)
     fields = {
         "depth": _need(file, "clip.vision.block_count"),
         "hidden_size": _need(file, "clip.vision.embedding_length"),
@@ -221,6 +226,28 @@ def load_projector(
     return load(projector.encoder_class(vision, PREFIX), weights), settings
 
 
+def check_projector(
+    mmproj: str | Path, model_path: str | Path, config: ModelConfig | None = None
+) -> tuple[GGUFFile, Projector]:
+    """The projector file `mmproj`'s header and type, once checked against the GGUF text
+    model `model_path` (its `config`, or None: read from its header), from the two files'
+    headers alone: run before the text model loads, a wrong --mmproj fails in a moment.
+    Refusals as `load_projector`'s."""
+    mmproj, model_path = Path(mmproj), Path(model_path)
+    file = read_gguf(mmproj)
+    projector = _projector(file, mmproj)
+    if model_path.suffix != ".gguf" or not model_path.is_file():
+        raise ConfigError(
+            f"--mmproj {mmproj} goes with a GGUF text model; {model_path} is not a .gguf file "
+            "(a checkpoint folder brings its own vision tower)"
+        )
+    text = read_gguf(model_path)
+    if config is None:
+        config = config_from_gguf(text, model_path)
+    _check_pair(file, projector, mmproj, model_path, config, text.metadata)
+    return file, projector
+
+
 def _projector(file: GGUFFile, path: Path) -> Projector:
     """The file's projector type, which qinfer must read."""
     arch = file.metadata.get("general.architecture")
@@ -240,15 +267,15 @@ def _projector(file: GGUFFile, path: Path) -> Projector:
 
 
 def _check_pair(
-    file: GGUFFile, projector: Projector, path: Path, model_path: Path, config: ModelConfig
+    file: GGUFFile,
+    projector: Projector,
+    path: Path,
+    model_path: Path,
+    config: ModelConfig,
+    text: dict[str, Any],
 ) -> None:
-    """The projector serves this text model: its family, its hidden size, and (Qwen3-VL) as
-    many DeepStack features as the text model adds."""
-    if model_path.suffix != ".gguf" or not model_path.is_file():
-        raise ConfigError(
-            f"--mmproj {path} goes with a GGUF text model; {model_path} is not a .gguf file "
-            "(a checkpoint folder brings its own vision tower)"
-        )
+    """The projector serves this text model (its config; `text`: its file's metadata): its
+    family, its hidden size, and (Qwen3-VL) as many DeepStack features as it adds."""
     if config.image_token_id is None:
         raise ConfigError(
             f"--mmproj {path} gives images to a vision-language model, but {model_path} is "
@@ -265,7 +292,6 @@ def _check_pair(
             f"{path}: clip.vision.projection_dim is {width}, but the text model {model_path} "
             f"has hidden size {config.hidden_size}"
         )
-    text = read_gguf(model_path).metadata
     arch = text.get("general.architecture")
     stacked = sum(bool(on) for on in _get(file, "clip.vision.is_deepstack_layers") or [])
     added = int(text.get(f"{arch}.n_deepstack_layers") or 0)

@@ -277,7 +277,8 @@ def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
 def rewritten(source: Path, target: Path, renamed: dict[str, str] | None = None, **changes) -> Path:
     """A copy of GGUF file `source` at `target` with some metadata values changed (keys with
     dots spelled with double underscores), of the same types; a key changed to None is left
-    out. `renamed`: tensors stored under other names."""
+    out, a key the file lacks is added (an integer, as uint32). `renamed`: tensors stored
+    under other names."""
     reader = gguf.GGUFReader(source)
     changes = {key.replace("__", "."): value for key, value in changes.items()}
     writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
@@ -289,6 +290,8 @@ def rewritten(source: Path, target: Path, renamed: dict[str, str] | None = None,
         kind = field.types[0]
         sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, changes.get(key, field.contents()), kind, sub_type=sub_type)
+    for key in changes.keys() - reader.fields.keys():
+        writer.add_uint32(key, changes[key])
     for tensor in reader.tensors:
         name = (renamed or {}).get(tensor.name, tensor.name)
         writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
@@ -431,3 +434,13 @@ def test_a_wrong_projector_is_refused_before_the_text_model_loads(
             LLM(files.text, dtype="float32", mmproj=mmproj)
         else:
             VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+
+
+def test_a_qwen2_5_vl_projectors_window_size_is_not_read(qwen2_5_files, tmp_path):
+    """llama.cpp ignores clip.vision.window_size for qwen2.5vl_merger (112 pixels, fixed):
+    a file that says 56 windows 112 pixels."""
+    source = qwen2_5_files.mmproj
+    mmproj = rewritten(source, tmp_path / "mm.gguf", clip__vision__window_size=56)
+    assert gguf.GGUFReader(mmproj).fields["clip.vision.window_size"].contents() == 56
+    vl = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
+    assert vl.encoder.config.window_size == 112

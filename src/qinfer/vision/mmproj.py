@@ -31,7 +31,7 @@ blocks kept as they are when `keep_blocks`, dequantized otherwise.
 
 What the file does not store takes the values the family's released preprocessor and vision
 configs give (`PROJECTORS`): the pixel budget of a resized image, Qwen2.5-VL's attention
-window of 112 pixels, a temporal patch of 2 frames (the only one the converter writes), the
+window of 112 pixels (llama.cpp's too, whatever clip.vision.window_size says), a temporal patch of 2 frames (the only one the converter writes), the
 2-D RoPE's theta 10000 and the norms' epsilon 1e-6 (fixed in transformers' towers).
 """
 
@@ -97,12 +97,13 @@ class Projector:
 def _qwen2_5_fields(file: GGUFFile) -> dict[str, Any]:
     """Qwen2.5-VL's full-attention blocks: every n_wa_pattern-th (llama.cpp's rule,
     (i + 1) % n == 0; 0: no windows, every block full). llama.cpp requires the key for
-    this projector type, and so does qinfer."""
+    this projector type, and so does qinfer. The attention window is not read: llama.cpp
+    ignores clip.vision.window_size for this type (112 pixels, fixed), so qinfer takes the
+    same (`VisionConfig.window_size`)."""
     depth = _need(file, "clip.vision.block_count")
     pattern = _need(file, "clip.vision.n_wa_pattern")
     full = [i for i in range(depth) if not pattern or (i + 1) % pattern == 0]
-    window = _get(file, "clip.vision.window_size") or VisionConfig.window_size
-    return {"fullatt_block_indexes": full, "window_size": window, "hidden_act": "silu"}
+    return {"fullatt_block_indexes": full, "hidden_act": "silu"}
 
 
 def _qwen3_fields(file: GGUFFile) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, save_vl_check
 from qinfer import LLM, SamplingParams
 from qinfer.cli import build_parser, main
 from qinfer.engine import AsyncEngine
-from qinfer.errors import ConfigError, RequestError
+from qinfer.errors import ConfigError, RequestError, WeightsError
 from qinfer.linear import DenseLinear
 from qinfer.server.app import ServerSettings, create_app
 from qinfer.vision import (
@@ -43,7 +43,7 @@ from qinfer.vision import (
     load_image_settings,
     preprocess_images,
 )
-from qinfer.vision.mmproj import load_projector
+from qinfer.vision.mmproj import PATCH_EMBED, PATCH_FRAMES, ProjectorWeights, load_projector
 from qinfer.weights.gguf import read_gguf
 
 #: Where `make setup-test` puts llama.cpp's converter.
@@ -444,3 +444,16 @@ def test_a_qwen2_5_vl_projectors_window_size_is_not_read(qwen2_5_files, tmp_path
     assert gguf.GGUFReader(mmproj).fields["clip.vision.window_size"].contents() == 56
     vl = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
     assert vl.encoder.config.window_size == 112
+
+
+def test_the_patch_kernel_is_read_whole_and_a_slice_of_it_is_refused(files):
+    file = read_gguf(files.mmproj)
+    stored = {t.name: t for t in file.tensors}
+    tensors = {PATCH_EMBED + n.removeprefix(PATCH_FRAMES[0]): stored[n] for n in PATCH_FRAMES}
+    weights = ProjectorWeights(file, tensors, torch.float32, "cpu")
+    hidden = GGUF_VISION[files.family]["hidden_size"]
+    assert weights.tensor(PATCH_EMBED).shape[:3] == (hidden, 3, 2)
+    with pytest.raises(
+        WeightsError, match=r"mm.*\.gguf: visual\.patch_embed\.proj\.weight is read whole"
+    ):
+        weights.tensor(PATCH_EMBED, rows=slice(0, 4))

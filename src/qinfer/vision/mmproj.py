@@ -387,7 +387,7 @@ def _swapped_ffn(
 
 class ProjectorWeights(GGUFWeights):
     """A projector file's tensors; the patch embedding's two frames read as the Conv3d
-    kernel (hidden, C, 2, P, P) they were split from."""
+    kernel (hidden, C, 2, P, P) they were split from, whole (a slice of it is refused)."""
 
     def _shape(self, name: str) -> tuple[int, ...]:
         shape = super()._shape(name)
@@ -400,6 +400,8 @@ class ProjectorWeights(GGUFWeights):
     def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
         if name != PATCH_EMBED:
             return super()._read(name, rows, columns)
+        if rows != ALL or columns != ALL:  # the kernel is stacked from two whole tensors
+            raise WeightsError(f"{self.path}: {PATCH_EMBED} is read whole, not in slices")
         frames = [super(ProjectorWeights, self)._read(n) for n in (name, f"{name}.1")]
         return torch.stack(frames, dim=2)  # (hidden, C, P, P) x 2 -> (hidden, C, 2, P, P)
 

@@ -2,7 +2,8 @@
 follows fp32's except after near ties, and does so under each emulated CPU class too.
 
 The reference is the same GGUF file dequantized to fp32 (`dtype="float32"`); the default path
-keeps its int4/int8 blocks and multiplies in bf16 with an fp32 residual stream and fp32 top
+keeps its int4/int8 blocks exactly and multiplies them by fp32 activations (qinfer's compiled
+kernels; bf16 on torch's where no compiler builds them) with an fp32 residual stream and fp32
 logits. The emulated classes cap the ISA that torch's libraries use (ONEDNN_MAX_CPU_ISA for
 oneDNN's GEMMs, ATEN_CPU_CAPABILITY for torch's own kernels), which moves the kernel choices
 (`qinfer.linear.compute.cpu_class`) and the rounding with them.
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from gguf_files import smollm2_path
 
-from qinfer import LLM, SamplingParams, load_model, load_tokenizer
+from qinfer import LLM, SamplingParams, kernels, load_model, load_tokenizer
 from qinfer.bench.greedy import partings, top_two_gaps
 
 #: 20 short chat prompts, one per line (bench/greedy_partings.py reads the same file).
@@ -45,7 +46,7 @@ EMULATED_PROMPTS = 6
 
 GREEDY = """
 import json, sys
-from qinfer import LLM, SamplingParams, load_model, load_tokenizer
+from qinfer import LLM, SamplingParams, kernels, load_model, load_tokenizer
 prompts = json.loads(sys.argv[2])
 params = SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True)
 outputs = LLM(sys.argv[1]).generate([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -159,14 +160,15 @@ def same_in_every_batch(path, prompts, compositions) -> None:
 def test_a_request_gets_the_same_tokens_and_logprobs_in_any_batch(
     monkeypatch, model, count, as_chat
 ):
-    """The default path: int4/int8 kernels compute a row alike at any row count, paged decode
-    reads whole blocks of keys and pads a group's histories with keys of weight 0, and the
-    head takes its kernel at every row count. Gemma's int8 layers (its Q5_0/Q6_K/Q8_0 tensors) take bf16 tiles for calls
-    of over 16 rows by default, whose GEMM blocks by row count, so a prompt prefilled alone
-    or with others differs there: Gemma runs with QINFER_LINEAR_PATH=kernel."""
+    """The default path: the exact int4/int8 kernels compute a row alike at any row count
+    and take fp32 activations, so no layer takes a tile GEMM (which blocks by row count) at
+    prefill; paged decode reads whole blocks of keys and pads a group's histories with keys
+    of weight 0; the head takes its kernel at every row count. Without a compiler the
+    layers compute in bf16 on torch's kernels and the int8 ones take bf16 tiles for calls
+    of over 16 rows, so there they are held to their kernel (QINFER_LINEAR_PATH=kernel)."""
     from gguf_files import gemma3_path
 
-    if model == "gemma3":
+    if not kernels.buildable():
         monkeypatch.setenv("QINFER_LINEAR_PATH", "kernel")
     path = smollm2_path() if model == "smollm2" else gemma3_path()
     prompts = chat(PROMPTS[:count]) if as_chat else PROMPTS[:count]

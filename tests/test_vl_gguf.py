@@ -26,17 +26,15 @@ import pytest
 import torch
 from checkpoints import build_checkpoint
 from gguf_files import write_gguf_model
-from test_server import ServerThread
+from server_process import serving
 from test_server_vision import MAX_TOKENS, MODEL, chat_image, data_url, png
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
 from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, save_vl_checkpoint
 
 from qinfer import LLM, SamplingParams
-from qinfer.cli import build_parser, main
-from qinfer.engine import AsyncEngine
+from qinfer.cli import main
 from qinfer.errors import ConfigError, RequestError, WeightsError
 from qinfer.linear import DenseLinear
-from qinfer.server.app import ServerSettings, create_app
 from qinfer.vision import (
     ImagePrompt,
     VisionLanguageModel,
@@ -256,17 +254,14 @@ def test_an_image_without_the_projector_is_refused_naming_mmproj(files, tmp_path
 
 
 def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
-    """`qinfer serve --model model.gguf --mmproj mm.gguf`: a chat completion with an image
-    (the real `openai` client) answers what `LLM.generate` answers on the folder."""
-    args = build_parser().parse_args(["serve", "--mmproj", str(files.mmproj)])
-    assert args.mmproj == str(files.mmproj)
-    engine = AsyncEngine(files.text, dtype="float32", mmproj=files.mmproj)
-    server = ServerThread(create_app(engine, engine.tokenizer, ServerSettings(model_name=MODEL)))
-    try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    """`qinfer serve --model model.gguf --mmproj mm.gguf` (the real command, in a process of
+    its own): a chat completion with an image (the real `openai` client) answers what
+    `LLM.generate` answers on the folder."""
+    command = ["--model", str(files.text), "--mmproj", str(files.mmproj)]
+    command += ["--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL]
+    with serving(*command) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         answer = chat_image(client, data_url(png(PICTURE))).choices[0].message.content
-    finally:
-        server.stop()
     content = [{"type": "image", "image": PICTURE}, {"type": "text", "text": "What is it?"}]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     llm = LLM(files.folder, dtype="float32")

@@ -223,7 +223,22 @@ def test_a_q8_0_projector_reads_its_blocks_as_gguf_dequantizes_them(files):
     assert (dense - blocks).abs().max() < 1e-5
     difference = (vl.prefill([p]).logits[0] - reference_logits(files, p)).abs().max()
     print(f"{files.family} q8_0 projector: max |logit difference| {difference:.2e}")
+    # not a check of the reading (the test below checks every tensor exactly): Q8_0's
+    # rounding of the tower, carried into the logits, stays near what was measured
     assert difference < 0.15
+
+
+def test_every_tensor_of_a_q8_0_projector_reads_as_gguf_dequantizes_it(files):
+    """Each stored tensor (Q8_0, F16, F32), read dequantized in float32 under its own
+    name, equals the `gguf` package's dequantization exactly."""
+    file = read_gguf(files.mmproj_q8)
+    weights = ProjectorWeights(file, {t.name: t for t in file.tensors}, torch.float32, "cpu")
+    reader = gguf.GGUFReader(files.mmproj_q8)
+    assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F16", "F32"}
+    for stored in reader.tensors:
+        expected = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).copy())
+        ours = weights.tensor(stored.name)
+        assert torch.equal(ours.reshape(expected.shape), expected.float()), stored.name
 
 
 def test_generate_with_mmproj_equals_the_folder(files, tmp_path, capsys):

@@ -483,3 +483,29 @@ def test_the_patch_kernel_is_read_whole_and_a_slice_of_it_is_refused(files):
         WeightsError, match=r"mm.*\.gguf: visual\.patch_embed\.proj\.weight is read whole"
     ):
         weights.tensor(PATCH_EMBED, rows=slice(0, 4))
+
+
+def test_a_q8_0_projectors_kept_blocks_at_the_default_dtype_answer_as_float32(files):
+    """`LLM(model.gguf, mmproj=q8_0.gguf)` at the default dtype keeps the tower's Q8_0
+    blocks (the int8 kernels); an image gives the greedy tokens of the float32 path, whose
+    tower is dequantized, and image embeddings within 1e-5 of its (of order 2; measured on
+    CPU: 1.4e-6 Qwen2.5-VL, 1.9e-6 Qwen3-VL)."""
+    content = [{"type": "image", "image": PICTURE}, {"type": "text", "text": "What is it?"}]
+    chat = [[{"role": "user", "content": content}]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    runs = {}
+    for dtype in (None, "float32"):
+        llm = LLM(files.text, dtype=dtype, device="cpu", mmproj=files.mmproj_q8)
+        vision = llm.engine.vision
+        [out] = llm.generate(chat, params, use_tqdm=False)
+        runs[dtype] = (vision, out.token_ids)
+    (kept, kept_ids), (dense, dense_ids) = runs[None], runs["float32"]
+    assert not isinstance(kept.encoder.blocks[0].attn.qkv, DenseLinear)
+    assert isinstance(dense.encoder.blocks[0].attn.qkv, DenseLinear)
+    assert list(kept_ids) == list(dense_ids) and len(kept_ids) > 0
+    ours, expected = kept.encode([PICTURE]).embeddings, dense.encode([PICTURE]).embeddings
+    print(
+        f"{files.family}: kept q8_0 tower, max |embedding difference| "
+        f"{(ours.float() - expected).abs().max():.2e} of {expected.abs().max():.2e}"
+    )
+    assert (ours.float() - expected).abs().max() < 1e-5

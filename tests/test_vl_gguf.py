@@ -151,6 +151,11 @@ def qwen2_5_files(built) -> Files:
     return built("qwen2.5-vl")
 
 
+@pytest.fixture(scope="module")
+def qwen3_files(built) -> Files:
+    return built("qwen3-vl")
+
+
 def image_prompt(vl: VisionLanguageModel) -> ImagePrompt:
     """Text, PICTURE's run of image tokens, text."""
     grid = vl.encoder.config.spatial_merge_size**2
@@ -183,15 +188,17 @@ def test_logits_with_an_image_equal_transformers(files):
     assert (ours - expected).abs().max() < TOLERANCE
 
 
-def test_the_projectors_image_settings_are_the_released_preprocessors(files):
-    """What the file stores (patch and merge sizes, mean, std: as float32) and the
-    defaults it does not store (the pixel budget) are the folder's."""
+def test_image_settings_read_from_the_projector_equal_the_folders(files):
+    """The settings the file stores (patch and merge sizes, mean and std: as float32) are
+    the folder's preprocessor config's, as the converter read them. The pixel budget is not
+    in the file: it is qinfer's constant for the family (`mmproj.PROJECTORS`), here only
+    held to the released configs' numbers as RELEASED_BUDGET copies them."""
     vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj)
     ours, folder = vl.settings, load_image_settings(files.folder)
-    assert (ours.min_pixels, ours.max_pixels) == (folder.min_pixels, folder.max_pixels)
     assert (ours.patch_size, ours.merge_size) == (folder.patch_size, folder.merge_size)
     assert torch.allclose(torch.tensor(ours.mean), torch.tensor(folder.mean), rtol=1e-7)
     assert torch.allclose(torch.tensor(ours.std), torch.tensor(folder.std), rtol=1e-7)
+    assert (ours.min_pixels, ours.max_pixels) == (folder.min_pixels, folder.max_pixels)
 
 
 def test_a_q8_0_projector_reads_its_blocks_as_gguf_dequantizes_them(files):
@@ -368,17 +375,15 @@ def test_a_text_model_given_as_the_projector_is_refused(files):
         VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.text)
 
 
-def test_deepstack_counts_that_differ_are_refused(files, tmp_path):
-    if files.family != "qwen3-vl":
-        pytest.skip("Qwen3-VL's DeepStack")
+def test_deepstack_counts_that_differ_are_refused(qwen3_files, tmp_path):
     stacked = [True, False, False]  # one feature; the text model adds two
     mmproj = rewritten(
-        files.mmproj, tmp_path / "mm.gguf", clip__vision__is_deepstack_layers=stacked
+        qwen3_files.mmproj, tmp_path / "mm.gguf", clip__vision__is_deepstack_layers=stacked
     )
     with pytest.raises(
         ConfigError, match=r"mm\.gguf gives 1 DeepStack features, but the text .* adds 2"
     ):
-        VisionLanguageModel.load(files.text, dtype="float32", mmproj=mmproj)
+        VisionLanguageModel.load(qwen3_files.text, dtype="float32", mmproj=mmproj)
 
 
 def test_mrope_sections_with_a_fourth_are_refused(files, tmp_path):

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import openai
@@ -28,8 +29,15 @@ from checkpoints import build_checkpoint
 from gguf_files import write_gguf_model
 from server_process import serving
 from test_server_vision import MAX_TOKENS, MODEL, chat_image, data_url, png
-from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
-from test_vl_models import PREPROCESSOR, TEXT, VISION, make_image, save_vl_checkpoint
+from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, image_prompt, save_vl_tokenizer
+from test_vl_models import (
+    PREPROCESSOR,
+    TEXT,
+    VISION,
+    make_image,
+    reference_logits,
+    save_vl_checkpoint,
+)
 
 from qinfer import LLM, SamplingParams
 from qinfer.cli import main
@@ -156,33 +164,18 @@ def qwen3_files(built) -> Files:
     return built("qwen3-vl")
 
 
-def image_prompt(vl: VisionLanguageModel) -> ImagePrompt:
-    """Text, PICTURE's run of image tokens, text."""
-    grid = vl.encoder.config.spatial_merge_size**2
-    [(t, h, w)] = preprocess_images([PICTURE], vl.settings).grids
-    return ImagePrompt([5, 6, START, *[IMAGE] * (t * h * w // grid), END, 7, 8, 9], [PICTURE])
-
-
-def reference_logits(files: Files, p: ImagePrompt) -> torch.Tensor:
-    """transformers' logits (L, vocab), its image preprocessed as the folder's
-    preprocessor config says."""
-    patched = preprocess_images(p.images, load_image_settings(files.folder))
-    ids = torch.tensor([list(p.token_ids)])
-    inputs = dict(
-        input_ids=ids,
-        pixel_values=patched.pixel_values,
-        image_grid_thw=torch.tensor(patched.grids),
-        mm_token_type_ids=(ids == IMAGE).int(),
-    )
-    with torch.no_grad():
-        return files.reference(**inputs).logits[0]
+def folder_logits(files: Files, p: ImagePrompt) -> torch.Tensor:
+    """transformers' logits (L, vocab) (`test_vl_models.reference_logits`), the image
+    preprocessed as the folder's preprocessor config says, not as the projector's."""
+    folder = SimpleNamespace(settings=load_image_settings(files.folder))
+    return reference_logits((folder, files.reference), p, IMAGE)
 
 
 def test_logits_with_an_image_equal_transformers(files):
     vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj)
-    p = image_prompt(vl)
+    p = image_prompt(vl, [PICTURE])
     ours = vl.prefill([p]).logits[0]
-    expected = reference_logits(files, p)
+    expected = folder_logits(files, p)
     assert expected.abs().max() > 1  # logits of order 1
     print(f"{files.family}: max |difference| {(ours - expected).abs().max():.2e}")
     assert (ours - expected).abs().max() < TOLERANCE
@@ -223,14 +216,14 @@ def test_a_q8_0_projector_reads_its_blocks_as_gguf_dequantizes_them(files):
     kept, _ = load_projector(files.mmproj_q8, files.text, config, torch.float32, "cpu", True)
     assert isinstance(vl.encoder.blocks[0].attn.qkv, DenseLinear)
     assert not isinstance(kept.blocks[0].attn.qkv, DenseLinear)
-    p = image_prompt(vl)
+    p = image_prompt(vl, [PICTURE])
     patched = preprocess_images(p.images, vl.settings)
     with torch.no_grad():
         dense = vl.encoder(patched.pixel_values, patched.grids)
         blocks = kept(patched.pixel_values, patched.grids)
     dense, blocks = getattr(dense, "embeddings", dense), getattr(blocks, "embeddings", blocks)
     assert (dense - blocks).abs().max() < 1e-5
-    difference = (vl.prefill([p]).logits[0] - reference_logits(files, p)).abs().max()
+    difference = (vl.prefill([p]).logits[0] - folder_logits(files, p)).abs().max()
     print(f"{files.family} q8_0 projector: max |logit difference| {difference:.2e}")
     # not a check of the reading (the test below checks every tensor exactly): Q8_0's
     # rounding of the tower, carried into the logits, stays near what was measured
@@ -245,8 +238,8 @@ def test_an_f16_projector_gives_transformers_logits_within_f16s_rounding(files):
     types = {t.tensor_type.name for t in gguf.GGUFReader(files.mmproj_f16).tensors}
     assert types == {"F16", "F32"}
     vl = VisionLanguageModel.load(files.text, dtype="float32", mmproj=files.mmproj_f16)
-    p = image_prompt(vl)
-    difference = (vl.prefill([p]).logits[0] - reference_logits(files, p)).abs().max()
+    p = image_prompt(vl, [PICTURE])
+    difference = (vl.prefill([p]).logits[0] - folder_logits(files, p)).abs().max()
     print(f"{files.family} f16 projector: max |logit difference| {difference:.2e}")
     assert difference < 1e-2
 
@@ -422,7 +415,7 @@ def test_a_qwen2_5_vl_projector_with_ffn_up_and_down_swapped_reads_as_stored_rig
     assert stored["v.blk.0.ffn_down.weight"].shape[0] == GGUF_VISION["qwen2.5-vl"]["hidden_size"]
     expected = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=source)
     vl = VisionLanguageModel.load(qwen2_5_files.text, dtype="float32", mmproj=mmproj)
-    p = image_prompt(vl)
+    p = image_prompt(vl, [PICTURE])
     assert torch.equal(vl.prefill([p]).logits[0], expected.prefill([p]).logits[0])
 
 

@@ -151,8 +151,10 @@ def prompt(kind: str, vl: VisionLanguageModel) -> ImagePrompt:
     return ImagePrompt(ids, IMAGES[1:])
 
 
-def reference_logits(checkpoint, p: ImagePrompt) -> torch.Tensor:
-    """transformers' logits (L, vocab) of one prompt, its images through its own tower."""
+def reference_logits(checkpoint, p: ImagePrompt, image_token: int = IMAGE) -> torch.Tensor:
+    """transformers' logits (L, vocab) of one prompt, its images (preprocessed with the
+    settings of checkpoint's first part) through its own tower; image_token: the
+    checkpoint's image token id."""
     vl, reference = checkpoint
     ids = torch.tensor([list(p.token_ids)])
     inputs = {"input_ids": ids}
@@ -161,7 +163,7 @@ def reference_logits(checkpoint, p: ImagePrompt) -> torch.Tensor:
         inputs |= dict(
             pixel_values=patched.pixel_values,
             image_grid_thw=torch.tensor(patched.grids),
-            mm_token_type_ids=(ids == IMAGE).int(),  # where get_rope_index finds images
+            mm_token_type_ids=(ids == image_token).int(),  # where get_rope_index finds images
         )
     with torch.no_grad():
         return reference(**inputs).logits[0]

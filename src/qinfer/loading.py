@@ -65,14 +65,12 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | None, bool]:
-    """load_model's `quantize` as (what to quantize dense weights to, keep GGUF blocks):
-    a file's blocks are kept unless quantize is "none" (`weights.gguf.open_gguf` says which
-    an int4 load keeps)."""
-    if quantize is None:
-        return None, True
-    if quantize == "none":
-        return None, False
+def quantize_choice(quantize: str | None, group_size: int) -> Quantize | None:
+    """load_model's `quantize`, checked, as what to quantize dense weights to (None: keep
+    them as they are; None and "none" alike: whether a GGUF file's blocks are kept is
+    `keeps_gguf_blocks`'s answer)."""
+    if quantize is None or quantize == "none":
+        return None
     if quantize not in QUANTIZE_KINDS:
         raise QinferError(
             f"unknown quantize {quantize!r}; use one of none, {', '.join(QUANTIZE_KINDS)}"
@@ -81,7 +79,7 @@ def quantize_choice(quantize: str | None, group_size: int) -> tuple[Quantize | N
         raise QinferError(
             f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
         )
-    return Quantize(quantize, group_size), True
+    return Quantize(quantize, group_size)
 
 
 def keeps_gguf_blocks(dtype: str | torch.dtype | None, quantize: str | None) -> bool:
@@ -134,7 +132,7 @@ def load_model(
     if batch_invariant is not None:
         features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
     device = torch.device(device) if device is not None else default_device()
-    scheme, _ = quantize_choice(quantize, group_size)
+    scheme = quantize_choice(quantize, group_size)
     keep_blocks = keeps_gguf_blocks(dtype, quantize)
     _check_device(scheme, keep_blocks and Path(path).suffix == ".gguf", device)
 

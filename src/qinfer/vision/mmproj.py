@@ -109,7 +109,7 @@ def _qwen2_5_fields(file: GGUFFile) -> dict[str, Any]:
 def _qwen3_fields(file: GGUFFile) -> dict[str, Any]:
     """Qwen3-VL's position table (its rows, from the tensor) and DeepStack blocks."""
     table = _tensor(file, "v.position_embd.weight")
-    stacked = _get(file, "clip.vision.is_deepstack_layers") or []
+    stacked = file.metadata.get("clip.vision.is_deepstack_layers") or []
     return {
         "num_position_embeddings": table.weight_shape[0],
         "deepstack_visual_indexes": [i for i, on in enumerate(stacked) if on],
@@ -197,7 +197,7 @@ def load_projector(
         "num_heads": _need(file, "clip.vision.attention.head_count"),
         "out_hidden_size": _need(file, "clip.vision.projection_dim"),
         "patch_size": _need(file, "clip.vision.patch_size"),
-        "spatial_merge_size": _get(file, "clip.vision.spatial_merge_size") or 2,
+        "spatial_merge_size": file.metadata.get("clip.vision.spatial_merge_size") or 2,
         **projector.vision_fields(file),
     }
     mean, std = _need(file, "clip.vision.image_mean"), _need(file, "clip.vision.image_std")
@@ -294,7 +294,7 @@ def _check_pair(
             f"has hidden size {config.hidden_size}"
         )
     arch = text.get("general.architecture")
-    stacked = sum(bool(on) for on in _get(file, "clip.vision.is_deepstack_layers") or [])
+    stacked = sum(bool(on) for on in file.metadata.get("clip.vision.is_deepstack_layers") or [])
     added = int(text.get(f"{arch}.n_deepstack_layers") or 0)
     if stacked != added:
         raise ConfigError(
@@ -406,10 +406,6 @@ class ProjectorWeights(GGUFWeights):
         return torch.stack(frames, dim=2)  # (hidden, C, P, P) x 2 -> (hidden, C, 2, P, P)
 
 
-def _get(file: GGUFFile, key: str) -> Any:
-    return file.metadata.get(key)
-
-
 def _need(file: GGUFFile, key: str) -> Any:
     value = file.metadata.get(key)
     if value is None:
@@ -418,7 +414,7 @@ def _need(file: GGUFFile, key: str) -> Any:
 
 
 def _tensor(file: GGUFFile, name: str) -> TensorInfo:
-    found = [t for t in file.tensors if t.name == name]
-    if not found:
+    stored = file.tensor(name)
+    if stored is None:
         raise ConfigError(f"{file.path} has no tensor {name!r}")
-    return found[0]
+    return stored

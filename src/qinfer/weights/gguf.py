@@ -196,6 +196,10 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
 
+    def tensor(self, name: str) -> TensorInfo | None:
+        """The tensor the file stores under `name`, or None."""
+        return next((t for t in self.tensors if t.name == name), None)
+
     def read(self, tensor: TensorInfo, rows: slice = ALL, columns: slice = ALL) -> np.ndarray:
         """A tensor's stored data, or some of its rows and stored columns (bytes, for block
         types). Whole rows are read from the file rather than mapped, so that the file's pages
@@ -270,7 +274,7 @@ def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:
     tensor_names = frozenset(t.name for t in file.tensors)
 
     def read_floats(name: str) -> list[float]:
-        stored = next(t for t in file.tensors if t.name == name)
+        stored = file.tensor(name)
         return [float(x) for x in dequantize(file.read(stored), stored.tensor_type).flatten()]
 
     header = GGUFHeader(meta["general.architecture"], meta, tensor_names, read_floats)
@@ -348,7 +352,7 @@ def _with_llama3_rope(config: ModelConfig, file: GGUFFile, path: Path) -> ModelC
     context 8192 in every released Llama 3.x); we rebuild that config and check that it
     yields the same frequencies, so an unfamiliar file fails loudly instead of silently.
     """
-    stored = next(t for t in file.tensors if t.name == ROPE_FREQS)
+    stored = file.tensor(ROPE_FREQS)
     divisors = torch.from_numpy(file.read(stored).astype(np.float32)).flatten()
     base = RopeConfig(theta=config.rope.theta)
     llama3 = RopeConfig(

@@ -82,9 +82,18 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`qinfer serve`'s flags: the model's (what loads), the server's (where it listens,
+    who may call), the task's, then the engine's."""
     add_model_arguments(parser)
     add_mmproj_argument(parser)
     add_speculative_arguments(parser)
+    add_server_arguments(parser)
+    add_task_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens, who may call it, and what it says it serves."""
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
@@ -133,6 +142,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="server-wide chat template variables, e.g. '{\"enable_thinking\": false}'",
     )
+
+
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the server does with the model (--task) and how it pools embeddings."""
     parser.add_argument(
         "--task",
         choices=TASKS,
@@ -156,6 +169,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not L2-normalise embeddings",
     )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batching engine's settings (`EngineConfig`)."""
     engine = parser.add_argument_group("engine")
     for flag, name, kind, help_text in ENGINE_FLAGS:
         engine.add_argument(flag, dest=name, type=kind, default=None, help=help_text)

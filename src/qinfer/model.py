@@ -84,10 +84,13 @@ class Block(Module):
                 norm.out_dtype = torch.float32
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x (T, hidden) fp32 -> (T, hidden) fp32: the flat tokens of `batch`."""
+        """x (T, hidden) fp32 -> (T, hidden) fp32: the flat tokens of `batch`. The residual
+        stream x is updated in place and returned (the adds write into it)."""
         attended = self.self_attn(self.attention_norm(x), batch.positions, batch.attention)
-        x = x + _normed(self.attention_output_norm, attended)
-        return x + _normed(self.mlp_output_norm, self.mlp(self.mlp_norm(x)))
+        # x += the attention's output, then the MLP's norm of x: one op (`RMSNorm.add`)
+        mlp_in = self.mlp_norm.add(x, _normed(self.attention_output_norm, attended))
+        x += _normed(self.mlp_output_norm, self.mlp(mlp_in))
+        return x
 
     def norms(self) -> list[RMSNorm]:
         """Every norm of the block, QK-norms included."""

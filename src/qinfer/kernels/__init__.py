@@ -1,5 +1,5 @@
 """Compiled CPU kernels, built on first use: int4 and int8 weights times int8 activations,
-and int8 blocks and int4 groups times fp32 activations.
+int8 blocks and int4 groups times fp32 activations, and a block's residual add + RMSNorm.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
@@ -8,6 +8,8 @@ and int8 blocks and int4 groups times fp32 activations.
                                    #   x @ W.T, W = q * d per block, neither operand rounded
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
                                    #   x @ W.T, W = d q + m in fp32, neither operand rounded
+    y = add_rms_norm(h, x, w, eps, dtype)  # h (T, H) fp32 += x (in place; x None: as it is),
+                                   #   y = h / sqrt(mean(h^2) + eps) * w in dtype (fp32, bf16)
 
 What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 
@@ -32,6 +34,17 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 - int4 groups (`Int4BlockLinear`: Q4_0, Q4_1 and Q4_K values in the layout above, fp32 d and
   m): y[r, n] = sum over k of fma(q, d, m)[n, k] * x[r, k] in fp32 fused multiply-adds, two
   chains per output (a block's first and last 16 elements), bf16 activations widened.
+
+- residual add + RMSNorm (`rms_norm.cpp`: a decoder block's pre-norm on the fp32 residual
+  stream): per row, h += x (x fp32, or bf16 widened exactly), the squares of h summed in fp32
+  in an order fixed by H and the path, r = 1 / sqrt(sum / H + eps), out = (h * r) * w rounded
+  once to the output dtype (round half to even). w is the fp32 scale as `RMSNorm` holds it
+  (Gemma's 1 + w added already). Within fp32 rounding of torch's `F.rms_norm`, not its bits
+  (torch sums the squares in another order). Rows are split between threads whole, so a row's
+  output is the same in any batch and on any thread count; paths "scalar", "avx2", "avx512"
+  (`norm_paths()`), picked once per CPU as the dot products' are. Why: torch runs
+  `F.rms_norm` on CPU as about nine ops a call, each a dispatch of a few µs on a row of 576
+  floats; a decode step calls it twice a layer.
 
 Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
 floating point; integer dot products multiply four int8 pairs per lane per instruction and read
@@ -65,7 +78,9 @@ from typing import Protocol
 
 import torch
 
+# One library from both sources: one build, one cache directory.
 _SOURCE = Path(__file__).with_name("int_dot.cpp")
+_SOURCES = (_SOURCE, Path(__file__).with_name("rms_norm.cpp"))
 _NAME = "qinfer_int_dot"
 # -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
 # library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
@@ -79,7 +94,7 @@ BLOCK = 32  # input columns per weight / activation block
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
-_int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = None
+_int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = _add_rms_norm = None
 
 
 class Int4Groups(Protocol):
@@ -111,7 +126,8 @@ class PackedInt4:
 @functools.cache
 def build_directory() -> Path:
     """Where this source is built for this torch (the name changes with either)."""
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode())
+    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    digest = hashlib.sha256(sources + " ".join(_CFLAGS + _LDFLAGS).encode())
     return (
         Path.home()
         / ".cache"
@@ -133,8 +149,9 @@ def available() -> str | None:
     if not on_x86():
         machine = platform.machine() or "unknown"
         return f"the int4 dot kernels are x86-64 only, this machine is {machine}"
-    if not _SOURCE.is_file():  # an install that left the .cpp out of the package data
-        return f"the kernel source {_SOURCE} is not installed"
+    missing_source = next((source for source in _SOURCES if not source.is_file()), None)
+    if missing_source is not None:  # an install that left a .cpp out of the package data
+        return f"the kernel source {missing_source} is not installed"
     directory = build_directory()
     built = directory / f"{_NAME}.so"
     try:
@@ -157,7 +174,7 @@ def available() -> str | None:
         # 35 s to compile on a 2-core EPYC, the four ATen headers the source needs 7.5 s)
         cpp_extension.load(
             name=_NAME,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             build_directory=str(directory),
@@ -175,7 +192,7 @@ def buildable() -> bool:
     """Whether `available()` can be expected to load the kernels without building anything
     first being known to fail: x86-64, the source installed, and the library built already
     or a compiler and ninja at hand. Cheap (no build), for listing the paths a layer has."""
-    if not on_x86() or not _SOURCE.is_file():
+    if not on_x86() or not all(source.is_file() for source in _SOURCES):
         return False
     return (build_directory() / f"{_NAME}.so").is_file() or _missing_tool() is None
 
@@ -194,11 +211,12 @@ def _missing_tool() -> str | None:
 
 
 def _bind() -> None:
-    global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm
+    global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
     _int4_groups_mm = torch.ops.qinfer.int4_groups_mm.default
+    _add_rms_norm = torch.ops.qinfer.add_rms_norm.default
 
 
 def _require() -> None:
@@ -222,7 +240,23 @@ _CAPS = {"default": "scalar", "avx2": "avx2"}
 def auto_path() -> str:
     """The path `path="auto"` takes: the fastest this CPU runs, capped as torch caps its own
     kernels by ATEN_CPU_CAPABILITY (so an emulated AVX2 machine rounds as a real one)."""
-    here = paths()
+    return _capped(paths())
+
+
+def norm_paths() -> tuple[str, ...]:
+    """The paths `add_rms_norm` can take on this CPU, slowest first ("scalar", "avx2",
+    "avx512")."""
+    _require()
+    return tuple(torch.ops.qinfer.norm_paths().split(","))
+
+
+@functools.cache
+def norm_auto_path() -> str:
+    """The path `add_rms_norm(path="auto")` takes: the fastest, capped as `auto_path`."""
+    return _capped(norm_paths())
+
+
+def _capped(here: tuple[str, ...]) -> str:
     cap = _CAPS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
     return cap if cap in here else here[-1]
 
@@ -283,3 +317,18 @@ def quantize_q8_1(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ..
     sum(qx) (M, K/32) int32, computed by the path's own code."""
     _require()
     return tuple(torch.ops.qinfer.quantize_q8_1(x, auto_path() if path == "auto" else path))
+
+
+def add_rms_norm(
+    h: torch.Tensor,
+    x: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    dtype: torch.dtype,
+    path: str = "auto",
+) -> torch.Tensor:
+    """h (T, H) fp32 contiguous += x (T, H) fp32 or bf16, in place (x None: h unchanged);
+    returns h * (1 / sqrt(mean(h^2) + eps)) * w (w (H,) fp32) in `dtype` (fp32 or bf16)."""
+    if _add_rms_norm is None:
+        _require()
+    return _add_rms_norm(h, x, w, eps, dtype, norm_auto_path() if path == "auto" else path)

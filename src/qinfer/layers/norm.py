@@ -2,13 +2,20 @@
 
 A block's norms read the fp32 residual stream and write the dtype its matmuls take
 (`out_dtype`): the statistics and the scaling in fp32, rounded once on the way out.
+`RMSNorm.add` also adds a sublayer's output into that stream first, in place. On the CPU
+both run as one compiled op a call (`qinfer.kernels.add_rms_norm`), where torch's F.rms_norm
+takes about nine; elsewhere, and where the kernels cannot be built, as torch's ops.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.config import ModelConfig
 from qinfer.module import Module
 from qinfer.weights.slots import TensorSlot
@@ -55,11 +62,29 @@ class RMSNorm(Module, TensorSlot):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale_in_fp32 or x.dtype == torch.float32:
             # normalize's fp32 branch in one call (the block norms on the fp32 residual, a
-            # decode step's 2 per layer): F.rms_norm with the fp32 weight multiplies as
-            # `normed * weight` does, bit for bit (measured on CPU, 20 shapes)
-            out = self.out_dtype or x.dtype
-            return F.rms_norm(x.float(), self.shape, self.weight32, self.eps).to(out)
+            # decode step's 2 per layer); x.float() is x itself when fp32, read only
+            return self.add(x.float(), None, self.out_dtype or x.dtype)
         return self.normalize(x, self.weight)
+
+    def add(
+        self, h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """h += x in place (h (..., dims) the fp32 residual stream, x a sublayer's output of
+        its shape, fp32 or bf16; None: h is only read), then h normed and scaled by the fp32
+        weight, in `out` (default: `out_dtype`, else fp32).
+
+        The compiled op on the CPU (`qinfer.kernels.add_rms_norm`: within fp32 rounding of
+        F.rms_norm, each row alike in any batch), torch's ops elsewhere: F.rms_norm with
+        the fp32 weight, which multiplies as `normalize`'s `normed * weight` does, bit for
+        bit (measured on CPU, 20 shapes)."""
+        out = out or self.out_dtype or torch.float32
+        if _compiled(h, x, out):
+            rows = h.view(-1, h.shape[-1])  # (T, dims)
+            x = None if x is None else x.reshape(rows.shape)
+            return kernels.add_rms_norm(rows, x, self.weight32, self.eps, out).view(h.shape)
+        if x is not None:
+            h += x
+        return F.rms_norm(h.float(), self.shape, self.weight32, self.eps).to(out)
 
     def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (..., dims) normalized, then scaled by `weight` (broadcast to x: this norm's
@@ -71,6 +96,33 @@ class RMSNorm(Module, TensorSlot):
         if self.scale_in_fp32 or x.dtype == torch.float32:  # scaled in fp32, rounded once
             return (normed * weight).to(out)
         return weight * normed.to(x.dtype)  # half inputs (QK-norm): transformers' order
+
+
+#: What the compiled op writes and adds (the residual stream is fp32).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _compiled(h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype) -> bool:
+    """Whether `RMSNorm.add` runs as the compiled op: a contiguous fp32 residual on the CPU,
+    a sublayer output of its shape in fp32 or bf16, an fp32 or bf16 output, no autograd,
+    and the kernels built here. Decided by tensor metadata alone (no host sync)."""
+    if h.device.type != "cpu" or h.dtype != torch.float32 or out not in _KERNEL_DTYPES:
+        return False
+    if h.requires_grad or not h.is_contiguous() or h.dim() == 0:
+        return False
+    if x is not None and (x.dtype not in _KERNEL_DTYPES or x.shape != h.shape):
+        return False
+    return _kernels_here()
+
+
+@functools.cache
+def _kernels_here() -> bool:
+    """Whether the compiled kernels load (building them the first time); where they cannot
+    on an x86-64 CPU, RMSNorm runs as torch's ops and says why, once."""
+    reason = kernels.available()
+    if reason is not None and kernels.on_x86():
+        warnings.warn(f"RMSNorm runs as torch's ops (slower on the CPU): {reason}", stacklevel=4)
+    return reason is None
 
 
 def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -> torch.Tensor:

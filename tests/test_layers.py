@@ -249,21 +249,23 @@ def test_a_block_norm_on_the_fp32_stream_is_its_two_step_arithmetic(
     weight, rounded once to the matmul dtype (what decode calls 2x a layer). torch's path
     (CUDA, or no compiled kernels): F.rms_norm with the fp32 weight, the same bits. The
     CPU's compiled op (`qinfer.kernels.add_rms_norm`) sums the squares in its own order:
-    within 2^-21 relative in fp32 (16 fp32 units of the scale), one bf16 unit (2^-8) in bf16,
-    as tests/test_rms_norm_kernel.py checks it against the same arithmetic."""
+    within 2^-21 relative in fp32 (16 fp32 units of the scale), one bf16 unit (2^-7 relative
+    at most) in bf16, as tests/test_rms_norm_kernel.py checks it against the same arithmetic."""
     if not compiled:
         monkeypatch.setattr(norm_module, "_kernels_here", lambda: False)
     elif kernels.available() is not None:
         pytest.skip(kernels.available())
-    x = torch.randn(5, 576) * torch.logspace(-2, 2, 5)[:, None]  # rows of any magnitude
-    norm = RMSNorm(576, (torch.randn(576) * 0.1 + 1).to(weight_dtype), 1e-6, offset=offset)
+    draws = torch.Generator().manual_seed(0)  # the same draws whatever ran before
+    x = torch.randn(5, 576, generator=draws) * torch.logspace(-2, 2, 5)[:, None]  # any magnitude
+    weight = torch.randn(576, generator=draws) * 0.1 + 1
+    norm = RMSNorm(576, weight.to(weight_dtype), 1e-6, offset=offset)
     for out in (torch.float32, torch.bfloat16):
         norm.out_dtype = out
         expected = (F.rms_norm(x, (576,), eps=1e-6) * norm.weight.float()).to(out)
         if not compiled:
             assert torch.equal(norm(x), expected)
             continue
-        rtol = 2.0**-21 if out == torch.float32 else 2.0**-8
+        rtol = 2.0**-21 if out == torch.float32 else 2.0**-7
         torch.testing.assert_close(norm(x).float(), expected.float(), rtol=rtol, atol=0)
 
 

@@ -6,7 +6,9 @@ path where the op does not run.
 
 Tolerances: the op sums the squares in another order than torch's mean, so the scale r
 differs by a few fp32 units (a relative 2^-21 is 16 of them); a bf16 output may then round
-the other way, one bf16 unit (2^-8 relative) at most.
+the other way, one bf16 unit at most: 7 stored mantissa bits, so a unit is 2^-8 to 2^-7 of
+the value (2^-8 failed 32 of 1,200 random draws, up to 0.0074 relative, 2026-12-04). Every
+input is drawn from a seeded generator, so the draws do not follow the tests run before.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from qinfer.layers import norm as norm_module
 from qinfer.layers.norm import RMSNorm
 
 FP32_RTOL = 2.0**-21
-BF16_RTOL = 2.0**-8
+BF16_RTOL = 2.0**-7
 # hidden sizes: SmolLM2's and Gemma 3 270M's, a multiple of neither 16 nor 8, and below 8
 SIZES = [576, 640, 100, 5]
 
@@ -57,7 +59,7 @@ def reference(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, out: tor
 def test_the_op_is_torchs_add_and_norm_within_fp32_rounding(path, size, x_dtype, out):
     h = stream(9, size)
     x = None if x_dtype is None else torch.randn(9, size, generator=torch.Generator()).to(x_dtype)
-    w = torch.randn(size) * 0.2 + 1
+    w = torch.randn(size, generator=torch.Generator().manual_seed(1)) * 0.2 + 1
     summed, want = reference(h, x, w, out)
     got = kernels.add_rms_norm(h, x, w, 1e-6, out, path)
     assert torch.equal(h, summed)  # the add in place, exactly torch's (bf16 widened exactly)
@@ -94,10 +96,11 @@ def test_each_row_alone_is_bit_identical_to_it_in_a_batch(path, threads):
 def test_rms_norm_add_runs_the_op_with_the_norms_own_scale(built, offset):
     """`RMSNorm.add` on the CPU: Gemma's norm (offset 1) scales by 1 + w in fp32, as the
     torch path and transformers do; the residual takes the sublayer's output in place."""
-    w = torch.randn(640) * 0.1
+    draws = torch.Generator().manual_seed(2)
+    w = torch.randn(640, generator=draws) * 0.1
     norm = RMSNorm(640, w, 1e-6, offset=offset)
     norm.out_dtype = torch.bfloat16
-    h, x = stream(4, 640), torch.randn(4, 640).bfloat16()
+    h, x = stream(4, 640), torch.randn(4, 640, generator=draws).bfloat16()
     summed, want = reference(h, x, w + offset, torch.bfloat16)
     got = norm.add(h, x)
     assert torch.equal(h, summed)

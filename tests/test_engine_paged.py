@@ -24,6 +24,7 @@ from checkpoints import (
 from checkpoints import reference_logits as transformers_logits
 
 import qinfer
+from qinfer import kernels
 from qinfer.attention import paged
 from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.attention.gathered import GatheredBackend
@@ -40,8 +41,31 @@ from qinfer.runtime.executor import Executor, ParallelConfig
 
 HQ, HKV, D, BLOCK = 6, 2, 8, 4
 
-#: Every attention backend, from its attention function.
-BACKENDS = {"paged": PagedBackend, "gathered": GatheredBackend}
+
+class CompiledPagedBackend(PagedBackend):
+    """The paged backend with its decode steps through the compiled op
+    (`kernels.paged_decode_attention`), as `choose_backend` makes it on a CPU."""
+
+    def __init__(self, sdpa) -> None:
+        super().__init__(sdpa, decode_kernel=True)
+
+
+#: Every attention backend, from its attention function; the paged one also as
+#: `choose_backend` makes it on a CPU, its decode steps through the compiled op
+#: (`kernels.paged_decode_attention`), where the kernels are built.
+BACKENDS = {
+    "paged": PagedBackend,
+    "paged-compiled": CompiledPagedBackend,
+    "gathered": GatheredBackend,
+}
+BACKEND_NAMES = [
+    pytest.param(
+        name, marks=pytest.mark.skipif(kernels.available() is not None, reason="no kernels")
+    )
+    if name == "paged-compiled"
+    else name
+    for name in BACKENDS
+]
 
 
 def one_layer(pool: KVPool, window: int | None, space_window: int | None = None):
@@ -130,7 +154,7 @@ def backend_attend(name, sdpa, pool, tables, rows, q, k, v, window, space_window
     ],
 )
 @pytest.mark.parametrize("sdpa", [torch_sdpa_grouped, reference_sdpa_fp32])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_backend_attend_equals_the_reference_on_each_history(
     backend, rows, window, sdpa, split_keys, monkeypatch
 ):
@@ -155,7 +179,7 @@ def test_backend_attend_equals_the_reference_on_each_history(
     ],
 )
 @pytest.mark.parametrize("sdpa", [torch_sdpa_grouped, reference_sdpa_fp32])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_backend_attend_over_a_window_space_reads_only_the_window(backend, rows, sdpa):
     """A window space's tables start at each sequence's first block inside its window:
     the result of its whole history masked to the window, and the blocks before (NaN
@@ -191,7 +215,7 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("fast_sdpa", [True, False])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["paged", "gathered"])
 def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa, backend):
     """Decode tokens and prompt chunks of different lengths share each step's one forward;
     every logits row equals transformers' for its sequence alone, at that position, through

@@ -14,7 +14,6 @@ from qinfer.attention.sdpa import (
 )
 from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from qinfer.errors import ConfigError
-from qinfer.layers import norm as norm_module
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE, rope_frequencies
 from qinfer.models import config_from_hf
@@ -252,7 +251,7 @@ def test_a_block_norm_on_the_fp32_stream_is_its_two_step_arithmetic(
     within 2^-21 relative in fp32 (16 fp32 units of the scale), one bf16 unit (2^-7 relative
     at most) in bf16, as tests/test_rms_norm_kernel.py checks it against the same arithmetic."""
     if not compiled:
-        monkeypatch.setattr(norm_module, "_kernels_here", lambda: False)
+        monkeypatch.setattr(kernels, "in_use", lambda: False)
     elif kernels.available() is not None:
         pytest.skip(kernels.available())
     draws = torch.Generator().manual_seed(0)  # the same draws whatever ran before

@@ -109,9 +109,9 @@ def test_rms_norm_add_runs_the_op_with_the_norms_own_scale(built, offset):
 
 
 def test_rms_norm_add_falls_back_to_torchs_ops_where_the_op_cannot_run(monkeypatch):
-    """Without the kernels (`_kernels_here` False: no compiler, not x86-64) the same call
+    """Without the kernels (`kernels.in_use()` False: no compiler, not x86-64, or switched off) the same call
     runs torch's ops: h += x in place, and F.rms_norm's bits."""
-    monkeypatch.setattr(norm_module, "_kernels_here", lambda: False)
+    monkeypatch.setattr(kernels, "in_use", lambda: False)
     w = torch.randn(576)
     norm = RMSNorm(576, w, 1e-6)
     norm.out_dtype = torch.bfloat16

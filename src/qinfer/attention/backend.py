@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from qinfer import kernels
 from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.kv_pool import KVLayout, PagedLayer
 from qinfer.attention.paged import PagedBackend
@@ -96,4 +97,5 @@ def choose_backend(
             "attention_backend 'paged' plans no static decode step (it groups sequences on "
             "the host): use 'gathered' (or auto) with static_decode"
         )
-    return PagedBackend(sdpa, features.batch_invariant)
+    decode_kernel = device.type == "cpu" and kernels.in_use()
+    return PagedBackend(sdpa, features.batch_invariant, decode_kernel)

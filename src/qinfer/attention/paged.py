@@ -15,6 +15,10 @@ their own histories:
   longest adds keys of weight exactly 0, so a row's attention is the same whatever else
   runs beside it (a lone sequence used to take torch's fused sdpa, whose other reduction
   order made its tokens differ from the same sequence's in a batch);
+- a decode step on a CPU (`PagedBackend.decode_kernel`, unquantized pools): one compiled
+  op a layer (`kernels.paged_decode_attention`) stores the step's K/V and attends each
+  query over its own table, its history alone, in fp32 with sums in key order: no group,
+  no padding, no copy, and the same output for a sequence alone and in any step;
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
   step's sdpa; or, batch-invariant (`Features.batch_invariant`), the decode arithmetic
   for every query, with fp64 scores, so that a token's output is the same in a chunk of
@@ -42,6 +46,7 @@ from functools import cached_property
 
 import torch
 
+from qinfer import kernels
 from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, LayerKV, PagedLayer, store_kv
 from qinfer.attention.sdpa import Mask, Sdpa
@@ -68,7 +73,13 @@ class PagedStep:
     def __init__(self, tensors: StepTensors, space: int = 0) -> None:
         part = tensors.spaces[space]
         num_new, block_tables, block_size = tensors.num_new, part.tables, tensors.block_size
-        self.slots = part.slots  # (T,)
+        self.slots, self.block_size = part.slots, block_size  # (T,)
+        # A decode step (one new token per sequence) as the compiled op reads it, whatever
+        # the grouping: each token's position and its sequence's table (S, W), history
+        # length (S,) and first key's position (S,) or None.
+        self.decode_only = set(num_new) == {1}
+        self.positions, self.tables = tensors.positions, part.block_tables
+        self.totals, self.key_starts = tensors.context_lens, part.key_starts
         # the keys each sequence reads: its history, less the blocks before its table's first
         histories = [c + n for c, n in zip(tensors.num_computed, num_new, strict=True)]
         if part.first_blocks is not None:
@@ -261,18 +272,21 @@ class PagedBackend:
     step's metadata as `PagedStep`s (one per block space), `PagedAttention` to attend.
 
     sdpa: the attention function of prompt chunks; invariant: every query through the
-    decode arithmetic (`Features.batch_invariant`)."""
+    decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
+    compiled op (`kernels.paged_decode_attention`: CPU pools, not with invariant, whose
+    fp64 arithmetic a chunk must share)."""
 
     layout = KVLayout.HEADS_FIRST
     static_decode = False  # sequences are grouped by history on the host, step by step
 
-    def __init__(self, sdpa: Sdpa, invariant: bool = False) -> None:
+    def __init__(self, sdpa: Sdpa, invariant: bool = False, decode_kernel: bool = False) -> None:
         self.sdpa, self.invariant = sdpa, invariant
+        self.decode_kernel = decode_kernel and not invariant
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""
         paged = [PagedStep(step, space) for space in range(len(step.spaces))]
-        return PagedAttention(layers, paged, self.sdpa, self.invariant)
+        return PagedAttention(layers, paged, self.sdpa, self.invariant, self.decode_kernel)
 
 
 class PagedAttention:
@@ -284,6 +298,8 @@ class PagedAttention:
     (decode groups use this module's own, which reads the values where they sit). Both
     answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
     decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
+    decode_kernel: a step of one new token per sequence (in order) through the compiled op,
+    where the layer's pool is unquantized (`PagedBackend`).
     """
 
     def __init__(
@@ -292,9 +308,10 @@ class PagedAttention:
         steps: list[PagedStep],
         sdpa: Sdpa,
         invariant: bool = False,
+        decode_kernel: bool = False,
     ) -> None:
         self.layers, self.steps = layers, steps
-        self.sdpa, self.invariant = sdpa, invariant
+        self.sdpa, self.invariant, self.decode_kernel = sdpa, invariant, decode_kernel
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -303,6 +320,13 @@ class PagedAttention:
         into the layer's pool, then attends each group of sequences to its own histories."""
         kv, space, window = self.layers[layer]
         step = self.steps[space]
+        if self.decode_kernel and step.decode_only and kv.key_scales is None:
+            # one new token per sequence: stored and attended in one compiled op
+            # (`kernels.paged_decode_attention`), the step's views as they are
+            return kernels.paged_decode_attention(
+                *(q, k, v, kv.keys, kv.values, step.slots, step.positions, step.tables),
+                *(step.totals, step.key_starts, step.block_size, window, scale),
+            )
         store_kv(kv, step.slots, k, v)
         if step.in_order:  # one group holding the tokens in order: no gather, no scatter
             (group,) = step.groups
@@ -320,6 +344,14 @@ class PagedAttention:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
         place (`_decode`), chunks go through sdpa on copied histories, or through `_decode`
         too where the step is to be batch-invariant."""
+        if group.num_new == 1 and self.decode_kernel and kv.key_scales is None:
+            # decode tokens beside prompt chunks: the same op as a decode step's, their K/V
+            # stored already
+            out = kernels.paged_decode_attention(
+                *(q[:, 0], None, None, kv.keys, kv.values, None, group.query_positions[:, 0]),
+                *(group.tables, group.totals, group.key_starts, group.block_size, window, scale),
+            )
+            return out[:, None]  # (G, 1, Hq, D)
         if group.num_new == 1 or self.invariant:
             return _decode(q, kv, group, window, scale, self.invariant)
         return _chunk(q, kv, group, window, scale, self.sdpa)

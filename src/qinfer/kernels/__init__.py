@@ -1,5 +1,6 @@
 """Compiled CPU kernels, built on first use: int4 and int8 weights times int8 activations,
-int8 blocks and int4 groups times fp32 activations, and a block's residual add + RMSNorm.
+int8 blocks and int4 groups times fp32 activations, a block's residual add + RMSNorm, decode
+attention over the paged KV pool, and RoPE.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
@@ -10,6 +11,11 @@ int8 blocks and int4 groups times fp32 activations, and a block's residual add +
                                    #   x @ W.T, W = d q + m in fp32, neither operand rounded
     y = add_rms_norm(h, x, w, eps, dtype)  # h (T, H) fp32 += x (in place; x None: as it is),
                                    #   y = h / sqrt(mean(h^2) + eps) * w in dtype (fp32, bf16)
+    out = paged_decode_attention(q, k, v, keys, values, slots, positions, tables, totals,
+                                 key_starts, block_size, window, scale)
+                                   # one new token per sequence: k, v stored in the pool,
+                                   #   q (G, Hq, D) attends its sequence's keys -> (G, Hq, D)
+    y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
 
 What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 
@@ -46,6 +52,21 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
   `F.rms_norm` on CPU as about nine ops a call, each a dispatch of a few µs on a row of 576
   floats; a decode step calls it twice a layer.
 
+- decode attention (`paged_decode.cpp`, the paged backend's decode steps): per (sequence,
+  query head), over the keys its table and window make visible, fp32 scores q k * scale in
+  16 lanes and a fixed tree, exp by a polynomial within 2 ulp, the softmax's sum and the
+  weighted values in key order, one rounding to q's dtype; (sequence, head) tasks split
+  between threads whole, so a query's output depends on its own history alone (batch and
+  thread-count invariant). The lanes are GCC vector types, cloned per ISA
+  (`target_clones`): every clone computes the same bits. Why: torch runs a decode step's
+  attention as ~20 ops a layer (the K/V copy, the keys' gather and widening, bmm, mask,
+  softmax, the values' embedding_bag), each a dispatch of a few µs at these sizes.
+- RoPE (`paged_decode.cpp`): the rotate-half rotation of fp32 heads, each product rounded
+  then summed, as torch's eight ops compute it (bit for bit).
+
+`in_use()` says whether the layers take these ops (RMSNorm, RoPE, decode attention):
+the kernels load and `QINFER_CPU_KERNELS` is not "off" (the pure-torch path, kept).
+
 Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
 floating point; integer dot products multiply four int8 pairs per lane per instruction and read
 activations of a byte, so at decode (a few rows) the weight read can bound the time and at
@@ -72,15 +93,16 @@ import hashlib
 import os
 import platform
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-# One library from both sources: one build, one cache directory.
+# One library from all the sources: one build, one cache directory.
 _SOURCE = Path(__file__).with_name("int_dot.cpp")
-_SOURCES = (_SOURCE, Path(__file__).with_name("rms_norm.cpp"))
+_SOURCES = (_SOURCE, *(Path(__file__).with_name(n) for n in ("rms_norm.cpp", "paged_decode.cpp")))
 _NAME = "qinfer_int_dot"
 # -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
 # library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
@@ -95,6 +117,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
 _int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = _add_rms_norm = None
+_paged_decode_attention = _rope = None
 
 
 class Int4Groups(Protocol):
@@ -188,6 +211,28 @@ def available() -> str | None:
     return _bind()
 
 
+#: Set to "off" (or "0"), the layers' own ops (RMSNorm, RoPE, decode attention) run as
+#: torch's where the kernels would: the pure-torch path, to compare or to fall back to.
+#: The linear layers' paths have their own switch (`QINFER_LINEAR_PATH`).
+SWITCH = "QINFER_CPU_KERNELS"
+
+
+@functools.cache
+def in_use() -> bool:
+    """Whether the layers' compiled ops run here: the kernels load (building them the first
+    time) and `SWITCH` does not turn them off. Where they cannot load on an x86-64 CPU, the
+    reason is said once, as a warning."""
+    if os.environ.get(SWITCH, "").strip().lower() in ("off", "0"):
+        return False
+    reason = available()
+    if reason is not None and on_x86():
+        warnings.warn(
+            f"RMSNorm, RoPE and decode attention run as torch's ops (slower): {reason}",
+            stacklevel=3,
+        )
+    return reason is None
+
+
 def buildable() -> bool:
     """Whether `available()` can be expected to load the kernels without building anything
     first being known to fail: x86-64, the source installed, and the library built already
@@ -212,11 +257,14 @@ def _missing_tool() -> str | None:
 
 def _bind() -> None:
     global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm
+    global _paged_decode_attention, _rope
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
     _int4_groups_mm = torch.ops.qinfer.int4_groups_mm.default
     _add_rms_norm = torch.ops.qinfer.add_rms_norm.default
+    _paged_decode_attention = torch.ops.qinfer.paged_decode_attention.default
+    _rope = torch.ops.qinfer.rope.default
 
 
 def _require() -> None:
@@ -332,3 +380,52 @@ def add_rms_norm(
     if _add_rms_norm is None:
         _require()
     return _add_rms_norm(h, x, w, eps, dtype, norm_auto_path() if path == "auto" else path)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    totals: torch.Tensor,
+    key_starts: torch.Tensor | None,
+    block_size: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence: q (G, Hq, D), k and v (G, Hkv, D) fp32 or bf16 -> (G, Hq, D)
+    in q's dtype. Stores k, v into one layer's pool keys, values (Hkv, slots, D) fp32 or bf16
+    at `slots` (G,) (k, v and slots None: stored already), then attends each query at
+    `positions` (G,) to its sequence's keys:
+    those of its table (G, W) of blocks of `block_size` slots, from position key_starts[g]
+    (None: 0) up to totals[g] (G,), within `window` (None: all). `paged_decode.cpp` says
+    the arithmetic (fp32, every sum in key order)."""
+    if _paged_decode_attention is None:
+        _require()
+    return _paged_decode_attention(
+        q,
+        k,
+        v,
+        keys,
+        values,
+        slots,
+        positions,
+        tables,
+        totals,
+        key_starts,
+        block_size,
+        0 if window is None else window,
+        scale,
+    )
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32 (rotate-half, the first R of D
+    dimensions) -> (T, H, D): `RoPE.apply` in fp32 as one op, bit for bit."""
+    if _rope is None:
+        _require()
+    return _rope(x, cos, sin)

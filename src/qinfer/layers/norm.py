@@ -9,9 +9,6 @@ takes about nine; elsewhere, and where the kernels cannot be built, as torch's o
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import torch.nn.functional as F
 
@@ -112,17 +109,7 @@ def _compiled(h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype) -> bool
         return False
     if x is not None and (x.dtype not in _KERNEL_DTYPES or x.shape != h.shape):
         return False
-    return _kernels_here()
-
-
-@functools.cache
-def _kernels_here() -> bool:
-    """Whether the compiled kernels load (building them the first time); where they cannot
-    on an x86-64 CPU, RMSNorm runs as torch's ops and says why, once."""
-    reason = kernels.available()
-    if reason is not None and kernels.on_x86():
-        warnings.warn(f"RMSNorm runs as torch's ops (slower on the CPU): {reason}", stacklevel=4)
-    return reason is None
+    return kernels.in_use()
 
 
 def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from qinfer import kernels
 from qinfer.config import RopeConfig, rope_dims
 from qinfer.rope_scaling import rope_frequencies
 
@@ -79,12 +80,30 @@ class RoPE:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (*P, H, D) rotated by `rotation`'s cos and sin (*P, 1, R/2): the first R
-        dimensions rotate, the other D - R pass through (partial rotary)."""
+        dimensions rotate, the other D - R pass through (partial rotary). A model's flat
+        fp32 heads (T, H, D) on the CPU rotate in one compiled op (`kernels.rope`, the same
+        bits) where torch takes eight."""
+        if _compiled(x, cos):
+            flat = len(x), cos.shape[-1]
+            return kernels.rope(x, cos.reshape(flat).contiguous(), sin.reshape(flat).contiguous())
         rotary = 2 * cos.shape[-1]
         if rotary < x.shape[-1]:  # (*P, H, R) rotated, (*P, H, D - R) as it is
             return torch.cat((RoPE.apply(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
         x1, x2 = x.chunk(2, dim=-1)  # (*P, H, D/2) each
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _compiled(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `RoPE.apply` runs as the compiled op: flat fp32 heads (T, H, D, its last
+    dimension contiguous) on the CPU, one
+    rotation a token ((T, 1, R/2) fp32), no autograd, and the kernels in use here."""
+    if x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
+        return False
+    if x.stride(-1) != 1:
+        return False
+    if cos.dim() != 3 or cos.shape[:2] != (len(x), 1) or cos.dtype != torch.float32:
+        return False
+    return kernels.in_use()
 
 
 class MRoPE(RoPE):

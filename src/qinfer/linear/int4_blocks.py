@@ -64,7 +64,10 @@ class Int4BlockLinear(QuantizedLinear):
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         # the kernel takes fp32 and bf16 activations; fp16 ones are widened for it
         x = flat if flat.dtype in kernels.ACTIVATION_DTYPES else flat.float()
-        return kernels.int4_groups_mm(x, self.packed).to(flat.dtype)
+        y = kernels.int4_groups_mm(x, self.packed)  # fp32
+        return (
+            y if flat.dtype == torch.float32 else y.to(flat.dtype)
+        )  # (a no-op `.to` costs a call)
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As `Linear.logits`: the kernel takes the fp32 input as it is and writes fp32 logits

@@ -113,7 +113,8 @@ class Int8BlockLinear(QuantizedLinear):
         if _kernel_missing() is None:
             # the kernel takes fp32 and bf16 activations; fp16 ones are widened for it
             x = flat if flat.dtype in kernels.ACTIVATION_DTYPES else flat.float()
-            return kernels.int8_blocks_mm(x, self.q, self.scales).to(flat.dtype)
+            y = kernels.int8_blocks_mm(x, self.q, self.scales)  # fp32
+            return y if flat.dtype == torch.float32 else y.to(flat.dtype)
         if self._row_copy is None:  # no compiled kernel here: torch's on a row copy
             self._row_copy = self._rounded_to_rows()
         rows = self._row_copy

@@ -1,0 +1,462 @@
+// Decode attention over the paged KV pool, and RoPE in place: built into the same library as
+// int_dot.cpp (one build, one cache); see qinfer/kernels/__init__.py.
+//
+//   paged_decode_attention(q, k, v, keys, values, slots, positions, tables, totals,
+//                          key_starts, block_size, window, scale) -> out
+//     q (G, Hq, D), k, v (G, Hkv, D): one new token per sequence, fp32 or bf16
+//     keys, values (Hkv, slots, D): one layer's pool, fp32 or bf16 (heads first)
+//     slots (G,): where each token's k, v go (k, v and slots None: stored already);
+//     positions (G,): each token's position
+//     tables (G, W): each sequence's blocks of block_size slots
+//     totals (G,): its history after the step; key_starts (G,) or None: the position of
+//     each table's first block (a sliding-window space), window: the layer's or <= 0
+//     out (G, Hq, D) in q's dtype: softmax(q k^T * scale) v over the visible keys
+//
+//   rope(x, cos, sin) -> out: x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32 in the
+//     rotate-half layout (the first R of D dimensions; the others as they are)
+//
+// What the attention computes, per (sequence, query head), every sum in key order:
+//   store k, v at their slots (rounded to the pool's dtype, round half to even);
+//   q' = q * scale in fp32; keys visible to a query at position p: positions in
+//   [max(key_start, p - window + 1), min(total, p + 1)), read from the table's blocks;
+//   s_j = q' . k_j in 16 lanes (lane l sums elements l, l + 16, ...) then a fixed tree;
+//   m = max s_j; e_j = exp(s_j - m) (`exp_minus`, within 2 ulp); sum = e_0 + e_1 + ... in
+//   key order; w_j = e_j * (1 / sum); out = sum_j w_j * v_j, accumulated in fp32 in key
+//   order, rounded once to q's dtype.
+// A query's output depends only on its own q, its history and D: never on which sequences
+// share the call, on their histories or on the thread count (qinfer's batch invariance):
+// the (sequence, head) tasks are split between threads whole. Every sum is written as lanes
+// of scalar fp32 operations (no contraction: -ffp-contract=off), so the vector clones GCC
+// makes for AVX-512 and AVX2 (`target_clones`) round exactly as the scalar one.
+//
+// Why: torch runs this as ~20 ops a layer (the KV copy and its conversion, the keys'
+// gather, the scaled bmm, the mask, the softmax, the values' embedding_bag), each a dispatch
+// of a few µs at decode sizes, and rounds the weights and the sum to the pool's bf16.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#define QINFER_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// what a clone calls is compiled into it (else it is built once, for the baseline ISA)
+#define QINFER_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kLanes = 16;
+
+QINFER_INLINE float widen(float x) { return x; }
+
+QINFER_INLINE float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// torch's float -> bfloat16 (c10::detail::round_to_nearest_even): NaN to 0x7FC0.
+inline uint16_t round_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
+
+// 16 fp32 lanes as GCC's vector extension: each operation is the scalar one lane by lane,
+// whatever registers a clone keeps them in (one AVX-512, two AVX2, four SSE)
+typedef float F16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+typedef uint16_t B16 __attribute__((vector_size(32)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+
+QINFER_INLINE F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+QINFER_INLINE F16 load16(const uint16_t* p) {
+  B16 b;
+  std::memcpy(&b, p, sizeof b);
+  const U16 u = __builtin_convertvector(b, U16) << 16;
+  F16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// lanes 16 -> 8 -> 4 -> 2 -> 1, lane l plus lane l + width at each width
+QINFER_INLINE float tree(F16 v) {
+  F8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const F8 s8 = lo + hi;
+  F4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof lo4);
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof lo4, sizeof hi4);
+  const F4 s4 = lo4 + hi4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// q . k over D elements: lane l sums q[i] * k[i] for i = l mod 16 (the D % 16 tail into
+// lanes 0.. in order), then `tree`.
+template <typename K>
+QINFER_INLINE float dot(const float* q, const K* k, int64_t D) {
+  F16 lanes = {};
+  const int64_t body = D - D % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) lanes += load16(q + i) * load16(k + i);
+  for (int64_t i = body; i < D; ++i) lanes[i - body] += q[i] * widen(k[i]);
+  return tree(lanes);
+}
+
+// scores[j] = q . keys[j] for the n consecutive key rows of one block
+template <typename K>
+QINFER_INLINE void block_scores(const float* q, const K* keys, int64_t n, int64_t D,
+                                float* scores) {
+  for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, keys + j * D, D);
+}
+
+// acc[i] += w[j] * values[j][i] for the n consecutive value rows of one block, j in order
+// (16 elements of acc at a time, held in registers over the block's rows: the same sums)
+template <typename K>
+QINFER_INLINE void block_sum(const float* w, const K* values, int64_t n, int64_t D,
+                             float* acc) {
+  const int64_t body = D - D % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    F16 a = load16(acc + i);
+    for (int64_t j = 0; j < n; ++j) a += w[j] * load16(values + j * D + i);
+    std::memcpy(acc + i, &a, sizeof a);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t i = body; i < D; ++i) acc[i] += w[j] * widen(values[j * D + i]);
+  }
+}
+
+// e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them), by Cody-Waite
+// reduction and a degree-6 polynomial: within 2 ulp of exp, 0 below -87.3. Written in
+// plain fp32 operations so that every clone computes the same bits.
+QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = std::max(s[j] - m, -87.33654f);
+    const float k = std::nearbyint(x * 1.44269504f);  // round(x / ln 2)
+    const float r = (x - k * 0.693145752f) - k * 1.42860677e-06f;  // x - k ln 2
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    // 2^k, k in [-126, 0], as an fp32 exponent field
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    s[j] = p * scale;
+  }
+}
+
+QINFER_CLONES void block_scores_f32(const float* q, const float* k, int64_t n, int64_t D,
+                                    float* s) {
+  block_scores(q, k, n, D, s);
+}
+QINFER_CLONES void block_scores_bf16(const float* q, const uint16_t* k, int64_t n, int64_t D,
+                                     float* s) {
+  block_scores(q, k, n, D, s);
+}
+QINFER_CLONES void block_sum_f32(const float* w, const float* v, int64_t n, int64_t D,
+                                 float* acc) {
+  block_sum(w, v, n, D, acc);
+}
+QINFER_CLONES void block_sum_bf16(const float* w, const uint16_t* v, int64_t n, int64_t D,
+                                  float* acc) {
+  block_sum(w, v, n, D, acc);
+}
+QINFER_CLONES void exp_minus_clone(float* s, int64_t n, float m) { exp_minus(s, n, m); }
+
+inline void scores_any(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+  block_scores_f32(q, k, n, D, s);
+}
+inline void scores_any(const float* q, const uint16_t* k, int64_t n, int64_t D, float* s) {
+  block_scores_bf16(q, k, n, D, s);
+}
+inline void sum_any(const float* w, const float* v, int64_t n, int64_t D, float* acc) {
+  block_sum_f32(w, v, n, D, acc);
+}
+inline void sum_any(const float* w, const uint16_t* v, int64_t n, int64_t D, float* acc) {
+  block_sum_bf16(w, v, n, D, acc);
+}
+
+// The raw elements of an fp32 or bf16 tensor.
+template <typename T>
+T* raw(const at::Tensor& t);
+template <>
+float* raw<float>(const at::Tensor& t) { return t.data_ptr<float>(); }
+template <>
+uint16_t* raw<uint16_t>(const at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+struct Layer {
+  int64_t G, Hq, Hkv, D, block_size;
+  const int64_t* slots;
+  const int64_t* positions;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* totals;
+  const int64_t* key_starts;  // or null: every table starts at position 0
+  int64_t window;             // <= 0: none
+  float scale;
+};
+
+// k, v (G, Hkv, D) -> the pool's rows at their slots.
+template <typename Q, typename P>
+void store(const Layer& L, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
+           const at::Tensor& values) {
+  const Q* kp = raw<Q>(k);
+  const Q* vp = raw<Q>(v);
+  P* keys_p = raw<P>(keys);
+  P* values_p = raw<P>(values);
+  for (int64_t g = 0; g < L.G; ++g) {
+    for (int64_t h = 0; h < L.Hkv; ++h) {
+      const Q* ks = kp + g * k.stride(0) + h * k.stride(1);
+      const Q* vs = vp + g * v.stride(0) + h * v.stride(1);
+      P* kd = keys_p + h * keys.stride(0) + L.slots[g] * keys.stride(1);
+      P* vd = values_p + h * values.stride(0) + L.slots[g] * values.stride(1);
+      for (int64_t i = 0; i < L.D; ++i) {
+        narrow(widen(ks[i]), kd + i);
+        narrow(widen(vs[i]), vd + i);
+      }
+    }
+  }
+}
+
+// One (sequence, query head)'s attention: the module header's arithmetic.
+template <typename Q, typename P>
+void attend_one(const Layer& L, int64_t g, int64_t h, const Q* q, int64_t q_stride0,
+                int64_t q_stride1, const P* keys, const P* values, int64_t pool_stride0,
+                Q* out, std::vector<float>& scores, std::vector<float>& work) {
+  const int64_t D = L.D, B = L.block_size;
+  const int64_t p = L.positions[g];
+  const int64_t start = L.key_starts ? L.key_starts[g] : 0;
+  const int64_t first = std::max(start, L.window > 0 ? p - L.window + 1 : start);
+  const int64_t end = std::min(L.totals[g], p + 1);
+  float* qs = work.data();
+  float* acc = qs + D;
+  const Q* qh = q + g * q_stride0 + h * q_stride1;
+  for (int64_t i = 0; i < D; ++i) {
+    qs[i] = widen(qh[i]) * L.scale;
+    acc[i] = 0.0f;
+  }
+  const int64_t kv_head = h / (L.Hq / L.Hkv);
+  const P* head_keys = keys + kv_head * pool_stride0;
+  const P* head_values = values + kv_head * pool_stride0;
+  const int64_t* table = L.tables + g * L.table_stride;
+  const int64_t n = std::max<int64_t>(end - first, 0);
+  scores.resize(n);
+  // the visible keys, block by block: keys [first, end) of the table's, from `start`
+  for (int64_t j = 0; j < n;) {
+    const int64_t key = first + j - start, in_block = key % B;
+    const int64_t count = std::min(B - in_block, n - j);
+    scores_any(qs, head_keys + (table[key / B] * B + in_block) * D, count, D, scores.data() + j);
+    j += count;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, scores[j]);
+  exp_minus_clone(scores.data(), n, m);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += scores[j];
+  const float inverse = 1.0f / sum;
+  for (int64_t j = 0; j < n; ++j) scores[j] *= inverse;
+  for (int64_t j = 0; j < n;) {
+    const int64_t key = first + j - start, in_block = key % B;
+    const int64_t count = std::min(B - in_block, n - j);
+    sum_any(scores.data() + j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
+    j += count;
+  }
+  Q* o = out + (g * L.Hq + h) * D;
+  for (int64_t i = 0; i < D; ++i) narrow(acc[i], o + i);
+}
+
+template <typename Q, typename P>
+void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::Tensor* v,
+            const at::Tensor& keys, const at::Tensor& values, at::Tensor& out) {
+  if (k != nullptr) store<Q, P>(L, *k, *v, keys, values);
+  const Q* qp = raw<Q>(q);
+  const P* kp = raw<P>(keys);
+  const P* vp = raw<P>(values);
+  Q* op = raw<Q>(out);
+  at::parallel_for(0, L.G * L.Hq, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, work(2 * L.D);
+    for (int64_t t = t0; t < t1; ++t) {
+      attend_one<Q, P>(L, t / L.Hq, t % L.Hq, qp, q.stride(0), q.stride(1), kp, vp,
+                       keys.stride(0), op, scores, work);
+    }
+  });
+}
+
+void check_heads(const at::Tensor& t, const char* name, int64_t G, int64_t H, int64_t D,
+                 at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == G && t.size(1) == H && t.size(2) == D &&
+                  t.stride(2) == 1 && t.scalar_type() == dtype && t.is_cpu(),
+              "paged_decode_attention: ", name, " must be (", G, ", ", H, ", ", D, ") ", dtype,
+              " with its last dimension contiguous, got ", shape_str(t), " ", t.scalar_type());
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t G) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == G && t.scalar_type() == at::kLong && t.is_contiguous(),
+              "paged_decode_attention: ", name, " must be (", G, ",) int64, got ",
+              shape_str(t), " ", t.scalar_type());
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& k,
+                                  const c10::optional<at::Tensor>& v, const at::Tensor& keys,
+                                  const at::Tensor& values,
+                                  const c10::optional<at::Tensor>& slots,
+                                  const at::Tensor& positions,
+                                  const at::Tensor& tables, const at::Tensor& totals,
+                                  const c10::optional<at::Tensor>& key_starts,
+                                  int64_t block_size, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && float_or_bf16(q) && q.is_cpu() && q.stride(2) == 1,
+              "paged_decode_attention: q must be (G, Hq, D) fp32 or bf16 on the CPU with its "
+              "last dimension contiguous, got ", shape_str(q), " ", q.scalar_type());
+  const int64_t G = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(keys.dim() == 3 && keys.size(2) == D && keys.is_contiguous() && float_or_bf16(keys),
+              "paged_decode_attention: keys must be a contiguous (Hkv, slots, ", D,
+              ") fp32 or bf16 pool, got ", shape_str(keys), " ", keys.scalar_type());
+  const int64_t Hkv = keys.size(0), num_slots = keys.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "paged_decode_attention: ", Hq,
+              " query heads do not share ", Hkv, " KV heads evenly");
+  TORCH_CHECK(values.sizes() == keys.sizes() && values.is_contiguous() &&
+                  values.scalar_type() == keys.scalar_type(),
+              "paged_decode_attention: values must match keys ", shape_str(keys), " ",
+              keys.scalar_type(), ", got ", shape_str(values), " ", values.scalar_type());
+  TORCH_CHECK(block_size > 0 && num_slots % block_size == 0, "paged_decode_attention: ",
+              num_slots, " slots are not whole blocks of ", block_size);
+  const bool stores = k.has_value();
+  TORCH_CHECK(v.has_value() == stores && slots.has_value() == stores,
+              "paged_decode_attention: k, v and slots are given together or not at all");
+  if (stores) {
+    check_heads(*k, "k", G, Hkv, D, q.scalar_type());
+    check_heads(*v, "v", G, Hkv, D, q.scalar_type());
+    check_index(*slots, "slots", G);
+  }
+  check_index(positions, "positions", G);
+  check_index(totals, "totals", G);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == G && tables.size(1) > 0 &&
+                  tables.scalar_type() == at::kLong && tables.stride(1) == 1,
+              "paged_decode_attention: tables must be (", G, ", W) int64 with W > 0, got ",
+              shape_str(tables), " ", tables.scalar_type());
+  if (key_starts.has_value()) check_index(*key_starts, "key_starts", G);
+  const Layer L{G,
+                Hq,
+                Hkv,
+                D,
+                block_size,
+                stores ? slots->data_ptr<int64_t>() : nullptr,
+                positions.data_ptr<int64_t>(),
+                tables.data_ptr<int64_t>(),
+                tables.stride(0),
+                totals.data_ptr<int64_t>(),
+                key_starts.has_value() ? key_starts->data_ptr<int64_t>() : nullptr,
+                window,
+                static_cast<float>(scale)};
+  // Every slot the call writes or reads is in the pool: a wrong table is an error here, not
+  // a read past the pool's end.
+  const int64_t W = tables.size(1), num_blocks = num_slots / block_size;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t start = L.key_starts ? L.key_starts[g] : 0;
+    TORCH_CHECK(!stores || (L.slots[g] >= 0 && L.slots[g] < num_slots),
+                "paged_decode_attention: slot ", stores ? L.slots[g] : 0, " of sequence ", g,
+                " is outside the pool's ", num_slots);
+    TORCH_CHECK(L.positions[g] >= start && L.totals[g] <= start + W * block_size &&
+                    L.positions[g] < L.totals[g],
+                "paged_decode_attention: sequence ", g, " at position ", L.positions[g],
+                " with ", L.totals[g], " keys does not fit its table of ", W,
+                " blocks from position ", start);
+    for (int64_t b = 0; b < W; ++b) {
+      const int64_t block = L.tables[g * L.table_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block ", block,
+                  " in the table of sequence ", g, " is outside the pool's ", num_blocks);
+    }
+  }
+  at::Tensor out = at::empty({G, Hq, D}, q.options());
+  const at::Tensor* kp = stores ? &*k : nullptr;
+  const at::Tensor* vp = stores ? &*v : nullptr;
+  const bool q32 = q.scalar_type() == at::kFloat, p32 = keys.scalar_type() == at::kFloat;
+  if (q32 && p32) attend<float, float>(L, q, kp, vp, keys, values, out);
+  if (q32 && !p32) attend<float, uint16_t>(L, q, kp, vp, keys, values, out);
+  if (!q32 && p32) attend<uint16_t, float>(L, q, kp, vp, keys, values, out);
+  if (!q32 && !p32) attend<uint16_t, uint16_t>(L, q, kp, vp, keys, values, out);
+  return out;
+}
+
+// x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32: per head, for i < R/2,
+// (x1, x2) = (x[i], x[i + R/2]) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded,
+// then the sum (torch's `RoPE.apply` in fp32, bit for bit); x[R:] copied.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.is_cpu(),
+              "rope: x must be (T, H, D) fp32 on the CPU with its last dimension contiguous, "
+              "got ", shape_str(x), " ", x.scalar_type());
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && 2 * cos.size(1) <= D &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
+                  sin.is_contiguous(),
+              "rope: cos and sin must be contiguous (", T, ", R/2) fp32 with R <= ", D,
+              ", got ", shape_str(cos), " ", cos.scalar_type(), " and ", shape_str(sin), " ",
+              sin.scalar_type());
+  const int64_t half = cos.size(1);
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * half;
+    const float* s = sp + t * half;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* a = xp + t * s0 + h * s1;
+      float* o = op + (t * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = a[i], x2 = a[i + half];
+        const float p1 = x1 * c[i], p2 = x2 * s[i], p3 = x2 * c[i], p4 = x1 * s[i];
+        o[i] = p1 - p2;
+        o[i + half] = p3 + p4;
+      }
+      std::memcpy(o + 2 * half, a + 2 * half, (D - 2 * half) * sizeof(float));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
+  lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
+          "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
+          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor",
+          &paged_decode_attention);
+  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+}

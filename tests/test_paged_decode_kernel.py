@@ -1,0 +1,195 @@
+"""qinfer.kernels.paged_decode_attention and kernels.rope, the compiled decode attention and
+RoPE of the CPU path: the attention against softmax(q k^T * scale) v in fp64 over exactly
+the keys a query may see (block tables, sliding windows, tables that start past position
+0), each query the same alone as in any batch and on any thread count, the step's K/V
+stored where their slots say, bad inputs refused in one line; RoPE bit for bit torch's
+`RoPE.apply`; and the engine's greedy tokens the same with the ops as with torch's.
+
+Tolerances: fp32 outputs within 2e-6 of fp64 (the kernel's exp is within 2 ulp, its sums
+fp32); bf16 outputs one bf16 unit (2^-7 relative, plus an absolute 2^-9 for values near 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qinfer import kernels
+from qinfer.layers.rope import RoPE
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def reference(q, keys, values, positions, tables, totals, key_starts, window, scale):
+    """fp64 softmax(q k^T * scale) v of each (sequence, head) over the keys it may see:
+    positions [max(start, p - window + 1), min(total, p + 1)) of its table."""
+    G, Hq, D = q.shape
+    Hkv = keys.shape[0]
+    out = torch.empty(G, Hq, D, dtype=torch.float64)
+    for g in range(G):
+        start = 0 if key_starts is None else int(key_starts[g])
+        p = int(positions[g])
+        first = start if window is None else max(start, p - window + 1)
+        seen = range(first, min(int(totals[g]), p + 1))
+        slots = [int(tables[g, (j - start) // BLOCK]) * BLOCK + (j - start) % BLOCK for j in seen]
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            scores = (q[g, h].double() * scale) @ keys[kv, slots].double().T
+            out[g, h] = torch.softmax(scores, -1) @ values[kv, slots].double()
+    return out
+
+
+def case(q_dtype, pool_dtype, sliding: bool, seed: int = 0, D: int = 64):
+    """Three sequences (5, 37 and 60 keys) over shuffled blocks of a pool, one new token
+    each; sliding: tables starting at blocks 0, 1 and 2 of each history (a window space)."""
+    gen = torch.Generator().manual_seed(seed)
+    G, Hq, Hkv, num_blocks = 3, 6, 2, 40
+    keys = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
+    values = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
+    totals = torch.tensor([5, 37, 60])
+    positions = totals - 1
+    key_starts = torch.tensor([0, 16, 32]) if sliding else None
+    width = 3 if sliding else 4
+    # (G, W) views of a wider buffer, as the step's tables are
+    tables = torch.zeros(G, 8, dtype=torch.long)
+    tables[:, :width] = torch.randperm(num_blocks, generator=gen)[: G * width].view(G, width)
+    tables = tables[:, :width]
+    starts = key_starts if sliding else torch.zeros(G, dtype=torch.long)
+    offsets = positions - starts
+    slots = tables[torch.arange(G), offsets // BLOCK] * BLOCK + offsets % BLOCK
+    q = torch.randn(G, Hq, D, generator=gen).to(q_dtype)
+    k = torch.randn(G, Hkv, D, generator=gen).to(q_dtype)
+    v = torch.randn(G, Hkv, D, generator=gen).to(q_dtype)
+    return dict(
+        q=q, k=k, v=v, keys=keys, values=values, slots=slots, positions=positions,
+        tables=tables, totals=totals, key_starts=key_starts,
+    )  # fmt: skip
+
+
+def run(c: dict, window: int | None, scale: float = 0.125, rows=slice(None)) -> torch.Tensor:
+    """The op on sequences `rows` of case c."""
+    pick = {
+        name: value if name in ("keys", "values") or value is None else value[rows]
+        for name, value in c.items()
+    }
+    return kernels.paged_decode_attention(**pick, block_size=BLOCK, window=window, scale=scale)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+WINDOWS = [(None, False), (7, False), (20, True)]
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize(("window", "sliding"), WINDOWS)
+@pytest.mark.parametrize("D", [64, 40])
+def test_attention_is_softmax_over_the_keys_each_query_sees(
+    q_dtype, pool_dtype, window, sliding, D
+):
+    c = case(q_dtype, pool_dtype, sliding, D=D)
+    out = run(c, window)
+    assert out.dtype == q_dtype and out.shape == c["q"].shape
+    # the new k, v are in the pool at their slots, rounded to its dtype
+    assert torch.equal(c["keys"][:, c["slots"]], c["k"].to(pool_dtype).transpose(0, 1))
+    assert torch.equal(c["values"][:, c["slots"]], c["v"].to(pool_dtype).transpose(0, 1))
+    want = reference(c["q"], c["keys"], c["values"], c["positions"], c["tables"], c["totals"],
+                     c["key_starts"], window, 0.125)  # fmt: skip
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-6)
+    else:
+        torch.testing.assert_close(out.double(), want, rtol=2.0**-7, atol=2.0**-9)
+
+
+@pytest.mark.parametrize(("window", "sliding"), WINDOWS)
+def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(window, sliding):
+    c = case(torch.float32, torch.bfloat16, sliding, seed=1)
+    together = run(c, window)
+    for g in range(3):
+        assert torch.equal(run(c, window, rows=slice(g, g + 1))[0], together[g])
+    assert torch.equal(run(c, window, rows=[2, 0, 1]), together[[2, 0, 1]])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(c, window), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_table_that_leaves_the_pool_is_refused_by_name():
+    c = case(torch.float32, torch.bfloat16, False)
+    c["tables"] = c["tables"].clone()
+    c["tables"][1, 0] = 40  # the pool has blocks 0..39
+    with pytest.raises(RuntimeError, match="block 40 in the table of sequence 1 is outside"):
+        run(c, None)
+    c = case(torch.float32, torch.bfloat16, False)
+    c["slots"] = c["slots"].clone()
+    c["slots"][0] = -1
+    with pytest.raises(RuntimeError, match="slot -1 of sequence 0 is outside the pool"):
+        run(c, None)
+    c = case(torch.float32, torch.bfloat16, False)
+    c["totals"] = c["totals"] + 100
+    with pytest.raises(RuntimeError, match="sequence 0 at position 4 with 105 keys does not fit"):
+        run(c, None)
+
+
+def test_bad_tensors_are_refused_by_name():
+    c = case(torch.float32, torch.bfloat16, False)
+    with pytest.raises(RuntimeError, match="paged_decode_attention: k must be"):
+        run({**c, "k": c["k"].bfloat16()}, None)
+    with pytest.raises(RuntimeError, match="paged_decode_attention: values must match keys"):
+        run({**c, "values": c["values"].float()}, None)
+    with pytest.raises(RuntimeError, match="paged_decode_attention: slots must be"):
+        run({**c, "slots": c["slots"].int()}, None)
+    with pytest.raises(RuntimeError, match="do not share 2 KV heads evenly"):
+        run({**c, "q": c["q"][:, :5]}, None)
+
+
+@pytest.mark.parametrize("rotary", [64, 24])
+def test_rope_is_torchs_rotation_bit_for_bit(rotary):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 9, 64, generator=gen)[:, 1:7]  # heads of a wider projection: strided
+    cos, sin = (torch.randn(5, 1, rotary // 2, generator=gen) for _ in range(2))
+    got = kernels.rope(x, cos[:, 0], sin[:, 0])
+    assert torch.equal(got, RoPE.apply(x, cos, sin))
+    with pytest.raises(RuntimeError, match="rope: x must be"):
+        kernels.rope(x.bfloat16(), cos[:, 0], sin[:, 0])
+
+
+def test_the_layers_take_torchs_ops_when_switched_off(monkeypatch):
+    """`QINFER_CPU_KERNELS=off` (read once, by `kernels.in_use`) gives the pure-torch path:
+    RoPE.apply's own ops, the paged backend's own decode arithmetic."""
+    from qinfer.attention.backend import choose_backend
+    from qinfer.features import Features
+    from qinfer.layers import rope as rope_module
+
+    cpu = torch.device("cpu")
+    assert choose_backend("paged", cpu, Features()).decode_kernel
+    assert not choose_backend("paged", cpu, Features(batch_invariant=True)).decode_kernel
+    monkeypatch.setenv(kernels.SWITCH, "off")
+    kernels.in_use.cache_clear()
+    try:
+        assert not kernels.in_use()
+        assert not choose_backend("paged", cpu, Features()).decode_kernel
+        x, cos = torch.randn(2, 3, 8), torch.randn(2, 1, 4)
+        assert not rope_module._compiled(x, cos)
+    finally:
+        monkeypatch.delenv(kernels.SWITCH)
+        kernels.in_use.cache_clear()
+
+
+def test_k_v_stored_already_give_the_same_output():
+    """k, v and slots None (decode tokens beside prompt chunks, whose step stored every
+    token's K/V before attending): the output of the op that stores them itself."""
+    c = case(torch.float32, torch.bfloat16, True, seed=2)
+    stored = run(c, 20)
+    again = run({**c, "k": None, "v": None, "slots": None}, 20)
+    assert torch.equal(again, stored)
+    with pytest.raises(RuntimeError, match="k, v and slots are given together"):
+        run({**c, "k": None}, 20)

@@ -298,8 +298,8 @@ class PagedAttention:
     (decode groups use this module's own, which reads the values where they sit). Both
     answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
     decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
-    decode_kernel: a step of one new token per sequence (in order) through the compiled op,
-    where the layer's pool is unquantized (`PagedBackend`).
+    decode_kernel: every decode token (a step's, or beside prompt chunks) through the
+    compiled op, where the layer's pool is unquantized (`PagedBackend`).
     """
 
     def __init__(

@@ -103,6 +103,8 @@ import torch
 # One library from all the sources: one build, one cache directory.
 _SOURCE = Path(__file__).with_name("int_dot.cpp")
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n) for n in ("rms_norm.cpp", "paged_decode.cpp")))
+# What the sources include: part of the build's name, and of what an install must hold.
+_HEADERS = (Path(__file__).with_name("common.h"),)
 _NAME = "qinfer_int_dot"
 # -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
 # library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
@@ -149,7 +151,7 @@ class PackedInt4:
 @functools.cache
 def build_directory() -> Path:
     """Where this source is built for this torch (the name changes with either)."""
-    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    sources = b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
     digest = hashlib.sha256(sources + " ".join(_CFLAGS + _LDFLAGS).encode())
     return (
         Path.home()
@@ -172,7 +174,7 @@ def available() -> str | None:
     if not on_x86():
         machine = platform.machine() or "unknown"
         return f"the int4 dot kernels are x86-64 only, this machine is {machine}"
-    missing_source = next((source for source in _SOURCES if not source.is_file()), None)
+    missing_source = next((f for f in _SOURCES + _HEADERS if not f.is_file()), None)
     if missing_source is not None:  # an install that left a .cpp out of the package data
         return f"the kernel source {missing_source} is not installed"
     directory = build_directory()
@@ -237,7 +239,7 @@ def buildable() -> bool:
     """Whether `available()` can be expected to load the kernels without building anything
     first being known to fail: x86-64, the source installed, and the library built already
     or a compiler and ninja at hand. Cheap (no build), for listing the paths a layer has."""
-    if not on_x86() or not all(source.is_file() for source in _SOURCES):
+    if not on_x86() or not all(f.is_file() for f in _SOURCES + _HEADERS):
         return False
     return (build_directory() / f"{_NAME}.so").is_file() or _missing_tool() is None
 

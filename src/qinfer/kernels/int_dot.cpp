@@ -42,7 +42,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
+
+using qinfer_kernels::shape_str;
+using qinfer_kernels::widen_bf16;
 
 constexpr int64_t kBlock = 32;
 
@@ -126,12 +131,6 @@ inline void block_scale(float amax, float* dx, float* id) {
 // out-of-range values to INT_MIN as they do, so scalar and vector quantizers agree.
 inline int32_t round_ss(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // Writes a block's scale into dx8 and s, and the optional natural-order outputs.
 inline void store_block(const Act& a, int64_t r, int64_t b, float dx, int32_t sum, float* dx_out,
@@ -166,7 +165,7 @@ inline float load_scalar(const T* x, int64_t i) {
   if constexpr (std::is_same_v<T, float>) {
     return x[i];
   } else {
-    return bf16_to_float(x[i]);
+    return widen_bf16(x[i]);
   }
 }
 
@@ -1025,12 +1024,6 @@ void matmul(Path path, const W& w, int64_t N, int64_t M, const A& a, float* out)
 // Ops
 // ---------------------------------------------------------------------------------------
 
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + (t.dim() == 1 ? ",)" : ")");
-}
-
 // torch's Python names, which the error messages speak in
 std::string dtype_name(at::ScalarType t) {
   switch (t) {
@@ -1053,16 +1046,16 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, at::Sca
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
               dtype_name(t.scalar_type()));
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
-              " must have shape (", rows, ", ", cols, "), ", layout, ", got ", shape_of(t));
+              " must have shape (", rows, ", ", cols, "), ", layout, ", got ", shape_str(t));
 }
 
 void check_x(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device().str());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be torch.float32 or torch.bfloat16, got ", dtype_name(x.scalar_type()));
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", shape_of(x));
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", shape_str(x));
   TORCH_CHECK(x.size(1) > 0 && x.size(1) % kBlock == 0, op,
-              ": x's K must be a positive multiple of 32, got shape ", shape_of(x));
+              ": x's K must be a positive multiple of 32, got shape ", shape_str(x));
 }
 
 // x (M, K) contiguous fp32 or bf16 into `a` (qx in int4 pair order, or Natural's).
@@ -1081,12 +1074,12 @@ void quantize(const at::Tensor& x, const Act& a, Path path, float* dx_out = null
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
                                                          const at::Tensor& scales_in,
                                                          const at::Tensor& zeros_in) {
-  TORCH_CHECK(q_in.dim() == 2, "pack_int4: q must be 2-D (N, K), got shape ", shape_of(q_in));
+  TORCH_CHECK(q_in.dim() == 2, "pack_int4: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0), K = q_in.size(1);
   TORCH_CHECK(K > 0 && K % kBlock == 0, "pack_int4: q's K must be a positive multiple of 32, got shape ",
-              shape_of(q_in));
+              shape_str(q_in));
   const int64_t nb = K / kBlock;
-  const std::string layout = "(N, K/32) for q's shape " + shape_of(q_in);
+  const std::string layout = "(N, K/32) for q's shape " + shape_str(q_in);
   check_tensor("pack_int4", "q", q_in, at::kByte, N, K, "(N, K)");
   check_tensor("pack_int4", "scales", scales_in, at::kFloat, N, nb, layout);
   check_tensor("pack_int4", "zeros", zeros_in, at::kFloat, N, nb, layout);
@@ -1139,7 +1132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_1(const at::Tensor& x
 int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
                    const at::Tensor& d, const at::Tensor& m) {
   const int64_t K = x.size(1), nb = K / kBlock;
-  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_of(qs));
+  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_str(qs));
   const int64_t N = qs.size(0);
   const std::string k = "x's K = " + std::to_string(K);
   check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
@@ -1170,13 +1163,13 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
                    const std::string& path_name_in) {
   check_x("int8_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_of(q_in));
+  TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
   check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
   TORCH_CHECK(scales_in.scalar_type() == at::kFloat, "int8_mm: scales must be torch.float32, got ",
               dtype_name(scales_in.scalar_type()));
   TORCH_CHECK(scales_in.dim() == 1 && scales_in.size(0) == N, "int8_mm: scales must have shape (",
-              N, ",) for q's N, got ", shape_of(scales_in));
+              N, ",) for q's N, got ", shape_str(scales_in));
   const Path path = resolve_path("int8_mm", path_name_in);
   const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -1200,7 +1193,7 @@ ActF fp32_activations(const at::Tensor& x, at::Tensor& holder) {
   holder = x.contiguous();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(holder.data_ptr<at::BFloat16>());
   widened.resize(static_cast<size_t>(holder.numel()));
-  for (int64_t i = 0; i < holder.numel(); ++i) widened[i] = bf16_to_float(src[i]);
+  for (int64_t i = 0; i < holder.numel(); ++i) widened[i] = widen_bf16(src[i]);
   return ActF{widened.data()};
 }
 
@@ -1208,13 +1201,13 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
                           const std::string& path_name_in) {
   check_x("int8_blocks_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_of(q_in));
+  TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
   const std::string k = "x's K = " + std::to_string(K);
   check_tensor("int8_blocks_mm", "q", q_in, at::kChar, N, K, "(N, K) for " + k);
   TORCH_CHECK(d_in.dim() == 2 && (d_in.size(1) == K / 32 || d_in.size(1) == K / 16),
               "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
-              shape_of(d_in));
+              shape_str(d_in));
   const int64_t B = K / d_in.size(1);
   check_tensor("int8_blocks_mm", "d", d_in, at::kFloat, N, K / B,
                "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");

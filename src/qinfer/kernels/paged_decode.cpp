@@ -1,4 +1,4 @@
-// Decode attention over the paged KV pool, and RoPE in place: built into the same library as
+// Decode attention over the paged KV pool, and RoPE: built into the same library as
 // int_dot.cpp (one build, one cache); see qinfer/kernels/__init__.py.
 //
 //   paged_decode_attention(q, k, v, keys, values, slots, positions, tables, totals,
@@ -45,7 +45,13 @@
 #include <limits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
+
+using qinfer_kernels::round_bf16;
+using qinfer_kernels::shape_str;
+using qinfer_kernels::widen_bf16;
 
 #define QINFER_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 // what a clone calls is compiled into it (else it is built once, for the baseline ISA)
@@ -55,20 +61,7 @@ constexpr int64_t kLanes = 16;
 
 QINFER_INLINE float widen(float x) { return x; }
 
-QINFER_INLINE float widen(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// torch's float -> bfloat16 (c10::detail::round_to_nearest_even): NaN to 0x7FC0.
-inline uint16_t round_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+QINFER_INLINE float widen(uint16_t b) { return widen_bf16(b); }
 
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
@@ -166,36 +159,24 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   }
 }
 
-QINFER_CLONES void block_scores_f32(const float* q, const float* k, int64_t n, int64_t D,
-                                    float* s) {
+// The clones the attention calls, one per key/value type (fp32 or bf16 pools)
+QINFER_CLONES void scores_in_block(const float* q, const float* k, int64_t n, int64_t D,
+                                   float* s) {
   block_scores(q, k, n, D, s);
 }
-QINFER_CLONES void block_scores_bf16(const float* q, const uint16_t* k, int64_t n, int64_t D,
-                                     float* s) {
+QINFER_CLONES void scores_in_block(const float* q, const uint16_t* k, int64_t n, int64_t D,
+                                   float* s) {
   block_scores(q, k, n, D, s);
 }
-QINFER_CLONES void block_sum_f32(const float* w, const float* v, int64_t n, int64_t D,
-                                 float* acc) {
+QINFER_CLONES void sum_in_block(const float* w, const float* v, int64_t n, int64_t D,
+                                float* acc) {
   block_sum(w, v, n, D, acc);
 }
-QINFER_CLONES void block_sum_bf16(const float* w, const uint16_t* v, int64_t n, int64_t D,
-                                  float* acc) {
+QINFER_CLONES void sum_in_block(const float* w, const uint16_t* v, int64_t n, int64_t D,
+                                float* acc) {
   block_sum(w, v, n, D, acc);
 }
 QINFER_CLONES void exp_minus_clone(float* s, int64_t n, float m) { exp_minus(s, n, m); }
-
-inline void scores_any(const float* q, const float* k, int64_t n, int64_t D, float* s) {
-  block_scores_f32(q, k, n, D, s);
-}
-inline void scores_any(const float* q, const uint16_t* k, int64_t n, int64_t D, float* s) {
-  block_scores_bf16(q, k, n, D, s);
-}
-inline void sum_any(const float* w, const float* v, int64_t n, int64_t D, float* acc) {
-  block_sum_f32(w, v, n, D, acc);
-}
-inline void sum_any(const float* w, const uint16_t* v, int64_t n, int64_t D, float* acc) {
-  block_sum_bf16(w, v, n, D, acc);
-}
 
 // The raw elements of an fp32 or bf16 tensor.
 template <typename T>
@@ -205,12 +186,6 @@ float* raw<float>(const at::Tensor& t) { return t.data_ptr<float>(); }
 template <>
 uint16_t* raw<uint16_t>(const at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "(";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + (t.dim() == 1 ? ",)" : ")");
 }
 
 bool float_or_bf16(const at::Tensor& t) {
@@ -278,7 +253,7 @@ void attend_one(const Layer& L, int64_t g, int64_t h, const Q* q, int64_t q_stri
   for (int64_t j = 0; j < n;) {
     const int64_t key = first + j - start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
-    scores_any(qs, head_keys + (table[key / B] * B + in_block) * D, count, D, scores.data() + j);
+    scores_in_block(qs, head_keys + (table[key / B] * B + in_block) * D, count, D, scores.data() + j);
     j += count;
   }
   float m = -std::numeric_limits<float>::infinity();
@@ -291,7 +266,7 @@ void attend_one(const Layer& L, int64_t g, int64_t h, const Q* q, int64_t q_stri
   for (int64_t j = 0; j < n;) {
     const int64_t key = first + j - start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
-    sum_any(scores.data() + j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
+    sum_in_block(scores.data() + j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
     j += count;
   }
   Q* o = out + (g * L.Hq + h) * D;

@@ -31,7 +31,13 @@
 #include <cstring>
 #include <string>
 
+#include "common.h"
+
 namespace {
+
+using qinfer_kernels::round_bf16;
+using qinfer_kernels::shape_str;
+using qinfer_kernels::widen_bf16;
 
 #define QINFER_NORM_AVX512 __attribute__((target("avx512f,fma")))
 #define QINFER_NORM_AVX2 __attribute__((target("avx2,fma")))
@@ -68,21 +74,6 @@ NormPath resolve_norm_path(const std::string& name) {
   }
   TORCH_CHECK(false, "add_rms_norm: path must be auto, scalar, avx2 or avx512, got '", name, "'");
   return NormPath::Scalar;
-}
-
-inline float widen_bf16(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// torch's float -> bfloat16 (c10::detail::round_to_nearest_even): NaN to 0x7FC0.
-inline uint16_t round_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 // One row's operands: x is fp32 (xf), bf16 (xb) or absent (both null); out is fp32 (of) or
@@ -235,12 +226,6 @@ QINFER_NORM_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.ob + i), _mm512_cvtepi32_epi16(b));
   }
   for (int64_t i = body; i < H; ++i) store_at(row, i, r);
-}
-
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "(";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + (t.dim() == 1 ? ",)" : ")");
 }
 
 at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_in,

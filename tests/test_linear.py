@@ -143,19 +143,20 @@ def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype):
-    """int4 groups of 32 in qinfer's layout: each weight d q + m in fp32 (the fp32 scales
-    and zeros, not re-rounded to the activations' dtype) times the activations as they are,
-    fp32 sums only, on every path; each row alike at any row count, bit for bit; the
-    layer's tiles, rows and int8_dot path read the same packed weight."""
-    groups = quantize_int4(weight(200, 256), 32)
+@pytest.mark.parametrize("k", [256, 160, 96])  # 8 blocks; 5 and 3 (the kernel loads 4 at once)
+def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k):
+    """int4 groups of 32 in qinfer's layout: the weight d q + m (the fp32 scales and zeros,
+    not re-rounded to the activations' dtype) times the activations as they are, fp32
+    products and sums only, on every path; each row alike at any row count, bit for bit;
+    the layer's tiles, rows and int8_dot path read the same packed weight."""
+    groups = quantize_int4(weight(200, k), 32)
     w = Int4BlockLinear(groups, None, dtype)
     assert torch.equal(w.d, groups.scales)  # fp32, as given
     exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
         32, 1
     ) + groups.zeros.double().repeat_interleave(32, 1)
     torch.testing.assert_close(w.dequantize().double(), exact, rtol=0, atol=1e-6)
-    x = activations(20, 256, dtype)
+    x = activations(20, k, dtype)
     expected = x.double() @ w.dequantize().double().T
     for path in kernels.paths():
         got = kernels.int4_groups_mm(x, w.packed, path)

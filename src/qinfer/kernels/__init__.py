@@ -8,9 +8,11 @@ attention over the paged KV pool, and RoPE.
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), fp32 scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
-                                   #   x @ W.T, W = d q + m in fp32, neither operand rounded
+                                   #   x @ W.T, W = d q + m, per block d (q . x) + m sum(x)
     y = add_rms_norm(h, x, w, eps, dtype)  # h (T, H) fp32 += x (in place; x None: as it is),
                                    #   y = h / sqrt(mean(h^2) + eps) * w in dtype (fp32, bf16)
+    y = heads_rms_norm(h, w1, w2, first, eps, dtype)  # QK-norm: h (T, R, D) heads, read
+                                   #   only, each normed as above by w1 (first heads) or w2
     out = paged_decode_attention(q, k, v, keys, values, slots, positions, tables, totals,
                                  key_starts, block_size, window, scale)
                                    # one new token per sequence: k, v stored in the pool,
@@ -55,9 +57,9 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 - decode attention (`paged_decode.cpp`, the paged backend's decode steps): per (sequence,
   query head), over the keys its table and window make visible, fp32 scores q k * scale in
   16 lanes and a fixed tree, exp by a polynomial within 2 ulp, the softmax's sum and the
-  weighted values in key order, one rounding to q's dtype; (sequence, head) tasks split
-  between threads whole, so a query's output depends on its own history alone (batch and
-  thread-count invariant). The lanes are GCC vector types, cloned per ISA
+  weighted values in key order, one rounding to q's dtype; the query heads of one KV head
+  read its keys and values together (up to 4 a task), tasks split between threads whole, so
+  a query's output depends on its own history alone (batch and thread-count invariant). The lanes are GCC vector types, cloned per ISA
   (`target_clones`): every clone computes the same bits. Why: torch runs a decode step's
   attention as ~20 ops a layer (the K/V copy, the keys' gather and widening, bmm, mask,
   softmax, the values' embedding_bag), each a dispatch of a few µs at these sizes.
@@ -118,7 +120,7 @@ BLOCK = 32  # input columns per weight / activation block
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # The op, bound once the library is loaded: torch.ops' attribute lookups and the overload
 # resolution cost about 3 µs a call, a tenth of a small decode matmul.
-_int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = _add_rms_norm = None
+_int4_mm = _int8_mm = _int8_blocks_mm = _int4_groups_mm = _add_rms_norm = _heads_rms_norm = None
 _paged_decode_attention = _rope = None
 
 
@@ -258,13 +260,14 @@ def _missing_tool() -> str | None:
 
 
 def _bind() -> None:
-    global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm
+    global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm, _heads_rms_norm
     global _paged_decode_attention, _rope
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
     _int4_groups_mm = torch.ops.qinfer.int4_groups_mm.default
     _add_rms_norm = torch.ops.qinfer.add_rms_norm.default
+    _heads_rms_norm = torch.ops.qinfer.heads_rms_norm.default
     _paged_decode_attention = torch.ops.qinfer.paged_decode_attention.default
     _rope = torch.ops.qinfer.rope.default
 
@@ -352,9 +355,10 @@ def int8_blocks_mm(
 
 
 def int4_groups_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
-    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32: each
-    weight dequantized once in fp32 (d q + m, one rounding) and multiplied by the
-    activations as they are (bf16 widened exactly), in fp32 fused multiply-adds."""
+    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32: per
+    block of 32, d (q . x) + m sum(x) with the nibbles q exact and the activations as they
+    are (bf16 widened exactly), in fp32 fused multiply-adds: x @ W.T of the exact weight W =
+    d q + m to fp32 accuracy (`int_dot.cpp`, above the int4 groups' tiles)."""
     if _int4_groups_mm is None:
         _require()
     return _int4_groups_mm(
@@ -382,6 +386,25 @@ def add_rms_norm(
     if _add_rms_norm is None:
         _require()
     return _add_rms_norm(h, x, w, eps, dtype, norm_auto_path() if path == "auto" else path)
+
+
+def heads_rms_norm(
+    h: torch.Tensor,
+    w_first: torch.Tensor,
+    w_rest: torch.Tensor,
+    first: int,
+    eps: float,
+    dtype: torch.dtype,
+    path: str = "auto",
+) -> torch.Tensor:
+    """QK-norm: h (T, R, D) fp32 heads (last dimension contiguous, any other strides), read
+    only -> (T, R, D) in `dtype`, head r normed as `add_rms_norm`'s row with x None, by
+    w_first (D,) fp32 for r < first and by w_rest (D,) fp32 after."""
+    if _heads_rms_norm is None:
+        _require()
+    return _heads_rms_norm(
+        h, w_first, w_rest, first, eps, dtype, norm_auto_path() if path == "auto" else path
+    )
 
 
 def paged_decode_attention(

@@ -1,7 +1,8 @@
 // int4 and int8 weights x int8 activations on integer dot products, the way llama.cpp
-// multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0; and int8 blocks x fp32
-// activations in fp32. See qinfer/kernels/__init__.py for what they compute; the int8 rows'
-// and int8 blocks' kernels are described above their tiles (Weights8, WeightsF).
+// multiplies Q4_1 weights by Q8_1 activations and Q8_0 by Q8_0; and int8 blocks and int4
+// groups x fp32 activations in fp32. See qinfer/kernels/__init__.py for what they compute;
+// the int8 rows', int8 blocks' and int4 groups' fp32 kernels are described above their tiles
+// (Weights8, WeightsF, ActF4).
 //
 // Layouts (all row-major, contiguous):
 //   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds
@@ -808,27 +809,100 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
 
 // ---------------------------------------------------------------------------------------
 // int4 groups of 32 (`Weights`' layout: GGUF's Q4_0, Q4_1 and Q4_K values, kept exactly)
-// times fp32 activations (bf16 ones widened exactly): each weight is dequantized once, w =
-// fma(float(q), d, m) (one rounding: the fp32 value of d q + m), and multiplied in fp32, so
-// the result is x @ W.T of the fp32 weight up to fp32 summation. The VNNI tile computes a
-// block's 16 possible weights (q = 0..15) in one fused multiply-add and picks each element's
-// by its nibble (vpermps): the same values as converting and scaling every element, with
-// three vector ops per block fewer (a decode row is bound by the ops, not the weights' read:
-// 120 SmolLM2-135M matmuls at one row took 10% less, on an AMD EPYC with AVX512-VNNI).
-// Two chains per output, the block's first 16 elements and its last 16 (one chain's fused
-// multiply-add latency would bound a decode row). Per output (r, n), on every path (lanes
-// L: 16 AVX512, 8 AVX2):
-//   lo, hi (lanes) = 0
-//   for each block b: lo = fma(fma(q, d, m), x, lo) over elements 0..15 of b, L at a time;
-//                     hi the same over elements 16..31
-//   out = horizontal sum of (lo + hi) (a fixed tree of adds)
-// The scalar path keeps one chain, element by element.
+// times fp32 activations (bf16 ones widened exactly). The weight is d q + m per block, so
+//   sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j:
+// the nibbles q (0..15, exact in fp32) multiply x in fp32 fused multiply-adds, each block's
+// sum is scaled by its d, and the m terms come from each block's sum of x (`ActF4::sx`, once
+// per row for every column). Nothing is rounded but fp32 products and sums: the result is x
+// @ W.T of the exact weight to fp32 accuracy (a few ulps of sum |d q x| + |m x|).
+//
+// Why this form: a decode row is bound by the vector ops per weight, not by the read (the
+// previous form, a 16-entry table of d q + m per block picked by nibble, ran at 11-12 GB/s a
+// core). Here a 64-byte load holds 4 blocks as 16 dwords, and slice k (0..7) of all 16 lanes
+// is nibble k of each dword: one shift, one vpermps of the constant 0..15 (it reads only
+// an index's low 4 bits, so no mask) and one fused multiply-add per 16 weights, the d of a
+// lane's block applied once per group of 4 blocks (1.4x fewer ns per block measured on Zen 4).
+// The activations are reordered once per call to match (`ActF4::xp`): slice k, lane i is
+// element 4 (i % 4) + k / 2 + 16 (k % 2) of block 4 g + i / 4.
+//
+// Per output (r, n), on every path (lanes L: 16 AVX512, 8 AVX2 (a group as two halves of 2
+// blocks), 1 scalar (block by block, natural order)):
+//   tot (lanes) = 0
+//   for each group of 4 blocks (the last padded with zero weights and activations):
+//     a0 = q(slice 0) * x(slice 0); a1 = q(slice 1) * x(slice 1)
+//     a0 = fma(q(slice k), x(slice k), a0) for k = 2, 4, 6; a1 the same for k = 3, 5, 7
+//     tot = fma(a0 + a1, d of each lane's block, tot)      (AVX2: per half, low then high)
+//   mt (lanes) = fma(m, sx, mt) over chunks of L blocks (padded with zeros)
+//   out = horizontal sum of (tot + mt) (a fixed tree of adds)
 // ---------------------------------------------------------------------------------------
 
+constexpr int64_t kGroup = 4 * kBlock;  // weights per 64-byte load of a column
+
+struct ActF4 {
+  const float* x;   // (M, K) as given (the scalar path's order)
+  const float* xp;  // (M, ng * kGroup): each group's slices, zeros past K
+  const float* sx;  // (M, nbs): each block's sum of x, zeros past nb
+  int64_t ng, nbs;
+  const float* row_xp(int64_t r) const { return xp + r * ng * kGroup; }
+  const float* row_sx(int64_t r) const { return sx + r * nbs; }
+};
+
+// This thread's reordered activations, grown as needed and kept between calls. 64-byte
+// aligned, as torch's tensors are: a tile's 64-byte loads of them then never straddle two
+// cache lines (from a 16-byte aligned vector, the kernel ran up to 2x slower).
+struct ActF4Storage {
+  std::vector<float> xp_held, sx_held;
+  static float* aligned(std::vector<float>& held, int64_t n) {
+    held.resize(static_cast<size_t>(n + 16));
+    const auto at = (reinterpret_cast<uintptr_t>(held.data()) + 63) & ~uintptr_t{63};
+    return reinterpret_cast<float*>(at);
+  }
+  ActF4 make(const float* x, int64_t M, int64_t K) {
+    const int64_t nb = K / kBlock, ng = (nb + 3) / 4, nbs = (nb + 15) / 16 * 16;
+    float* const xp = aligned(xp_held, M * ng * kGroup);
+    float* const sx = aligned(sx_held, M * nbs);
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * K;
+        float* xpr = xp + r * ng * kGroup;
+        float* sxr = sx + r * nbs;
+        std::fill(xpr + (nb >> 2) * kGroup, xpr + ng * kGroup, 0.0f);  // a last partial group
+        std::fill(sxr + nb, sxr + nbs, 0.0f);
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* xb = xr + b * kBlock;
+          float* group = xpr + (b >> 2) * kGroup + (b & 3) * 4;
+          float s = 0.0f;
+          for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
+          sxr[b] = s;
+          for (int64_t p = 0; p < 16; ++p) {  // the byte holding elements p and p + 16
+            float* lane = group + (p & 3) * 32 + (p >> 2);
+            lane[0] = xb[p];
+            lane[16] = xb[p + 16];
+          }
+        }
+      }
+    });
+    return ActF4{x, xp, sx, ng, nbs};
+  }
+};
+
+// The dwords and block scales of group g of a column, zeros past its nb blocks.
+QINFER_VNNI inline __m512i group_vnni(const uint8_t* qs, int64_t g, int64_t nb) {
+  const int64_t left = nb - 4 * g;
+  if (left >= 4) return _mm512_loadu_si512(qs + g * 64);
+  return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * left)) - 1), qs + g * 64);
+}
+QINFER_VNNI inline __m512 group_scales_vnni(const float* d, int64_t g, int64_t nb) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t left = std::min<int64_t>(4, nb - 4 * g);
+  const __m128 four = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << left) - 1), d + g * 4);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+}
+
 template <int R, int C>
-QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
                            int64_t ldo) {
-  const int64_t nb = w.nb, K = nb * kBlock;
+  const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* qs[C];
   const float* d[C];
@@ -839,57 +913,79 @@ QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF& a, int64_t 
     d[c] = w.d + (n0 + c) * nb;
     m[c] = w.m + (n0 + c) * nb;
   }
-  const float* x[R];
+  const float* xp[R];
+  const float* sx[R];
   #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
-  __m512 lo[C][R], hi[C][R];
+  for (int i = 0; i < R; ++i) {
+    xp[i] = a.row_xp(r0 + i);
+    sx[i] = a.row_sx(r0 + i);
+  }
+  __m512 tot[C][R];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) lo[c][i] = hi[c][i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 xlo[R], xhi[R];
+    for (int i = 0; i < R; ++i) tot[c][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i v[C];
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      xlo[i] = _mm512_loadu_ps(x[i] + b * kBlock);
-      xhi[i] = _mm512_loadu_ps(x[i] + b * kBlock + 16);
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + kPrefetch), _MM_HINT_T0);
+      v[c] = group_vnni(qs[c], g, nb);
+    }
+    __m512 a0[C][R], a1[C][R];
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      __m512 q[C];
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        q[c] = _mm512_permutexvar_ps(k ? _mm512_srli_epi32(v[c], 4 * k) : v[c], levels);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512 xv = _mm512_loadu_ps(xp[i] + g * kGroup + 16 * k);
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          __m512& acc = (k & 1) ? a1[c][i] : a0[c][i];
+          acc = k < 2 ? _mm512_mul_ps(q[c], xv) : _mm512_fmadd_ps(q[c], xv, acc);
+        }
+      }
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + b * 16 + kPrefetch), _MM_HINT_T0);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
-      // the block's 16 possible weights, fma(q, d, m) for q = 0..15, then each element's
-      // by its nibble: vpermps reads only an index's low 4 bits, so no mask is needed
-      const __m512 table =
-          _mm512_fmadd_ps(levels, _mm512_set1_ps(d[c][b]), _mm512_set1_ps(m[c][b]));
-      const __m512 wlo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(packed), table);
-      const __m512 whi =
-          _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(packed, 4)), table);
+      const __m512 dv = group_scales_vnni(d[c], g, nb);
       #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        lo[c][i] = _mm512_fmadd_ps(wlo, xlo[i], lo[c][i]);
-        hi[c][i] = _mm512_fmadd_ps(whi, xhi[i], hi[c][i]);
-      }
+      for (int i = 0; i < R; ++i)
+        tot[c][i] = _mm512_fmadd_ps(_mm512_add_ps(a0[c][i], a1[c][i]), dv, tot[c][i]);
     }
   }
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
+  for (int c = 0; c < C; ++c) {
+    __m512 mt[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) mt[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbs; b += 16) {
+      const __m512 mv = _mm512_maskz_loadu_ps(
+          static_cast<__mmask16>(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1), m[c] + b);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) mt[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(sx[i] + b), mt[i]);
+    }
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
-      out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(_mm512_add_ps(lo[c][i], hi[c][i]));
+      out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(_mm512_add_ps(tot[c][i], mt[i]));
+  }
 }
 
-// Elements 8h..8h+7 of a block from its 16 bytes: low nibbles for h = 0, 1, high for 2, 3.
-QINFER_AVX2 inline __m256 int4_chunk_avx2(__m128i nibbles, int h, __m256 d, __m256 m) {
-  const __m128i bytes = (h & 1) ? _mm_srli_si128(nibbles, 8) : nibbles;
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), d, m);
+// AVX2 masks: the first n of 8 dword lanes.
+QINFER_AVX2 inline __m256i first_lanes_avx2(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), lane);
 }
 
 template <int R, int C>
-QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF& a, int64_t r0, float* out,
+QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
                            int64_t ldo) {
-  const int64_t nb = w.nb, K = nb * kBlock;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const uint8_t* qs[C];
   const float* d[C];
   const float* m[C];
@@ -899,58 +995,84 @@ QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF& a, int64_t 
     d[c] = w.d + (n0 + c) * nb;
     m[c] = w.m + (n0 + c) * nb;
   }
-  const float* x[R];
+  const float* xp[R];
+  const float* sx[R];
   #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
-  __m256 lo[C][R], hi[C][R];
+  for (int i = 0; i < R; ++i) {
+    xp[i] = a.row_xp(r0 + i);
+    sx[i] = a.row_sx(r0 + i);
+  }
+  __m256 tot[C][R];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) lo[c][i] = hi[c][i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < R; ++i) tot[c][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + b * 16 + kPrefetch), _MM_HINT_T0);
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
-      const __m128i nibbles[2] = {_mm_and_si128(packed, low4),
-                                  _mm_and_si128(_mm_srli_epi16(packed, 4), low4)};
-      const __m256 dv = _mm256_set1_ps(d[c][b]), mv = _mm256_set1_ps(m[c][b]);
-      #pragma GCC unroll 4
-      for (int h = 0; h < 4; ++h) {
-        const __m256 wv = int4_chunk_avx2(nibbles[h >> 1], h, dv, mv);
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + kPrefetch), _MM_HINT_T0);
+      #pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // blocks 4g + 2h and 4g + 2h + 1
+        const int64_t left = nb - 4 * g - 2 * h;  // blocks of the column from this half on
+        const int* src = reinterpret_cast<const int*>(qs[c] + g * 64 + h * 32);
+        const __m256i v = left >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                    : _mm256_maskload_epi32(src, first_lanes_avx2(4 * left));
+        const __m128 two = _mm_maskload_ps(d[c] + 4 * g + 2 * h,
+                                           _mm256_castsi256_si128(first_lanes_avx2(left)));
+        const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
+        __m256 a0[R], a1[R];
         #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-          const __m256 xv = _mm256_loadu_ps(x[i] + b * kBlock + 8 * h);
-          if (h < 2) {
-            lo[c][i] = _mm256_fmadd_ps(wv, xv, lo[c][i]);
-          } else {
-            hi[c][i] = _mm256_fmadd_ps(wv, xv, hi[c][i]);
+        for (int k = 0; k < 8; ++k) {
+          const __m256i s = k ? _mm256_srli_epi32(v, 4 * k) : v;
+          const __m256 q = _mm256_cvtepi32_ps(k == 7 ? s : _mm256_and_si256(s, low4));
+          #pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            const __m256 xv = _mm256_loadu_ps(xp[i] + g * kGroup + 16 * k + 8 * h);
+            __m256& acc = (k & 1) ? a1[i] : a0[i];
+            acc = k < 2 ? _mm256_mul_ps(q, xv) : _mm256_fmadd_ps(q, xv, acc);
           }
         }
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i)
+          tot[c][i] = _mm256_fmadd_ps(_mm256_add_ps(a0[i], a1[i]), dv, tot[c][i]);
       }
     }
   }
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
+  for (int c = 0; c < C; ++c) {
+    __m256 mt[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) mt[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbs; b += 8) {
+      const __m256 mv = _mm256_maskload_ps(m[c] + b, first_lanes_avx2(std::max<int64_t>(0, nb - b)));
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) mt[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[i] + b), mt[i]);
+    }
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
-      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(_mm256_add_ps(lo[c][i], hi[c][i]));
+      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(_mm256_add_ps(tot[c][i], mt[i]));
+  }
 }
 
-void dot_scalar(const Weights& w, int64_t n, const ActF& a, int64_t r, float* out, int64_t ldo) {
+void dot_scalar(const Weights& w, int64_t n, const ActF4& a, int64_t r, float* out, int64_t ldo) {
   const int64_t nb = w.nb, K = nb * kBlock;
   const uint8_t* qs = w.qs + n * nb * 16;
   const float* d = w.d + n * nb;
   const float* m = w.m + n * nb;
   const float* x = a.x + r * K;
-  float acc = 0.0f;
+  const float* sx = a.row_sx(r);
+  float tot = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
+    float t = 0.0f;
     for (int j = 0; j < 32; ++j) {
       const int q = j < 16 ? qs[b * 16 + j] & 15 : qs[b * 16 + j - 16] >> 4;
-      acc = std::fma(std::fma(static_cast<float>(q), d[b], m[b]), x[b * kBlock + j], acc);
+      t = std::fma(static_cast<float>(q), x[b * kBlock + j], t);
     }
+    tot = std::fma(t, d[b], tot);
   }
-  out[r * ldo + n] = acc;
+  float mt = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) mt = std::fma(m[b], sx[b], mt);
+  out[r * ldo + n] = tot + mt;
 }
 
 // Rows per tile: one unpacked weight pair serves up to this many rows.
@@ -992,8 +1114,8 @@ void columns(Path path, const W& w, int64_t n0, int64_t n1, const A& a, int64_t 
 }
 
 // W: `Weights` (int4 pairs) or `Weights8` (int8 rows) with A = `Act` (int8 activations), or
-// `WeightsF` (int8 blocks) or `Weights` (int4 groups) with A = `ActF` (fp32 ones); their
-// tiles and dot_scalar overloads.
+// `WeightsF` (int8 blocks) with A = `ActF` (fp32 ones), or `Weights` (int4 groups) with
+// A = `ActF4` (fp32 ones, reordered); their tiles and dot_scalar overloads.
 template <typename W, typename A>
 void matmul(Path path, const W& w, int64_t N, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
@@ -1232,8 +1354,10 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   at::Tensor x32;
+  static thread_local ActF4Storage storage;
+  const ActF4 a = storage.make(fp32_activations(x_in, x32).x, M, K);
   const Weights w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K / kBlock};
-  matmul(path, w, N, M, fp32_activations(x_in, x32), out.data_ptr<float>());
+  matmul(path, w, N, M, a, out.data_ptr<float>());
   return out;
 }
 

@@ -9,9 +9,9 @@ scales and zeros in the activations' dtype, so a bf16 model's weights move (Smol
 fp16 d and m re-rounded to bf16 move a weight by up to 1/256 of its group's scale) and its
 outputs are rounded to bf16. On SmolLM2 Q4_1, an fp32 model with only those scales rounded
 to bf16 leaves the fp32 model's greedy path on 5 of 20 chat prompts (docs/BENCHMARKS.md).
-`kernels.int4_groups_mm` dequantizes each weight once in fp32 (d q + m, one rounding) and
-multiplies by the activations as they are (bf16 widened exactly), fp32 out: nothing is
-rounded but the sums, each row alike at any row count.
+`kernels.int4_groups_mm` computes each block's d (q . x) + m sum(x) from the exact nibbles,
+scales and activations (bf16 widened exactly), fp32 out: nothing is rounded but fp32
+products and sums, each row alike at any row count.
 
 Paths (`qinfer.linear.paths`): the kernel; the tile paths dequantize rows of the nibbles
 into the shared buffer (bf16 tiles round the weight to bf16, the prefill path where bf16
@@ -92,7 +92,7 @@ class Int4BlockLinear(QuantizedLinear):
         return torch.cat([pairs & 15, pairs >> 4], dim=-1)
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """d q + m in fp32 (two roundings, within an ulp of the kernel's one; then rounded
+        """d q + m in fp32 (two roundings, within an ulp of `_exact`'s one; then rounded
         once to bf16), into the shared buffer."""
         rows, k = stop - start, self.in_features
         w = scratch(rows * k, torch.float32, self.device).view(rows, -1, self.group_size)
@@ -108,12 +108,12 @@ class Int4BlockLinear(QuantizedLinear):
         return Int4Groups(q, self.d.clone(), (self.m.double() + 8 * self.d.double()).float())
 
     def _exact(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """(..., K) fp32: d q + m rounded once, the kernel's value of each weight."""
+        """(..., K) fp32: d q + m rounded once, each weight's fp32 value."""
         w = self._q(qs).double() * d.double()[..., None] + m.double()[..., None]
         return w.float().flatten(-2)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """(..., K) fp32, the kernel's values (d q + m rounded once)."""
+        """(..., K) fp32, the weights' fp32 values (d q + m rounded once)."""
         return self._exact(self.qs[ids], self.d[ids], self.m[ids])
 
     def has_rows(self) -> bool:

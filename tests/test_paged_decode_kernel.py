@@ -46,11 +46,12 @@ def reference(q, keys, values, positions, tables, totals, key_starts, window, sc
     return out
 
 
-def case(q_dtype, pool_dtype, sliding: bool, seed: int = 0, D: int = 64):
+def case(q_dtype, pool_dtype, sliding: bool, seed: int = 0, D: int = 64, heads=(6, 2)):
     """Three sequences (5, 37 and 60 keys) over shuffled blocks of a pool, one new token
-    each; sliding: tables starting at blocks 0, 1 and 2 of each history (a window space)."""
+    each; sliding: tables starting at blocks 0, 1 and 2 of each history (a window space);
+    heads: (query heads, KV heads)."""
     gen = torch.Generator().manual_seed(seed)
-    G, Hq, Hkv, num_blocks = 3, 6, 2, 40
+    (Hq, Hkv), G, num_blocks = heads, 3, 40
     keys = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
     values = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
     totals = torch.tensor([5, 37, 60])
@@ -108,9 +109,15 @@ def test_attention_is_softmax_over_the_keys_each_query_sees(
 
 
 @pytest.mark.parametrize(("window", "sliding"), WINDOWS)
-def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(window, sliding):
-    c = case(torch.float32, torch.bfloat16, sliding, seed=1)
+@pytest.mark.parametrize("heads", [(6, 2), (10, 2), (4, 1)])
+def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(window, sliding, heads):
+    """The query heads of a KV head share a task, up to 4 and fewer where tasks would be
+    fewer than twice the threads: each head's output is the same in any grouping."""
+    c = case(torch.float32, torch.bfloat16, sliding, seed=1, heads=heads)
     together = run(c, window)
+    want = reference(c["q"], c["keys"], c["values"], c["positions"], c["tables"], c["totals"],
+                     c["key_starts"], window, 0.125)  # fmt: skip
+    torch.testing.assert_close(together.double(), want, rtol=0, atol=2e-6)
     for g in range(3):
         assert torch.equal(run(c, window, rows=slice(g, g + 1))[0], together[g])
     assert torch.equal(run(c, window, rows=[2, 0, 1]), together[[2, 0, 1]])

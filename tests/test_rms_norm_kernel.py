@@ -138,3 +138,45 @@ def test_a_wrong_shape_or_path_is_refused_in_one_line(built):
         kernels.add_rms_norm(torch.randn(2, 64), None, torch.randn(32), 1e-6, torch.float32)
     with pytest.raises(RuntimeError, match="path must be auto, scalar, avx2 or avx512"):
         kernels.add_rms_norm(torch.randn(2, 64), None, torch.randn(64), 1e-6, torch.float32, "x")
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_heads_op_norms_each_head_as_the_row_op_does(path, out):
+    """QK-norm: the q and k heads inside the fused projection's output (a strided view),
+    read only; each head's bits those of `add_rms_norm` on it as a row, by its norm's
+    weight (q's for the first heads, k's after)."""
+    draws = torch.Generator().manual_seed(3)
+    T, Hq, Hkv, D = 5, 6, 2, 128
+    fused = torch.randn(T, Hq + 2 * Hkv, D, generator=draws) * 3
+    heads = fused[:, : Hq + Hkv]  # (T, Hq + Hkv, D), not contiguous
+    before = fused.clone()
+    wq, wk = torch.randn(D, generator=draws), torch.randn(D, generator=draws)
+    got = kernels.heads_rms_norm(heads, wq, wk, Hq, 1e-6, out, path)
+    assert torch.equal(fused, before) and got.shape == heads.shape and got.dtype == out
+    for r in range(Hq + Hkv):
+        w = wq if r < Hq else wk
+        row = kernels.add_rms_norm(heads[:, r].contiguous(), None, w, 1e-6, out, path)
+        assert torch.equal(got[:, r], row)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_head_norms_run_the_heads_op_within_fp32_rounding_of_torchs(built, offset):
+    """`head_norms` on fp32 heads (Qwen3's, Gemma 3's QK-norm): the op, within fp32
+    rounding of the torch path it replaces (F.rms_norm, then the fp32 scale)."""
+    draws = torch.Generator().manual_seed(4)
+    q_norm = RMSNorm(64, torch.randn(64, generator=draws), 1e-6, offset=offset)
+    k_norm = RMSNorm(64, torch.randn(64, generator=draws), 1e-6, offset=offset)
+    heads = torch.randn(3, 8 + 2 * 4, 64, generator=draws)[:, :12]
+    got = norm_module.head_norms(heads, q_norm, k_norm, 8)
+    weight = torch.cat((q_norm.weight32.expand(8, -1), k_norm.weight32.expand(4, -1)))
+    want = F.rms_norm(heads, (64,), eps=1e-6) * weight
+    torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=1e-6)
+
+
+def test_heads_op_refuses_a_wrong_weight_in_one_line(built):
+    with pytest.raises(RuntimeError, match=r"w_first and w_rest must be \(64,\) fp32"):
+        kernels.heads_rms_norm(torch.randn(1, 4, 64), torch.randn(64), torch.randn(32), 2,
+                               1e-6, torch.float32)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"h must be \(T, R, D\) fp32"):
+        kernels.heads_rms_norm(torch.randn(4, 64), torch.randn(64), torch.randn(64), 2,
+                               1e-6, torch.float32)  # fmt: skip

@@ -15,7 +15,8 @@
 //   rope(x, cos, sin) -> out: x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32 in the
 //     rotate-half layout (the first R of D dimensions; the others as they are)
 //
-// What the attention computes, per (sequence, query head), every sum in key order:
+// What the attention computes, per (sequence, query head), every sum in key order (the
+// query heads of one KV head go through its keys and values together, each alone in its sums):
 //   store k, v at their slots (rounded to the pool's dtype, round half to even);
 //   q' = q * scale in fp32; keys visible to a query at position p: positions in
 //   [max(key_start, p - window + 1), min(total, p + 1)), read from the table's blocks;
@@ -24,10 +25,11 @@
 //   key order; w_j = e_j * (1 / sum); out = sum_j w_j * v_j, accumulated in fp32 in key
 //   order, rounded once to q's dtype.
 // A query's output depends only on its own q, its history and D: never on which sequences
-// share the call, on their histories or on the thread count (qinfer's batch invariance):
-// the (sequence, head) tasks are split between threads whole. Every sum is written as lanes
-// of scalar fp32 operations (no contraction: -ffp-contract=off), so the vector clones GCC
-// makes for AVX-512 and AVX2 (`target_clones`) round exactly as the scalar one.
+// share the call, on their histories, on which query heads share a task or on the thread
+// count (qinfer's batch invariance): the tasks (some query heads of one KV head of one
+// sequence) are split between threads whole. Every sum is written as lanes of scalar fp32
+// operations (no contraction: -ffp-contract=off), so the vector clones GCC makes for
+// AVX-512 and AVX2 (`target_clones`) round exactly as the scalar one.
 //
 // Why: torch runs this as ~20 ops a layer (the KV copy and its conversion, the keys'
 // gather, the scaled bmm, the mask, the softmax, the values' embedding_bag), each a dispatch
@@ -102,37 +104,52 @@ QINFER_INLINE float tree(F16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// q . k over D elements: lane l sums q[i] * k[i] for i = l mod 16 (the D % 16 tail into
-// lanes 0.. in order), then `tree`.
-template <typename K>
-QINFER_INLINE float dot(const float* q, const K* k, int64_t D) {
-  F16 lanes = {};
+// Up to this many query heads of one KV head go through a block together: each key and
+// value row is read (and widened) once for all of them.
+constexpr int kMaxHeads = 4;
+
+// scores[r][j0 + j] = q[r] . keys[j] for the n consecutive key rows of one block and R
+// queries: lane l sums q[i] * k[i] for i = l mod 16 (the D % 16 tail into lanes 0.. in
+// order), then `tree`; each query's sums alone, as if it were the only one.
+template <int R, typename K>
+QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n, int64_t D,
+                                float* const* scores, int64_t j0) {
   const int64_t body = D - D % kLanes;
-  for (int64_t i = 0; i < body; i += kLanes) lanes += load16(q + i) * load16(k + i);
-  for (int64_t i = body; i < D; ++i) lanes[i - body] += q[i] * widen(k[i]);
-  return tree(lanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const K* k = keys + j * D;
+    F16 lanes[R] = {};
+    for (int64_t i = 0; i < body; i += kLanes) {
+      const F16 kv = load16(k + i);
+      for (int r = 0; r < R; ++r) lanes[r] += load16(q[r] + i) * kv;
+    }
+    for (int64_t i = body; i < D; ++i) {
+      const float kw = widen(k[i]);
+      for (int r = 0; r < R; ++r) lanes[r][i - body] += q[r][i] * kw;
+    }
+    for (int r = 0; r < R; ++r) scores[r][j0 + j] = tree(lanes[r]);
+  }
 }
 
-// scores[j] = q . keys[j] for the n consecutive key rows of one block
-template <typename K>
-QINFER_INLINE void block_scores(const float* q, const K* keys, int64_t n, int64_t D,
-                                float* scores) {
-  for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, keys + j * D, D);
-}
-
-// acc[i] += w[j] * values[j][i] for the n consecutive value rows of one block, j in order
-// (16 elements of acc at a time, held in registers over the block's rows: the same sums)
-template <typename K>
-QINFER_INLINE void block_sum(const float* w, const K* values, int64_t n, int64_t D,
-                             float* acc) {
+// acc[r][i] += w[r][j0 + j] * values[j][i] for the n consecutive value rows of one block, j
+// in order (16 elements of each acc at a time, held in registers over the block's rows)
+template <int R, typename K>
+QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values, int64_t n,
+                             int64_t D, float* const* acc) {
   const int64_t body = D - D % kLanes;
   for (int64_t i = 0; i < body; i += kLanes) {
-    F16 a = load16(acc + i);
-    for (int64_t j = 0; j < n; ++j) a += w[j] * load16(values + j * D + i);
-    std::memcpy(acc + i, &a, sizeof a);
+    F16 a[R];
+    for (int r = 0; r < R; ++r) a[r] = load16(acc[r] + i);
+    for (int64_t j = 0; j < n; ++j) {
+      const F16 vv = load16(values + j * D + i);
+      for (int r = 0; r < R; ++r) a[r] += w[r][j0 + j] * vv;
+    }
+    for (int r = 0; r < R; ++r) std::memcpy(acc[r] + i, &a[r], sizeof a[r]);
   }
   for (int64_t j = 0; j < n; ++j) {
-    for (int64_t i = body; i < D; ++i) acc[i] += w[j] * widen(values[j * D + i]);
+    for (int64_t i = body; i < D; ++i) {
+      const float vw = widen(values[j * D + i]);
+      for (int r = 0; r < R; ++r) acc[r][i] += w[r][j0 + j] * vw;
+    }
   }
 }
 
@@ -159,22 +176,43 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   }
 }
 
-// The clones the attention calls, one per key/value type (fp32 or bf16 pools)
-QINFER_CLONES void scores_in_block(const float* q, const float* k, int64_t n, int64_t D,
-                                   float* s) {
-  block_scores(q, k, n, D, s);
+// The clones the attention calls, one per key/value type (fp32 or bf16 pools), for 1 to
+// kMaxHeads query heads.
+template <typename K>
+QINFER_INLINE void scores_for_heads(int heads, const float* const* q, const K* k, int64_t n,
+                                    int64_t D, float* const* s, int64_t j0) {
+  switch (heads) {
+    case 4: block_scores<4>(q, k, n, D, s, j0); break;
+    case 3: block_scores<3>(q, k, n, D, s, j0); break;
+    case 2: block_scores<2>(q, k, n, D, s, j0); break;
+    default: block_scores<1>(q, k, n, D, s, j0); break;
+  }
 }
-QINFER_CLONES void scores_in_block(const float* q, const uint16_t* k, int64_t n, int64_t D,
-                                   float* s) {
-  block_scores(q, k, n, D, s);
+template <typename K>
+QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, const K* v,
+                                 int64_t n, int64_t D, float* const* acc) {
+  switch (heads) {
+    case 4: block_sum<4>(w, j0, v, n, D, acc); break;
+    case 3: block_sum<3>(w, j0, v, n, D, acc); break;
+    case 2: block_sum<2>(w, j0, v, n, D, acc); break;
+    default: block_sum<1>(w, j0, v, n, D, acc); break;
+  }
 }
-QINFER_CLONES void sum_in_block(const float* w, const float* v, int64_t n, int64_t D,
-                                float* acc) {
-  block_sum(w, v, n, D, acc);
+QINFER_CLONES void scores_in_block(int heads, const float* const* q, const float* k, int64_t n,
+                                   int64_t D, float* const* s, int64_t j0) {
+  scores_for_heads(heads, q, k, n, D, s, j0);
 }
-QINFER_CLONES void sum_in_block(const float* w, const uint16_t* v, int64_t n, int64_t D,
-                                float* acc) {
-  block_sum(w, v, n, D, acc);
+QINFER_CLONES void scores_in_block(int heads, const float* const* q, const uint16_t* k,
+                                   int64_t n, int64_t D, float* const* s, int64_t j0) {
+  scores_for_heads(heads, q, k, n, D, s, j0);
+}
+QINFER_CLONES void sum_in_block(int heads, const float* const* w, int64_t j0, const float* v,
+                                int64_t n, int64_t D, float* const* acc) {
+  sum_for_heads(heads, w, j0, v, n, D, acc);
+}
+QINFER_CLONES void sum_in_block(int heads, const float* const* w, int64_t j0, const uint16_t* v,
+                                int64_t n, int64_t D, float* const* acc) {
+  sum_for_heads(heads, w, j0, v, n, D, acc);
 }
 QINFER_CLONES void exp_minus_clone(float* s, int64_t n, float m) { exp_minus(s, n, m); }
 
@@ -226,51 +264,63 @@ void store(const Layer& L, const at::Tensor& k, const at::Tensor& v, const at::T
   }
 }
 
-// One (sequence, query head)'s attention: the module header's arithmetic.
+// Query heads h0 .. h0 + heads - 1 of sequence g, all of one KV head: the module header's
+// arithmetic for each, the keys and values read once for them all.
 template <typename Q, typename P>
-void attend_one(const Layer& L, int64_t g, int64_t h, const Q* q, int64_t q_stride0,
-                int64_t q_stride1, const P* keys, const P* values, int64_t pool_stride0,
-                Q* out, std::vector<float>& scores, std::vector<float>& work) {
+void attend_heads(const Layer& L, int64_t g, int64_t h0, int heads, const Q* q,
+                  int64_t q_stride0, int64_t q_stride1, const P* keys, const P* values,
+                  int64_t pool_stride0, Q* out, std::vector<float>& scores,
+                  std::vector<float>& work) {
   const int64_t D = L.D, B = L.block_size;
   const int64_t p = L.positions[g];
   const int64_t start = L.key_starts ? L.key_starts[g] : 0;
   const int64_t first = std::max(start, L.window > 0 ? p - L.window + 1 : start);
   const int64_t end = std::min(L.totals[g], p + 1);
-  float* qs = work.data();
-  float* acc = qs + D;
-  const Q* qh = q + g * q_stride0 + h * q_stride1;
-  for (int64_t i = 0; i < D; ++i) {
-    qs[i] = widen(qh[i]) * L.scale;
-    acc[i] = 0.0f;
+  const int64_t n = std::max<int64_t>(end - first, 0);
+  scores.resize(heads * n);
+  float* qs[kMaxHeads];
+  float* acc[kMaxHeads];
+  float* s[kMaxHeads];
+  for (int r = 0; r < heads; ++r) {
+    qs[r] = work.data() + 2 * r * D;
+    acc[r] = qs[r] + D;
+    s[r] = scores.data() + r * n;
+    const Q* qh = q + g * q_stride0 + (h0 + r) * q_stride1;
+    for (int64_t i = 0; i < D; ++i) {
+      qs[r][i] = widen(qh[i]) * L.scale;
+      acc[r][i] = 0.0f;
+    }
   }
-  const int64_t kv_head = h / (L.Hq / L.Hkv);
+  const int64_t kv_head = h0 / (L.Hq / L.Hkv);
   const P* head_keys = keys + kv_head * pool_stride0;
   const P* head_values = values + kv_head * pool_stride0;
   const int64_t* table = L.tables + g * L.table_stride;
-  const int64_t n = std::max<int64_t>(end - first, 0);
-  scores.resize(n);
   // the visible keys, block by block: keys [first, end) of the table's, from `start`
   for (int64_t j = 0; j < n;) {
     const int64_t key = first + j - start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
-    scores_in_block(qs, head_keys + (table[key / B] * B + in_block) * D, count, D, scores.data() + j);
+    scores_in_block(heads, qs, head_keys + (table[key / B] * B + in_block) * D, count, D, s, j);
     j += count;
   }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, scores[j]);
-  exp_minus_clone(scores.data(), n, m);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += scores[j];
-  const float inverse = 1.0f / sum;
-  for (int64_t j = 0; j < n; ++j) scores[j] *= inverse;
+  for (int r = 0; r < heads; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, s[r][j]);
+    exp_minus_clone(s[r], n, m);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += s[r][j];
+    const float inverse = 1.0f / sum;
+    for (int64_t j = 0; j < n; ++j) s[r][j] *= inverse;
+  }
   for (int64_t j = 0; j < n;) {
     const int64_t key = first + j - start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
-    sum_in_block(scores.data() + j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
+    sum_in_block(heads, s, j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
     j += count;
   }
-  Q* o = out + (g * L.Hq + h) * D;
-  for (int64_t i = 0; i < D; ++i) narrow(acc[i], o + i);
+  for (int r = 0; r < heads; ++r) {
+    Q* o = out + (g * L.Hq + h0 + r) * D;
+    for (int64_t i = 0; i < D; ++i) narrow(acc[r][i], o + i);
+  }
 }
 
 template <typename Q, typename P>
@@ -281,11 +331,21 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
   const P* kp = raw<P>(keys);
   const P* vp = raw<P>(values);
   Q* op = raw<Q>(out);
-  at::parallel_for(0, L.G * L.Hq, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, work(2 * L.D);
+  // Tasks: up to `per` query heads of one KV head of one sequence. Fewer heads a task where
+  // there would be fewer tasks than twice the threads (Gemma 3 270M: one KV head of 4 query
+  // heads); a query's arithmetic is the same in any grouping.
+  const int64_t rep = L.Hq / L.Hkv;
+  int64_t per = std::min<int64_t>(rep, kMaxHeads);
+  while (per > 1 && L.G * L.Hkv * ((rep + per - 1) / per) < 2 * at::get_num_threads()) --per;
+  const int64_t chunks = (rep + per - 1) / per;
+  at::parallel_for(0, L.G * L.Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, work(2 * kMaxHeads * L.D);
     for (int64_t t = t0; t < t1; ++t) {
-      attend_one<Q, P>(L, t / L.Hq, t % L.Hq, qp, q.stride(0), q.stride(1), kp, vp,
-                       keys.stride(0), op, scores, work);
+      const int64_t g = t / (L.Hkv * chunks), c = t % (L.Hkv * chunks);
+      const int64_t h0 = (c / chunks) * rep + (c % chunks) * per;
+      const int heads = static_cast<int>(std::min(per, (c / chunks + 1) * rep - h0));
+      attend_heads<Q, P>(L, g, h0, heads, qp, q.stride(0), q.stride(1), kp, vp,
+                         keys.stride(0), op, scores, work);
     }
   });
 }

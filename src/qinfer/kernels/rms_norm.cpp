@@ -5,6 +5,12 @@
 //     h (T, H) fp32, updated in place: h += x (x (T, H) fp32 or bf16, or None: h as it is)
 //     out (T, H) in `dtype` (fp32 or bf16) = h * (1 / sqrt(mean(h^2) + eps)) * w, w (H,) fp32
 //
+//   heads_rms_norm(h, w_first, w_rest, first, eps, dtype): QK-norm, h (T, R, D) fp32 heads
+//     with the last dimension contiguous (other strides free: q's and k's heads inside the
+//     fused projection's output), read only; out (T, R, D) contiguous in `dtype`, head r
+//     of a token normed as add_rms_norm's row with x None, by w_first (D,) for r < first
+//     and w_rest (D,) after
+//
 // Per row, on every path, in this order (fp32, no contraction: -ffp-contract=off, fused
 // multiply-adds only where written):
 //   pass 1: v = h + x (exactly as torch adds a widened bf16 x), stored back to h;
@@ -76,8 +82,8 @@ NormPath resolve_norm_path(const std::string& name) {
   return NormPath::Scalar;
 }
 
-// One row's operands: x is fp32 (xf), bf16 (xb) or absent (both null); out is fp32 (of) or
-// bf16 (ob).
+// One row's operands: x is fp32 (xf), bf16 (xb) or absent (both null: h is only read); out
+// is fp32 (of) or bf16 (ob).
 struct Row {
   float* h;
   const float* xf;
@@ -85,6 +91,7 @@ struct Row {
   const float* w;
   float* of;
   uint16_t* ob;
+  bool adds() const { return xf != nullptr || xb != nullptr; }
 };
 
 inline float sum_x_at(const Row& row, int64_t i) {
@@ -109,7 +116,7 @@ inline float add_tail(const Row& row, int64_t from, int64_t H) {
   float tail = 0.0f;
   for (int64_t i = from; i < H; ++i) {
     const float v = sum_x_at(row, i);
-    row.h[i] = v;
+    if (row.adds()) row.h[i] = v;
     tail += v * v;
   }
   return tail;
@@ -124,7 +131,7 @@ void row_scalar(const Row& row, int64_t H, float eps) {
   const int64_t body = H - H % 4;
   for (int64_t i = 0; i < body; ++i) {
     const float v = sum_x_at(row, i);
-    row.h[i] = v;
+    if (row.adds()) row.h[i] = v;
     acc[i % 4] += v * v;
   }
   const float tail = add_tail(row, body, H);
@@ -155,7 +162,7 @@ QINFER_NORM_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
   const int64_t body = H - H % 8;
   for (int64_t i = 0; i < body; i += 8) {
     const __m256 v = load_sum8(row, i);
-    _mm256_storeu_ps(row.h + i, v);
+    if (row.adds()) _mm256_storeu_ps(row.h + i, v);
     acc[(i / 8) % 4] = _mm256_fmadd_ps(v, v, acc[(i / 8) % 4]);
   }
   const float tail = add_tail(row, body, H);
@@ -198,7 +205,7 @@ QINFER_NORM_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
   const int64_t body = H - H % 16;
   for (int64_t i = 0; i < body; i += 16) {
     const __m512 v = load_sum16(row, i);
-    _mm512_storeu_ps(row.h + i, v);
+    if (row.adds()) _mm512_storeu_ps(row.h + i, v);
     acc[(i / 16) % 4] = _mm512_fmadd_ps(v, v, acc[(i / 16) % 4]);
   }
   const float tail = add_tail(row, body, H);
@@ -226,6 +233,14 @@ QINFER_NORM_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.ob + i), _mm512_cvtepi32_epi16(b));
   }
   for (int64_t i = body; i < H; ++i) store_at(row, i, r);
+}
+
+void norm_row(NormPath path, const Row& row, int64_t H, float eps) {
+  switch (path) {
+    case NormPath::Avx512: row_avx512(row, H, eps); break;
+    case NormPath::Avx2: row_avx2(row, H, eps); break;
+    default: row_scalar(row, H, eps);
+  }
 }
 
 at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_in,
@@ -273,11 +288,45 @@ at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_
                     wp,
                     of ? of + r * H : nullptr,
                     ob ? ob + r * H : nullptr};
-      switch (path) {
-        case NormPath::Avx512: row_avx512(row, H, e); break;
-        case NormPath::Avx2: row_avx2(row, H, e); break;
-        default: row_scalar(row, H, e);
-      }
+      norm_row(path, row, H, e);
+    }
+  });
+  return out;
+}
+
+at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
+                          const at::Tensor& w_rest_in, int64_t first, double eps,
+                          at::ScalarType dtype, const std::string& path_name) {
+  TORCH_CHECK(h.dim() == 3 && h.scalar_type() == at::kFloat && h.stride(2) == 1 && h.is_cpu(),
+              "heads_rms_norm: h must be (T, R, D) fp32 on the CPU with its last dimension "
+              "contiguous, got ", shape_str(h), " ", h.scalar_type());
+  const int64_t T = h.size(0), R = h.size(1), D = h.size(2);
+  for (const at::Tensor* w : {&w_first_in, &w_rest_in})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->scalar_type() == at::kFloat,
+                "heads_rms_norm: w_first and w_rest must be (", D, ",) fp32 for h's D, got ",
+                shape_str(*w), " ", w->scalar_type());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "heads_rms_norm: dtype must be float32 or bfloat16, got ", dtype);
+  const NormPath path = resolve_norm_path(path_name);
+  const at::Tensor w_first = w_first_in.contiguous(), w_rest = w_rest_in.contiguous();
+  at::Tensor out = at::empty({T, R, D}, h.options().dtype(dtype));
+  if (T == 0 || R == 0 || D == 0) return out;
+  float* hp = h.data_ptr<float>();
+  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  uint16_t* ob = dtype == at::kBFloat16
+                     ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())
+                     : nullptr;
+  const float* wf = w_first.data_ptr<float>();
+  const float* wr = w_rest.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t s0 = h.stride(0), s1 = h.stride(1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / D);
+  at::parallel_for(0, T * R, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t t = i / R, r = i % R;
+      const Row row{hp + t * s0 + r * s1, nullptr, nullptr, r < first ? wf : wr,
+                    of ? of + i * D : nullptr, ob ? ob + i * D : nullptr};
+      norm_row(path, row, D, e);
     }
   });
   return out;
@@ -289,5 +338,8 @@ TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
   lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
           "str path='auto') -> Tensor",
           &add_rms_norm);
+  lib.def("heads_rms_norm(Tensor h, Tensor w_first, Tensor w_rest, int first, float eps, "
+          "ScalarType dtype, str path='auto') -> Tensor",
+          &heads_rms_norm);
   lib.def("norm_paths() -> str", &norm_paths_here);
 }

@@ -99,13 +99,17 @@ class RMSNorm(Module, TensorSlot):
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _compiled(h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype) -> bool:
+def _compiled(
+    h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype, heads: bool = False
+) -> bool:
     """Whether `RMSNorm.add` runs as the compiled op: a contiguous fp32 residual on the CPU,
     a sublayer output of its shape in fp32 or bf16, an fp32 or bf16 output, no autograd,
-    and the kernels built here. Decided by tensor metadata alone (no host sync)."""
+    and the kernels built here (heads: `head_norms`' (T, H, D) heads, whose last dimension
+    alone need be contiguous). Decided by tensor metadata alone (no host sync)."""
     if h.device.type != "cpu" or h.dtype != torch.float32 or out not in _KERNEL_DTYPES:
         return False
-    if h.requires_grad or not h.is_contiguous() or h.dim() == 0:
+    contiguous = h.dim() == 3 and h.stride(2) == 1 if heads else h.is_contiguous()
+    if h.requires_grad or not contiguous or h.dim() == 0:
         return False
     if x is not None and (x.dtype not in _KERNEL_DTYPES or x.shape != h.shape):
         return False
@@ -115,7 +119,12 @@ def _compiled(h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype) -> bool
 def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -> torch.Tensor:
     """x (T, H, D) heads: the first num_first normed by `first`, the others by `rest` (two
     norms of one layer, same eps and kind: QK-norm over q's heads and k's), in one pass;
-    the same values as each norm on its own heads."""
+    the same values as each norm on its own heads. fp32 heads on the CPU: one compiled op
+    (`kernels.heads_rms_norm`, where torch takes about a dozen), scaled in fp32 as
+    `normalize` scales them, rounded once to the norm's out_dtype."""
+    out = first.out_dtype or x.dtype
+    if x.dtype == torch.float32 and _compiled(x, None, out, heads=True):
+        return kernels.heads_rms_norm(x, first.weight32, rest.weight32, num_first, first.eps, out)
     weight = torch.cat(
         (first.weight.expand(num_first, -1), rest.weight.expand(x.shape[1] - num_first, -1))
     )  # (H, D)

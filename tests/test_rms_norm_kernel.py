@@ -171,10 +171,12 @@ def test_head_norms_run_the_heads_op_within_fp32_rounding_of_torchs(built, offse
     weight = torch.cat((q_norm.weight32.expand(8, -1), k_norm.weight32.expand(4, -1)))
     want = F.rms_norm(heads, (64,), eps=1e-6) * weight
     torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=1e-6)
+    op = kernels.heads_rms_norm(heads, q_norm.weight32, k_norm.weight32, 8, 1e-6, torch.float32)
+    assert torch.equal(got, op)  # the op's bits: it ran
 
 
 def test_heads_op_refuses_a_wrong_weight_in_one_line(built):
-    with pytest.raises(RuntimeError, match=r"w_first and w_rest must be \(64,\) fp32"):
+    with pytest.raises(RuntimeError, match=r"w_first and w_rest must be \(64,\) fp32 CPU"):
         kernels.heads_rms_norm(torch.randn(1, 4, 64), torch.randn(64), torch.randn(32), 2,
                                1e-6, torch.float32)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"h must be \(T, R, D\) fp32"):

@@ -40,8 +40,9 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
   sums: what a per-row int8 copy of those blocks costs (Gemma 3 270M Q4_K_M's default path:
   KL to fp32 0.0068, 0.0005 with the blocks kept) is not paid.
 - int4 groups (`Int4BlockLinear`: Q4_0, Q4_1 and Q4_K values in the layout above, fp32 d and
-  m): y[r, n] = sum over k of fma(q, d, m)[n, k] * x[r, k] in fp32 fused multiply-adds, two
-  chains per output (a block's first and last 16 elements), bf16 activations widened.
+  m): y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :]) + m[n, b] * sum(x[r, b, :]) in fp32
+  fused multiply-adds, the nibbles exact, bf16 activations widened exactly, four blocks of
+  a column per 64-byte load (`int_dot.cpp`, above the int4 groups' fp32 tiles).
 
 - residual add + RMSNorm (`rms_norm.cpp`: a decoder block's pre-norm on the fp32 residual
   stream): per row, h += x (x fp32, or bf16 widened exactly), the squares of h summed in fp32
@@ -59,8 +60,9 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
   16 lanes and a fixed tree, exp by a polynomial within 2 ulp, the softmax's sum and the
   weighted values in key order, one rounding to q's dtype; the query heads of one KV head
   read its keys and values together (up to 4 a task), tasks split between threads whole, so
-  a query's output depends on its own history alone (batch and thread-count invariant). The lanes are GCC vector types, cloned per ISA
-  (`target_clones`): every clone computes the same bits. Why: torch runs a decode step's
+  a query's output depends on its own history alone (batch and thread-count invariant). The
+  lanes are GCC vector types, cloned per ISA (`target_clones`): every clone computes the
+  same bits. Why: torch runs a decode step's
   attention as ~20 ops a layer (the K/V copy, the keys' gather and widening, bmm, mask,
   softmax, the values' embedding_bag), each a dispatch of a few µs at these sizes.
 - RoPE (`paged_decode.cpp`): the rotate-half rotation of fp32 heads, each product rounded

@@ -825,8 +825,8 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
 // The activations are reordered once per call to match (`ActF4::xp`): slice k, lane i is
 // element 4 (i % 4) + k / 2 + 16 (k % 2) of block 4 g + i / 4.
 //
-// Per output (r, n), on every path (lanes L: 16 AVX512, 8 AVX2 (a group as two halves of 2
-// blocks), 1 scalar (block by block, natural order)):
+// Per output (r, n), on the vector paths (lanes L: 16 AVX512, 8 AVX2, which takes a group
+// as two halves of 2 blocks):
 //   tot (lanes) = 0
 //   for each group of 4 blocks (the last padded with zero weights and activations):
 //     a0 = q(slice 0) * x(slice 0); a1 = q(slice 1) * x(slice 1)
@@ -834,6 +834,8 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
 //     tot = fma(a0 + a1, d of each lane's block, tot)      (AVX2: per half, low then high)
 //   mt (lanes) = fma(m, sx, mt) over chunks of L blocks (padded with zeros)
 //   out = horizontal sum of (tot + mt) (a fixed tree of adds)
+// The scalar path, block by block in the natural order: t_b = fma(q_j, x_j, t_b) over j,
+// tot = fma(t_b, d_b, tot); mt = fma(m_b, sx_b, mt) over b; out = tot + mt.
 // ---------------------------------------------------------------------------------------
 
 constexpr int64_t kGroup = 4 * kBlock;  // weights per 64-byte load of a column
@@ -847,33 +849,44 @@ struct ActF4 {
   const float* row_sx(int64_t r) const { return sx + r * nbs; }
 };
 
-// This thread's reordered activations, grown as needed and kept between calls. 64-byte
-// aligned, as torch's tensors are: a tile's 64-byte loads of them then never straddle two
-// cache lines (from a 16-byte aligned vector, the kernel ran up to 2x slower).
+// This thread's reordered activations, kept between calls up to kKeptFloats each (a decode
+// step makes hundreds of calls; an allocation each costs more than a small one's work), a
+// longer prompt's given back after its call. 64-byte aligned, as torch's tensors are: a
+// tile's 64-byte loads of them then never straddle two cache lines (from a 16-byte aligned
+// vector, the kernel ran up to 2x slower).
 struct ActF4Storage {
+  static constexpr int64_t kKeptFloats = int64_t{2} << 20;  // 8 MiB
   std::vector<float> xp_held, sx_held;
   static float* aligned(std::vector<float>& held, int64_t n) {
     held.resize(static_cast<size_t>(n + 16));
     const auto at = (reinterpret_cast<uintptr_t>(held.data()) + 63) & ~uintptr_t{63};
     return reinterpret_cast<float*>(at);
   }
-  ActF4 make(const float* x, int64_t M, int64_t K) {
+  void trim() {
+    for (std::vector<float>* held : {&xp_held, &sx_held})
+      if (static_cast<int64_t>(held->size()) > kKeptFloats) std::vector<float>().swap(*held);
+  }
+  // reorder: false for the scalar path, which reads x as it is (and sx)
+  ActF4 make(const float* x, int64_t M, int64_t K, bool reorder) {
     const int64_t nb = K / kBlock, ng = (nb + 3) / 4, nbs = (nb + 15) / 16 * 16;
-    float* const xp = aligned(xp_held, M * ng * kGroup);
+    float* const xp = reorder ? aligned(xp_held, M * ng * kGroup) : nullptr;
     float* const sx = aligned(sx_held, M * nbs);
     at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const float* xr = x + r * K;
-        float* xpr = xp + r * ng * kGroup;
         float* sxr = sx + r * nbs;
-        std::fill(xpr + (nb >> 2) * kGroup, xpr + ng * kGroup, 0.0f);  // a last partial group
         std::fill(sxr + nb, sxr + nbs, 0.0f);
+        for (int64_t b = 0; b < nb; ++b) {
+          float s = 0.0f;
+          for (int64_t j = 0; j < kBlock; ++j) s += xr[b * kBlock + j];
+          sxr[b] = s;
+        }
+        if (!reorder) continue;
+        float* xpr = xp + r * ng * kGroup;
+        std::fill(xpr + (nb >> 2) * kGroup, xpr + ng * kGroup, 0.0f);  // a last partial group
         for (int64_t b = 0; b < nb; ++b) {
           const float* xb = xr + b * kBlock;
           float* group = xpr + (b >> 2) * kGroup + (b & 3) * 4;
-          float s = 0.0f;
-          for (int64_t j = 0; j < kBlock; ++j) s += xb[j];
-          sxr[b] = s;
           for (int64_t p = 0; p < 16; ++p) {  // the byte holding elements p and p + 16
             float* lane = group + (p & 3) * 32 + (p >> 2);
             lane[0] = xb[p];
@@ -974,7 +987,7 @@ QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF4& a, int64_t
   }
 }
 
-// AVX2 masks: the first n of 8 dword lanes.
+// AVX2 masks: the first n of 8 dword lanes (n <= 0: none).
 QINFER_AVX2 inline __m256i first_lanes_avx2(int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), lane);
@@ -1017,8 +1030,8 @@ QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF4& a, int64_t
         const int* src = reinterpret_cast<const int*>(qs[c] + g * 64 + h * 32);
         const __m256i v = left >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
                                     : _mm256_maskload_epi32(src, first_lanes_avx2(4 * left));
-        const __m128 two = _mm_maskload_ps(d[c] + 4 * g + 2 * h,
-                                           _mm256_castsi256_si128(first_lanes_avx2(left)));
+        const __m128 two = _mm_maskload_ps(
+            d[c] + 4 * g + 2 * h, _mm256_castsi256_si128(first_lanes_avx2(std::min<int64_t>(left, 2))));
         const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
         __m256 a0[R], a1[R];
         #pragma GCC unroll 8
@@ -1044,7 +1057,7 @@ QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF4& a, int64_t
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) mt[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbs; b += 8) {
-      const __m256 mv = _mm256_maskload_ps(m[c] + b, first_lanes_avx2(std::max<int64_t>(0, nb - b)));
+      const __m256 mv = _mm256_maskload_ps(m[c] + b, first_lanes_avx2(nb - b));
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) mt[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[i] + b), mt[i]);
     }
@@ -1355,9 +1368,10 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
   if (M == 0 || N == 0) return out;
   at::Tensor x32;
   static thread_local ActF4Storage storage;
-  const ActF4 a = storage.make(fp32_activations(x_in, x32).x, M, K);
+  const ActF4 a = storage.make(fp32_activations(x_in, x32).x, M, K, path != Path::Scalar);
   const Weights w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K / kBlock};
   matmul(path, w, N, M, a, out.data_ptr<float>());
+  storage.trim();
   return out;
 }
 

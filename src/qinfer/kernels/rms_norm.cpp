@@ -250,9 +250,10 @@ at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_
               "add_rms_norm: h must be a contiguous (T, H) fp32 CPU tensor, got ",
               shape_str(h), " ", h.scalar_type());
   const int64_t T = h.size(0), H = h.size(1);
-  TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == H && w_in.scalar_type() == at::kFloat,
-              "add_rms_norm: w must be (", H, ",) fp32 for h's H, got ", shape_str(w_in), " ",
-              w_in.scalar_type());
+  TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == H && w_in.scalar_type() == at::kFloat &&
+                  w_in.is_cpu(),
+              "add_rms_norm: w must be (", H, ",) fp32 on the CPU for h's H, got ",
+              shape_str(w_in), " ", w_in.scalar_type(), " on ", w_in.device().str());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "add_rms_norm: dtype must be float32 or bfloat16, got ", dtype);
   at::Tensor x;
@@ -302,9 +303,9 @@ at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
               "contiguous, got ", shape_str(h), " ", h.scalar_type());
   const int64_t T = h.size(0), R = h.size(1), D = h.size(2);
   for (const at::Tensor* w : {&w_first_in, &w_rest_in})
-    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->scalar_type() == at::kFloat,
-                "heads_rms_norm: w_first and w_rest must be (", D, ",) fp32 for h's D, got ",
-                shape_str(*w), " ", w->scalar_type());
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == D && w->scalar_type() == at::kFloat && w->is_cpu(),
+                "heads_rms_norm: w_first and w_rest must be (", D, ",) fp32 CPU tensors for h's D, "
+                "got ", shape_str(*w), " ", w->scalar_type(), " on ", w->device().str());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "heads_rms_norm: dtype must be float32 or bfloat16, got ", dtype);
   const NormPath path = resolve_norm_path(path_name);

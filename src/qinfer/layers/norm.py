@@ -102,10 +102,10 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def _compiled(
     h: torch.Tensor, x: torch.Tensor | None, out: torch.dtype, heads: bool = False
 ) -> bool:
-    """Whether `RMSNorm.add` runs as the compiled op: a contiguous fp32 residual on the CPU,
-    a sublayer output of its shape in fp32 or bf16, an fp32 or bf16 output, no autograd,
-    and the kernels built here (heads: `head_norms`' (T, H, D) heads, whose last dimension
-    alone need be contiguous). Decided by tensor metadata alone (no host sync)."""
+    """Whether `RMSNorm.add` (heads: `head_norms`) runs as the compiled op: a contiguous fp32
+    residual on the CPU (heads: (T, H, D) heads whose last dimension alone need be
+    contiguous), a sublayer output of its shape in fp32 or bf16, an fp32 or bf16 output, no
+    autograd, and the kernels built here. Decided by tensor metadata alone (no host sync)."""
     if h.device.type != "cpu" or h.dtype != torch.float32 or out not in _KERNEL_DTYPES:
         return False
     contiguous = h.dim() == 3 and h.stride(2) == 1 if heads else h.is_contiguous()

@@ -1317,19 +1317,12 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   return out;
 }
 
-// x (M, K) as the fp32 kernels read it: fp32 as it is (held in `holder`, contiguous), bf16
-// widened (exactly) into this thread's buffer, valid until its next call.
+// x (M, K) as the fp32 kernels read it, held in `holder`: fp32 as it is (contiguous), bf16
+// widened (exactly) by torch into a tensor of its own (64-byte aligned, as the kernels'
+// 64-byte loads want, and freed with the call).
 ActF fp32_activations(const at::Tensor& x, at::Tensor& holder) {
-  if (x.scalar_type() == at::kFloat) {
-    holder = x.contiguous();
-    return ActF{holder.data_ptr<float>()};
-  }
-  static thread_local std::vector<float> widened;
-  holder = x.contiguous();
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(holder.data_ptr<at::BFloat16>());
-  widened.resize(static_cast<size_t>(holder.numel()));
-  for (int64_t i = 0; i < holder.numel(); ++i) widened[i] = widen_bf16(src[i]);
-  return ActF{widened.data()};
+  holder = x.to(at::kFloat).contiguous();
+  return ActF{holder.data_ptr<float>()};
 }
 
 at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,

@@ -36,6 +36,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "common.h"
 
@@ -235,6 +237,12 @@ QINFER_NORM_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
   for (int64_t i = body; i < H; ++i) store_at(row, i, r);
 }
 
+// An fp32 or bf16 output's elements as a Row writes them: (fp32, null) or (null, bf16).
+std::pair<float*, uint16_t*> out_elements(at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat) return {out.data_ptr<float>(), nullptr};
+  return {nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+}
+
 void norm_row(NormPath path, const Row& row, int64_t H, float eps) {
   switch (path) {
     case NormPath::Avx512: row_avx512(row, H, eps); break;
@@ -273,10 +281,9 @@ at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_
   const uint16_t* xb = x.defined() && x.scalar_type() == at::kBFloat16
                            ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
                            : nullptr;
-  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
-  uint16_t* ob = dtype == at::kBFloat16
-                     ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())
-                     : nullptr;
+  float* of;
+  uint16_t* ob;
+  std::tie(of, ob) = out_elements(out);
   const float* wp = w.data_ptr<float>();
   const float e = static_cast<float>(eps);
   // about 16K elements a task: a decode step's few rows run on the calling thread
@@ -313,10 +320,9 @@ at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
   at::Tensor out = at::empty({T, R, D}, h.options().dtype(dtype));
   if (T == 0 || R == 0 || D == 0) return out;
   float* hp = h.data_ptr<float>();
-  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
-  uint16_t* ob = dtype == at::kBFloat16
-                     ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())
-                     : nullptr;
+  float* of;
+  uint16_t* ob;
+  std::tie(of, ob) = out_elements(out);
   const float* wf = w_first.data_ptr<float>();
   const float* wr = w_rest.data_ptr<float>();
   const float e = static_cast<float>(eps);

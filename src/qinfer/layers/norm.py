@@ -123,7 +123,7 @@ def head_norms(x: torch.Tensor, first: RMSNorm, rest: RMSNorm, num_first: int) -
     (`kernels.heads_rms_norm`, where torch takes about a dozen), scaled in fp32 as
     `normalize` scales them, rounded once to the norm's out_dtype."""
     out = first.out_dtype or x.dtype
-    if x.dtype == torch.float32 and _compiled(x, None, out, heads=True):
+    if _compiled(x, None, out, heads=True):  # fp32 heads on the CPU
         return kernels.heads_rms_norm(x, first.weight32, rest.weight32, num_first, first.eps, out)
     weight = torch.cat(
         (first.weight.expand(num_first, -1), rest.weight.expand(x.shape[1] - num_first, -1))

@@ -18,6 +18,10 @@ from qinfer import kernels
 from qinfer.layers.rope import RoPE
 
 BLOCK = 16
+SHORT = (5, 37, 60)
+# several of the kernel's chunks of 256 keys each: a long sequence's chunks are tasks of
+# their own, combined in order (flash decoding)
+LONG = (5, 300, 777)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,20 +50,23 @@ def reference(q, keys, values, positions, tables, totals, key_starts, window, sc
     return out
 
 
-def case(q_dtype, pool_dtype, sliding: bool, seed: int = 0, D: int = 64, heads=(6, 2)):
-    """Three sequences (5, 37 and 60 keys) over shuffled blocks of a pool, one new token
-    each; sliding: tables starting at blocks 0, 1 and 2 of each history (a window space);
-    heads: (query heads, KV heads)."""
+def case(
+    q_dtype, pool_dtype, sliding: bool, seed: int = 0, D: int = 64, heads=(6, 2), totals=SHORT
+):
+    """Three sequences (`totals` keys: 5, 37 and 60, or LONG ones of several chunks) over
+    shuffled blocks of a pool, one new token each; sliding: tables starting at blocks 0, 1
+    and 2 of each history (a window space); heads: (query heads, KV heads)."""
     gen = torch.Generator().manual_seed(seed)
-    (Hq, Hkv), G, num_blocks = heads, 3, 40
+    (Hq, Hkv), G = heads, 3
+    totals = torch.tensor(totals)
+    width = 3 if sliding else -(-int(totals.max()) // BLOCK)
+    num_blocks = max(40, G * width)
     keys = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
     values = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
-    totals = torch.tensor([5, 37, 60])
     positions = totals - 1
     key_starts = torch.tensor([0, 16, 32]) if sliding else None
-    width = 3 if sliding else 4
     # (G, W) views of a wider buffer, as the step's tables are
-    tables = torch.zeros(G, 8, dtype=torch.long)
+    tables = torch.zeros(G, width + 4, dtype=torch.long)
     tables[:, :width] = torch.randperm(num_blocks, generator=gen)[: G * width].view(G, width)
     tables = tables[:, :width]
     starts = key_starts if sliding else torch.zeros(G, dtype=torch.long)
@@ -84,17 +91,17 @@ def run(c: dict, window: int | None, scale: float = 0.125, rows=slice(None)) -> 
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-WINDOWS = [(None, False), (7, False), (20, True)]
+WINDOWS = [(None, False, SHORT), (7, False, SHORT), (20, True, SHORT)]
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("pool_dtype", DTYPES)
-@pytest.mark.parametrize(("window", "sliding"), WINDOWS)
+@pytest.mark.parametrize(("window", "sliding", "totals"), [*WINDOWS, (None, False, LONG)])
 @pytest.mark.parametrize("D", [64, 40])
 def test_attention_is_softmax_over_the_keys_each_query_sees(
-    q_dtype, pool_dtype, window, sliding, D
+    q_dtype, pool_dtype, window, sliding, totals, D
 ):
-    c = case(q_dtype, pool_dtype, sliding, D=D)
+    c = case(q_dtype, pool_dtype, sliding, D=D, totals=totals)
     out = run(c, window)
     assert out.dtype == q_dtype and out.shape == c["q"].shape
     # the new k, v are in the pool at their slots, rounded to its dtype
@@ -108,12 +115,17 @@ def test_attention_is_softmax_over_the_keys_each_query_sees(
         torch.testing.assert_close(out.double(), want, rtol=2.0**-7, atol=2.0**-9)
 
 
-@pytest.mark.parametrize(("window", "sliding"), WINDOWS)
+@pytest.mark.parametrize(
+    ("window", "sliding", "totals"), [*WINDOWS, (None, False, LONG), (300, False, LONG)]
+)
 @pytest.mark.parametrize("heads", [(6, 2), (10, 2), (4, 1)])
-def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(window, sliding, heads):
+def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(
+    window, sliding, totals, heads
+):
     """The query heads of a KV head share a task, up to 4 and fewer where tasks would be
-    fewer than twice the threads: each head's output is the same in any grouping."""
-    c = case(torch.float32, torch.bfloat16, sliding, seed=1, heads=heads)
+    fewer than twice the threads, and a long sequence's chunks are tasks of their own:
+    each head's output is the same in any grouping, and within fp32 rounding of fp64."""
+    c = case(torch.float32, torch.bfloat16, sliding, seed=1, heads=heads, totals=totals)
     together = run(c, window)
     want = reference(c["q"], c["keys"], c["values"], c["positions"], c["tables"], c["totals"],
                      c["key_starts"], window, 0.125)  # fmt: skip

@@ -19,15 +19,19 @@
 // query heads of one KV head go through its keys and values together, each alone in its sums):
 //   store k, v at their slots (rounded to the pool's dtype, round half to even);
 //   q' = q * scale in fp32; keys visible to a query at position p: positions in
-//   [max(key_start, p - window + 1), min(total, p + 1)), read from the table's blocks;
-//   s_j = q' . k_j in 16 lanes (lane l sums elements l, l + 16, ...) then a fixed tree;
-//   m = max s_j; e_j = exp(s_j - m) (`exp_minus`, within 2 ulp); sum = e_0 + e_1 + ... in
-//   key order; w_j = e_j * (1 / sum); out = sum_j w_j * v_j, accumulated in fp32 in key
-//   order, rounded once to q's dtype.
+//   [max(key_start, p - window + 1), min(total, p + 1)), read from the table's blocks, in
+//   chunks of kChunk keys from the first (flash decoding: a long sequence's chunks are
+//   tasks of their own, on every thread);
+//   per chunk c: s_j = q' . k_j in 16 lanes (lane l sums elements l, l + 16, ...) then a
+//   fixed tree; m_c = max s_j; e_j = exp(s_j - m_c) (`exp_minus`, within 2 ulp);
+//   l_c = e_0 + e_1 + ...; acc_c = sum_j e_j v_j, in fp32;
+//   then in chunk order: M = max m_c, f_c = exp(m_c - M), out = (sum_c f_c acc_c) *
+//   (1 / sum_c f_c l_c), rounded once to q's dtype (one chunk: f = 1, out = acc * (1 / l)).
 // A query's output depends only on its own q, its history and D: never on which sequences
 // share the call, on their histories, on which query heads share a task or on the thread
-// count (qinfer's batch invariance): the tasks (some query heads of one KV head of one
-// sequence) are split between threads whole. Every sum is written as lanes of scalar fp32
+// count (qinfer's batch invariance): the chunks are cut by the sequence's own keys alone,
+// and the tasks (some query heads of one KV head over one chunk) are split between threads
+// whole. Every sum is written as lanes of scalar fp32
 // operations (no contraction: -ffp-contract=off), so the vector clones GCC makes for
 // AVX-512 and AVX2 (`target_clones`) round exactly as the scalar one.
 //
@@ -104,6 +108,19 @@ QINFER_INLINE float tree(F16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+// Asks for the cache lines of [p, p + bytes) to be fetched: into L1 (locality 3) or L2 (2).
+template <typename P>
+QINFER_INLINE void prefetch(const P* p, int64_t bytes, int locality) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t at = 0; at < bytes; at += 64) {
+    if (locality == 3) {
+      __builtin_prefetch(c + at, 0, 3);
+    } else {
+      __builtin_prefetch(c + at, 0, 2);
+    }
+  }
+}
+
 // Up to this many query heads of one KV head go through a block together: each key and
 // value row is read (and widened) once for all of them.
 constexpr int kMaxHeads = 4;
@@ -113,10 +130,15 @@ constexpr int kMaxHeads = 4;
 // order), then `tree`; each query's sums alone, as if it were the only one.
 template <int R, typename K>
 QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n, int64_t D,
-                                float* const* scores, int64_t j0) {
+                                float* const* scores, int64_t j0, const K* next_keys,
+                                const K* next_values) {
   const int64_t body = D - D % kLanes;
   for (int64_t j = 0; j < n; ++j) {
     const K* k = keys + j * D;
+    if (next_keys != nullptr) {
+      prefetch(next_keys + j * D, D * static_cast<int64_t>(sizeof(K)), 3);
+      prefetch(next_values + j * D, D * static_cast<int64_t>(sizeof(K)), 2);
+    }
     F16 lanes[R] = {};
     for (int64_t i = 0; i < body; i += kLanes) {
       const F16 kv = load16(k + i);
@@ -180,12 +202,13 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
 // kMaxHeads query heads.
 template <typename K>
 QINFER_INLINE void scores_for_heads(int heads, const float* const* q, const K* k, int64_t n,
-                                    int64_t D, float* const* s, int64_t j0) {
+                                    int64_t D, float* const* s, int64_t j0, const K* nk,
+                                    const K* nv) {
   switch (heads) {
-    case 4: block_scores<4>(q, k, n, D, s, j0); break;
-    case 3: block_scores<3>(q, k, n, D, s, j0); break;
-    case 2: block_scores<2>(q, k, n, D, s, j0); break;
-    default: block_scores<1>(q, k, n, D, s, j0); break;
+    case 4: block_scores<4>(q, k, n, D, s, j0, nk, nv); break;
+    case 3: block_scores<3>(q, k, n, D, s, j0, nk, nv); break;
+    case 2: block_scores<2>(q, k, n, D, s, j0, nk, nv); break;
+    default: block_scores<1>(q, k, n, D, s, j0, nk, nv); break;
   }
 }
 template <typename K>
@@ -199,12 +222,14 @@ QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, c
   }
 }
 QINFER_CLONES void scores_in_block(int heads, const float* const* q, const float* k, int64_t n,
-                                   int64_t D, float* const* s, int64_t j0) {
-  scores_for_heads(heads, q, k, n, D, s, j0);
+                                   int64_t D, float* const* s, int64_t j0, const float* nk,
+                                   const float* nv) {
+  scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);
 }
 QINFER_CLONES void scores_in_block(int heads, const float* const* q, const uint16_t* k,
-                                   int64_t n, int64_t D, float* const* s, int64_t j0) {
-  scores_for_heads(heads, q, k, n, D, s, j0);
+                                   int64_t n, int64_t D, float* const* s, int64_t j0,
+                                   const uint16_t* nk, const uint16_t* nv) {
+  scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);
 }
 QINFER_CLONES void sum_in_block(int heads, const float* const* w, int64_t j0, const float* v,
                                 int64_t n, int64_t D, float* const* acc) {
@@ -264,63 +289,114 @@ void store(const Layer& L, const at::Tensor& k, const at::Tensor& v, const at::T
   }
 }
 
-// Query heads h0 .. h0 + heads - 1 of sequence g, all of one KV head: the module header's
-// arithmetic for each, the keys and values read once for them all.
-template <typename Q, typename P>
-void attend_heads(const Layer& L, int64_t g, int64_t h0, int heads, const Q* q,
-                  int64_t q_stride0, int64_t q_stride1, const P* keys, const P* values,
-                  int64_t pool_stride0, Q* out, std::vector<float>& scores,
-                  std::vector<float>& work) {
-  const int64_t D = L.D, B = L.block_size;
+// The keys a query at position p of sequence g sees: [first, end) of its table's, whose
+// first block starts at position `start`.
+struct Visible {
+  int64_t start, first, end;
+  int64_t count() const { return std::max<int64_t>(end - first, 0); }
+};
+
+Visible visible(const Layer& L, int64_t g) {
   const int64_t p = L.positions[g];
   const int64_t start = L.key_starts ? L.key_starts[g] : 0;
-  const int64_t first = std::max(start, L.window > 0 ? p - L.window + 1 : start);
-  const int64_t end = std::min(L.totals[g], p + 1);
-  const int64_t n = std::max<int64_t>(end - first, 0);
-  scores.resize(heads * n);
+  return {start, std::max(start, L.window > 0 ? p - L.window + 1 : start),
+          std::min(L.totals[g], p + 1)};
+}
+
+// Keys per chunk of a sequence's visible keys: a task reads at most this many, so that one
+// long sequence is shared between threads. Where the chunks start depends on the sequence
+// alone (every kChunk keys from its first visible one), never on the batch or the threads.
+constexpr int64_t kChunk = 256;
+
+// What one chunk leaves for each of its query heads: its largest score m, l = sum_j
+// exp(s_j - m) and acc = sum_j exp(s_j - m) v_j, in key order (D + 2 floats).
+struct Partials {
+  std::vector<float> data;
+  int64_t chunks, D;
+  float* at(int64_t g, int64_t h, int64_t c, int64_t Hq) {
+    return data.data() + ((g * Hq + h) * chunks + c) * (D + 2);
+  }
+};
+
+// Query heads h0 .. h0 + heads - 1 of sequence g, all of one KV head, over chunk c of its
+// visible keys: each head's scores, their exponentials and sums, the keys and values read
+// once for them all.
+template <typename Q, typename P>
+void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, const Q* q,
+                  int64_t q_stride0, int64_t q_stride1, const P* keys, const P* values,
+                  int64_t pool_stride0, Partials& partials) {
+  const int64_t D = L.D, B = L.block_size;
+  const Visible v = visible(L, g);
+  const int64_t first = v.first + c * kChunk;
+  const int64_t n = std::min(kChunk, v.end - first);
+  float scores[kMaxHeads * kChunk];
   float* qs[kMaxHeads];
   float* acc[kMaxHeads];
   float* s[kMaxHeads];
   for (int r = 0; r < heads; ++r) {
-    qs[r] = work.data() + 2 * r * D;
-    acc[r] = qs[r] + D;
-    s[r] = scores.data() + r * n;
+    float* out = partials.at(g, h0 + r, c, L.Hq);
+    acc[r] = out + 2;
+    qs[r] = acc[r];  // the scaled query, until the value pass overwrites it with sums
+    s[r] = scores + r * kChunk;
     const Q* qh = q + g * q_stride0 + (h0 + r) * q_stride1;
-    for (int64_t i = 0; i < D; ++i) {
-      qs[r][i] = widen(qh[i]) * L.scale;
-      acc[r][i] = 0.0f;
-    }
+    for (int64_t i = 0; i < D; ++i) qs[r][i] = widen(qh[i]) * L.scale;
   }
   const int64_t kv_head = h0 / (L.Hq / L.Hkv);
   const P* head_keys = keys + kv_head * pool_stride0;
   const P* head_values = values + kv_head * pool_stride0;
   const int64_t* table = L.tables + g * L.table_stride;
-  // the visible keys, block by block: keys [first, end) of the table's, from `start`
+  // The chunk's keys, block by block. A table's blocks lie anywhere in the pool, where the
+  // hardware's prefetcher does not follow: while a block's keys are scored, the next
+  // block's keys are fetched into L1 and its values into L2 (read by the value pass), and
+  // that pass fetches the next values into L1.
+  const int64_t last_block = (first + n - 1 - v.start) / B;
+  const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
   for (int64_t j = 0; j < n;) {
-    const int64_t key = first + j - start, in_block = key % B;
+    const int64_t key = first + j - v.start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
-    scores_in_block(heads, qs, head_keys + (table[key / B] * B + in_block) * D, count, D, s, j);
+    const int64_t next = key / B < last_block ? table[key / B + 1] * B * D : -1;
+    scores_in_block(heads, qs, head_keys + (table[key / B] * B + in_block) * D, count, D, s, j,
+                    next < 0 ? nullptr : head_keys + next, next < 0 ? nullptr : head_values + next);
     j += count;
   }
   for (int r = 0; r < heads; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[r][j]);
     exp_minus_clone(s[r], n, m);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += s[r][j];
-    const float inverse = 1.0f / sum;
-    for (int64_t j = 0; j < n; ++j) s[r][j] *= inverse;
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; ++j) l += s[r][j];
+    acc[r][-2] = m;
+    acc[r][-1] = l;
+    std::fill(acc[r], acc[r] + D, 0.0f);
   }
   for (int64_t j = 0; j < n;) {
-    const int64_t key = first + j - start, in_block = key % B;
+    const int64_t key = first + j - v.start, in_block = key % B;
     const int64_t count = std::min(B - in_block, n - j);
+    if (key / B < last_block) prefetch(head_values + table[key / B + 1] * B * D, block_bytes, 3);
     sum_in_block(heads, s, j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
     j += count;
   }
-  for (int r = 0; r < heads; ++r) {
-    Q* o = out + (g * L.Hq + h0 + r) * D;
-    for (int64_t i = 0; i < D; ++i) narrow(acc[r][i], o + i);
+}
+
+// One query head's output from its chunks' partials, in chunk order: with M the largest m,
+// f_c = exp(m_c - M), out = (sum_c f_c acc_c) * (1 / sum_c f_c l_c), rounded once to Q.
+template <typename Q>
+void combine(const float* first_partial, int64_t chunks, int64_t D, float* factors, float* sum,
+             Q* out) {
+  const int64_t stride = D + 2;
+  float M = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) M = std::max(M, first_partial[c * stride]);
+  for (int64_t c = 0; c < chunks; ++c) factors[c] = first_partial[c * stride];
+  exp_minus_clone(factors, chunks, M);
+  float l = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) l += factors[c] * first_partial[c * stride + 1];
+  std::fill(sum, sum + D, 0.0f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* acc = first_partial + c * stride + 2;
+    for (int64_t i = 0; i < D; ++i) sum[i] += factors[c] * acc[i];
   }
+  const float inverse = 1.0f / l;
+  for (int64_t i = 0; i < D; ++i) narrow(sum[i] * inverse, out + i);
 }
 
 template <typename Q, typename P>
@@ -331,21 +407,48 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
   const P* kp = raw<P>(keys);
   const P* vp = raw<P>(values);
   Q* op = raw<Q>(out);
-  // Tasks: up to `per` query heads of one KV head of one sequence. Fewer heads a task where
-  // there would be fewer tasks than twice the threads (Gemma 3 270M: one KV head of 4 query
-  // heads); a query's arithmetic is the same in any grouping.
+  // Tasks: up to `per` query heads of one KV head over one chunk of one sequence's keys.
+  // Fewer heads a task where there would be fewer tasks than twice the threads (Gemma 3
+  // 270M: one KV head of 4 query heads); a query's arithmetic is the same in any grouping.
+  std::vector<int64_t> chunks(L.G);
+  int64_t most = 1, total = 0;
+  for (int64_t g = 0; g < L.G; ++g) {
+    chunks[g] = std::max<int64_t>(1, (visible(L, g).count() + kChunk - 1) / kChunk);
+    most = std::max(most, chunks[g]);
+    total += chunks[g];
+  }
   const int64_t rep = L.Hq / L.Hkv;
   int64_t per = std::min<int64_t>(rep, kMaxHeads);
-  while (per > 1 && L.G * L.Hkv * ((rep + per - 1) / per) < 2 * at::get_num_threads()) --per;
-  const int64_t chunks = (rep + per - 1) / per;
-  at::parallel_for(0, L.G * L.Hkv * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, work(2 * kMaxHeads * L.D);
+  while (per > 1 && total * L.Hkv * ((rep + per - 1) / per) < 2 * at::get_num_threads()) --per;
+  const int64_t groups = L.Hkv * ((rep + per - 1) / per);  // head groups of a sequence
+  struct Task {
+    int64_t g, h0, chunk;
+    int heads;
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(total * groups);
+  for (int64_t g = 0; g < L.G; ++g) {
+    for (int64_t kv = 0; kv < L.Hkv; ++kv) {
+      for (int64_t h0 = kv * rep; h0 < (kv + 1) * rep; h0 += per) {
+        const int heads = static_cast<int>(std::min(per, (kv + 1) * rep - h0));
+        for (int64_t c = 0; c < chunks[g]; ++c) tasks.push_back({g, h0, c, heads});
+      }
+    }
+  }
+  Partials partials{std::vector<float>(L.G * L.Hq * most * (L.D + 2)), most, L.D};
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / (L.Hkv * chunks), c = t % (L.Hkv * chunks);
-      const int64_t h0 = (c / chunks) * rep + (c % chunks) * per;
-      const int heads = static_cast<int>(std::min(per, (c / chunks + 1) * rep - h0));
-      attend_heads<Q, P>(L, g, h0, heads, qp, q.stride(0), q.stride(1), kp, vp,
-                         keys.stride(0), op, scores, work);
+      const Task& task = tasks[t];
+      attend_chunk<Q, P>(L, task.g, task.h0, task.heads, task.chunk, qp, q.stride(0),
+                         q.stride(1), kp, vp, keys.stride(0), partials);
+    }
+  });
+  at::parallel_for(0, L.G * L.Hq, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> factors(most), sum(L.D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t g = r / L.Hq, h = r % L.Hq;
+      combine(partials.at(g, h, 0, L.Hq), chunks[g], L.D, factors.data(), sum.data(),
+              op + r * L.D);
     }
   });
 }

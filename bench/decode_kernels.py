@@ -4,12 +4,15 @@ attention (`kernels.paged_decode_attention`) on its heads.
 
     python bench/decode_kernels.py                        # Qwen3-0.6B's shapes, 1 and 2 threads
     python bench/decode_kernels.py --model smollm2 --rows 1 512 --threads 2
+    python bench/decode_kernels.py --kernels attention --keys 2048 --threads 2
 
 int4: random int4 groups of 32 packed as the layers hold them; several copies of each weight
 are cycled through so that every call reads its weight from memory, as a decode step's layers
 do. A figure is the median over rounds of a call's mean time, times the model's layers (a
 step's worth of that shape). Attention: one new token per sequence over `--keys` keys of a
-bf16 pool (the GGUF default's KV dtype), block size 16, best of 20 rounds of 50 calls.
+bf16 pool (the GGUF default's KV dtype), block size 16, tables of shuffled blocks, one pool
+per layer: the best of 10 rounds over one layer's pool (in cache) and over every layer's in
+turn (from memory, as a decode step reads them).
 """
 
 from __future__ import annotations
@@ -58,12 +61,18 @@ def time_int4(layers: int, shapes: list[tuple[int, int]], rows: int, rounds: int
     print(f"  int4, {layers} layers of these: {step * 1e3:.2f} ms")
 
 
-def time_attention(heads: tuple[int, int, int], keys: int, sequences: int) -> None:
+def time_attention(layers: int, heads: tuple[int, int, int], keys: int, sequences: int) -> None:
     Hq, Hkv, D = heads
     blocks = -(-keys // BLOCK)
-    pool_keys = torch.randn(Hkv, sequences * blocks * BLOCK, D).bfloat16()
-    pool_values = torch.randn_like(pool_keys)
-    tables = torch.arange(sequences * blocks).view(sequences, blocks)
+    gen = torch.Generator().manual_seed(0)
+
+    def pool() -> torch.Tensor:
+        return torch.randn(Hkv, sequences * blocks * BLOCK, D, generator=gen).bfloat16()
+
+    # one (keys, values) pool per layer; the tables' blocks shuffled, as an engine's are
+    # after sequences come and go
+    pools = [(pool(), pool()) for _ in range(layers)]
+    tables = torch.randperm(sequences * blocks, generator=gen).view(sequences, blocks)
     totals = torch.full((sequences,), keys)
     positions = totals - 1
     slots = tables[:, (keys - 1) // BLOCK] * BLOCK + (keys - 1) % BLOCK
@@ -73,21 +82,28 @@ def time_attention(heads: tuple[int, int, int], keys: int, sequences: int) -> No
         torch.randn(sequences, Hkv, D),
     )
 
-    def call() -> None:
+    def call(layer: int) -> None:
+        keys_pool, values_pool = pools[layer]
         kernels.paged_decode_attention(
-            q, k, v, pool_keys, pool_values, slots, positions, tables, totals, None, BLOCK,
+            q, k, v, keys_pool, values_pool, slots, positions, tables, totals, None, BLOCK,
             None, D**-0.5,
         )  # fmt: skip
 
-    for _ in range(20):
-        call()
-    best = float("inf")
-    for _ in range(20):
-        start = time.perf_counter()
-        for _ in range(50):
-            call()
-        best = min(best, (time.perf_counter() - start) / 50)
-    print(f"  attention {Hq}/{Hkv} heads of {D}, {sequences} x {keys} keys: {best * 1e6:.1f} us")
+    # in cache: one layer's pool over and over; from memory: every layer's in turn, as a
+    # decode step reads them (between two reads of a layer's, the whole step's weights)
+    for name, order in (("in cache", [0] * layers), ("from memory", list(range(layers)))):
+        for layer in order * 2:
+            call(layer)
+        best = float("inf")
+        for _ in range(10):
+            start = time.perf_counter()
+            for layer in order * 2:
+                call(layer)
+            best = min(best, (time.perf_counter() - start) / (2 * layers))
+        print(
+            f"  attention {Hq}/{Hkv} heads of {D}, {sequences} x {keys} keys, {name}: "
+            f"{best * 1e6:.1f} us, {layers} layers {best * layers * 1e3:.2f} ms"
+        )
 
 
 def main() -> None:
@@ -97,6 +113,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--keys", type=int, default=540)
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--kernels", nargs="+", choices=["int4", "attention"], default=["int4", "attention"]
+    )
     args = parser.parse_args()
     reason = kernels.available()
     if reason is not None:
@@ -106,10 +125,10 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"{args.model}, {threads} thread(s):")
-        for rows in args.rows:
+        for rows in args.rows if "int4" in args.kernels else []:
             time_int4(layers, shapes, rows)
-        for sequences in args.sequences:
-            time_attention(heads, args.keys, sequences)
+        for sequences in args.sequences if "attention" in args.kernels else []:
+            time_attention(layers, heads, args.keys, sequences)
 
 
 if __name__ == "__main__":

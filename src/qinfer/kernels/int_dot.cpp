@@ -855,6 +855,14 @@ void dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* o
 // ---------------------------------------------------------------------------------------
 
 constexpr int64_t kGroup = 4 * kBlock;  // weights per 64-byte load of a column
+// The int4 groups' one-row tiles prefetch their nibbles further ahead than kPrefetch: at 512
+// bytes a decode row's arithmetic and its reads barely overlapped. Qwen3-0.6B's shapes, one
+// row, weights from memory, alternated runs: one thread 27-30 -> 22-24 ms, two 18-21 -> 15-19
+// at 2,048 bytes (4,096 no better). Tiles of several rows spend that much longer on each
+// byte and keep kPrefetch, as do the int8 blocks' tiles (bound by their reads, and not
+// faster at 2,048).
+template <int R>
+constexpr int64_t kGroupsAhead = R == 1 ? 2048 : kPrefetch;
 
 struct ActF4 {
   const float* x;   // (M, K) as given (the scalar path's order)
@@ -932,6 +940,7 @@ template <int R, int C>
 QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
                            int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
+  constexpr int64_t ahead = kGroupsAhead<R>;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const uint8_t* qs[C];
   const float* d[C];
@@ -960,7 +969,7 @@ QINFER_VNNI void tile_vnni(const Weights& w, int64_t n0, const ActF4& a, int64_t
     __m512i v[C];
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + ahead), _MM_HINT_T0);
       v[c] = group_vnni(qs[c], g, nb);
     }
     __m512 a0[C][R], a1[C][R];
@@ -1015,6 +1024,7 @@ template <int R, int C>
 QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
                            int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
+  constexpr int64_t ahead = kGroupsAhead<R>;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const uint8_t* qs[C];
@@ -1043,7 +1053,7 @@ QINFER_AVX2 void tile_avx2(const Weights& w, int64_t n0, const ActF4& a, int64_t
   for (int64_t g = 0; g < ng; ++g) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + g * 64 + ahead), _MM_HINT_T0);
       #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // blocks 4g + 2h and 4g + 2h + 1
         const int64_t left = nb - 4 * g - 2 * h;  // blocks of the column from this half on

@@ -152,21 +152,38 @@ QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n,
   }
 }
 
+// acc[r][i + e] += w[r][j0 + j] * values[j][i + e] for the U * 16 elements e from i, j in
+// order, the sums held in registers over the block's rows.
+template <int R, int U, typename K>
+QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values, int64_t n,
+                              int64_t D, float* const* acc, int64_t i) {
+  F16 a[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) a[r][u] = load16(acc[r] + i + u * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    for (int u = 0; u < U; ++u) {
+      const F16 vv = load16(values + j * D + i + u * kLanes);
+      for (int r = 0; r < R; ++r) a[r][u] += w[r][j0 + j] * vv;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) std::memcpy(acc[r] + i + u * kLanes, &a[r][u], sizeof a[r][u]);
+}
+
 // acc[r][i] += w[r][j0 + j] * values[j][i] for the n consecutive value rows of one block, j
 // in order (16 elements of each acc at a time, held in registers over the block's rows)
 template <int R, typename K>
 QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values, int64_t n,
                              int64_t D, float* const* acc) {
   const int64_t body = D - D % kLanes;
-  for (int64_t i = 0; i < body; i += kLanes) {
-    F16 a[R];
-    for (int r = 0; r < R; ++r) a[r] = load16(acc[r] + i);
-    for (int64_t j = 0; j < n; ++j) {
-      const F16 vv = load16(values + j * D + i);
-      for (int r = 0; r < R; ++r) a[r] += w[r][j0 + j] * vv;
-    }
-    for (int r = 0; r < R; ++r) std::memcpy(acc[r] + i, &a[r], sizeof a[r]);
-  }
+  // U chunks of 16 elements at once: each element's sum is a chain of dependent adds over
+  // the keys, and R * U >= 4 chains keep the adder busy where R alone (one or two heads)
+  // left it waiting on the previous add (Qwen3-0.6B, 2 heads of 128: ~4 cycles a key and
+  // chunk). Each element is still summed alone in key order: the same bits for any U.
+  constexpr int U = (4 + R - 1) / R;
+  int64_t i = 0;
+  for (; i + U * kLanes <= body; i += U * kLanes) sum_chunks<R, U>(w, j0, values, n, D, acc, i);
+  for (; i < body; i += kLanes) sum_chunks<R, 1>(w, j0, values, n, D, acc, i);
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t i = body; i < D; ++i) {
       const float vw = widen(values[j * D + i]);

@@ -59,17 +59,17 @@ def case(
     gen = torch.Generator().manual_seed(seed)
     (Hq, Hkv), G = heads, 3
     totals = torch.tensor(totals)
-    width = 3 if sliding else -(-int(totals.max()) // BLOCK)
+    key_starts = torch.tensor([0, 16, 32]) if sliding else None
+    starts = key_starts if sliding else torch.zeros(G, dtype=torch.long)
+    width = -(-int((totals - starts).max()) // BLOCK)
     num_blocks = max(40, G * width)
     keys = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
     values = torch.randn(Hkv, num_blocks * BLOCK, D, generator=gen).to(pool_dtype)
     positions = totals - 1
-    key_starts = torch.tensor([0, 16, 32]) if sliding else None
     # (G, W) views of a wider buffer, as the step's tables are
     tables = torch.zeros(G, width + 4, dtype=torch.long)
     tables[:, :width] = torch.randperm(num_blocks, generator=gen)[: G * width].view(G, width)
     tables = tables[:, :width]
-    starts = key_starts if sliding else torch.zeros(G, dtype=torch.long)
     offsets = positions - starts
     slots = tables[torch.arange(G), offsets // BLOCK] * BLOCK + offsets % BLOCK
     q = torch.randn(G, Hq, D, generator=gen).to(q_dtype)
@@ -92,11 +92,14 @@ def run(c: dict, window: int | None, scale: float = 0.125, rows=slice(None)) -> 
 
 DTYPES = [torch.float32, torch.bfloat16]
 WINDOWS = [(None, False, SHORT), (7, False, SHORT), (20, True, SHORT)]
+# several chunks: from the first key, from a window's first (mid-block), and from a window's
+# first in a table that starts past position 0
+LONG_WINDOWS = [(None, False, LONG), (300, False, LONG), (300, True, LONG)]
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("pool_dtype", DTYPES)
-@pytest.mark.parametrize(("window", "sliding", "totals"), [*WINDOWS, (None, False, LONG)])
+@pytest.mark.parametrize(("window", "sliding", "totals"), [*WINDOWS, *LONG_WINDOWS])
 @pytest.mark.parametrize("D", [64, 40])
 def test_attention_is_softmax_over_the_keys_each_query_sees(
     q_dtype, pool_dtype, window, sliding, totals, D
@@ -115,16 +118,15 @@ def test_attention_is_softmax_over_the_keys_each_query_sees(
         torch.testing.assert_close(out.double(), want, rtol=2.0**-7, atol=2.0**-9)
 
 
-@pytest.mark.parametrize(
-    ("window", "sliding", "totals"), [*WINDOWS, (None, False, LONG), (300, False, LONG)]
-)
+@pytest.mark.parametrize(("window", "sliding", "totals"), [*WINDOWS, *LONG_WINDOWS])
 @pytest.mark.parametrize("heads", [(6, 2), (10, 2), (4, 1)])
 def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(
     window, sliding, totals, heads
 ):
     """The query heads of a KV head share a task, up to 4 and fewer where tasks would be
     fewer than twice the threads, and a long sequence's chunks are tasks of their own:
-    each head's output is the same in any grouping, and within fp32 rounding of fp64."""
+    each head's output is the same in any grouping (1 and 16 threads group differently),
+    and within fp32 rounding of fp64."""
     c = case(torch.float32, torch.bfloat16, sliding, seed=1, heads=heads, totals=totals)
     together = run(c, window)
     want = reference(c["q"], c["keys"], c["values"], c["positions"], c["tables"], c["totals"],
@@ -135,10 +137,26 @@ def test_each_query_is_the_same_alone_in_any_batch_and_on_any_thread_count(
     assert torch.equal(run(c, window, rows=[2, 0, 1]), together[[2, 0, 1]])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(run(c, window), together)
+        for count in (1, 16):
+            torch.set_num_threads(count)
+            assert torch.equal(run(c, window), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_keys_scored_minus_infinity_get_no_weight_even_a_whole_chunk_of_them():
+    """A key whose score is -inf (an infinite key element) weighs nothing, as in softmax,
+    also when every key of a chunk is one (that chunk's max is then -inf)."""
+    c = case(torch.float32, torch.float32, False, totals=LONG)
+    g, first_chunk = 1, range(256)  # sequence 1 has 300 keys: chunks [0, 256) and [256, 300)
+    slots = [int(c["tables"][g, j // BLOCK]) * BLOCK + j % BLOCK for j in first_chunk]
+    c["keys"][:, slots, 0] = float("-inf")
+    c["q"][g, :, 0] = c["q"][g, :, 0].abs() + 0.5
+    out = run(c, None)
+    want = reference(c["q"], c["keys"], c["values"], c["positions"], c["tables"], c["totals"],
+                     c["key_starts"], None, 0.125)  # fmt: skip
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-6)
 
 
 def test_a_table_that_leaves_the_pool_is_refused_by_name():

@@ -341,15 +341,22 @@ constexpr int64_t kPrefetch = 512;
 // A column's scales (d, and the int4 groups' m) are a short row of their own, read at the
 // column's blocks or after them: the hardware's prefetcher missed them often enough that
 // the AVX2 int4 tile ran 20% slower from memory than from cache. So each tile fetches the
-// scales of the columns at least 256 bytes (and two columns) past its last one, a column's
-// `count` floats each. Qwen3-0.6B's int4 shapes at one row, one thread, weights from memory:
-// AVX2 41-48 -> 27 ms, VNNI 30-33 -> 28-31 (2 threads 19-23 -> 17-20).
+// scales of the column at least 256 bytes (and two columns) past its last one, `count`
+// floats a column: the tiles of a task step go through consecutive columns, so each
+// column's scales are fetched a few tiles ahead of it (every other column's, where a tile
+// holds two columns: those tiles are the prefill's, which reuse the columns anyway).
+// Qwen3-0.6B's int4 shapes at one row, one thread, weights from memory: AVX2 41-48 -> 27
+// ms, VNNI 30-33 -> 28-31 (2 threads 19-23 -> 17-20).
 template <int C>
 inline void prefetch_scales(const float* const* scales, int64_t count) {
   const int64_t ahead = std::max<int64_t>(2, (64 + count - 1) / count);  // columns
-  const char* next = reinterpret_cast<const char*>(scales[C - 1] + ahead * count);
-  for (int64_t at = 0; at < count * static_cast<int64_t>(sizeof(float)); at += 64)
-    _mm_prefetch(next + at, _MM_HINT_T0);
+  // addresses as integers: the column may lie past the weight's end (a prefetch of it
+  // never faults, but a pointer there would be undefined)
+  const uintptr_t start = reinterpret_cast<uintptr_t>(scales[C - 1]) +
+                          static_cast<uintptr_t>(ahead * count) * sizeof(float);
+  const uintptr_t end = start + static_cast<uintptr_t>(count) * sizeof(float);
+  for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
 }
 
 // The tiles copy every pointer and count they loop over into locals first: the intrinsics'

@@ -31,9 +31,9 @@
 // share the call, on their histories, on which query heads share a task or on the thread
 // count (qinfer's batch invariance): the chunks are cut by the sequence's own keys alone,
 // and the tasks (some query heads of one KV head over one chunk) are split between threads
-// whole. Every sum is written as lanes of scalar fp32
-// operations (no contraction: -ffp-contract=off), so the vector clones GCC makes for
-// AVX-512 and AVX2 (`target_clones`) round exactly as the scalar one.
+// whole. Every sum is written as lanes of scalar fp32 operations (no contraction:
+// -ffp-contract=off), so the vector clones GCC makes for AVX-512 and AVX2
+// (`target_clones`) round exactly as the scalar one.
 //
 // Why: torch runs this as ~20 ops a layer (the KV copy and its conversion, the keys'
 // gather, the scaled bmm, the mask, the softmax, the values' embedding_bag), each a dispatch
@@ -171,7 +171,7 @@ QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values
 }
 
 // acc[r][i] += w[r][j0 + j] * values[j][i] for the n consecutive value rows of one block, j
-// in order (16 elements of each acc at a time, held in registers over the block's rows)
+// in order (16 * U elements of each acc at a time, held in registers over the block's rows)
 template <int R, typename K>
 QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values, int64_t n,
                              int64_t D, float* const* acc) {
@@ -193,7 +193,8 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
 }
 
 // e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them), by Cody-Waite
-// reduction and a degree-6 polynomial: within 2 ulp of exp, 0 below -87.3. Written in
+// reduction and a degree-6 polynomial: within 2 ulp of exp above -87.3, 2^-126 at and
+// below it. Written in
 // plain fp32 operations so that every clone computes the same bits.
 QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) {
@@ -327,11 +328,22 @@ constexpr int64_t kChunk = 256;
 
 // What one chunk leaves for each of its query heads: its largest score m, l = sum_j
 // exp(s_j - m) and acc = sum_j exp(s_j - m) v_j, in key order (D + 2 floats).
+// acc first, then m and l; each chunk's partials on cache lines of their own (threads
+// write neighbouring chunks) and acc 64-byte aligned. Sequence g's chunks start at
+// offsets[g] (the chunks of the sequences before it), head h's at offsets[g] * Hq + h *
+// chunks[g]: the buffer holds every task's partials and nothing more.
 struct Partials {
-  std::vector<float> data;
-  int64_t chunks, D;
-  float* at(int64_t g, int64_t h, int64_t c, int64_t Hq) {
-    return data.data() + ((g * Hq + h) * chunks + c) * (D + 2);
+  at::Tensor data;  // uninitialised: every partial that `combine` reads is written
+  const std::vector<int64_t>& offsets;
+  const std::vector<int64_t>& chunks;
+  int64_t Hq, stride;
+  Partials(const std::vector<int64_t>& offsets, const std::vector<int64_t>& chunks,
+           int64_t total, int64_t Hq, int64_t D)
+      : offsets(offsets), chunks(chunks), Hq(Hq), stride((D + 2 + 15) / 16 * 16) {
+    data = at::empty({total * Hq * stride}, at::kFloat);
+  }
+  float* at(int64_t g, int64_t h, int64_t c) {
+    return data.data_ptr<float>() + (offsets[g] * Hq + h * chunks[g] + c) * stride;
   }
 };
 
@@ -351,8 +363,7 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   float* acc[kMaxHeads];
   float* s[kMaxHeads];
   for (int r = 0; r < heads; ++r) {
-    float* out = partials.at(g, h0 + r, c, L.Hq);
-    acc[r] = out + 2;
+    acc[r] = partials.at(g, h0 + r, c);
     qs[r] = acc[r];  // the scaled query, until the value pass overwrites it with sums
     s[r] = scores + r * kChunk;
     const Q* qh = q + g * q_stride0 + (h0 + r) * q_stride1;
@@ -379,11 +390,15 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   for (int r = 0; r < heads; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[r][j]);
-    exp_minus_clone(s[r], n, m);
+    if (m == -std::numeric_limits<float>::infinity()) {
+      std::fill(s[r], s[r] + n, 0.0f);  // no weight here (-inf - -inf would be NaN)
+    } else {
+      exp_minus_clone(s[r], n, m);
+    }
     float l = 0.0f;
     for (int64_t j = 0; j < n; ++j) l += s[r][j];
-    acc[r][-2] = m;
-    acc[r][-1] = l;
+    acc[r][D] = m;
+    acc[r][D + 1] = l;
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
   for (int64_t j = 0; j < n;) {
@@ -395,21 +410,21 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   }
 }
 
-// One query head's output from its chunks' partials, in chunk order: with M the largest m,
-// f_c = exp(m_c - M), out = (sum_c f_c acc_c) * (1 / sum_c f_c l_c), rounded once to Q.
+// One query head's output from its chunks' partials (acc, then m and l, `stride` floats
+// apart), in chunk order: with M the largest m, f_c = exp(m_c - M), out = (sum_c f_c acc_c)
+// * (1 / sum_c f_c l_c), rounded once to Q.
 template <typename Q>
-void combine(const float* first_partial, int64_t chunks, int64_t D, float* factors, float* sum,
-             Q* out) {
-  const int64_t stride = D + 2;
+void combine(const float* first_partial, int64_t chunks, int64_t stride, int64_t D,
+             float* factors, float* sum, Q* out) {
   float M = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < chunks; ++c) M = std::max(M, first_partial[c * stride]);
-  for (int64_t c = 0; c < chunks; ++c) factors[c] = first_partial[c * stride];
+  for (int64_t c = 0; c < chunks; ++c) M = std::max(M, first_partial[c * stride + D]);
+  for (int64_t c = 0; c < chunks; ++c) factors[c] = first_partial[c * stride + D];
   exp_minus_clone(factors, chunks, M);
   float l = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) l += factors[c] * first_partial[c * stride + 1];
+  for (int64_t c = 0; c < chunks; ++c) l += factors[c] * first_partial[c * stride + D + 1];
   std::fill(sum, sum + D, 0.0f);
   for (int64_t c = 0; c < chunks; ++c) {
-    const float* acc = first_partial + c * stride + 2;
+    const float* acc = first_partial + c * stride;
     for (int64_t i = 0; i < D; ++i) sum[i] += factors[c] * acc[i];
   }
   const float inverse = 1.0f / l;
@@ -427,10 +442,11 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
   // Tasks: up to `per` query heads of one KV head over one chunk of one sequence's keys.
   // Fewer heads a task where there would be fewer tasks than twice the threads (Gemma 3
   // 270M: one KV head of 4 query heads); a query's arithmetic is the same in any grouping.
-  std::vector<int64_t> chunks(L.G);
+  std::vector<int64_t> chunks(L.G), offsets(L.G);
   int64_t most = 1, total = 0;
   for (int64_t g = 0; g < L.G; ++g) {
     chunks[g] = std::max<int64_t>(1, (visible(L, g).count() + kChunk - 1) / kChunk);
+    offsets[g] = total;
     most = std::max(most, chunks[g]);
     total += chunks[g];
   }
@@ -452,7 +468,7 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
       }
     }
   }
-  Partials partials{std::vector<float>(L.G * L.Hq * most * (L.D + 2)), most, L.D};
+  Partials partials(offsets, chunks, total, L.Hq, L.D);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
@@ -464,8 +480,8 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
     std::vector<float> factors(most), sum(L.D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t g = r / L.Hq, h = r % L.Hq;
-      combine(partials.at(g, h, 0, L.Hq), chunks[g], L.D, factors.data(), sum.data(),
-              op + r * L.D);
+      combine(partials.at(g, h, 0), chunks[g], partials.stride, L.D, factors.data(),
+              sum.data(), op + r * L.D);
     }
   });
 }
@@ -492,9 +508,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& tables, const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
                                   int64_t block_size, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && float_or_bf16(q) && q.is_cpu() && q.stride(2) == 1,
-              "paged_decode_attention: q must be (G, Hq, D) fp32 or bf16 on the CPU with its "
-              "last dimension contiguous, got ", shape_str(q), " ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && q.size(1) > 0 && q.size(2) > 0 && float_or_bf16(q) && q.is_cpu() &&
+                  q.stride(2) == 1,
+              "paged_decode_attention: q must be (G, Hq, D) fp32 or bf16 on the CPU with Hq, D > "
+              "0 and its last dimension contiguous, got ", shape_str(q), " ", q.scalar_type());
   const int64_t G = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(keys.dim() == 3 && keys.size(2) == D && keys.is_contiguous() && float_or_bf16(keys),
               "paged_decode_attention: keys must be a contiguous (Hkv, slots, ", D,

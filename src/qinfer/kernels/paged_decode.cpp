@@ -108,17 +108,11 @@ QINFER_INLINE float tree(F16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Asks for the cache lines of [p, p + bytes) to be fetched: into L1 (locality 3) or L2 (2).
-template <typename P>
-QINFER_INLINE void prefetch(const P* p, int64_t bytes, int locality) {
+// Asks for the cache lines of [p, p + bytes) to be fetched: into L1 (Locality 3) or L2 (2).
+template <int Locality, typename P>
+QINFER_INLINE void prefetch(const P* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t at = 0; at < bytes; at += 64) {
-    if (locality == 3) {
-      __builtin_prefetch(c + at, 0, 3);
-    } else {
-      __builtin_prefetch(c + at, 0, 2);
-    }
-  }
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(c + at, 0, Locality);
 }
 
 // Up to this many query heads of one KV head go through a block together: each key and
@@ -136,8 +130,8 @@ QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n,
   for (int64_t j = 0; j < n; ++j) {
     const K* k = keys + j * D;
     if (next_keys != nullptr) {
-      prefetch(next_keys + j * D, D * static_cast<int64_t>(sizeof(K)), 3);
-      prefetch(next_values + j * D, D * static_cast<int64_t>(sizeof(K)), 2);
+      prefetch<3>(next_keys + j * D, D * static_cast<int64_t>(sizeof(K)));
+      prefetch<2>(next_values + j * D, D * static_cast<int64_t>(sizeof(K)));
     }
     F16 lanes[R] = {};
     for (int64_t i = 0; i < body; i += kLanes) {
@@ -194,8 +188,7 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
 
 // e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them), by Cody-Waite
 // reduction and a degree-6 polynomial: within 2 ulp of exp above -87.3, 2^-126 at and
-// below it. Written in
-// plain fp32 operations so that every clone computes the same bits.
+// below it. Written in plain fp32 operations so that every clone computes the same bits.
 QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) {
     const float x = std::max(s[j] - m, -87.33654f);
@@ -326,10 +319,10 @@ Visible visible(const Layer& L, int64_t g) {
 // alone (every kChunk keys from its first visible one), never on the batch or the threads.
 constexpr int64_t kChunk = 256;
 
-// What one chunk leaves for each of its query heads: its largest score m, l = sum_j
-// exp(s_j - m) and acc = sum_j exp(s_j - m) v_j, in key order (D + 2 floats).
-// acc first, then m and l; each chunk's partials on cache lines of their own (threads
-// write neighbouring chunks) and acc 64-byte aligned. Sequence g's chunks start at
+// What one chunk leaves for each of its query heads: acc = sum_j exp(s_j - m) v_j, then its
+// largest score m and l = sum_j exp(s_j - m), in key order (D + 2 floats); each chunk's
+// partials on cache lines of their own (threads write neighbouring chunks), acc 64-byte
+// aligned. Sequence g's chunks start at
 // offsets[g] (the chunks of the sequences before it), head h's at offsets[g] * Hq + h *
 // chunks[g]: the buffer holds every task's partials and nothing more.
 struct Partials {
@@ -373,20 +366,26 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   const P* head_keys = keys + kv_head * pool_stride0;
   const P* head_values = values + kv_head * pool_stride0;
   const int64_t* table = L.tables + g * L.table_stride;
-  // The chunk's keys, block by block. A table's blocks lie anywhere in the pool, where the
+  // The chunk's keys, block by block: visit(j, count, row, next) for its keys j .. j + count
+  // - 1, from the head's pool row `row` on, `next` the first row of the table's next block
+  // (-1 at the chunk's last). A table's blocks lie anywhere in the pool, where the
   // hardware's prefetcher does not follow: while a block's keys are scored, the next
   // block's keys are fetched into L1 and its values into L2 (read by the value pass), and
   // that pass fetches the next values into L1.
   const int64_t last_block = (first + n - 1 - v.start) / B;
-  const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
-  for (int64_t j = 0; j < n;) {
-    const int64_t key = first + j - v.start, in_block = key % B;
-    const int64_t count = std::min(B - in_block, n - j);
-    const int64_t next = key / B < last_block ? table[key / B + 1] * B * D : -1;
-    scores_in_block(heads, qs, head_keys + (table[key / B] * B + in_block) * D, count, D, s, j,
+  const auto blocks = [&](auto&& visit) {
+    for (int64_t j = 0; j < n;) {
+      const int64_t key = first + j - v.start, in_block = key % B;
+      const int64_t count = std::min(B - in_block, n - j);
+      const int64_t next = key / B < last_block ? table[key / B + 1] * B * D : -1;
+      visit(j, count, (table[key / B] * B + in_block) * D, next);
+      j += count;
+    }
+  };
+  blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
+    scores_in_block(heads, qs, head_keys + row, count, D, s, j,
                     next < 0 ? nullptr : head_keys + next, next < 0 ? nullptr : head_values + next);
-    j += count;
-  }
+  });
   for (int r = 0; r < heads; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, s[r][j]);
@@ -401,13 +400,11 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
     acc[r][D + 1] = l;
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
-  for (int64_t j = 0; j < n;) {
-    const int64_t key = first + j - v.start, in_block = key % B;
-    const int64_t count = std::min(B - in_block, n - j);
-    if (key / B < last_block) prefetch(head_values + table[key / B + 1] * B * D, block_bytes, 3);
-    sum_in_block(heads, s, j, head_values + (table[key / B] * B + in_block) * D, count, D, acc);
-    j += count;
-  }
+  const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
+  blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
+    if (next >= 0) prefetch<3>(head_values + next, block_bytes);
+    sum_in_block(heads, s, j, head_values + row, count, D, acc);
+  });
 }
 
 // One query head's output from its chunks' partials (acc, then m and l, `stride` floats

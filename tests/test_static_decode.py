@@ -5,17 +5,26 @@ buckets of batch sizes and table widths.
   cache tests (sliding windows and block spaces, experts, Gemma 3's two RoPE bases);
 - a bucketed decode step of a seen bucket makes no tensor and reads nothing back to the
   host (a torch function mode counts factory calls and syncs; the same count on the
-  dynamic paged step is not 0, so the count can fail);
+  dynamic paged step through torch's ops is not 0, so the count can fail), nor does a
+  dynamic one through the CPU's decode op;
 - the buckets themselves, and the backend that cannot plan such a step, named.
 """
 
+import contextlib
+
 import pytest
+import torch
 from checkpoints import WINDOWED, random_model
 from torch.overrides import TorchFunctionMode
 
+from qinfer import kernels
+from qinfer.attention.backend import choose_backend
+from qinfer.attention.gathered import GatheredBackend
+from qinfer.attention.paged import PagedBackend
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.errors import QinferError
+from qinfer.features import Features
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.static_decode import bucket
@@ -105,21 +114,39 @@ def decode_steps(
     return [step([1] * len(seqs)) for _ in range(steps)]
 
 
+@contextlib.contextmanager
+def torch_ops_only(monkeypatch):
+    """The layers and the paged backend on torch's ops (`kernels.SWITCH` off)."""
+    monkeypatch.setenv(kernels.SWITCH, "off")
+    kernels.in_use.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv(kernels.SWITCH)
+        kernels.in_use.cache_clear()
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_a_bucketed_decode_step_makes_no_tensor(family):
+def test_a_bucketed_decode_step_makes_no_tensor(family, monkeypatch):
     """Three sequences (a bucket of 4) whose tables stay in the bucket of 2 blocks of 16:
-    after the bucket's first step, a step makes no tensor and reads nothing back; the
-    dynamic paged step of the same sequences does both."""
+    after the bucket's first step, a step makes no tensor and reads nothing back. The
+    dynamic paged step through torch's ops, which groups the sequences on the host, does
+    both (so the count can fail); through the CPU's decode op it does neither either."""
     name, overrides = FAMILIES[family]
     model = random_model(name, **overrides)
-    counts = {}
-    for static in (True, False):
+
+    def counts(static: bool) -> list[list[str]]:
         config = RuntimeConfig(block_size=16, num_kv_blocks=16, static_decode=static)
         seqs = [Sequence(str(b), list(range(1, n + 1))) for b, n in enumerate([20, 17, 25])]
-        counts[static] = decode_steps(Executor(model, config), 16, seqs, steps=3)
-    first, *seen = counts[True]
+        return decode_steps(Executor(model, config), 16, seqs, steps=3)
+
+    first, *seen = counts(True)
     assert seen == [[], []], seen
-    assert all(calls for calls in counts[False]), counts[False]
+    if kernels.in_use():
+        assert counts(False) == [[], [], []]
+    with torch_ops_only(monkeypatch):
+        grouped = counts(False)
+    assert all(calls for calls in grouped), grouped
 
 
 def test_buckets_are_powers_of_two_up_to_the_capacity():
@@ -127,9 +154,19 @@ def test_buckets_are_powers_of_two_up_to_the_capacity():
     assert bucket(20, 24) == 24 and bucket(30, 24) == 30  # capped, never below n
 
 
-def test_static_decode_needs_a_backend_that_plans_it():
-    model = random_model("qwen3")
-    with pytest.raises(QinferError, match="'paged' plans no static decode step"):
-        LLM(model, static_decode=True, attention_backend="paged")
-    llm = LLM(model, static_decode=True, num_kv_blocks=8)
+def test_static_decode_needs_a_backend_that_plans_it(monkeypatch):
+    """The paged backend plans static decode steps through the CPU's decode op alone: not
+    over an int8 KV cache, nor on torch's ops; auto then takes the gathered backend."""
+    cpu, int8 = torch.device("cpu"), Features(kv_cache_dtype="int8")
+    with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
+        choose_backend("paged", cpu, int8, static_decode=True)
+    assert isinstance(choose_backend("auto", cpu, int8, static_decode=True), GatheredBackend)
+    with torch_ops_only(monkeypatch):
+        with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
+            LLM(random_model("qwen3"), static_decode=True, attention_backend="paged")
+    llm = LLM(random_model("qwen3"), static_decode=True, num_kv_blocks=8)
     assert llm.engine.executor.num_blocks == [8]  # the scratch block is not counted
+    paged = kernels.in_use()  # the CPU's decode op plans it
+    assert isinstance(
+        llm.engine.executor.runner.backend, PagedBackend if paged else GatheredBackend
+    )

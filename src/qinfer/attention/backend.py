@@ -21,8 +21,9 @@ positions, slots, block tables, history lengths) and the layers' places in the p
 (`PagedLayer`). Backends:
 
 - `PagedBackend` (`paged.py`): the CPU's, pools heads first; decode reads the values where
-  they sit (embedding_bag), sequences are grouped by new tokens and history length; the
-  only one with batch-invariant arithmetic.
+  they sit (the CPU's decode op, or embedding_bag), sequences are grouped by new tokens and
+  history length (not decode steps through the op, which plan static steps too); the only
+  one with batch-invariant arithmetic.
 - `GatheredBackend` (`gathered.py`): pools slots first (vLLM's and flash-attn's layout);
   every sequence's blocks gathered, then one sdpa call over the step, queries padded to
   the longest: a few lines over any device's sdpa.
@@ -46,6 +47,7 @@ from qinfer.attention.sdpa import sdpa_for
 from qinfer.attention.step_buffers import StepTensors
 from qinfer.errors import QinferError
 from qinfer.features import Features, check_attention_backend
+from qinfer.kv_quant import kv_format
 
 
 class StepAttention(Protocol):
@@ -79,12 +81,17 @@ def choose_backend(
     name: str, device: torch.device, features: Features, static_decode: bool = False
 ) -> AttentionBackend:
     """The backend `name` asks for, set up for `features`. auto: paged on every device (the
-    one measured; a GPU has not run either yet), gathered for static decode steps (the one
-    that plans them). Batch invariance is the paged backend's alone."""
+    one measured; a GPU has not run either yet), and for static decode steps where it plans
+    them (its CPU decode op over unquantized pools), else gathered. Batch invariance is the
+    paged backend's alone."""
     check_attention_backend(name)
-    if name == "auto":
-        name = "gathered" if static_decode else "paged"
     sdpa = sdpa_for(features)
+    decode_kernel = device.type == "cpu" and kernels.in_use()
+    # the format's dtype does not matter here, only whether it is quantized
+    quantized = kv_format(features.kv_cache_dtype, torch.float32).quantized
+    paged = PagedBackend(sdpa, features.batch_invariant, decode_kernel, quantized)
+    if name == "auto":
+        name = "gathered" if static_decode and not paged.static_decode else "paged"
     if name == "gathered":
         if features.batch_invariant:
             raise QinferError(
@@ -92,10 +99,10 @@ def choose_backend(
                 "use 'paged' (or auto) with batch_invariant"
             )
         return GatheredBackend(sdpa)
-    if static_decode:
+    if static_decode and not paged.static_decode:
         raise QinferError(
-            "attention_backend 'paged' plans no static decode step (it groups sequences on "
-            "the host): use 'gathered' (or auto) with static_decode"
+            "attention_backend 'paged' plans static decode steps only through its CPU decode "
+            "op (CPU kernels built, unquantized KV cache, not batch_invariant): use 'gathered' "
+            "(or auto) with static_decode"
         )
-    decode_kernel = device.type == "cpu" and kernels.in_use()
-    return PagedBackend(sdpa, features.batch_invariant, decode_kernel)
+    return paged

@@ -72,30 +72,55 @@ class PagedStep:
 
     def __init__(self, tensors: StepTensors, space: int = 0) -> None:
         part = tensors.spaces[space]
-        num_new, block_tables, block_size = tensors.num_new, part.tables, tensors.block_size
-        self.slots, self.block_size = part.slots, block_size  # (T,)
+        self.tensors, self.part = tensors, part
+        self.slots, self.block_size = part.slots, tensors.block_size  # (T,)
         # A decode step (one new token per sequence) as the compiled op reads it, whatever
         # the grouping: each token's position and its sequence's table (S, W), history
-        # length (S,) and first key's position (S,) or None.
-        self.decode_only = set(num_new) == {1}
+        # length (S,) and first key's position (S,) or None. Such a step never builds its
+        # groups (below, on first use): it does no host work but this test.
+        self.decode_only = set(tensors.num_new) == {1}
         self.positions, self.tables = tensors.positions, part.block_tables
         self.totals, self.key_starts = tensors.context_lens, part.key_starts
-        # the keys each sequence reads: its history, less the blocks before its table's first
-        histories = [c + n for c, n in zip(tensors.num_computed, num_new, strict=True)]
-        if part.first_blocks is not None:
-            skipped = [first * block_size for first in part.first_blocks]
-            histories = [h - k for h, k in zip(histories, skipped, strict=True)]
+
+    @cached_property
+    def histories(self) -> list[int]:
+        """The keys each sequence reads: its history, less the blocks before its table's
+        first."""
+        tensors, first_blocks = self.tensors, self.part.first_blocks
+        histories = [c + n for c, n in zip(tensors.num_computed, tensors.num_new, strict=True)]
+        if first_blocks is None:
+            return histories
+        return [
+            h - first * self.block_size for h, first in zip(histories, first_blocks, strict=True)
+        ]
+
+    @cached_property
+    def groups(self) -> list[Group]:
+        """The sequences grouped by new tokens, then split by history (`split_by_history`)."""
+        num_new, histories = self.tensors.num_new, self.histories
         by_length: dict[int, list[int]] = {}
         for b, n in enumerate(num_new):
             by_length.setdefault(n, []).append(b)
-        self.groups = [
-            Group(rows, num_new[rows[0]], histories, block_tables, block_size, tensors, part)
+        return [
+            Group(
+                rows,
+                num_new[rows[0]],
+                histories,
+                self.part.tables,
+                self.block_size,
+                self.tensors,
+                self.part,
+            )
             for same_length in by_length.values()
-            for rows in split_by_history(same_length, histories, block_size)
+            for rows in split_by_history(same_length, histories, self.block_size)
         ]
-        # One group whose sequences keep the step's order: its queries are the step's tokens
-        # as they are (a decode step of equal or close histories, a single prompt chunk).
-        self.in_order = len(self.groups) == 1 and sorted(histories) == histories
+
+    @cached_property
+    def in_order(self) -> bool:
+        """One group whose sequences keep the step's order: its queries are the step's
+        tokens as they are (a decode step of equal or close histories, a single prompt
+        chunk)."""
+        return len(self.groups) == 1 and sorted(self.histories) == self.histories
 
 
 def split_by_history(rows: list[int], histories: list[int], block_size: int) -> list[list[int]]:
@@ -274,14 +299,23 @@ class PagedBackend:
     sdpa: the attention function of prompt chunks; invariant: every query through the
     decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
     compiled op (`kernels.paged_decode_attention`: CPU pools, not with invariant, whose
-    fp64 arithmetic a chunk must share)."""
+    fp64 arithmetic a chunk must share); quantized: the pools hold int8 or fp8 K/V (which
+    the op does not read)."""
 
     layout = KVLayout.HEADS_FIRST
-    static_decode = False  # sequences are grouped by history on the host, step by step
 
-    def __init__(self, sdpa: Sdpa, invariant: bool = False, decode_kernel: bool = False) -> None:
+    def __init__(
+        self,
+        sdpa: Sdpa,
+        invariant: bool = False,
+        decode_kernel: bool = False,
+        quantized: bool = False,
+    ) -> None:
         self.sdpa, self.invariant = sdpa, invariant
         self.decode_kernel = decode_kernel and not invariant
+        # A decode step through the op reads only the step's tensors (`PagedStep`); any
+        # other is grouped by history on the host, step by step.
+        self.static_decode = self.decode_kernel and not quantized
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""

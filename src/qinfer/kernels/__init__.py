@@ -71,6 +71,11 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 `in_use()` says whether the layers take these ops (RMSNorm, RoPE, decode attention):
 the kernels load and `QINFER_CPU_KERNELS` is not "off" (the pure-torch path, kept).
 
+Each op runs under the CPU dispatch key and has a fake kernel (`_register_fakes`: the
+output's shape and dtype from the inputs'), so `torch.compile` traces a graph through it
+(bench/compiled_decode.py compiles a whole decode step so); the machine's answers
+(`available`, `in_use`, the auto paths) are constants of such a graph.
+
 Why: torch's int4 kernel (`Int4Linear`) converts every weight nibble to bf16 and multiplies in
 floating point; integer dot products multiply four int8 pairs per lane per instruction and read
 activations of a byte, so at decode (a few rows) the weight read can bound the time and at
@@ -98,9 +103,10 @@ import os
 import platform
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -117,6 +123,7 @@ _NAME = "qinfer_int_dot"
 # source is the order that runs.
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
+T = TypeVar("T")
 BLOCK = 32  # input columns per weight / activation block
 #: The activation dtypes the kernels take (fp16 is not one).
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -150,6 +157,19 @@ class PackedInt4:
     def shape(self) -> tuple[int, int]:
         """(N, K), as the weight's."""
         return (self.qs.shape[0], 2 * self.qs.shape[1])
+
+
+def _constant_in_graphs(cached: Callable[[], T]) -> Callable[[], T]:
+    """A cached answer about the machine (not about tensors), which `torch.compile` takes
+    as a constant of the graph it traces instead of tracing into (the build, the CPU's
+    flags). `cache_clear` is the cached function's, as the tests use it."""
+
+    def answer() -> T:
+        return cached()
+
+    answer.__name__, answer.__doc__ = cached.__name__, cached.__doc__
+    answer.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return torch.compiler.assume_constant_result(answer)
 
 
 @functools.cache
@@ -217,6 +237,9 @@ def available() -> str | None:
     return _bind()
 
 
+available = _constant_in_graphs(available)
+
+
 #: Set to "off" (or "0"), the layers' own ops (RMSNorm, RoPE, decode attention) run as
 #: torch's where the kernels would: the pure-torch path, to compare or to fall back to.
 #: The linear layers' paths have their own switch (`QINFER_LINEAR_PATH`).
@@ -237,6 +260,9 @@ def in_use() -> bool:
             stacklevel=3,
         )
     return reason is None
+
+
+in_use = _constant_in_graphs(in_use)
 
 
 def buildable() -> bool:
@@ -264,6 +290,7 @@ def _missing_tool() -> str | None:
 def _bind() -> None:
     global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm, _heads_rms_norm
     global _paged_decode_attention, _rope
+    _register_fakes()
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
@@ -272,6 +299,48 @@ def _bind() -> None:
     _heads_rms_norm = torch.ops.qinfer.heads_rms_norm.default
     _paged_decode_attention = torch.ops.qinfer.paged_decode_attention.default
     _rope = torch.ops.qinfer.rope.default
+
+
+def _register_fakes() -> None:
+    """What each op returns, by shape and dtype alone (torch's "fake" kernels): what
+    `torch.compile` and `torch.export` trace a graph of qinfer's ops with. The C++ side
+    registers the ops' CPU kernels under the CPU dispatch key, so that these may stand for
+    them on fake and meta tensors."""
+    fake = torch.library.register_fake
+
+    def rows_by_columns(x: torch.Tensor, columns: torch.Tensor, *_: object) -> torch.Tensor:
+        return x.new_empty((x.shape[0], columns.shape[0]), dtype=torch.float32)  # (M, N)
+
+    def quantized(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:
+        M, K = x.shape
+        blocks = (M, K // BLOCK)
+        return (
+            x.new_empty((M, K), dtype=torch.int8),
+            x.new_empty(blocks, dtype=torch.float32),
+            x.new_empty(blocks, dtype=torch.int32),
+        )
+
+    def add_normed(h, x, w, eps, dtype: torch.dtype, path="auto") -> torch.Tensor:  # noqa: ANN001
+        return h.new_empty(h.shape, dtype=dtype)
+
+    def heads_normed(h, w1, w2, first, eps, dtype: torch.dtype, path="auto") -> torch.Tensor:  # noqa: ANN001
+        return h.new_empty(h.shape, dtype=dtype)
+
+    def like(x: torch.Tensor, *_: object) -> torch.Tensor:  # attention's q, RoPE's x
+        return x.new_empty(x.shape)
+
+    for name, kernel in (
+        ("int4_mm", rows_by_columns),
+        ("int8_mm", rows_by_columns),
+        ("int8_blocks_mm", rows_by_columns),
+        ("int4_groups_mm", rows_by_columns),
+        ("quantize_q8_1", quantized),
+        ("add_rms_norm", add_normed),
+        ("heads_rms_norm", heads_normed),
+        ("paged_decode_attention", like),
+        ("rope", like),
+    ):
+        fake(f"qinfer::{name}")(kernel)
 
 
 def _require() -> None:
@@ -298,6 +367,9 @@ def auto_path() -> str:
     return _capped(paths())
 
 
+auto_path = _constant_in_graphs(auto_path)
+
+
 def norm_paths() -> tuple[str, ...]:
     """The paths `add_rms_norm` can take on this CPU, slowest first ("scalar", "avx2",
     "avx512")."""
@@ -309,6 +381,9 @@ def norm_paths() -> tuple[str, ...]:
 def norm_auto_path() -> str:
     """The path `add_rms_norm(path="auto")` takes: the fastest, capped as `auto_path`."""
     return _capped(norm_paths())
+
+
+norm_auto_path = _constant_in_graphs(norm_auto_path)
 
 
 def _capped(here: tuple[str, ...]) -> str:

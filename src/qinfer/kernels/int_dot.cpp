@@ -1410,12 +1410,22 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
 TORCH_LIBRARY(qinfer, lib) {
   lib.def("pack_int4(Tensor q, Tensor scales, Tensor zeros) -> (Tensor, Tensor, Tensor)",
           &pack_int4);
-  lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)", &quantize_q8_1);
-  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor", &int4_mm);
-  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor", &int8_mm);
-  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor",
-          &int8_blocks_mm);
-  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor",
-          &int4_groups_mm);
+  lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");
+  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor");
+  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor");
+  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor");
   lib.def("int4_paths() -> str", &paths_here);
+}
+
+// The ops that take tensors run under the CPU dispatch key, not as composite functions of
+// every key: torch.compile and torch.export then trace them through the fake kernels that
+// qinfer/kernels/__init__.py registers (`_register_fakes`: shapes and dtypes alone), and a
+// tensor elsewhere than the CPU is refused by the dispatcher, naming the op.
+TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
+  lib.impl("quantize_q8_1", &quantize_q8_1);
+  lib.impl("int4_mm", &int4_mm);
+  lib.impl("int8_mm", &int8_mm);
+  lib.impl("int8_blocks_mm", &int8_blocks_mm);
+  lib.impl("int4_groups_mm", &int4_groups_mm);
 }

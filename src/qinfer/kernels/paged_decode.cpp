@@ -625,7 +625,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
   lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
-          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor",
-          &paged_decode_attention);
-  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
+  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+// CPU kernels, traced through their fake kernels (int_dot.cpp, above its TORCH_LIBRARY_IMPL)
+TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
+  lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("rope", &rope);
 }

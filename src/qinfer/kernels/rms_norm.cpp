@@ -343,10 +343,14 @@ at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
 
 TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
   lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
-          "str path='auto') -> Tensor",
-          &add_rms_norm);
+          "str path='auto') -> Tensor");
   lib.def("heads_rms_norm(Tensor h, Tensor w_first, Tensor w_rest, int first, float eps, "
-          "ScalarType dtype, str path='auto') -> Tensor",
-          &heads_rms_norm);
+          "ScalarType dtype, str path='auto') -> Tensor");
   lib.def("norm_paths() -> str", &norm_paths_here);
+}
+
+// CPU kernels, traced through their fake kernels (int_dot.cpp, above its TORCH_LIBRARY_IMPL)
+TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
+  lib.impl("add_rms_norm", &add_rms_norm);
+  lib.impl("heads_rms_norm", &heads_rms_norm);
 }

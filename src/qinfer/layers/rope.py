@@ -198,8 +198,11 @@ class _Frequencies:
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A graph being traced (`torch.compile`) keeps no memo: what it reads of one would
+        # be a guard on the previous forward, and the graph merges the layers' equal ops.
+        traced = torch.compiler.is_compiling()
         last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
+        if not traced and last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
         clamped = positions.to(self.inv_freq.device).clamp(min=0)
         if self.axes is not None and clamped.dim() > 1:  # M-RoPE's (3, *P) positions
@@ -210,7 +213,8 @@ class _Frequencies:
             angles = clamped[..., None, None].float() * self.inv_freq  # (*P, 1, D/2)
         cos = (angles.cos() * self.scale).to(dtype)
         sin = (angles.sin() * self.scale).to(dtype)
-        self._last = (positions, dtype, cos, sin)
+        if not traced:
+            self._last = (positions, dtype, cos, sin)
         return cos, sin
 
 

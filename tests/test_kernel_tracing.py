@@ -1,0 +1,92 @@
+"""qinfer's compiled ops as torch's tracers see them: each op's schema matches what its kernel
+does (which inputs it writes), and its fake kernel (`kernels._register_fakes`) gives the
+shapes and dtypes the real one returns, so that `torch.compile` and `torch.export` can
+trace a graph through it (`torch.library.opcheck`, which runs the real kernel beside each
+check). The ops' arithmetic is tested in test_int_dot_kernels.py, test_rms_norm_kernel.py
+and test_paged_decode_kernel.py.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from qinfer import kernels
+from tests.test_paged_decode_kernel import BLOCK, case
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def samples() -> dict[str, tuple]:
+    """Arguments for each op, small: 3 rows of 64 inputs, 8 outputs."""
+    gen = torch.Generator().manual_seed(0)
+    groups = types.SimpleNamespace(
+        q=torch.randint(0, 16, (8, 64), dtype=torch.uint8, generator=gen),
+        scales=torch.rand(8, 2, generator=gen),
+        zeros=torch.rand(8, 2, generator=gen),
+        group_size=32,
+    )
+    packed = kernels.pack_int4(groups)
+    int4 = (packed.qs, packed.d, packed.m)
+    x = torch.randn(3, 64, generator=gen)
+    q8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=gen)
+    heads = torch.randn(3, 4, 64, generator=gen)
+    c = case(torch.float32, torch.bfloat16, sliding=True)
+    return {
+        "int4_mm": (x, *int4, "auto"),
+        "int4_groups_mm": (x.bfloat16(), *int4, "auto"),
+        "int8_mm": (x, q8, torch.rand(8, generator=gen), "auto"),
+        "int8_blocks_mm": (x, q8, torch.rand(8, 2, generator=gen), "auto"),
+        "quantize_q8_1": (x, "auto"),
+        "add_rms_norm": (x.clone(), x.bfloat16(), torch.rand(64), 1e-6, torch.bfloat16, "auto"),
+        "heads_rms_norm": (heads, torch.rand(64), torch.rand(64), 2, 1e-6, torch.float32, "auto"),
+        "rope": (heads, torch.rand(3, 32, generator=gen), torch.rand(3, 32, generator=gen)),
+        "paged_decode_attention": (
+            *(c["q"], c["k"], c["v"], c["keys"], c["values"], c["slots"], c["positions"]),
+            *(c["tables"], c["totals"], c["key_starts"], BLOCK, 20, 0.125),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(samples()))
+def test_each_op_traces_as_it_runs(name):
+    """Schema (what the op writes), fake kernel (shapes, dtypes) and dispatch through
+    AOTAutograd all agree with the op's real run."""
+    op = getattr(torch.ops.qinfer, name).default
+    results = torch.library.opcheck(op, samples()[name])
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_a_graph_of_the_ops_compiles_to_the_eager_result():
+    """A decode-like chain (residual add + RMSNorm -> int4 matmul -> RoPE) through
+    torch.compile, whole (fullgraph): the same values as eager, the residual updated in
+    place by both."""
+    gen = torch.Generator().manual_seed(1)
+    groups = types.SimpleNamespace(
+        q=torch.randint(0, 16, (256, 64), dtype=torch.uint8, generator=gen),
+        scales=torch.rand(256, 2, generator=gen) * 0.1,
+        zeros=-torch.rand(256, 2, generator=gen) * 0.1,
+        group_size=32,
+    )
+    packed = kernels.pack_int4(groups)
+    w = torch.rand(64, generator=gen)
+    cos, sin = torch.rand(2, 3, 32, generator=gen).unbind(0)
+
+    def step(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        normed = kernels.add_rms_norm(h, x, w, 1e-6, torch.float32)
+        y = kernels.int4_groups_mm(normed, packed).view(3, 4, 64)
+        return kernels.rope(y, cos, sin)
+
+    h, x = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    h_compiled = h.clone()
+    expected = step(h, x)
+    got = torch.compile(step, fullgraph=True, dynamic=False)(h_compiled, x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(h_compiled, h)

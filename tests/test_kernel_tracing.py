@@ -90,3 +90,26 @@ def test_a_graph_of_the_ops_compiles_to_the_eager_result():
     got = torch.compile(step, fullgraph=True, dynamic=False)(h_compiled, x)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert torch.equal(h_compiled, h)
+
+
+def test_the_machines_answers_are_marked_as_torch_marks_constants():
+    """`kernels` marks its cached answers as `torch.compiler.assume_constant_result` does,
+    without importing torch._dynamo (71 MB resident) to do it."""
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert getattr(marked, kernels.CONSTANT_MARK) is True
+    for answer in (kernels.available, kernels.in_use, kernels.auto_path, kernels.norm_auto_path):
+        assert getattr(answer, kernels.CONSTANT_MARK) is True
+
+
+def test_loading_the_kernels_leaves_torchs_compiler_unimported():
+    """Importing and loading the kernels (fake kernels registered) imports no torch._dynamo:
+    a process that never compiles does not hold it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, qinfer.kernels as k; k.available(); k.in_use(); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out

@@ -159,6 +159,12 @@ class PackedInt4:
         return (self.qs.shape[0], 2 * self.qs.shape[1])
 
 
+#: What `torch.compiler.assume_constant_result` sets on a function, set here without it:
+#: that decorator imports torch._dynamo, 71 MB of resident memory in every process that
+#: loads the kernels (tests/test_kernel_tracing.py checks that the two still agree).
+CONSTANT_MARK = "_dynamo_marked_constant"
+
+
 def _constant_in_graphs(cached: Callable[[], T]) -> Callable[[], T]:
     """A cached answer about the machine (not about tensors), which `torch.compile` takes
     as a constant of the graph it traces instead of tracing into (the build, the CPU's
@@ -169,7 +175,8 @@ def _constant_in_graphs(cached: Callable[[], T]) -> Callable[[], T]:
 
     answer.__name__, answer.__doc__ = cached.__name__, cached.__doc__
     answer.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
-    return torch.compiler.assume_constant_result(answer)
+    setattr(answer, CONSTANT_MARK, True)
+    return answer
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """qinfer's compiled ops as torch's tracers see them: each op's schema matches what its kernel
-does (which inputs it writes), and its fake kernel (`kernels._register_fakes`) gives the
+does (which inputs it writes), and its fake kernel (`kernels._register_python_kernels`) gives the
 shapes and dtypes the real one returns, so that `torch.compile` and `torch.export` can
 trace a graph through it (`torch.library.opcheck`, which runs the real kernel beside each
 check). The ops' arithmetic is tested in test_int_dot_kernels.py, test_rms_norm_kernel.py
@@ -113,3 +113,19 @@ def test_loading_the_kernels_leaves_torchs_compiler_unimported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
+
+
+@pytest.mark.parametrize("name", list(samples()))
+def test_tensors_off_the_cpu_are_refused_in_one_line(name):
+    """Each op has a kernel for the other devices' tensors (`kernels.REFUSED_DEVICES`; none
+    is at hand here, so the registration is checked and the kernel called): it refuses them
+    in one line that names the op and the devices."""
+    qualname = f"qinfer::{name}"
+    for device in kernels.REFUSED_DEVICES:
+        key = {"cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}[device]
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key), (name, key)
+    with pytest.raises(RuntimeError) as refused:
+        kernels.refusal(name)(torch.empty(2, device="meta"), torch.empty(2), "auto")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message == f"qinfer::{name} runs on CPU tensors only, got tensors on cpu, meta"

@@ -14,9 +14,10 @@ import contextlib
 
 import pytest
 import torch
-from checkpoints import WINDOWED, random_model
+from checkpoints import WINDOWED, random_model, tiny_config
 from torch.overrides import TorchFunctionMode
 
+import qinfer
 from qinfer import kernels
 from qinfer.attention.backend import choose_backend
 from qinfer.attention.gathered import GatheredBackend
@@ -117,13 +118,13 @@ def decode_steps(
 @contextlib.contextmanager
 def torch_ops_only(monkeypatch):
     """The layers and the paged backend on torch's ops (`kernels.SWITCH` off)."""
-    monkeypatch.setenv(kernels.SWITCH, "off")
-    kernels.in_use.cache_clear()
-    try:
-        yield
-    finally:
-        monkeypatch.delenv(kernels.SWITCH)
+    with monkeypatch.context() as patched:
+        patched.setenv(kernels.SWITCH, "off")
         kernels.in_use.cache_clear()
+        try:
+            yield
+        finally:
+            kernels.in_use.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
@@ -156,11 +157,14 @@ def test_buckets_are_powers_of_two_up_to_the_capacity():
 
 def test_static_decode_needs_a_backend_that_plans_it(monkeypatch):
     """The paged backend plans static decode steps through the CPU's decode op alone: not
-    over an int8 KV cache, nor on torch's ops; auto then takes the gathered backend."""
-    cpu, int8 = torch.device("cpu"), Features(kv_cache_dtype="int8")
-    with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
-        choose_backend("paged", cpu, int8, static_decode=True)
-    assert isinstance(choose_backend("auto", cpu, int8, static_decode=True), GatheredBackend)
+    over an int8 KV cache, nor for fp16 queries or K/V (the op takes fp32 and bf16), nor on
+    torch's ops; auto then takes the gathered backend."""
+    cpu, plain = torch.device("cpu"), Features()
+    for dtypes in [(torch.float32, torch.int8), (torch.float16, torch.float16)]:
+        with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
+            choose_backend("paged", cpu, plain, True, *dtypes)
+        assert isinstance(choose_backend("auto", cpu, plain, True, *dtypes), GatheredBackend)
+        assert not choose_backend("paged", cpu, plain, False, *dtypes).decode_kernel
     with torch_ops_only(monkeypatch):
         with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
             LLM(random_model("qwen3"), static_decode=True, attention_backend="paged")
@@ -170,3 +174,12 @@ def test_static_decode_needs_a_backend_that_plans_it(monkeypatch):
     assert isinstance(
         llm.engine.executor.runner.backend, PagedBackend if paged else GatheredBackend
     )
+
+
+def test_an_fp16_model_decodes_on_the_cpu_bucketed_or_not():
+    """fp16 queries and K/V, which the CPU's decode op does not take: the dynamic step
+    attends through torch's ops, the bucketed one through the gathered backend, and both
+    give the same greedy tokens."""
+    model = qinfer.Transformer.random(tiny_config("qwen3"), dtype=torch.float16)
+    prompts = [[(5 * n + i) % 256 for i in range(n)] for n in (3, 11)]
+    assert greedy_tokens(model, prompts, static_decode=True) == greedy_tokens(model, prompts)

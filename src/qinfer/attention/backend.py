@@ -47,7 +47,6 @@ from qinfer.attention.sdpa import sdpa_for
 from qinfer.attention.step_buffers import StepTensors
 from qinfer.errors import QinferError
 from qinfer.features import Features, check_attention_backend
-from qinfer.kv_quant import kv_format
 
 
 class StepAttention(Protocol):
@@ -78,18 +77,26 @@ class AttentionBackend(Protocol):
 
 
 def choose_backend(
-    name: str, device: torch.device, features: Features, static_decode: bool = False
+    name: str,
+    device: torch.device,
+    features: Features,
+    static_decode: bool = False,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
-    """The backend `name` asks for, set up for `features`. auto: paged on every device (the
-    one measured; a GPU has not run either yet), and for static decode steps where it plans
-    them (its CPU decode op over unquantized pools), else gathered. Batch invariance is the
+    """The backend `name` asks for, set up for `features`, a model computing in `dtype` and
+    storing K/V as `kv_dtype`. auto: paged on every device (the one measured; a GPU has not
+    run either yet), and for static decode steps where it plans them (its CPU decode op:
+    kernels built, fp32 or bf16 queries and K/V), else gathered. Batch invariance is the
     paged backend's alone."""
     check_attention_backend(name)
     sdpa = sdpa_for(features)
-    decode_kernel = device.type == "cpu" and kernels.in_use()
-    # the format's dtype does not matter here, only whether it is quantized
-    quantized = kv_format(features.kv_cache_dtype, torch.float32).quantized
-    paged = PagedBackend(sdpa, features.batch_invariant, decode_kernel, quantized)
+    decode_kernel = (
+        device.type == "cpu"
+        and {dtype, kv_dtype} <= set(kernels.ACTIVATION_DTYPES)
+        and kernels.in_use()
+    )
+    paged = PagedBackend(sdpa, features.batch_invariant, decode_kernel)
     if name == "auto":
         name = "gathered" if static_decode and not paged.static_decode else "paged"
     if name == "gathered":
@@ -102,7 +109,7 @@ def choose_backend(
     if static_decode and not paged.static_decode:
         raise QinferError(
             "attention_backend 'paged' plans static decode steps only through its CPU decode "
-            "op (CPU kernels built, unquantized KV cache, not batch_invariant): use 'gathered' "
-            "(or auto) with static_decode"
+            "op (CPU kernels built, fp32 or bf16 queries and K/V, not batch_invariant): use "
+            "'gathered' (or auto) with static_decode"
         )
     return paged

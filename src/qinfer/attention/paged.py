@@ -298,24 +298,17 @@ class PagedBackend:
 
     sdpa: the attention function of prompt chunks; invariant: every query through the
     decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
-    compiled op (`kernels.paged_decode_attention`: CPU pools, not with invariant, whose
-    fp64 arithmetic a chunk must share); quantized: the pools hold int8 or fp8 K/V (which
-    the op does not read)."""
+    compiled op (`kernels.paged_decode_attention`: CPU pools of fp32 or bf16 K/V, queries
+    of either, not with invariant, whose fp64 arithmetic a chunk must share)."""
 
     layout = KVLayout.HEADS_FIRST
 
-    def __init__(
-        self,
-        sdpa: Sdpa,
-        invariant: bool = False,
-        decode_kernel: bool = False,
-        quantized: bool = False,
-    ) -> None:
+    def __init__(self, sdpa: Sdpa, invariant: bool = False, decode_kernel: bool = False) -> None:
         self.sdpa, self.invariant = sdpa, invariant
         self.decode_kernel = decode_kernel and not invariant
         # A decode step through the op reads only the step's tensors (`PagedStep`); any
         # other is grouped by history on the host, step by step.
-        self.static_decode = self.decode_kernel and not quantized
+        self.static_decode = self.decode_kernel
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""

@@ -71,7 +71,7 @@ What it computes, the way llama.cpp multiplies Q4_1 weights by Q8_1 activations:
 `in_use()` says whether the layers take these ops (RMSNorm, RoPE, decode attention):
 the kernels load and `QINFER_CPU_KERNELS` is not "off" (the pure-torch path, kept).
 
-Each op runs under the CPU dispatch key and has a fake kernel (`_register_fakes`: the
+Each op runs under the CPU dispatch key and has a fake kernel (`_register_python_kernels`: the
 output's shape and dtype from the inputs'), so `torch.compile` traces a graph through it
 (bench/compiled_decode.py compiles a whole decode step so); the machine's answers
 (`available`, `in_use`, the auto paths) are constants of such a graph.
@@ -106,7 +106,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import torch
 
@@ -173,8 +173,9 @@ def _constant_in_graphs(cached: Callable[[], T]) -> Callable[[], T]:
     def answer() -> T:
         return cached()
 
-    answer.__name__, answer.__doc__ = cached.__name__, cached.__doc__
+    functools.update_wrapper(answer, cached)
     answer.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    answer.cache_info = cached.cache_info  # type: ignore[attr-defined]
     setattr(answer, CONSTANT_MARK, True)
     return answer
 
@@ -264,7 +265,7 @@ def in_use() -> bool:
     if reason is not None and on_x86():
         warnings.warn(
             f"RMSNorm, RoPE and decode attention run as torch's ops (slower): {reason}",
-            stacklevel=3,
+            stacklevel=4,  # past `_constant_in_graphs`'s frame: the caller's caller
         )
     return reason is None
 
@@ -297,7 +298,7 @@ def _missing_tool() -> str | None:
 def _bind() -> None:
     global _int4_mm, _int8_mm, _int8_blocks_mm, _int4_groups_mm, _add_rms_norm, _heads_rms_norm
     global _paged_decode_attention, _rope
-    _register_fakes()
+    _register_python_kernels()
     _int4_mm = torch.ops.qinfer.int4_mm.default
     _int8_mm = torch.ops.qinfer.int8_mm.default
     _int8_blocks_mm = torch.ops.qinfer.int8_blocks_mm.default
@@ -308,11 +309,17 @@ def _bind() -> None:
     _rope = torch.ops.qinfer.rope.default
 
 
-def _register_fakes() -> None:
+#: The devices whose tensors the ops refuse in one line (the dispatcher's own message for a
+#: device with no kernel is some 40 lines).
+REFUSED_DEVICES = ("cuda", "mps", "xpu")
+
+
+def _register_python_kernels() -> None:
     """What each op returns, by shape and dtype alone (torch's "fake" kernels): what
     `torch.compile` and `torch.export` trace a graph of qinfer's ops with. The C++ side
     registers the ops' CPU kernels under the CPU dispatch key, so that these may stand for
-    them on fake and meta tensors."""
+    them on fake and meta tensors. A tensor on another device (`REFUSED_DEVICES`) is refused
+    in one line that names the op (`refusal`)."""
     fake = torch.library.register_fake
 
     def rows_by_columns(x: torch.Tensor, columns: torch.Tensor, *_: object) -> torch.Tensor:
@@ -348,6 +355,22 @@ def _register_fakes() -> None:
         ("rope", like),
     ):
         fake(f"qinfer::{name}")(kernel)
+        torch.library.impl(f"qinfer::{name}", REFUSED_DEVICES, refusal(name))
+
+
+def refusal(name: str) -> Callable[..., NoReturn]:
+    """The kernel op `name` runs on tensors off the CPU: a one-line error naming the op and
+    the devices of its tensor arguments."""
+
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        devices = sorted(
+            {str(a.device) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        )
+        raise RuntimeError(
+            f"qinfer::{name} runs on CPU tensors only, got tensors on {', '.join(devices)}"
+        )
+
+    return refuse
 
 
 def _require() -> None:

@@ -1420,8 +1420,8 @@ TORCH_LIBRARY(qinfer, lib) {
 
 // The ops that take tensors run under the CPU dispatch key, not as composite functions of
 // every key: torch.compile and torch.export then trace them through the fake kernels that
-// qinfer/kernels/__init__.py registers (`_register_fakes`: shapes and dtypes alone), and a
-// tensor elsewhere than the CPU is refused by the dispatcher, naming the op.
+// qinfer/kernels/__init__.py registers beside one-line refusals of other devices' tensors
+// (`_register_python_kernels`).
 TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("quantize_q8_1", &quantize_q8_1);
   lib.impl("int4_mm", &int4_mm);

@@ -201,8 +201,8 @@ class _Frequencies:
         # A graph being traced (`torch.compile`) keeps no memo: what it reads of one would
         # be a guard on the previous forward, and the graph merges the layers' equal ops.
         traced = torch.compiler.is_compiling()
-        last = self._last
-        if not traced and last is not None and last[0] is positions and last[1] == dtype:
+        last = None if traced else self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
         clamped = positions.to(self.inv_freq.device).clamp(min=0)
         if self.axes is not None and clamped.dim() > 1:  # M-RoPE's (3, *P) positions

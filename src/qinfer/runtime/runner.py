@@ -157,7 +157,12 @@ class ModelRunner:
         self.graphs = StepGraphs() if graphs else None
         self.static_decode = config.static_decode or graphs
         self.backend = choose_backend(
-            config.attention_backend, model.device, model.features, self.static_decode
+            config.attention_backend,
+            model.device,
+            model.features,
+            self.static_decode,
+            model.dtype,
+            model.kv_format.dtype,
         )
         # A bucketed decode step's padding rows write into a scratch block past each pool's
         # reported blocks (`static_decode`): no sequence is ever given it.

@@ -41,14 +41,15 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from qinfer import kernels
 from qinfer.config import ModelConfig, RopeConfig
@@ -244,8 +245,87 @@ def _parsed_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
         TensorInfo(t.name, t.tensor_type, t.data.shape, t.data.dtype, int(t.data_offset))
         for t in reader.tensors
     ]
-    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    metadata = {key: _value(key, field) for key, field in reader.fields.items()}
     return GGUFFile(path, metadata, tensors)
+
+
+#: GGUF array types held compact in a parsed header: a vocabulary's scores and token types.
+_NUMBER_TYPECODES = {
+    GGUFValueType.FLOAT32: "d",
+    GGUFValueType.FLOAT64: "d",
+    **dict.fromkeys(
+        (GGUFValueType.INT8, GGUFValueType.INT16, GGUFValueType.INT32, GGUFValueType.INT64), "q"
+    ),
+    **dict.fromkeys((GGUFValueType.UINT8, GGUFValueType.UINT16, GGUFValueType.UINT32), "q"),
+}
+
+
+def _value(key: str, field: ReaderField) -> Any:
+    """A field's value as the reader gives it, but the vocabulary's arrays (one entry per
+    token or merge: `tokenizer.ggml.*`) held compact: strings as a `StringArray`, numbers in
+    an `array` (a Python object per entry, kept as long as the header is cached, cost tens of
+    MB resident: `StringArray`)."""
+    if not key.startswith("tokenizer.ggml.") or field.types[:1] != [GGUFValueType.ARRAY]:
+        return field.contents()
+    kind = field.types[-1]
+    if kind == GGUFValueType.STRING:
+        return StringArray.of(field)
+    if kind in _NUMBER_TYPECODES:
+        return array(_NUMBER_TYPECODES[kind], field.contents())
+    return field.contents()
+
+
+class StringArray(Sequence[str]):
+    """A GGUF array of strings (a vocabulary, its merges) as one buffer of UTF-8 bytes and
+    their offsets, each string decoded when read.
+
+    Held as Python strings, the cached header of a 151k-token vocabulary kept ~88 MB
+    resident for the life of the process (Qwen3; Gemma 3 34 MB, SmolLM2 17): the strings
+    themselves and the parse's freed temporaries, which the interpreter could not give back
+    around them (docs/BENCHMARKS.md, "Memory after loading")."""
+
+    def __init__(self, data: bytes, ends: np.ndarray) -> None:
+        self.data, self.ends = data, ends  # ends (n,) int64: where string i's bytes end
+
+    @classmethod
+    def of(cls, field: ReaderField) -> StringArray:
+        """The strings of a reader's array-of-strings field."""
+        pieces = [field.parts[index] for index in field.data]
+        ends = np.cumsum([len(piece) for piece in pieces], dtype=np.int64)
+        data = np.concatenate(pieces).tobytes() if pieces else b""
+        return cls(data, ends)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self.ends)
+        if not -n <= index < n:
+            raise IndexError(f"string {index} of {n}")
+        index %= n
+        start = int(self.ends[index - 1]) if index else 0
+        return self.data[start : int(self.ends[index])].decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        data, start = self.data, 0
+        for end in self.ends.tolist():
+            yield data[start:end].decode("utf-8")
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self.data == other.data and np.array_equal(self.ends, other.ends)
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-like: compared by content
 
 
 class _PlainArrayReader(GGUFReader):

@@ -282,3 +282,29 @@ def test_smollm2_greedy_generation_matches_transformers(smollm2, prompt):
             0, len(ids) :
         ].tolist()
     assert greedy(ours, ids, steps) == expected
+
+
+def test_the_parsed_header_holds_the_vocabulary_compact_with_the_readers_values():
+    """The cached header keeps `tokenizer.ggml.*` arrays compact (`StringArray`, `array`):
+    the same strings and numbers as gguf's reader gives, indexed, sliced and iterated as a
+    list is; every other field as the reader gives it."""
+    from array import array
+
+    from qinfer.weights.gguf import StringArray, read_gguf
+
+    path = smollm2_path()
+    meta = read_gguf(path).metadata
+    fields = gguf.GGUFReader(path).fields
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray) and isinstance(meta["tokenizer.ggml.token_type"], array)
+    expected = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == len(expected) == 49152
+    assert list(tokens) == expected and tokens == expected
+    assert (
+        tokens[0] == expected[0] and tokens[-1] == expected[-1] and tokens[7:12] == expected[7:12]
+    )
+    with pytest.raises(IndexError):
+        tokens[49152]
+    assert list(meta["tokenizer.ggml.merges"]) == fields["tokenizer.ggml.merges"].contents()
+    assert list(meta["tokenizer.ggml.token_type"]) == fields["tokenizer.ggml.token_type"].contents()
+    assert meta["general.architecture"] == fields["general.architecture"].contents() == "llama"

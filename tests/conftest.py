@@ -7,6 +7,7 @@ stays per module.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import gguf
@@ -14,6 +15,8 @@ import pytest
 from checkpoints import WINDOWED, build_chat_checkpoint, load_pair
 from gguf_files import smollm2_path
 from text_assets import save_llama3_tokenizer, save_qwen3_tokenizer, tokenizer_pair
+
+from qinfer import kernels
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +62,21 @@ def smollm2_hf_tokenizer():
 
     path = smollm2_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture
+def torch_ops_only(monkeypatch):
+    """A context manager: within it, the layers and the paged backend run torch's ops
+    (`kernels.SWITCH` off, `kernels.in_use` asked again on entry and on leaving)."""
+
+    @contextlib.contextmanager
+    def switched_off():
+        with monkeypatch.context() as patched:
+            patched.setenv(kernels.SWITCH, "off")
+            kernels.in_use.cache_clear()
+            try:
+                yield
+            finally:
+                kernels.in_use.cache_clear()
+
+    return switched_off

@@ -199,7 +199,7 @@ def test_rope_is_torchs_rotation_bit_for_bit(rotary):
         kernels.rope(x.bfloat16(), cos[:, 0], sin[:, 0])
 
 
-def test_the_layers_take_torchs_ops_when_switched_off(monkeypatch):
+def test_the_layers_take_torchs_ops_when_switched_off(torch_ops_only):
     """`QINFER_CPU_KERNELS=off` (read once, by `kernels.in_use`) gives the pure-torch path:
     RoPE.apply's own ops, the paged backend's own decode arithmetic."""
     from qinfer.attention.backend import choose_backend
@@ -209,16 +209,11 @@ def test_the_layers_take_torchs_ops_when_switched_off(monkeypatch):
     cpu = torch.device("cpu")
     assert choose_backend("paged", cpu, Features()).decode_kernel
     assert not choose_backend("paged", cpu, Features(batch_invariant=True)).decode_kernel
-    monkeypatch.setenv(kernels.SWITCH, "off")
-    kernels.in_use.cache_clear()
-    try:
+    with torch_ops_only():
         assert not kernels.in_use()
         assert not choose_backend("paged", cpu, Features()).decode_kernel
         x, cos = torch.randn(2, 3, 8), torch.randn(2, 1, 4)
         assert not rope_module._compiled(x, cos)
-    finally:
-        monkeypatch.delenv(kernels.SWITCH)
-        kernels.in_use.cache_clear()
 
 
 def test_k_v_stored_already_give_the_same_output():

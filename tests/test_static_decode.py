@@ -10,8 +10,6 @@ buckets of batch sizes and table widths.
 - the buckets themselves, and the backend that cannot plan such a step, named.
 """
 
-import contextlib
-
 import pytest
 import torch
 from checkpoints import WINDOWED, random_model, tiny_config
@@ -115,20 +113,8 @@ def decode_steps(
     return [step([1] * len(seqs)) for _ in range(steps)]
 
 
-@contextlib.contextmanager
-def torch_ops_only(monkeypatch):
-    """The layers and the paged backend on torch's ops (`kernels.SWITCH` off)."""
-    with monkeypatch.context() as patched:
-        patched.setenv(kernels.SWITCH, "off")
-        kernels.in_use.cache_clear()
-        try:
-            yield
-        finally:
-            kernels.in_use.cache_clear()
-
-
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_a_bucketed_decode_step_makes_no_tensor(family, monkeypatch):
+def test_a_bucketed_decode_step_makes_no_tensor(family, torch_ops_only):
     """Three sequences (a bucket of 4) whose tables stay in the bucket of 2 blocks of 16:
     after the bucket's first step, a step makes no tensor and reads nothing back. The
     dynamic paged step through torch's ops, which groups the sequences on the host, does
@@ -145,7 +131,7 @@ def test_a_bucketed_decode_step_makes_no_tensor(family, monkeypatch):
     assert seen == [[], []], seen
     if kernels.in_use():
         assert counts(False) == [[], [], []]
-    with torch_ops_only(monkeypatch):
+    with torch_ops_only():
         grouped = counts(False)
     assert all(calls for calls in grouped), grouped
 
@@ -155,7 +141,7 @@ def test_buckets_are_powers_of_two_up_to_the_capacity():
     assert bucket(20, 24) == 24 and bucket(30, 24) == 30  # capped, never below n
 
 
-def test_static_decode_needs_a_backend_that_plans_it(monkeypatch):
+def test_static_decode_needs_a_backend_that_plans_it(torch_ops_only):
     """The paged backend plans static decode steps through the CPU's decode op alone: not
     over an int8 KV cache, nor for fp16 queries or K/V (the op takes fp32 and bf16), nor on
     torch's ops; auto then takes the gathered backend."""
@@ -165,7 +151,7 @@ def test_static_decode_needs_a_backend_that_plans_it(monkeypatch):
             choose_backend("paged", cpu, plain, True, *dtypes)
         assert isinstance(choose_backend("auto", cpu, plain, True, *dtypes), GatheredBackend)
         assert not choose_backend("paged", cpu, plain, False, *dtypes).decode_kernel
-    with torch_ops_only(monkeypatch):
+    with torch_ops_only():
         with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
             LLM(random_model("qwen3"), static_decode=True, attention_backend="paged")
     llm = LLM(random_model("qwen3"), static_decode=True, num_kv_blocks=8)

@@ -123,7 +123,6 @@ _NAME = "qinfer_int_dot"
 # source is the order that runs.
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
-T = TypeVar("T")
 BLOCK = 32  # input columns per weight / activation block
 #: The activation dtypes the kernels take (fp16 is not one).
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -163,6 +162,8 @@ class PackedInt4:
 #: that decorator imports torch._dynamo, 71 MB of resident memory in every process that
 #: loads the kernels (tests/test_kernel_tracing.py checks that the two still agree).
 CONSTANT_MARK = "_dynamo_marked_constant"
+
+T = TypeVar("T")
 
 
 def _constant_in_graphs(cached: Callable[[], T]) -> Callable[[], T]:

@@ -261,10 +261,9 @@ _NUMBER_TYPECODES = {
 
 
 def _value(key: str, field: ReaderField) -> Any:
-    """A field's value as the reader gives it, but the vocabulary's arrays (one entry per
-    token or merge: `tokenizer.ggml.*`) held compact: strings as a `StringArray`, numbers in
-    an `array` (a Python object per entry, kept as long as the header is cached, cost tens of
-    MB resident: `StringArray`)."""
+    """A field's value as the reader gives it, except the vocabulary's arrays (an entry per
+    token or merge: `tokenizer.ggml.*`), held compact for as long as the header is cached:
+    strings as a `StringArray`, numbers in an `array` (why: `StringArray`)."""
     if not key.startswith("tokenizer.ggml.") or field.types[:1] != [GGUFValueType.ARRAY]:
         return field.contents()
     kind = field.types[-1]
@@ -324,8 +323,6 @@ class StringArray(Sequence[str]):
         if isinstance(other, StringArray):
             return self.data == other.data and np.array_equal(self.ends, other.ends)
         return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable-like: compared by content
 
 
 class _PlainArrayReader(GGUFReader):

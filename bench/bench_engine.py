@@ -14,7 +14,7 @@ import json
 import torch
 
 from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
-from qinfer.cli_args import add_model_arguments, load_arguments
+from qinfer.engine.args import add_model_arguments, load_arguments
 
 
 def main() -> None:

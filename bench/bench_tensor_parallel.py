@@ -20,7 +20,7 @@ import torch
 from qinfer import LLM, SamplingParams
 from qinfer.bench import Workload
 from qinfer.bench.common import time_once
-from qinfer.cli_args import add_model_arguments, load_arguments
+from qinfer.engine.args import add_model_arguments, load_arguments
 
 
 def run(model: str | None, load_args: dict, size: int, workload: Workload) -> dict:

@@ -31,7 +31,7 @@ import torch
 
 from qinfer import SamplingParams, load_model
 from qinfer.attention.paged import PagedAttention
-from qinfer.checkpoint import default_model
+from qinfer.core.checkpoint import default_model
 from qinfer.engine import Engine, EngineConfig
 from qinfer.engine.run import run_to_end
 from qinfer.linear.compute import cpu_flags

@@ -25,7 +25,7 @@ import numpy as np
 
 from qinfer import LLM, SamplingParams
 from qinfer.bench.greedy import partings, top_two_gaps
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "chat_prompts.txt"
 

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from qinfer import load_model, load_tokenizer
-from qinfer.checkpoint import resolve_model
-from qinfer.perplexity import score, scored_log_probs
+from qinfer.analysis.perplexity import score, scored_log_probs
+from qinfer.core.checkpoint import resolve_model
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "real_text.txt"
 
@@ -69,7 +69,7 @@ def llama_cpp_requantized(path: Path, kind: str, directory: Path, threads: int) 
 
 
 def llama_cpp_scorer(path: Path, context: int, threads: int, **params):
-    """A `qinfer.perplexity.Scorer` running llama.cpp on the file (params: more of
+    """A `qinfer.analysis.perplexity.Scorer` running llama.cpp on the file (params: more of
     `llama_cpp.Llama`'s context parameters, such as its KV cache types)."""
     import llama_cpp
 

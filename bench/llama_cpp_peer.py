@@ -99,7 +99,7 @@ class Qinfer:
 
     def decode_seconds(self, rows: list[list[int]], n: int) -> float:
         """Seconds from the first greedy token of the rows (decoding together) to the last."""
-        from qinfer.generation import generate_ids
+        from qinfer.engine.generation import generate_ids
 
         results = generate_ids(self.model, rows, greedy(n))
         return max(r.timings.decode_seconds for r in results)
@@ -341,7 +341,7 @@ def main() -> None:
     except ImportError:
         print(SKIP_MESSAGE)
         return
-    from qinfer.checkpoint import resolve_model
+    from qinfer.core.checkpoint import resolve_model
 
     path = resolve_model(args.model)
     if path.suffix != ".gguf":

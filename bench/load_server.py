@@ -172,9 +172,9 @@ def format_table(levels: list[dict]) -> str:
 def direct_figures(model: str | None, levels: list[dict], max_tokens: int) -> None:
     """The peer in the same run: the same chats through an `AsyncEngine` in this process
     (the engine the server wraps, set up alike), no HTTP; adds direct tok/s to each level."""
-    from qinfer.checkpoint import resolve_model
+    from qinfer.core.checkpoint import resolve_model
     from qinfer.engine import AsyncEngine
-    from qinfer.sampling import SamplingParams
+    from qinfer.request.sampling import SamplingParams
 
     path = resolve_model(model)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)

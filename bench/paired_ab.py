@@ -59,10 +59,10 @@ def worker(
     import torch
 
     from qinfer import LLM, SamplingParams, load_model
-    from qinfer.checkpoint import resolve_model
+    from qinfer.core.checkpoint import resolve_model
 
     try:
-        from qinfer.generation import generate_ids
+        from qinfer.engine.generation import generate_ids
     except ImportError:  # trees before the one engine (5c3a668 and older)
         from qinfer.generate import generate_ids
 

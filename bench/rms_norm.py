@@ -62,8 +62,8 @@ def torch_add_norm(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.T
 
 def decode_ab(threads: int, rounds: int, tokens: int) -> None:
     from qinfer import SamplingParams, load_model
-    from qinfer.checkpoint import resolve_model
-    from qinfer.generation import generate_ids
+    from qinfer.core.checkpoint import resolve_model
+    from qinfer.engine.generation import generate_ids
 
     torch.set_num_threads(threads)
     model = load_model(resolve_model(None), device="cpu")

@@ -29,7 +29,7 @@ import torch
 
 from qinfer import LLM, SamplingParams, load_tokenizer
 from qinfer.bench.speculative import best_of, decode_rate, workload_ids
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
 from qinfer.linear.compute import cpu_flags
 
 

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from qinfer import LLM, SamplingParams
-from qinfer.grammar import GrammarProcessor
+from qinfer.request.grammar import GrammarProcessor
 
 SCHEMA = {
     "type": "object",

@@ -8,7 +8,7 @@ import torch
 
 import qinfer
 from qinfer import kernels
-from qinfer.config import ModelConfig
+from qinfer.core.model_config import ModelConfig
 from qinfer.linear import Int4BlockLinear, Int4Linear
 from qinfer.models import config_from_hf
 

@@ -90,8 +90,8 @@ def compare_greedy(fast, reference, ids: list[int], steps: int = 32) -> GreedyCo
     `reference` (the fp32 dequantized one) after the prompt `ids`. Where they part, the
     reference's top choice must lead the fast path's choice by less than the logit error
     measured at that very position: a near-tie, not a bug (asserted here)."""
-    from qinfer.generation import generate_ids
-    from qinfer.sampling import SamplingParams
+    from qinfer.engine.generation import generate_ids
+    from qinfer.request.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     ours = generate_ids(fast, [ids], greedy)[0].token_ids

@@ -29,8 +29,8 @@ from text_assets import (
 
 import qinfer
 from qinfer.cli import main
-from qinfer.generation import generate
-from qinfer.sampling import SamplingParams
+from qinfer.engine.generation import generate
+from qinfer.request.sampling import SamplingParams
 from qinfer.text.fill_in_middle import fim_tokens
 from qinfer.text.prompts import encode_prompt
 

@@ -6,7 +6,7 @@ import torch
 from checkpoints import max_diff, random_tokens, reference_logits
 
 from qinfer.attention.kv_cache import GROWTH_STEP, KVCache, RotatingKVCache
-from qinfer.errors import CacheError
+from qinfer.core.errors import CacheError
 
 TOLERANCE = 1e-4
 TOTAL = 40  # tokens per sequence: five times the widest window (8)

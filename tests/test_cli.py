@@ -13,8 +13,9 @@ from checkpoints import build_chat_checkpoint, build_checkpoint
 
 import qinfer
 from qinfer import SamplingParams, generate
-from qinfer.chat_defaults import CHAT_DEFAULTS, chat_sampling_params
-from qinfer.cli import build_parser, main, sampling_params
+from qinfer.cli import build_parser, main
+from qinfer.cli.shared import sampling_params
+from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, chat_sampling_params
 
 GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
 
@@ -198,8 +199,8 @@ def test_a_stopped_reply_keeps_only_its_answer_where_the_request_says_the_model_
     `<think>` block for the model to open) only the answer after `</think>`, as the request
     decided when it was made, not by rendering the prompt again."""
     from qinfer import load_model, load_tokenizer
-    from qinfer.cli import shown_answer
-    from qinfer.generation import stream_generate
+    from qinfer.cli.chat import shown_answer
+    from qinfer.engine.generation import stream_generate
 
     model = load_model(qwen3_chat_folder, dtype="float32", device="cpu")
     tokenizer = load_tokenizer(qwen3_chat_folder)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from checkpoints import WINDOWED, random_model
 
+from qinfer.core.errors import QinferError
 from qinfer.engine import LLM
-from qinfer.errors import QinferError
+from qinfer.request.sampling import SamplingParams
 from qinfer.runtime import cuda_graphs, runner
-from qinfer.sampling import SamplingParams
 
 
 class RecordedGraph:

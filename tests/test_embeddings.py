@@ -23,8 +23,8 @@ from server_process import serving, start_serve_command, wait_until_idle
 
 from qinfer import LLM
 from qinfer.engine.run import run_requests
-from qinfer.pooling import PoolingParams
-from qinfer.sampling import SamplingParams
+from qinfer.request.pooling import PoolingParams
+from qinfer.request.sampling import SamplingParams
 from qinfer.server.app import served_name
 from qinfer.server.embeddings import MAX_EMBEDDING_INPUTS
 

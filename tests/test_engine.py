@@ -11,10 +11,10 @@ import torch
 from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, random_model, use_features
 
 import qinfer
+from qinfer.core.errors import QinferError, RequestError
 from qinfer.engine import LLM, block_manager
-from qinfer.errors import QinferError, RequestError
-from qinfer.generation import generate_ids
-from qinfer.sampling import SamplingParams
+from qinfer.engine.generation import generate_ids
+from qinfer.request.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import qinfer
-from qinfer.errors import EngineOverloadedError, RequestError
-from qinfer.sampling import SamplingParams
+from qinfer.core.errors import EngineOverloadedError, RequestError
+from qinfer.request.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -125,7 +125,7 @@ def test_a_grammar_compiles_off_the_event_loop(engine, monkeypatch):
     loop keeps relaying other streams meanwhile."""
     import threading
 
-    from qinfer.grammar import GrammarProcessor
+    from qinfer.request.grammar import GrammarProcessor
 
     compiled_on = []
     create = GrammarProcessor.create.__func__

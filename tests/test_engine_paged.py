@@ -33,9 +33,9 @@ from qinfer.attention.kv_pool import KVLayout, KVPool, paged_layers
 from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, PagedStep, split_by_history
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.attention.step_buffers import StepBuffers, step_tensors
+from qinfer.core.errors import QinferError, RequestError
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence, step_inputs
-from qinfer.errors import QinferError, RequestError
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor, ParallelConfig
 

@@ -9,7 +9,7 @@ from checkpoints import build_checkpoint
 from safetensors.torch import load_file, save_file
 
 import qinfer
-from qinfer.errors import CacheError, ConfigError, QinferError, WeightsError
+from qinfer.core.errors import CacheError, ConfigError, QinferError, WeightsError
 
 
 def error_line(excinfo) -> str:

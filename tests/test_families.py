@@ -23,8 +23,8 @@ from checkpoints import (
 from gguf_files import write_gguf_model
 
 import qinfer
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from qinfer.layers.rope import NoRoPE
 from qinfer.models import config_from_hf
 
@@ -184,6 +184,6 @@ def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
     )
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(
-        qinfer.errors.WeightsError, match="qkv_proj.weight.*has 128 rows, expected 192"
+        qinfer.core.errors.WeightsError, match="qkv_proj.weight.*has 128 rows, expected 192"
     ):
         qinfer.load_model(tmp_path, dtype="float32", device="cpu")

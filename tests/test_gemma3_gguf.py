@@ -25,7 +25,7 @@ from server_process import start_serve_command
 
 import qinfer
 from qinfer.cli import main
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION
+from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from qinfer.linear import DenseLinear, Int4BlockLinear, Int8BlockLinear
 from qinfer.weights.gguf import read_gguf
 
@@ -273,7 +273,7 @@ LLAMA_CPP = {0: (0.00788, 0.9294), 300: (0.01220, 0.9216)}
 def kl_to_float32(gemma3, tokenizers, offset: int, **load):
     """`perplexity` of the file loaded with `load` against the fp32 dequantization (the
     `gemma3` fixture's), on the real-text windows from token `offset`."""
-    from qinfer.perplexity import perplexity
+    from qinfer.analysis.perplexity import perplexity
 
     ours, _ = gemma3
     tokenizer, _ = tokenizers

@@ -13,7 +13,7 @@ from checkpoints import build_chat_checkpoint
 
 import qinfer
 from qinfer import SamplingParams, generate, stream_generate
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
 
 FAMILIES = ["qwen3", "llama", "qwen2"]
 NEW_TOKENS = 32

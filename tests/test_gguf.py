@@ -17,7 +17,7 @@ from gguf_files import (
 )
 
 import qinfer
-from qinfer.errors import ConfigError, WeightsError
+from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.weights.gguf import GGUFWeights, open_gguf
 from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
 

@@ -3,24 +3,29 @@ layers under it, and no two modules (nor two packages) import each other, even t
 others. Every import counts: at the top of a file, inside a function (a lazy import is
 still a dependency) and under `if TYPE_CHECKING:` (a type named is a type depended on).
 
-The layers, from the bottom (a unit is a subpackage or a module of the package's root):
+The layers, from the bottom, each one package of `src/qinfer` (docs/ARCHITECTURE.md):
 
-    foundation   errors, config, features, module, parallel, checkpoint, rope_scaling,
-                 kv_quant, pooling, sampling, chat_defaults, heatmap
-    linear       the Linear kinds
-    weights      checkpoint readers, family adapters (`models`)
-    attention    attention arithmetic, its backends and their KV storage
-    layers       norm, RoPE, MLP, MoE, the Attention layer (which calls a backend)
-    model        the Transformer and the batch it runs (`forward_batch`); images in
-                 (`vision`: decoding, patches, the vision towers)
-    text         tokenizer, templates, prompts; model-level tools (tensor-parallel
-                 bootstrap, inspection, perplexity, load messages)
-    requests     per-request decoding: grammar, stop strings, scoring, tool calls, state
-    runtime      one step over the KV pools, on every rank
-    engine       scheduling, blocks, speculation, the offline and async fronts
-    apps         server, benchmarks, command-line arguments, `generate`
-    cli          the `qinfer` command, and the package's face (`qinfer/__init__.py`,
-                 whose names load what they name on first use)
+    core        errors, the model's config, features, checkpoint paths, the module base,
+                a tensor-parallel rank's share; no other qinfer package
+    kernels     the compiled CPU kernels (torch ops) and their loader
+    linear      the Linear kinds
+    models      the family adapters: config.json / GGUF keys -> ModelConfig
+    weights     checkpoint readers; loading a built model's slots
+    attention   attention arithmetic, its backends and their KV storage
+    layers      norm, RoPE, MLP, MoE, the Attention layer (which calls a backend)
+    model       the Transformer, the batch it runs, load_model
+    vision      images in: decoding, patches, the vision towers
+    text        tokenizer, templates, prompts, detokenizer, reasoning
+    analysis    looking into a model: inspection, heatmap, perplexity
+    request     one request's decoding: sampling, grammar, stop strings, tool calls,
+                scores, pooling, its state
+    runtime     one step over the KV pools, on every rank (tensor-parallel groups too)
+    engine      scheduling, blocks, speculation, the offline and async fronts, `generate`,
+                the engine's command-line flags
+    server      the HTTP APIs
+    bench       `qinfer bench`
+    cli         the `qinfer` command, and the package's face (`qinfer/__init__.py`,
+                whose names load what they name on first use)
 """
 
 from __future__ import annotations
@@ -36,30 +41,22 @@ SOURCE = Path(qinfer.__file__).parent
 
 #: Layers from the bottom: the units (subpackages, root modules) each holds.
 LAYERS = {
-    "foundation": {
-        "errors",
-        "config",
-        "features",
-        "module",
-        "parallel",
-        "checkpoint",
-        "rope_scaling",
-        "kv_quant",
-        "pooling",
-        "sampling",
-        "chat_defaults",
-        "heatmap",
-    },
-    "linear": {"linear", "kernels"},
-    "weights": {"weights", "models"},
+    "core": {"core"},
+    "kernels": {"kernels"},
+    "linear": {"linear"},
+    "models": {"models"},
+    "weights": {"weights"},
     "attention": {"attention"},
     "layers": {"layers"},
-    "model": {"model", "forward_batch", "loading", "vision"},
-    "text": {"text", "distributed", "inspection", "perplexity", "startup"},
-    "requests": {"grammar", "stopping", "scoring", "tool_calls", "request_state"},
+    "model": {"model"},
+    "vision": {"vision"},
+    "text": {"text"},
+    "analysis": {"analysis"},
+    "request": {"request"},
     "runtime": {"runtime"},
     "engine": {"engine"},
-    "apps": {"server", "bench", "cli_args", "generation"},
+    "server": {"server"},
+    "bench": {"bench"},
     "cli": {"cli", "qinfer"},  # "qinfer": the package's face, `qinfer/__init__.py`
 }
 FACE = "qinfer"
@@ -192,8 +189,8 @@ def test_no_import_circle_between_modules_or_packages(edges):
         ("from ..runtime import runner", "qinfer.attention.planted -> qinfer.runtime.runner"),
         ("import qinfer.server.app", "qinfer.attention.planted -> qinfer.server.app"),
         (
-            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qinfer.model import Transformer",
-            "qinfer.attention.planted -> qinfer.model",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qinfer.model.transformer import Transformer",
+            "qinfer.attention.planted -> qinfer.model.transformer",
         ),
         ("def f():\n    from qinfer import layers", "qinfer.attention.planted -> qinfer.layers"),
     ],

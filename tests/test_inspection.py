@@ -1,4 +1,4 @@
-"""`qinfer.inspection` and `POST /v1/inspect`: the attention weights are the seed's own
+"""`qinfer.analysis.inspection` and `POST /v1/inspect`: the attention weights are the seed's own
 (causal distributions, equal to a direct call of `scaled_dot_product_attention_grouped`,
 and to transformers' eager attention), the next-token and logit-lens probabilities are the
 model's and transformers' (its hidden states through the final norm and lm_head), and an
@@ -15,13 +15,13 @@ import torch
 from checkpoints import random_tokens, use_features
 from server_process import start_serve_command
 
+from qinfer.analysis.inspection import MAX_INSPECT_TOKENS, MAX_TOP_K, inspect_tokens
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import scaled_dot_product_attention_grouped, sdpa_for
-from qinfer.errors import RequestError
-from qinfer.features import Features
-from qinfer.forward_batch import ForwardBatch
-from qinfer.inspection import MAX_INSPECT_TOKENS, MAX_TOP_K, inspect_tokens
-from qinfer.loading import load_model
+from qinfer.core.errors import RequestError
+from qinfer.core.features import Features
+from qinfer.model.forward_batch import ForwardBatch
+from qinfer.model.loading import load_model
 from qinfer.text.tokenizer import load_tokenizer
 
 LENGTH = 20  # past the windows of the windowed families (6 and 8 tokens)
@@ -228,8 +228,8 @@ def test_inspections_do_not_change_other_requests(server):
 def test_inspect_command_writes_the_heatmap_png(qwen3_chat_folder, tmp_path, capsys):
     from PIL import Image
 
+    from qinfer.analysis.heatmap import BACKGROUND, MASKED, colours, layout, token_label
     from qinfer.cli import main
-    from qinfer.heatmap import BACKGROUND, MASKED, colours, layout, token_label
 
     out = tmp_path / "attn.png"
     args = ["--model", str(qwen3_chat_folder), "--dtype", "float32", "--layer", "1"]

@@ -1,4 +1,4 @@
-"""Quantized KV caches (`qinfer.kv_quant`, `Features.kv_cache_dtype`): the round trip's
+"""Quantized KV caches (`qinfer.attention.kv_quant`, `Features.kv_cache_dtype`): the round trip's
 error, cache invariance and paged == reference within the quantized path, batched ==
 alone, and the pool's size in blocks and in concurrent sequences.
 
@@ -14,16 +14,16 @@ from checkpoints import max_diff, random_tokens, tiny_config
 import qinfer
 from qinfer.attention.block_spaces import BlockSpaces
 from qinfer.attention.kv_pool import KVPool
+from qinfer.attention.kv_quant import KVFormat, kv_format
+from qinfer.core.errors import QinferError
+from qinfer.core.features import Features
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence, step_inputs
-from qinfer.errors import QinferError
-from qinfer.features import Features
-from qinfer.kv_quant import KVFormat, kv_format
+from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.runner import kv_pool_blocks
-from qinfer.sampling import SamplingParams
 
 INT8, FP8 = kv_format("int8", torch.float32), kv_format("fp8", torch.float32)
 

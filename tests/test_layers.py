@@ -12,8 +12,8 @@ from qinfer.attention.sdpa import (
     scaled_dot_product_attention_grouped,
     torch_sdpa_grouped,
 )
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE, rope_frequencies
 from qinfer.models import config_from_hf

@@ -21,7 +21,7 @@ from gguf_files import synthetic_tensor
 
 from qinfer import kernels
 from qinfer.bench.linear_paths import path_table
-from qinfer.errors import ConfigError, WeightsError
+from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.linear import (
     ConcatLinear,
     DenseLinear,

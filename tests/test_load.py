@@ -18,13 +18,13 @@ from checkpoints import build_checkpoint, random_model, random_tokens, tiny_conf
 from gguf_files import smollm2_path
 
 import qinfer
-import qinfer.module
-from qinfer.errors import QinferError
-from qinfer.features import Features
+import qinfer.core.module
+from qinfer.core.errors import QinferError
+from qinfer.core.features import Features
+from qinfer.core.parallel import Parallel
 from qinfer.layers.attention import Attention
 from qinfer.linear import DenseLinear
 from qinfer.models import config_from_file
-from qinfer.parallel import Parallel
 from qinfer.weights import SafetensorsWeights
 from qinfer.weights.load import init_random, load
 from qinfer.weights.slots import GroupedSlot, LinearSlot
@@ -100,11 +100,11 @@ def test_a_world_size_that_does_not_split_the_model_is_refused_before_any_read(f
 
 @pytest.fixture
 def hooks_then_fast_calls():
-    """A hook test sets `qinfer.module._hooked` for good (every call then takes
+    """A hook test sets `qinfer.core.module._hooked` for good (every call then takes
     nn.Module's path); once its hooked model is gone, the rest of the suite goes back to
     the calls users run, with no hook set."""
     yield
-    qinfer.module._hooked = False
+    qinfer.core.module._hooked = False
 
 
 @pytest.mark.usefixtures("hooks_then_fast_calls")
@@ -126,7 +126,7 @@ def test_a_hook_set_after_the_model_ran_fires_and_the_output_is_unchanged():
     after the model ran (on the fast path) still fires, and nothing else changes."""
     model = random_model("qwen3", **QWEN3)
     tokens = random_tokens(1, 5)
-    assert not qinfer.module._hooked  # so the first call takes the fast path
+    assert not qinfer.core.module._hooked  # so the first call takes the fast path
     first = model(tokens)
     seen = []
     mlp = dict(model.named_modules())["layers.1.mlp"]
@@ -172,7 +172,7 @@ def test_a_random_model_is_reproducible_by_seed_in_any_dtype():
 
 
 def test_mirrored_submodules_and_buffers_follow_every_change():
-    """`qinfer.module.Module` reads submodules and buffers as plain attributes: they must
+    """`qinfer.core.module.Module` reads submodules and buffers as plain attributes: they must
     stay the ones nn.Module holds through `.to()`, `set_submodule`, buffers and deletion."""
     model = random_model("qwen3", **QWEN3)
     attention = model.layers[0].self_attn

@@ -23,16 +23,16 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
 import qinfer
+from qinfer.core.errors import ConfigError, QinferError
+from qinfer.core.parallel import Parallel
 from qinfer.engine import LLM
-from qinfer.errors import ConfigError, QinferError
-from qinfer.generation import generate_ids
+from qinfer.engine.generation import generate_ids
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.linear import DenseLinear, Int8Linear
 from qinfer.linear.grouped import GroupedLinear, LoopedLinear, StackedDenseLinear
 from qinfer.models import config_from_file, config_from_hf
-from qinfer.parallel import Parallel
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
 
 TOLERANCE = 2e-5  # fp32; logits are of order 1
 

@@ -21,8 +21,8 @@ from checkpoints import build_chat_checkpoint
 from server_process import start_serve_command
 
 from qinfer import generate, load_model, load_tokenizer
-from qinfer.chat_defaults import chat_sampling_params
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
+from qinfer.request.sampling.chat_defaults import chat_sampling_params
 
 QINFER = [sys.executable, "-m", "qinfer.cli"]
 

@@ -203,7 +203,7 @@ def test_the_layers_take_torchs_ops_when_switched_off(torch_ops_only):
     """`QINFER_CPU_KERNELS=off` (read once, by `kernels.in_use`) gives the pure-torch path:
     RoPE.apply's own ops, the paged backend's own decode arithmetic."""
     from qinfer.attention.backend import choose_backend
-    from qinfer.features import Features
+    from qinfer.core.features import Features
     from qinfer.layers import rope as rope_module
 
     cpu = torch.device("cpu")

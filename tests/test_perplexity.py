@@ -1,4 +1,4 @@
-"""Perplexity and KL divergence (`qinfer.perplexity`), as llama-perplexity measures them,
+"""Perplexity and KL divergence (`qinfer.analysis.perplexity`), as llama-perplexity measures them,
 against transformers' fp32 logits on a random checkpoint."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 from checkpoints import load_pair, random_model, random_tokens, reference_logits
 
-from qinfer.errors import QinferError
-from qinfer.perplexity import perplexity
+from qinfer.analysis.perplexity import perplexity
+from qinfer.core.errors import QinferError
 
 CONTEXT = 16
 

@@ -19,7 +19,7 @@ from text_assets import CHATML_SPECIAL, QWEN3_ADDED, save_qwen3_tokenizer, train
 
 from qinfer import LLM
 from qinfer.engine.run import run_requests
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
 
 MODEL = "tiny-logprobs"
 TEXTS = [

@@ -23,7 +23,7 @@ from gguf_files import (
 
 import qinfer
 from qinfer import kernels
-from qinfer.errors import QinferError, WeightsError
+from qinfer.core.errors import QinferError, WeightsError
 from qinfer.linear import DenseLinear, Int8BlockLinear, Int8Linear
 
 
@@ -155,7 +155,7 @@ def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp(offs
     dequantization, on real text from the document's start and from mid-document, as
     llama-perplexity measures it: no more than half llama.cpp's own KL on the same file
     and windows (its kernels round too), and top-1 agreement above llama.cpp's."""
-    from qinfer.perplexity import perplexity
+    from qinfer.analysis.perplexity import perplexity
 
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)
@@ -183,7 +183,7 @@ def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_
     fp32 dequantization, on real text from the start and from mid-document: no more than
     half llama.cpp's own KL with its q8_0 cache, and top-1 agreement no more than a point
     below llama.cpp's."""
-    from qinfer.perplexity import perplexity
+    from qinfer.analysis.perplexity import perplexity
 
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from qinfer import SamplingParams
-from qinfer.errors import QinferError, SamplingError
-from qinfer.sampling import (
+from qinfer.core.errors import QinferError, SamplingError
+from qinfer.request.sampling import (
     ARGMAX_LOGITS_PER_THREAD,
     ARGMAX_SLICED_FROM,
     ThinkingBudget,

@@ -17,9 +17,9 @@ from checkpoints import build_checkpoint, build_tokenizer
 from server_process import start_serve_command, wait_until_idle
 
 from qinfer import LLM
-from qinfer.errors import RequestError
-from qinfer.sampling import SamplingParams
-from qinfer.scoring import reranker_params, reranker_prompt
+from qinfer.core.errors import RequestError
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.server.app import checkpoint_task
 from qinfer.server.scores import MAX_SCORED_DOCUMENTS
 

@@ -33,8 +33,8 @@ from server_process import metric_values, start_serve_command, wait_until_idle
 import qinfer
 from qinfer.cli import main
 from qinfer.engine import AsyncEngine
-from qinfer.generation import generate
-from qinfer.sampling import SamplingParams
+from qinfer.engine.generation import generate
+from qinfer.request.sampling import SamplingParams
 from qinfer.server.app import ServerSettings, create_app
 
 API_KEY = "test-key"

@@ -37,7 +37,7 @@ from test_server_anthropic import FORECAST
 
 import qinfer
 from qinfer.engine import AsyncEngine
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
 from qinfer.server.app import ServerSettings, create_app
 
 MODEL = "fuzz"

@@ -29,8 +29,8 @@ from test_vl_models import TEXT, make_image, save_vl_checkpoint
 import qinfer
 from qinfer import LLM, SamplingParams
 from qinfer.cli import build_parser
+from qinfer.core.errors import QinferError
 from qinfer.engine import AsyncEngine
-from qinfer.errors import QinferError
 from qinfer.server.app import ServerSettings, create_app
 from qinfer.server.errors import APIError
 from qinfer.server.images import ImageReader, ImageRef

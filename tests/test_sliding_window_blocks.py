@@ -24,15 +24,15 @@ from checkpoints import reference_logits as transformers_logits
 
 import qinfer
 from qinfer.attention.block_spaces import NULL_BLOCK, BlockSpaces, window_space_blocks
+from qinfer.core.errors import ConfigError
 from qinfer.engine import LLM
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
-from qinfer.errors import ConfigError
+from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.runner import kv_pool_blocks
 from qinfer.runtime.step import StepInputs
 from qinfer.runtime.step_channel import pack, unpack
-from qinfer.sampling import SamplingParams
 
 WINDOW, BLOCK = 8, 4
 GEMMA = dict(GEMMA3, sliding_window=WINDOW)  # layers: sliding, sliding, full

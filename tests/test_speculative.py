@@ -22,12 +22,12 @@ from server_process import metric_values, serving
 
 import qinfer
 from qinfer.cli import main
+from qinfer.core.errors import QinferError
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.speculative.draft import DraftModel
 from qinfer.engine.speculative.ngram import propose_ngram
-from qinfer.errors import QinferError
-from qinfer.sampling import SamplingParams, process_logits, sample
+from qinfer.request.sampling import SamplingParams, process_logits, sample
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma3", "smollm3", "phi3"]

@@ -20,14 +20,14 @@ from qinfer import kernels
 from qinfer.attention.backend import choose_backend
 from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.paged import PagedBackend
+from qinfer.core.errors import QinferError
+from qinfer.core.features import Features
 from qinfer.engine import LLM
 from qinfer.engine.sequence import Sequence, step_inputs
-from qinfer.errors import QinferError
-from qinfer.features import Features
+from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.static_decode import bucket
-from qinfer.sampling import SamplingParams
 
 FAMILIES = {"llama": ("llama", {}), **WINDOWED}
 

@@ -4,7 +4,7 @@ import pytest
 from checkpoints import build_tokenizer
 
 from qinfer import SamplingParams, load_tokenizer
-from qinfer.stopping import accept_token
+from qinfer.request.stopping import accept_token
 from qinfer.text.detokenizer import IncrementalDetokenizer
 
 EOS = frozenset({7})

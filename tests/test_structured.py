@@ -24,8 +24,8 @@ from gguf_files import smollm2_path
 import qinfer
 from qinfer import LLM, SamplingParams, generate
 from qinfer.cli import main
-from qinfer.errors import QinferError, SamplingError
-from qinfer.grammar import GrammarProcessor, strict_schema
+from qinfer.core.errors import QinferError, SamplingError
+from qinfer.request.grammar import GrammarProcessor, strict_schema
 from qinfer.text.prompts import eos_token_ids
 from qinfer.text.reasoning import ANSWER, MAY_THINK, THINKING, prompt_thinking
 
@@ -337,13 +337,15 @@ def test_the_next_mask_is_computed_on_a_worker_thread_after_each_token(qwen3, mo
     still pending."""
     model, tokenizer, _ = qwen3
     threads: list[str] = []
-    fill = qinfer.grammar.llguidance.numpy.fill_next_token_bitmask
+    fill = qinfer.request.grammar.llguidance.numpy.fill_next_token_bitmask
 
     def recording_fill(matcher, bitmask):
         threads.append(threading.current_thread().name)
         fill(matcher, bitmask)
 
-    monkeypatch.setattr(qinfer.grammar.llguidance.numpy, "fill_next_token_bitmask", recording_fill)
+    monkeypatch.setattr(
+        qinfer.request.grammar.llguidance.numpy, "fill_next_token_bitmask", recording_fill
+    )
     eos = eos_token_ids(model.config, tokenizer)
     processor = GrammarProcessor.create(SamplingParams(choice=["abc"]), tokenizer, eos)
     for piece in "abc":

@@ -31,9 +31,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf_model
 
 import qinfer
-from qinfer.errors import QinferError, WeightsError
+from qinfer.core.errors import QinferError, WeightsError
+from qinfer.core.parallel import Parallel, tensor_parallel_sizes
 from qinfer.linear import RowParallelLinear, VocabParallelLinear, quantize_int8
-from qinfer.parallel import Parallel, tensor_parallel_sizes
 
 WORLD = 2
 TOLERANCE = 1e-5  # fp32; the ranks' partial sums are added in another order

@@ -1,7 +1,7 @@
 """Tensor parallelism, stage 2 (the engine): rank 0 schedules and samples, one spawned worker
 follows its steps, and greedy decoding gives the single-process tokens.
 
-Each `LLM(..., tensor_parallel_size=2)` spawns its worker (`qinfer.distributed`) and
+Each `LLM(..., tensor_parallel_size=2)` spawns its worker (`qinfer.runtime.distributed`) and
 `close()` stops it; a worker killed mid-generation ends the group with one clear error.
 """
 
@@ -23,14 +23,14 @@ from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
 from qinfer.bench import Workload, run_engine_benchmark
-from qinfer.distributed import (
+from qinfer.core.errors import WeightsError
+from qinfer.engine import AsyncEngine
+from qinfer.runtime.distributed import (
     TensorParallelError,
     TensorParallelGroup,
     init_tensor_parallel,
     load_on_every_rank,
 )
-from qinfer.engine import AsyncEngine
-from qinfer.errors import WeightsError
 from qinfer.server.app import ServerSettings, create_app
 
 #: Small pools and blocks, so that a few short prompts share blocks and get preempted.

@@ -11,7 +11,7 @@ from text_assets import (
 from tokenizers import processors
 
 import qinfer
-from qinfer.errors import QinferError, TokenizerError
+from qinfer.core.errors import QinferError, TokenizerError
 from qinfer.weights import gguf_tokenizer
 
 TEXTS = [

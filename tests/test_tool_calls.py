@@ -33,10 +33,8 @@ from text_assets import (
 )
 
 import qinfer
-from qinfer.grammar import _ll_tokenizer
-from qinfer.server.completions import Delta
-from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
-from qinfer.tool_calls import (
+from qinfer.request.grammar import _ll_tokenizer
+from qinfer.request.tool_calls import (
     GENERIC,
     HERMES,
     LLAMA3_JSON,
@@ -46,6 +44,8 @@ from qinfer.tool_calls import (
     tool_call_grammar,
     tool_prompt,
 )
+from qinfer.server.completions import Delta
+from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
 
 CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}
 WEATHER = {

@@ -14,7 +14,7 @@ import torch
 from checkpoints import spread_weights
 from PIL import Image
 
-from qinfer.errors import ConfigError, RequestError
+from qinfer.core.errors import ConfigError, RequestError
 from qinfer.vision import (
     ImageSettings,
     load_image_settings,

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from qinfer import LLM, SamplingParams
 from qinfer.cli import main
-from qinfer.errors import RequestError
+from qinfer.core.errors import RequestError
 from qinfer.vision import ImagePrompt, VisionLanguageModel, preprocess_images
 
 #: build_tokenizer's 261 ids (bytes, ChatML, <think>), then Qwen-VL's vision tokens.

@@ -41,7 +41,7 @@ from test_vl_models import (
 
 from qinfer import LLM, SamplingParams
 from qinfer.cli import main
-from qinfer.errors import ConfigError, RequestError, WeightsError
+from qinfer.core.errors import ConfigError, RequestError, WeightsError
 from qinfer.linear import DenseLinear
 from qinfer.vision import (
     ImagePrompt,

@@ -19,7 +19,7 @@ import pytest
 from server_process import start_serve_command
 
 import qinfer
-from qinfer.inspection import MAX_INSPECT_TOKENS
+from qinfer.analysis.inspection import MAX_INSPECT_TOKENS
 
 playwright = pytest.importorskip("playwright.sync_api")
 

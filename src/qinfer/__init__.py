@@ -4,7 +4,7 @@ The names below are imported on first use (PEP 562), not with the package: `impo
 (which `qinfer --help` and `qinfer --version` do) then costs milliseconds instead of
 torch's second or more. No public name may also be a submodule's: importing the submodule
 would bind the module under that name (`generate` is the function; its module is
-`qinfer.generation`).
+`qinfer.engine.generation`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
-    from qinfer.config import ModelConfig
+    from qinfer.core.errors import QinferError
+    from qinfer.core.features import Features
+    from qinfer.core.model_config import ModelConfig
     from qinfer.engine import LLM, AsyncEngine, RequestOutput
-    from qinfer.errors import QinferError
-    from qinfer.features import Features
-    from qinfer.generation import GenerationResult, generate, stream_generate
-    from qinfer.loading import load_model
-    from qinfer.model import Transformer
-    from qinfer.pooling import PoolingParams
-    from qinfer.sampling import SamplingParams
+    from qinfer.engine.generation import GenerationResult, generate, stream_generate
+    from qinfer.model.loading import load_model
+    from qinfer.model.transformer import Transformer
+    from qinfer.request.pooling import PoolingParams
+    from qinfer.request.sampling import SamplingParams
     from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: Public name -> the module that defines it.
@@ -30,18 +30,18 @@ _EXPORTS = {
     "LLM": "qinfer.engine",
     "AsyncEngine": "qinfer.engine",
     "RequestOutput": "qinfer.engine",
-    "Features": "qinfer.features",
-    "GenerationResult": "qinfer.generation",
-    "ModelConfig": "qinfer.config",
-    "PoolingParams": "qinfer.pooling",
-    "QinferError": "qinfer.errors",
-    "SamplingParams": "qinfer.sampling",
+    "Features": "qinfer.core.features",
+    "GenerationResult": "qinfer.engine.generation",
+    "ModelConfig": "qinfer.core.model_config",
+    "PoolingParams": "qinfer.request.pooling",
+    "QinferError": "qinfer.core.errors",
+    "SamplingParams": "qinfer.request.sampling",
     "Tokenizer": "qinfer.text.tokenizer",
-    "Transformer": "qinfer.model",
-    "generate": "qinfer.generation",
-    "load_model": "qinfer.loading",
+    "Transformer": "qinfer.model.transformer",
+    "generate": "qinfer.engine.generation",
+    "load_model": "qinfer.model.loading",
     "load_tokenizer": "qinfer.text.tokenizer",
-    "stream_generate": "qinfer.generation",
+    "stream_generate": "qinfer.engine.generation",
 }
 
 __all__ = [

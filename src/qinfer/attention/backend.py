@@ -45,8 +45,8 @@ from qinfer.attention.kv_pool import KVLayout, PagedLayer
 from qinfer.attention.paged import PagedBackend
 from qinfer.attention.sdpa import sdpa_for
 from qinfer.attention.step_buffers import StepTensors
-from qinfer.errors import QinferError
-from qinfer.features import Features, check_attention_backend
+from qinfer.core.errors import QinferError
+from qinfer.core.features import Features, check_attention_backend
 
 
 class StepAttention(Protocol):

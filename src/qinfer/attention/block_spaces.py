@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qinfer.config import ModelConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import ModelConfig
 
 #: A window table's entry whose block was released (before every query's window).
 NULL_BLOCK = -1

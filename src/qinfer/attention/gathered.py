@@ -30,9 +30,9 @@ import torch
 
 from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, PagedLayer, store_kv
+from qinfer.attention.kv_quant import KVFormat, raw_bytes
 from qinfer.attention.sdpa import Sdpa
 from qinfer.attention.step_buffers import StepTensors
-from qinfer.kv_quant import KVFormat, raw_bytes
 
 
 class GatheredBackend:

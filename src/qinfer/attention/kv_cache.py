@@ -23,7 +23,7 @@ is empty (an all-masked row would be NaN and poison the pad slot's K/V in later 
 The caches of one model (`Transformer.make_cache`) share a `StepMasks`, so that mask is
 built once per step for all the layers of one window rather than once per layer.
 
-A cache given a `KVFormat` (`qinfer.kv_quant`) stores K/V in it: a quantized one keeps
+A cache given a `KVFormat` (`qinfer.attention.kv_quant`) stores K/V in it: a quantized one keeps
 int8 or fp8 elements in `keys`/`values` and N fp32 scales per (row, head, position), one
 per block of 32 elements, in `key_scales`/`value_scales` (B, Hkv, positions, N), quantizes
 each step's entries as it writes them, and returns the history dequantized to the
@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import torch
 
+from qinfer.attention.kv_quant import KVFormat
 from qinfer.attention.sdpa import Mask
-from qinfer.errors import CacheError
-from qinfer.kv_quant import KVFormat
+from qinfer.core.errors import CacheError
 
 _EMPTY = -(2**30)  # position of a ring slot that holds nothing yet
 

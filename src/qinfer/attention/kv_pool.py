@@ -8,7 +8,7 @@ two pools, each with its own blocks). Each layer's keys and values are laid out 
 attention backend that reads them declares (`KVLayout`, `qinfer.attention.backend`);
 `store_kv` writes a step's K/V into either layout.
 
-A quantized pool (`qinfer.kv_quant`: int8 or fp8) holds N = D / 32 (or 1) fp32 scales per (layer,
+A quantized pool (`qinfer.attention.kv_quant`: int8 or fp8) holds N = D / 32 (or 1) fp32 scales per (layer,
 head, slot) beside the elements of keys and values: a block then takes D + 4 * N bytes per
 token, head and layer for K and for V, against 2 * D in bf16.
 """
@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from qinfer.attention.block_spaces import BlockSpaces
-from qinfer.config import ModelConfig
-from qinfer.kv_quant import KVFormat, raw_bytes
+from qinfer.attention.kv_quant import KVFormat, raw_bytes
+from qinfer.core.model_config import ModelConfig
 
 
 class KVLayout(Enum):

@@ -24,7 +24,7 @@ their own histories:
   for every query, with fp64 scores, so that a token's output is the same in a chunk of
   any length as at decode.
 
-A quantized pool (int8 or fp8, `qinfer.kv_quant`) takes the step's K/V quantized per block
+A quantized pool (int8 or fp8, `qinfer.attention.kv_quant`) takes the step's K/V quantized per block
 of each token's head vector, one op chain per layer for all its tokens, and gives back only
 what attention reads: the gathered histories, dequantized in the copy that converts them
 (decode values too: torch's embedding_bag reads no int8 or fp8). An unquantized pool takes
@@ -49,9 +49,9 @@ import torch
 from qinfer import kernels
 from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, LayerKV, PagedLayer, store_kv
+from qinfer.attention.kv_quant import KVFormat
 from qinfer.attention.sdpa import Mask, Sdpa
 from qinfer.attention.step_buffers import SpaceTensors, StepTensors
-from qinfer.kv_quant import KVFormat
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).

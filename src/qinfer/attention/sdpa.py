@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qinfer.features import Features
+from qinfer.core.features import Features
 
 Mask = torch.Tensor | str | None
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from qinfer.bench.linear_paths import format_path_table, path_table
-from qinfer.checkpoint import resolve_model
-from qinfer.errors import QinferError
+from qinfer.core.checkpoint import resolve_model
+from qinfer.core.errors import QinferError
 from qinfer.linear.compute import bf16_matmul_is_fast, cpu_class, cpu_flags
-from qinfer.loading import default_device, load_model
-from qinfer.model import Transformer
+from qinfer.model.loading import default_device, load_model
+from qinfer.model.transformer import Transformer
 
 
 def bench_device(load_args: dict | None) -> torch.device:

@@ -36,11 +36,11 @@ from qinfer.bench.common import (
     load_transformers_model,
     time_once,
 )
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
+from qinfer.core.errors import QinferError
+from qinfer.engine.generation import generate_ids
 from qinfer.engine.llm import LLM
-from qinfer.errors import QinferError
-from qinfer.generation import generate_ids
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,12 @@ from qinfer.bench.common import (
     synchronize,
     time_once,
 )
-from qinfer.checkpoint import resolve_model
-from qinfer.errors import QinferError
-from qinfer.generation import generate_ids
+from qinfer.core.checkpoint import resolve_model
+from qinfer.core.errors import QinferError
+from qinfer.engine.generation import generate_ids
 from qinfer.layers.moe import SparseMoE
-from qinfer.model import Transformer
-from qinfer.sampling import SamplingParams
+from qinfer.model.transformer import Transformer
+from qinfer.request.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
 from qinfer.engine.llm import LLM
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
 from qinfer.text.tokenizer import Tokenizer
 
 TYPOS = (

@@ -29,16 +29,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from qinfer.config import ModelConfig
-from qinfer.distributed import TensorParallelError
+from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
+from qinfer.core.model_config import ModelConfig
 from qinfer.engine.engine import Request, build_engine, load_arguments
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.stats import EngineStats
-from qinfer.errors import EngineOverloadedError, QinferError, RequestError
-from qinfer.model import Transformer
-from qinfer.pooling import PoolingParams
-from qinfer.sampling import SamplingParams
-from qinfer.scoring import ScoreParams
+from qinfer.model.transformer import Transformer
+from qinfer.request.pooling import PoolingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.scoring import ScoreParams
+from qinfer.runtime.distributed import TensorParallelError
 from qinfer.text.prompts import Prompt
 from qinfer.text.tokenizer import Tokenizer
 

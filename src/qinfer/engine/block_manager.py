@@ -37,8 +37,8 @@ import itertools
 from collections import OrderedDict
 
 from qinfer.attention.block_spaces import NULL_BLOCK, first_block
+from qinfer.core.errors import CacheError
 from qinfer.engine.sequence import Sequence
-from qinfer.errors import CacheError
 
 
 def block_hash(parent_hash: int | None, key: tuple[int | bytes, ...]) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from qinfer.core.errors import QinferError
+from qinfer.core.features import check_attention_backend
 from qinfer.engine.speculative.config import SpeculativeConfig
-from qinfer.errors import QinferError
-from qinfer.features import check_attention_backend
 from qinfer.runtime.config import RuntimeConfig
 
 

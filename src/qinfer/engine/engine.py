@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
-from qinfer.checkpoint import resolve_model
-from qinfer.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
+from qinfer.core.checkpoint import resolve_model
+from qinfer.core.errors import QinferError, RequestError, TokenizerError
+from qinfer.core.features import check_kv_cache_dtype
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.images import encode_images, prompt_images
@@ -38,15 +39,14 @@ from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.engine.tasks import Task, check_task_params, make_task
-from qinfer.errors import QinferError, RequestError, TokenizerError
-from qinfer.features import check_kv_cache_dtype
-from qinfer.loading import keeps_gguf_blocks, load_model
-from qinfer.model import Transformer
-from qinfer.pooling import PoolingParams
-from qinfer.request_state import RequestState, sample_next
+from qinfer.model.loading import keeps_gguf_blocks, load_model
+from qinfer.model.transformer import Transformer
+from qinfer.request.pooling import PoolingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.scoring import ScoreParams
+from qinfer.request.state import RequestState, sample_next
+from qinfer.runtime.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
 from qinfer.runtime.executor import Executor, follow
-from qinfer.sampling import SamplingParams
-from qinfer.scoring import ScoreParams
 from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
@@ -180,7 +180,7 @@ class Engine:
             self.pool_tokens = context
         self.max_len = min(self.context_len, self.pool_tokens + 1)
         # The model's and tokenizer's EOS ids, unless the caller names its own (token-id
-        # front-ends without a tokenizer: `qinfer.generation.generate_ids`).
+        # front-ends without a tokenizer: `qinfer.engine.generation.generate_ids`).
         if eos_token_ids is None:
             eos_token_ids = model_eos_ids(model.config, tokenizer)
         self.eos_token_ids = eos_token_ids
@@ -204,9 +204,9 @@ class Engine:
         """Check and encode a request without touching the engine's state (thread-safe).
 
         params: SamplingParams to generate; PoolingParams to pool the prompt's hidden
-        states into one vector instead (`qinfer.pooling`; the output's `embedding`);
+        states into one vector instead (`qinfer.request.pooling`; the output's `embedding`);
         ScoreParams to score the prompt by two tokens' logits at its last row
-        (`qinfer.scoring`; the output's `score`)."""
+        (`qinfer.request.scoring`; the output's `score`)."""
         params = self.default_params if params is None else params
         sampling = check_task_params(params, self.model.config)
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -524,7 +524,7 @@ def build_engine(
 ) -> Engine:
     """An Engine from a loaded model (a `VisionLanguageModel`: with its vision tower) or a
     checkpoint (None: the embedded SmolLM2; a path or hub id, as
-    `qinfer.checkpoint.resolve_model` finds it; a vision-language one's tower and image
+    `qinfer.core.checkpoint.resolve_model` finds it; a vision-language one's tower and image
     settings are loaded with it, in the model's dtype: a folder's own, or for a GGUF text
     model those of llama.cpp's projector file `mmproj`), whose tokenizer is loaded too
     when it has one and none is given, and whose generation_config.json gives the sampling
@@ -533,7 +533,7 @@ def build_engine(
     of a loaded model, only a kv_cache_dtype or batch_invariant other than its own is
     refused (the others are its own).
 
-    tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.distributed`:
+    tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.runtime.distributed`:
     N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
     the workers are stopped by `Engine.close()`, or when the engine is collected or this
     process exits.

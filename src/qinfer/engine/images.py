@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import RequestError
+from qinfer.core.errors import RequestError
 from qinfer.runtime.step import StepImages
 from qinfer.text.prompts import PromptParts
 from qinfer.vision.image import PatchedImages, preprocess_images

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from qinfer.core.errors import RequestError
 from qinfer.engine.engine import Engine, build_engine, load_arguments
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.run import TextStream, run_requests
-from qinfer.errors import RequestError
-from qinfer.model import Transformer
-from qinfer.pooling import PoolingMethod, PoolingParams
-from qinfer.sampling import SamplingParams
-from qinfer.scoring import reranker_params, reranker_prompt
+from qinfer.model.transformer import Transformer
+from qinfer.request.pooling import PoolingMethod, PoolingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.text.prompts import Prompt, is_batch
 from qinfer.text.tokenizer import Tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
@@ -40,7 +40,7 @@ class LLM:
     `qinfer.load_model`, when a path is given (batch_invariant: `Features.batch_invariant`;
     kv_cache_dtype "int8" or "fp8" halves the KV
     pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size:
-    ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.distributed`;
+    ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.runtime.distributed`;
     `close()` or this process's exit stops them). mmproj: llama.cpp's projector file of a
     Qwen2.5-VL or Qwen3-VL GGUF text model (its vision tower, `qinfer.vision.mmproj`).
     engine_args: see `qinfer.engine.EngineConfig`.
@@ -101,7 +101,7 @@ class LLM:
         `pooling` ("last": the last token's, as Qwen3-Embedding; "mean"; "cls": the first
         token's), cut to its first `dimensions` numbers (Matryoshka) when given, then
         L2-normalised when `normalize`. Batched through the engine with any other requests
-        (see `qinfer.pooling`, which also says how the prefix cache is used)."""
+        (see `qinfer.request.pooling`, which also says how the prefix cache is used)."""
         params = PoolingParams(pooling, normalize, dimensions)
         if isinstance(prompts, (list, tuple)) and not prompts:
             raise RequestError("prompts is empty: give at least one prompt")
@@ -117,7 +117,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[float]:
         """How well each document meets `query`, in the documents' order: a reranker's
-        P(yes) in [0, 1] (Qwen3-Reranker's prompt and yes/no logits, see `qinfer.scoring`;
+        P(yes) in [0, 1] (Qwen3-Reranker's prompt and yes/no logits, see `qinfer.request.scoring`;
         instruction: the task, by default web search). Batched through the engine."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:

@@ -29,8 +29,8 @@ class RequestOutput:
     prompt_opened_think: for a thinking model, whether the prompt ended inside an open
     `<think>` block (decided once per request: `RequestState.thinking`); None otherwise.
     embedding: a pooling request's vector (fp32 (dimensions,) on the CPU, see
-    `qinfer.pooling`), in its one, finished output (finish_reason "stop", no tokens).
-    score: a scoring request's P(yes) (`qinfer.scoring`), likewise.
+    `qinfer.request.pooling`), in its one, finished output (finish_reason "stop", no tokens).
+    score: a scoring request's P(yes) (`qinfer.request.scoring`), likewise.
     prompt_logprobs: with `SamplingParams.prompt_logprobs`, once the prompt has run, one
     entry per prompt token, None for the first (nothing predicts it; see
     `qinfer.engine.prompt_logprobs`).

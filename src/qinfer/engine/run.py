@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
+from qinfer.core.errors import QinferError
 from qinfer.engine.engine import Engine, Request
 from qinfer.engine.outputs import GenerationResult, RequestOutput, Timings
-from qinfer.errors import QinferError
 from qinfer.text.reasoning import split_reasoning
 
 

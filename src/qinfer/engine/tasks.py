@@ -20,11 +20,11 @@ from typing import Any, Protocol
 
 import torch
 
-from qinfer.config import ModelConfig
-from qinfer.errors import RequestError
-from qinfer.pooling import PoolingParams, PoolingState
-from qinfer.sampling import SamplingParams
-from qinfer.scoring import ScoreParams
+from qinfer.core.errors import RequestError
+from qinfer.core.model_config import ModelConfig
+from qinfer.request.pooling import PoolingParams, PoolingState
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.scoring import ScoreParams
 
 
 class Task(Protocol):
@@ -34,7 +34,7 @@ class Task(Protocol):
     samples: bool
     #: Whether the last row's logits are needed once the prompt has run (to sample or score).
     reads_last_logits: bool
-    #: Whether the request may start from cached blocks (a hit skips rows; see `qinfer.pooling`).
+    #: Whether the request may start from cached blocks (a hit skips rows; see `qinfer.request.pooling`).
     uses_prefix_cache: bool
 
     def hidden_rows(self, start: int, n: int) -> list[int]:
@@ -75,7 +75,7 @@ class Generate(_NoHiddenRows):
 
 
 class Pool:
-    """Pool the prompt's hidden states into one vector (`qinfer.pooling`)."""
+    """Pool the prompt's hidden states into one vector (`qinfer.request.pooling`)."""
 
     samples = reads_last_logits = False
 
@@ -94,7 +94,7 @@ class Pool:
 
 
 class Score(_NoHiddenRows):
-    """Score the prompt by two tokens' logits at its last row (`qinfer.scoring`)."""
+    """Score the prompt by two tokens' logits at its last row (`qinfer.request.scoring`)."""
 
     samples = False
     reads_last_logits = uses_prefix_cache = True

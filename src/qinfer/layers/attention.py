@@ -6,7 +6,7 @@ q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> the attentio
 The layer runs on the flat tokens of a `ForwardBatch`; the seed's own call on (B, L, hidden)
 rows and one contiguous cache is that same forward through the reference backend.
 
-Under tensor parallelism (`qinfer.parallel`) a rank holds Hq / N query heads and the KV heads
+Under tensor parallelism (`qinfer.core.parallel`) a rank holds Hq / N query heads and the KV heads
 they read: q/k/v are column-parallel (the rank's heads), QK-norm, RoPE and attention run on
 those heads alone, and o_proj is row-parallel (its call all-reduces the ranks' sums).
 """
@@ -20,13 +20,13 @@ import torch
 from qinfer.attention.backend import StepAttention
 from qinfer.attention.reference import Cache, ReferenceAttention
 from qinfer.attention.sdpa import Mask, sdpa_for
-from qinfer.config import ModelConfig
-from qinfer.features import Features
+from qinfer.core.features import Features
+from qinfer.core.model_config import ModelConfig
+from qinfer.core.module import Module
+from qinfer.core.parallel import SINGLE, Parallel, Shard
 from qinfer.layers.norm import head_norms, rms_norm
 from qinfer.layers.rope import layer_rope, row_positions
 from qinfer.linear import linear
-from qinfer.module import Module
-from qinfer.parallel import SINGLE, Parallel, Shard
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 

@@ -1,7 +1,7 @@
 """The gated feed-forward network: down(act(gate(x)) * up(x)), with act SiLU (SwiGLU) or
 the tanh-approximated GELU (GeGLU, Gemma) as the config's `wiring.hidden_act` says.
 
-Under tensor parallelism (`qinfer.parallel`) a rank holds intermediate / N of the FFN
+Under tensor parallelism (`qinfer.core.parallel`) a rank holds intermediate / N of the FFN
 channels: gate/up are column-parallel (its channels), down is row-parallel (its call
 all-reduces the ranks' sums).
 """
@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from qinfer.config import ModelConfig
+from qinfer.core.model_config import ModelConfig
+from qinfer.core.module import Module
+from qinfer.core.parallel import Parallel, Shard
 from qinfer.linear import linear
-from qinfer.module import Module
-from qinfer.parallel import Parallel, Shard
 from qinfer.weights.slots import LinearSlot, LinearSource
 
 #: `Wiring.hidden_act` -> the function applied to the gate.

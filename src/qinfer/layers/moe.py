@@ -13,7 +13,7 @@ its run of rows by a grouped Linear (`qinfer.linear.grouped`). No shape depends 
 routing and the run lengths stay on the device, so dense experts run without a host sync
 (quantized ones wait once per projection for the run lengths: `LoopedLinear`).
 
-Tensor parallelism (`qinfer.parallel`): a rank holds moe_intermediate / N channels of every
+Tensor parallelism (`qinfer.core.parallel`): a rank holds moe_intermediate / N channels of every
 expert (gate/up rows, down columns), as the dense MLP splits its FFN; the router is
 replicated, so every rank routes alike, and the ranks' partial sums are all-reduced once,
 after the experts' outputs are combined. A shared expert is split the same way and joins
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from qinfer.config import ModelConfig
+from qinfer.core.model_config import ModelConfig
+from qinfer.core.module import Module
+from qinfer.core.parallel import SINGLE, Parallel
 from qinfer.layers.mlp import GATE_ACTIVATIONS, gate_times_up, gated_ffn_sources
 from qinfer.linear import linear
-from qinfer.module import Module
-from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.slots import GroupedSlot, LinearSlot, LinearSource, Placed
 
 

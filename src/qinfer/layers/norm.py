@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from qinfer import kernels
-from qinfer.config import ModelConfig
-from qinfer.module import Module
+from qinfer.core.model_config import ModelConfig
+from qinfer.core.module import Module
 from qinfer.weights.slots import TensorSlot
 
 

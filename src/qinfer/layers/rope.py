@@ -6,7 +6,7 @@ rotates each pair (x1[i], x2[i]) by the angle p * inv_freq[i]:
     out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
 The RoPE types differ only in `inv_freq` (and yarn and longrope in a scale on cos/sin),
-computed by `qinfer.rope_scaling.rope_frequencies` once per (rotary dims, settings, context,
+computed by `qinfer.core.rope_scaling.rope_frequencies` once per (rotary dims, settings, context,
 device) and shared by all layers. Under partial rotary (`RopeConfig.partial_rotary_factor`)
 only a head's first dimensions rotate, in the same layout; the others pass through. A layer
 without RoPE (SmolLM3's NoPE layers) has a `NoRoPE`, which leaves q and k as they are.
@@ -28,8 +28,8 @@ import functools
 import torch
 
 from qinfer import kernels
-from qinfer.config import RopeConfig, rope_dims
-from qinfer.rope_scaling import rope_frequencies
+from qinfer.core.model_config import RopeConfig, rope_dims
+from qinfer.core.rope_scaling import rope_frequencies
 
 
 class RoPE:

@@ -11,9 +11,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from qinfer.errors import WeightsError
+from qinfer.core.errors import WeightsError
+from qinfer.core.module import Module
 from qinfer.linear.logits import fp32_logits
-from qinfer.module import Module
 
 
 class Linear(Module, ABC):

@@ -32,7 +32,7 @@ import os
 
 from torch import nn
 
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
 from qinfer.linear.compute import bf16_matmul_is_fast
 from qinfer.linear.dense import DenseLinear
 from qinfer.linear.grouped import StackedDenseLinear

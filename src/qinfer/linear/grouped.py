@@ -23,9 +23,9 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from qinfer.core.module import Module
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import DenseLinear, linear_in_fixed_chunks
-from qinfer.module import Module
 
 #: Row strides `torch._grouped_mm` takes are multiples of 16 bytes.
 _GROUPED_MM_ALIGNMENT = 16

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from qinfer import kernels
-from qinfer.errors import WeightsError
+from qinfer.core.errors import WeightsError
 from qinfer.linear.paths import QuantizedLinear, scratch
 
 #: Group sizes torch's int4 kernels accept.

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer import kernels
-from qinfer.errors import WeightsError
+from qinfer.core.errors import WeightsError
 from qinfer.linear.int8 import CHUNK_ROWS, Int8Rows, quantize_int8
 from qinfer.linear.logits import fp32_logits
 from qinfer.linear.paths import QuantizedLinear, scratch

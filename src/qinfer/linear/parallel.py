@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qinfer.core.parallel import Parallel
 from qinfer.linear.base import Linear
-from qinfer.parallel import Parallel
 
 
 class RowParallelLinear(Linear):

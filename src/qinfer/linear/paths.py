@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from qinfer import kernels
-from qinfer.errors import WeightsError
+from qinfer.core.errors import WeightsError
 from qinfer.linear.base import Linear
 from qinfer.linear.logits import fp32_logits
 

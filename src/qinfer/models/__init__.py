@@ -2,7 +2,7 @@
 
 A family's file (`qinfer.models.<family>`) holds what sets it apart: which config.json keys
 and GGUF metadata it reads, its defaults and validation, its tensor names where they differ
-and how it wires the shared layers (`qinfer.config.Wiring`). Adding a family is its file
+and how it wires the shared layers (`qinfer.core.model_config.Wiring`). Adding a family is its file
 plus one line in FAMILIES.
 
 `config_from_hf(dict)` / `config_from_file(path)` build a `ModelConfig` through the family
@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qinfer.checkpoint import read_json_object
-from qinfer.config import ModelConfig
-from qinfer.errors import ConfigError
+from qinfer.core.checkpoint import read_json_object
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import ModelConfig
 from qinfer.models import (
     gemma3,
     llama,

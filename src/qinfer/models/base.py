@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qinfer.config import (
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import (
     ACTIVATIONS,
     FULL_ATTENTION,
     ROPE_TYPES,
@@ -24,7 +25,6 @@ from qinfer.config import (
     ModelConfig,
     RopeConfig,
 )
-from qinfer.errors import ConfigError
 
 #: llama.cpp's per-layer tensor names (`blk.N.<name>`) -> ours (`model.layers.N.<name>`),
 #: shared by the architectures that do not rename them.

@@ -19,8 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig, Wiring
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeConfig,
+    Wiring,
+)
 from qinfer.models.base import (
     GGUF_LAYER_NAMES,
     Family,

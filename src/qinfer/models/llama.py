@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import ModelConfig, Wiring
+from qinfer.core.model_config import ModelConfig, Wiring
 from qinfer.models.base import Family, HFConfig, shared_fields
 
 

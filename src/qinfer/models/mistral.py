@@ -5,7 +5,7 @@ Mistral's GGUF files are written as llama (`models/llama.py`).
 
 from __future__ import annotations
 
-from qinfer.config import ModelConfig
+from qinfer.core.model_config import ModelConfig
 from qinfer.models.base import Family, HFConfig, shared_fields, window_from
 from qinfer.models.llama import llama_wiring
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import ModelConfig, Wiring
+from qinfer.core.model_config import ModelConfig, Wiring
 from qinfer.models.base import (
     GGUF_LAYER_NAMES,
     Family,

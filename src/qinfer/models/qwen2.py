@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import FULL_ATTENTION, ModelConfig
+from qinfer.core.model_config import FULL_ATTENTION, ModelConfig
 from qinfer.models.base import Family, HFConfig, shared_fields, window_from
 from qinfer.models.llama import llama_wiring
 

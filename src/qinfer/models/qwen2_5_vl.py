@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from qinfer.config import ModelConfig, RopeConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import ModelConfig, RopeConfig
 from qinfer.models.base import Family, GGUFHeader, HFConfig, rope_config_from_hf, shared_fields
 from qinfer.models.llama import llama_wiring
 from qinfer.models.qwen2 import qwen_windows

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from qinfer.config import ModelConfig
+from qinfer.core.model_config import ModelConfig
 from qinfer.models.base import Family, HFConfig, shared_fields
 from qinfer.models.llama import llama_wiring
 from qinfer.models.qwen2 import qwen_windows

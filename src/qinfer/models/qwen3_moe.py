@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import ModelConfig, MoeConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import ModelConfig, MoeConfig
 from qinfer.models.base import GGUF_LAYER_NAMES, Family, GGUFHeader, HFConfig, shared_fields
 from qinfer.models.llama import llama_wiring
 from qinfer.models.qwen2 import qwen_windows

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qinfer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from qinfer.models.base import Family, GGUFHeader, HFConfig, shared_fields
 from qinfer.models.llama import llama_wiring
 

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
 
 
 def use_cuda_graphs(asked: bool | None, device: torch.device) -> bool:

@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qinfer.attention.block_spaces import BlockSpaces
-from qinfer.distributed import TensorParallelGroup
-from qinfer.errors import QinferError
-from qinfer.model import Transformer
+from qinfer.core.errors import QinferError
+from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import RuntimeConfig
+from qinfer.runtime.distributed import TensorParallelGroup
 from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks
 from qinfer.runtime.step import StepInputs
 from qinfer.runtime.step_channel import StepChannel

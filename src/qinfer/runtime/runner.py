@@ -22,9 +22,9 @@ from qinfer.attention.backend import choose_backend
 from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
 from qinfer.attention.kv_pool import KVPool, paged_layers
 from qinfer.attention.step_buffers import StepBuffers, StepTensors
-from qinfer.errors import QinferError
-from qinfer.forward_batch import BatchImages, ForwardBatch
-from qinfer.model import Transformer
+from qinfer.core.errors import QinferError
+from qinfer.model.forward_batch import BatchImages, ForwardBatch
+from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
 from qinfer.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from qinfer.runtime.static_decode import is_decode, padded

@@ -1,7 +1,7 @@
 """How rank 0's engine steps reach the other ranks of a tensor-parallel group.
 
 The scheduler, block manager and sampler live on rank 0 only. Every rank must still run
-each forward with the same inputs, in the same order (`qinfer.parallel`), so before each
+each forward with the same inputs, in the same order (`qinfer.core.parallel`), so before each
 forward rank 0 broadcasts the step (`qinfer.runtime.step.StepInputs`), and every worker
 runs it over its own KV pools (same block ids: the pools have the same number of blocks)
 through the same `Transformer.forward`. Two broadcasts per step, on the group's
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qinfer.distributed import TensorParallelGroup
+from qinfer.runtime.distributed import TensorParallelGroup
 from qinfer.runtime.step import StepInputs
 
 

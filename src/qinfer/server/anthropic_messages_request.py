@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from qinfer.sampling import MAX_STOP_STRINGS
+from qinfer.request.sampling import MAX_STOP_STRINGS
 from qinfer.server.images import ImageRef, image_part
 from qinfer.server.protocol import (
     MAX_CONSTRAINT_BYTES,

@@ -36,10 +36,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qinfer.checkpoint import resolve_model
+from qinfer.core.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
-from qinfer.pooling import PoolingParams
-from qinfer.sampling import SamplingParams, checkpoint_sampling
+from qinfer.model.announcer import LoadAnnouncer, display_name
+from qinfer.request.pooling import PoolingParams
+from qinfer.request.sampling import SamplingParams, checkpoint_sampling
 from qinfer.server import (
     anthropic_messages,
     embeddings,
@@ -52,7 +53,6 @@ from qinfer.server.inspection import InspectRequest
 from qinfer.server.lifecycle import Server
 from qinfer.server.model_server import ModelServer, ServerSettings
 from qinfer.server.routing import Access, read_body
-from qinfer.startup import LoadAnnouncer, display_name
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: The APIs, each a module whose `router(server, access)` holds its routes

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qinfer.cli_args import (
+from qinfer.core.errors import QinferError
+from qinfer.core.features import ATTENTION_BACKENDS
+from qinfer.engine.args import (
     add_mmproj_argument,
     add_model_arguments,
     add_speculative_arguments,
@@ -20,9 +22,7 @@ from qinfer.cli_args import (
     one_of,
     speculative_arguments,
 )
-from qinfer.errors import QinferError
-from qinfer.features import ATTENTION_BACKENDS
-from qinfer.pooling import POOLING_METHODS, PoolingParams
+from qinfer.request.pooling import POOLING_METHODS, PoolingParams
 
 #: What `qinfer serve --task` chooses from (`qinfer.server.model_server.ServerSettings.task`).
 TASKS = ("generate", "embed", "rerank")

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qinfer.engine.outputs import TokenLogprob
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 from qinfer.server.metrics import RequestTimer, ServerMetrics
 from qinfer.text.reasoning import ReasoningStream
-from qinfer.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
 
 if TYPE_CHECKING:
     from qinfer.engine import AsyncEngine, RequestOutput

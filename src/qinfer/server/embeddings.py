@@ -7,7 +7,7 @@
 
 The pooling (last token, mean or first token; normalised or not) is the server's, chosen
 by `qinfer serve --pooling` (`ServerSettings.pooling`); every input is one engine request
-(`qinfer.pooling.PoolingParams`, run by `prompt_runs.run_prompts`). A "base64" embedding is its little-endian float32
+(`qinfer.request.pooling.PoolingParams`, run by `prompt_runs.run_prompts`). A "base64" embedding is its little-endian float32
 bytes in base64, as OpenAI sends it.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from qinfer.errors import RequestError
+from qinfer.core.errors import RequestError
 from qinfer.server.errors import APIError
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qinfer.errors import EngineOverloadedError, QinferError, RequestError
+from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
 
 log = logging.getLogger("qinfer.server")
 

@@ -31,7 +31,7 @@ import httpx
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.errors import RequestError
+from qinfer.core.errors import RequestError
 from qinfer.server.errors import APIError
 from qinfer.vision.image import open_image
 

@@ -1,7 +1,7 @@
 """`POST /v1/inspect` (qinfer's own endpoint): a prompt's tokens, attention weights,
 next-token probabilities and logit lens, as JSON (see docs/INSPECT.md).
 
-The request is checked here (types) and by `qinfer.inspection.check_inspection` (what
+The request is checked here (types) and by `qinfer.analysis.inspection.check_inspection` (what
 depends on the model: layers, heads, the prompt's length), each refusal a 400 naming its
 field. The forward runs in the engine's step thread between two steps
 (`AsyncEngine.run_with_model`), never beside a step.
@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import Field
 
-from qinfer.config import ModelConfig
-from qinfer.inspection import Inspection, TopTokens
+from qinfer.analysis.inspection import Inspection, TopTokens
+from qinfer.core.model_config import ModelConfig
 from qinfer.server.protocol import ChatMessage, StrictModel
 from qinfer.text.prompts import encode_prompt
 from qinfer.text.tokenizer import Tokenizer

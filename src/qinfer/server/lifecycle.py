@@ -25,8 +25,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from qinfer.core.errors import QinferError
 from qinfer.engine import AsyncEngine
-from qinfer.errors import QinferError
 
 #: Seconds uvicorn waits for connections after a stop before it cancels them. The aborted
 #: streams end within a step; this bounds a client that never reads its last bytes.

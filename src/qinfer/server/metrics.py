@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from qinfer.grammar import live_matchers
+from qinfer.request.grammar import live_matchers
 
 if TYPE_CHECKING:
     from qinfer.engine import EngineStats

@@ -18,11 +18,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.chat_defaults import chat_sampling_params
+from qinfer.analysis.inspection import inspect_tokens
 from qinfer.engine import AsyncEngine
-from qinfer.inspection import inspect_tokens
-from qinfer.pooling import PoolingParams
-from qinfer.sampling import SamplingParams
+from qinfer.request.pooling import PoolingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.sampling.chat_defaults import chat_sampling_params
+from qinfer.request.tool_calls import (
+    ToolUse,
+    check_tool_schemas,
+    tool_call_format,
+    tool_call_grammar,
+    tool_prompt,
+)
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import APIError
 from qinfer.server.images import ImageReader, accepted_refs
@@ -45,13 +52,6 @@ from qinfer.text.fill_in_middle import fim_tokens
 from qinfer.text.prompts import PromptParts, encode_prompt, encode_prompt_parts
 from qinfer.text.reasoning import splits_reasoning
 from qinfer.text.tokenizer import Tokenizer
-from qinfer.tool_calls import (
-    ToolUse,
-    check_tool_schemas,
-    tool_call_format,
-    tool_call_grammar,
-    tool_prompt,
-)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class ServerSettings:
         (typically from the checkpoint's generation_config.json).
     checkpoint_sampling: the sampling fields the checkpoint's generation_config.json sets
         (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
-        conversation's defaults, under their own fields (`qinfer.chat_defaults`, as
+        conversation's defaults, under their own fields (`qinfer.request.sampling.chat_defaults`, as
         `qinfer chat` does).
     pooling: how `/v1/embeddings` pools a prompt (a request's `dimensions` overrides
         its dimensions); by default Qwen3-Embedding's: last token, normalised.
@@ -159,7 +159,7 @@ class ModelServer:
 
     def sampling_params(self, body: GenerationRequest, chat: bool = False) -> SamplingParams:
         """The request's sampling fields over the server's defaults: a chat completion's
-        over the chat defaults (`qinfer.chat_defaults`, under the checkpoint's
+        over the chat defaults (`qinfer.request.sampling.chat_defaults`, under the checkpoint's
         generation_config.json), a text completion's over `settings.default_params`."""
         # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
         bad = next((t for t in body.logit_bias or () if t >= self.tokenizer.vocab_size), None)

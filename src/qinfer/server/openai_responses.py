@@ -38,7 +38,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams
+from qinfer.request.tool_calls import check_tool_schemas
 from qinfer.server.completions import Completion
 from qinfer.server.errors import APIError
 from qinfer.server.openai_responses_request import (
@@ -51,7 +52,6 @@ from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.server.routing import Access, read_body
 from qinfer.text.reasoning import THINK_CLOSE
 from qinfer.text.tokenizer import Tokenizer
-from qinfer.tool_calls import check_tool_schemas
 
 if TYPE_CHECKING:
     from starlette.requests import Request

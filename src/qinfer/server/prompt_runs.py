@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from qinfer.core.errors import RequestError
 from qinfer.engine.outputs import RequestOutput
-from qinfer.errors import RequestError
 from qinfer.server.errors import APIError
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from qinfer.grammar import lenient_schema
-from qinfer.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS
+from qinfer.request.grammar import lenient_schema
+from qinfer.request.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS
 from qinfer.server.images import ImageRef, image_part
 from qinfer.text.prompts import Prompt
 

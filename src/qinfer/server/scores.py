@@ -1,5 +1,5 @@
 """`POST /v1/rerank` (Jina's and Cohere's shape, as vLLM serves it) and `POST /v1/score`
-(vLLM's), through the engine's scoring requests (`qinfer.scoring`).
+(vLLM's), through the engine's scoring requests (`qinfer.request.scoring`).
 
     /v1/rerank {"model": "...", "query": "...", "documents": ["...", ...],
                 "top_n": 2, "return_documents": true, "instruction": "..."}
@@ -26,8 +26,8 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.errors import RequestError
-from qinfer.scoring import reranker_params, reranker_prompt
+from qinfer.core.errors import RequestError
+from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.server.errors import APIError
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.protocol import StrictModel

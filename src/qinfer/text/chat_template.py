@@ -36,7 +36,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from qinfer.errors import TokenizerError
+from qinfer.core.errors import TokenizerError
 
 # Names a message's reasoning comes under; templates read the first (gpt-oss reads "thinking").
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

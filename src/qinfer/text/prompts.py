@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from qinfer.config import ModelConfig
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
+from qinfer.core.model_config import ModelConfig
 from qinfer.text.tokenizer import Tokenizer
 from qinfer.vision.image import ImageSource
 from qinfer.vision.language_model import ImagePrompt

@@ -26,8 +26,8 @@ from typing import Any
 
 import tokenizers
 
-from qinfer.checkpoint import read_json_object
-from qinfer.errors import TokenizerError
+from qinfer.core.checkpoint import read_json_object
+from qinfer.core.errors import TokenizerError
 from qinfer.text.chat_template import render_chat_template
 
 # The special tokens transformers passes to chat templates by name.

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from qinfer.errors import ConfigError, RequestError
+from qinfer.core.errors import ConfigError, RequestError
 
 #: The most pixels an image may have before it is decoded: Pillow's own warning threshold
 #: (about 89.5 million pixels, 256 MiB as RGB). Over twice that Pillow refuses on its own.

@@ -25,11 +25,11 @@ from PIL import Image
 
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
-from qinfer.config import ModelConfig
-from qinfer.errors import RequestError
-from qinfer.forward_batch import BatchImages, ForwardBatch
-from qinfer.loading import keeps_gguf_blocks, load_model
-from qinfer.model import Transformer
+from qinfer.core.errors import RequestError
+from qinfer.core.model_config import ModelConfig
+from qinfer.model.forward_batch import BatchImages, ForwardBatch
+from qinfer.model.loading import keeps_gguf_blocks, load_model
+from qinfer.model.transformer import Transformer
 from qinfer.vision.image import (
     ImageSettings,
     ImageSource,

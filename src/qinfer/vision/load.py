@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from qinfer.checkpoint import read_json_object
-from qinfer.errors import ConfigError
-from qinfer.model import Transformer
+from qinfer.core.checkpoint import read_json_object
+from qinfer.core.errors import ConfigError
+from qinfer.model.transformer import Transformer
 from qinfer.vision.image import ImageSettings
 from qinfer.vision.mmproj import load_projector
 from qinfer.vision.parts import split_qkv

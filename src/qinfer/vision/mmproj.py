@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from qinfer.config import ModelConfig
-from qinfer.errors import ConfigError, WeightsError
+from qinfer.core.errors import ConfigError, WeightsError
+from qinfer.core.model_config import ModelConfig
 from qinfer.vision.image import ImageSettings
 from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig

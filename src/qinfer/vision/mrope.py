@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from qinfer.errors import RequestError
+from qinfer.core.errors import RequestError
 from qinfer.vision.grid import Grid
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qinfer.config import RopeConfig
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import RopeConfig
+from qinfer.core.module import Module
+from qinfer.core.rope_scaling import rope_frequencies
 from qinfer.layers.norm import RMSNorm
 from qinfer.layers.rope import RoPE
 from qinfer.linear import linear
-from qinfer.module import Module
-from qinfer.rope_scaling import rope_frequencies
 from qinfer.vision.attention import Runs
 from qinfer.vision.grid import Grid, patch_positions
 from qinfer.weights.base import Weights

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qinfer.errors import ConfigError
+from qinfer.core.errors import ConfigError
+from qinfer.core.module import Module
+from qinfer.core.parallel import SINGLE, Parallel
 from qinfer.layers.mlp import GATE_ACTIVATIONS
 from qinfer.linear import linear
-from qinfer.module import Module
-from qinfer.parallel import SINGLE, Parallel
 from qinfer.vision.attention import Runs
 from qinfer.vision.grid import Grid, frame_bounds
 from qinfer.vision.parts import (

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from qinfer.config import ModelConfig
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
+from qinfer.core.model_config import ModelConfig
 from qinfer.models import config_from_file, family_of
 from qinfer.weights.base import QUANTIZE_KINDS, Quantize, Weights
 from qinfer.weights.safetensors import SafetensorsWeights

@@ -6,7 +6,7 @@ dtype on the requested device (norm weights); `linear` gives a callable `qinfer.
 whose kind (dense, int8, int4 groups) follows the file and the `Quantize` choice it is
 given (`weights/load.py` fills a built model's slots through these two calls). Every
 error names the tensor and the file. Under tensor parallelism `linear(..., shard=)` reads only
-a rank's part of a projection (`qinfer.parallel.Shard`).
+a rank's part of a projection (`qinfer.core.parallel.Shard`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import WeightsError
+from qinfer.core.errors import WeightsError
+from qinfer.core.parallel import Shard
 from qinfer.linear import (
     Int4Groups,
     Int8Blocks,
@@ -29,7 +30,6 @@ from qinfer.linear import (
     quantize_int4,
     quantize_int8,
 )
-from qinfer.parallel import Shard
 
 QUANTIZE_KINDS = ("int8", "int4")
 

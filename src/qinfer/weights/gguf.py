@@ -52,13 +52,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from qinfer import kernels
-from qinfer.config import ModelConfig, RopeConfig
-from qinfer.errors import ConfigError, WeightsError
+from qinfer.core.errors import ConfigError, WeightsError
+from qinfer.core.model_config import ModelConfig, RopeConfig
+from qinfer.core.rope_scaling import rope_frequencies
 from qinfer.linear import Int4Groups, Int8Blocks, Int8Rows, StoredWeight, quantize_int8
 from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.models import Family, GGUFHeader, family_of_gguf
 from qinfer.models.base import HFConfig
-from qinfer.rope_scaling import rope_frequencies
 from qinfer.weights.base import ALL, Quantize, Weights
 from qinfer.weights.gguf_quants import (
     BLOCK_DEQUANTIZERS,

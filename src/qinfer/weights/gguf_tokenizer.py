@@ -32,7 +32,7 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as Backend
 
-from qinfer.errors import QinferError, TokenizerError
+from qinfer.core.errors import QinferError, TokenizerError
 from qinfer.weights.gguf import read_gguf
 
 CONTROL, USER_DEFINED = 3, 4

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
+from qinfer.core.parallel import SINGLE, Parallel
 from qinfer.linear import DenseLinear, Linear, RowParallelLinear
 from qinfer.linear.choose import choose_paths
 from qinfer.linear.grouped import GroupedLinear, make_grouped_linear
-from qinfer.parallel import SINGLE, Parallel
 from qinfer.weights.base import Quantize, Weights
 from qinfer.weights.slots import GroupedSlot, LinearSlot, LinearSource, Placed, TensorSlot
 

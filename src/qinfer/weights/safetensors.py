@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qinfer.checkpoint import read_json_object
-from qinfer.errors import WeightsError
+from qinfer.core.checkpoint import read_json_object
+from qinfer.core.errors import WeightsError
 from qinfer.weights.base import ALL, Weights
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,6 +1,6 @@
 """What a built model asks of its weights: the slots that `qinfer.weights.load` fills.
 
-A model is built from its config alone (`qinfer.model.Transformer(config)`): its layers are
+A model is built from its config alone (`qinfer.model.transformer.Transformer(config)`): its layers are
 `torch.nn.Module`s whose projections are empty slots and whose norms hold a placeholder on
 the meta device. Each slot names what fills it, so that loading is one generic walk over
 `named_modules()` (`weights/load.py`), from a checkpoint or at random:
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qinfer.errors import QinferError
-from qinfer.module import Module
-from qinfer.parallel import Parallel, Shard
+from qinfer.core.errors import QinferError
+from qinfer.core.module import Module
+from qinfer.core.parallel import Parallel, Shard
 
 
 def whole(parallel: Parallel) -> Shard | None:
@@ -44,7 +44,7 @@ class LinearSource:
         projection whose output is theirs side by side; shapes: each one's whole
         (out, in) as stored.
     bias: whether each prefix has a `.bias` (the architecture's rule, not the file's).
-    shard: this rank's part (`qinfer.parallel.Shard`, None for the whole).
+    shard: this rank's part (`qinfer.core.parallel.Shard`, None for the whole).
     rows: the table also serves embedding lookups (`Linear.rows`: dense or int8 only).
     dense: never quantized (a router, whose choices are discrete).
     reduced: a row-parallel part all-reduces its partial sums in its call; False leaves

@@ -7,10 +7,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qinfer.errors import QinferError
+from qinfer.core.errors import QinferError
 
 if TYPE_CHECKING:
-    from qinfer.model import Transformer
+    from qinfer.model.transformer import Transformer
 
 METHODS = ("ngram", "draft")
 

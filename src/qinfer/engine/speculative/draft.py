@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from qinfer.attention.block_spaces import BlockSpaces
+from qinfer.core.errors import QinferError
 from qinfer.engine.sequence import Sequence
-from qinfer.errors import QinferError
-from qinfer.model import Transformer
+from qinfer.model.transformer import Transformer
+from qinfer.request.sampling import argmax_rows
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.runner import ModelRunner
 from qinfer.runtime.step import StepInputs
-from qinfer.sampling import argmax_rows
 
 
 class DraftModel:

@@ -18,8 +18,8 @@ from qinfer.engine.sequence import Sequence
 from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.engine.speculative.draft import DraftModel
 from qinfer.engine.speculative.ngram import propose_ngram
-from qinfer.loading import load_model
-from qinfer.model import Transformer
+from qinfer.model.loading import load_model
+from qinfer.model.transformer import Transformer
 
 #: The longest pause (in steps) of a sequence whose proposals keep nothing.
 MAX_PAUSE = 15

@@ -8,7 +8,7 @@ import { element, tokenLabel } from "./dom.js";
 const $ = (id) => document.getElementById(id);
 const view = { data: null, head: 0, position: 0 };
 
-// Viridis at five stops, weight 0 -> 1; qinfer/heatmap.py draws the PNG with the same.
+// Viridis at five stops, weight 0 -> 1; qinfer/analysis/heatmap.py draws the PNG with the same.
 const STOPS = [
   [68, 1, 84],
   [59, 82, 139],

@@ -1,4 +1,8 @@
-"""The batching engine against the plain single-request generator (`qinfer.generate`).
+"""The batching engine against a reference that shares none of its machinery: each prompt
+run alone through the model's own call over its contiguous caches (the seed's
+`update_and_fetch` + grouped SDPA: `qinfer.attention.reference`), one token a step, with
+no scheduler, KV blocks or paged attention; its tokens chosen by the request's own
+sampling settings and generator.
 
 Every test runs on a tiny random Qwen3 checkpoint in float32 and checks that the engine
 leaves its KV pool clean: after each test no block is held by a sequence.
@@ -13,13 +17,12 @@ from checkpoints import CHAT_VOCAB_SIZE, GEMMA3, random_model, use_features
 import qinfer
 from qinfer.core.errors import QinferError, RequestError
 from qinfer.engine import LLM, block_manager
-from qinfer.engine.generation import generate_ids
-from qinfer.request.sampling import SamplingParams
+from qinfer.request.sampling import SamplingParams, make_generator, sample
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
-#: The engine's attention backends (`qinfer.attention.backend`), each held to the plain
-#: generator's tokens.
+#: The engine's attention backends (`qinfer.attention.backend`), each held to the
+#: reference's tokens.
 BACKENDS = ["paged", "gathered"]
 
 
@@ -48,9 +51,20 @@ def pools():
         assert stats.num_running == stats.num_waiting == 0, stats
 
 
-def alone(model, prompt_ids, params):
-    """The reference: the prompt run alone by the plain generator (its own KVCache)."""
-    return generate_ids(model, [prompt_ids], params)[0].token_ids
+def alone(model, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    """The reference: `params.max_tokens` tokens after the prompt (the tests here ignore
+    EOS), the prompt prefilled whole and each token fed back alone, through the model's
+    contiguous caches (`Transformer.make_cache`, the reference attention backend)."""
+    assert params.ignore_eos and not params.stop and not params.stop_token_ids
+    cache = model.make_cache()
+    generator = make_generator(params, model.device)
+    history = list(prompt_ids)
+    logits = model(torch.tensor([history]), cache=cache, last_only=True)  # (1, 1, V)
+    for _ in range(params.max_tokens):
+        chosen = sample(logits[:, -1], [params], [history], [generator], [len(prompt_ids)])
+        history.append(int(chosen.token_ids[0]))
+        logits = model(torch.tensor([history[-1:]]), cache=cache)
+    return history[len(prompt_ids) :]
 
 
 def random_prompts(seed: int, count: int, longest: int) -> list[list[int]]:
@@ -135,7 +149,7 @@ def test_hash_collisions_never_leak_another_prompts_kv(model, pools, monkeypatch
         assert out.token_ids == alone(model, prompt, params)
 
 
-def test_seeded_sampling_matches_the_plain_generator_per_request(model, pools):
+def test_seeded_sampling_matches_the_reference_per_request(model, pools):
     prompts = random_prompts(5, 4, longest=12)
     params = [
         SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=8, ignore_eos=True),

@@ -27,7 +27,7 @@ import qinfer
 from qinfer.cli import main
 from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from qinfer.linear import DenseLinear, Int4BlockLinear, Int8BlockLinear
-from qinfer.weights.gguf import read_gguf
+from qinfer.weights.gguf_file import read_gguf
 
 PROMPTS = [
     "The capital of France is",

@@ -290,7 +290,7 @@ def test_the_parsed_header_holds_the_vocabulary_compact_with_the_readers_values(
     list is; every other field as the reader gives it."""
     from array import array
 
-    from qinfer.weights.gguf import StringArray, read_gguf
+    from qinfer.weights.gguf_file import StringArray, read_gguf
 
     path = smollm2_path()
     meta = read_gguf(path).metadata

@@ -8,7 +8,7 @@ from gguf_files import smollm2_path, write_gguf
 
 import qinfer
 from qinfer.core.errors import TokenizerError
-from qinfer.weights.gguf import read_gguf
+from qinfer.weights.gguf_file import read_gguf
 from qinfer.weights.gguf_tokenizer import tokenizer_from_gguf
 
 CORPUS = [

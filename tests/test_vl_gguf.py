@@ -50,7 +50,7 @@ from qinfer.vision import (
     preprocess_images,
 )
 from qinfer.vision.mmproj import PATCH_EMBED, PATCH_FRAMES, ProjectorWeights, load_projector
-from qinfer.weights.gguf import read_gguf
+from qinfer.weights.gguf_file import read_gguf
 
 #: Where `make setup-test` puts llama.cpp's converter.
 CONVERTER = Path(sys.prefix) / "llama-cpp-converter"

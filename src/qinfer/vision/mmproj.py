@@ -52,14 +52,8 @@ from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
 from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
 from qinfer.weights.base import ALL
-from qinfer.weights.gguf import (
-    KEPT_TYPES,
-    GGUFFile,
-    GGUFWeights,
-    TensorInfo,
-    config_from_gguf,
-    read_gguf,
-)
+from qinfer.weights.gguf import KEPT_TYPES, GGUFWeights, config_from_gguf
+from qinfer.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
 from qinfer.weights.load import load
 
 #: The prefix the tower's tensors take (the encoders' names of a Hugging Face folder).

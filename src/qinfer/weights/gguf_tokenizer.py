@@ -33,7 +33,7 @@ from tokenizers import (
 from tokenizers import Tokenizer as Backend
 
 from qinfer.core.errors import QinferError, TokenizerError
-from qinfer.weights.gguf import read_gguf
+from qinfer.weights.gguf_file import read_gguf
 
 CONTROL, USER_DEFINED = 3, 4
 

@@ -1,4 +1,4 @@
-"""One request while it generates: the state `generate` and the engine share.
+"""One request while it generates: what the engine keeps of it besides its tokens' KV.
 
     state = RequestState.create(token_ids, params, max_tokens, eos_ids, tokenizer, device)
     result = sample_next(logits, [state, ...])        # one token per state
@@ -7,10 +7,10 @@
 
 A state holds what turns sampled ids into a response: the SamplingParams, the request's
 own generator (seeded sampling), the detokenizer (text and stop strings), the stop rule
-(`qinfer.request.stopping`) and the logits processors (a grammar's mask). It owns no KV cache:
-`generate` keeps rows in one batch cache, the engine keeps blocks in its paged pool. A
-preempted engine request keeps its state untouched (its tokens are recomputed, not
-re-sampled), so a grammar's matcher stays where it was.
+(`qinfer.request.stopping`) and the logits processors (a grammar's mask). It owns no KV
+cache: the engine keeps the request's blocks in its paged pool (every front-end, `generate`
+included, runs through the engine). A preempted request keeps its state untouched (its
+tokens are recomputed, not re-sampled), so a grammar's matcher stays where it was.
 """
 
 from __future__ import annotations

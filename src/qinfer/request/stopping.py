@@ -1,4 +1,5 @@
-"""When a request ends: the one rule the plain generator and the batching engine share.
+"""When a request ends: the one rule every request follows (`RequestState.accept` applies
+it to each sampled token, whichever front-end made the request).
 
 After each sampled token (already counted as generated):
 

@@ -26,7 +26,8 @@ def make_generator(params: SamplingParams, device: str | torch.device) -> torch.
 
 @dataclass
 class SampleResult:
-    """The chosen tokens of one step.
+    """The chosen token of each row of logits `sample` was given: a step's rows, one per
+    decoding sequence, or several for a sequence that verifies proposed tokens.
 
     token_ids: (B,) long, the chosen id of each row.
     logprobs: (B,) fp32, log-probability of each chosen id (see the module docstring), or

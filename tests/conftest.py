@@ -14,6 +14,7 @@ import gguf
 import pytest
 from checkpoints import WINDOWED, build_chat_checkpoint, load_pair
 from gguf_files import smollm2_path
+from servers import serving
 from text_assets import save_llama3_tokenizer, save_qwen3_tokenizer, tokenizer_pair
 
 from qinfer import kernels
@@ -80,3 +81,11 @@ def torch_ops_only(monkeypatch):
                 kernels.in_use.cache_clear()
 
     return switched_off
+
+
+@pytest.fixture
+def serve():
+    """`serve(*args, app=None, ...)` -> a `servers.Served`, as `servers.serving` starts it,
+    stopped after the test: every server a test stands up goes through `serving`."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **options: stack.enter_context(serving(*args, **options))

@@ -44,7 +44,7 @@ from planted_qwen3 import (
     WEATHER_TOOL,
     build_planted_qwen3,
 )
-from server_process import start_serve_command
+from servers import serving
 
 from qinfer.server.app import served_name
 
@@ -89,23 +89,18 @@ def planted(tmp_path_factory):
     folder = build_planted_qwen3(
         tmp_path_factory.mktemp("agent-loop"), tool_loop=True, max_position_embeddings=4096
     )
-    process, url = start_serve_command(
-        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"),
-        timeout=120,
-    )
-    yield url, "tiny"
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(
+        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096")
+    ) as server:
+        yield server.url, "tiny"
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     """(base URL, model name) of `qinfer serve` with no model: the embedded SmolLM2."""
     model_name = served_name(smollm2_path())
-    process, url = start_serve_command(timeout=120)
-    yield url, model_name
-    process.terminate()
-    process.wait(timeout=30)
+    with serving() as server:
+        yield server.url, model_name
 
 
 # --- LangGraph's prebuilt ReAct agent over ChatOpenAI ----------------------------------

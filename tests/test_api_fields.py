@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint
-from server_process import start_serve_command
+from servers import serving
 from text_assets import (
     CHATML_SPECIAL,
     QWEN3_ADDED,
@@ -67,15 +67,12 @@ def served(checkpoint, tmp_path_factory):
     """The `qinfer serve` process and its URL (its stderr readable without blocking)."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"{KEYS[1]}\n\n  {KEYS[2]}  \n")
-    process, url = start_serve_command(
+    with serving(
         *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
         *("--api-key", KEYS[0], "--api-key-file", str(key_file), "--allowed-origins", ORIGIN),
-        timeout=120,
-    )
-    os.set_blocking(process.stderr.fileno(), False)
-    yield process, url
-    process.terminate()
-    process.wait(timeout=30)
+    ) as server:
+        os.set_blocking(server.process.stderr.fileno(), False)
+        yield server.process, server.url
 
 
 @pytest.fixture(scope="module")

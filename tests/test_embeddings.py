@@ -19,7 +19,7 @@ import torch
 from checkpoints import build_chat_checkpoint
 from gguf_files import smollm2_path
 from langchain_openai import OpenAIEmbeddings
-from server_process import serving, start_serve_command, wait_until_idle
+from servers import serving, wait_until_idle
 
 from qinfer import LLM
 from qinfer.engine.run import run_requests
@@ -169,8 +169,8 @@ def server(checkpoint):
     with serving(
         *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
         *("--device", "cpu", "--block-size", str(BLOCK)),
-    ) as url:
-        yield url
+    ) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -272,21 +272,15 @@ def test_chat_keeps_working_on_the_same_server(client):
     assert reply.usage.completion_tokens == 4
 
 
-def test_smollm2_gguf_serves_embeddings():
+def test_smollm2_gguf_serves_embeddings(serve):
     """The real embedded model through the endpoint: unit vectors of its hidden size, the
     same for a prompt alone and in a batch."""
-    process, url = start_serve_command(timeout=120)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        model = served_name(smollm2_path())
-        texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock prices fell."]
-        batch = [
-            np.array(d.embedding) for d in client.embeddings.create(model=model, input=texts).data
-        ]
-        alone = np.array(client.embeddings.create(model=model, input=texts[0]).data[0].embedding)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    url = serve().url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = served_name(smollm2_path())
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock prices fell."]
+    batch = [np.array(d.embedding) for d in client.embeddings.create(model=model, input=texts).data]
+    alone = np.array(client.embeddings.create(model=model, input=texts[0]).data[0].embedding)
     assert batch[0].shape == (576,)
     np.testing.assert_allclose([np.linalg.norm(v) for v in batch], 1.0, atol=1e-4)
     np.testing.assert_allclose(alone, batch[0], atol=2e-3)

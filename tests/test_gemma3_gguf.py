@@ -21,7 +21,6 @@ from gguf_files import (
     gemma3_path,
     real_text_ids,
 )
-from server_process import start_serve_command
 
 import qinfer
 from qinfer.cli import main
@@ -215,27 +214,23 @@ def test_cli_generate_continues_a_prompt_the_file_has_no_template_for(capsys):
     assert capsys.readouterr().out.startswith(" the capital of the country of France.")
 
 
-def test_qinfer_serve_completes_on_it_and_refuses_chat_in_one_line():
+def test_qinfer_serve_completes_on_it_and_refuses_chat_in_one_line(serve):
     """The real `openai` client against `qinfer serve` on the file (its default load: kept
     blocks, bf16): a greedy completion continues the prompt; the file has no chat template,
     so a chat request is a 400 that says so, and the server keeps serving."""
-    server, url = start_serve_command("--model", str(gemma3_path()), timeout=180)
+    url = serve("--model", str(gemma3_path()), timeout=180).url
     name = "gemma-3-270m-q4_k_m"  # the file's name, by default
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        reply = client.completions.create(
-            model=name, prompt="The capital of France is", max_tokens=8, temperature=0
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    reply = client.completions.create(
+        model=name, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].text.startswith(" the capital of the country of France")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
-        assert reply.choices[0].text.startswith(" the capital of the country of France")
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(
-                model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
-            )
-        assert "chat template" in refused.value.message
-        assert client.completions.create(model=name, prompt="Hi", max_tokens=2).choices
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    assert "chat template" in refused.value.message
+    assert client.completions.create(model=name, prompt="Hi", max_tokens=2).choices
 
 
 def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import random_tokens, use_features
-from server_process import start_serve_command
+from servers import serving
 
 from qinfer.analysis.inspection import MAX_INSPECT_TOKENS, MAX_TOP_K, inspect_tokens
 from qinfer.attention.reference import ReferenceAttention
@@ -157,13 +157,11 @@ def test_a_token_id_outside_the_vocabulary_is_refused(pair, bad_id):
 
 @pytest.fixture(scope="module")
 def server(qwen3_chat_folder):
-    process, url = start_serve_command(
-        "--model", str(qwen3_chat_folder), "--dtype", "float32", timeout=120
-    )
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with (
+        serving("--model", str(qwen3_chat_folder), "--dtype", "float32") as running,
+        httpx.Client(base_url=running.url, timeout=120) as client,
+    ):
         yield client
-    process.terminate()
-    process.wait(timeout=30)
 
 
 def test_served_inspection_equals_the_direct_one(server, qwen3_chat_folder):

@@ -221,23 +221,23 @@ def test_the_same_budget_holds_about_twice_the_blocks_and_sequences_in_int8():
     assert running == {"auto": (8, 8), "int8": (14, 14)}
 
 
-def test_the_server_serves_with_an_int8_cache_what_llm_gives(tmp_path):
+def test_the_server_serves_with_an_int8_cache_what_llm_gives(tmp_path, serve):
     """`qinfer serve --kv-cache-dtype int8` answers what `LLM(kv_cache_dtype="int8")` does
     on the same checkpoint, and its pool holds the quantized blocks (more than bf16's)."""
     from checkpoints import build_chat_checkpoint
-    from server_process import metric_values, serving
+    from servers import metric_values
 
     build_chat_checkpoint(tmp_path, "qwen3")
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="int8")
     params = SamplingParams(temperature=0.0, max_tokens=12)
     expected = llm.generate(["Hello there"], params, use_tqdm=False)[0].text
-    with serving(
+    url = serve(
         *("--model", str(tmp_path), "--dtype", "float32", "--served-model-name", "m"),
         *("--kv-cache-dtype", "int8"),
-    ) as url:
-        body = {"model": "m", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-        with httpx.Client(base_url=url) as http:
-            blocks = metric_values(http)["qinfer_kv_blocks_total"]
+    ).url
+    body = {"model": "m", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    with httpx.Client(base_url=url) as http:
+        blocks = metric_values(http)["qinfer_kv_blocks_total"]
     assert reply["choices"][0]["text"] == expected
     assert blocks == llm.engine.block_manager.num_blocks

@@ -18,7 +18,6 @@ import httpx
 import pytest
 import torch
 from checkpoints import build_chat_checkpoint
-from server_process import start_serve_command
 
 from qinfer import generate, load_model, load_tokenizer
 from qinfer.core.checkpoint import resolve_model
@@ -106,10 +105,11 @@ def test_ctrl_c_in_chat_stops_the_reply_and_keeps_what_was_shown_in_the_history(
     assert full.startswith(shown) and len(shown) < len(full)  # it was stopped midway
 
 
-def test_ctrl_c_stops_serve_with_a_stream_open_quickly_and_without_a_traceback():
+def test_ctrl_c_stops_serve_with_a_stream_open_quickly_and_without_a_traceback(serve):
     """The open stream ends with its final event and [DONE]; the server exits within
     5 s with status 0 or 130, one line, no traceback; a second Ctrl-C changes nothing."""
-    server, url = start_serve_command(timeout=300)
+    running = serve(timeout=300)
+    server, url = running.process, running.url
     # A regex without an end keeps the stream going for thousands of tokens.
     body = {
         "messages": [{"role": "user", "content": "Write a long story"}],
@@ -137,11 +137,12 @@ def test_ctrl_c_stops_serve_with_a_stream_open_quickly_and_without_a_traceback()
     assert "Traceback" not in err and "qinfer: stopping; 1 request aborted" in err
 
 
-def test_serve_prints_the_loaded_model_and_the_page_urls_to_a_log(tmp_path):
+def test_serve_prints_the_loaded_model_and_the_page_urls_to_a_log(tmp_path, serve):
     folder = tmp_path / "llama"
     folder.mkdir()
     build_chat_checkpoint(folder, "llama")
-    server, url = start_serve_command("--model", str(folder), "--device", "cpu")
+    running = serve("--model", str(folder), "--device", "cpu")
+    server, url = running.process, running.url
     server.send_signal(signal.SIGINT)
     assert server.wait(timeout=30) == 0
     err = server.stderr.read().decode().splitlines()
@@ -330,34 +331,30 @@ def test_in_bfloat16_chat_and_the_server_part_only_at_a_near_tie(embedded):
         assert abs(top[cli[parted]] - top[served[parted]]) <= 0.25, prompt
 
 
-def test_the_chat_endpoint_fills_unset_fields_with_the_chat_defaults(tmp_path):
+def test_the_chat_endpoint_fills_unset_fields_with_the_chat_defaults(tmp_path, serve):
     """A chat request without sampling fields samples as `qinfer chat` does (the same
     reply as one sending `chat_sampling_params`' values); temperature 0 is plain greedy."""
     folder = tmp_path / "llama"
     folder.mkdir()
     build_chat_checkpoint(folder, "llama")
-    server, url = start_serve_command("--model", str(folder), "--dtype", "float32")
+    url = serve("--model", str(folder), "--dtype", "float32").url
     messages = [{"role": "user", "content": "Tell me a story"}]
     params = chat_sampling_params(folder, seed=7, max_tokens=12)
     explicit = {
         name: getattr(params, name)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     }
-    try:
-        with httpx.Client(base_url=url, timeout=120) as http:
+    with httpx.Client(base_url=url, timeout=120) as http:
 
-            def text(route: str, **body) -> str:
-                reply = http.post(route, json=body).json()["choices"][0]
-                return reply["message"]["content"] if "message" in reply else reply["text"]
+        def text(route: str, **body) -> str:
+            reply = http.post(route, json=body).json()["choices"][0]
+            return reply["message"]["content"] if "message" in reply else reply["text"]
 
-            chat = "/v1/chat/completions"
-            unset = text(chat, messages=messages, seed=7, max_tokens=12)
-            assert unset == text(chat, messages=messages, seed=7, max_tokens=12, **explicit)
-            greedy = text(chat, messages=messages, max_tokens=12, temperature=0)
-            assert greedy == text(
-                chat, messages=messages, max_tokens=12, temperature=0, repetition_penalty=1.0
-            )
-            assert unset != greedy
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=30)
+        chat = "/v1/chat/completions"
+        unset = text(chat, messages=messages, seed=7, max_tokens=12)
+        assert unset == text(chat, messages=messages, seed=7, max_tokens=12, **explicit)
+        greedy = text(chat, messages=messages, max_tokens=12, temperature=0)
+        assert greedy == text(
+            chat, messages=messages, max_tokens=12, temperature=0, repetition_penalty=1.0
+        )
+        assert unset != greedy

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint
-from server_process import serving
+from servers import serving
 from text_assets import CHATML_SPECIAL, QWEN3_ADDED, save_qwen3_tokenizer, train_tokenizer
 
 from qinfer import LLM
@@ -132,8 +132,8 @@ def server(checkpoint):
     with serving(
         *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
         *("--device", "cpu", "--block-size", str(BLOCK), "--max-num-batched-tokens", "64"),
-    ) as url:
-        yield url
+    ) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import build_checkpoint, build_tokenizer
-from server_process import start_serve_command, wait_until_idle
+from servers import serving, wait_until_idle
 
 from qinfer import LLM
 from qinfer.core.errors import RequestError
@@ -171,15 +171,14 @@ def test_checkpoint_task_reads_the_name(tmp_path):
 
 @pytest.fixture(scope="module")
 def http(checkpoint):
-    process, url = start_serve_command(
-        *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
-        *("--device", "cpu", "--block-size", str(BLOCK)),
-        timeout=120,
-    )
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with (
+        serving(
+            *("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"),
+            *("--device", "cpu", "--block-size", str(BLOCK)),
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=120) as client,
+    ):
         yield client
-    process.terminate()
-    process.wait(timeout=30)
 
 
 def test_rerank_orders_documents_best_first_with_top_n(http, llm):
@@ -263,19 +262,15 @@ def test_unknown_model_is_404(http):
     assert response.json()["error"]["param"] == "model"
 
 
-def test_smollm2_gguf_serves_rerank():
+def test_smollm2_gguf_serves_rerank(serve):
     """The real embedded model through the endpoint (task generate serves it too): one
     score per document in [0, 1], the same alone and in a batch."""
-    process, url = start_serve_command(timeout=120)
-    try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            query = "What is the capital of France?"
-            documents = ["Paris is the capital of France.", "Bananas are yellow."]
-            batch = client.post("/v1/rerank", json={"query": query, "documents": documents})
-            alone = client.post("/v1/score", json={"text_1": query, "text_2": documents[1]})
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    url = serve().url
+    with httpx.Client(base_url=url, timeout=120) as client:
+        query = "What is the capital of France?"
+        documents = ["Paris is the capital of France.", "Bananas are yellow."]
+        batch = client.post("/v1/rerank", json={"query": query, "documents": documents})
+        alone = client.post("/v1/score", json={"text_1": query, "text_2": documents[1]})
     assert batch.status_code == 200, batch.text
     scores = {r["index"]: r["relevance_score"] for r in batch.json()["results"]}
     assert sorted(scores) == [0, 1] and all(0 <= s <= 1 for s in scores.values())

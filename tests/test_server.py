@@ -15,9 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,10 +22,10 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from fastapi import FastAPI
 from planted_qwen3 import build_planted_qwen3
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import metric_values, start_serve_command, wait_until_idle
+from servers import metric_values, serving, wait_until_idle
 
 import qinfer
 from qinfer.cli import main
@@ -73,30 +70,9 @@ def hf_model(checkpoint):
 # --- the server --------------------------------------------------------------------------
 
 
-class ServerThread:
-    """A uvicorn server on a free loopback port, in a background thread."""
-
-    def __init__(self, app):
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.socket.close()
-
-
-def start_server(checkpoint: Path, tokenizer, **engine_args) -> tuple[ServerThread, AsyncEngine]:
+def server_app(checkpoint: Path, tokenizer, **engine_args) -> tuple[FastAPI, AsyncEngine]:
+    """The app `qinfer serve` would run on the test checkpoint (float32, an API key, no
+    thinking by default), and the engine behind it."""
     engine = AsyncEngine(checkpoint, tokenizer, dtype="float32", **engine_args)
     settings = ServerSettings(
         model_name=MODEL_NAME,
@@ -105,15 +81,15 @@ def start_server(checkpoint: Path, tokenizer, **engine_args) -> tuple[ServerThre
         chat_template_kwargs={"enable_thinking": False},
         default_params=SamplingParams.from_generation_config(checkpoint),
     )
-    return ServerThread(create_app(engine, tokenizer, settings)), engine
+    return create_app(engine, tokenizer, settings), engine
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tokenizer):
-    running, engine = start_server(checkpoint, tokenizer, **ENGINE_ARGS)
-    running.engine = engine
-    yield running
-    running.stop()
+    app, engine = server_app(checkpoint, tokenizer, **ENGINE_ARGS)
+    with serving(app=app) as running:
+        running.engine = engine
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -663,27 +639,23 @@ def test_burst_of_bad_requests_leaves_a_concurrent_stream_intact(server, http):
     )
 
 
-def test_full_queue_answers_503_and_the_server_keeps_serving(checkpoint, tokenizer):
-    running, _ = start_server(checkpoint, tokenizer, max_num_seqs=1, max_waiting_requests=1)
-    try:
-        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0)
-        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200}
-        headers = {"Authorization": f"Bearer {API_KEY}"}
+def test_full_queue_answers_503_and_the_server_keeps_serving(checkpoint, tokenizer, serve):
+    app, _ = server_app(checkpoint, tokenizer, max_num_seqs=1, max_waiting_requests=1)
+    running = serve(app=app)
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 200}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
 
-        async def burst():
-            async with httpx.AsyncClient(base_url=running.url, headers=headers, timeout=120) as c:
-                return await asyncio.gather(
-                    *(c.post("/v1/completions", json=body) for _ in range(6))
-                )
+    async def burst():
+        async with httpx.AsyncClient(base_url=running.url, headers=headers, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
 
-        responses = asyncio.run(burst())
-        refused = [r for r in responses if r.status_code == 503]
-        assert refused and all(r.status_code in (200, 503) for r in responses)
-        assert_error(refused[0], 503, code="overloaded")
-        after = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        assert after.choices[0].finish_reason == "length"
-    finally:
-        running.stop()
+    responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and all(r.status_code in (200, 503) for r in responses)
+    assert_error(refused[0], 503, code="overloaded")
+    after = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert after.choices[0].finish_reason == "length"
 
 
 # --- metrics ------------------------------------------------------------------------------
@@ -709,20 +681,15 @@ def test_metrics_count_requests_tokens_and_latencies(client, http):
 # --- the command line ---------------------------------------------------------------------
 
 
-def test_qinfer_serve_command_serves_a_checkpoint(checkpoint, model, tokenizer):
-    server, url = start_serve_command(
+def test_qinfer_serve_command_serves_a_checkpoint(checkpoint, model, tokenizer, serve):
+    url = serve(
         *("--model", str(checkpoint), "--api-key", API_KEY, "--served-model-name", MODEL_NAME),
         *("--num-kv-blocks", "32", "--chat-template-kwargs", '{"enable_thinking": false}'),
-        timeout=120,
-    )
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-        reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0)
-        expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=False)
-        assert reply.choices[0].message.content == expected.text
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    ).url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0)
+    expected = offline(model, tokenizer, USER, chat=True, temperature=0, enable_thinking=False)
+    assert reply.choices[0].message.content == expected.text
 
 
 def test_qinfer_serve_refuses_template_kwargs_that_are_not_an_object(capsys):

@@ -19,11 +19,11 @@ import jsonschema
 import openai
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import (
+from servers import (
     assert_aborted_streams_free_their_requests,
     chat_usage,
     metric_values,
-    start_serve_command,
+    serving,
     wait_until_idle,
 )
 
@@ -59,17 +59,15 @@ def served(tmp_path_factory):
     """(anthropic client, openai client, httpx client) of `qinfer serve` on the planted
     Qwen3, with an API key."""
     folder = build_planted_qwen3(tmp_path_factory.mktemp("anthropic"), max_position_embeddings=4096)
-    process, url = start_serve_command(
+    with serving(
         *("--model", str(folder), "--served-model-name", MODEL, "--max-model-len", "4096"),
         *("--api-key", KEY),
-        timeout=120,
-    )
-    client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
-    chat = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    with httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=120) as http:
-        yield client, chat, http
-    process.terminate()
-    process.wait(timeout=30)
+    ) as server:
+        url = server.url
+        client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        with httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=120) as http:
+            yield client, chat, http
 
 
 @pytest.fixture(scope="module")

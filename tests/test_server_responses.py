@@ -21,11 +21,7 @@ import openai
 import pydantic
 import pytest
 from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
-from server_process import (
-    assert_aborted_streams_free_their_requests,
-    chat_usage,
-    start_serve_command,
-)
+from servers import assert_aborted_streams_free_their_requests, chat_usage, serving
 
 import qinfer
 from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
@@ -64,17 +60,14 @@ def served(tmp_path_factory):
     """(openai client, httpx client, checkpoint folder) of `qinfer serve` on the planted
     Qwen3, with an API key."""
     folder = build_planted_qwen3(tmp_path_factory.mktemp("responses"), max_position_embeddings=4096)
-    process, url = start_serve_command(
+    with serving(
         *("--model", str(folder), "--served-model-name", MODEL, "--max-model-len", "4096"),
         *("--api-key", KEY),
-        timeout=120,
-    )
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
-        yield client, http, folder
-    process.terminate()
-    process.wait(timeout=30)
+    ) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=120) as http:
+            yield client, http, folder
 
 
 @pytest.fixture(scope="module")
@@ -488,11 +481,11 @@ def test_each_status_ends_the_stream_with_the_event_clients_expect(
     assert (final.incomplete_details and final.incomplete_details.reason) == reason
 
 
-def test_a_stream_the_stopping_server_cuts_ends_with_response_failed(served):
+def test_a_stream_the_stopping_server_cuts_ends_with_response_failed(served, serve):
     """Ctrl-C on `qinfer serve` aborts every request: an open stream ends with
     response.failed (a server_error), not as if the model had finished."""
-    process, url = start_serve_command("--model", str(served[2]), "--served-model-name", MODEL)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    stopping = serve("--model", str(served[2]), "--served-model-name", MODEL)
+    client = openai.OpenAI(base_url=f"{stopping.url}/v1", api_key="none", max_retries=0, timeout=60)
     endless = {"format": {"type": "json_schema", "name": "s", "schema": {"type": "string"}}}
     try:
         with client.responses.stream(
@@ -503,9 +496,9 @@ def test_a_stream_the_stopping_server_cuts_ends_with_response_failed(served):
                 events.append(event)
                 deltas += event.type == "response.output_text.delta"
                 if deltas == 3 and event.type == "response.output_text.delta":
-                    process.send_signal(signal.SIGINT)  # once, mid-reply
+                    stopping.process.send_signal(signal.SIGINT)  # once, mid-reply
     finally:
-        process.wait(timeout=30)
+        stopping.process.wait(timeout=30)
     final = events[-1]
     assert final.type == "response.failed" and final.response.status == "failed"
     assert final.response.error.code == "server_error"

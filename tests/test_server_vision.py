@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 from checkpoints import build_checkpoint
-from server_process import wait_until_idle
-from test_server import ServerThread
+from fastapi import FastAPI
+from servers import serving, wait_until_idle
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, save_vl_tokenizer
 from test_vl_models import TEXT, make_image, save_vl_checkpoint
 
@@ -92,11 +92,11 @@ def folder(tmp_path_factory):
     return folder
 
 
-def start(folder, **settings) -> ServerThread:
+def vl_app(folder, **settings) -> FastAPI:
+    """The server's app over the checkpoint in `folder` (served in process by the tests)."""
     tokenizer = qinfer.load_tokenizer(folder)
     engine = AsyncEngine(folder, tokenizer, **ENGINE)
-    app = create_app(engine, tokenizer, ServerSettings(model_name=MODEL, **settings))
-    return ServerThread(app)
+    return create_app(engine, tokenizer, ServerSettings(model_name=MODEL, **settings))
 
 
 class ImageHost:
@@ -130,9 +130,8 @@ def image_host():
 @pytest.fixture(scope="module")
 def server(folder):
     # The loopback host is allowed: its images are fetched (the machines have no internet).
-    running = start(folder, allowed_media_domains=("127.0.0.1",))
-    yield running
-    running.stop()
+    with serving(app=vl_app(folder, allowed_media_domains=("127.0.0.1",))) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -319,21 +318,18 @@ def test_bad_anthropic_images_are_400s_in_its_shape_naming_their_part(claude, ht
     assert wait_until_idle(http)["qinfer_kv_blocks_used"] == 0
 
 
-def test_an_image_sent_to_a_text_only_model_is_a_400_naming_its_part(tmp_path):
+def test_an_image_sent_to_a_text_only_model_is_a_400_naming_its_part(tmp_path, serve):
     build_text_only(tmp_path)
-    running = start(tmp_path)
-    try:
-        text_only = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="takes no images") as caught:
-            chat_image(text_only, data_url(png(IMAGE)))
-        assert caught.value.body["param"] == PART
-        # /tokenize of the same chat: refused alike, not the placeholder text's tokens
-        image_part = {"type": "image_url", "image_url": {"url": data_url(png(IMAGE))}}
-        body = {"messages": [{"role": "user", "content": [image_part]}]}
-        answer = httpx.post(f"{running.url}/tokenize", json=body, timeout=60)
-        assert answer.status_code == 400 and "takes no images" in answer.text
-    finally:
-        running.stop()
+    running = serve(app=vl_app(tmp_path))
+    text_only = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="takes no images") as caught:
+        chat_image(text_only, data_url(png(IMAGE)))
+    assert caught.value.body["param"] == PART
+    # /tokenize of the same chat: refused alike, not the placeholder text's tokens
+    image_part = {"type": "image_url", "image_url": {"url": data_url(png(IMAGE))}}
+    body = {"messages": [{"role": "user", "content": [image_part]}]}
+    answer = httpx.post(f"{running.url}/tokenize", json=body, timeout=60)
+    assert answer.status_code == 400 and "takes no images" in answer.text
 
 
 # --- the allow-list ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from checkpoints import build_chat_checkpoint, build_checkpoint
-from server_process import metric_values, serving
+from servers import metric_values, serving
 
 import qinfer
 from qinfer.cli import main
@@ -376,10 +376,10 @@ def test_the_server_speculates_and_counts_it(qwen3_chat_folder, chat_llms):
     with serving(
         *("--model", str(qwen3_chat_folder), "--dtype", "float32", "--served-model-name", "m"),
         *("--speculative-method", "ngram", "--num-speculative-tokens", "3"),
-    ) as url:
+    ) as server:
         body = {"model": "m", "prompt": prompt, "max_tokens": 20, "temperature": 0}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-        with httpx.Client(base_url=url) as http:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        with httpx.Client(base_url=server.url) as http:
             values = metric_values(http)
     plain, _ = chat_llms
     params = SamplingParams(temperature=0.0, max_tokens=20)

@@ -15,7 +15,7 @@ import pytest
 from gguf_files import smollm2_path
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-from server_process import start_serve_command
+from servers import serving
 
 from qinfer.server.app import served_name
 
@@ -38,10 +38,8 @@ class Trip(BaseModel):
 def served():
     """(base URL, model name) of `qinfer serve` with no model: the embedded SmolLM2."""
     model_name = served_name(smollm2_path())
-    process, url = start_serve_command(timeout=120)
-    yield url, model_name
-    process.terminate()
-    process.wait(timeout=30)
+    with serving() as server:
+        yield server.url, model_name
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import openai
 import pytest
 import torch
 from checkpoints import build_chat_checkpoint
-from server_process import start_serve_command
 from starlette.testclient import TestClient
 
 from qinfer import LLM, SamplingParams
@@ -209,29 +208,26 @@ def spawned_children(pid: int) -> list[int]:
     return children
 
 
-def test_server_at_tp2_answers_and_exits_when_its_worker_dies(checkpoint):
-    server, url = start_serve_command(
+def test_server_at_tp2_answers_and_exits_when_its_worker_dies(checkpoint, serve):
+    running = serve(
         *("--model", str(checkpoint), "--dtype", "float32", "--device", "cpu"),
         *("--tensor-parallel-size", "2", "--num-kv-blocks", "64"),
     )
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        reply = client.completions.create(
-            model=checkpoint.name, prompt="Hello there", max_tokens=12, temperature=0
-        )
-        llm = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=64)
-        (expected,) = llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0))
-        assert reply.choices[0].text == expected.text
+    server, url = running.process, running.url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.completions.create(
+        model=checkpoint.name, prompt="Hello there", max_tokens=12, temperature=0
+    )
+    llm = LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=64)
+    (expected,) = llm.generate("Hello there", SamplingParams(max_tokens=12, temperature=0))
+    assert reply.choices[0].text == expected.text
 
-        (worker,) = spawned_children(server.pid)
-        os.kill(worker, signal.SIGKILL)
-        server.wait(timeout=30)  # the watch stops the idle server
-        assert server.returncode == 2
-        error = "qinfer: error: tensor-parallel rank 1 died (killed by SIGKILL)"
-        assert error in server.stderr.read().decode().splitlines()
-    finally:
-        server.kill()
-        server.wait()
+    (worker,) = spawned_children(server.pid)
+    os.kill(worker, signal.SIGKILL)
+    server.wait(timeout=30)  # the watch stops the idle server
+    assert server.returncode == 2
+    error = "qinfer: error: tensor-parallel rank 1 died (killed by SIGKILL)"
+    assert error in server.stderr.read().decode().splitlines()
 
 
 def test_health_turns_503_when_a_worker_of_an_idle_engine_dies(checkpoint):

@@ -24,7 +24,7 @@ import openai
 import pytest
 from checkpoints import CHATML_TEMPLATE, build_checkpoint
 from planted_qwen3 import build_planted_qwen3
-from server_process import start_serve_command
+from servers import serving
 from text_assets import (
     CHATML_SPECIAL,
     save_qwen3_tokenizer,
@@ -511,15 +511,14 @@ def served(tmp_path_factory):
         eos_token_id=eos,
         max_position_embeddings=4096,
     )
-    process, url = start_serve_command(
-        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"),
-        timeout=120,
-    )
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    with httpx.Client(base_url=url, timeout=120) as http:
-        yield client, http, qinfer.load_tokenizer(folder), folder
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(
+        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096")
+    ) as server:
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            yield client, http, qinfer.load_tokenizer(folder), folder
 
 
 def chat(client, thinking: bool = False, **fields):
@@ -718,13 +717,10 @@ def planted(tmp_path_factory):
     folder = build_planted_qwen3(
         tmp_path_factory.mktemp("tools-planted"), max_position_embeddings=4096
     )
-    process, url = start_serve_command(
-        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"),
-        timeout=120,
-    )
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    process.terminate()
-    process.wait(timeout=30)
+    with serving(
+        *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096")
+    ) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @dataclass
@@ -933,22 +929,18 @@ def test_aborting_200_constrained_streams_frees_every_matcher(served):
     assert live_matchers(http) == baseline
 
 
-def test_the_default_model_calls_tools_in_the_generic_format():
+def test_the_default_model_calls_tools_in_the_generic_format(serve):
     """`qinfer serve` with no model (the embedded SmolLM2, whose template knows no tools)."""
-    process, url = start_serve_command(timeout=120)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(
-            model=client.models.list().data[0].id,
-            messages=[{"role": "user", "content": "What is the weather in Tokyo?"}],
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            max_tokens=100,
-        )
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    url = serve().url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the weather in Tokyo?"}],
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=100,
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert all(valid_call(call) for call in choice.message.tool_calls)
@@ -1054,40 +1046,32 @@ def messages_forced(client, stream: bool, **fields) -> DefaultReply:
     return DefaultReply(message.stop_reason == "tool_use", calls, message.usage.output_tokens)
 
 
-def test_a_forced_call_of_the_default_model_ends_once_it_repeats_on_every_api():
+def test_a_forced_call_of_the_default_model_ends_once_it_repeats_on_every_api(serve):
     """Issue 30 on the embedded SmolLM2 (the generic format): greedy, parallel calls at
     their default, it writes its forced call again; the repeat ends the reply with the
     call's finish reason in under twice the tokens of one call (the same request with
     parallel calls off), on all three APIs, whole and streamed. One server for all."""
-    process, url = start_serve_command(timeout=120)
-    try:
-        chat_client = openai.OpenAI(
-            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120
-        )
-        model = chat_client.models.list().data[0].id
-        messages_client = anthropic.Anthropic(
-            base_url=url, api_key="none", max_retries=0, timeout=120
-        )
-        apis = [
-            (chat_forced, chat_client, {"parallel_tool_calls": False}),
-            (responses_forced, chat_client, {"parallel_tool_calls": False}),
-            (
-                messages_forced,
-                messages_client,
-                {"tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
-            ),
-        ]
-        for forced, client, parallel_off in apis:
-            for stream in (False, True):
-                where = f"{forced.__name__}, {'streamed' if stream else 'whole'}"
-                one = forced(client, stream, model=model, **parallel_off)
-                assert one.finished and len(one.calls) == 1, (where, one)
-                default = forced(client, stream, model=model)
-                assert default.finished and default.calls[:1] == one.calls, (where, default)
-                for name, arguments in default.calls:
-                    (tool,) = [t for t in TOOLS if t["function"]["name"] == name]
-                    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
-                assert default.tokens < 2 * one.tokens, (where, one, default)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    url = serve().url
+    chat_client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    model = chat_client.models.list().data[0].id
+    messages_client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    apis = [
+        (chat_forced, chat_client, {"parallel_tool_calls": False}),
+        (responses_forced, chat_client, {"parallel_tool_calls": False}),
+        (
+            messages_forced,
+            messages_client,
+            {"tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+        ),
+    ]
+    for forced, client, parallel_off in apis:
+        for stream in (False, True):
+            where = f"{forced.__name__}, {'streamed' if stream else 'whole'}"
+            one = forced(client, stream, model=model, **parallel_off)
+            assert one.finished and len(one.calls) == 1, (where, one)
+            default = forced(client, stream, model=model)
+            assert default.finished and default.calls[:1] == one.calls, (where, default)
+            for name, arguments in default.calls:
+                (tool,) = [t for t in TOOLS if t["function"]["name"] == name]
+                jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+            assert default.tokens < 2 * one.tokens, (where, one, default)

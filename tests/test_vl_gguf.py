@@ -27,7 +27,7 @@ import pytest
 import torch
 from checkpoints import build_checkpoint
 from gguf_files import write_gguf_model
-from server_process import serving
+from servers import serving
 from test_server_vision import MAX_TOKENS, MODEL, chat_image, data_url, png
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, image_prompt, save_vl_tokenizer
 from test_vl_models import (
@@ -290,8 +290,8 @@ def test_the_server_answers_an_image_with_the_projector_as_the_folder(files):
     `LLM.generate` answers on the folder."""
     command = ["--model", str(files.text), "--mmproj", str(files.mmproj)]
     command += ["--dtype", "float32", "--device", "cpu", "--served-model-name", MODEL]
-    with serving(*command) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with serving(*command) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         answer = chat_image(client, data_url(png(PICTURE))).choices[0].message.content
     content = [{"type": "image", "image": PICTURE}, {"type": "text", "text": "What is it?"}]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

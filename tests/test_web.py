@@ -9,6 +9,7 @@ never used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import start_serve_command
+from servers import serving
 
 import qinfer
 from qinfer.analysis.inspection import MAX_INSPECT_TOKENS
@@ -69,32 +70,29 @@ class Server:
     """The module's `qinfer serve` (with an API key), which a test may kill and start again
     on the same port, as a person's server that crashed and came back."""
 
-    def __init__(self) -> None:
-        self.process, self.url = start_serve_command("--api-key", API_KEY, timeout=120)
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self.stack = stack  # every server started, stopped when the module's tests end
+        self.running = stack.enter_context(serving("--api-key", API_KEY))
+        self.url = self.running.url
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=30)
+        self.running.process.kill()
+        self.running.process.wait(timeout=30)
 
     def restart(self) -> None:
         port = int(self.url.rsplit(":", 1)[1])
-        self.process, _ = start_serve_command("--api-key", API_KEY, timeout=120, port=port)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+        self.running = self.stack.enter_context(serving("--api-key", API_KEY, port=port))
 
 
 @pytest.fixture(scope="module")
-def serve():
-    server = Server()
-    yield server
-    server.stop()
+def web_server():
+    with contextlib.ExitStack() as stack:
+        yield Server(stack)
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve.url
+def server(web_server):
+    return web_server.url
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +368,9 @@ def test_enter_while_an_input_method_composes_does_not_send(page):
     assert [m["content"] for m in conversation(page)[sent:]] == ["にほんご", "OK."]
 
 
-def test_a_killed_server_shows_a_retryable_error_and_retry_answers_once_it_is_back(page, serve):
+def test_a_killed_server_shows_a_retryable_error_and_retry_answers_once_it_is_back(
+    page, web_server
+):
     page.fill("#max-tokens", "2000")
     page.dispatch_event("#max-tokens", "change")
     send(page, "Write a long story about a dragon.")
@@ -379,7 +379,7 @@ def test_a_killed_server_shows_a_retryable_error_and_retry_answers_once_it_is_ba
     )
     error = page.locator(".message.error:last-child")
     try:
-        serve.kill()
+        web_server.kill()
         error.locator(".retry").wait_for()
         assert "connection to the server was lost" in error.text_content()
         # The words that came stay, and the answer can still be asked for again.
@@ -395,7 +395,7 @@ def test_a_killed_server_shows_a_retryable_error_and_retry_answers_once_it_is_ba
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=ARTIFACTS / "chat-server-gone.png")
     finally:
-        serve.restart()
+        web_server.restart()
     page.fill("#max-tokens", "20")
     page.dispatch_event("#max-tokens", "change")
     page.click(".message.error .retry")
@@ -589,10 +589,8 @@ def test_phone_inspector_fits(phone):
 @pytest.fixture(scope="module")
 def qwen3_server(qwen3_chat_folder):
     """`qinfer serve` on a random Qwen3 whose tokenizer has Qwen3's <think> tags."""
-    process, url = start_serve_command("--model", str(qwen3_chat_folder), timeout=120)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    with serving("--model", str(qwen3_chat_folder)) as running:
+        yield running.url
 
 
 def thinking_grammar(folder: Path) -> str:

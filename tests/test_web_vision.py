@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from test_server_vision import IMAGE, build_text_only, build_tiny_vl, data_url, png, start
+from test_server_vision import IMAGE, build_text_only, build_tiny_vl, data_url, png, vl_app
 from test_web import (
     ARTIFACTS,
     CHROMIUM,
@@ -68,10 +68,10 @@ def attach_and_send(page, image_file) -> dict:
 
 
 def test_an_attached_image_shows_in_the_message_and_is_answered_as_the_api(
-    browser, image_file, tmp_path
+    browser, image_file, tmp_path, serve
 ):
     build_tiny_vl(tmp_path)
-    server = start(tmp_path)
+    server = serve(app=vl_app(tmp_path))
     page = open_chat(browser, server.url)
     try:
         body = attach_and_send(page, image_file)
@@ -96,12 +96,13 @@ def test_an_attached_image_shows_in_the_message_and_is_answered_as_the_api(
         page.screenshot(path=ARTIFACTS / "chat-image.png")
     finally:
         page.context.close()
-        server.stop()
 
 
-def test_an_image_sent_to_a_text_only_model_shows_the_servers_error(browser, image_file, tmp_path):
+def test_an_image_sent_to_a_text_only_model_shows_the_servers_error(
+    browser, image_file, tmp_path, serve
+):
     build_text_only(tmp_path)
-    server = start(tmp_path)
+    server = serve(app=vl_app(tmp_path))
     page = open_chat(browser, server.url)
     try:
         attach_and_send(page, image_file)
@@ -111,4 +112,3 @@ def test_an_image_sent_to_a_text_only_model_shows_the_servers_error(browser, ima
         assert page.locator(".message.user .bubble img.thumbnail").count() == 1
     finally:
         page.context.close()
-        server.stop()

@@ -15,9 +15,21 @@
 
 namespace qinfer_kernels {
 
-// bf16 -> fp32, exact. Always inlined: a caller compiled for a wider ISA (a `target` or
-// `target_clones` function) gets it compiled in, not a call to the baseline build.
-inline __attribute__((always_inline)) float widen_bf16(uint16_t b) {
+// Always inlined: a caller compiled for a wider ISA (a QINFER_AVX2, QINFER_AVX512 or
+// QINFER_VNNI function) gets the code compiled in, not a call to the baseline build of it.
+#define QINFER_INLINE inline __attribute__((always_inline))
+
+// Every accumulator of a tile (C columns by R rows of vectors V) at zero.
+template <int C, int R, typename V>
+QINFER_INLINE void clear(V (&acc)[C][R]) {
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = V{};
+}
+
+// bf16 -> fp32, exact.
+QINFER_INLINE float widen_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);

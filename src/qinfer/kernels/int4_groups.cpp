@@ -126,6 +126,20 @@ struct Int4GroupsF32 {
   QINFER_MATMUL_KERNEL(Int4Packed, ActF4)
 };
 
+// A tile's R rows of the activations (from row r0), copied into locals as Q8Rows are.
+template <int R>
+struct F4Rows {
+  const float* xp[R];
+  const float* sx[R];
+  QINFER_INLINE F4Rows(const ActF4& a, int64_t r0) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      xp[i] = a.row_xp(r0 + i);
+      sx[i] = a.row_sx(r0 + i);
+    }
+  }
+};
+
 // The dwords and block scales of group g of a column, zeros past its nb blocks.
 QINFER_VNNI inline __m512i group_vnni(const uint8_t* qs, int64_t g, int64_t nb) {
   const int64_t left = nb - 4 * g;
@@ -140,32 +154,15 @@ QINFER_VNNI inline __m512 group_scales_vnni(const float* d, int64_t g, int64_t n
 }
 
 template <int R, int C>
-QINFER_VNNI void Int4GroupsF32::tile_vnni(const Int4Packed& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_VNNI void Int4GroupsF32::tile_vnni(const Int4Packed& w, int64_t n0, const ActF4& a,
+                                          int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
   constexpr int64_t ahead = kGroupsAhead<R>;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const uint8_t* qs[C];
-  const float* d[C];
-  const float* m[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    qs[c] = w.qs + (n0 + c) * nb * 16;
-    d[c] = w.d + (n0 + c) * nb;
-    m[c] = w.m + (n0 + c) * nb;
-  }
-  const float* xp[R];
-  const float* sx[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    xp[i] = a.row_xp(r0 + i);
-    sx[i] = a.row_sx(r0 + i);
-  }
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [xp, sx] = F4Rows<R>(a, r0);
   __m512 tot[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) tot[c][i] = _mm512_setzero_ps();
+  clear(tot);
   prefetch_scales<C>(d, nb);
   prefetch_scales<C>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
@@ -224,33 +221,16 @@ QINFER_AVX2 inline __m256i first_lanes_avx2(int64_t n) {
 }
 
 template <int R, int C>
-QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const ActF4& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const ActF4& a,
+                                          int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
   constexpr int64_t ahead = kGroupsAhead<R>;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const uint8_t* qs[C];
-  const float* d[C];
-  const float* m[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    qs[c] = w.qs + (n0 + c) * nb * 16;
-    d[c] = w.d + (n0 + c) * nb;
-    m[c] = w.m + (n0 + c) * nb;
-  }
-  const float* xp[R];
-  const float* sx[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    xp[i] = a.row_xp(r0 + i);
-    sx[i] = a.row_sx(r0 + i);
-  }
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [xp, sx] = F4Rows<R>(a, r0);
   __m256 tot[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) tot[c][i] = _mm256_setzero_ps();
+  clear(tot);
   prefetch_scales<C>(d, nb);
   prefetch_scales<C>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
@@ -300,7 +280,8 @@ QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const
   }
 }
 
-void Int4GroupsF32::dot_scalar(const Int4Packed& w, int64_t n, const ActF4& a, int64_t r, float* out, int64_t ldo) {
+void Int4GroupsF32::dot_scalar(const Int4Packed& w, int64_t n, const ActF4& a, int64_t r,
+                               float* out, int64_t ldo) {
   const int64_t nb = w.nb, K = nb * kBlock;
   const uint8_t* qs = w.qs + n * nb * 16;
   const float* d = w.d + n * nb;

@@ -53,35 +53,16 @@ struct Int4Q8 {
 };
 
 template <int R, int C>
-QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
   const int64_t nb = w.nb, np = a.np, full = nb / 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // lanes 0-3 and 8-11 hold block 2p (low and high halves), 4-7 and 12-15 block 2p + 1
   const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  const uint8_t* qs[C];
-  const float* d[C];
-  const float* m[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    qs[c] = w.qs + (n0 + c) * nb * 16;
-    d[c] = w.d + (n0 + c) * nb;
-    m[c] = w.m + (n0 + c) * nb;
-  }
-  const int8_t* qx[R];
-  const float* dx8[R];
-  const float* s[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    qx[i] = a.row_qx(r0 + i);
-    dx8[i] = a.row_dx8(r0 + i);
-    s[i] = a.row_s(r0 + i);
-  }
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
   __m512 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  clear(acc);
   for (int64_t p = 0; p < np; ++p) {
     __m512i x[R];
     __m512 dx[R];
@@ -135,35 +116,16 @@ QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a
 }
 
 template <int R, int C>
-QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
   const int64_t nb = w.nb, np = a.np, full = nb / 2;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const uint8_t* qs[C];
-  const float* d[C];
-  const float* m[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    qs[c] = w.qs + (n0 + c) * nb * 16;
-    d[c] = w.d + (n0 + c) * nb;
-    m[c] = w.m + (n0 + c) * nb;
-  }
-  const int8_t* qx[R];
-  const float* dx8[R];
-  const float* s[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    qx[i] = a.row_qx(r0 + i);
-    dx8[i] = a.row_dx8(r0 + i);
-    s[i] = a.row_s(r0 + i);
-  }
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
   __m256 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+  clear(acc);
   for (int64_t p = 0; p < np; ++p) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
@@ -217,7 +179,8 @@ QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a
 }
 
 // The reference path: one output at a time, block by block.
-void Int4Q8::dot_scalar(const Int4Packed& w, int64_t n, const Act& a, int64_t r, float* out, int64_t ldo) {
+void Int4Q8::dot_scalar(const Int4Packed& w, int64_t n, const Act& a, int64_t r, float* out,
+                        int64_t ldo) {
   const int64_t nb = w.nb;
   const uint8_t* qs = w.qs + n * nb * 16;
   const float* d = w.d + n * nb;

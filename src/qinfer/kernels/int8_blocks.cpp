@@ -64,22 +64,16 @@ struct Int8BlocksF32 {
 };
 
 template <int R, int C>
-QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
+                                          float* out, int64_t ldo) {
   const int64_t B = w.B;
   TileRows<R, C> p(w, n0, a, r0);
   prefetch_scales<C>(p.d, p.blocks);
   __m512 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  clear(acc);
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512 t[C][R];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) t[c][i] = _mm512_setzero_ps();
+    clear(t);
     for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
       __m512 xv[R];
       #pragma GCC unroll 8
@@ -107,22 +101,16 @@ QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const A
 }
 
 template <int R, int C>
-QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
+                                          float* out, int64_t ldo) {
   const int64_t B = w.B;
   TileRows<R, C> p(w, n0, a, r0);
   prefetch_scales<C>(p.d, p.blocks);
   __m256 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+  clear(acc);
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m256 t[C][R];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) t[c][i] = _mm256_setzero_ps();
+    clear(t);
     for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
       #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
@@ -147,7 +135,8 @@ QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const A
     for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
 }
 
-void Int8BlocksF32::dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* out, int64_t ldo) {
+void Int8BlocksF32::dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* out,
+                               int64_t ldo) {
   const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
   const int8_t* q = w.q + n * K;
   const float* d = w.d + n * blocks;

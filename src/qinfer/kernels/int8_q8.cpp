@@ -43,8 +43,8 @@ struct Int8Q8 {
 };
 
 template <int R, int C>
-QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   // a pair's 64 bytes are block 2p (lanes 0-7) then 2p + 1 (lanes 8-15); dx8 holds their
   // scales four times each
@@ -53,18 +53,9 @@ QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, 
   const int8_t* q[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
-  const int8_t* qx[R];
-  const float* dx8[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    qx[i] = a.row_qx(r0 + i);
-    dx8[i] = a.row_dx8(r0 + i);
-  }
+  [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m512 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_setzero_ps();
+  clear(acc);
   for (int64_t p = 0; p < np; ++p) {
     __m512i x[R];
     __m512 dx[R];
@@ -98,25 +89,16 @@ QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, 
 }
 
 template <int R, int C>
-QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0, float* out,
-                           int64_t ldo) {
+QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
-  const int8_t* qx[R];
-  const float* dx8[R];
-  #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    qx[i] = a.row_qx(r0 + i);
-    dx8[i] = a.row_dx8(r0 + i);
-  }
+  [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m256 acc[C][R];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[c][i] = _mm256_setzero_ps();
+  clear(acc);
   for (int64_t p = 0; p < np; ++p) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
@@ -147,7 +129,8 @@ QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, 
       out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]) * w.scale[n0 + c];
 }
 
-void Int8Q8::dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out, int64_t ldo) {
+void Int8Q8::dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out,
+                        int64_t ldo) {
   const int64_t K = w.nb * kBlock;
   const int8_t* q = w.q + n * K;
   const int8_t* qx = a.row_qx(r);

@@ -31,6 +31,23 @@ struct Int4Packed {
   int64_t nb;
 };
 
+// A tile's C columns of an int4 weight (from column n0): their nibbles and scales, for the
+// tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C>(w, n0)`, see below).
+template <int C>
+struct Int4Columns {
+  const uint8_t* qs[C];
+  const float* d[C];
+  const float* m[C];
+  QINFER_INLINE Int4Columns(const Int4Packed& w, int64_t n0) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      qs[c] = w.qs + (n0 + c) * w.nb * 16;
+      d[c] = w.d + (n0 + c) * w.nb;
+      m[c] = w.m + (n0 + c) * w.nb;
+    }
+  }
+};
+
 // fp32 activations as the int8 blocks' and int4 groups' kernels read them.
 struct ActF {
   const float* x;  // (M, K), contiguous

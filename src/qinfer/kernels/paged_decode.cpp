@@ -53,8 +53,6 @@
 namespace qinfer_kernels {
 namespace {
 
-// what a path's loops call is compiled into them (else it is built once, for the baseline ISA)
-#define QINFER_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kLanes = 16;
 

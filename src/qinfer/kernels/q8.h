@@ -32,6 +32,23 @@ inline int64_t qx_pos(int64_t b, int64_t j) {
   return (b >> 1) * 64 + (j >= 16 ? 32 : 0) + (b & 1) * 16 + (j & 15);
 }
 
+// A tile's R rows of the activations (from row r0), for the tile to copy into locals
+// (`const auto [qx, dx8, s] = Q8Rows<R>(a, r0)`; matmul.h says why).
+template <int R>
+struct Q8Rows {
+  const int8_t* qx[R];
+  const float* dx8[R];
+  const float* s[R];
+  QINFER_INLINE Q8Rows(const Act& a, int64_t r0) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      qx[i] = a.row_qx(r0 + i);
+      dx8[i] = a.row_dx8(r0 + i);
+      s[i] = a.row_s(r0 + i);
+    }
+  }
+};
+
 // The activation buffers of this calling thread, grown as needed and kept between calls (a
 // decode step makes hundreds of calls; an allocation each costs more than a small one's work).
 struct ActStorage {

@@ -1,5 +1,5 @@
 """qinfer's compiled ops as torch's tracers see them: each op's schema matches what its kernel
-does (which inputs it writes), and its fake kernel (`kernels._register_python_kernels`) gives the
+does (which inputs it writes), and its fake kernel (`kernels.registry.FAKE_KERNELS`) gives the
 shapes and dtypes the real one returns, so that `torch.compile` and `torch.export` can
 trace a graph through it (`torch.library.opcheck`, which runs the real kernel beside each
 check). The ops' arithmetic is tested in test_int_dot_kernels.py, test_rms_norm_kernel.py

@@ -196,7 +196,7 @@ def test_int8_blocks_without_the_compiled_kernel_take_torchs_on_a_row_copy(monke
     to one scale per row (the speed of before), embedding rows still exact."""
     from qinfer.linear import int8_blocks
 
-    reason = "no C++ compiler (c++) to build int_dot.cpp"
+    reason = "no C++ compiler (c++) to build the qinfer_kernels library"
     monkeypatch.setattr(int8_blocks.kernels, "available", lambda: reason)
     monkeypatch.setattr(int8_blocks, "_warned", False)
     exact = int8_blocks_of(weight(96, 256), 32)
@@ -385,13 +385,15 @@ def test_int8_dot_is_not_offered_to_fp16_activations(monkeypatch):
 
 def test_a_kernel_that_cannot_be_built_is_one_error_at_the_first_call(monkeypatch):
     monkeypatch.setattr(kernels, "buildable", lambda: True)
-    monkeypatch.setattr(kernels, "available", lambda: "no C++ compiler (c++) to build int_dot.cpp")
+    monkeypatch.setattr(
+        kernels, "available", lambda: "no C++ compiler (c++) to build the qinfer_kernels library"
+    )
     w = quantized("int8", 48, torch.bfloat16)
     w.use_paths("int8_dot", "kernel")
     with pytest.raises(WeightsError) as error:
         w(activations(1, 256, torch.bfloat16))
     assert str(error.value) == (
-        "Int8Linear (48, 256) has no int8_dot path: no C++ compiler (c++) to build int_dot.cpp"
+        "Int8Linear (48, 256) has no int8_dot path: no C++ compiler (c++) to build the qinfer_kernels library"
     )
 
 

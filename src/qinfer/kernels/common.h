@@ -1,19 +1,35 @@
-// What the kernel sources share (int_dot.cpp, rms_norm.cpp, paged_decode.cpp): bf16 <-> fp32
-// as torch converts them, and a tensor's shape as the error messages print it.
+// What the kernel sources share: bf16 <-> fp32 as torch converts them, an AVX2 register's
+// sum, and a tensor's shape as the error messages print it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "isa.h"
+
 namespace qinfer_kernels {
 
-// bf16 -> fp32, exact. Always inlined: a caller compiled for a wider ISA (a `target` or
-// `target_clones` function) gets it compiled in, not a call to the baseline build.
-inline __attribute__((always_inline)) float widen_bf16(uint16_t b) {
+// Always inlined: a caller compiled for a wider ISA (a QINFER_AVX2, QINFER_AVX512 or
+// QINFER_VNNI function) gets the code compiled in, not a call to the baseline build of it.
+#define QINFER_INLINE inline __attribute__((always_inline))
+
+// Every accumulator of a tile (C columns by R rows of vectors V) at zero.
+template <int C, int R, typename V>
+QINFER_INLINE void clear(V (&acc)[C][R]) {
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[c][i] = V{};
+}
+
+// bf16 -> fp32, exact.
+QINFER_INLINE float widen_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
@@ -26,6 +42,13 @@ inline uint16_t round_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// 8 lanes -> 4 -> 2 -> 1, a fixed tree
+QINFER_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // "(2, 3)", "(5,)": a shape as Python prints it

@@ -1,5 +1,4 @@
-// Decode attention over the paged KV pool, and RoPE: built into the same library as
-// int_dot.cpp (one build, one cache); see qinfer/kernels/__init__.py.
+// Decode attention over the paged KV pool: the op paged_decode_attention (docs/KERNELS.md).
 //
 //   paged_decode_attention(q, k, v, keys, values, slots, positions, tables, totals,
 //                          key_starts, block_size, window, scale) -> out
@@ -11,9 +10,6 @@
 //     totals (G,): its history after the step; key_starts (G,) or None: the position of
 //     each table's first block (a sliding-window space), window: the layer's or <= 0
 //     out (G, Hq, D) in q's dtype: softmax(q k^T * scale) v over the visible keys
-//
-//   rope(x, cos, sin) -> out: x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32 in the
-//     rotate-half layout (the first R of D dimensions; the others as they are)
 //
 // What the attention computes, per (sequence, query head), every sum in key order (the
 // query heads of one KV head go through its keys and values together, each alone in its sums):
@@ -32,8 +28,8 @@
 // count (qinfer's batch invariance): the chunks are cut by the sequence's own keys alone,
 // and the tasks (some query heads of one KV head over one chunk) are split between threads
 // whole. Every sum is written as lanes of scalar fp32 operations (no contraction:
-// -ffp-contract=off), so the vector clones GCC makes for AVX-512 and AVX2
-// (`target_clones`) round exactly as the scalar one.
+// -ffp-contract=off), so the loops compiled for AVX-512 and AVX2 (`QINFER_DECODE_LOOPS`)
+// round exactly as the scalar ones.
 //
 // Why: torch runs this as ~20 ops a layer (the KV copy and its conversion, the keys'
 // gather, the scaled bmm, the mask, the softmax, the values' embedding_bag), each a dispatch
@@ -42,7 +38,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -52,16 +47,12 @@
 #include <vector>
 
 #include "common.h"
+#include "isa.h"
+#include "ops.h"
 
+namespace qinfer_kernels {
 namespace {
 
-using qinfer_kernels::round_bf16;
-using qinfer_kernels::shape_str;
-using qinfer_kernels::widen_bf16;
-
-#define QINFER_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-// what a clone calls is compiled into it (else it is built once, for the baseline ISA)
-#define QINFER_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kLanes = 16;
 
@@ -73,7 +64,7 @@ inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
 
 // 16 fp32 lanes as GCC's vector extension: each operation is the scalar one lane by lane,
-// whatever registers a clone keeps them in (one AVX-512, two AVX2, four SSE)
+// whatever registers a path keeps them in (one AVX-512, two AVX2, four SSE)
 typedef float F16 __attribute__((vector_size(64)));
 typedef uint32_t U16 __attribute__((vector_size(64)));
 typedef uint16_t B16 __attribute__((vector_size(32)));
@@ -188,7 +179,7 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
 
 // e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them), by Cody-Waite
 // reduction and a degree-6 polynomial: within 2 ulp of exp above -87.3, 2^-126 at and
-// below it. Written in plain fp32 operations so that every clone computes the same bits.
+// below it. Written in plain fp32 operations so that every path computes the same bits.
 QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) {
     const float x = std::max(s[j] - m, -87.33654f);
@@ -209,8 +200,8 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   }
 }
 
-// The clones the attention calls, one per key/value type (fp32 or bf16 pools), for 1 to
-// kMaxHeads query heads.
+// The scores and the weighted sum of one block's keys for 1 to kMaxHeads query heads, K the
+// pool's element (fp32 or bf16).
 template <typename K>
 QINFER_INLINE void scores_for_heads(int heads, const float* const* q, const K* k, int64_t n,
                                     int64_t D, float* const* s, int64_t j0, const K* nk,
@@ -232,25 +223,27 @@ QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, c
     default: block_sum<1>(w, j0, v, n, D, acc); break;
   }
 }
-QINFER_CLONES void scores_in_block(int heads, const float* const* q, const float* k, int64_t n,
-                                   int64_t D, float* const* s, int64_t j0, const float* nk,
-                                   const float* nv) {
-  scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);
-}
-QINFER_CLONES void scores_in_block(int heads, const float* const* q, const uint16_t* k,
-                                   int64_t n, int64_t D, float* const* s, int64_t j0,
-                                   const uint16_t* nk, const uint16_t* nv) {
-  scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);
-}
-QINFER_CLONES void sum_in_block(int heads, const float* const* w, int64_t j0, const float* v,
-                                int64_t n, int64_t D, float* const* acc) {
-  sum_for_heads(heads, w, j0, v, n, D, acc);
-}
-QINFER_CLONES void sum_in_block(int heads, const float* const* w, int64_t j0, const uint16_t* v,
-                                int64_t n, int64_t D, float* const* acc) {
-  sum_for_heads(heads, w, j0, v, n, D, acc);
-}
-QINFER_CLONES void exp_minus_clone(float* s, int64_t n, float m) { exp_minus(s, n, m); }
+// The inner loops, compiled once for each path of isa.h's vector ladder (scalar, AVX2,
+// AVX-512) from the one source above: every ISA computes the same bits (lanes of scalar fp32
+// operations, no contraction). `attend` takes one, picked once per call.
+#define QINFER_DECODE_LOOPS(NAME, TARGET)                                               \
+  struct NAME {                                                                         \
+    template <typename K>                                                               \
+    TARGET static void scores(int heads, const float* const* q, const K* k, int64_t n, \
+                              int64_t D, float* const* s, int64_t j0, const K* nk,      \
+                              const K* nv) {                                            \
+      scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);                               \
+    }                                                                                   \
+    template <typename K>                                                               \
+    TARGET static void sum(int heads, const float* const* w, int64_t j0, const K* v,    \
+                           int64_t n, int64_t D, float* const* acc) {                   \
+      sum_for_heads(heads, w, j0, v, n, D, acc);                                        \
+    }                                                                                   \
+    TARGET static void exp(float* s, int64_t n, float m) { exp_minus(s, n, m); }         \
+  };
+QINFER_DECODE_LOOPS(LoopsScalar, )
+QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2)
+QINFER_DECODE_LOOPS(LoopsAvx512, QINFER_AVX512)
 
 // The raw elements of an fp32 or bf16 tensor.
 template <typename T>
@@ -343,7 +336,7 @@ struct Partials {
 // Query heads h0 .. h0 + heads - 1 of sequence g, all of one KV head, over chunk c of its
 // visible keys: each head's scores, their exponentials and sums, the keys and values read
 // once for them all.
-template <typename Q, typename P>
+template <typename Q, typename P, typename Loops>
 void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, const Q* q,
                   int64_t q_stride0, int64_t q_stride1, const P* keys, const P* values,
                   int64_t pool_stride0, Partials& partials) {
@@ -383,7 +376,7 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
     }
   };
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
-    scores_in_block(heads, qs, head_keys + row, count, D, s, j,
+    Loops::scores(heads, qs, head_keys + row, count, D, s, j,
                     next < 0 ? nullptr : head_keys + next, next < 0 ? nullptr : head_values + next);
   });
   for (int r = 0; r < heads; ++r) {
@@ -392,7 +385,7 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
     if (m == -std::numeric_limits<float>::infinity()) {
       std::fill(s[r], s[r] + n, 0.0f);  // no weight here (-inf - -inf would be NaN)
     } else {
-      exp_minus_clone(s[r], n, m);
+      Loops::exp(s[r], n, m);
     }
     float l = 0.0f;
     for (int64_t j = 0; j < n; ++j) l += s[r][j];
@@ -403,20 +396,20 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
     if (next >= 0) prefetch<3>(head_values + next, block_bytes);
-    sum_in_block(heads, s, j, head_values + row, count, D, acc);
+    Loops::sum(heads, s, j, head_values + row, count, D, acc);
   });
 }
 
 // One query head's output from its chunks' partials (acc, then m and l, `stride` floats
 // apart), in chunk order: with M the largest m, f_c = exp(m_c - M), out = (sum_c f_c acc_c)
 // * (1 / sum_c f_c l_c), rounded once to Q.
-template <typename Q>
+template <typename Q, typename Loops>
 void combine(const float* first_partial, int64_t chunks, int64_t stride, int64_t D,
              float* factors, float* sum, Q* out) {
   float M = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < chunks; ++c) M = std::max(M, first_partial[c * stride + D]);
   for (int64_t c = 0; c < chunks; ++c) factors[c] = first_partial[c * stride + D];
-  exp_minus_clone(factors, chunks, M);
+  Loops::exp(factors, chunks, M);
   float l = 0.0f;
   for (int64_t c = 0; c < chunks; ++c) l += factors[c] * first_partial[c * stride + D + 1];
   std::fill(sum, sum + D, 0.0f);
@@ -428,7 +421,7 @@ void combine(const float* first_partial, int64_t chunks, int64_t stride, int64_t
   for (int64_t i = 0; i < D; ++i) narrow(sum[i] * inverse, out + i);
 }
 
-template <typename Q, typename P>
+template <typename Q, typename P, typename Loops>
 void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::Tensor* v,
             const at::Tensor& keys, const at::Tensor& values, at::Tensor& out) {
   if (k != nullptr) store<Q, P>(L, *k, *v, keys, values);
@@ -469,7 +462,7 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
-      attend_chunk<Q, P>(L, task.g, task.h0, task.heads, task.chunk, qp, q.stride(0),
+      attend_chunk<Q, P, Loops>(L, task.g, task.h0, task.heads, task.chunk, qp, q.stride(0),
                          q.stride(1), kp, vp, keys.stride(0), partials);
     }
   });
@@ -477,10 +470,21 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
     std::vector<float> factors(most), sum(L.D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t g = r / L.Hq, h = r % L.Hq;
-      combine(partials.at(g, h, 0), chunks[g], partials.stride, L.D, factors.data(),
+      combine<Q, Loops>(partials.at(g, h, 0), chunks[g], partials.stride, L.D, factors.data(),
               sum.data(), op + r * L.D);
     }
   });
+}
+
+// `attend` with the loops of the fastest path this CPU runs (all compute the same bits).
+template <typename Q, typename P>
+void attend_best(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::Tensor* v,
+                 const at::Tensor& keys, const at::Tensor& values, at::Tensor& out) {
+  switch (best(kVectorPaths)) {
+    case Isa::Avx512: attend<Q, P, LoopsAvx512>(L, q, k, v, keys, values, out); break;
+    case Isa::Avx2: attend<Q, P, LoopsAvx2>(L, q, k, v, keys, values, out); break;
+    default: attend<Q, P, LoopsScalar>(L, q, k, v, keys, values, out);
+  }
 }
 
 void check_heads(const at::Tensor& t, const char* name, int64_t G, int64_t H, int64_t D,
@@ -496,6 +500,8 @@ void check_index(const at::Tensor& t, const char* name, int64_t G) {
               "paged_decode_attention: ", name, " must be (", G, ",) int64, got ",
               shape_str(t), " ", t.scalar_type());
 }
+
+}  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& k,
                                   const c10::optional<at::Tensor>& v, const at::Tensor& keys,
@@ -573,64 +579,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
   const at::Tensor* kp = stores ? &*k : nullptr;
   const at::Tensor* vp = stores ? &*v : nullptr;
   const bool q32 = q.scalar_type() == at::kFloat, p32 = keys.scalar_type() == at::kFloat;
-  if (q32 && p32) attend<float, float>(L, q, kp, vp, keys, values, out);
-  if (q32 && !p32) attend<float, uint16_t>(L, q, kp, vp, keys, values, out);
-  if (!q32 && p32) attend<uint16_t, float>(L, q, kp, vp, keys, values, out);
-  if (!q32 && !p32) attend<uint16_t, uint16_t>(L, q, kp, vp, keys, values, out);
+  if (q32 && p32) attend_best<float, float>(L, q, kp, vp, keys, values, out);
+  if (q32 && !p32) attend_best<float, uint16_t>(L, q, kp, vp, keys, values, out);
+  if (!q32 && p32) attend_best<uint16_t, float>(L, q, kp, vp, keys, values, out);
+  if (!q32 && !p32) attend_best<uint16_t, uint16_t>(L, q, kp, vp, keys, values, out);
   return out;
 }
 
-// x (T, H, D) fp32 rotated by cos, sin (T, R/2) fp32: per head, for i < R/2,
-// (x1, x2) = (x[i], x[i + R/2]) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded,
-// then the sum (torch's `RoPE.apply` in fp32, bit for bit); x[R:] copied.
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.is_cpu(),
-              "rope: x must be (T, H, D) fp32 on the CPU with its last dimension contiguous, "
-              "got ", shape_str(x), " ", x.scalar_type());
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && 2 * cos.size(1) <= D &&
-                  cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
-                  sin.is_contiguous(),
-              "rope: cos and sin must be contiguous (", T, ", R/2) fp32 with R <= ", D,
-              ", got ", shape_str(cos), " ", cos.scalar_type(), " and ", shape_str(sin), " ",
-              sin.scalar_type());
-  const int64_t half = cos.size(1);
-  at::Tensor out = at::empty({T, H, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cp + t * half;
-    const float* s = sp + t * half;
-    for (int64_t h = 0; h < H; ++h) {
-      const float* a = xp + t * s0 + h * s1;
-      float* o = op + (t * H + h) * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = a[i], x2 = a[i + half];
-        const float p1 = x1 * c[i], p2 = x2 * s[i], p3 = x2 * c[i], p4 = x1 * s[i];
-        o[i] = p1 - p2;
-        o[i + half] = p3 + p4;
-      }
-      std::memcpy(o + 2 * half, a + 2 * half, (D - 2 * half) * sizeof(float));
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
-  lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
-          "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
-          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
-  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-}
-
-// CPU kernels, traced through their fake kernels (int_dot.cpp, above its TORCH_LIBRARY_IMPL)
-TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
-  lib.impl("paged_decode_attention", &paged_decode_attention);
-  lib.impl("rope", &rope);
-}
+}  // namespace qinfer_kernels

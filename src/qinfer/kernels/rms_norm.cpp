@@ -1,5 +1,5 @@
-// The residual add and RMSNorm of a decoder block in one pass over each row: built into the
-// same library as int_dot.cpp (one build, one cache); see qinfer/kernels/__init__.py.
+// The residual add and RMSNorm of a decoder block in one pass over each row, and QK-norm: the
+// ops add_rms_norm and heads_rms_norm (docs/KERNELS.md).
 //
 //   add_rms_norm(h, x, w, eps, dtype, path):
 //     h (T, H) fp32, updated in place: h += x (x (T, H) fp32 or bf16, or None: h as it is)
@@ -27,7 +27,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -40,49 +39,11 @@
 #include <utility>
 
 #include "common.h"
+#include "isa.h"
+#include "ops.h"
 
+namespace qinfer_kernels {
 namespace {
-
-using qinfer_kernels::round_bf16;
-using qinfer_kernels::shape_str;
-using qinfer_kernels::widen_bf16;
-
-#define QINFER_NORM_AVX512 __attribute__((target("avx512f,fma")))
-#define QINFER_NORM_AVX2 __attribute__((target("avx2,fma")))
-
-enum class NormPath { Scalar, Avx2, Avx512 };
-
-bool norm_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-
-bool norm_has_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-}
-
-std::string norm_paths_here() {
-  std::string s = "scalar";
-  if (norm_has_avx2()) s += ",avx2";
-  if (norm_has_avx512()) s += ",avx512";
-  return s;
-}
-
-NormPath resolve_norm_path(const std::string& name) {
-  if (name == "auto") {
-    return norm_has_avx512() ? NormPath::Avx512 : norm_has_avx2() ? NormPath::Avx2
-                                                                  : NormPath::Scalar;
-  }
-  if (name == "scalar") return NormPath::Scalar;
-  if (name == "avx2") {
-    TORCH_CHECK(norm_has_avx2(), "add_rms_norm: path 'avx2' needs AVX2 and FMA, which this CPU lacks");
-    return NormPath::Avx2;
-  }
-  if (name == "avx512") {
-    TORCH_CHECK(norm_has_avx512(),
-                "add_rms_norm: path 'avx512' needs AVX512F and FMA, which this CPU lacks");
-    return NormPath::Avx512;
-  }
-  TORCH_CHECK(false, "add_rms_norm: path must be auto, scalar, avx2 or avx512, got '", name, "'");
-  return NormPath::Scalar;
-}
 
 // One row's operands: x is fp32 (xf), bf16 (xb) or absent (both null: h is only read); out
 // is fp32 (of) or bf16 (ob).
@@ -141,7 +102,7 @@ void row_scalar(const Row& row, int64_t H, float eps) {
   for (int64_t i = 0; i < H; ++i) store_at(row, i, r);
 }
 
-QINFER_NORM_AVX2 inline __m256 load_sum8(const Row& row, int64_t i) {
+QINFER_AVX2 inline __m256 load_sum8(const Row& row, int64_t i) {
   __m256 v = _mm256_loadu_ps(row.h + i);
   if (row.xf != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(row.xf + i));
   if (row.xb != nullptr) {
@@ -152,13 +113,7 @@ QINFER_NORM_AVX2 inline __m256 load_sum8(const Row& row, int64_t i) {
   return v;
 }
 
-QINFER_NORM_AVX2 inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-QINFER_NORM_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
+QINFER_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
   const int64_t body = H - H % 8;
@@ -169,7 +124,7 @@ QINFER_NORM_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
   }
   const float tail = add_tail(row, body, H);
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  const float r = inverse_rms(hsum8(sum) + tail, H, eps);
+  const float r = inverse_rms(hsum_avx2(sum) + tail, H, eps);
   const __m256 rv = _mm256_set1_ps(r);
   const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
   for (int64_t i = 0; i < body; i += 8) {
@@ -190,7 +145,7 @@ QINFER_NORM_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
   for (int64_t i = body; i < H; ++i) store_at(row, i, r);
 }
 
-QINFER_NORM_AVX512 inline __m512 load_sum16(const Row& row, int64_t i) {
+QINFER_AVX512 inline __m512 load_sum16(const Row& row, int64_t i) {
   __m512 v = _mm512_loadu_ps(row.h + i);
   if (row.xf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(row.xf + i));
   if (row.xb != nullptr) {
@@ -201,7 +156,7 @@ QINFER_NORM_AVX512 inline __m512 load_sum16(const Row& row, int64_t i) {
   return v;
 }
 
-QINFER_NORM_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
+QINFER_AVX512 void row_avx512(const Row& row, int64_t H, float eps) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
   const int64_t body = H - H % 16;
@@ -243,13 +198,15 @@ std::pair<float*, uint16_t*> out_elements(at::Tensor& out) {
   return {nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
 }
 
-void norm_row(NormPath path, const Row& row, int64_t H, float eps) {
+void norm_row(Isa path, const Row& row, int64_t H, float eps) {
   switch (path) {
-    case NormPath::Avx512: row_avx512(row, H, eps); break;
-    case NormPath::Avx2: row_avx2(row, H, eps); break;
+    case Isa::Avx512: row_avx512(row, H, eps); break;
+    case Isa::Avx2: row_avx2(row, H, eps); break;
     default: row_scalar(row, H, eps);
   }
 }
+
+}  // namespace
 
 at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_in,
                         const at::Tensor& w_in, double eps, at::ScalarType dtype,
@@ -272,7 +229,7 @@ at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x_
                 shape_str(*x_in), " ", x_in->scalar_type());
     x = x_in->contiguous();
   }
-  const NormPath path = resolve_norm_path(path_name);
+  const Isa path = resolve_path("add_rms_norm", path_name, kVectorPaths);
   const at::Tensor w = w_in.contiguous();
   at::Tensor out = at::empty({T, H}, h.options().dtype(dtype));
   if (T == 0 || H == 0) return out;
@@ -315,7 +272,7 @@ at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
                 "got ", shape_str(*w), " ", w->scalar_type(), " on ", w->device().str());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "heads_rms_norm: dtype must be float32 or bfloat16, got ", dtype);
-  const NormPath path = resolve_norm_path(path_name);
+  const Isa path = resolve_path("heads_rms_norm", path_name, kVectorPaths);
   const at::Tensor w_first = w_first_in.contiguous(), w_rest = w_rest_in.contiguous();
   at::Tensor out = at::empty({T, R, D}, h.options().dtype(dtype));
   if (T == 0 || R == 0 || D == 0) return out;
@@ -339,18 +296,4 @@ at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first_in,
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(qinfer, lib) {
-  lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
-          "str path='auto') -> Tensor");
-  lib.def("heads_rms_norm(Tensor h, Tensor w_first, Tensor w_rest, int first, float eps, "
-          "ScalarType dtype, str path='auto') -> Tensor");
-  lib.def("norm_paths() -> str", &norm_paths_here);
-}
-
-// CPU kernels, traced through their fake kernels (int_dot.cpp, above its TORCH_LIBRARY_IMPL)
-TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
-  lib.impl("add_rms_norm", &add_rms_norm);
-  lib.impl("heads_rms_norm", &heads_rms_norm);
-}
+}  // namespace qinfer_kernels

@@ -1,0 +1,261 @@
+// int4 weights (pack_int4's layout) x int8 activations on integer dot products, the way
+// llama.cpp multiplies Q4_1 weights by Q8_1 activations: the op int4_mm, and pack_int4.
+// docs/KERNELS.md says what they compute.
+//
+// Layouts (all row-major, contiguous):
+//   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds
+//             element j in its low nibble and element j + 16 in its high nibble (llama.cpp's
+//             Q4 layout), so one 16-byte load unpacks into the block's 32 values in order.
+//             d, m (N, K/32) fp32: w = d * q + m.
+//   activations (made per call, never seen by Python): per row, per pair of blocks p
+//             (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair has:
+//             [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per pair:
+//             dx of block 2p four times, then of 2p + 1 four times: the scales of the int32
+//             lanes a dot product of the pair leaves); s (per block, padded to a multiple of
+//             16 with zeros): dx * sum(qx), which carries the weights' offset m.
+//
+// Per output (r, n), on every path, in this order (fp32, no contraction: -ffp-contract=off):
+//   acc (lanes) = 0
+//   for each block pair p (each block on the scalar path):
+//       acc += float(int32 lanes of q . qx) * (d lanes * dx lanes)
+//   for each chunk of blocks (16 for VNNI, 8 for AVX2, 1 for scalar): acc += m * s
+//   out = horizontal sum of acc (a fixed tree of adds)
+// The lanes differ between paths (16 for AVX512-VNNI, 8 for AVX2, 1 for scalar), so the paths
+// round differently, but each output depends only on its own row of x and column of w: not
+// on M, on which rows share a tile, on the thread count or on the split of N. That is the
+// batch-invariance qinfer requires (a row's result must not change with the batch it is in).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "matmul.h"
+#include "ops.h"
+#include "q8.h"
+
+namespace qinfer_kernels {
+namespace {
+
+// int4 pairs x the activations in the pairs' order (`Act`, q8.h)
+struct Int4Q8 {
+  QINFER_MATMUL_KERNEL(Int4Packed, Act)
+};
+
+template <int R, int C>
+QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
+  const int64_t nb = w.nb, np = a.np, full = nb / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // lanes 0-3 and 8-11 hold block 2p (low and high halves), 4-7 and 12-15 block 2p + 1
+  const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
+  __m512 acc[C][R];
+  clear(acc);
+  for (int64_t p = 0; p < np; ++p) {
+    __m512i x[R];
+    __m512 dx[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      x[i] = _mm512_loadu_si512(qx[i] + p * 64);
+      dx[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dx8[i] + p * 8));
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      __m256i packed;
+      __m128 d2;
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
+      if (p < full) {
+        packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
+        d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d[c] + 2 * p)));
+      } else {  // an odd last block: read only its own bytes (the next row may not exist)
+        packed = _mm256_maskz_loadu_epi8(0xFFFF, qs[c] + p * 32);
+        d2 = _mm_load_ss(d[c] + 2 * p);
+      }
+      // [2p lo | 2p+1 lo | 2p hi | 2p+1 hi] nibbles, 0..15 each: the u8 operand of dpbusd
+      const __m512i wq = _mm512_and_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1),
+          low4);
+      const __m512 d16 = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(d2));
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, x[i]);
+        acc[c][i] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d16, dx[i]), acc[c][i]);
+      }
+    }
+  }
+  // the offsets: sum over blocks of m * (dx * sum(qx)), 16 blocks a step
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+    __m512 sv[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) sv[i] = _mm512_loadu_ps(s[i] + b);
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 m16 = _mm512_maskz_loadu_ps(k, m[c] + b);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(m16, sv[i], acc[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
+}
+
+template <int R, int C>
+QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
+                                   float* out, int64_t ldo) {
+  const int64_t nb = w.nb, np = a.np, full = nb / 2;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
+  __m256 acc[C][R];
+  clear(acc);
+  for (int64_t p = 0; p < np; ++p) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      __m256i packed;
+      __m128 d2;
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
+      if (p < full) {
+        packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
+        d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d[c] + 2 * p)));
+      } else {
+        packed = _mm256_inserti128_si256(
+            _mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + p * 32)),
+            0);
+        d2 = _mm_load_ss(d[c] + 2 * p);
+      }
+      const __m256i lo = _mm256_and_si256(packed, low4);                        // [2p lo | 2p+1 lo]
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // [2p hi | 2p+1 hi]
+      const __m256 d8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), pair_lanes);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[i] + p * 64));
+        const __m256i xhi =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[i] + p * 64 + 32));
+        // u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, twice that after the add: no
+        // saturation), then pairs of int16 into int32
+        const __m256i s16 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+        const __m256i dot = _mm256_madd_epi16(s16, ones);
+        const __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(dx8[i] + p * 8));
+        acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][i]);
+      }
+    }
+  }
+  for (int64_t b = 0; b < nb; b += 8) {
+    const int64_t left = std::min<int64_t>(8, nb - b);
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 m8 = _mm256_maskload_ps(m[c] + b, k);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        acc[c][i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s[i] + b), acc[c][i]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
+}
+
+// The reference path: one output at a time, block by block.
+void Int4Q8::dot_scalar(const Int4Packed& w, int64_t n, const Act& a, int64_t r, float* out,
+                        int64_t ldo) {
+  const int64_t nb = w.nb;
+  const uint8_t* qs = w.qs + n * nb * 16;
+  const float* d = w.d + n * nb;
+  const float* m = w.m + n * nb;
+  const int8_t* qx = a.row_qx(r);
+  const float* dx8 = a.row_dx8(r);
+  const float* s = a.row_s(r);
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qs + b * 16;
+    const int8_t* lo = qx + qx_pos(b, 0);
+    const int8_t* hi = qx + qx_pos(b, 16);
+    int32_t dot = 0;
+    for (int j = 0; j < 16; ++j) dot += (wb[j] & 15) * lo[j] + (wb[j] >> 4) * hi[j];
+    acc += static_cast<float>(dot) * (d[b] * dx8[(b >> 1) * 8 + (b & 1) * 4]);
+  }
+  for (int64_t b = 0; b < nb; ++b) acc += m[b] * s[b];
+  out[r * ldo + n] = acc;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
+                                                         const at::Tensor& scales_in,
+                                                         const at::Tensor& zeros_in) {
+  TORCH_CHECK(q_in.dim() == 2, "pack_int4: q must be 2-D (N, K), got shape ", shape_str(q_in));
+  const int64_t N = q_in.size(0), K = q_in.size(1);
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "pack_int4: q's K must be a positive multiple of 32, got shape ",
+              shape_str(q_in));
+  const int64_t nb = K / kBlock;
+  const std::string layout = "(N, K/32) for q's shape " + shape_str(q_in);
+  check_tensor("pack_int4", "q", q_in, at::kByte, N, K, "(N, K)");
+  check_tensor("pack_int4", "scales", scales_in, at::kFloat, N, nb, layout);
+  check_tensor("pack_int4", "zeros", zeros_in, at::kFloat, N, nb, layout);
+  const at::Tensor q = q_in.contiguous(), sc = scales_in.contiguous(), z = zeros_in.contiguous();
+  at::Tensor qs = at::empty({N, K / 2}, q.options());
+  at::Tensor d = at::empty({N, nb}, sc.options());
+  at::Tensor m = at::empty({N, nb}, sc.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  uint8_t* qsp = qs.data_ptr<uint8_t>();
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  uint8_t seen = 0;
+  for (int64_t i = 0; i < N * nb; ++i) {
+    const uint8_t* src = qp + i * kBlock;
+    for (int j = 0; j < 16; ++j) {
+      seen |= src[j] | src[j + 16];
+      qsp[i * 16 + j] = static_cast<uint8_t>((src[j] & 15) | (src[j + 16] << 4));
+    }
+    // (q - 8) * scale + zero = scale * q + (zero - 8 * scale)
+    dp[i] = sp[i];
+    mp[i] = zp[i] - 8.0f * sp[i];
+  }
+  TORCH_CHECK(seen < 16, "pack_int4: q must hold values 0..15, it has one above 15");
+  return {qs, d, m};
+}
+
+at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
+                   const at::Tensor& m_in, const std::string& path_name_in) {
+  check_x("int4_mm", x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1), nb = K / kBlock;
+  const int64_t N = check_int4("int4_mm", x_in, qs_in, d_in, m_in);
+  const Isa path = resolve_path("int4_mm", path_name_in, kDotPaths);
+  const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous(),
+                   m = m_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  static thread_local ActStorage storage;
+  Act a = storage.make(M, K);
+  quantize(x, a, path);
+  const Int4Packed w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), nb};
+  matmul<Int4Q8>(path, w, N, M, a, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace qinfer_kernels

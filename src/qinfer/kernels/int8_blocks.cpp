@@ -1,0 +1,179 @@
+// int8 weights with one fp32 scale per block of 16 or 32 (GGUF's Q8_0, Q5_0 and Q6_K values)
+// x fp32 activations in fp32: the op int8_blocks_mm. docs/KERNELS.md says what it computes.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "matmul.h"
+#include "ops.h"
+
+namespace qinfer_kernels {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// int8 weights with one fp32 scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
+// Q6_K values, kept exactly) times fp32 activations (bf16 ones widened exactly): neither
+// operand is rounded, so the result is x @ W.T up to fp32 summation. Per output (r, n), on
+// every path (lanes L: 16 AVX512, 8 AVX2, 1 scalar):
+//   acc (lanes) = 0
+//   for each block b:  t (lanes) = 0; t = fma(float(q chunk), x chunk, t) for its B / L chunks
+//                      acc = fma(t, d[n, b], acc)
+//   out = horizontal sum of acc (a fixed tree of adds)
+// ---------------------------------------------------------------------------------------
+
+struct WeightsF {
+  const int8_t* q;  // (N, K)
+  const float* d;   // (N, K/B)
+  int64_t nb;       // K / 32 (the grain's measure of K, as the other kinds')
+  int64_t B;        // 16 or 32
+};
+
+// A tile's row pointers into the weight (its C columns' q and d) and the activations (its R
+// rows), copied into locals once (see the note above the int4 tiles).
+template <int R, int C>
+struct TileRows {
+  int64_t blocks;
+  const int8_t* q[C];
+  const float* d[C];
+  const float* x[R];
+  TileRows(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0) {
+    const int64_t K = w.nb * kBlock;
+    blocks = K / w.B;
+    for (int c = 0; c < C; ++c) {
+      q[c] = w.q + (n0 + c) * K;
+      d[c] = w.d + (n0 + c) * blocks;
+    }
+    for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
+  }
+};
+
+struct Int8BlocksF32 {
+  QINFER_MATMUL_KERNEL(WeightsF, ActF)
+};
+
+template <int R, int C>
+QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
+                                          float* out, int64_t ldo) {
+  const int64_t B = w.B;
+  TileRows<R, C> p(w, n0, a, r0);
+  prefetch_scales<C>(p.d, p.blocks);
+  __m512 acc[C][R];
+  clear(acc);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512 t[C][R];
+    clear(t);
+    for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+      __m512 xv[R];
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(p.x[i] + k);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
+        const __m512 wv = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k))));
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv, xv[i], t[c][i]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 dv = _mm512_set1_ps(p.d[c][b]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
+}
+
+template <int R, int C>
+QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
+                                          float* out, int64_t ldo) {
+  const int64_t B = w.B;
+  TileRows<R, C> p(w, n0, a, r0);
+  prefetch_scales<C>(p.d, p.blocks);
+  __m256 acc[C][R];
+  clear(acc);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m256 t[C][R];
+    clear(t);
+    for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
+        const __m256 wv = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k))));
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i)
+          t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x[i] + k), t[c][i]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256 dv = _mm256_set1_ps(p.d[c][b]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
+}
+
+void Int8BlocksF32::dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* out,
+                               int64_t ldo) {
+  const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
+  const int8_t* q = w.q + n * K;
+  const float* d = w.d + n * blocks;
+  const float* x = a.x + r * K;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float t = 0.0f;
+    for (int64_t k = b * B; k < (b + 1) * B; ++k) t += static_cast<float>(q[k]) * x[k];
+    acc += t * d[b];
+  }
+  out[r * ldo + n] = acc;
+}
+
+}  // namespace
+
+at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,
+                          const std::string& path_name_in) {
+  check_x("int8_blocks_mm", x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
+  const int64_t N = q_in.size(0);
+  const std::string k = "x's K = " + std::to_string(K);
+  check_tensor("int8_blocks_mm", "q", q_in, at::kChar, N, K, "(N, K) for " + k);
+  TORCH_CHECK(d_in.dim() == 2 && (d_in.size(1) == K / 32 || d_in.size(1) == K / 16),
+              "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
+              shape_str(d_in));
+  const int64_t B = K / d_in.size(1);
+  check_tensor("int8_blocks_mm", "d", d_in, at::kFloat, N, K / B,
+               "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
+  const Isa path = resolve_path("int8_blocks_mm", path_name_in, kDotPaths);
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
+  at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  at::Tensor x32;
+  const WeightsF w{q.data_ptr<int8_t>(), d.data_ptr<float>(), K / kBlock, B};
+  matmul<Int8BlocksF32>(path, w, N, M, fp32_activations(x_in, x32), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace qinfer_kernels

@@ -1,0 +1,89 @@
+// The one place the kernels ask what the CPU runs and name the instruction sets they use.
+//
+// Every source is compiled without -march flags (the library must load on any x86-64); a
+// function that uses wider instructions says so with one of the QINFER_* target attributes
+// below, and is only called once `supports(isa)` said yes. Each op takes a ladder of these
+// ISAs, slowest first, as its "paths" (dot products: scalar, avx2, vnni; the norms and the
+// attention: scalar, avx2, avx512); "auto" is the fastest of the ladder this CPU runs, the
+// same for every call whatever the batch, so that the rounding (which may differ between
+// paths) never depends on it. The Python side (qinfer/kernels/cpu.py) asks `cpu_isas` once.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <string>
+
+namespace qinfer_kernels {
+
+enum class Isa { Scalar, Avx2, Avx512, Vnni };
+
+#define QINFER_AVX2 __attribute__((target("avx2,fma")))
+#define QINFER_AVX512 __attribute__((target("avx512f,fma")))
+#define QINFER_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+
+// Whether this CPU runs `isa`'s instructions (the target attributes' lists above).
+inline bool supports(Isa isa) {
+  switch (isa) {
+    case Isa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    case Isa::Vnni:
+      return supports(Isa::Avx512) && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+    default: return true;
+  }
+}
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+    case Isa::Vnni: return "vnni";
+    default: return "scalar";
+  }
+}
+
+// What a path's error message says it needs.
+inline const char* isa_needs(Isa isa) {
+  switch (isa) {
+    case Isa::Avx2: return "AVX2 and FMA";
+    case Isa::Avx512: return "AVX512F and FMA";
+    case Isa::Vnni: return "AVX512 F/BW/VL/DQ and VNNI";
+    default: return "nothing";
+  }
+}
+
+// The ladders of paths the ops take, slowest first.
+constexpr std::initializer_list<Isa> kDotPaths = {Isa::Scalar, Isa::Avx2, Isa::Vnni};
+constexpr std::initializer_list<Isa> kVectorPaths = {Isa::Scalar, Isa::Avx2, Isa::Avx512};
+
+// The fastest path of `ladder` this CPU runs.
+inline Isa best(std::initializer_list<Isa> ladder) {
+  Isa found = Isa::Scalar;
+  for (Isa isa : ladder)
+    if (supports(isa)) found = isa;
+  return found;
+}
+
+// A path by name ("auto": `best`) for `op`, refused in one line where the CPU lacks it or
+// the ladder has no such path.
+inline Isa resolve_path(const char* op, const std::string& name,
+                        std::initializer_list<Isa> ladder) {
+  if (name == "auto") return best(ladder);
+  std::string names = "auto";
+  for (Isa isa : ladder) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK(supports(isa), op, ": path '", name, "' needs ", isa_needs(isa),
+                  ", which this CPU lacks");
+      return isa;
+    }
+    names += isa == *(ladder.end() - 1) ? std::string(" or ") : std::string(", ");
+    names += isa_name(isa);
+  }
+  TORCH_CHECK(false, op, ": path must be ", names, ", got '", name, "'");
+  return Isa::Scalar;
+}
+
+}  // namespace qinfer_kernels

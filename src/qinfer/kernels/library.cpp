@@ -1,0 +1,58 @@
+// The one registration site of the library's ops (torch.ops.qinfer.*): each op's schema and
+// its CPU kernel (ops.h; one source each). The ops that take tensors run under the CPU
+// dispatch key, not as composite functions of every key: torch.compile and torch.export then
+// trace them through the fake kernels that qinfer/kernels/registry.py registers beside
+// one-line refusals of other devices' tensors.
+
+#include <torch/library.h>
+
+#include <string>
+
+#include "isa.h"
+#include "ops.h"
+
+namespace {
+
+using namespace qinfer_kernels;
+
+// The ISAs this CPU runs, by isa.h's names, e.g. "scalar,avx2,avx512,vnni": what
+// qinfer/kernels/cpu.py makes each op's paths of.
+std::string cpu_isas() {
+  std::string s = isa_name(Isa::Scalar);
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Vnni})
+    if (supports(isa)) s += std::string(",") + isa_name(isa);
+  return s;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qinfer, lib) {
+  lib.def("cpu_isas() -> str", &cpu_isas);
+  lib.def("pack_int4(Tensor q, Tensor scales, Tensor zeros) -> (Tensor, Tensor, Tensor)",
+          &pack_int4);
+  lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");
+  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor");
+  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor");
+  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor m, str path='auto') -> Tensor");
+  lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
+          "str path='auto') -> Tensor");
+  lib.def("heads_rms_norm(Tensor h, Tensor w_first, Tensor w_rest, int first, float eps, "
+          "ScalarType dtype, str path='auto') -> Tensor");
+  lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
+          "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
+          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
+  lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
+  lib.impl("quantize_q8_1", &quantize_q8_1);
+  lib.impl("int4_mm", &int4_mm);
+  lib.impl("int8_mm", &int8_mm);
+  lib.impl("int8_blocks_mm", &int8_blocks_mm);
+  lib.impl("int4_groups_mm", &int4_groups_mm);
+  lib.impl("add_rms_norm", &add_rms_norm);
+  lib.impl("heads_rms_norm", &heads_rms_norm);
+  lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("rope", &rope);
+}

@@ -1,0 +1,236 @@
+// What the four matmul kernels share (int4_q8.cpp, int8_q8.cpp, int8_blocks.cpp,
+// int4_groups.cpp): the block of 32 input columns, the packed int4 weight, the fp32
+// activations, the argument checks and the driver that splits an (M, N) output into tiles
+// between threads. What each computes, and in which order: docs/KERNELS.md and the comment
+// above each kernel.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "isa.h"
+
+namespace qinfer_kernels {
+
+constexpr int64_t kBlock = 32;  // input columns per weight / activation block
+
+// An int4 weight as pack_int4 lays it out (int4_q8.cpp): per block of 32 input columns of
+// output row n, 16 bytes; byte j holds element j in its low nibble and element j + 16 in
+// its high one (llama.cpp's Q4 layout). w = d * q + m.
+struct Int4Packed {
+  const uint8_t* qs;  // (N, K/2)
+  const float* d;     // (N, nb)
+  const float* m;     // (N, nb)
+  int64_t nb;
+};
+
+// A tile's C columns of an int4 weight (from column n0): their nibbles and scales, for the
+// tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C>(w, n0)`, see below).
+template <int C>
+struct Int4Columns {
+  const uint8_t* qs[C];
+  const float* d[C];
+  const float* m[C];
+  QINFER_INLINE Int4Columns(const Int4Packed& w, int64_t n0) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      qs[c] = w.qs + (n0 + c) * w.nb * 16;
+      d[c] = w.d + (n0 + c) * w.nb;
+      m[c] = w.m + (n0 + c) * w.nb;
+    }
+  }
+};
+
+// fp32 activations as the int8 blocks' and int4 groups' kernels read them.
+struct ActF {
+  const float* x;  // (M, K), contiguous
+};
+
+// ---------------------------------------------------------------------------------------
+// Dot products. A tile computes R rows x C columns of the output: each weight pair is
+// loaded and unpacked once for R activation rows, each activation pair once for C columns,
+// and the R * C accumulators are independent chains that hide each other's fused
+// multiply-add latency. Each output has its own accumulator and the same instructions in
+// the same order whatever R and C are (row invariance).
+// ---------------------------------------------------------------------------------------
+
+// How far ahead of its loads a tile prefetches a weight row, in bytes (into the next rows at
+// a row's end: they are the next columns). A prefetch never faults, so past the end is
+// harmless. One row, one thread, weights from memory: 9.4-10.4 GB/s with it, 7-9.5 without
+// (SmolLM2 and Qwen3-0.6B shapes, on a shared 2-core AVX512 EPYC).
+constexpr int64_t kPrefetch = 512;
+
+// A column's scales (d, and the int4 groups' m) are a short row of their own, read at the
+// column's blocks or after them: the hardware's prefetcher missed them often enough that
+// the AVX2 int4 tile ran 20% slower from memory than from cache. So each tile fetches the
+// scales of the column at least 256 bytes (and two columns) past its last one, `count`
+// floats a column: the tiles of a task step go through consecutive columns, so each
+// column's scales are fetched a few tiles ahead of it (every other column's, where a tile
+// holds two columns: those tiles are the prefill's, which reuse the columns anyway).
+// Qwen3-0.6B's int4 shapes at one row, one thread, weights from memory: AVX2 41-48 -> 27
+// ms, VNNI 30-33 -> 28-31 (2 threads 19-23 -> 17-20).
+template <int C>
+inline void prefetch_scales(const float* const* scales, int64_t count) {
+  const int64_t ahead = std::max<int64_t>(2, (64 + count - 1) / count);  // columns
+  // addresses as integers: the column may lie past the weight's end (a prefetch of it
+  // never faults, but a pointer there would be undefined)
+  const uintptr_t start = reinterpret_cast<uintptr_t>(scales[C - 1]) +
+                          static_cast<uintptr_t>(ahead * count) * sizeof(float);
+  const uintptr_t end = start + static_cast<uintptr_t>(count) * sizeof(float);
+  for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
+// The tiles copy every pointer and count they loop over into locals first: the intrinsics'
+// vector types may alias anything, so a field read through a reference inside the loop
+// would be reloaded after every vector store. The loops over rows and columns are unrolled
+// by pragma: gcc then keeps the accumulator arrays in registers (otherwise it stores every
+// accumulator to the stack each step).
+
+// torch's Python names, which the error messages speak in
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+// `layout` says what the expected shape is made of, e.g. "(N, K/2) for x's K = 576".
+inline void check_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                  int64_t rows, int64_t cols, const std::string& layout) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device().str());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
+              dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
+              " must have shape (", rows, ", ", cols, "), ", layout, ", got ", shape_str(t));
+}
+
+inline void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device().str());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be torch.float32 or torch.bfloat16, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", shape_str(x));
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % kBlock == 0, op,
+              ": x's K must be a positive multiple of 32, got shape ", shape_str(x));
+}
+
+// qs, d and m of an int4 weight in `Int4Packed`'s layout, checked against x (M, K) for `op`;
+// returns the weight's N.
+inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
+                   const at::Tensor& d, const at::Tensor& m) {
+  const int64_t K = x.size(1), nb = K / kBlock;
+  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_str(qs));
+  const int64_t N = qs.size(0);
+  const std::string k = "x's K = " + std::to_string(K);
+  check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
+  check_tensor(op, "d", d, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  check_tensor(op, "m", m, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  return N;
+}
+
+// x (M, K) as the fp32 kernels read it, held in `holder`: fp32 as it is (contiguous), bf16
+// widened (exactly) by torch into a tensor of its own (64-byte aligned, as the kernels'
+// 64-byte loads want, and freed with the call).
+inline ActF fp32_activations(const at::Tensor& x, at::Tensor& holder) {
+  holder = x.to(at::kFloat).contiguous();
+  return ActF{holder.data_ptr<float>()};
+}
+
+// What a matmul kernel (one weight format times one kind of activations) declares for
+// `matmul`: its weights W and activations A; tiles of R rows by C columns of the output on
+// AVX512-VNNI and AVX2 (out (M, ldo) at rows r0.., columns n0..); dot_scalar, one output at
+// a time (the reference path).
+#define QINFER_MATMUL_KERNEL(W, A)                                                        \
+  using Weights = W;                                                                      \
+  using Acts = A;                                                                         \
+  template <int R, int C>                                                                 \
+  QINFER_VNNI static void tile_vnni(const W& w, int64_t n0, const A& a, int64_t r0,       \
+                                    float* out, int64_t ldo);                             \
+  template <int R, int C>                                                                 \
+  QINFER_AVX2 static void tile_avx2(const W& w, int64_t n0, const A& a, int64_t r0,       \
+                                    float* out, int64_t ldo);                             \
+  static void dot_scalar(const W& w, int64_t n, const A& a, int64_t r, float* out, int64_t ldo);
+
+// Rows per tile: one unpacked weight pair serves up to this many rows.
+constexpr int kRows = 4;
+// Columns per task step: their weights (cols * K/2 bytes + scales) stay in L1/L2 while
+// every row tile of the call passes over them.
+constexpr int64_t kCols = 16;
+
+// Columns per tile by rows. One row (decode): one column, the weight rows read one after
+// the other; 4 interleaved columns ran twice as fast with the weights in cache but half as
+// fast from memory (4 rows read K/2 bytes apart), and a decode step's weights come from
+// memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in VNNI's 32
+// registers); AVX2's 16 registers take one column.
+template <int R, typename Kernel>
+QINFER_VNNI void columns_vnni(const typename Kernel::Weights& w, int64_t n0, int64_t n1,
+                              const typename Kernel::Acts& a, int64_t r0, float* out, int64_t ldo) {
+  constexpr int C = R == 1 ? 1 : 2;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) Kernel::template tile_vnni<R, C>(w, n, a, r0, out, ldo);
+  if constexpr (C > 1) {
+    for (; n < n1; ++n) Kernel::template tile_vnni<R, 1>(w, n, a, r0, out, ldo);
+  }
+}
+
+template <int R, typename Kernel>
+QINFER_AVX2 void columns_avx2(const typename Kernel::Weights& w, int64_t n0, int64_t n1,
+                              const typename Kernel::Acts& a, int64_t r0, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) Kernel::template tile_avx2<R, 1>(w, n, a, r0, out, ldo);
+}
+
+template <int R, typename Kernel>
+void columns(Isa path, const typename Kernel::Weights& w, int64_t n0, int64_t n1,
+             const typename Kernel::Acts& a, int64_t r0, float* out, int64_t ldo) {
+  if (path == Isa::Vnni) {
+    columns_vnni<R, Kernel>(w, n0, n1, a, r0, out, ldo);
+  } else {
+    columns_avx2<R, Kernel>(w, n0, n1, a, r0, out, ldo);
+  }
+}
+
+// out (M, N) = the kernel's weights w (N, K) times its activations a (M, K), transposed:
+// Kernel is one of int4_q8.cpp's, int8_q8.cpp's, int8_blocks.cpp's, int4_groups.cpp's
+// (`QINFER_MATMUL_KERNEL`).
+template <typename Kernel>
+void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,
+            const typename Kernel::Acts& a, float* out) {
+  const int64_t K = w.nb * kBlock;
+  // enough columns per task that the pool's wake-up is paid for (it changes which thread
+  // computes a column, never how)
+  const int64_t grain = std::max<int64_t>(kCols, (int64_t{1} << 17) / std::max<int64_t>(1, M * K));
+  at::parallel_for(0, N, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t n0 = c0; n0 < c1; n0 += kCols) {
+      const int64_t n1 = std::min(c1, n0 + kCols);
+      if (path == Isa::Scalar) {
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t n = n0; n < n1; ++n) Kernel::dot_scalar(w, n, a, r, out, N);
+        continue;
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        switch (std::min<int64_t>(kRows, M - r0)) {
+          case 4: columns<4, Kernel>(path, w, n0, n1, a, r0, out, N); break;
+          case 3: columns<3, Kernel>(path, w, n0, n1, a, r0, out, N); break;
+          case 2: columns<2, Kernel>(path, w, n0, n1, a, r0, out, N); break;
+          default: columns<1, Kernel>(path, w, n0, n1, a, r0, out, N); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace qinfer_kernels

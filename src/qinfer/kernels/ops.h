@@ -1,0 +1,48 @@
+// The ops' CPU kernels, one source each, registered together in library.cpp (their schemas
+// there; what they compute in docs/KERNELS.md).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <tuple>
+
+namespace qinfer_kernels {
+
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// quantize_q8.cpp
+Tensors3 quantize_q8_1(const at::Tensor& x, const std::string& path);
+// int4_q8.cpp
+Tensors3 pack_int4(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros);
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const at::Tensor& m, const std::string& path);
+// int8_q8.cpp
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const std::string& path);
+// int8_blocks.cpp
+at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                          const std::string& path);
+// int4_groups.cpp
+at::Tensor int4_groups_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                          const at::Tensor& m, const std::string& path);
+// rms_norm.cpp
+at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x,
+                        const at::Tensor& w, double eps, at::ScalarType dtype,
+                        const std::string& path);
+at::Tensor heads_rms_norm(const at::Tensor& h, const at::Tensor& w_first,
+                          const at::Tensor& w_rest, int64_t first, double eps,
+                          at::ScalarType dtype, const std::string& path);
+// paged_decode.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& k,
+                                  const c10::optional<at::Tensor>& v, const at::Tensor& keys,
+                                  const at::Tensor& values,
+                                  const c10::optional<at::Tensor>& slots,
+                                  const at::Tensor& positions, const at::Tensor& tables,
+                                  const at::Tensor& totals,
+                                  const c10::optional<at::Tensor>& key_starts,
+                                  int64_t block_size, int64_t window, double scale);
+// rope.cpp
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace qinfer_kernels

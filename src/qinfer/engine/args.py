@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from qinfer.core.features import KV_CACHE_DTYPES
 from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from qinfer.engine.build import LoadConfig
 
 
 def bounded(
@@ -126,16 +130,21 @@ def add_mmproj_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_arguments(args: argparse.Namespace) -> dict:
-    """`qinfer.load_model`'s keywords from the flags of `add_model_arguments`."""
-    return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "quantize": args.quantize,
-        "group_size": args.group_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "batch_invariant": args.batch_invariant,
-    }
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    """How the checkpoint loads, from the flags of `add_model_arguments` (and
+    `add_mmproj_argument`, where the command has it)."""
+    from qinfer.engine.build import LoadConfig  # torch: imported only when a command runs
+
+    return LoadConfig(
+        dtype=args.dtype,
+        device=args.device,
+        quantize=args.quantize,
+        group_size=args.group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        batch_invariant=args.batch_invariant,
+        tensor_parallel_size=args.tensor_parallel_size,
+        mmproj=getattr(args, "mmproj", None),
+    )
 
 
 def check_device(args: argparse.Namespace) -> None:

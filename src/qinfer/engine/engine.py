@@ -322,10 +322,7 @@ class Engine:
                 request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
-            seq.mark_computed(n - len(seq.proposed))  # a proposal counts once kept
-            self.block_manager.register_computed(seq)
-            if seq.images is not None:
-                seq.images.ran(seq.num_computed_tokens)
+            self.scheduler.advance(seq, n - len(seq.proposed))  # a proposal counts once kept
             if seq.num_uncomputed_tokens == 0:
                 if request.task.samples:  # its last row, then one per proposed token
                     requests.append(request)
@@ -405,8 +402,7 @@ class Engine:
                 request = requests[i]
                 self._accept(request, token_ids[r], logprobs[r], result.top_logprobs[r])
                 if token_ids[r] == guesses[r] and not request.state.finished:
-                    request.seq.mark_computed(1)  # the proposal's K/V is its own
-                    kept[i] += 1
+                    kept[i] += 1  # the proposal's K/V is its own
                     going[i] = j + 1
                 else:
                     stopped.add(i)
@@ -415,9 +411,9 @@ class Engine:
         for request, proposed, n in zip(requests, proposals, kept, strict=True):
             if proposed:
                 seq = request.seq
-                if not seq.is_finished:
+                if not seq.is_finished:  # (a finished one's blocks are freed)
                     seq.proposed = []
-                    self.block_manager.register_computed(seq)
+                    self.scheduler.advance(seq, n)
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 

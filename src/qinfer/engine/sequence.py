@@ -84,13 +84,6 @@ class Sequence:
         tokens = tuple(self.token_ids[start:end])
         return tokens if self.images is None else tokens + self.images.digests_in(start, end)
 
-    def mark_computed(self, n: int) -> None:
-        """n more of its tokens have their K/V in the pool: a step's uncomputed tokens once
-        it ran, a proposed token once verified (it joins `token_ids` then). The one place a
-        step advances the count (the block manager sets it: a prefix-cache hit, a
-        preemption)."""
-        self.num_computed_tokens += n
-
     def new_tokens(self, n: int) -> list[int]:
         """The next n tokens to run: uncomputed ones first, then proposed ones."""
         start = self.num_computed_tokens

@@ -301,8 +301,8 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     """Steps are written into the same tensors (a CUDA graph reads its inputs where they
     were when captured); a step past the capacities reallocates them, with the same values."""
     buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2)
-    first = buffers.write([[7], [8]], [5, 0], [[[3, 1], [2]]], [1, 1])
-    second = buffers.write([[9], [10]], [6, 1], [[[3, 1], [2]]], [1, 1])
+    first = buffers.write([[7], [8]], [5, 0], [[[3, 1], [2]]], [0, 1])
+    second = buffers.write([[9], [10]], [6, 1], [[[3, 1], [2]]], [0, 1])
     assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
     assert second.token_ids.tolist() == [9, 10] and second.positions.tolist() == [6, 1]
     (space,) = second.spaces
@@ -311,7 +311,7 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     assert space.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
     assert space.first_blocks is None and space.key_starts is None
     assert second.logits_indices.tolist() == [0, 1] and second.query_starts == [0, 1, 2]
-    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[[0], [5, 6, 4]]], [0, 2])
+    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[[0], [5, 6, 4]]], [3, 4])
     assert buffers.capacity == (8, 4, (4,))
     assert grown.token_ids.tolist() == [1, 2, 3, 4, 5]
     assert grown.positions.tolist() == [0, 1, 2, 9, 10]
@@ -326,7 +326,7 @@ def test_step_buffers_of_a_window_space_place_tables_from_their_first_block():
     buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2, windows=(None, 6))
     # sequence 0: 13 computed, reads from position 8 (block 2); sequence 1: 3 computed
     tables = [[[4, 5, 6, 7], [1, 2]], [[9, 8], [3, 2]]]
-    step = buffers.write([[7], [8, 9]], [13, 3], tables, [1, 1])
+    step = buffers.write([[7], [8, 9]], [13, 3], tables, [0, 2])
     whole, window = step.spaces
     assert whole.slots.tolist() == [7 * 4 + 1, 1 * 4 + 3, 2 * 4 + 0]
     assert whole.first_blocks is None and whole.key_starts is None

@@ -141,12 +141,12 @@ class StepBuffers:
         new_tokens: list[list[int]],
         num_computed: list[int],
         block_tables: Sequence[list[list[int]]],
-        num_logits: list[int],
+        logits_rows: list[int],
         min_widths: Sequence[int] | None = None,
     ) -> StepTensors:
         """Write one step (per sequence b: its new token ids, the tokens already in the
-        pool, its block table in each space, how many of its last new tokens produce
-        logits) and return the views that hold it. block_tables[s][b]: sequence b's blocks
+        pool, its block table in each space) and the flat rows whose logits are wanted
+        (`qinfer.runtime.step.logits_rows`), and return the views that hold it. block_tables[s][b]: sequence b's blocks
         in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
         step reads no released block). min_widths[s]: space s's tables padded to at least
         this many blocks (default: the longest table's).
@@ -178,15 +178,10 @@ class StepBuffers:
                 self._spaces, self.windows, block_tables, widths, strict=True
             )
         ]
-        wanted = [
-            row
-            for end, count in zip(starts[1:], num_logits, strict=True)
-            for row in range(end - count, end)
-        ]
-        R = len(wanted)
+        R = len(logits_rows)
         self._tokens[:T] = list(chain.from_iterable(new_tokens))
         self._positions[:T] = positions
-        self._logits[:R] = wanted
+        self._logits[:R] = logits_rows
         self._lens[:S] = [c + n for c, n in zip(num_computed, num_new, strict=True)]
         if self._flat is not self._host:  # one host-to-device copy of every field
             self._flat.copy_(self._host)
@@ -265,5 +260,5 @@ def step_tensors(
     """One step of one block space (of this `window`) in buffers of its own, without token
     ids or logits: a step to attend over, outside a runner (the attention tests)."""
     buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])
-    no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
-    return buffers.write(no_ids, num_computed, [block_tables], no_logits)
+    no_ids = [[0] * n for n in num_new]
+    return buffers.write(no_ids, num_computed, [block_tables], [])

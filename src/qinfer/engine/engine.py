@@ -14,7 +14,6 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 import weakref
@@ -296,13 +295,11 @@ class Engine:
             request.task.hidden_rows(request.seq.num_computed_tokens, n) or None
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        # logits (R, V): num_logits[b] rows of each sequence, in order (its proposed
-        # tokens' too, see `Request.num_logits`); sequence b's are rows ends[b] - k .. ends[b]
+        # how many rows of logits each sequence needs (`Request.num_logits`)
         num_logits = [
             request.num_logits(n)
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        ends = list(itertools.accumulate(num_logits))
         self._encode_images(scheduled)
         step = step_inputs(
             scheduled.seqs,
@@ -312,23 +309,25 @@ class Engine:
             self.config.block_size,
         )
         result = self.executor.execute(step, hidden_rows)
+        _, spans = step.logits_rows()  # sequence b's rows of result.logits
         requests, firsts, outputs = [], [], []
-        for request, n, k, end, rows in zip(
-            scheduled_requests, scheduled.num_new, num_logits, ends, result.hidden, strict=True
+        for request, n, span, rows in zip(
+            scheduled_requests, scheduled.num_new, spans, result.hidden, strict=True
         ):
             seq = request.seq
             request.task.take_hidden(seq.num_computed_tokens, rows)
-            if request.prompt_logprobs is not None and k:
-                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
+            own = slice(span.start, span.stop)
+            if request.prompt_logprobs is not None and span:
+                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[own])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
             self.scheduler.advance(seq, n - len(seq.proposed))  # a proposal counts once kept
             if seq.num_uncomputed_tokens == 0:
-                if request.task.samples:  # its last row, then one per proposed token
+                if request.task.samples:  # its last rows: one, then one per proposed token
                     requests.append(request)
-                    firsts.append(end - 1 - len(seq.proposed))
+                    firsts.append(span.stop - 1 - len(seq.proposed))
                 else:
-                    outputs.append(self._prompt_ran(request, result.logits[end - k : end]))
+                    outputs.append(self._prompt_ran(request, result.logits[own]))
         if not requests:
             return outputs
         generated = self._sample(requests, firsts, result.logits)

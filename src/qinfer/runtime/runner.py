@@ -274,9 +274,8 @@ class ModelRunner:
         return fields
 
     def _write(self, step: StepInputs, widths: list[int] | None) -> StepTensors:
-        return self.buffers.write(
-            step.new_tokens, step.num_computed, step.tables, step.num_logits, widths
-        )
+        rows, _ = step.logits_rows()
+        return self.buffers.write(step.new_tokens, step.num_computed, step.tables, rows, widths)
 
     def _batch(self, tensors: StepTensors) -> ForwardBatch:
         return ForwardBatch(

@@ -51,9 +51,32 @@ class StepInputs:
     window_tables: list[list[int]] | None = None
     images: list[StepImages | None] | None = None
 
+    def logits_rows(self) -> tuple[list[int], list[range]]:
+        """Its rows of logits, as `logits_rows` places them."""
+        return logits_rows([len(ids) for ids in self.new_tokens], self.num_logits)
+
     @property
     def tables(self) -> list[list[list[int]]]:
         """Every block space's tables, space after space."""
         if self.window_tables is None:
             return [self.block_tables]
         return [self.block_tables, self.window_tables]
+
+
+def logits_rows(num_new: list[int], num_logits: list[int]) -> tuple[list[int], list[range]]:
+    """Which rows of a step's logits belong to which sequence, the one place they are
+    counted: sequence b runs num_new[b] tokens (flat, after the sequences before it), the
+    last num_logits[b] of which produce logits. Returns (rows, spans): rows, the flat
+    step's rows whose logits are computed, ascending (`ForwardBatch.logits_indices`);
+    spans[b], sequence b's rows of the (R, V) logits, in order: a sampling sequence's last
+    row is its next token's, the k before it verify its k proposed tokens (row j: the
+    distribution after the j-th proposal); a prompt's logprobs take one row per token."""
+    rows: list[int] = []
+    spans: list[range] = []
+    end = first = 0
+    for n, k in zip(num_new, num_logits, strict=True):
+        end += n
+        rows += range(end - k, end)
+        spans.append(range(first, first + k))
+        first += k
+    return rows, spans

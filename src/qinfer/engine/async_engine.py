@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.core.model_config import ModelConfig
 from qinfer.engine.build import LoadConfig, build_engine
-from qinfer.engine.engine import Request
 from qinfer.engine.outputs import RequestOutput
+from qinfer.engine.request import Request
 from qinfer.engine.stats import EngineStats
 from qinfer.model.transformer import Transformer
 from qinfer.request.pooling import PoolingParams

@@ -239,12 +239,12 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     for step in plan:
         for b, n in step:
             seq = seqs[b]
-            if b == 4 and not seq.block_table:
-                seq.block_table = seqs[0].block_table[:2]
+            if b == 4 and not seq.tables[0]:
+                seq.tables[0] = seqs[0].tables[0][:2]
                 seq.num_computed_tokens = 8
-            while len(seq.block_table) * BLOCK < seq.num_computed_tokens + n:
-                seq.block_table.append(next(free))
-            seq.window_table = list(seq.block_table)  # the same ids in the window space
+            while len(seq.tables[0]) * BLOCK < seq.num_computed_tokens + n:
+                seq.tables[0].append(next(free))
+            seq.tables[1:] = [list(seq.tables[0])]  # the same ids in the window space
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
         inputs = step_inputs(

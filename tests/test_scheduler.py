@@ -59,7 +59,7 @@ def test_newest_sequence_is_preempted_when_blocks_run_out():
     run(scheduler, scheduler.schedule())  # each holds one full block; the next token needs another
     step = scheduler.schedule()
     assert step.seqs == [old] and step.num_preempted == 1
-    assert new.status is SequenceStatus.WAITING and new.block_table == []
+    assert new.status is SequenceStatus.WAITING and new.tables[0] == []
     assert scheduler.waiting[0] is new
 
 

@@ -140,14 +140,14 @@ class StepBuffers:
         self,
         new_tokens: list[list[int]],
         num_computed: list[int],
-        block_tables: Sequence[list[list[int]]],
+        tables: Sequence[list[list[int]]],
         logits_rows: list[int],
         min_widths: Sequence[int] | None = None,
     ) -> StepTensors:
         """Write one step (per sequence b: its new token ids, the tokens already in the
         pool, its block table in each space) and the flat rows whose logits are wanted
-        (`qinfer.runtime.step.logits_rows`), and return the views that hold it. block_tables[s][b]: sequence b's blocks
-        in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
+        (`qinfer.runtime.step.logits_rows`), and return the views that hold it.
+        tables[s][b]: sequence b's blocks in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
         step reads no released block). min_widths[s]: space s's tables padded to at least
         this many blocks (default: the longest table's).
 
@@ -160,7 +160,7 @@ class StepBuffers:
         num_new = [len(ids) for ids in new_tokens]
         starts = list(accumulate(num_new, initial=0))
         T, S = starts[-1], len(new_tokens)
-        widths = tuple(max(map(len, tables)) for tables in block_tables)
+        widths = tuple(max(map(len, space)) for space in tables)
         if min_widths is not None:
             widths = tuple(map(max, widths, min_widths))
         tokens, seqs, blocks = self.capacity
@@ -173,9 +173,9 @@ class StepBuffers:
             for p in range(computed, computed + n)
         ]
         firsts = [
-            self._write_space(space, window, tables, W, positions, num_new, num_computed)
-            for space, window, tables, W in zip(
-                self._spaces, self.windows, block_tables, widths, strict=True
+            self._write_space(space, window, own, W, positions, num_new, num_computed)
+            for space, window, own, W in zip(
+                self._spaces, self.windows, tables, widths, strict=True
             )
         ]
         R = len(logits_rows)
@@ -210,9 +210,9 @@ class StepBuffers:
             num_computed=list(num_computed),
             block_size=self.block_size,
             spaces=[
-                SpaceTensors(slots, padded, tables, first, None if first is None else key_starts)
-                for (slots, padded, key_starts), tables, first in zip(
-                    space_views, block_tables, firsts, strict=True
+                SpaceTensors(slots, padded, own, first, None if first is None else key_starts)
+                for (slots, padded, key_starts), own, first in zip(
+                    space_views, tables, firsts, strict=True
                 )
             ],
         )

@@ -155,8 +155,7 @@ class StepBuffers:
         CPU's caches full of the model's: each numpy write and tensor view costs several
         times what it costs in a loop of its own. So each field is written in one call,
         table rows only when they changed, and a step shaped like the previous one (same
-        T, R, S and widths: decode steps) gets the same views back, positions excepted:
-        RoPE keeps the cos/sin of a forward keyed by its positions tensor object."""
+        T, R, S and widths: decode steps) gets the same views back."""
         num_new = [len(ids) for ids in new_tokens]
         starts = list(accumulate(num_new, initial=0))
         T, S = starts[-1], len(new_tokens)
@@ -189,6 +188,7 @@ class StepBuffers:
             self._views_key = (T, R, S, widths)
             self._views = (
                 self.token_ids[:T],
+                self.positions[:T],
                 self.logits_indices[:R],
                 self.context_lens[:S],
                 [
@@ -200,10 +200,10 @@ class StepBuffers:
                     for space, W in zip(self._spaces, widths, strict=True)
                 ],
             )
-        token_ids, logits_indices, context_lens, space_views = self._views
+        token_ids, positions, logits_indices, context_lens, space_views = self._views
         return StepTensors(
             token_ids=token_ids,
-            positions=self.positions[:T],
+            positions=positions,
             logits_indices=logits_indices,
             context_lens=context_lens,
             query_starts=starts,

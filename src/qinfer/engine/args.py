@@ -8,6 +8,7 @@ is refused in milliseconds, naming the flag, before torch is imported or a model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -135,16 +136,9 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
     `add_mmproj_argument`, where the command has it)."""
     from qinfer.engine.build import LoadConfig  # torch: imported only when a command runs
 
-    return LoadConfig(
-        dtype=args.dtype,
-        device=args.device,
-        quantize=args.quantize,
-        group_size=args.group_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        batch_invariant=args.batch_invariant,
-        tensor_parallel_size=args.tensor_parallel_size,
-        mmproj=getattr(args, "mmproj", None),
-    )
+    # each flag's destination is the field's name (--dtype: dtype, ... --mmproj: mmproj)
+    names = [field.name for field in dataclasses.fields(LoadConfig)]
+    return LoadConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def check_device(args: argparse.Namespace) -> None:

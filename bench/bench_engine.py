@@ -14,7 +14,7 @@ import json
 import torch
 
 from qinfer.bench import Workload, format_engine_report, run_engine_benchmark
-from qinfer.engine.args import add_model_arguments, load_arguments
+from qinfer.engine.args import add_model_arguments, load_config
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     workload = Workload(args.num_requests, *args.prompt_tokens, *args.output_tokens)
     report = run_engine_benchmark(
         args.model,
-        load_arguments(args),
+        load_config(args).model_arguments(),
         workload,
         compare_hf=args.compare_hf,
         one_by_one=not args.skip_one_by_one,

@@ -20,7 +20,7 @@ import torch
 from qinfer import LLM, SamplingParams
 from qinfer.bench import Workload
 from qinfer.bench.common import time_once
-from qinfer.engine.args import add_model_arguments, load_arguments
+from qinfer.engine.args import add_model_arguments, load_config
 
 
 def run(model: str | None, load_args: dict, size: int, workload: Workload) -> dict:
@@ -51,11 +51,13 @@ def main() -> None:
     if args.tensor_parallel_size < 2:
         parser.error("give --tensor-parallel-size N with N >= 2")
     workload = Workload(num_requests=args.num_requests)
-    single = run(args.model, load_arguments(args), 1, workload)
+    single = run(args.model, load_config(args).model_arguments(), 1, workload)
     gc.collect()  # the single-process model, before rank 0's shard loads
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    split = run(args.model, load_arguments(args), args.tensor_parallel_size, workload)
+    split = run(
+        args.model, load_config(args).model_arguments(), args.tensor_parallel_size, workload
+    )
     pairs = list(zip(single.pop("tokens"), split.pop("tokens"), strict=True))
     differing = [
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)

@@ -23,10 +23,10 @@ def test_grow_takes_blocks_and_free_returns_them():
     manager = BlockManager(num_blocks=8, block_size=BLOCK)
     seq = Sequence("a", list(range(10)))
     manager.grow(seq, 10)
-    assert len(seq.block_table) == 3  # ceil(10 / 4)
+    assert len(seq.tables[0]) == 3  # ceil(10 / 4)
     assert manager.num_free_blocks == 5
     manager.free(seq)
-    assert manager.num_free_blocks == 8 and seq.block_table == []
+    assert manager.num_free_blocks == 8 and seq.tables[0] == []
 
 
 def test_shared_prefix_blocks_are_reference_counted():
@@ -34,10 +34,10 @@ def test_shared_prefix_blocks_are_reference_counted():
     first = computed(manager, "a", list(range(9)))
     second = Sequence("b", list(range(8)) + [99, 98])
     assert manager.allocate_prefix(second) == 8
-    assert second.block_table == first.block_table[:2]
-    assert [manager.pools[0].blocks[i].ref_count for i in second.block_table] == [2, 2]
+    assert second.tables[0] == first.tables[0][:2]
+    assert [manager.pools[0].blocks[i].ref_count for i in second.tables[0]] == [2, 2]
     manager.free(first)
-    assert [manager.pools[0].blocks[i].ref_count for i in second.block_table] == [1, 1]
+    assert [manager.pools[0].blocks[i].ref_count for i in second.tables[0]] == [1, 1]
     manager.free(second)
     assert manager.num_free_blocks == 8
 

@@ -304,11 +304,11 @@ def test_block_accounting_holds_through_random_adds_aborts_and_preemptions(model
             if out.finished and out.request_id in live:
                 live.remove(out.request_id)
         (pool,) = engine.block_manager.pools
-        held = Counter(b for seq in engine.scheduler.running for b in seq.block_table)
+        held = Counter(b for seq in engine.scheduler.running for b in seq.tables[0])
         for block in pool.blocks:
             assert block.ref_count == held[block.block_id]
             assert (block.ref_count == 0) == (block.block_id in pool.free_blocks)
-        assert all(not seq.block_table for seq in engine.scheduler.waiting)
+        assert all(not seq.tables[0] for seq in engine.scheduler.waiting)
     for request_id in live:
         engine.abort(request_id)
     assert engine.stats().preemptions_total > 0 and engine.stats().prefix_cache_hits > 0

@@ -30,7 +30,7 @@ from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, KVPool, paged_layers
-from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, PagedStep, split_by_history
+from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, _PagedStep, split_by_history
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.attention.step_buffers import StepBuffers, step_tensors
 from qinfer.core.errors import QinferError, RequestError
@@ -239,12 +239,12 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
     for step in plan:
         for b, n in step:
             seq = seqs[b]
-            if b == 4 and not seq.block_table:
-                seq.block_table = seqs[0].block_table[:2]
+            if b == 4 and not seq.tables[0]:
+                seq.tables[0] = seqs[0].tables[0][:2]
                 seq.num_computed_tokens = 8
-            while len(seq.block_table) * BLOCK < seq.num_computed_tokens + n:
-                seq.block_table.append(next(free))
-            seq.window_table = list(seq.block_table)  # the same ids in the window space
+            while len(seq.tables[0]) * BLOCK < seq.num_computed_tokens + n:
+                seq.tables[0].append(next(free))
+            seq.tables[1:] = [list(seq.tables[0])]  # the same ids in the window space
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
         inputs = step_inputs(
@@ -289,7 +289,7 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     pool.values.normal_()
     (start, n), first = rows[0], 3
     tables = [list(range(first, first + -(-(start + n) // BLOCK)))]
-    step = PagedStep(step_tensors([n], [start], tables, BLOCK, "cpu"))
+    step = _PagedStep(step_tensors([n], [start], tables, BLOCK, "cpu"))
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)
@@ -301,8 +301,8 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     """Steps are written into the same tensors (a CUDA graph reads its inputs where they
     were when captured); a step past the capacities reallocates them, with the same values."""
     buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2)
-    first = buffers.write([[7], [8]], [5, 0], [[[3, 1], [2]]], [1, 1])
-    second = buffers.write([[9], [10]], [6, 1], [[[3, 1], [2]]], [1, 1])
+    first = buffers.write([[7], [8]], [5, 0], [[[3, 1], [2]]], [0, 1])
+    second = buffers.write([[9], [10]], [6, 1], [[[3, 1], [2]]], [0, 1])
     assert first.token_ids.data_ptr() == second.token_ids.data_ptr()
     assert second.token_ids.tolist() == [9, 10] and second.positions.tolist() == [6, 1]
     (space,) = second.spaces
@@ -311,7 +311,7 @@ def test_step_buffers_write_each_step_in_place_and_grow_for_a_larger_one():
     assert space.block_tables.tolist() == [[3, 1], [2, 0]]  # padded with block 0
     assert space.first_blocks is None and space.key_starts is None
     assert second.logits_indices.tolist() == [0, 1] and second.query_starts == [0, 1, 2]
-    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[[0], [5, 6, 4]]], [0, 2])
+    grown = buffers.write([[1, 2, 3], [4, 5]], [0, 9], [[[0], [5, 6, 4]]], [3, 4])
     assert buffers.capacity == (8, 4, (4,))
     assert grown.token_ids.tolist() == [1, 2, 3, 4, 5]
     assert grown.positions.tolist() == [0, 1, 2, 9, 10]
@@ -326,7 +326,7 @@ def test_step_buffers_of_a_window_space_place_tables_from_their_first_block():
     buffers = StepBuffers(4, "cpu", max_tokens=4, max_seqs=2, max_blocks=2, windows=(None, 6))
     # sequence 0: 13 computed, reads from position 8 (block 2); sequence 1: 3 computed
     tables = [[[4, 5, 6, 7], [1, 2]], [[9, 8], [3, 2]]]
-    step = buffers.write([[7], [8, 9]], [13, 3], tables, [1, 1])
+    step = buffers.write([[7], [8, 9]], [13, 3], tables, [0, 2])
     whole, window = step.spaces
     assert whole.slots.tolist() == [7 * 4 + 1, 1 * 4 + 3, 2 * 4 + 0]
     assert whole.first_blocks is None and whole.key_starts is None

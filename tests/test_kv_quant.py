@@ -178,7 +178,7 @@ def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8(backend):
         seqs = [Sequence(str(b), ids) for b, ids in enumerate(prompts)]
         free = iter(range(executor.num_blocks[0]))
         for seq in seqs:  # every block kept (a window space's step reads its window's)
-            seq.block_table = [next(free) for _ in range(-(-(len(seq.token_ids) + 3) // 4))]
+            seq.tables[0] = [next(free) for _ in range(-(-(len(seq.token_ids) + 3) // 4))]
         spaces = executor.spaces
         logits = executor.execute(step_inputs(seqs, [9, 17], [1, 1], spaces, 4)).logits
         want = [model(torch.tensor([ids]))[0, -1] for ids in prompts]

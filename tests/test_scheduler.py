@@ -11,10 +11,10 @@ def make(num_blocks=64, block_size=4, **config):
     return Scheduler(EngineConfig(block_size=block_size, **config), manager), manager
 
 
-def run(step) -> None:
-    """What the engine does after the model ran: mark the tokens computed, sample one."""
+def run(scheduler, step) -> None:
+    """What the engine does after the model ran: advance each sequence, sample one token."""
     for seq, n in zip(step.seqs, step.num_new, strict=True):
-        seq.num_computed_tokens += n
+        scheduler.advance(seq, n)
         if seq.num_uncomputed_tokens == 0:
             seq.token_ids.append(0)
 
@@ -35,14 +35,14 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     for _ in range(3):
         step = scheduler.schedule()
         chunks.append(step.num_new[0])
-        run(step)
+        run(scheduler, step)
     assert chunks == [8, 8, 4]
 
 
 def test_decodes_and_a_new_prefill_share_a_step():
     scheduler, _ = make(max_num_seqs=4, max_num_batched_tokens=6)
     scheduler.add(Sequence("a", [1, 2]))
-    run(scheduler.schedule())
+    run(scheduler, scheduler.schedule())
     scheduler.add(Sequence("b", list(range(10))))
     step = scheduler.schedule()
     assert [(s.request_id, n) for s, n in zip(step.seqs, step.num_new, strict=True)] == [
@@ -56,10 +56,10 @@ def test_newest_sequence_is_preempted_when_blocks_run_out():
     old, new = Sequence("old", [1, 2, 3, 4]), Sequence("new", [5, 6, 7, 8])
     scheduler.add(old)
     scheduler.add(new)
-    run(scheduler.schedule())  # each holds one full block; the next token needs another
+    run(scheduler, scheduler.schedule())  # each holds one full block; the next token needs another
     step = scheduler.schedule()
     assert step.seqs == [old] and step.num_preempted == 1
-    assert new.status is SequenceStatus.WAITING and new.block_table == []
+    assert new.status is SequenceStatus.WAITING and new.tables[0] == []
     assert scheduler.waiting[0] is new
 
 
@@ -67,6 +67,6 @@ def test_finishing_frees_blocks_at_once():
     scheduler, manager = make(num_blocks=4)
     seq = Sequence("a", [1, 2, 3, 4, 5])
     scheduler.add(seq)
-    run(scheduler.schedule())
+    run(scheduler, scheduler.schedule())
     scheduler.finish(seq)
     assert manager.num_free_blocks == 4 and not scheduler.has_unfinished()

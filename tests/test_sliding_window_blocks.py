@@ -169,10 +169,10 @@ def test_the_window_space_holds_a_window_of_blocks_per_sequence(pairs):
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
-            held = [b for b in seq.window_table if b != NULL_BLOCK]
+            held = [b for b in seq.tables[1] if b != NULL_BLOCK]
             assert len(held) <= most, seq
-            assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK)
-            released = max(released, seq.window_table.count(NULL_BLOCK))
+            assert len(seq.tables[0]) == -(-seq.num_computed_tokens // BLOCK)
+            released = max(released, seq.tables[1].count(NULL_BLOCK))
     assert released >= (45 + 40 - WINDOW) // BLOCK - 1  # the longest gave most of it back
     assert window.num_free_blocks == window.num_blocks and full.num_free_blocks == full.num_blocks
 
@@ -229,13 +229,13 @@ def test_a_prefix_hit_is_cut_to_the_window_blocks_still_cached():
     manager.grow(seq, 21)
     seq.num_computed_tokens = 21
     manager.register_computed(seq)
-    assert seq.window_table[:3] == [NULL_BLOCK] * 3  # before position 21 - 8 + 1 = 14
-    window_blocks = list(seq.window_table)
+    assert seq.tables[1][:3] == [NULL_BLOCK] * 3  # before position 21 - 8 + 1 = 14
+    window_blocks = list(seq.tables[1])
     manager.free(seq)
     again = Sequence("b", tokens + [99])
     assert manager.allocate_prefix(again) == 20
-    assert again.window_table[:3] == [NULL_BLOCK] * 3
-    assert again.window_table[3:] == window_blocks[3:5]
+    assert again.tables[1][:3] == [NULL_BLOCK] * 3
+    assert again.tables[1][3:] == window_blocks[3:5]
     manager.free(again)
     window = manager.pools[1]
     evicted = window_blocks[4]
@@ -243,7 +243,7 @@ def test_a_prefix_hit_is_cut_to_the_window_blocks_still_cached():
     assert window.allocate() == evicted
     third = Sequence("c", tokens + [99])
     assert manager.allocate_prefix(third) == 16
-    assert len(third.block_table) == 4 and third.window_table[2] != NULL_BLOCK
+    assert len(third.tables[0]) == 4 and third.tables[1][2] != NULL_BLOCK
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -286,10 +286,10 @@ def test_a_draft_model_over_a_model_whose_every_layer_slides(pairs):
 
 
 def test_the_step_channel_carries_both_spaces_tables():
-    step = StepInputs([[5, 6], [7]], [3, 10], [[1, 2], [4, 5, 6]], [1, 1], [[8], [9, 3]])
+    step = StepInputs([[5, 6], [7]], [3, 10], [[[1, 2], [4, 5, 6]], [[8], [9, 3]]], [1, 1])
     header, payload = pack(step)
     assert unpack(header.tolist(), payload.tolist()) == step
-    one = StepInputs([[5]], [0], [[2]], [1])
+    one = StepInputs([[5]], [0], [[[2]]], [1])
     header, payload = pack(one)
     assert header.tolist() == [1, 1, 1, 1]
     assert unpack(header.tolist(), payload.tolist()) == one

@@ -423,7 +423,7 @@ def test_a_proposal_never_verified_leaves_the_draft_cache_as_the_tokens_kept(mod
     the draft's cache holds guesses that were never verified, and must not count them."""
     draft = DraftModel(model, model, num_blocks=8, block_size=16)
     seq = Sequence("a", copying_prompts(10, count=1)[0])
-    seq.block_table = list(range(4))
+    seq.tables[0] = list(range(4))
     seq.num_computed_tokens = seq.num_tokens - 1  # prefilled; its last token to run
     [first] = draft.propose([seq], [3])
     assert len(first) == 3 and seq.num_draft_computed == seq.num_tokens + 2

@@ -98,9 +98,9 @@ def decode_steps(
 
     def step(new: list[int]):
         for seq, n in zip(seqs, new, strict=True):
-            while len(seq.block_table) * size < seq.num_computed_tokens + n:
-                seq.block_table.append(next(free))
-            seq.window_table = list(seq.block_table)
+            while len(seq.tables[0]) * size < seq.num_computed_tokens + n:
+                seq.tables[0].append(next(free))
+            seq.tables[1:] = [list(seq.tables[0])]
         inputs = step_inputs(seqs, new, [1] * len(seqs), spaces, size)
         with Made() as made:
             executor.execute(inputs)

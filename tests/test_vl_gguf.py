@@ -444,13 +444,13 @@ def test_a_wrong_projector_is_refused_before_the_text_model_loads(
 ):
     """The projector's header and its pairing are checked from the files' headers: a
     wrong --mmproj fails without the text model's load (here made to fail loudly)."""
-    import qinfer.engine.engine
+    import qinfer.engine.build
     import qinfer.vision.language_model
 
     def no_load(*args, **kwargs):
         raise AssertionError("the text model was loaded")
 
-    monkeypatch.setattr(qinfer.engine.engine, "load_model", no_load)
+    monkeypatch.setattr(qinfer.engine.build, "load_model", no_load)
     monkeypatch.setattr(qinfer.vision.language_model, "load_model", no_load)
     mmproj = rewritten(files.mmproj, tmp_path / "mm.gguf", clip__vision__projection_dim=32)
     with pytest.raises(ConfigError, match=r"clip\.vision\.projection_dim is 32"):

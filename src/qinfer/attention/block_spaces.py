@@ -11,8 +11,8 @@ block, `qinfer.engine.block_manager`), and one block table per sequence:
 
 - a model without sliding layers: one space, whole histories (every layer of the model);
 - full-attention and sliding layers (Gemma 3, Qwen2 with max_window_layers): space 0 holds
-  the full-attention layers and whole histories (`Sequence.block_table`), space 1 the
-  sliding layers and only the blocks of each sequence's window (`Sequence.window_table`);
+  the full-attention layers and whole histories (`Sequence.tables[0]`), space 1 the
+  sliding layers and only the blocks of each sequence's window (`Sequence.tables[1]`);
 - every layer slides (Mistral v0.1, Phi-3): one space that keeps only the window.
 
 A window space's table keeps its logical indices (entry i holds positions i * B ..

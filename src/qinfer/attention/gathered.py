@@ -36,7 +36,7 @@ from qinfer.attention.step_buffers import StepTensors
 
 
 class GatheredBackend:
-    """Pools slots first, a step's metadata as `GatheredStep`s (one per block space),
+    """Pools slots first, a step's metadata as `_GatheredStep`s (one per block space),
     `GatheredAttention` to attend through `sdpa` (`qinfer.attention.backend`)."""
 
     layout = KVLayout.SLOTS_FIRST
@@ -47,11 +47,11 @@ class GatheredBackend:
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> GatheredAttention:
         """The step's attention over the pools that `layers` place."""
-        spaces = [GatheredStep(step, space) for space in range(len(step.spaces))]
+        spaces = [_GatheredStep(step, space) for space in range(len(step.spaces))]
         return GatheredAttention(layers, spaces, self.sdpa)
 
 
-class GatheredStep:
+class _GatheredStep:
     """One block space's part of a step, shared by its layers.
 
     slots (T,): where each new token's K/V go. key_slots (G, S): the slot of each key a
@@ -107,10 +107,10 @@ class GatheredStep:
 
 class GatheredAttention:
     """The attention of one step over the pools of a model's block spaces: layers[l] says
-    where layer l's K/V live (`paged_layers`), spaces[s] is this step's `GatheredStep`
+    where layer l's K/V live (`paged_layers`), spaces[s] is this step's `_GatheredStep`
     over block space s."""
 
-    def __init__(self, layers: list[PagedLayer], spaces: list[GatheredStep], sdpa: Sdpa) -> None:
+    def __init__(self, layers: list[PagedLayer], spaces: list[_GatheredStep], sdpa: Sdpa) -> None:
         self.layers, self.spaces, self.sdpa = layers, spaces, sdpa
 
     def attend(

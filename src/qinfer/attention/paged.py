@@ -34,7 +34,7 @@ A group's histories are padded to its longest (in whole blocks) and masked by po
 
 Block spaces (`qinfer.attention.block_spaces`): a model with sliding-window layers keeps
 their K/V in a pool of their own, whose tables hold only each sequence's window (the
-blocks before it go back to the pool). The step is then two `PagedStep`s, one per space,
+blocks before it go back to the pool). The step is then two `_PagedStep`s, one per space,
 each with its own slots and tables, and each layer reads its space's: a sliding layer's
 history starts at its table's first block (a decode reads at most ceil(window / B) + 1
 blocks, however long the sequence), its keys placed by position (key_starts) for the mask.
@@ -58,7 +58,7 @@ from qinfer.attention.step_buffers import SpaceTensors, StepTensors
 SPLIT_KEYS = 1024
 
 
-class PagedStep:
+class _PagedStep:
     """Where the K/V of one step's tokens go to and come from in one block space's pool:
     the metadata that every layer of that space shares, built once per step from the
     step's `StepTensors` (the runner's `StepBuffers`, written in place; `space` names this
@@ -95,14 +95,14 @@ class PagedStep:
         ]
 
     @cached_property
-    def groups(self) -> list[Group]:
+    def groups(self) -> list[_Group]:
         """The sequences grouped by new tokens, then split by history (`split_by_history`)."""
         num_new, histories = self.tensors.num_new, self.histories
         by_length: dict[int, list[int]] = {}
         for b, n in enumerate(num_new):
             by_length.setdefault(n, []).append(b)
         return [
-            Group(
+            _Group(
                 rows,
                 num_new[rows[0]],
                 histories,
@@ -142,7 +142,7 @@ def split_by_history(rows: list[int], histories: list[int], block_size: int) -> 
     )
 
 
-class Group:
+class _Group:
     """The sequences of one step that add the same number L of new tokens: where their
     queries sit in the step and where their histories sit in one space's pool.
 
@@ -294,7 +294,7 @@ class Group:
 
 class PagedBackend:
     """The paged CPU backend (`qinfer.attention.backend`): pools laid out heads first, a
-    step's metadata as `PagedStep`s (one per block space), `PagedAttention` to attend.
+    step's metadata as `_PagedStep`s (one per block space), `PagedAttention` to attend.
 
     sdpa: the attention function of prompt chunks; invariant: every query through the
     decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
@@ -306,13 +306,13 @@ class PagedBackend:
     def __init__(self, sdpa: Sdpa, invariant: bool = False, decode_kernel: bool = False) -> None:
         self.sdpa, self.invariant = sdpa, invariant
         self.decode_kernel = decode_kernel and not invariant
-        # A decode step through the op reads only the step's tensors (`PagedStep`); any
+        # A decode step through the op reads only the step's tensors (`_PagedStep`); any
         # other is grouped by history on the host, step by step.
         self.static_decode = self.decode_kernel
 
     def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""
-        paged = [PagedStep(step, space) for space in range(len(step.spaces))]
+        paged = [_PagedStep(step, space) for space in range(len(step.spaces))]
         return PagedAttention(layers, paged, self.sdpa, self.invariant, self.decode_kernel)
 
 
@@ -321,7 +321,7 @@ class PagedAttention:
     each layer in turn.
 
     layers[l]: where layer l's K/V live (`paged_layers`); steps[s]: this step's
-    `PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
+    `_PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
     (decode groups use this module's own, which reads the values where they sit). Both
     answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
     decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
@@ -332,7 +332,7 @@ class PagedAttention:
     def __init__(
         self,
         layers: list[PagedLayer],
-        steps: list[PagedStep],
+        steps: list[_PagedStep],
         sdpa: Sdpa,
         invariant: bool = False,
         decode_kernel: bool = False,
@@ -366,7 +366,7 @@ class PagedAttention:
         return out
 
     def _group(
-        self, q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float
+        self, q: torch.Tensor, kv: LayerKV, group: _Group, window: int | None, scale: float
     ) -> torch.Tensor:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
         place (`_decode`), chunks go through sdpa on copied histories, or through `_decode`
@@ -385,7 +385,7 @@ class PagedAttention:
 
 
 def _history(
-    group: Group,
+    group: _Group,
     data: torch.Tensor,
     scales: torch.Tensor | None,
     fmt: KVFormat,
@@ -403,7 +403,7 @@ def _history(
 def _decode(
     q: torch.Tensor,
     kv: LayerKV,
-    group: Group,
+    group: _Group,
     window: int | None,
     scale: float,
     invariant: bool = False,
@@ -468,7 +468,7 @@ def _decode(
 
 
 def _chunk(
-    q: torch.Tensor, kv: LayerKV, group: Group, window: int | None, scale: float, sdpa: Sdpa
+    q: torch.Tensor, kv: LayerKV, group: _Group, window: int | None, scale: float, sdpa: Sdpa
 ) -> torch.Tensor:
     """q (G, L, Hq, D), L new tokens per sequence -> (G, L, Hq, D), through `sdpa`."""
     history_k = _history(group, kv.keys, kv.key_scales, kv.format, q.dtype)  # (G, Hkv, S, D)

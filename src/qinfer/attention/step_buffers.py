@@ -140,14 +140,14 @@ class StepBuffers:
         self,
         new_tokens: list[list[int]],
         num_computed: list[int],
-        block_tables: Sequence[list[list[int]]],
-        num_logits: list[int],
+        tables: Sequence[list[list[int]]],
+        logits_rows: list[int],
         min_widths: Sequence[int] | None = None,
     ) -> StepTensors:
         """Write one step (per sequence b: its new token ids, the tokens already in the
-        pool, its block table in each space, how many of its last new tokens produce
-        logits) and return the views that hold it. block_tables[s][b]: sequence b's blocks
-        in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
+        pool, its block table in each space) and the flat rows whose logits are wanted
+        (`qinfer.runtime.step.logits_rows`), and return the views that hold it.
+        tables[s][b]: sequence b's blocks in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
         step reads no released block). min_widths[s]: space s's tables padded to at least
         this many blocks (default: the longest table's).
 
@@ -155,12 +155,11 @@ class StepBuffers:
         CPU's caches full of the model's: each numpy write and tensor view costs several
         times what it costs in a loop of its own. So each field is written in one call,
         table rows only when they changed, and a step shaped like the previous one (same
-        T, R, S and widths: decode steps) gets the same views back, positions excepted:
-        RoPE keeps the cos/sin of a forward keyed by its positions tensor object."""
+        T, R, S and widths: decode steps) gets the same views back."""
         num_new = [len(ids) for ids in new_tokens]
         starts = list(accumulate(num_new, initial=0))
         T, S = starts[-1], len(new_tokens)
-        widths = tuple(max(map(len, tables)) for tables in block_tables)
+        widths = tuple(max(map(len, space)) for space in tables)
         if min_widths is not None:
             widths = tuple(map(max, widths, min_widths))
         tokens, seqs, blocks = self.capacity
@@ -173,20 +172,15 @@ class StepBuffers:
             for p in range(computed, computed + n)
         ]
         firsts = [
-            self._write_space(space, window, tables, W, positions, num_new, num_computed)
-            for space, window, tables, W in zip(
-                self._spaces, self.windows, block_tables, widths, strict=True
+            self._write_space(space, window, own, W, positions, num_new, num_computed)
+            for space, window, own, W in zip(
+                self._spaces, self.windows, tables, widths, strict=True
             )
         ]
-        wanted = [
-            row
-            for end, count in zip(starts[1:], num_logits, strict=True)
-            for row in range(end - count, end)
-        ]
-        R = len(wanted)
+        R = len(logits_rows)
         self._tokens[:T] = list(chain.from_iterable(new_tokens))
         self._positions[:T] = positions
-        self._logits[:R] = wanted
+        self._logits[:R] = logits_rows
         self._lens[:S] = [c + n for c, n in zip(num_computed, num_new, strict=True)]
         if self._flat is not self._host:  # one host-to-device copy of every field
             self._flat.copy_(self._host)
@@ -194,6 +188,7 @@ class StepBuffers:
             self._views_key = (T, R, S, widths)
             self._views = (
                 self.token_ids[:T],
+                self.positions[:T],
                 self.logits_indices[:R],
                 self.context_lens[:S],
                 [
@@ -205,19 +200,19 @@ class StepBuffers:
                     for space, W in zip(self._spaces, widths, strict=True)
                 ],
             )
-        token_ids, logits_indices, context_lens, space_views = self._views
+        token_ids, positions, logits_indices, context_lens, space_views = self._views
         return StepTensors(
             token_ids=token_ids,
-            positions=self.positions[:T],
+            positions=positions,
             logits_indices=logits_indices,
             context_lens=context_lens,
             query_starts=starts,
             num_computed=list(num_computed),
             block_size=self.block_size,
             spaces=[
-                SpaceTensors(slots, padded, tables, first, None if first is None else key_starts)
-                for (slots, padded, key_starts), tables, first in zip(
-                    space_views, block_tables, firsts, strict=True
+                SpaceTensors(slots, padded, own, first, None if first is None else key_starts)
+                for (slots, padded, key_starts), own, first in zip(
+                    space_views, tables, firsts, strict=True
                 )
             ],
         )
@@ -265,5 +260,5 @@ def step_tensors(
     """One step of one block space (of this `window`) in buffers of its own, without token
     ids or logits: a step to attend over, outside a runner (the attention tests)."""
     buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])
-    no_ids, no_logits = [[0] * n for n in num_new], [0] * len(num_new)
-    return buffers.write(no_ids, num_computed, [block_tables], no_logits)
+    no_ids = [[0] * n for n in num_new]
+    return buffers.write(no_ids, num_computed, [block_tables], [])

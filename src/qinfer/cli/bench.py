@@ -11,7 +11,7 @@ from qinfer.engine.args import (
     add_model_arguments,
     add_speculative_arguments,
     bounded,
-    load_arguments,
+    load_config,
     speculative_arguments,
 )
 
@@ -64,7 +64,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         report = run_speculative_benchmark(
             args.model,
-            load_arguments(args),
+            load_config(args).model_arguments(),
             speculative,
             repeats=args.repeats,
             max_tokens=args.decode_tokens or 192,
@@ -74,7 +74,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.batch:
         report = run_engine_benchmark(
             args.model,
-            load_arguments(args),
+            load_config(args).model_arguments(),
             compare_hf=args.compare_hf,
             tensor_parallel_size=args.tensor_parallel_size,
         )
@@ -88,6 +88,8 @@ def run_bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         repeats=args.repeats,
     )
-    report = run_benchmarks(args.model, load_arguments(args), settings, args.compare_hf)
+    report = run_benchmarks(
+        args.model, load_config(args).model_arguments(), settings, args.compare_hf
+    )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

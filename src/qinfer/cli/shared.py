@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 from qinfer.engine.args import (
     add_mmproj_argument,
     check_device,
-    load_arguments,
+    load_config,
     speculative_arguments,
 )
 from qinfer.request.sampling.chat_defaults import GENERATE_MAX_TOKENS, chat_sampling_params
@@ -40,7 +40,7 @@ def load_model_and_tokenizer(
     from qinfer.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)  # before the model: a missing tokenizer fails fast
-    model = load_model(path, **load_arguments(args))
+    model = load_model(path, **load_config(args).model_arguments())
     announcer.finished(model)
     return path, model, tokenizer
 
@@ -81,10 +81,8 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     llm = LLM(
         path,
         tokenizer,
-        tensor_parallel_size=args.tensor_parallel_size,
+        load=load_config(args),
         speculative=speculative,
-        mmproj=args.mmproj,
-        **load_arguments(args),
     )
     announcer.finished(llm.engine.executor.model)
     return path, tokenizer, llm.stream

@@ -8,11 +8,16 @@ is refused in milliseconds, naming the flag, before torch is imported or a model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from qinfer.core.features import KV_CACHE_DTYPES
 from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from qinfer.engine.build import LoadConfig
 
 
 def bounded(
@@ -126,16 +131,14 @@ def add_mmproj_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_arguments(args: argparse.Namespace) -> dict:
-    """`qinfer.load_model`'s keywords from the flags of `add_model_arguments`."""
-    return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "quantize": args.quantize,
-        "group_size": args.group_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "batch_invariant": args.batch_invariant,
-    }
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    """How the checkpoint loads, from the flags of `add_model_arguments` (and
+    `add_mmproj_argument`, where the command has it)."""
+    from qinfer.engine.build import LoadConfig  # torch: imported only when a command runs
+
+    # each flag's destination is the field's name (--dtype: dtype, ... --mmproj: mmproj)
+    names = [field.name for field in dataclasses.fields(LoadConfig)]
+    return LoadConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def check_device(args: argparse.Namespace) -> None:

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.core.model_config import ModelConfig
-from qinfer.engine.engine import Request, build_engine, load_arguments
+from qinfer.engine.build import LoadConfig, build_engine
 from qinfer.engine.outputs import RequestOutput
+from qinfer.engine.request import Request
 from qinfer.engine.stats import EngineStats
 from qinfer.model.transformer import Transformer
 from qinfer.request.pooling import PoolingParams
@@ -67,24 +66,11 @@ class AsyncEngine:
         model_or_path: Transformer | str | Path,
         tokenizer: Tokenizer | str | Path | None = None,
         *,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        quantize: str | None = None,
-        group_size: int = 32,
-        kv_cache_dtype: str | None = None,
-        batch_invariant: bool = False,
-        tensor_parallel_size: int = 1,
-        mmproj: str | Path | None = None,
-        **engine_args,
+        load: LoadConfig | None = None,
+        **keywords,
     ) -> None:
-        self.engine = build_engine(
-            model_or_path,
-            tokenizer,
-            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
-            engine_args,
-            tensor_parallel_size,
-            mmproj,
-        )
+        load, engine_args = LoadConfig.split(keywords, load)
+        self.engine = build_engine(model_or_path, tokenizer, load, engine_args)
         self.tokenizer = self.engine.tokenizer
         # ("add", Request) | ("abort", id) | ("call", _ModelCall) | ("stop", None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

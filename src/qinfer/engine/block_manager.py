@@ -195,9 +195,12 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return self.pools[0].num_cached_free_blocks
 
-    def _tables(self, seq: Sequence) -> tuple[list[int], ...]:
-        """`seq`'s tables in this manager's spaces."""
-        return seq.tables[: len(self.pools)]
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """`seq`'s tables in this manager's spaces (one each, made here when it has none)."""
+        tables = seq.tables
+        if len(tables) < len(self.pools):
+            tables += [[] for _ in range(len(self.pools) - len(tables))]
+        return tables
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Fresh blocks `seq` needs in each space so that its tables cover positions
@@ -207,8 +210,7 @@ class BlockManager:
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         blocks = -(-num_tokens // self.block_size)
-        # (a sequence has a space-1 table even where the model has one space: zip stops)
-        spaces = zip(self.pools, seq.tables, strict=False)
+        spaces = zip(self.pools, self._tables(seq), strict=True)
         return all(blocks - len(table) <= len(pool.free_blocks) for pool, table in spaces)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -318,7 +320,7 @@ class BlockManager:
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK:
                     pool.release(block_id)
-        seq.block_table, seq.window_table = [], []
+        seq.tables = [[] for _ in self.pools]
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_key = None

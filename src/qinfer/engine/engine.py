@@ -14,118 +14,35 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import time
 import uuid
 import weakref
-from functools import partial
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
-from qinfer.core.checkpoint import resolve_model
-from qinfer.core.errors import QinferError, RequestError, TokenizerError
-from qinfer.core.features import check_kv_cache_dtype
+from qinfer.core.errors import QinferError, RequestError
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.images import encode_images, prompt_images
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
-from qinfer.engine.prompt_logprobs import PromptLogprobs
+from qinfer.engine.request import Request
 from qinfer.engine.scheduler import ScheduledStep, Scheduler
 from qinfer.engine.sequence import Sequence, step_inputs
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
-from qinfer.engine.tasks import Task, check_task_params, make_task
-from qinfer.model.loading import keeps_gguf_blocks, load_model
+from qinfer.engine.tasks import check_task_params, make_task
 from qinfer.model.transformer import Transformer
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams
 from qinfer.request.scoring import ScoreParams
 from qinfer.request.state import RequestState, sample_next
-from qinfer.runtime.distributed import TensorParallelGroup, init_tensor_parallel, load_on_every_rank
-from qinfer.runtime.executor import Executor, follow
+from qinfer.runtime.distributed import TensorParallelGroup
+from qinfer.runtime.executor import Executor
 from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
-from qinfer.text.tokenizer import Tokenizer, load_tokenizer
+from qinfer.text.tokenizer import Tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
-from qinfer.vision.load import load_vision
-from qinfer.vision.mmproj import check_projector
-
-
-class Request:
-    """A sequence plus what turns its tokens into a response: its task (generate, pool or
-    score: `qinfer.engine.tasks`), its RequestState (params, generator, text, stop rule,
-    processors), its logprobs and what was already sent.
-
-    The state appends sampled ids to the sequence's own token list. One with
-    `params.prompt_logprobs` gathers them while its prompt runs
-    (`qinfer.engine.prompt_logprobs`).
-    """
-
-    def __init__(self, seq: Sequence, prompt: str | None, state: RequestState, task: Task) -> None:
-        self.seq = seq
-        self.prompt = prompt
-        self.state = state
-        self.task = task
-        self.results: dict[str, Any] = {}  # output fields a task that does not sample fills
-        self.logprobs: list[TokenLogprob] | None = [] if state.params.logprobs is not None else None
-        top_n = state.params.prompt_logprobs
-        self.prompt_logprobs = (
-            None if top_n is None else PromptLogprobs(seq.token_ids[: seq.num_prompt_tokens], top_n)
-        )
-        self.finish_reason: str | None = None  # OpenAI's: EOS is a "stop"
-        self.num_sent_tokens = 0  # tokens already handed out in outputs
-        self.num_sent_chars = 0
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.state.params
-
-    def num_logits(self, n: int) -> int:
-        """Rows of its n new tokens this step, counted from the last, whose logits it needs:
-        every row while it gathers prompt logprobs; else, once all its tokens are computed
-        and its task reads them, the last (to sample or score) and one per proposed token
-        (speculative decoding: each verifies one); else none (a prompt chunk, a pooling
-        request)."""
-        if self.prompt_logprobs is not None and not self.prompt_logprobs.complete:
-            return n
-        if not self.task.reads_last_logits:
-            return 0
-        seq = self.seq
-        return 1 + len(seq.proposed) if n == seq.num_scheduled_tokens else 0
-
-    def output(self) -> RequestOutput:
-        """The request as it stands, with what is new since the previous output."""
-        seq, text = self.seq, self.state.text
-        token_ids = self.state.output_token_ids
-        out = RequestOutput(
-            request_id=seq.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            text=text,
-            token_ids=token_ids,
-            delta_text=text[self.num_sent_chars :],
-            delta_token_ids=token_ids[self.num_sent_tokens :],
-            finished=seq.is_finished,
-            finish_reason=self.finish_reason,
-            stop_reason=self.state.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            num_generated_tokens=self.state.num_generated_tokens,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            prompt_opened_think=self.state.prompt_opened_think,
-            prompt_logprobs=(
-                self.prompt_logprobs.entries
-                if self.prompt_logprobs is not None and self.prompt_logprobs.complete
-                else None
-            ),
-            **self.results,
-        )
-        self.num_sent_tokens, self.num_sent_chars = len(token_ids), len(text)
-        return out
 
 
 class Engine:
@@ -304,13 +221,11 @@ class Engine:
             request.task.hidden_rows(request.seq.num_computed_tokens, n) or None
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        # logits (R, V): num_logits[b] rows of each sequence, in order (its proposed
-        # tokens' too, see `Request.num_logits`); sequence b's are rows ends[b] - k .. ends[b]
+        # how many rows of logits each sequence needs (`Request.num_logits`)
         num_logits = [
             request.num_logits(n)
             for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
         ]
-        ends = list(itertools.accumulate(num_logits))
         self._encode_images(scheduled)
         step = step_inputs(
             scheduled.seqs,
@@ -320,26 +235,25 @@ class Engine:
             self.config.block_size,
         )
         result = self.executor.execute(step, hidden_rows)
+        _, spans = step.logits_rows()  # sequence b's rows of result.logits
         requests, firsts, outputs = [], [], []
-        for request, n, k, end, rows in zip(
-            scheduled_requests, scheduled.num_new, num_logits, ends, result.hidden, strict=True
+        for request, n, span, rows in zip(
+            scheduled_requests, scheduled.num_new, spans, result.hidden, strict=True
         ):
             seq = request.seq
             request.task.take_hidden(seq.num_computed_tokens, rows)
-            if request.prompt_logprobs is not None and k:
-                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[end - k : end])
+            own = slice(span.start, span.stop)
+            if request.prompt_logprobs is not None and span:
+                request.prompt_logprobs.add(seq.num_computed_tokens, result.logits[own])
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self._counts["prompt_computed"] += min(n, prompt_left)
-            seq.mark_computed(n - len(seq.proposed))  # a proposal counts once kept
-            self.block_manager.register_computed(seq)
-            if seq.images is not None:
-                seq.images.ran(seq.num_computed_tokens)
+            self.scheduler.advance(seq, n - len(seq.proposed))  # a proposal counts once kept
             if seq.num_uncomputed_tokens == 0:
-                if request.task.samples:  # its last row, then one per proposed token
+                if request.task.samples:  # its last rows: one, then one per proposed token
                     requests.append(request)
-                    firsts.append(end - 1 - len(seq.proposed))
+                    firsts.append(span.stop - 1 - len(seq.proposed))
                 else:
-                    outputs.append(self._prompt_ran(request, result.logits[end - k : end]))
+                    outputs.append(self._prompt_ran(request, result.logits[own]))
         if not requests:
             return outputs
         generated = self._sample(requests, firsts, result.logits)
@@ -413,8 +327,7 @@ class Engine:
                 request = requests[i]
                 self._accept(request, token_ids[r], logprobs[r], result.top_logprobs[r])
                 if token_ids[r] == guesses[r] and not request.state.finished:
-                    request.seq.mark_computed(1)  # the proposal's K/V is its own
-                    kept[i] += 1
+                    kept[i] += 1  # the proposal's K/V is its own
                     going[i] = j + 1
                 else:
                     stopped.add(i)
@@ -423,9 +336,9 @@ class Engine:
         for request, proposed, n in zip(requests, proposals, kept, strict=True):
             if proposed:
                 seq = request.seq
-                if not seq.is_finished:
+                if not seq.is_finished:  # (a finished one's blocks are freed)
                     seq.proposed = []
-                    self.block_manager.register_computed(seq)
+                    self.scheduler.advance(seq, n)
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 
@@ -493,116 +406,6 @@ class Engine:
             "spec_proposed_tokens_total": counts.proposed,
             "spec_accepted_tokens_total": counts.accepted,
         }
-
-
-def load_arguments(
-    dtype: str | torch.dtype | None,
-    device: str | torch.device | None,
-    quantize: str | None,
-    group_size: int,
-    kv_cache_dtype: str | None,
-    batch_invariant: bool = False,
-) -> dict:
-    """`load_model`'s keywords from an engine front-end's (`LLM`, `AsyncEngine`); a
-    kv_cache_dtype of None is left to the model's default ("auto")."""
-    load_args = dict(dtype=dtype, device=device, quantize=quantize, group_size=group_size)
-    if batch_invariant:
-        load_args["batch_invariant"] = True
-    if kv_cache_dtype is not None:
-        check_kv_cache_dtype(kv_cache_dtype)
-        load_args["kv_cache_dtype"] = kv_cache_dtype
-    return load_args
-
-
-def build_engine(
-    model_or_path: Transformer | VisionLanguageModel | str | Path | None,
-    tokenizer: Tokenizer | str | Path | None,
-    load_args: dict,
-    engine_args: dict,
-    tensor_parallel_size: int = 1,
-    mmproj: str | Path | None = None,
-) -> Engine:
-    """An Engine from a loaded model (a `VisionLanguageModel`: with its vision tower) or a
-    checkpoint (None: the embedded SmolLM2; a path or hub id, as
-    `qinfer.core.checkpoint.resolve_model` finds it; a vision-language one's tower and image
-    settings are loaded with it, in the model's dtype: a folder's own, or for a GGUF text
-    model those of llama.cpp's projector file `mmproj`), whose tokenizer is loaded too
-    when it has one and none is given, and whose generation_config.json gives the sampling
-    defaults of requests that bring no SamplingParams. load_args: `load_model`'s keywords
-    (dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant) for a checkpoint;
-    of a loaded model, only a kv_cache_dtype or batch_invariant other than its own is
-    refused (the others are its own).
-
-    tensor_parallel_size N > 1: the checkpoint is split over N ranks (`qinfer.runtime.distributed`:
-    N - 1 workers spawned here, or the ranks of torchrun); this process is rank 0, and
-    the workers are stopped by `Engine.close()`, or when the engine is collected or this
-    process exits.
-    """
-    config = EngineConfig.from_kwargs(**engine_args)
-    vision = None
-    if isinstance(model_or_path, VisionLanguageModel):
-        vision, model_or_path = model_or_path, model_or_path.model
-    if mmproj is not None and (isinstance(model_or_path, Transformer) or tensor_parallel_size > 1):
-        raise QinferError(
-            f"mmproj {mmproj} needs the GGUF text model's path and tensor_parallel_size 1 "
-            "(a loaded model brings its own vision tower: VisionLanguageModel.load)"
-        )
-    if isinstance(model_or_path, Transformer):
-        if tensor_parallel_size != 1:
-            raise QinferError(
-                "tensor_parallel_size needs a checkpoint, not a loaded model: "
-                "every rank loads its own part"
-            )
-        for name in ("kv_cache_dtype", "batch_invariant"):
-            chosen = load_args.get(name)
-            if chosen is not None and chosen != getattr(model_or_path.features, name):
-                raise QinferError(
-                    f"{name} {chosen!r} is chosen when a model loads: give a "
-                    f"checkpoint path, or load the model with that {name}"
-                )
-        tokenizer = _tokenizer(tokenizer, None)
-        return Engine(model_or_path, tokenizer, config, vision=vision)
-    path = resolve_model(None if model_or_path is None else str(model_or_path))
-    tokenizer = _tokenizer(tokenizer, path)
-    default_params = SamplingParams.from_generation_config(path)
-    if tensor_parallel_size == 1:
-        if mmproj is not None:  # a wrong projector fails before the text model loads
-            check_projector(mmproj, path)
-        model = load_model(path, **load_args)
-        keep = keeps_gguf_blocks(load_args.get("dtype"), load_args.get("quantize"))
-        vision = VisionLanguageModel(model, *load_vision(path, model, mmproj, keep))
-        return Engine(model, tokenizer, config, default_params, vision=vision)
-    # The workers run the target's steps only: a draft model is rank 0's.
-    worker = partial(follow_engine, path, load_args, dataclasses.replace(config, speculative=None))
-    group = init_tensor_parallel(tensor_parallel_size, load_args.get("device"), worker)
-    model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
-    return Engine(model, tokenizer, config, default_params, group)
-
-
-def follow_engine(
-    path: Path, load_args: dict, config: EngineConfig, group: TensorParallelGroup
-) -> None:
-    """A worker rank of a tensor-parallel engine: load its shard, size the same pool as
-    every rank, and run rank 0's steps until it stops."""
-    model = load_on_every_rank(group, partial(_load_shard, path, load_args, group))
-    follow(model, config.runtime, group)
-
-
-def _load_shard(path: Path, load_args: dict, group: TensorParallelGroup) -> Transformer:
-    return load_model(path, **{**load_args, "device": group.device}, parallel=group.parallel)
-
-
-def _tokenizer(tokenizer: Tokenizer | str | Path | None, path: Path | None) -> Tokenizer | None:
-    """The tokenizer given (or loaded from its path), else the checkpoint's at path, else
-    None: a checkpoint without a tokenizer serves token ids only."""
-    if isinstance(tokenizer, (str, Path)):
-        return load_tokenizer(tokenizer)
-    if tokenizer is None and path is not None:
-        try:
-            return load_tokenizer(path)
-        except TokenizerError:
-            return None
-    return tokenizer
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

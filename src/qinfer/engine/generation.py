@@ -30,8 +30,9 @@ from collections.abc import Sequence
 
 from qinfer.core.errors import QinferError
 from qinfer.engine.config import EngineConfig
-from qinfer.engine.engine import Engine, Request
+from qinfer.engine.engine import Engine
 from qinfer.engine.outputs import GenerationResult, Timings
+from qinfer.engine.request import Request
 from qinfer.engine.run import TextStream, run_to_end
 from qinfer.model.transformer import Transformer
 from qinfer.request.sampling import SamplingParams

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from qinfer.core.errors import RequestError
-from qinfer.engine.engine import Engine, build_engine, load_arguments
+from qinfer.engine.build import LoadConfig, build_engine
+from qinfer.engine.engine import Engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.run import TextStream, run_requests
 from qinfer.model.transformer import Transformer
@@ -36,14 +36,12 @@ class LLM:
         images), or a checkpoint (folder or .gguf) to load, a vision-language one with its
         vision tower (a GGUF text model's is llama.cpp's projector file, `mmproj`).
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
-        must be token ids). dtype, device, quantize, group_size, kv_cache_dtype: as for
-    `qinfer.load_model`, when a path is given (batch_invariant: `Features.batch_invariant`;
-    kv_cache_dtype "int8" or "fp8" halves the KV
-    pool's bytes per token: twice the sequences in the same memory). tensor_parallel_size:
-    ranks the checkpoint is split over (N - 1 worker processes, see `qinfer.runtime.distributed`;
-    `close()` or this process's exit stops them). mmproj: llama.cpp's projector file of a
-    Qwen2.5-VL or Qwen3-VL GGUF text model (its vision tower, `qinfer.vision.mmproj`).
-    engine_args: see `qinfer.engine.EngineConfig`.
+        must be token ids).
+    load: how a checkpoint loads (`qinfer.engine.build.LoadConfig`); its fields (dtype,
+        device, quantize, group_size, kv_cache_dtype, batch_invariant, tensor_parallel_size,
+        mmproj) may be given as keywords instead. `close()` or this process's exit stops
+        tensor-parallel workers.
+    The other keywords: `qinfer.engine.EngineConfig`'s.
     """
 
     def __init__(
@@ -51,24 +49,11 @@ class LLM:
         model_or_path: Transformer | VisionLanguageModel | str | Path,
         tokenizer: Tokenizer | str | Path | None = None,
         *,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        quantize: str | None = None,
-        group_size: int = 32,
-        kv_cache_dtype: str | None = None,
-        batch_invariant: bool = False,
-        tensor_parallel_size: int = 1,
-        mmproj: str | Path | None = None,
-        **engine_args,
+        load: LoadConfig | None = None,
+        **keywords,
     ) -> None:
-        self.engine: Engine = build_engine(
-            model_or_path,
-            tokenizer,
-            load_arguments(dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant),
-            engine_args,
-            tensor_parallel_size,
-            mmproj,
-        )
+        load, engine_args = LoadConfig.split(keywords, load)
+        self.engine: Engine = build_engine(model_or_path, tokenizer, load, engine_args)
 
     def generate(
         self,

@@ -13,8 +13,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 from qinfer.core.errors import QinferError
-from qinfer.engine.engine import Engine, Request
+from qinfer.engine.engine import Engine
 from qinfer.engine.outputs import GenerationResult, RequestOutput, Timings
+from qinfer.engine.request import Request
 from qinfer.text.reasoning import split_reasoning
 
 

@@ -98,6 +98,18 @@ class Scheduler:
             budget -= n
         return step
 
+    def advance(self, seq: Sequence, n: int) -> None:
+        """n more of a running sequence's tokens have their K/V in the pool (a step's
+        uncomputed tokens once it ran; its verified proposals, which joined `token_ids`):
+        the one place a step advances its progress (the block manager sets it otherwise: a
+        prefix-cache hit, a preemption). Its full blocks are registered in the prefix
+        cache, its window spaces' blocks that no later query reads released, and its
+        images' embeddings dropped once every image token ran."""
+        seq.num_computed_tokens += n
+        self.block_manager.register_computed(seq)
+        if seq.images is not None:
+            seq.images.ran(seq.num_computed_tokens)
+
     def _fit_proposals(self, seq: Sequence, budget: int) -> int:
         """The tokens a running sequence runs this step: its uncomputed ones, then its
         proposed ones (speculative decoding) as far as the token budget and the free

@@ -20,10 +20,10 @@ class Sequence:
     """The token ids of one request (prompt, then generated) and the blocks holding their K/V.
 
     `num_computed_tokens` tokens have their K/V in the pool (at positions 0 .. n-1, in the
-    blocks of `block_table`); the rest still have to run through the model. A model with
-    sliding-window and full-attention layers keeps the sliding layers' K/V in a block space
-    of its own (`qinfer.attention.block_spaces`), in the blocks of `window_table`, whose
-    entries before the window are `NULL_BLOCK` (released). A decoding
+    blocks of `tables`, one table per block space of the model,
+    `qinfer.attention.block_spaces`: space 0's first, sized by the block manager); the rest
+    still have to run through the model. A window space's entries before the window are
+    `NULL_BLOCK` (released). A decoding
     sequence has exactly one uncomputed token, the one it sampled last; a preempted one
     has none computed and prefills prompt and output again.
 
@@ -49,8 +49,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []  # block ids holding positions 0, B, 2B, ...
-        self.window_table: list[int] = []  # the same in block space 1 (if the model has it)
+        # per block space, the block ids holding positions 0, B, 2B, ...
+        self.tables: list[list[int]] = [[]]
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         # (hash, content id) of the last of those: the parent of the next one registered
@@ -58,11 +58,6 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.proposed: list[int] = []  # guessed next tokens, to verify in the next step
         self.num_draft_computed = 0  # leading tokens with K/V in a draft model's pool
-
-    @property
-    def tables(self) -> tuple[list[int], list[int]]:
-        """Its block tables in block space 0 and space 1, as they are (not copies)."""
-        return self.block_table, self.window_table
 
     @property
     def num_tokens(self) -> int:
@@ -84,13 +79,6 @@ class Sequence:
         tokens = tuple(self.token_ids[start:end])
         return tokens if self.images is None else tokens + self.images.digests_in(start, end)
 
-    def mark_computed(self, n: int) -> None:
-        """n more of its tokens have their K/V in the pool: a step's uncomputed tokens once
-        it ran, a proposed token once verified (it joins `token_ids` then). The one place a
-        step advances the count (the block manager sets it: a prefix-cache hit, a
-        preemption)."""
-        self.num_computed_tokens += n
-
     def new_tokens(self, n: int) -> list[int]:
         """The next n tokens to run: uncomputed ones first, then proposed ones."""
         start = self.num_computed_tokens
@@ -104,7 +92,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"computed={self.num_computed_tokens}, blocks={self.tables})"
         )
 
 
@@ -137,9 +125,8 @@ def step_inputs(
     return StepInputs(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
-        tables[0],
+        tables,
         list(num_logits),
-        tables[1] if len(tables) > 1 else None,
         images if any(image is not None for image in images) else None,
     )
 

@@ -25,7 +25,7 @@ from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import SINGLE, Parallel, Shard
 from qinfer.layers.norm import head_norms, rms_norm
-from qinfer.layers.rope import layer_rope, row_positions
+from qinfer.layers.rope import Rotations, layer_rope, row_positions
 from qinfer.linear import linear
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
@@ -103,10 +103,13 @@ class Attention(Module, Placed):
         positions: int | torch.Tensor,
         attention: StepAttention | Cache,
         mask: Mask = None,
+        rotations: Rotations | None = None,
     ) -> torch.Tensor:
         """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,), or (3, T)
         under M-RoPE (`ForwardBatch.positions`);
-        attention: the step's backend, which stores K/V and attends. Returns (T, hidden).
+        attention: the step's backend, which stores K/V and attends; rotations: the
+        batch's cos/sin of those positions, shared by its layers (None: computed here).
+        Returns (T, hidden).
 
         The seed's call, x (B, L, hidden) -> (B, L, hidden), runs the same layer over one
         contiguous cache through the reference backend (`qinfer.attention.reference`):
@@ -136,9 +139,12 @@ class Attention(Module, Placed):
 
         # Step 3: RoPE on Q and K (not V). A token's q and k heads share its position, so
         # one rotation of the (T, Hq + Hkv, D) heads serves both (half the ops of rotating
-        # each, which a decode step feels); cos and sin, (T, 1, D/2) each, are looked up
-        # once per step for every layer.
-        cos, sin = self.rope.rotation(positions, projection_qk.dtype)
+        # each, which a decode step feels); cos and sin, (T, 1, D/2) each, are computed
+        # once per step for every layer (`ForwardBatch.rotations`).
+        if rotations is None:
+            cos, sin = self.rope.rotation(positions, projection_qk.dtype)
+        else:
+            cos, sin = rotations.of(self.rope, projection_qk.dtype)
         projection_qk = self.rope.apply(projection_qk, cos, sin)
         projection_q, projection_k = projection_qk[:, :Hq], projection_qk[:, Hq:]
 

@@ -66,11 +66,8 @@ class RoPE:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` (any shape P: (T,) for a flat batch), each (*P, 1, R/2)
         in `dtype`, R the rotary dims (D unless partial), to broadcast over the heads of
-        (*P, H, D) queries and keys.
-
-        Queries and keys of one step share the result, and so do the layers: the frequencies
-        remember the last rotation, keyed by the positions tensor itself (the one
-        `ForwardBatch` hands every layer).
+        (*P, H, D) queries and keys. A forward computes them once per setting for all its
+        layers (`Rotations`).
 
         Positions below 0 (left padding of batched rows) are clamped to 0: those rows are
         masked out of attention, so any finite rotation will do.
@@ -182,28 +179,42 @@ def row_positions(
     return offsets
 
 
+class Rotations:
+    """The cos/sin of one forward's positions (`ForwardBatch.rotations`), for each RoPE
+    setting its layers use: computed when the first layer of a setting asks, then shared by
+    every other layer of that setting (and by q and k). Made with each batch, so a step
+    never reads another's.
+
+    A graph being traced (`torch.compile`) keeps none: what it read of them would be a
+    guard on the layers before, and the graph merges the layers' equal ops itself."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._computed: dict[tuple, tuple] = {}
+
+    def of(self, rope: RoPE | NoRoPE, dtype: torch.dtype) -> tuple:
+        """`rope.rotation(self.positions, dtype)`, computed once per setting and dtype."""
+        if torch.compiler.is_compiling():
+            return rope.rotation(self.positions, dtype)
+        key = (getattr(rope, "frequencies", None), dtype)  # settings share their frequencies
+        found = self._computed.get(key)
+        if found is None:
+            found = self._computed[key] = rope.rotation(self.positions, dtype)
+        return found
+
+
 class _Frequencies:
     """inv_freq (dims/2,) fp32 and the cos/sin scale of one RoPE setting, shared by every
-    layer using it; under M-RoPE, `axes` (dims/2,): the position each frequency follows.
-    Every layer of a forward asks for the same positions: the last rotation is kept, keyed
-    by the positions tensor object (held by the memo, so never a recycled one).
-    """
+    layer using it; under M-RoPE, `axes` (dims/2,): the position each frequency follows."""
 
     def __init__(
         self, inv_freq: torch.Tensor, scale: float, axes: torch.Tensor | None = None
     ) -> None:
         self.inv_freq, self.scale, self.axes = inv_freq, scale, axes
-        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # A graph being traced (`torch.compile`) keeps no memo: what it reads of one would
-        # be a guard on the previous forward, and the graph merges the layers' equal ops.
-        traced = torch.compiler.is_compiling()
-        last = None if traced else self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
         clamped = positions.to(self.inv_freq.device).clamp(min=0)
         if self.axes is not None and clamped.dim() > 1:  # M-RoPE's (3, *P) positions
             # each frequency at its section's position: (3, *P) -> (D/2, *P) -> (*P, 1, D/2)
@@ -213,8 +224,6 @@ class _Frequencies:
             angles = clamped[..., None, None].float() * self.inv_freq  # (*P, 1, D/2)
         cos = (angles.cos() * self.scale).to(dtype)
         sin = (angles.sin() * self.scale).to(dtype)
-        if not traced:
-            self._last = (positions, dtype, cos, sin)
         return cos, sin
 
 

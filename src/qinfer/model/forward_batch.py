@@ -15,6 +15,8 @@ of prompt chunks and decode tokens the step holds:
                     (caches and row shape, or block tables, slots and history lengths)
     images          None (text), or the step's `BatchImages`: embeddings that replace the
                     image tokens' rows, and DeepStack features added to them
+    rotations       the RoPE cos/sin of these positions (`Rotations`), made with the batch:
+                    computed once per RoPE setting, shared by every layer of the forward
 
     hidden = model.forward(batch)                                    # (T, hidden)
     logits = model.compute_logits(batch.logits_rows(hidden))        # (R, vocab) fp32
@@ -24,12 +26,12 @@ Nothing reaches the layers but this argument (no global context): data flow one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from qinfer.attention.backend import StepAttention
-from qinfer.layers.rope import row_positions
+from qinfer.layers.rope import Rotations, row_positions
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     attention: StepAttention
     images: BatchImages | None = None
+    # (not an argument: a batch replaced with other positions gets rotations of its own)
+    rotations: Rotations = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rotations", Rotations(self.positions))
 
     @classmethod
     def from_rows(

@@ -86,7 +86,9 @@ class Block(Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden) fp32 -> (T, hidden) fp32: the flat tokens of `batch`. The residual
         stream x is updated in place and returned (the adds write into it)."""
-        attended = self.self_attn(self.attention_norm(x), batch.positions, batch.attention)
+        attended = self.self_attn(
+            self.attention_norm(x), batch.positions, batch.attention, rotations=batch.rotations
+        )
         # x += the attention's output, then the MLP's norm of x: one op (`RMSNorm.add`)
         mlp_in = self.mlp_norm.add(x, _normed(self.attention_output_norm, attended))
         x += _normed(self.mlp_output_norm, self.mlp(mlp_in))

@@ -274,9 +274,8 @@ class ModelRunner:
         return fields
 
     def _write(self, step: StepInputs, widths: list[int] | None) -> StepTensors:
-        return self.buffers.write(
-            step.new_tokens, step.num_computed, step.tables, step.num_logits, widths
-        )
+        rows, _ = step.logits_rows()
+        return self.buffers.write(step.new_tokens, step.num_computed, step.tables, rows, widths)
 
     def _batch(self, tensors: StepTensors) -> ForwardBatch:
         return ForwardBatch(
@@ -298,10 +297,8 @@ class ModelRunner:
         key = (len(step.new_tokens), tuple(widths))
 
         def run() -> torch.Tensor:
-            # each run a forward of its own: RoPE keeps one forward's cos/sin keyed by the
-            # positions tensor object, so each gets a new view (a capture then records the
-            # rotation instead of reading the eager run's)
-            batch = self._batch(dataclasses.replace(tensors, positions=tensors.positions.view(-1)))
+            # a batch of its own each run: a capture records the rotation (`Rotations`)
+            batch = self._batch(tensors)
             return self.model.compute_logits(batch.logits_rows(self.model.forward(batch)))
 
         return self.graphs.run(key, run)

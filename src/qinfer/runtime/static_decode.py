@@ -47,13 +47,13 @@ def padded(
         bucket(max(map(len, tables)), cap)
         for tables, cap in zip(step.tables, max_widths, strict=True)
     ]
-    window = step.window_tables
     bucketed = replace(
         step,
         new_tokens=step.new_tokens + [[0]] * pad,
         num_computed=step.num_computed + [0] * pad,
-        block_tables=step.block_tables + [[scratch[0]]] * pad,
+        tables=[
+            tables + [[block]] * pad for tables, block in zip(step.tables, scratch, strict=True)
+        ],
         num_logits=step.num_logits + [1] * pad,
-        window_tables=None if window is None else window + [[scratch[1]]] * pad,
     )
     return bucketed, widths

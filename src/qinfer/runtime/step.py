@@ -1,6 +1,6 @@
 """The step a runner runs: what the engine hands the runtime, and what rank 0 broadcasts.
 
-    step = StepInputs(new_tokens, num_computed, block_tables, num_logits)
+    step = StepInputs(new_tokens, num_computed, tables, num_logits)
     output = executor.execute(step)
 
 Plain lists (and, for images, their tensors), no engine types: the engine builds one from its scheduled sequences
@@ -33,27 +33,41 @@ class StepImages:
 @dataclass(frozen=True)
 class StepInputs:
     """One engine step: per sequence b, new_tokens[b] (ids to run now), num_computed[b]
-    (tokens already in the pool), block_tables[b] (its blocks in block space 0), and
-    num_logits[b]: how many of its last new tokens produce logits (0 for a prompt chunk
-    that leaves more for later steps; 1 to sample the next token; 1 + k to verify k
-    proposed tokens; all of them for a prompt's logprobs). window_tables[b]: its blocks in
-    space 1, the sliding-window layers' of a model that also has full-attention layers
-    (None for a model of one space). A window space's table starts at the first block the
-    step reads (`block_spaces.first_block`), whichever space it is. images[b]: None for a
+    (tokens already in the pool), tables[s][b] (its blocks in block space s of the model,
+    `qinfer.attention.block_spaces`: a window space's table from the first block the step
+    reads, `block_spaces.first_block`), and num_logits[b]: how many of its last new tokens
+    produce logits (0 for a prompt chunk that leaves more for later steps; 1 to sample the
+    next token; 1 + k to verify k proposed tokens; all of them for a prompt's logprobs;
+    `logits_rows` places them). images[b]: None for a
     sequence without images (its positions count up from num_computed[b]), else its
     `StepImages`; images None: no sequence of the step has any (a text step). Images stay
     on rank 0's runner: `step_channel` carries none."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
-    block_tables: list[list[int]]
+    tables: list[list[list[int]]]
     num_logits: list[int]
-    window_tables: list[list[int]] | None = None
     images: list[StepImages | None] | None = None
 
-    @property
-    def tables(self) -> list[list[list[int]]]:
-        """Every block space's tables, space after space."""
-        if self.window_tables is None:
-            return [self.block_tables]
-        return [self.block_tables, self.window_tables]
+    def logits_rows(self) -> tuple[list[int], list[range]]:
+        """Its rows of logits, as `logits_rows` places them."""
+        return logits_rows([len(ids) for ids in self.new_tokens], self.num_logits)
+
+
+def logits_rows(num_new: list[int], num_logits: list[int]) -> tuple[list[int], list[range]]:
+    """Which rows of a step's logits belong to which sequence, the one place they are
+    counted: sequence b runs num_new[b] tokens (flat, after the sequences before it), the
+    last num_logits[b] of which produce logits. Returns (rows, spans): rows, the flat
+    step's rows whose logits are computed, ascending (`ForwardBatch.logits_indices`);
+    spans[b], sequence b's rows of the (R, V) logits, in order: a sampling sequence's last
+    row is its next token's, the k before it verify its k proposed tokens (row j: the
+    distribution after the j-th proposal); a prompt's logprobs take one row per token."""
+    rows: list[int] = []
+    spans: list[range] = []
+    end = first = 0
+    for n, k in zip(num_new, num_logits, strict=True):
+        end += n
+        rows += range(end - k, end)
+        spans.append(range(first, first + k))
+        first += k
+    return rows, spans

@@ -45,9 +45,7 @@ def unpack(header: list[int], payload: list[int]) -> StepInputs:
     tokens = payload[3 * S + K * S : 3 * S + K * S + T]
     tables = _split(payload[3 * S + K * S + T :], table_lengths)
     spaces = [tables[k * S : (k + 1) * S] for k in range(K)]
-    return StepInputs(
-        _split(tokens, lengths), computed, spaces[0], num_logits, spaces[1] if K > 1 else None
-    )
+    return StepInputs(_split(tokens, lengths), computed, spaces, num_logits)
 
 
 class StepChannel:

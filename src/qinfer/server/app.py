@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qinfer.core.checkpoint import resolve_model
 from qinfer.engine import AsyncEngine
+from qinfer.engine.build import LoadConfig
 from qinfer.model.announcer import LoadAnnouncer, display_name
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams, checkpoint_sampling
@@ -178,14 +179,7 @@ def serve(
     allowed_media_domains: Sequence[str] = (),
     served_model_name: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-    quantize: str | None = None,
-    group_size: int = 32,
-    kv_cache_dtype: str | None = None,
-    batch_invariant: bool = False,
-    tensor_parallel_size: int = 1,
-    mmproj: str | None = None,
+    load: LoadConfig | None = None,
     log_level: str = "info",
     pooling: PoolingParams | None = None,
     task: str | None = None,
@@ -198,29 +192,16 @@ def serve(
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
 
-    dtype, device, quantize, group_size, kv_cache_dtype, batch_invariant: as for
-    `qinfer.load_model`; mmproj: a GGUF text model's projector file (`qinfer.LLM`'s).
-    tensor_parallel_size: ranks the model is split over (`qinfer.LLM`'s); when one dies,
-    `/health` answers 503, the server stops and this raises its `TensorParallelError`.
-    engine_args: `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
+    load: how the checkpoint loads (`qinfer.engine.build.LoadConfig`; its fields may be
+    given as keywords instead); when a tensor-parallel rank dies, `/health` answers 503,
+    the server stops and this raises its `TensorParallelError`. The other keywords:
+    `qinfer.engine.EngineConfig` fields (max_num_seqs, max_model_len, ...).
     """
     path = resolve_model(model)
     announcer = LoadAnnouncer(display_name(model, path), path)
     announcer.started()
     tokenizer = load_tokenizer(path)
-    engine = AsyncEngine(
-        path,
-        tokenizer,
-        dtype=dtype,
-        device=device,
-        quantize=quantize,
-        group_size=group_size,
-        kv_cache_dtype=kv_cache_dtype,
-        batch_invariant=batch_invariant,
-        tensor_parallel_size=tensor_parallel_size,
-        mmproj=mmproj,
-        **engine_args,
-    )
+    engine = AsyncEngine(path, tokenizer, load=load, **engine_args)
     announcer.finished(engine.engine.executor.model)
     settings = ServerSettings(
         model_name=served_model_name or served_name(path),

@@ -70,7 +70,7 @@ class DraftModel:
         step = StepInputs(
             [seqs[b].token_ids[seqs[b].num_draft_computed :] for b in live],
             [seqs[b].num_draft_computed for b in live],
-            [seqs[b].block_table for b in live],
+            [[seqs[b].tables[0] for b in live]],
             [1] * len(live),
         )
         for round_ in range(max(ks, default=0)):
@@ -84,7 +84,7 @@ class DraftModel:
             step = StepInputs(
                 [[proposals[b][-1]] for b in live],
                 [seqs[b].num_tokens + round_ for b in live],
-                [seqs[b].block_table for b in live],
+                [[seqs[b].tables[0] for b in live]],
                 [1] * len(live),
             )
         for seq, guesses in zip(seqs, proposals, strict=True):

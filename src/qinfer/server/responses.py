@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from qinfer.request.tool_calls import ToolCallDelta
 from qinfer.server.completions import Completion, Delta
 from qinfer.server.errors import error_from_exception
 from qinfer.server.streaming import DONE_EVENT, sse_event
@@ -105,6 +106,18 @@ class ResponseFormat:
         }
 
 
+def openai_tool_call(call: ToolCallDelta, whole: bool) -> dict[str, Any]:
+    """The `tool_calls` entry of a message (whole) or of a stream delta (its index, then
+    its id and name once, then fragments of its arguments)."""
+    function: dict[str, Any] = {"arguments": call.arguments}
+    if call.name is not None:
+        function = {"name": call.name, **function}
+    entry: dict[str, Any] = {} if whole else {"index": call.index}
+    if call.id is not None:
+        entry |= {"id": call.id, "type": "function"}
+    return {**entry, "function": function}
+
+
 class ChatFormat(ResponseFormat):
     """`chat.completion`: an assistant message with `content`, `reasoning_content` and
     `tool_calls` (in a stream: a call's index, id and name once, then its arguments)."""
@@ -118,7 +131,9 @@ class ChatFormat(ResponseFormat):
             if delta.reasoning:
                 message["reasoning_content"] = delta.reasoning
             if delta.tool_calls:
-                message["tool_calls"] = [call.as_openai(whole=False) for call in delta.tool_calls]
+                message["tool_calls"] = [
+                    openai_tool_call(call, whole=False) for call in delta.tool_calls
+                ]
         else:
             message = {
                 "role": "assistant",
@@ -127,7 +142,9 @@ class ChatFormat(ResponseFormat):
                 "reasoning_content": delta.reasoning or None,
             }
             if delta.tool_calls:
-                message["tool_calls"] = [call.as_openai(whole=True) for call in delta.tool_calls]
+                message["tool_calls"] = [
+                    openai_tool_call(call, whole=True) for call in delta.tool_calls
+                ]
         return {
             "index": delta.index,
             "delta" if stream else "message": message,

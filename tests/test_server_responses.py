@@ -28,7 +28,7 @@ from server_process import (
 )
 
 import qinfer
-from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
+from qinfer.server.openai.responses_request import MAX_INPUT_ITEMS
 
 MODEL = "tiny"
 KEY = "responses-key"

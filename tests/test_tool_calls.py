@@ -44,8 +44,9 @@ from qinfer.request.tool_calls import (
     tool_prompt,
 )
 from qinfer.request.tool_calls.partial_json import may_become
-from qinfer.server.completions import Delta
-from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
+from qinfer.server.choices import Delta
+from qinfer.server.openai.chat import ChatCompletionRequest
+from qinfer.server.schema import MAX_CONSTRAINT_BYTES
 
 CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}
 WEATHER = {

@@ -56,13 +56,6 @@ class ToolUse:
         """A parser for one reply (one per choice)."""
         return ToolCallParser(self.fmt, self.tool_names, forced=self.forced is not None)
 
-    def finish_reason(self, reason: str | None, made_calls: bool) -> str | None:
-        """OpenAI's finish reason: "tool_calls" when a reply that stopped made calls, but
-        "stop" when a named tool was forced (as OpenAI answers)."""
-        if reason != "stop" or not made_calls or self.forced not in (None, "required"):
-            return reason
-        return "tool_calls"
-
 
 @dataclass
 class ToolCallDelta:

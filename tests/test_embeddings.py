@@ -26,7 +26,7 @@ from qinfer.engine.run import run_requests
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams
 from qinfer.server.app import served_name
-from qinfer.server.embeddings import MAX_EMBEDDING_INPUTS
+from qinfer.server.openai.embeddings import MAX_EMBEDDING_INPUTS
 
 MODEL = "tiny-embedding"
 TEXTS = [

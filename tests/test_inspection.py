@@ -202,7 +202,7 @@ def test_bad_inspect_requests_are_400s_naming_the_field(server, asked, param):
 
 
 def test_an_unknown_inspect_field_is_ignored(server):
-    """As on every request model (server/protocol.py): ignored and logged once, not a 400."""
+    """As on every request model (server/schema.py): ignored and logged once, not a 400."""
     response = server.post("/v1/inspect", json={"prompt": "Hello", "lookahead": 1})
     assert response.status_code == 200, response.text
 

@@ -21,7 +21,7 @@ from qinfer.core.errors import RequestError
 from qinfer.request.sampling import SamplingParams
 from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.server.app import checkpoint_task
-from qinfer.server.scores import MAX_SCORED_DOCUMENTS
+from qinfer.server.vllm.scores import MAX_SCORED_DOCUMENTS
 
 MODEL = "tiny-reranker"
 QUERY = "What is the capital of China?"

@@ -27,7 +27,7 @@ from servers import (
     wait_until_idle,
 )
 
-from qinfer.server.anthropic_messages_request import MAX_MESSAGES
+from qinfer.server.anthropic.messages_request import MAX_MESSAGES
 
 MODEL = "tiny"
 KEY = "anthropic-key"

@@ -24,7 +24,7 @@ from planted_qwen3 import PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
 from servers import assert_aborted_streams_free_their_requests, chat_usage, serving
 
 import qinfer
-from qinfer.server.openai_responses_request import MAX_INPUT_ITEMS
+from qinfer.server.openai.responses_request import MAX_INPUT_ITEMS
 
 MODEL = "tiny"
 KEY = "responses-key"

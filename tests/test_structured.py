@@ -365,7 +365,7 @@ def test_strict_false_lets_a_reply_carry_keys_the_schema_does_not_name(qwen3):
     """response_format's `strict: false` through the server's own request model: the model
     is made to write an extra key, which the lenient grammar lets through and strict mode
     masks (the model then closes the object instead)."""
-    from qinfer.server.protocol import ChatCompletionRequest
+    from qinfer.server.openai.chat import ChatCompletionRequest
 
     model, tokenizer, _ = qwen3
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}

@@ -39,13 +39,14 @@ from qinfer.request.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCallParser,
-    _may_become,
     tool_call_format,
     tool_call_grammar,
     tool_prompt,
 )
-from qinfer.server.completions import Delta
-from qinfer.server.protocol import MAX_CONSTRAINT_BYTES, ChatCompletionRequest
+from qinfer.request.tool_calls.partial_json import may_become
+from qinfer.server.choices import Delta
+from qinfer.server.openai.chat import ChatCompletionRequest
+from qinfer.server.schema import MAX_CONSTRAINT_BYTES
 
 CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}
 WEATHER = {
@@ -266,7 +267,7 @@ VALUE = {"city": "Paris", "days": 2, "tags": ["a", "b"], "x": None, "ok": True, 
 )
 def test_every_start_of_a_json_text_may_become_its_value(text):
     assert json.loads(text) == VALUE
-    assert all(_may_become(text[:i], VALUE) for i in range(len(text) + 1))
+    assert all(may_become(text[:i], VALUE) for i in range(len(text) + 1))
 
 
 @pytest.mark.parametrize(
@@ -283,7 +284,7 @@ def test_every_start_of_a_json_text_may_become_its_value(text):
     ],
 )
 def test_a_json_start_that_differs_cannot_become_the_value(start):
-    assert not _may_become(start, VALUE)
+    assert not may_become(start, VALUE)
 
 
 @pytest.mark.parametrize(

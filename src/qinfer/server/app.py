@@ -1,17 +1,19 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine's async API.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`
-(`openai_responses`), `POST /v1/messages` and `/v1/messages/count_tokens`
-(`anthropic_messages`), `POST /v1/embeddings` (`embeddings`), `POST /v1/rerank` and
-`/v1/score` (`scores`), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`,
-and qinfer's own `POST /v1/inspect` (all behind the API keys when there are any),
-`GET /health`, `GET /metrics`, and the web pages: the chat at `/`, the attention inspector
-at `/inspect` (plain files from `server/static/`, which ask for the key once and send it
-to /v1 themselves).
+Routes, each in its API's module: OpenAI's `POST /v1/chat/completions` (`openai.chat`),
+`POST /v1/completions` (`openai.completions`), `GET /v1/models` (`openai.models`),
+`POST /v1/responses` (`openai.responses`), `POST /v1/embeddings` (`openai.embeddings`);
+Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (`anthropic.messages`);
+vLLM's `POST /tokenize` and `POST /detokenize` (`vllm.tokenize`), `POST /v1/rerank` and
+`/v1/score` (`vllm.scores`); qinfer's own `POST /v1/inspect` (`inspection`); all behind
+the API keys when there are any. This module adds `GET /health`, `GET /metrics`, and the
+web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
+`server/static/`, which ask for the key once and send it to /v1 themselves).
 
-Each API is a module with its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
-body reading, API key and task checks); this module adds the inspector, the pages, health
-and metrics, and starts the server.
+Each API module has its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
+body reading, API key and task checks) and its handling over the shared `ModelServer`
+(`qinfer.server.model_server`); this module includes them, adds the pages, health and
+metrics, and starts the server.
 
 Every request shares the one `AsyncEngine`, which batches them (the model runs in its own
 thread); the event loop only parses, tokenizes (in a worker thread) and relays deltas.
@@ -30,7 +32,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -42,23 +44,29 @@ from qinfer.engine.build import LoadConfig
 from qinfer.model.announcer import LoadAnnouncer, display_name
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams, checkpoint_sampling
-from qinfer.server import (
-    anthropic_messages,
-    embeddings,
-    openai_responses,
-    openai_routes,
-    scores,
-)
+from qinfer.server import inspection
+from qinfer.server.anthropic import messages
 from qinfer.server.errors import install_error_handlers
-from qinfer.server.inspection import InspectRequest
 from qinfer.server.lifecycle import Server
 from qinfer.server.model_server import ModelServer, ServerSettings
-from qinfer.server.routing import Access, read_body
+from qinfer.server.openai import chat, completions, embeddings, models, responses
+from qinfer.server.routing import Access
+from qinfer.server.vllm import scores, tokenize
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: The APIs, each a module whose `router(server, access)` holds its routes
-#: (`qinfer.server.routing`).
-API_MODULES = (openai_routes, openai_responses, anthropic_messages, embeddings, scores)
+#: (`qinfer.server.routing`), in the order the app matches and documents them.
+API_MODULES = (
+    chat,
+    completions,
+    models,
+    tokenize,
+    responses,
+    messages,
+    embeddings,
+    scores,
+    inspection,
+)
 
 #: The web pages' files (HTML, CSS, JavaScript: no build step, nothing fetched elsewhere).
 STATIC_FILES = Path(__file__).parent / "static"
@@ -99,10 +107,6 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
     routers = [api.router(server, access) for api in API_MODULES]
     for router in routers:
         app.include_router(router)
-
-    @app.post("/v1/inspect", dependencies=access.authorized)
-    async def inspect(request: Request) -> dict[str, Any]:
-        return await server.inspect(await read_body(request, InspectRequest))
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:

@@ -10,15 +10,22 @@ field. The forward runs in the engine's step thread between two steps
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi import APIRouter, Request
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
-from qinfer.analysis.inspection import Inspection, TopTokens
+from qinfer.analysis.inspection import Inspection, TopTokens, inspect_tokens
 from qinfer.core.model_config import ModelConfig
-from qinfer.server.protocol import ChatMessage, StrictModel
+from qinfer.server.openai.chat import ChatMessage
+from qinfer.server.routing import Access, read_body
+from qinfer.server.schema import StrictModel
 from qinfer.text.prompts import encode_prompt
 from qinfer.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from qinfer.server.model_server import ModelServer
 
 #: Digits kept of each probability and weight: enough to sum to 1 within 1e-5, and a
 #: third of the bytes of a full float.
@@ -100,3 +107,32 @@ def inspection_json(
         "next_tokens": candidates(inspection.next_tokens),
         "logit_lens": [candidates(top) for top in inspection.logit_lens],
     }
+
+
+def router(server: ModelServer, access: Access) -> APIRouter:
+    """POST /v1/inspect (any task)."""
+    routes = APIRouter()
+
+    @routes.post("/v1/inspect", dependencies=access.authorized)
+    async def inspect(request: Request) -> dict[str, Any]:
+        return await inspected(server, await read_body(request, InspectRequest))
+
+    return routes
+
+
+async def inspected(server: ModelServer, body: InspectRequest) -> dict[str, Any]:
+    """The inspection `body` asks for: the prompt encoded and the JSON built off the
+    event loop; only the forward runs in the engine's step thread (between two steps:
+    never beside one), where it pauses the engine's requests."""
+    server.check_model(body.model)
+    template_kwargs = server.template_kwargs(body.chat_template_kwargs)
+    config = server.engine.model_config
+    ids = await run_in_threadpool(
+        encode_inspected_prompt, server.tokenizer, body, config, template_kwargs
+    )
+    inspection = await server.engine.run_with_model(
+        lambda model: inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
+    )
+    return await run_in_threadpool(
+        inspection_json, inspection, server.tokenizer, server.settings.model_name, config
+    )

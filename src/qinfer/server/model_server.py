@@ -1,7 +1,8 @@
-"""The request handling behind the server's routes: `ModelServer` (engine, tokenizer,
-settings, metrics; chat and completions, tokenize, the model list, inspection) and the
-`ServerSettings` it serves under. The other APIs (`openai_responses`, `anthropic_messages`,
-`embeddings`, `scores`) are objects over a ModelServer; `app.create_app` routes to them all.
+"""The request handling every API shares: `ModelServer` (engine, tokenizer, settings,
+metrics; the model check, the chat template's arguments, a conversation encoded and
+started with its tools, the answer as JSON or as a stream) and the `ServerSettings` it
+serves under. Each API (`openai/`, `anthropic/`, `vllm/`, `inspection`) is a module of
+routes and handlers over a ModelServer; `app.create_app` includes them all.
 """
 
 from __future__ import annotations
@@ -18,38 +19,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from qinfer.analysis.inspection import inspect_tokens
 from qinfer.engine import AsyncEngine
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams
-from qinfer.request.sampling.chat_defaults import chat_sampling_params
-from qinfer.request.tool_calls import (
-    ToolUse,
-    check_tool_schemas,
-    tool_call_format,
-    tool_call_grammar,
-    tool_prompt,
-)
-from qinfer.server.completions import Completion, Delta
+from qinfer.request.tool_calls import ToolUse, tool_call_format, tool_call_grammar, tool_prompt
+from qinfer.server.choices import Completion, Delta
 from qinfer.server.errors import APIError
-from qinfer.server.images import ImageReader, accepted_refs
-from qinfer.server.inspection import (
-    InspectRequest,
-    encode_inspected_prompt,
-    inspection_json,
-)
+from qinfer.server.images import ImageReader
 from qinfer.server.metrics import ServerMetrics
-from qinfer.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    GenerationRequest,
-    TokenizeRequest,
-)
-from qinfer.server.responses import ChatFormat, TextFormat
 from qinfer.server.streaming import EventStreamResponse
-from qinfer.text.fill_in_middle import fim_tokens
-from qinfer.text.prompts import PromptParts, encode_prompt, encode_prompt_parts
+from qinfer.text.prompts import PromptParts, encode_prompt_parts
 from qinfer.text.reasoning import splits_reasoning
 from qinfer.text.tokenizer import Tokenizer
 
@@ -105,8 +84,8 @@ class ServerSettings:
 
 
 class AnswerFormat(Protocol):
-    """How one API shows a finished completion and streams one (`responses.ChatFormat`,
-    the Responses and Messages APIs' own)."""
+    """How one API shows a finished completion and streams one (`openai.chat.ChatFormat`,
+    `openai.completions.TextFormat`, the Responses and Messages APIs' own)."""
 
     async def whole(self, completion: Completion) -> dict[str, Any]: ...
 
@@ -156,49 +135,6 @@ class ModelServer:
             )
         asked = {} if thinking is None else {"enable_thinking": thinking}
         return {**self.settings.chat_template_kwargs, **asked, **(requested or {})}
-
-    def sampling_params(self, body: GenerationRequest, chat: bool = False) -> SamplingParams:
-        """The request's sampling fields over the server's defaults: a chat completion's
-        over the chat defaults (`qinfer.request.sampling.chat_defaults`, under the checkpoint's
-        generation_config.json), a text completion's over `settings.default_params`."""
-        # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
-        bad = next((t for t in body.logit_bias or () if t >= self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400,
-                f"Invalid value for 'logit_bias': token id {bad} is outside the vocabulary "
-                f"(0..{self.tokenizer.vocab_size - 1})",
-                param="logit_bias",
-                code="invalid_value",
-            )
-        if chat:
-            return chat_sampling_params(
-                self.settings.checkpoint_sampling, **body.sampling_overrides()
-            )
-        return self.settings.default_params.replace(**body.sampling_overrides())
-
-    async def chat(self, body: ChatCompletionRequest, connection: Request) -> Response:
-        self.check_model(body.model)
-        if body.tools:  # compiling schemas can take a while: off the event loop
-            await run_in_threadpool(
-                check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
-            )
-        completion = await self.start_chat(
-            [message.for_template(i) for i, message in enumerate(body.messages)],
-            self.sampling_params(body, chat=True),
-            self.template_kwargs(body.chat_template_kwargs, body.thinking),
-            tools=body.offered_tools(),
-            forced_tool=body.forced_tool,
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-            n=body.n,
-        )
-        return await self.respond(
-            completion,
-            ChatFormat(self.tokenizer, self.settings.model_name),
-            connection,
-            stream=body.stream,
-            include_usage=body.include_usage,
-        )
 
     async def encode_chat(
         self,
@@ -269,83 +205,6 @@ class ModelServer:
             tool_use,
         )
 
-    async def complete(self, body: CompletionRequest, connection: Request) -> Response:
-        self.check_model(body.model)
-        params = self.sampling_params(body)
-        framed = body.prompts if body.suffix is None else self.fill_in_middle(body)
-        prompts = [
-            await run_in_threadpool(encode_prompt, self.tokenizer, prompt) for prompt in framed
-        ]
-        echo = None
-        if body.echo:  # the prompts as the client wrote them (ids decoded)
-            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts]
-        completion = Completion(
-            self.engine, self.metrics, prompts, params, body.n, "cmpl", echo=echo
-        )
-        return await self.respond(
-            completion,
-            TextFormat(self.tokenizer, self.settings.model_name),
-            connection,
-            stream=body.stream,
-            include_usage=body.include_usage,
-        )
-
-    def fill_in_middle(self, body: CompletionRequest) -> list[str]:
-        """The fill-in-the-middle prompts of a request with a `suffix`, or a 400 naming
-        `suffix` when the model has no FIM tokens or a prompt is token ids."""
-        tokens = fim_tokens(self.tokenizer)
-        problem = None
-        if tokens is None:
-            problem = (
-                "this model has no fill-in-the-middle tokens (<|fim_prefix|>, "
-                "<|fim_suffix|>, <|fim_middle|> or <fim_prefix>, ...) in its vocabulary"
-            )
-        elif not all(isinstance(prompt, str) for prompt in body.prompts):
-            problem = "a suffix needs text prompts, not token ids"
-        if problem is not None:
-            raise APIError(
-                400, f"Invalid value for 'suffix': {problem}", param="suffix", code="invalid_value"
-            )
-        return [tokens.prompt(prompt, body.suffix) for prompt in body.prompts]
-
-    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's `/tokenize`: the ids of a prompt, or of a chat as a chat request sends it."""
-        self.check_model(body.model)
-        if body.prompt is not None:
-            ids = await run_in_threadpool(
-                self.tokenizer.encode, body.prompt, body.add_special_tokens
-            )
-        else:
-            template_kwargs = self.template_kwargs(
-                {
-                    "add_generation_prompt": body.add_generation_prompt,
-                    **(body.chat_template_kwargs or {}),
-                }
-            )
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
-            messages = [message.for_template(i) for i, message in enumerate(body.messages)]
-            # an image counts as its placeholder here (decoding it to count its tokens is
-            # the chat request's work), and only where the model takes images at all
-            accepted_refs(messages, self.accepts_images)
-            ids = (await self.encode_chat(messages, template_kwargs, tools)).token_ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.context_len}
-
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        """vLLM's `/detokenize`: the text of token ids."""
-        self.check_model(body.model)
-        vocab = self.tokenizer.vocab_size
-        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(
-                400,
-                f"Invalid value for 'tokens.{bad}': token id {body.tokens[bad]} is outside "
-                f"the vocabulary (0..{vocab - 1})",
-                param=f"tokens.{bad}",
-                code="invalid_value",
-            )
-        # A body may hold millions of ids: decoded off the event loop.
-        return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
-
     async def respond(
         self,
         completion: Completion,
@@ -379,39 +238,6 @@ class ModelServer:
             # 499 (nginx's "client closed request"): logged, never read by anyone.
             return Response(status_code=499)
         return JSONResponse(answer.result())
-
-    async def inspect(self, body: InspectRequest) -> dict[str, Any]:
-        """The inspection `body` asks for: the prompt encoded and the JSON built off the
-        event loop; only the forward runs in the engine's step thread (between two steps:
-        never beside one), where it pauses the engine's requests."""
-        self.check_model(body.model)
-        template_kwargs = self.template_kwargs(body.chat_template_kwargs)
-        config = self.engine.model_config
-        ids = await run_in_threadpool(
-            encode_inspected_prompt, self.tokenizer, body, config, template_kwargs
-        )
-        inspection = await self.engine.run_with_model(
-            lambda model: inspect_tokens(model, ids, body.layers, body.heads, body.top_k)
-        )
-        return await run_in_threadpool(
-            inspection_json, inspection, self.tokenizer, self.settings.model_name, config
-        )
-
-    def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.settings.model_name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "qinfer",
-                    # qinfer's own: whether the model thinks (Qwen3's <think> blocks),
-                    # so the chat page offers its thinking switch only then.
-                    "thinking": self.splits_reasoning,
-                }
-            ],
-        }
 
 
 async def wait_for_disconnect(connection: Request) -> None:

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from qinfer.server.completions import Completion, Delta
+from qinfer.server.choices import Completion, Delta
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.streaming import named_sse_event
 

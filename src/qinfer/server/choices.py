@@ -141,11 +141,19 @@ class Choice:
                 parsed.tool_calls += tail.tool_calls
                 delta.cut_call = tail.cut_call
                 made_calls = self.tool_parser.made_calls
-                delta.finish_reason = self.tools.finish_reason(self.finish_reason, made_calls)
+                delta.finish_reason = finish_reason(self.tools, self.finish_reason, made_calls)
             delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
         delta.content, self.echo = self.echo + delta.content, ""
         self.content_length += len(delta.content)
         return delta
+
+
+def finish_reason(tools: ToolUse, reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason of a reply that was offered tools: "tool_calls" when a reply
+    that stopped made calls, but "stop" when a named tool was forced (as OpenAI answers)."""
+    if reason != "stop" or not made_calls or tools.forced not in (None, "required"):
+        return reason
+    return "tool_calls"
 
 
 def usage(outputs: Sequence[RequestOutput], n: int) -> dict[str, Any]:

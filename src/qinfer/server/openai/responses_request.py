@@ -1,7 +1,7 @@
 """The request body of the OpenAI Responses API (`POST /v1/responses`), and the
 conversation its items make for the chat template.
 
-Validation is as strict as chat completions' (`protocol.StrictModel`), but for the items
+Validation is as strict as chat completions' (`schema.StrictModel`), but for the items
 a client echoes back from earlier output, whose extra fields are ignored.
 """
 
@@ -22,10 +22,10 @@ from pydantic import (
 )
 
 from qinfer.server.images import ImageRef, image_part
-from qinfer.server.protocol import (
+from qinfer.server.openai.chat import ResponseFormat
+from qinfer.server.schema import (
     MAX_CONSTRAINT_BYTES,
     MAX_TOOLS,
-    ResponseFormat,
     StrictModel,
     Unsupported,
     check_tools,

@@ -30,8 +30,8 @@ from qinfer.core.errors import RequestError
 from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.server.errors import APIError
 from qinfer.server.prompt_runs import run_prompts
-from qinfer.server.protocol import StrictModel
 from qinfer.server.routing import Access, read_body
+from qinfer.server.schema import StrictModel
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer

@@ -1,7 +1,7 @@
 """The request bodies of the Anthropic Messages API (`POST /v1/messages`,
 `/v1/messages/count_tokens`), and the conversation they make for the chat template.
 
-Validation is as strict as chat completions' (`protocol.StrictModel`), but for content
+Validation is as strict as chat completions' (`schema.StrictModel`), but for content
 blocks, which clients echo back from earlier replies with fields that do not change the
 prompt here (ignored).
 """
@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_v
 
 from qinfer.request.sampling import MAX_STOP_STRINGS
 from qinfer.server.images import ImageRef, image_part
-from qinfer.server.protocol import (
+from qinfer.server.schema import (
     MAX_CONSTRAINT_BYTES,
     MAX_TOOLS,
     MAX_TOP_K,
@@ -359,7 +359,7 @@ class MessagesRequest(ConversationRequest):
     # Anthropic-hosted features, named so that asking for one is a 400 that says so.
     container: str | dict[str, Any] | None = None
     mcp_servers: list[dict[str, Any]] | None = None
-    # Server-held threads: read only to be refused (anthropic_messages.threads_unsupported).
+    # Server-held threads: read only to be refused (messages.threads_unsupported).
     thread: dict[str, Any] | None = None
 
     @field_validator("container", "mcp_servers")

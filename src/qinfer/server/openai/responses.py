@@ -40,9 +40,9 @@ from starlette.concurrency import run_in_threadpool
 
 from qinfer.request.sampling import SamplingParams
 from qinfer.request.tool_calls import check_tool_schemas
-from qinfer.server.completions import Completion
+from qinfer.server.choices import Completion
 from qinfer.server.errors import APIError
-from qinfer.server.openai_responses_request import (
+from qinfer.server.openai.responses_request import (
     MAX_INPUT_ITEMS,
     ResponsesRequest,
     input_item,

@@ -43,8 +43,8 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.request.tool_calls import check_tool_schemas
-from qinfer.server.anthropic_messages_request import ConversationRequest, MessagesRequest
-from qinfer.server.completions import Completion
+from qinfer.server.anthropic.messages_request import ConversationRequest, MessagesRequest
+from qinfer.server.choices import Completion
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.server.routing import Access, read_body

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: `messages` (routes and answers), `messages_request` (bodies)."""

@@ -15,7 +15,7 @@ import qinfer
 from qinfer import SamplingParams, generate
 from qinfer.cli import build_parser, main
 from qinfer.cli.shared import sampling_params
-from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, chat_sampling_params
+from qinfer.request.chat_defaults import CHAT_DEFAULTS, chat_sampling_params
 
 GREEDY_FLAGS = ["--max-tokens", "6", "--temperature", "0", "--dtype", "float32", "--device", "cpu"]
 

@@ -21,7 +21,7 @@ from checkpoints import build_chat_checkpoint
 
 from qinfer import generate, load_model, load_tokenizer
 from qinfer.core.checkpoint import resolve_model
-from qinfer.request.sampling.chat_defaults import chat_sampling_params
+from qinfer.request.chat_defaults import chat_sampling_params
 
 QINFER = [sys.executable, "-m", "qinfer.cli"]
 

@@ -37,7 +37,7 @@ from qinfer.cli.generate import add_generate_arguments, run_generate
 from qinfer.cli.inspection import add_inspect_arguments, run_inspect
 from qinfer.cli.perplexity import add_perplexity_arguments, run_perplexity
 from qinfer.core.errors import QinferError
-from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+from qinfer.request.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
 from qinfer.server.command import add_serve_arguments, run_serve
 
 USAGE_ERROR = 2

@@ -16,7 +16,7 @@ from qinfer.engine.args import (
     load_config,
     speculative_arguments,
 )
-from qinfer.request.sampling.chat_defaults import GENERATE_MAX_TOKENS, chat_sampling_params
+from qinfer.request.chat_defaults import GENERATE_MAX_TOKENS, chat_sampling_params
 
 if TYPE_CHECKING:  # the heavy imports wait until a subcommand needs them
     from qinfer.engine.generation import GenerationResult, Prompt, TextStream

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qinfer.core.features import KV_CACHE_DTYPES
-from qinfer.request.sampling.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
+from qinfer.request.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
 
 if TYPE_CHECKING:
     from qinfer.engine.build import LoadConfig

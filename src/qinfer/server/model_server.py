@@ -48,7 +48,7 @@ class ServerSettings:
         (typically from the checkpoint's generation_config.json).
     checkpoint_sampling: the sampling fields the checkpoint's generation_config.json sets
         (`sampling.checkpoint_sampling`); /v1/chat/completions requests get them over a
-        conversation's defaults, under their own fields (`qinfer.request.sampling.chat_defaults`, as
+        conversation's defaults, under their own fields (`qinfer.request.chat_defaults`, as
         `qinfer chat` does).
     pooling: how `/v1/embeddings` pools a prompt (a request's `dimensions` overrides
         its dimensions); by default Qwen3-Embedding's: last token, normalised.

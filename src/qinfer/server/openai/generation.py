@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
+from qinfer.request.chat_defaults import chat_sampling_params
 from qinfer.request.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
-from qinfer.request.sampling.chat_defaults import chat_sampling_params
 from qinfer.server.choices import Completion, Delta
 from qinfer.server.errors import APIError, error_from_exception
 from qinfer.server.schema import MAX_CONSTRAINT_BYTES, MAX_TOP_K, StrictModel
@@ -171,7 +171,7 @@ def sampling_params(
     server: ModelServer, body: GenerationRequest, chat: bool = False
 ) -> SamplingParams:
     """The request's sampling fields over the server's defaults: a chat completion's
-    over the chat defaults (`qinfer.request.sampling.chat_defaults`, under the checkpoint's
+    over the chat defaults (`qinfer.request.chat_defaults`, under the checkpoint's
     generation_config.json), a text completion's over `settings.default_params`."""
     # The tokenizer's vocabulary is known here: a biased id past it names logit_bias.
     vocab_size = server.tokenizer.vocab_size

@@ -9,7 +9,7 @@ CONVERTER := $(VENV)/llama-cpp-converter
 LLAMA_CPP_PYTHON := 0.3.36
 CONVERTED := $(CONVERTER)/.done-$(LLAMA_CPP_PYTHON)
 
-.PHONY: setup setup-test run test lint format
+.PHONY: setup setup-test run test test-fast lint format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,3 +59,7 @@ format: setup-test
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The inner loop: every module but those marked slow (under 3 minutes on 2 cores).
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow"

@@ -55,7 +55,12 @@ SMOKE_TURNS = 6
 # The Agents SDK would send its traces to OpenAI: there is no internet here.
 set_tracing_disabled(True)
 # LangGraph 1.x points at langchain.agents.create_agent; the prebuilt agent is what we test.
-pytestmark = pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:create_react_agent has been moved"),
+]
 
 
 class Tools:

@@ -28,6 +28,10 @@ from qinfer.core.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from qinfer.linear import DenseLinear, Int4BlockLinear, Int8BlockLinear
 from qinfer.weights.gguf_file import read_gguf
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",

@@ -21,6 +21,10 @@ from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.weights.gguf import GGUFWeights, open_gguf
 from qinfer.weights.gguf_quants import SUPPORTED_TYPES, dequantize
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():

@@ -25,6 +25,10 @@ from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.runner import kv_pool_blocks
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 INT8, FP8 = kv_format("int8", torch.float32), kv_format("fp8", torch.float32)
 
 

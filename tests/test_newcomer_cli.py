@@ -23,6 +23,10 @@ from qinfer import generate, load_model, load_tokenizer
 from qinfer.core.checkpoint import resolve_model
 from qinfer.request.chat_defaults import chat_sampling_params
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 QINFER = [sys.executable, "-m", "qinfer.cli"]
 
 

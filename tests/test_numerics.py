@@ -23,6 +23,10 @@ from gguf_files import smollm2_path
 from qinfer import LLM, SamplingParams, kernels, load_model, load_tokenizer
 from qinfer.bench.greedy import partings, top_two_gaps
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 #: 20 short chat prompts, one per line (bench/greedy_partings.py reads the same file).
 PROMPTS = (Path(__file__).parent / "chat_prompts.txt").read_text().splitlines()
 TOKENS = 32

@@ -26,6 +26,10 @@ from qinfer import kernels
 from qinfer.core.errors import QinferError, WeightsError
 from qinfer.linear import DenseLinear, Int8BlockLinear, Int8Linear
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def qwen3_folder(tmp_path_factory):

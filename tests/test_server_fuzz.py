@@ -40,6 +40,10 @@ from qinfer.engine import AsyncEngine
 from qinfer.request.sampling import SamplingParams
 from qinfer.server.app import ServerSettings, create_app
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 MODEL = "fuzz"
 #: Bodies sent together in one example, as concurrent clients (the engine batches them).
 BATCH = 8

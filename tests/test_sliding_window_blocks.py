@@ -34,6 +34,10 @@ from qinfer.runtime.runner import kv_pool_blocks
 from qinfer.runtime.step import StepInputs
 from qinfer.runtime.step_channel import pack, unpack
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 WINDOW, BLOCK = 8, 4
 GEMMA = dict(GEMMA3, sliding_window=WINDOW)  # layers: sliding, sliding, full
 FAMILIES = {"gemma3": ("gemma3", GEMMA), "mistral": ("mistral", dict(sliding_window=WINDOW))}

@@ -29,6 +29,10 @@ from qinfer.engine.speculative.draft import DraftModel
 from qinfer.engine.speculative.ngram import propose_ngram
 from qinfer.request.sampling import SamplingParams, process_logits, sample
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24)
 FAMILIES = ["qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "gemma3", "smollm3", "phi3"]
 

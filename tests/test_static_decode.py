@@ -29,6 +29,10 @@ from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
 from qinfer.runtime.static_decode import bucket
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 FAMILIES = {"llama": ("llama", {}), **WINDOWED}
 
 

@@ -29,6 +29,10 @@ from qinfer.request.grammar import GrammarProcessor, strict_schema
 from qinfer.text.prompts import eos_token_ids
 from qinfer.text.reasoning import ANSWER, MAY_THINK, THINKING, prompt_thinking
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 SAMPLES = 50  # per model and constraint (the issue asks for 50+)
 
 #: Nested: an object in an object, an array of objects, enums, bounded numbers and strings

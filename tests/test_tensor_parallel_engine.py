@@ -32,6 +32,10 @@ from qinfer.runtime.distributed import (
 )
 from qinfer.server.app import ServerSettings, create_app
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 #: Small pools and blocks, so that a few short prompts share blocks and get preempted.
 ENGINE_ARGS = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

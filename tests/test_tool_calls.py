@@ -48,6 +48,10 @@ from qinfer.server.choices import Delta
 from qinfer.server.openai.chat import ChatCompletionRequest
 from qinfer.server.schema import MAX_CONSTRAINT_BYTES
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}
 WEATHER = {
     "type": "function",

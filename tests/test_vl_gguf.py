@@ -52,6 +52,10 @@ from qinfer.vision import (
 from qinfer.vision.mmproj import PATCH_EMBED, PATCH_FRAMES, ProjectorWeights, load_projector
 from qinfer.weights.gguf_file import read_gguf
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = pytest.mark.slow
+
 #: Where `make setup-test` puts llama.cpp's converter.
 CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
 

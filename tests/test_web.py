@@ -61,9 +61,14 @@ def add(a, b):
 ```"""
 TIMEOUT_MS = 120_000
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
-)
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
+    ),
+]
 
 
 class Server:

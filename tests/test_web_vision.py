@@ -22,9 +22,14 @@ from test_web import (
     wait_for_answer,
 )
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
-)
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
+#: models, servers as processes or many generations).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's chromium (apt-get install chromium)"
+    ),
+]
 
 QUESTION = "What is in the picture?"
 MAX_TOKENS = 5

@@ -32,10 +32,10 @@ from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, KVPool, paged_layers
 from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, _PagedStep, split_by_history
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
-from qinfer.attention.step_buffers import StepBuffers, step_tensors
+from qinfer.attention.step_buffers import StepBuffers, step_batch
 from qinfer.core.errors import QinferError, RequestError
 from qinfer.engine import LLM
-from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.engine.sequence import Sequence, scheduled_step
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor, ParallelConfig
 
@@ -138,7 +138,7 @@ def reference_attend(pool, tables, rows, q, k, v, window, scale):
 def backend_attend(name, sdpa, pool, tables, rows, q, k, v, window, space_window=None):
     """Backend `name`'s attention of one step over a one-layer pool: the runner's calls."""
     num_new, computed = [n for _, n in rows], [start for start, _ in rows]
-    step = step_tensors(num_new, computed, tables, BLOCK, "cpu", window=space_window)
+    step = step_batch(num_new, computed, tables, BLOCK, "cpu", window=space_window)
     attention = BACKENDS[name](sdpa).plan(step, one_layer(pool, window, space_window))
     return attention.attend(0, q, k, v, D**-0.5)
 
@@ -247,7 +247,7 @@ def test_mixed_steps_give_each_sequence_its_logits_alone(pair, family, fast_sdpa
             seq.tables[1:] = [list(seq.tables[0])]  # the same ids in the window space
         done = [b for b, n in step if n == seqs[b].num_uncomputed_tokens]
         num_logits = [int(b in done) for b, _ in step]
-        inputs = step_inputs(
+        inputs = scheduled_step(
             [seqs[b] for b, _ in step], [n for _, n in step], num_logits, spaces, BLOCK
         )
         logits = executor.execute(inputs).logits
@@ -289,7 +289,7 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     pool.values.normal_()
     (start, n), first = rows[0], 3
     tables = [list(range(first, first + -(-(start + n) // BLOCK)))]
-    step = _PagedStep(step_tensors([n], [start], tables, BLOCK, "cpu"))
+    step = _PagedStep(step_batch([n], [start], tables, BLOCK, "cpu"))
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)

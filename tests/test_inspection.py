@@ -20,7 +20,7 @@ from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import scaled_dot_product_attention_grouped, sdpa_for
 from qinfer.core.errors import RequestError
 from qinfer.core.features import Features
-from qinfer.model.forward_batch import ForwardBatch
+from qinfer.core.forward_batch import ForwardBatch
 from qinfer.model.loading import load_model
 from qinfer.text.tokenizer import load_tokenizer
 

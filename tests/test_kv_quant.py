@@ -19,7 +19,7 @@ from qinfer.core.errors import QinferError
 from qinfer.core.features import Features
 from qinfer.engine import LLM
 from qinfer.engine.config import EngineConfig
-from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.engine.sequence import Sequence, scheduled_step
 from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
@@ -184,13 +184,13 @@ def test_paged_logits_equal_the_reference_caches_in_int8_and_fp8(backend):
         for seq in seqs:  # every block kept (a window space's step reads its window's)
             seq.tables[0] = [next(free) for _ in range(-(-(len(seq.token_ids) + 3) // 4))]
         spaces = executor.spaces
-        logits = executor.execute(step_inputs(seqs, [9, 17], [1, 1], spaces, 4)).logits
+        logits = executor.execute(scheduled_step(seqs, [9, 17], [1, 1], spaces, 4)).logits
         want = [model(torch.tensor([ids]))[0, -1] for ids in prompts]
         assert max_diff(logits[0], want[0]) < 1e-4 and max_diff(logits[1], want[1]) < 1e-4
         for seq in seqs:
             seq.num_computed_tokens = len(seq.token_ids)
             seq.token_ids.append(7)
-        logits = executor.execute(step_inputs(seqs, [1, 1], [1, 1], spaces, 4)).logits
+        logits = executor.execute(scheduled_step(seqs, [1, 1], [1, 1], spaces, 4)).logits
         for row, ids in enumerate(prompts):
             want = model(torch.tensor([ids + [7]]))[0, -1]
             assert max_diff(logits[row], want) < 1e-4, kv_cache_dtype

@@ -13,7 +13,7 @@ def make(num_blocks=64, block_size=4, **config):
 
 def run(scheduler, step) -> None:
     """What the engine does after the model ran: advance each sequence, sample one token."""
-    for seq, n in zip(step.seqs, step.num_new, strict=True):
+    for seq, n in zip(*step, strict=True):
         scheduler.advance(seq, n)
         if seq.num_uncomputed_tokens == 0:
             seq.token_ids.append(0)
@@ -23,8 +23,8 @@ def test_step_respects_the_sequence_budget():
     scheduler, _ = make(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(3):
         scheduler.add(Sequence(str(i), [1, 2, 3]))
-    step = scheduler.schedule()
-    assert [s.request_id for s in step.seqs] == ["0", "1"]
+    seqs, _ = scheduler.schedule()
+    assert [s.request_id for s in seqs] == ["0", "1"]
     assert len(scheduler.waiting) == 1
 
 
@@ -34,7 +34,7 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     chunks = []
     for _ in range(3):
         step = scheduler.schedule()
-        chunks.append(step.num_new[0])
+        chunks.append(step[1][0])
         run(scheduler, step)
     assert chunks == [8, 8, 4]
 
@@ -45,7 +45,7 @@ def test_decodes_and_a_new_prefill_share_a_step():
     run(scheduler, scheduler.schedule())
     scheduler.add(Sequence("b", list(range(10))))
     step = scheduler.schedule()
-    assert [(s.request_id, n) for s, n in zip(step.seqs, step.num_new, strict=True)] == [
+    assert [(s.request_id, n) for s, n in zip(*step, strict=True)] == [
         ("a", 1),
         ("b", 5),
     ]
@@ -57,8 +57,8 @@ def test_newest_sequence_is_preempted_when_blocks_run_out():
     scheduler.add(old)
     scheduler.add(new)
     run(scheduler, scheduler.schedule())  # each holds one full block; the next token needs another
-    step = scheduler.schedule()
-    assert step.seqs == [old] and step.num_preempted == 1
+    seqs, _ = scheduler.schedule()
+    assert seqs == [old] and scheduler.num_preempted == 1
     assert new.status is SequenceStatus.WAITING and new.tables[0] == []
     assert scheduler.waiting[0] is new
 

@@ -31,7 +31,7 @@ from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence
 from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.runner import kv_pool_blocks
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 from qinfer.runtime.step_channel import pack, unpack
 
 #: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
@@ -290,10 +290,10 @@ def test_a_draft_model_over_a_model_whose_every_layer_slides(pairs):
 
 
 def test_the_step_channel_carries_both_spaces_tables():
-    step = StepInputs([[5, 6], [7]], [3, 10], [[[1, 2], [4, 5, 6]], [[8], [9, 3]]], [1, 1])
+    step = ScheduledStep([[5, 6], [7]], [3, 10], [[[1, 2], [4, 5, 6]], [[8], [9, 3]]], [1, 1])
     header, payload = pack(step)
     assert unpack(header.tolist(), payload.tolist()) == step
-    one = StepInputs([[5]], [0], [[[2]]], [1])
+    one = ScheduledStep([[5]], [0], [[[2]]], [1])
     header, payload = pack(one)
     assert header.tolist() == [1, 1, 1, 1]
     assert unpack(header.tolist(), payload.tolist()) == one

@@ -23,7 +23,7 @@ from qinfer.attention.paged import PagedBackend
 from qinfer.core.errors import QinferError
 from qinfer.core.features import Features
 from qinfer.engine import LLM
-from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.engine.sequence import Sequence, scheduled_step
 from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.executor import Executor
@@ -105,7 +105,7 @@ def decode_steps(
             while len(seq.tables[0]) * size < seq.num_computed_tokens + n:
                 seq.tables[0].append(next(free))
             seq.tables[1:] = [list(seq.tables[0])]
-        inputs = step_inputs(seqs, new, [1] * len(seqs), spaces, size)
+        inputs = scheduled_step(seqs, new, [1] * len(seqs), spaces, size)
         with Made() as made:
             executor.execute(inputs)
         for seq, n in zip(seqs, new, strict=True):

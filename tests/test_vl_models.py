@@ -17,9 +17,9 @@ from PIL import Image
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
 from qinfer.core.errors import ConfigError, QinferError, RequestError
+from qinfer.core.forward_batch import BatchImages, ForwardBatch
 from qinfer.core.model_config import RopeConfig
 from qinfer.layers.rope import MRoPE, RoPE
-from qinfer.model.forward_batch import BatchImages, ForwardBatch
 from qinfer.models import config_from_hf
 from qinfer.vision import ImagePrompt, VisionLanguageModel, preprocess_images
 

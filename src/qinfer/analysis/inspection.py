@@ -29,7 +29,7 @@ from qinfer.attention.sdpa import (
     weigh_values_grouped,
 )
 from qinfer.core.errors import RequestError
-from qinfer.model.forward_batch import ForwardBatch
+from qinfer.core.forward_batch import ForwardBatch
 from qinfer.model.transformer import Transformer
 
 #: Longest prompt inspected: the weights of one head grow with its square.

@@ -27,7 +27,7 @@ import torch
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
 from qinfer.core.errors import QinferError
-from qinfer.model.forward_batch import ForwardBatch
+from qinfer.core.forward_batch import ForwardBatch
 from qinfer.model.transformer import Transformer
 
 

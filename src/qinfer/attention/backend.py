@@ -13,11 +13,12 @@ An engine's backend is a triple, each part declared once:
 
     backend = choose_backend(name, device, features)
     pools = [KVPool(..., layout=backend.layout) ...]    # 1. the KV layout it reads
-    attention = backend.plan(step, layers)             # 2. the step's metadata, built once
+    attention = backend.plan(batch, layers)            # 2. the step's metadata, built once
     attention.attend(layer, q, k, v, scale)            # 3. every layer, in turn
 
-`plan` takes the one step description all backends share (`StepTensors`: tokens'
-positions, slots, block tables, history lengths) and the layers' places in the pools
+`plan` takes the one step description all backends share (the `ForwardBatch` of a
+runner's buffers, before its attention: tokens' positions, slots, block tables per block
+space, history lengths) and the layers' places in the pools
 (`PagedLayer`). Backends:
 
 - `PagedBackend` (`paged.py`): the CPU's, pools heads first; decode reads the values where
@@ -44,20 +45,9 @@ from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.kv_pool import KVLayout, PagedLayer
 from qinfer.attention.paged import PagedBackend
 from qinfer.attention.sdpa import sdpa_for
-from qinfer.attention.step_buffers import StepTensors
 from qinfer.core.errors import QinferError
 from qinfer.core.features import Features, check_attention_backend
-
-
-class StepAttention(Protocol):
-    """One forward's attention: the storage (caches or pools, which outlive the step) and
-    this step's metadata (row shape and mask, or block tables, slots and history lengths)."""
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Store k, v (T, Hkv, D) of `layer` and attend q (T, Hq, D) -> (T, Hq, D)."""
-        ...
+from qinfer.core.forward_batch import ForwardBatch, StepAttention
 
 
 class AttentionBackend(Protocol):
@@ -70,7 +60,7 @@ class AttentionBackend(Protocol):
     #: (`qinfer.runtime.static_decode`)
     static_decode: bool
 
-    def plan(self, step: StepTensors, layers: list[PagedLayer]) -> StepAttention:
+    def plan(self, step: ForwardBatch, layers: list[PagedLayer]) -> StepAttention:
         """The attention of one step (its metadata built here, once) over the pools that
         `layers` place."""
         ...

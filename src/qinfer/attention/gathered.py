@@ -32,7 +32,7 @@ from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, PagedLayer, store_kv
 from qinfer.attention.kv_quant import KVFormat, raw_bytes
 from qinfer.attention.sdpa import Sdpa
-from qinfer.attention.step_buffers import StepTensors
+from qinfer.core.forward_batch import ForwardBatch
 
 
 class GatheredBackend:
@@ -45,7 +45,7 @@ class GatheredBackend:
     def __init__(self, sdpa: Sdpa) -> None:
         self.sdpa = sdpa
 
-    def plan(self, step: StepTensors, layers: list[PagedLayer]) -> GatheredAttention:
+    def plan(self, step: ForwardBatch, layers: list[PagedLayer]) -> GatheredAttention:
         """The step's attention over the pools that `layers` place."""
         spaces = [_GatheredStep(step, space) for space in range(len(step.spaces))]
         return GatheredAttention(layers, spaces, self.sdpa)
@@ -62,7 +62,7 @@ class _GatheredStep:
     kept (G, L): which of them are the sequence's own.
     """
 
-    def __init__(self, step: StepTensors, space: int = 0) -> None:
+    def __init__(self, step: ForwardBatch, space: int = 0) -> None:
         part = step.spaces[space]
         G, W = part.block_tables.shape
         size, device = step.block_size, part.block_tables.device

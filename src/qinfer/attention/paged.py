@@ -51,7 +51,7 @@ from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, LayerKV, PagedLayer, store_kv
 from qinfer.attention.kv_quant import KVFormat
 from qinfer.attention.sdpa import Mask, Sdpa
-from qinfer.attention.step_buffers import SpaceTensors, StepTensors
+from qinfer.core.forward_batch import ForwardBatch, SpaceTensors
 
 #: Padded keys a cut must spare for a group to be split in two (`split_by_history`): on
 #: CPU one more group per layer costs about what ~1000 keys cost (SmolLM2-135M, bf16).
@@ -61,8 +61,8 @@ SPLIT_KEYS = 1024
 class _PagedStep:
     """Where the K/V of one step's tokens go to and come from in one block space's pool:
     the metadata that every layer of that space shares, built once per step from the
-    step's `StepTensors` (the runner's `StepBuffers`, written in place; `space` names this
-    space's part). The host lists decide the grouping.
+    step's `ForwardBatch` (views of the runner's `StepBuffers`, written in place; `space`
+    names this space's part). The host lists decide the grouping.
 
     Per sequence b: num_new[b] tokens run now (flat, sequence after sequence),
     num_computed[b] tokens already in the pool (at positions 0..num_computed[b]-1),
@@ -70,7 +70,7 @@ class _PagedStep:
     `StepBuffers.write`). slots: (T,) the pool slot each new token's K/V is written to.
     """
 
-    def __init__(self, tensors: StepTensors, space: int = 0) -> None:
+    def __init__(self, tensors: ForwardBatch, space: int = 0) -> None:
         part = tensors.spaces[space]
         self.tensors, self.part = tensors, part
         self.slots, self.block_size = part.slots, tensors.block_size  # (T,)
@@ -163,7 +163,7 @@ class _Group:
         lengths: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        tensors: StepTensors,
+        tensors: ForwardBatch,
         space: SpaceTensors,
     ) -> None:
         G, L = len(rows), num_new
@@ -310,7 +310,7 @@ class PagedBackend:
         # other is grouped by history on the host, step by step.
         self.static_decode = self.decode_kernel
 
-    def plan(self, step: StepTensors, layers: list[PagedLayer]) -> PagedAttention:
+    def plan(self, step: ForwardBatch, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""
         paged = [_PagedStep(step, space) for space in range(len(step.spaces))]
         return PagedAttention(layers, paged, self.sdpa, self.invariant, self.decode_kernel)

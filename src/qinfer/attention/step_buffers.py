@@ -19,63 +19,21 @@ block space, `qinfer.attention.block_spaces`):
     key_starts      (Sc,)     a window space's only: the position of each table's first
                               block (the blocks before it were released)
 
-A step sees views of their first T, R, S rows and W columns (`StepTensors`). A step larger
-than the capacities reallocates the buffers (at most a few times: they double).
+A step sees views of their first T, R, S rows and W columns, as a `ForwardBatch` to plan
+(`qinfer.core.forward_batch`). A step larger than the capacities reallocates the buffers
+(at most a few times: they double).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import accumulate, chain, pairwise
-from typing import NamedTuple
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
 from qinfer.attention.block_spaces import first_block
-
-
-class SpaceTensors(NamedTuple):
-    """One block space's part of a step (views of `StepBuffers`, on the device).
-
-    slots (T,): where each new token's K/V go in the space's pool; block_tables (S, W) long:
-    the blocks each sequence's step reads, padded with block 0, and tables: the same as
-    host lists, unpadded. In a window space each table starts at logical block
-    first_blocks[b] (host ints) and key_starts (S,) holds first_blocks[b] * block_size; in
-    a whole-history space both are None (tables start at block 0)."""
-
-    slots: torch.Tensor
-    block_tables: torch.Tensor
-    tables: list[list[int]]
-    first_blocks: list[int] | None
-    key_starts: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class StepTensors:
-    """One step's inputs as views of `StepBuffers` (valid until the next `write`): the
-    step description every attention backend plans from (`qinfer.attention.backend`).
-
-    token_ids, positions (T,); logits_indices (R,); context_lens (S,) long, on the device;
-    query_starts: S + 1 host ints (sequence s runs tokens query_starts[s]:query_starts[s +
-    1]); num_computed: S host ints, the tokens each sequence has in the pool before the
-    step; block_size: tokens per block; spaces: each block space's slots and tables
-    (`SpaceTensors`)."""
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_indices: torch.Tensor
-    context_lens: torch.Tensor
-    query_starts: list[int]
-    num_computed: list[int]
-    block_size: int
-    spaces: list[SpaceTensors]
-
-    @property
-    def num_new(self) -> list[int]:
-        """The tokens each sequence runs in the step."""
-        return [end - start for start, end in pairwise(self.query_starts)]
+from qinfer.core.forward_batch import ForwardBatch, SpaceTensors
 
 
 class _SpaceBuffers:
@@ -143,10 +101,11 @@ class StepBuffers:
         tables: Sequence[list[list[int]]],
         logits_rows: list[int],
         min_widths: Sequence[int] | None = None,
-    ) -> StepTensors:
+    ) -> ForwardBatch:
         """Write one step (per sequence b: its new token ids, the tokens already in the
         pool, its block table in each space) and the flat rows whose logits are wanted
-        (`qinfer.runtime.step.logits_rows`), and return the views that hold it.
+        (`qinfer.runtime.step.logits_rows`), and return the views that hold it: a batch
+        to plan (its attention not yet planned).
         tables[s][b]: sequence b's blocks in space s, from `first_block(num_computed[b], windows[s])` on (a window space's
         step reads no released block). min_widths[s]: space s's tables padded to at least
         this many blocks (default: the longest table's).
@@ -201,7 +160,7 @@ class StepBuffers:
                 ],
             )
         token_ids, positions, logits_indices, context_lens, space_views = self._views
-        return StepTensors(
+        return ForwardBatch(
             token_ids=token_ids,
             positions=positions,
             logits_indices=logits_indices,
@@ -249,14 +208,14 @@ class StepBuffers:
         return firsts
 
 
-def step_tensors(
+def step_batch(
     num_new: list[int],
     num_computed: list[int],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str,
     window: int | None = None,
-) -> StepTensors:
+) -> ForwardBatch:
     """One step of one block space (of this `window`) in buffers of its own, without token
     ids or logits: a step to attend over, outside a runner (the attention tests)."""
     buffers = StepBuffers(block_size, device, sum(num_new), len(num_new), windows=[window])

@@ -27,8 +27,8 @@ from qinfer.engine.config import EngineConfig
 from qinfer.engine.images import encode_images, prompt_images
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
 from qinfer.engine.request import Request
-from qinfer.engine.scheduler import ScheduledStep, Scheduler
-from qinfer.engine.sequence import Sequence, step_inputs
+from qinfer.engine.scheduler import Scheduler
+from qinfer.engine.sequence import Sequence, scheduled_step
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.engine.tasks import check_task_params, make_task
@@ -104,8 +104,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(
-            ["prompt", "prompt_computed", "generated", "finished", "aborted", "preempted"]
-            + ["images_encoded"],
+            ["prompt", "prompt_computed", "generated", "finished", "aborted", "images_encoded"],
             0,
         )
         self._encoder_seconds = 0.0
@@ -129,7 +128,7 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        # The model runs these ids unchecked (`sequence.step_inputs`): they are checked here.
+        # The model runs these ids unchecked (`sequence.scheduled_step`): they are checked here.
         try:
             parts = encode_prompt_parts(
                 self.tokenizer, prompt, vocab_size=self.model.config.vocab_size
@@ -211,25 +210,23 @@ class Engine:
         """Run one batch through the model; outputs of the requests that moved or finished."""
         if self.speculator is not None:
             self._propose()
-        scheduled = self.scheduler.schedule()
-        self._counts["preempted"] += scheduled.num_preempted
-        if not scheduled.seqs:
+        seqs, num_new = self.scheduler.schedule()
+        if not seqs:
             return []
-        scheduled_requests = [self.requests[seq.request_id] for seq in scheduled.seqs]
+        scheduled_requests = [self.requests[seq.request_id] for seq in seqs]
         # hidden_rows: the rows whose final-normed hidden states each task needs (None: none)
         hidden_rows = [
             request.task.hidden_rows(request.seq.num_computed_tokens, n) or None
-            for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
+            for request, n in zip(scheduled_requests, num_new, strict=True)
         ]
         # how many rows of logits each sequence needs (`Request.num_logits`)
         num_logits = [
-            request.num_logits(n)
-            for request, n in zip(scheduled_requests, scheduled.num_new, strict=True)
+            request.num_logits(n) for request, n in zip(scheduled_requests, num_new, strict=True)
         ]
-        self._encode_images(scheduled)
-        step = step_inputs(
-            scheduled.seqs,
-            scheduled.num_new,
+        self._encode_images(seqs, num_new)
+        step = scheduled_step(
+            seqs,
+            num_new,
             num_logits,
             self.executor.spaces,
             self.config.block_size,
@@ -238,7 +235,7 @@ class Engine:
         _, spans = step.logits_rows()  # sequence b's rows of result.logits
         requests, firsts, outputs = [], [], []
         for request, n, span, rows in zip(
-            scheduled_requests, scheduled.num_new, spans, result.hidden, strict=True
+            scheduled_requests, num_new, spans, result.hidden, strict=True
         ):
             seq = request.seq
             request.task.take_hidden(seq.num_computed_tokens, rows)
@@ -262,13 +259,13 @@ class Engine:
         self._counts["generated"] += generated
         return outputs
 
-    def _encode_images(self, scheduled: ScheduledStep) -> None:
+    def _encode_images(self, seqs: list[Sequence], num_new: list[int]) -> None:
         """Run the vision tower over the images of every sequence whose step reaches image
         tokens without embeddings (a first prefill, or a recompute after a preemption):
         one call for all of them, timed into the stats."""
         pending = [
             seq.images
-            for seq, n in zip(scheduled.seqs, scheduled.num_new, strict=True)
+            for seq, n in zip(seqs, num_new, strict=True)
             if seq.images is not None and seq.images.needs_encoding(seq.num_computed_tokens, n)
         ]
         if not pending:
@@ -390,7 +387,7 @@ class Engine:
             generation_tokens_total=self._counts["generated"],
             requests_finished_total=self._counts["finished"],
             requests_aborted_total=self._counts["aborted"],
-            preemptions_total=self._counts["preempted"],
+            preemptions_total=self.scheduler.num_preempted,
             images_encoded_total=self._counts["images_encoded"],
             vision_encoder_seconds_total=self._encoder_seconds,
             generation_tokens_per_s=self._throughput.rate(),

@@ -15,24 +15,10 @@ The oldest running sequence is never preempted by another, so every step makes p
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledStep:
-    """The sequences of one step and how many new tokens each runs through the model."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)
-    num_preempted: int = 0
-
-    def add(self, seq: Sequence, n: int) -> None:
-        self.seqs.append(seq)
-        self.num_new.append(n)
 
 
 class Scheduler:
@@ -46,6 +32,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found there
+        self.num_preempted = 0  # sequences sent back to the waiting queue, ever
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -54,10 +41,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledStep:
-        """The next step: running sequences first (preempting the newest when blocks run
-        out), then waiting ones while tokens, sequence slots and blocks remain."""
-        step = ScheduledStep()
+    def schedule(self) -> tuple[list[Sequence], list[int]]:
+        """The next step's sequences and how many new tokens each runs through the model:
+        running sequences first (preempting the newest when blocks run out), then waiting
+        ones while tokens, sequence slots and blocks remain (the engine makes the step the
+        runtime runs of them: `qinfer.engine.sequence.scheduled_step`)."""
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        preempted = False
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -65,12 +56,13 @@ class Scheduler:
             n = self._fit_proposals(seq, budget)
             while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
-                step.num_preempted += 1
+                preempted = True
                 if seq.status is SequenceStatus.WAITING:
                     break  # `seq` itself was the newest
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.grow(seq, seq.num_computed_tokens + n)
-                step.add(seq, n)
+                seqs.append(seq)
+                num_new.append(n)
                 budget -= n
                 i += 1
 
@@ -78,7 +70,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and len(self.running) < self.max_num_seqs
-            and not step.num_preempted  # the pool is full: do not admit only to preempt
+            and not preempted  # the pool is full: do not admit only to preempt
         ):
             seq = self.waiting[0]
             cached = self.block_manager.allocate_prefix(seq)
@@ -94,9 +86,10 @@ class Scheduler:
             self.prefix_hits += cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            step.add(seq, n)
+            seqs.append(seq)
+            num_new.append(n)
             budget -= n
-        return step
+        return seqs, num_new
 
     def advance(self, seq: Sequence, n: int) -> None:
         """n more of a running sequence's tokens have their K/V in the pool (a step's
@@ -122,6 +115,7 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preempted += 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -1,5 +1,5 @@
 """One request as the scheduler sees it: its tokens, its KV blocks, how far it is computed;
-and the runtime's step (`step_inputs`) made of the sequences a step runs."""
+and the runtime's step (`scheduled_step`) made of the sequences a step runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import enum
 
 from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.engine.images import SequenceImages
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 
 
 class SequenceStatus(enum.Enum):
@@ -96,13 +96,13 @@ class Sequence:
         )
 
 
-def step_inputs(
+def scheduled_step(
     seqs: list[Sequence],
     num_new: list[int],
     num_logits: list[int],
     spaces: BlockSpaces,
     block_size: int,
-) -> StepInputs:
+) -> ScheduledStep:
     """The step that runs num_new[b] new tokens of each sequence (their blocks already
     allocated): its uncomputed tokens, then its proposed ones (`Sequence.proposed`);
     num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
@@ -122,7 +122,7 @@ def step_inputs(
         None if seq.images is None else seq.images.step(seq.num_computed_tokens, n)
         for seq, n in zip(seqs, num_new, strict=True)
     ]
-    return StepInputs(
+    return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
         tables,

@@ -17,15 +17,15 @@ import functools
 
 import torch
 
-from qinfer.attention.backend import StepAttention
 from qinfer.attention.reference import Cache, ReferenceAttention
 from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.core.features import Features
+from qinfer.core.forward_batch import Rotations, StepAttention, row_positions
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import SINGLE, Parallel, Shard
 from qinfer.layers.norm import head_norms, rms_norm
-from qinfer.layers.rope import Rotations, layer_rope, row_positions
+from qinfer.layers.rope import layer_rope
 from qinfer.linear import linear
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 

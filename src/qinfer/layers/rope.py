@@ -28,6 +28,7 @@ import functools
 import torch
 
 from qinfer import kernels
+from qinfer.core.forward_batch import row_positions
 from qinfer.core.model_config import RopeConfig, rope_dims
 from qinfer.core.rope_scaling import rope_frequencies
 
@@ -162,45 +163,6 @@ class NoRoPE:
     @staticmethod
     def apply(x: torch.Tensor, cos: object, sin: object) -> torch.Tensor:
         return x
-
-
-def row_positions(
-    offsets: int | torch.Tensor, batch_size: int, length: int, device: torch.device | str
-) -> torch.Tensor:
-    """The (B, L) positions of B rows of L tokens: offsets is the first position of every
-    row (an int), of each row ((B,)), or already every token's ((B, L)). Left-padded rows
-    have negative positions in their padding (RoPE clamps them; the caches mask them)."""
-    if isinstance(offsets, int):
-        row = torch.arange(offsets, offsets + length, device=device)
-        return row.expand(batch_size, length)
-    offsets = offsets.to(device)
-    if offsets.dim() == 1:
-        return offsets[:, None] + torch.arange(length, device=device)
-    return offsets
-
-
-class Rotations:
-    """The cos/sin of one forward's positions (`ForwardBatch.rotations`), for each RoPE
-    setting its layers use: computed when the first layer of a setting asks, then shared by
-    every other layer of that setting (and by q and k). Made with each batch, so a step
-    never reads another's.
-
-    A graph being traced (`torch.compile`) keeps none: what it read of them would be a
-    guard on the layers before, and the graph merges the layers' equal ops itself."""
-
-    def __init__(self, positions: torch.Tensor) -> None:
-        self.positions = positions
-        self._computed: dict[tuple, tuple] = {}
-
-    def of(self, rope: RoPE | NoRoPE, dtype: torch.dtype) -> tuple:
-        """`rope.rotation(self.positions, dtype)`, computed once per setting and dtype."""
-        if torch.compiler.is_compiling():
-            return rope.rotation(self.positions, dtype)
-        key = (getattr(rope, "frequencies", None), dtype)  # settings share their frequencies
-        found = self._computed.get(key)
-        if found is None:
-            found = self._computed[key] = rope.rotation(self.positions, dtype)
-        return found
 
 
 class _Frequencies:

@@ -28,6 +28,7 @@ from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.core.errors import QinferError
 from qinfer.core.features import Features
+from qinfer.core.forward_batch import ForwardBatch
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import Parallel, Shard
@@ -37,7 +38,6 @@ from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm, rms_norm
 from qinfer.linear import Linear
 from qinfer.linear.grouped import GroupedLinear
-from qinfer.model.forward_batch import ForwardBatch
 from qinfer.weights.load import init_random
 from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 

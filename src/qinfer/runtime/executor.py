@@ -2,7 +2,7 @@
 
     executor = Executor(model, runtime_config)             # one process
     executor = Executor(shard, runtime_config, group)      # rank 0 of a tensor-parallel group
-    output = executor.execute(step)                        # StepInputs -> StepOutput
+    output = executor.execute(step)                        # ScheduledStep -> StepOutput
     executor.close()                                       # stops the workers (if any)
 
 The engine talks to the executor only: it never sees a rank, a group or a channel. In one
@@ -29,7 +29,7 @@ from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.distributed import TensorParallelGroup
 from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 from qinfer.runtime.step_channel import StepChannel
 
 
@@ -92,7 +92,7 @@ class Executor:
         return self.runner.num_blocks
 
     def execute(
-        self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
+        self, step: ScheduledStep, hidden_rows: list[list[int] | None] | None = None
     ) -> StepOutput:
         """Run one step on every rank; rank 0's logits (and pooled hidden rows, see
         `ModelRunner.forward`). Under tensor parallelism a rank that died or a collective

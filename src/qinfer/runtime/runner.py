@@ -21,14 +21,14 @@ import torch
 from qinfer.attention.backend import choose_backend
 from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
 from qinfer.attention.kv_pool import KVPool, paged_layers
-from qinfer.attention.step_buffers import StepBuffers, StepTensors
+from qinfer.attention.step_buffers import StepBuffers
 from qinfer.core.errors import QinferError
-from qinfer.model.forward_batch import BatchImages, ForwardBatch
+from qinfer.core.forward_batch import BatchImages, ForwardBatch
 from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
 from qinfer.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
 from qinfer.runtime.static_decode import is_decode, padded
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 from qinfer.runtime.step_channel import StepChannel
 
 
@@ -200,7 +200,7 @@ class ModelRunner:
         return [pool.num_blocks - int(self.static_decode) for pool in self.pools]
 
     def forward(
-        self, step: StepInputs, hidden_rows: list[list[int] | None] | None = None
+        self, step: ScheduledStep, hidden_rows: list[list[int] | None] | None = None
     ) -> StepOutput:
         """One step through the model over this rank's pool: the logits (R, V) of the rows
         the step asked for and, on rank 0, the pooling rows' final-normed hidden states.
@@ -231,13 +231,13 @@ class ModelRunner:
                 pooled.append(self.model.norm(hidden[index.to(hidden.device)]).float())
         return StepOutput(logits if widths is None else logits[:num_seqs], pooled)
 
-    def forward_batch(self, step: StepInputs, widths: list[int] | None = None) -> ForwardBatch:
+    def forward_batch(self, step: ScheduledStep, widths: list[int] | None = None) -> ForwardBatch:
         """The step as the model runs it: every sequence's new tokens flat, at their
         positions, over this runner's pools; logits at the last num_logits[b] rows of each;
         each space's tables padded to at least widths[s] blocks. Its tensors are views of
         this runner's `StepBuffers`, rewritten by the next step.
 
-        A step with images (`StepInputs.images`) runs at (3, T) M-RoPE positions and
+        A step with images (`ScheduledStep.images`) runs at (3, T) M-RoPE positions and
         carries the embeddings of its image tokens (`BatchImages`); the attention plan
         keeps the buffers' (T,) positions, which order the keys for the masks."""
         batch = self._batch(self._write(step, widths))
@@ -245,7 +245,7 @@ class ModelRunner:
             return batch
         return dataclasses.replace(batch, **self._images(step, batch.query_starts))
 
-    def _images(self, step: StepInputs, starts: list[int]) -> dict:
+    def _images(self, step: ScheduledStep, starts: list[int]) -> dict:
         """The `ForwardBatch` fields of a step with images: positions (3, T), each
         sequence's from its `StepImages` or, without images, its index in all three
         sections; and the image rows of the flat step with their embeddings (None: the
@@ -273,20 +273,15 @@ class ModelRunner:
             )
         return fields
 
-    def _write(self, step: StepInputs, widths: list[int] | None) -> StepTensors:
+    def _write(self, step: ScheduledStep, widths: list[int] | None) -> ForwardBatch:
+        """The step written into the buffers: a batch to plan."""
         rows, _ = step.logits_rows()
         return self.buffers.write(step.new_tokens, step.num_computed, step.tables, rows, widths)
 
-    def _batch(self, tensors: StepTensors) -> ForwardBatch:
-        return ForwardBatch(
-            token_ids=tensors.token_ids,
-            positions=tensors.positions,
-            query_starts=tensors.query_starts,
-            logits_indices=tensors.logits_indices,
-            attention=self.backend.plan(tensors, self.layers),
-        )
+    def _batch(self, written: ForwardBatch) -> ForwardBatch:
+        return written.planned(self.backend.plan(written, self.layers))
 
-    def _replayed(self, step: StepInputs, widths: list[int]) -> torch.Tensor:
+    def _replayed(self, step: ScheduledStep, widths: list[int]) -> torch.Tensor:
         """The logits (Gb, V) of a bucketed decode step, its inputs written into the step
         buffers and its bucket's graph replayed over them (the plan is in the graph: it
         reads only those buffers)."""

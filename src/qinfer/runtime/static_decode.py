@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 
 
 def bucket(n: int, cap: int) -> int:
@@ -28,7 +28,7 @@ def bucket(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length(), max(n, cap))
 
 
-def is_decode(step: StepInputs) -> bool:
+def is_decode(step: ScheduledStep) -> bool:
     """Every sequence runs one token and samples from it: a step a bucket can hold."""
     return all(len(ids) == 1 for ids in step.new_tokens) and all(
         count == 1 for count in step.num_logits
@@ -36,8 +36,8 @@ def is_decode(step: StepInputs) -> bool:
 
 
 def padded(
-    step: StepInputs, scratch: list[int], max_rows: int, max_widths: list[int]
-) -> tuple[StepInputs, list[int]]:
+    step: ScheduledStep, scratch: list[int], max_rows: int, max_widths: list[int]
+) -> tuple[ScheduledStep, list[int]]:
     """A decode step padded to its bucket: (the step with Gb - G padding rows after its own,
     each space's table width Wb). scratch[s]: the scratch block of space s's pool;
     max_rows, max_widths[s]: the buffers' capacities (a bucket never grows them)."""

@@ -1,10 +1,11 @@
 """The step a runner runs: what the engine hands the runtime, and what rank 0 broadcasts.
 
-    step = StepInputs(new_tokens, num_computed, tables, num_logits)
+    step = ScheduledStep(new_tokens, num_computed, tables, num_logits)
     output = executor.execute(step)
 
-Plain lists (and, for images, their tensors), no engine types: the engine builds one from its scheduled sequences
-(`qinfer.engine.sequence.step_inputs`), a draft model from its own, and a tensor-parallel
+Plain lists (and, for images, their tensors), no engine types: what the scheduler decided.
+The engine builds one from its scheduled sequences
+(`qinfer.engine.sequence.scheduled_step`), a draft model from its own, and a tensor-parallel
 worker from the two int64 tensors of `qinfer.runtime.step_channel`.
 """
 
@@ -31,7 +32,7 @@ class StepImages:
 
 
 @dataclass(frozen=True)
-class StepInputs:
+class ScheduledStep:
     """One engine step: per sequence b, new_tokens[b] (ids to run now), num_computed[b]
     (tokens already in the pool), tables[s][b] (its blocks in block space s of the model,
     `qinfer.attention.block_spaces`: a window space's table from the first block the step

@@ -2,7 +2,7 @@
 
 The scheduler, block manager and sampler live on rank 0 only. Every rank must still run
 each forward with the same inputs, in the same order (`qinfer.core.parallel`), so before each
-forward rank 0 broadcasts the step (`qinfer.runtime.step.StepInputs`), and every worker
+forward rank 0 broadcasts the step (`qinfer.runtime.step.ScheduledStep`), and every worker
 runs it over its own KV pools (same block ids: the pools have the same number of blocks)
 through the same `Transformer.forward`. Two broadcasts per step, on the group's
 CPU `control` group:
@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from qinfer.runtime.distributed import TensorParallelGroup
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 
 
-def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor]:
     """A step as the channel's (header, payload) int64 tensors (the module's docstring)."""
     tables = step.tables
     tokens = [t for ids in step.new_tokens for t in ids]
@@ -37,7 +37,7 @@ def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return header, torch.tensor(payload + tokens + entries, dtype=torch.long)
 
 
-def unpack(header: list[int], payload: list[int]) -> StepInputs:
+def unpack(header: list[int], payload: list[int]) -> ScheduledStep:
     """The step `pack` made these numbers from (header as ints, payload as ints)."""
     S, T, K, _ = header
     lengths, computed, num_logits = payload[:S], payload[S : 2 * S], payload[2 * S : 3 * S]
@@ -45,7 +45,7 @@ def unpack(header: list[int], payload: list[int]) -> StepInputs:
     tokens = payload[3 * S + K * S : 3 * S + K * S + T]
     tables = _split(payload[3 * S + K * S + T :], table_lengths)
     spaces = [tables[k * S : (k + 1) * S] for k in range(K)]
-    return StepInputs(_split(tokens, lengths), computed, spaces, num_logits)
+    return ScheduledStep(_split(tokens, lengths), computed, spaces, num_logits)
 
 
 class StepChannel:
@@ -54,7 +54,7 @@ class StepChannel:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group.control
 
-    def send(self, step: StepInputs) -> None:
+    def send(self, step: ScheduledStep) -> None:
         """Rank 0: broadcast a step (before running it itself)."""
         header, payload = pack(step)
         self._broadcast(header)
@@ -64,7 +64,7 @@ class StepChannel:
         """Rank 0: tell the workers there are no more steps."""
         self._broadcast(torch.zeros(4, dtype=torch.long))
 
-    def receive(self) -> StepInputs | None:
+    def receive(self) -> ScheduledStep | None:
         """A worker: the next step, or None once rank 0 has stopped."""
         header = self._broadcast(torch.empty(4, dtype=torch.long)).tolist()
         S, T, K, E = header

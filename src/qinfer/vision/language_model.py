@@ -26,8 +26,8 @@ from PIL import Image
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
 from qinfer.core.errors import RequestError
+from qinfer.core.forward_batch import BatchImages, ForwardBatch
 from qinfer.core.model_config import ModelConfig
-from qinfer.model.forward_batch import BatchImages, ForwardBatch
 from qinfer.model.loading import keeps_gguf_blocks, load_model
 from qinfer.model.transformer import Transformer
 from qinfer.vision.image import (

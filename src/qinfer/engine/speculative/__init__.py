@@ -2,7 +2,7 @@
 
 A decoding sequence runs one token per step. With a proposer, it runs its last sampled
 token followed by k proposed ones (`Sequence.proposed`) in the same step: the forward
-returns 1 + k rows of logits (`StepInputs.num_logits`), and the engine samples row by row,
+returns 1 + k rows of logits (`ScheduledStep.num_logits`), and the engine samples row by row,
 keeping proposals while they match what it samples (`qinfer.request.sampling`: exact rejection
 sampling, so greedy output is token for token and sampled output distribution for
 distribution what it would be without speculation). One step then yields from 1 to k + 1

@@ -31,7 +31,7 @@ from qinfer.model.transformer import Transformer
 from qinfer.request.sampling import argmax_rows
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.runner import ModelRunner
-from qinfer.runtime.step import StepInputs
+from qinfer.runtime.step import ScheduledStep
 
 
 class DraftModel:
@@ -67,7 +67,7 @@ class DraftModel:
             seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         # First forward: each sequence's missing tokens, up to and with its last one.
         live = list(range(len(seqs)))
-        step = StepInputs(
+        step = ScheduledStep(
             [seqs[b].token_ids[seqs[b].num_draft_computed :] for b in live],
             [seqs[b].num_draft_computed for b in live],
             [[seqs[b].tables[0] for b in live]],
@@ -81,7 +81,7 @@ class DraftModel:
             if not live:
                 break
             # The next forward runs each live sequence's latest guess at its position.
-            step = StepInputs(
+            step = ScheduledStep(
                 [[proposals[b][-1]] for b in live],
                 [seqs[b].num_tokens + round_ for b in live],
                 [[seqs[b].tables[0] for b in live]],
@@ -92,6 +92,6 @@ class DraftModel:
             seq.num_draft_computed = seq.num_tokens + len(guesses) - 1
         return proposals
 
-    def _greedy(self, step: StepInputs) -> list[int]:
+    def _greedy(self, step: ScheduledStep) -> list[int]:
         logits = self.runner.forward(step).logits  # (R, V) fp32
         return argmax_rows(logits).tolist()

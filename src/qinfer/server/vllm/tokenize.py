@@ -12,11 +12,17 @@ from starlette.concurrency import run_in_threadpool
 from qinfer.server.errors import APIError
 from qinfer.server.images import accepted_refs
 from qinfer.server.openai.chat import ChatMessage, ToolDefinition
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
 from qinfer.server.schema import MAX_TOOLS, StrictModel, TemplateKwargs
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
+
+
+#: What these routes refuse: the body, the API key, the model, the body's size (the
+#: engine never runs, so never a full queue).
+TEXT_ERRORS = (400, 401, 404, 413)
 
 
 class TokenizeRequest(StrictModel):
@@ -49,11 +55,19 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /tokenize and /detokenize (any task)."""
     routes = APIRouter()
 
-    @routes.post("/tokenize", dependencies=access.authorized)
+    @routes.post(
+        "/tokenize",
+        dependencies=access.authorized,
+        **documented(TokenizeRequest, errors=TEXT_ERRORS),
+    )
     async def tokenize(request: Request) -> dict[str, Any]:
         return await token_ids(server, await read_body(request, TokenizeRequest))
 
-    @routes.post("/detokenize", dependencies=access.authorized)
+    @routes.post(
+        "/detokenize",
+        dependencies=access.authorized,
+        **documented(DetokenizeRequest, errors=TEXT_ERRORS),
+    )
     async def detokenize(request: Request) -> dict[str, Any]:
         return await text(server, await read_body(request, DetokenizeRequest))
 

@@ -6,7 +6,8 @@ schemas and bodies that break them; its default checks hold on every answer: no 
 documented statuses and content types, bodies that conform to the documented schemas,
 invalid bodies refused. Its stateful run follows the document's links (a created response
 read and deleted by its id). The server is the embedded SmolLM2 in this process, on a short
-context; each generated body's token budget is cut to a few tokens (`small_budget`), so
+context; each generated body names the served model and its token budget is cut to a few tokens
+(`servable`), so
 that a valid body costs milliseconds whatever its `max_tokens` says.
 """
 
@@ -79,15 +80,18 @@ def api(served):
     return schemathesis.openapi.from_url(f"{served}/openapi.json")
 
 
-def small_budget(case) -> None:
-    """Cut a generating body's token budget to MAX_TOKENS (added where the test may): a
-    valid body stays valid, an invalid one keeps what makes it invalid."""
-    field, may_add = BUDGETS.get(case.path, (None, False))
+def servable(case) -> None:
+    """Name the served model in a generated body that names one (any other name is a
+    404), and cut a generating body's token budget to MAX_TOKENS (added where the test
+    may): a valid body stays valid, an invalid one keeps what makes it invalid."""
     body = case.body
-    if field is None or case.method.upper() != "POST" or not isinstance(body, dict):
+    if case.method.upper() != "POST" or not isinstance(body, dict):
         return
+    if isinstance(body.get("model"), str):
+        body["model"] = MODEL
+    field, may_add = BUDGETS.get(case.path, (None, False))
     value = body.get(field)
-    if (value is None and may_add) or (type(value) is int and value > MAX_TOKENS):
+    if field and ((value is None and may_add) or (type(value) is int and value > MAX_TOKENS)):
         body[field] = MAX_TOKENS
 
 
@@ -104,7 +108,7 @@ def fuzzed(operation) -> tuple[Counter, int]:
     @given(st.one_of(*(operation.as_strategy(mode) for mode in modes)))
     def run(case) -> None:
         nonlocal ran
-        small_budget(case)
+        servable(case)
         response = case.call_and_validate(excluded_checks=[positive_data_acceptance])
         ran += 1
         if case.meta.generation.mode.is_positive:

@@ -32,6 +32,13 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 DOCS_FILES = Path(fastapi_offline.__file__).parent / "static"
 DOCS_FILES_URL = "/docs-files"
 
+#: One server-sent event of a stream (OpenAPI 3.1 reads a stream's schema as each event's):
+#: its data (JSON, or OpenAI's closing "[DONE]") and, in the APIs that name them, its name.
+EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
 #: Why a route answers each error status (the statuses a route lists in `documented`).
 ERROR_REASONS = {
     400: "A field of the wrong type, out of range or not supported, named in the message",
@@ -62,7 +69,7 @@ def documented(
     from its answer to other operations."""
     content: dict[str, Any] = {"application/json": {"schema": answer or {"type": "object"}}}
     if streams:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": EVENT}
     success: dict[str, Any] = {"description": "The answer", "content": content}
     if links:
         success["links"] = dict(links)

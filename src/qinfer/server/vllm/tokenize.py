@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.server.errors import APIError
@@ -28,6 +28,16 @@ TEXT_ERRORS = (400, 401, 404, 413)
 class TokenizeRequest(StrictModel):
     """vLLM's `POST /tokenize`: a `prompt` (encoded as a text completion encodes it), or
     chat `messages` (rendered as a chat request renders them, tools included)."""
+
+    # The document says what `_prompt_or_messages` checks: one of the two, not both.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+                {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+            ]
+        }
+    )
 
     model: str | None = None
     prompt: str | None = None

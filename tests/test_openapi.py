@@ -13,9 +13,11 @@ that a valid body costs milliseconds whatever its `max_tokens` says.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -42,6 +44,8 @@ MODEL = "smollm2"
 
 #: Generated cases per operation: the issue's floor.
 CASES = 40
+#: Scenarios of the stateful run, and calls in each at most.
+SCENARIOS, STEPS = 20, 4
 #: The most tokens a generated body may ask for.
 MAX_TOKENS = 4
 #: The field that bounds a reply's tokens, per generating route, and whether the test
@@ -78,6 +82,28 @@ def served() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def api(served):
     return schemathesis.openapi.from_url(f"{served}/openapi.json")
+
+
+def test_every_post_operation_documents_its_body_and_errors(served):
+    document = httpx.get(f"{served}/openapi.json").json()
+    posts = {path: ops["post"] for path, ops in document["paths"].items() if "post" in ops}
+    assert len(posts) == 11
+    for path, operation in posts.items():
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body["properties"], path
+        assert {"200", "400", "401", "413"} <= set(operation["responses"]), path
+    error = posts["/v1/messages"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/AnthropicErrorBody"}
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_nothing_from_elsewhere(served, page):
+    html = httpx.get(f"{served}{page}")
+    assert html.status_code == 200
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html.text)
+    assert assets and all(url.startswith("/") for url in assets), assets
+    for url in assets:
+        assert httpx.get(f"{served}{url}").status_code == 200, url
 
 
 def servable(case) -> None:
@@ -131,3 +157,25 @@ def test_every_operation_answers_as_documented(api, subtests):
             # validation mismatch").
             accepted = any(200 <= status < 300 for status in answered)
             assert accepted or set(answered) <= {404}, dict(answered)
+
+
+def test_created_responses_are_read_and_deleted_by_their_links(api):
+    """The stateful run: sequences of calls that follow the document's links, so that a
+    response POST /v1/responses created is read (GET) and deleted (DELETE) by its id."""
+    called: Counter = Counter()
+
+    class Scenarios(api.as_state_machine()):
+        def before_call(self, case) -> None:
+            servable(case)
+
+        def after_call(self, response, case) -> None:
+            super().after_call(response, case)
+            called[f"{case.operation.label} {response.status_code}"] += 1
+
+        def validate_response(self, response, case, additional_checks=None, **kwargs) -> None:
+            case.validate_response(response, excluded_checks=[positive_data_acceptance])
+
+    Scenarios.run(settings=settings(FUZZ, max_examples=SCENARIOS, stateful_step_count=STEPS))
+    print(dict(called))
+    assert called["GET /v1/responses/{response_id} 200"] > 0
+    assert called["DELETE /v1/responses/{response_id} 200"] > 0

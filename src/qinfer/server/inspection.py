@@ -114,7 +114,11 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/inspect (any task)."""
     routes = APIRouter()
 
-    @routes.post("/v1/inspect", dependencies=access.authorized, **documented(InspectRequest))
+    @routes.post(
+        "/v1/inspect",
+        dependencies=access.authorized,
+        **documented(InspectRequest, {"prompt": "The capital of France is"}),
+    )
     async def inspect(request: Request) -> dict[str, Any]:
         return await inspected(server, await read_body(request, InspectRequest))
 

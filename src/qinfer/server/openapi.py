@@ -55,6 +55,7 @@ BODY_ERRORS = (400, 401, 404, 413, 503)
 
 def documented(
     body: type[BaseModel] | None = None,
+    example: Mapping[str, Any] | None = None,
     *,
     errors: Iterable[int] = BODY_ERRORS,
     error_body: type[BaseModel] = ErrorBody,
@@ -63,7 +64,8 @@ def documented(
     links: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The keywords of a route's decorator that document it: `body`, the model its JSON
-    body is validated as; `errors`, the statuses it refuses with (a body of `error_body`);
+    body is validated as, and `example`, a body it accepts (/docs' "Try it out" starts
+    from it; tests/test_openapi.py sends it); `errors`, the statuses it refuses with (a body of `error_body`);
     `answer`, the schema of its 200 JSON (any object when None); `streams`, whether a body
     with `stream: true` is answered with server-sent events; `links`, the OpenAPI links
     from its answer to other operations."""
@@ -79,7 +81,8 @@ def documented(
     keywords: dict[str, Any] = {"responses": responses}
     if body is not None:
         schema = body.model_json_schema(ref_template=REF_TEMPLATE)
-        request_body = {"required": True, "content": {"application/json": {"schema": schema}}}
+        media = {"schema": schema, "example": dict(example or {})}
+        request_body = {"required": True, "content": {"application/json": media}}
         keywords["openapi_extra"] = {"requestBody": request_body}
     return keywords
 

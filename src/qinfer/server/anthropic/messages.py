@@ -314,17 +314,27 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     # Anthropic's statuses: 529 where the others answer 503 (`anthropic_error`); counting
     # tokens never reaches the engine's queue.
     errors = (400, 401, 404, 413, 529)
+    # The documents' example (`model` names the served one: any other is a 404).
+    message = {
+        "model": server.settings.model_name,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
 
     @routes.post(
         "/v1/messages",
-        **documented(MessagesRequest, errors=errors, error_body=AnthropicErrorBody, streams=True),
+        **documented(
+            MessagesRequest, message, errors=errors, error_body=AnthropicErrorBody, streams=True
+        ),
     )
     async def create_message(request: Request) -> Response:
         return await api.create(await read_body(request, MessagesRequest), request)
 
     @routes.post(
         "/v1/messages/count_tokens",
-        **documented(ConversationRequest, errors=errors[:-1], error_body=AnthropicErrorBody),
+        **documented(
+            ConversationRequest, message, errors=errors[:-1], error_body=AnthropicErrorBody
+        ),
     )
     async def count_message_tokens(request: Request) -> dict[str, int]:
         return await api.count_tokens(await read_body(request, ConversationRequest))

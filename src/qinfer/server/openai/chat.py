@@ -288,7 +288,9 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/chat/completions",
         dependencies=access.serving("generate"),
-        **documented(ChatCompletionRequest, streams=True),
+        **documented(
+            ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}, streams=True
+        ),
     )
     async def chat_completions(request: Request) -> Response:
         return await chat(server, await read_body(request, ChatCompletionRequest), request)

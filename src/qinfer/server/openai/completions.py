@@ -91,7 +91,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/completions",
         dependencies=access.serving("generate"),
-        **documented(CompletionRequest, streams=True),
+        **documented(CompletionRequest, {"prompt": "Once upon a time"}, streams=True),
     )
     async def completions(request: Request) -> Response:
         return await complete(server, await read_body(request, CompletionRequest), request)

@@ -109,7 +109,9 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     api = EmbeddingsAPI(server)
     routes = APIRouter(dependencies=access.serving("generate", "embed"))
 
-    @routes.post("/v1/embeddings", **documented(EmbeddingRequest))
+    @routes.post(
+        "/v1/embeddings", **documented(EmbeddingRequest, {"input": "The capital of France"})
+    )
     async def create_embeddings(request: Request) -> dict[str, Any]:
         return await api.create(await read_body(request, EmbeddingRequest))
 

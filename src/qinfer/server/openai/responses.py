@@ -432,7 +432,9 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         "DeleteResponse": {"operationId": "delete_response", "parameters": by_id},
     }
 
-    @routes.post("/v1/responses", **documented(ResponsesRequest, streams=True, links=links))
+    @routes.post(
+        "/v1/responses", **documented(ResponsesRequest, {"input": "Hi"}, streams=True, links=links)
+    )
     async def create_response(request: Request) -> Response:
         return await api.create(await read_body(request, ResponsesRequest), request)
 

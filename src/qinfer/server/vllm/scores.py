@@ -146,11 +146,16 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     api = ScoresAPI(server)
     routes = APIRouter(dependencies=access.serving("generate", "rerank"))
 
-    @routes.post("/v1/rerank", **documented(RerankRequest))
+    @routes.post(
+        "/v1/rerank",
+        **documented(RerankRequest, {"query": "capital of France", "documents": ["Paris", "Rome"]}),
+    )
     async def rerank(request: Request) -> dict[str, Any]:
         return await api.rerank(await read_body(request, RerankRequest))
 
-    @routes.post("/v1/score", **documented(ScoreRequest))
+    @routes.post(
+        "/v1/score", **documented(ScoreRequest, {"text_1": "capital of France", "text_2": "Paris"})
+    )
     async def score(request: Request) -> dict[str, Any]:
         return await api.score(await read_body(request, ScoreRequest))
 

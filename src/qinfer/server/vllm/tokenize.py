@@ -68,7 +68,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/tokenize",
         dependencies=access.authorized,
-        **documented(TokenizeRequest, errors=TEXT_ERRORS),
+        **documented(TokenizeRequest, {"prompt": "Hello"}, errors=TEXT_ERRORS),
     )
     async def tokenize(request: Request) -> dict[str, Any]:
         return await token_ids(server, await read_body(request, TokenizeRequest))
@@ -76,7 +76,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/detokenize",
         dependencies=access.authorized,
-        **documented(DetokenizeRequest, errors=TEXT_ERRORS),
+        **documented(DetokenizeRequest, {"tokens": [100, 101]}, errors=TEXT_ERRORS),
     )
     async def detokenize(request: Request) -> dict[str, Any]:
         return await text(server, await read_body(request, DetokenizeRequest))

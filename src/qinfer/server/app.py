@@ -8,7 +8,8 @@ vLLM's `POST /tokenize` and `POST /detokenize` (`vllm.tokenize`), `POST /v1/rera
 `/v1/score` (`vllm.scores`); qinfer's own `POST /v1/inspect` (`inspection`); all behind
 the API keys when there are any. This module adds `GET /health`, `GET /metrics`, and the
 web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves).
+`server/static/`, which ask for the key once and send it to /v1 themselves), and the API
+as a document at `/openapi.json`, shown at `/docs` and `/redoc` (`qinfer.server.openapi`).
 
 Each API module has its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
 body reading, API key and task checks) and its handling over the shared `ModelServer`

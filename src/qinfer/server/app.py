@@ -8,7 +8,8 @@ vLLM's `POST /tokenize` and `POST /detokenize` (`vllm.tokenize`), `POST /v1/rera
 `/v1/score` (`vllm.scores`); qinfer's own `POST /v1/inspect` (`inspection`); all behind
 the API keys when there are any. This module adds `GET /health`, `GET /metrics`, and the
 web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves).
+`server/static/`, which ask for the key once and send it to /v1 themselves), and the API
+as a document at `/openapi.json`, shown at `/docs` and `/redoc` (`qinfer.server.openapi`).
 
 Each API module has its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
 body reading, API key and task checks) and its handling over the shared `ModelServer`
@@ -34,7 +35,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -44,7 +45,7 @@ from qinfer.engine.build import LoadConfig
 from qinfer.model.announcer import LoadAnnouncer, display_name
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams, checkpoint_sampling
-from qinfer.server import inspection
+from qinfer.server import inspection, openapi
 from qinfer.server.anthropic import messages
 from qinfer.server.errors import install_error_handlers
 from qinfer.server.lifecycle import Server
@@ -67,6 +68,18 @@ API_MODULES = (
     scores,
     inspection,
 )
+
+#: /health's answer: "ok", or (with a 503) "error" and why the engine failed.
+HEALTH = {
+    "type": "object",
+    "properties": {
+        "status": {"enum": ["ok", "error"]},
+        "message": {"type": "string"},
+    },
+    "required": ["status"],
+}
+#: /metrics' media type: Prometheus' text format.
+PROMETHEUS = "text/plain; version=0.0.4"
 
 #: The web pages' files (HTML, CSS, JavaScript: no build step, nothing fetched elsewhere).
 STATIC_FILES = Path(__file__).parent / "static"
@@ -101,8 +114,10 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
         yield
         engine.shutdown()
 
-    app = FastAPI(title="qinfer", lifespan=lifespan)
+    # FastAPI's own /docs and /redoc load their scripts from a CDN: openapi's are offline.
+    app = FastAPI(title="qinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    openapi.install(app)
     access = Access(settings)
     routers = [api.router(server, access) for api in API_MODULES]
     for router in routers:
@@ -118,15 +133,26 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     app.mount("/static", StaticFiles(directory=STATIC_FILES), name="static")
 
-    @app.get("/health")
+    health_json = {"content": {"application/json": {"schema": HEALTH}}}
+    health_answers = {
+        200: {"description": "The engine runs", **health_json},
+        503: {
+            "description": "A tensor-parallel worker died: the server is stopping",
+            **health_json,
+        },
+    }
+
+    @app.get("/health", responses=health_answers)
     async def health() -> Response:
         if engine.failure is not None:  # a tensor-parallel worker died: the server is stopping
             return JSONResponse({"status": "error", "message": str(engine.failure)}, 503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    metrics_text = {"description": "Prometheus' text format", "content": {PROMETHEUS: {}}}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: metrics_text})
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.render(), media_type=PROMETHEUS)
 
     # every route's path: the app's own and its routers' (an included router is one entry)
     routes = frozenset(

@@ -15,6 +15,7 @@ from typing import Any
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
@@ -33,6 +34,22 @@ ERROR_TYPES = {
 }
 
 
+class ErrorFields(BaseModel):
+    """What went wrong: the message, its OpenAI `type`, the field at fault, a code."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error the OpenAI-shaped routes answer (its schema is the one
+    /openapi.json documents for their 4xx and 503)."""
+
+    error: ErrorFields
+
+
 class APIError(Exception):
     """A request the server refuses: its HTTP status and the OpenAI error fields."""
 
@@ -43,16 +60,12 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        """The JSON body: {"error": {"message", "type", "param", "code"}}."""
+        """The JSON body: {"error": {"message", "type", "param", "code"}} (`ErrorBody`)."""
         error_type = ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {
-            "error": {
-                "message": self.message,
-                "type": error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        fields = ErrorFields(
+            message=self.message, type=error_type, param=self.param, code=self.code
+        )
+        return ErrorBody(error=fields).model_dump()
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from qinfer.analysis.inspection import Inspection, TopTokens, inspect_tokens
 from qinfer.core.model_config import ModelConfig
 from qinfer.server.openai.chat import ChatMessage
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
 from qinfer.server.schema import StrictModel
 from qinfer.text.prompts import encode_prompt
@@ -113,7 +114,11 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/inspect (any task)."""
     routes = APIRouter()
 
-    @routes.post("/v1/inspect", dependencies=access.authorized)
+    @routes.post(
+        "/v1/inspect",
+        dependencies=access.authorized,
+        **documented(InspectRequest, {"prompt": "The capital of France is"}),
+    )
     async def inspect(request: Request) -> dict[str, Any]:
         return await inspected(server, await read_body(request, InspectRequest))
 

@@ -35,17 +35,19 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.request.tool_calls import check_tool_schemas
 from qinfer.server.anthropic.messages_request import ConversationRequest, MessagesRequest
 from qinfer.server.choices import Completion
 from qinfer.server.errors import APIError, error_from_exception
+from qinfer.server.openapi import documented
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.server.routing import Access, read_body
 
@@ -84,14 +86,32 @@ def threads_unsupported() -> APIError:
     )
 
 
+class AnthropicErrorDetails(BaseModel):
+    error_code: str
+
+
+class AnthropicErrorFields(BaseModel):
+    type: str
+    message: str
+    details: AnthropicErrorDetails | None = None  # only for the codes clients act on (ERROR_CODES)
+
+
+class AnthropicErrorBody(BaseModel):
+    """The body of every error these routes answer (and /openapi.json documents)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorFields
+
+
 def anthropic_error(error: APIError) -> tuple[int, dict[str, Any]]:
     """(status, body) of an error in Anthropic's shape."""
     status = 529 if error.status == 503 else error.status
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    fields = {"type": kind, "message": error.message}
-    if error.code in ERROR_CODES:
-        fields["details"] = {"error_code": error.code}
-    return status, {"type": "error", "error": fields}
+    details = AnthropicErrorDetails(error_code=error.code) if error.code in ERROR_CODES else None
+    body = AnthropicErrorBody(
+        error=AnthropicErrorFields(type=kind, message=error.message, details=details)
+    )
+    return status, body.model_dump(exclude_none=True)
 
 
 class AnthropicRoute(APIRoute):
@@ -291,11 +311,31 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     api = MessagesAPI(server)
     routes = APIRouter(dependencies=access.serving("generate"), route_class=AnthropicRoute)
 
-    @routes.post("/v1/messages")
+    # Anthropic's statuses: 529 where the others answer 503 (`anthropic_error`); counting
+    # tokens never reaches the engine's queue.
+    errors = (400, 401, 404, 413, 529)
+    # The documents' example (`model` names the served one: any other is a 404).
+    message = {
+        "model": server.settings.model_name,
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+
+    @routes.post(
+        "/v1/messages",
+        **documented(
+            MessagesRequest, message, errors=errors, error_body=AnthropicErrorBody, streams=True
+        ),
+    )
     async def create_message(request: Request) -> Response:
         return await api.create(await read_body(request, MessagesRequest), request)
 
-    @routes.post("/v1/messages/count_tokens")
+    @routes.post(
+        "/v1/messages/count_tokens",
+        **documented(
+            ConversationRequest, message, errors=errors[:-1], error_body=AnthropicErrorBody
+        ),
+    )
     async def count_message_tokens(request: Request) -> dict[str, int]:
         return await api.count_tokens(await read_body(request, ConversationRequest))
 

@@ -24,6 +24,7 @@ from qinfer.server.openai.generation import (
     json_logprob,
     sampling_params,
 )
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
 from qinfer.server.schema import (
     MAX_TOOLS,
@@ -284,7 +285,13 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/chat/completions (the generate task)."""
     routes = APIRouter()
 
-    @routes.post("/v1/chat/completions", dependencies=access.serving("generate"))
+    @routes.post(
+        "/v1/chat/completions",
+        dependencies=access.serving("generate"),
+        **documented(
+            ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}, streams=True
+        ),
+    )
     async def chat_completions(request: Request) -> Response:
         return await chat(server, await read_body(request, ChatCompletionRequest), request)
 

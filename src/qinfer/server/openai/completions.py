@@ -20,6 +20,7 @@ from qinfer.server.openai.generation import (
     json_logprob,
     sampling_params,
 )
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
 from qinfer.text.fill_in_middle import fim_tokens
 from qinfer.text.prompts import Prompt, encode_prompt
@@ -87,7 +88,11 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/completions (the generate task)."""
     routes = APIRouter()
 
-    @routes.post("/v1/completions", dependencies=access.serving("generate"))
+    @routes.post(
+        "/v1/completions",
+        dependencies=access.serving("generate"),
+        **documented(CompletionRequest, {"prompt": "Once upon a time"}, streams=True),
+    )
     async def completions(request: Request) -> Response:
         return await complete(server, await read_body(request, CompletionRequest), request)
 

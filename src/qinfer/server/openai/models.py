@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """GET /v1/models (any task)."""
     routes = APIRouter()
 
-    @routes.get("/v1/models", dependencies=access.authorized)
+    @routes.get("/v1/models", dependencies=access.authorized, **documented(errors=(401,)))
     async def models() -> dict[str, Any]:
         return model_list(server)
 

@@ -48,6 +48,7 @@ from qinfer.server.openai.responses_request import (
     input_item,
     template_messages,
 )
+from qinfer.server.openapi import documented
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.server.routing import Access, read_body
 from qinfer.text.reasoning import THINK_CLOSE
@@ -424,15 +425,32 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     api = ResponsesAPI(server)
     routes = APIRouter(dependencies=access.serving("generate"))
 
-    @routes.post("/v1/responses")
+    # A created response is read and deleted by its id (schemathesis follows these links).
+    by_id = {"response_id": "$response.body#/id"}
+    links = {
+        "GetResponse": {"operationId": "get_response", "parameters": by_id},
+        "DeleteResponse": {"operationId": "delete_response", "parameters": by_id},
+    }
+
+    @routes.post(
+        "/v1/responses", **documented(ResponsesRequest, {"input": "Hi"}, streams=True, links=links)
+    )
     async def create_response(request: Request) -> Response:
         return await api.create(await read_body(request, ResponsesRequest), request)
 
-    @routes.get("/v1/responses/{response_id}")
+    @routes.get(
+        "/v1/responses/{response_id}",
+        operation_id="get_response",
+        **documented(errors=(401, 404)),
+    )
     async def get_response(response_id: str) -> dict[str, Any]:
         return api.store.response(response_id)
 
-    @routes.delete("/v1/responses/{response_id}")
+    @routes.delete(
+        "/v1/responses/{response_id}",
+        operation_id="delete_response",
+        **documented(errors=(401, 404)),
+    )
     async def delete_response(response_id: str) -> dict[str, Any]:
         api.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

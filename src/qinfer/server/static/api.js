@@ -117,6 +117,7 @@ const HEADER = `
     <nav>
       <a href="/">Chat</a>
       <a href="/inspect">Inspector</a>
+      <a href="/docs">API</a>
     </nav>
     <span id="model-name" class="model-name">…</span>
     <button id="key-button" type="button" class="ghost" title="Set the API key">Key</button>

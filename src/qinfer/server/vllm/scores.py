@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from qinfer.core.errors import RequestError
 from qinfer.request.scoring import reranker_params, reranker_prompt
 from qinfer.server.errors import APIError
+from qinfer.server.openapi import documented
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.routing import Access, read_body
 from qinfer.server.schema import StrictModel
@@ -145,11 +146,16 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     api = ScoresAPI(server)
     routes = APIRouter(dependencies=access.serving("generate", "rerank"))
 
-    @routes.post("/v1/rerank")
+    @routes.post(
+        "/v1/rerank",
+        **documented(RerankRequest, {"query": "capital of France", "documents": ["Paris", "Rome"]}),
+    )
     async def rerank(request: Request) -> dict[str, Any]:
         return await api.rerank(await read_body(request, RerankRequest))
 
-    @routes.post("/v1/score")
+    @routes.post(
+        "/v1/score", **documented(ScoreRequest, {"text_1": "capital of France", "text_2": "Paris"})
+    )
     async def score(request: Request) -> dict[str, Any]:
         return await api.score(await read_body(request, ScoreRequest))
 

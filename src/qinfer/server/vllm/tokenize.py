@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.server.errors import APIError
 from qinfer.server.images import accepted_refs
 from qinfer.server.openai.chat import ChatMessage, ToolDefinition
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
 from qinfer.server.schema import MAX_TOOLS, StrictModel, TemplateKwargs
 
@@ -19,9 +20,24 @@ if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
 
 
+#: What these routes refuse: the body, the API key, the model, the body's size (the
+#: engine never runs, so never a full queue).
+TEXT_ERRORS = (400, 401, 404, 413)
+
+
 class TokenizeRequest(StrictModel):
     """vLLM's `POST /tokenize`: a `prompt` (encoded as a text completion encodes it), or
     chat `messages` (rendered as a chat request renders them, tools included)."""
+
+    # The document says what `_prompt_or_messages` checks: one of the two, not both.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+                {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+            ]
+        }
+    )
 
     model: str | None = None
     prompt: str | None = None
@@ -49,11 +65,19 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /tokenize and /detokenize (any task)."""
     routes = APIRouter()
 
-    @routes.post("/tokenize", dependencies=access.authorized)
+    @routes.post(
+        "/tokenize",
+        dependencies=access.authorized,
+        **documented(TokenizeRequest, {"prompt": "Hello"}, errors=TEXT_ERRORS),
+    )
     async def tokenize(request: Request) -> dict[str, Any]:
         return await token_ids(server, await read_body(request, TokenizeRequest))
 
-    @routes.post("/detokenize", dependencies=access.authorized)
+    @routes.post(
+        "/detokenize",
+        dependencies=access.authorized,
+        **documented(DetokenizeRequest, {"tokens": [100, 101]}, errors=TEXT_ERRORS),
+    )
     async def detokenize(request: Request) -> dict[str, Any]:
         return await text(server, await read_body(request, DetokenizeRequest))
 

@@ -105,3 +105,16 @@ def test_cached_free_block_count_follows_frees_hits_and_evictions():
     assert manager.num_cached_free_blocks == counted() == 1
     manager.grow(Sequence("c", [0] * 8), 8)  # the uncached block, then an eviction
     assert manager.num_cached_free_blocks == counted() == 0
+
+
+def test_flush_forgets_free_prefixes_and_keeps_the_held_ones():
+    manager = BlockManager(num_blocks=8, block_size=BLOCK)
+    manager.free(computed(manager, "a", list(range(9))))  # 2 full blocks cached, free
+    held = computed(manager, "b", [7] * 9)  # 2 full blocks cached, held
+    flush = manager.flush_prefix_cache()
+    assert (flush.dropped_blocks, flush.kept_blocks) == (2, 2)
+    assert manager.num_cached_free_blocks == 0
+    assert manager.allocate_prefix(Sequence("c", list(range(9)))) == 0  # forgotten
+    assert manager.allocate_prefix(Sequence("d", [7] * 9)) == 8  # still held: still found
+    manager.free(held)
+    assert manager.flush_prefix_cache().dropped_blocks == 0  # "d" holds them now

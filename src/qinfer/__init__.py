@@ -10,8 +10,9 @@ would bind the module under that name (`generate` is the function; its module is
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+from qinfer.core.version import VERSION
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
     from qinfer.core.errors import QinferError
@@ -62,10 +63,7 @@ __all__ = [
     "stream_generate",
 ]
 
-try:
-    __version__ = version("qinfer")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
+__version__ = VERSION
 
 
 def __getattr__(name: str) -> Any:

@@ -131,6 +131,12 @@ class KVPool:
             )
         ]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool's tensors take (keys, values and their scales)."""
+        tensors = (self.keys, self.values, self.key_scales, self.value_scales)
+        return sum(t.nbytes for t in tensors if t is not None)
+
     @staticmethod
     def bytes_per_block(
         config: ModelConfig,

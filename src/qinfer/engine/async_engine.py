@@ -9,7 +9,8 @@ waits for a model step: requests are checked and encoded in the caller's thread,
 handed to the step thread through a queue (so are aborts); outputs come back to each
 request's asyncio queue with `call_soon_threadsafe`. `stats()` returns the snapshot the
 step thread publishes after every step. `run_with_model(fn)` runs other work on the model
-(an inspection) in that thread too, between two steps, so it never races a step.
+(an inspection) in that thread too, between two steps, so it never races a step; so does
+`flush_prefix_cache()`.
 
 Under tensor parallelism a worker that dies (during a step, or while the engine is idle:
 the group's watch) fails the engine for good: running requests fail, new ones are
@@ -29,7 +30,9 @@ from typing import Any, TypeVar
 
 from qinfer.core.errors import EngineOverloadedError, QinferError, RequestError
 from qinfer.core.model_config import ModelConfig
+from qinfer.engine.block_manager import CacheFlush
 from qinfer.engine.build import LoadConfig, build_engine
+from qinfer.engine.engine import Engine
 from qinfer.engine.outputs import RequestOutput
 from qinfer.engine.request import Request
 from qinfer.engine.stats import EngineStats
@@ -72,7 +75,7 @@ class AsyncEngine:
         load, engine_args = LoadConfig.split(keywords, load)
         self.engine = build_engine(model_or_path, tokenizer, load, engine_args)
         self.tokenizer = self.engine.tokenizer
-        # ("add", Request) | ("abort", id) | ("call", _ModelCall) | ("stop", None)
+        # ("add", Request) | ("abort", id) | ("call", _EngineCall) | ("stop", None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()  # guards _streams between loop and step thread
@@ -161,9 +164,19 @@ class AsyncEngine:
         The event loop waits without blocking; the engine's requests pause for the call's
         length. fn must not keep the model's state changed (it gets the engine's model).
         """
+        return await self._run_in_step_thread(lambda engine: fn(engine.executor.model))
+
+    async def flush_prefix_cache(self) -> CacheFlush:
+        """Forget the cached prefixes no request holds (between two steps); what was
+        dropped and what running requests keep."""
+        return await self._run_in_step_thread(
+            lambda engine: engine.block_manager.flush_prefix_cache()
+        )
+
+    async def _run_in_step_thread(self, fn: Callable[[Engine], T]) -> T:
         self._check_serving()
         loop = asyncio.get_running_loop()
-        call = _ModelCall(fn, loop, loop.create_future())
+        call = _EngineCall(fn, loop, loop.create_future())
         self._inbox.put(("call", call))
         return await call.result
 
@@ -269,9 +282,9 @@ class AsyncEngine:
         elif command == "abort":
             self._deliver(self.engine.abort(arg))
         elif command == "call":
-            call: _ModelCall = arg
+            call: _EngineCall = arg
             try:
-                call.settle(call.fn(self.engine.executor.model), None)
+                call.settle(call.fn(self.engine), None)
             except Exception as error:  # the caller's to report; the engine goes on
                 call.settle(None, error)
         self._stats = self.engine.stats()
@@ -294,10 +307,10 @@ class AsyncEngine:
 
 
 @dataclass
-class _ModelCall:
-    """A function to run on the model in the step thread, and where its result goes."""
+class _EngineCall:
+    """A function to run on the engine in the step thread, and where its result goes."""
 
-    fn: Callable[[Transformer], Any]
+    fn: Callable[[Engine], Any]
     loop: asyncio.AbstractEventLoop
     result: asyncio.Future
 

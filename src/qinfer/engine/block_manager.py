@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.core.errors import CacheError
@@ -89,12 +90,30 @@ class BlockPool:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.content_id is not None:  # evict: forget the prefix it held
-            self.num_cached_free_blocks -= 1
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.reset()
+            self._forget(block)
         block.ref_count = 1
         return block_id
+
+    def _forget(self, block: Block) -> None:
+        """Unregister a free block's prefix: no lookup finds it any more."""
+        self.num_cached_free_blocks -= 1
+        if self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.reset()
+
+    def forget_free(self) -> int:
+        """Forget the prefixes of every free block (they become the first to allocate);
+        how many there were. Blocks that sequences hold keep theirs."""
+        cached = [b for b in self.free_blocks if self.blocks[b].content_id is not None]
+        for block_id in cached:
+            self._forget(self.blocks[block_id])
+            self.free_blocks.move_to_end(block_id, last=False)
+        return len(cached)
+
+    @property
+    def num_cached_held_blocks(self) -> int:
+        """Registered blocks that sequences hold (a flush keeps them)."""
+        return sum(1 for b in self.blocks if b.ref_count and b.content_id is not None)
 
     def take(self, block: Block) -> int:
         """One more holder of a registered block (a prefix-cache hit); its id."""
@@ -156,6 +175,16 @@ class BlockPool:
             self.cached[h] = block_id
 
 
+@dataclass(frozen=True)
+class CacheFlush:
+    """What `BlockManager.flush_prefix_cache` did, in space 0's blocks: prefixes forgotten
+    (free blocks) and kept (blocks that running sequences hold: forgotten once freed and
+    reused, never taken from them)."""
+
+    dropped_blocks: int
+    kept_blocks: int
+
+
 class BlockManager:
     """Allocates, shares and frees the blocks of each block space for sequences.
 
@@ -194,6 +223,11 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         return self.pools[0].num_cached_free_blocks
+
+    def flush_prefix_cache(self) -> CacheFlush:
+        """Forget every cached prefix no sequence holds, in every space (`/flush_cache`)."""
+        dropped = [pool.forget_free() for pool in self.pools]
+        return CacheFlush(dropped[0], self.pools[0].num_cached_held_blocks)
 
     def _tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s tables in this manager's spaces (one each, made here when it has none)."""

@@ -379,6 +379,7 @@ class Engine:
             kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
             kv_blocks_free=blocks.num_free_blocks,
             kv_blocks_cached=blocks.num_cached_free_blocks,
+            kv_block_size=blocks.block_size,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             prefix_cache_hit_rate=hits / queries if queries else 0.0,

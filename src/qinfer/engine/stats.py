@@ -20,6 +20,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_cached: int  # free blocks still holding reusable prefix K/V
+    kv_block_size: int  # token positions per block (blocks x this: tokens)
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found there
     prefix_cache_hit_rate: float  # hits / queries (0 before any query)

@@ -91,6 +91,11 @@ class Executor:
         """Blocks in each block space's KV pool (the same on every rank)."""
         return self.runner.num_blocks
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes this process's KV pools take (rank 0's under tensor parallelism)."""
+        return sum(pool.nbytes for pool in self.runner.pools)
+
     def execute(
         self, step: ScheduledStep, hidden_rows: list[list[int] | None] | None = None
     ) -> StepOutput:

@@ -5,10 +5,12 @@ Routes, each in its API's module: OpenAI's `POST /v1/chat/completions` (`openai.
 `POST /v1/responses` (`openai.responses`), `POST /v1/embeddings` (`openai.embeddings`);
 Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (`anthropic.messages`);
 vLLM's `POST /tokenize` and `POST /detokenize` (`vllm.tokenize`), `POST /v1/rerank` and
-`/v1/score` (`vllm.scores`); qinfer's own `POST /v1/inspect` (`inspection`); all behind
-the API keys when there are any. This module adds `GET /health`, `GET /metrics`, and the
-web pages: the chat at `/`, the attention inspector at `/inspect` (plain files from
-`server/static/`, which ask for the key once and send it to /v1 themselves), and the API
+`/v1/score` (`vllm.scores`), `POST /v1/chat/completions/render` and `/v1/completions/render`
+(`vllm.render`); what routers ask of a replica, `GET /v1/loads`, `POST /flush_cache`,
+`GET /server_info` and `/model_info` (`worker`); qinfer's own `POST /v1/inspect`
+(`inspection`); all behind the API keys when there are any. This module adds `GET /health`,
+`GET /metrics`, and the web pages: the chat at `/`, the attention inspector at `/inspect`
+(plain files from `server/static/`, which ask for the key once and send it to /v1 themselves), and the API
 as a document at `/openapi.json`, shown at `/docs` and `/redoc` (`qinfer.server.openapi`).
 
 Each API module has its own `APIRouter` (`API_MODULES`, over `qinfer.server.routing`'s
@@ -45,14 +47,14 @@ from qinfer.engine.build import LoadConfig
 from qinfer.model.announcer import LoadAnnouncer, display_name
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams, checkpoint_sampling
-from qinfer.server import inspection, openapi
+from qinfer.server import inspection, openapi, worker
 from qinfer.server.anthropic import messages
 from qinfer.server.errors import install_error_handlers
 from qinfer.server.lifecycle import Server
 from qinfer.server.model_server import ModelServer, ServerSettings
 from qinfer.server.openai import chat, completions, embeddings, models, responses
 from qinfer.server.routing import Access
-from qinfer.server.vllm import scores, tokenize
+from qinfer.server.vllm import render, scores, tokenize
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: The APIs, each a module whose `router(server, access)` holds its routes
@@ -66,6 +68,8 @@ API_MODULES = (
     messages,
     embeddings,
     scores,
+    render,
+    worker,
     inspection,
 )
 

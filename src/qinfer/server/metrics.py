@@ -2,7 +2,9 @@
 
 Two sources: the server counts requests and times them (latency histograms), and the
 engine's `stats()` is read at each scrape for what only it knows (queue lengths, KV block
-use, prefix-cache hits, token totals).
+use, prefix-cache hits, token totals). The gauges routers scrape also go out under vLLM's
+names (`VLLM_GAUGES`, labelled with the served model's name as vLLM labels them), so that
+a router made for vLLM (llm-d's scheduler) reads a qinfer replica as it reads vLLM.
 """
 
 from __future__ import annotations
@@ -25,11 +27,19 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+#: vLLM's name of each qinfer gauge it also has.
+VLLM_GAUGES = {
+    "qinfer_requests_running": "vllm:num_requests_running",
+    "qinfer_requests_waiting": "vllm:num_requests_waiting",
+    "qinfer_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # a fraction, despite "perc"
+}
+
+
 class EngineCollector(Collector):
     """Reads the engine's counters and gauges afresh at every scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats]):
-        self.stats = stats
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.stats, self.model_name = stats, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
@@ -65,6 +75,12 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+            if name in VLLM_GAUGES:
+                gauge = GaugeMetricFamily(
+                    VLLM_GAUGES[name], f"{doc} (vLLM's name)", labels=["model_name"]
+                )
+                gauge.add_metric([self.model_name], value)
+                yield gauge
         counters = {
             "qinfer_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
             "qinfer_generation_tokens": ("Tokens generated", s.generation_tokens_total),
@@ -102,7 +118,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The server's own counters and latency histograms, plus the engine's view."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]):
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str):
         # A registry per server, not the process-wide default: two apps in one process
         # (as in the tests) must not share or clash over metric names.
         self.registry = CollectorRegistry()
@@ -124,7 +140,7 @@ class ServerMetrics:
             "qinfer_request_latency_seconds",
             "From handing a request to the engine to its last token",
         )
-        self.registry.register(EngineCollector(engine_stats))
+        self.registry.register(EngineCollector(engine_stats, model_name))
 
     def _latency_histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)

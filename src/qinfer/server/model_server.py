@@ -99,7 +99,7 @@ class ModelServer:
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettings):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, settings.model_name)
         self.created = int(time.time())
         self.splits_reasoning = splits_reasoning(tokenizer)
         self.tool_format = tool_call_format(tokenizer)
@@ -157,6 +157,18 @@ class ModelServer:
             parts = dataclasses.replace(parts, token_ids=parts.token_ids + ids)
         return parts
 
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+        prefill: str = "",
+    ) -> PromptParts:
+        """A conversation's prompt as a chat request sends it to the engine: its image
+        parts read (a bad one is a 400 naming it), then `encode_chat`."""
+        messages = await self.images.read_images(messages, self.accepts_images)
+        return await self.encode_chat(messages, template_kwargs, tools, prefill)
+
     async def start_chat(
         self,
         messages: list[dict[str, Any]],
@@ -175,10 +187,9 @@ class ModelServer:
         out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
         grammar in the model's own wrapping; prefill: text the reply continues (the
         Messages API's last assistant message). The Responses and Messages APIs share it.
-        Image parts (`qinfer.server.images`) are read here, so a bad one is a 400 naming
-        it before the engine sees the request."""
-        messages = await self.images.read_images(messages, self.accepts_images)
-        parts = await self.encode_chat(messages, template_kwargs, tools, prefill)
+        Its prompt is `chat_prompt`'s, so a bad image is a 400 naming it before the engine
+        sees the request."""
+        parts = await self.chat_prompt(messages, template_kwargs, tools, prefill)
         # With images the engine gets the parts: it expands each placeholder to its image's run.
         prompt = parts if parts.images else parts.token_ids
         names = tuple(tool["function"]["name"] for tool in tools or ())

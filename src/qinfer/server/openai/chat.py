@@ -258,6 +258,10 @@ class ChatCompletionRequest(GenerationRequest):
             return None
         return self.reasoning_effort not in ("none", "minimal")
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them."""
+        return [message.for_template(i) for i, message in enumerate(self.messages)]
+
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools shown to the model (None when there are none or tool_choice is "none")."""
         if not self.tools or self.tool_choice == "none":
@@ -305,7 +309,7 @@ async def chat(server: ModelServer, body: ChatCompletionRequest, connection: Req
             check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
         )
     completion = await server.start_chat(
-        [message.for_template(i) for i, message in enumerate(body.messages)],
+        body.template_messages(),
         sampling_params(server, body, chat=True),
         server.template_kwargs(body.chat_template_kwargs, body.thinking),
         tools=body.offered_tools(),

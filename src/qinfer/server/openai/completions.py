@@ -102,10 +102,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
 async def complete(server: ModelServer, body: CompletionRequest, connection: Request) -> Response:
     server.check_model(body.model)
     params = sampling_params(server, body)
-    framed = body.prompts if body.suffix is None else fill_in_middle(server, body)
-    prompts = [
-        await run_in_threadpool(encode_prompt, server.tokenizer, prompt) for prompt in framed
-    ]
+    prompts = await prompt_ids(server, body)
     echo = None
     if body.echo:  # the prompts as the client wrote them (ids decoded)
         echo = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in body.prompts]
@@ -119,6 +116,13 @@ async def complete(server: ModelServer, body: CompletionRequest, connection: Req
         stream=body.stream,
         include_usage=body.include_usage,
     )
+
+
+async def prompt_ids(server: ModelServer, body: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids, as the engine gets them (framed for fill-in-the-middle
+    when there is a `suffix`)."""
+    framed = body.prompts if body.suffix is None else fill_in_middle(server, body)
+    return [await run_in_threadpool(encode_prompt, server.tokenizer, prompt) for prompt in framed]
 
 
 def fill_in_middle(server: ModelServer, body: CompletionRequest) -> list[str]:

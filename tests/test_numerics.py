@@ -164,9 +164,9 @@ def same_in_every_batch(path, prompts, compositions) -> None:
 def test_a_request_gets_the_same_tokens_and_logprobs_in_any_batch(
     monkeypatch, model, count, as_chat
 ):
-    """The default path: the exact int4/int8 kernels compute a row alike at any row count
-    and take fp32 activations, so no layer takes a tile GEMM (which blocks by row count) at
-    prefill; paged decode reads whole blocks of keys and pads a group's histories with keys
+    """The default path: the int4 groups' int8_dot and the int8 blocks' exact kernel compute
+    a row alike at any row count (int8 activations rounded per row, fp32 ones taken as they
+    are), so no layer takes a tile GEMM (which blocks by row count) at prefill; paged decode reads whole blocks of keys and pads a group's histories with keys
     of weight 0; the head takes its kernel at every row count. Without a compiler the
     layers compute in bf16 on torch's kernels and the int8 ones take bf16 tiles for calls
     of over 16 rows, so there they are held to their kernel (QINFER_LINEAR_PATH=kernel)."""

@@ -410,6 +410,19 @@ def test_a_forced_kind_path_applies_to_the_layers_that_have_it(monkeypatch):
     assert [layer.chosen["decode"] for layer in layers] == ["int8_dot", "int8_dot", "kernel"]
 
 
+def test_a_failed_kernel_build_leaves_the_exact_rule(monkeypatch):
+    """A compiler that cannot build the kernels (offered int8_dot, not loadable): the
+    default rule takes the exact rule's paths instead of failing at the first call."""
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: True)
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: "the build failed")
+    layers = three_layers()
+    choose_paths(layers)
+    assert [layer.chosen for layer in layers] == [choose.rule_paths(w, exact=True) for w in layers]
+    assert "int8_dot" not in {p for layer in layers for p in layer.chosen.values()}
+
+
 def test_calls_up_to_decode_max_rows_take_the_decode_path():
     w = quantized("int4/32", 200, torch.bfloat16)
     w.use_paths("kernel", "fp32_tiles")
@@ -461,6 +474,7 @@ def test_the_default_rule_takes_int8_dot_wherever_a_layer_has_it(
     monkeypatch.delenv(choose.ENV, raising=False)
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
     monkeypatch.setattr(kernels, "buildable", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: None)
     layers = torch.nn.ModuleList(
         [quantized(kind, 48, torch.bfloat16) for kind in ("int8", "int4/32", "int4/128")]
     )

@@ -4,7 +4,7 @@ from what the machine is (`compute.cpu_class`), never a timing.
 The rule (`rule_paths`), for quantized Linears on CPU:
 
 - by default (not `exact`): `int8_dot` for both buckets wherever the layer has it (int8 rows,
-  int4 groups of 32; the compiled kernels build here): activations rounded to int8 per block
+  int4 groups of 32; the compiled kernels load here): activations rounded to int8 per block
   of 32 and integer dot products, as llama.cpp multiplies its Q4 and Q8 weights. Its drift
   from the fp32 dequantized model is held under 0.75x llama.cpp's own (tests/test_quantize.py,
   tests/test_gemma3_gguf.py), and it computes a row alike at any row count, so a
@@ -41,6 +41,7 @@ import os
 
 from torch import nn
 
+from qinfer import kernels
 from qinfer.core.errors import ConfigError
 from qinfer.linear.compute import bf16_matmul_is_fast
 from qinfer.linear.dense import DenseLinear
@@ -104,7 +105,9 @@ def rule_paths(layer: QuantizedLinear, exact: bool = False) -> dict[str, str]:
     """{bucket: path} the rule (module docstring) gives `layer` on the running CPU; exact:
     the fp32-activation paths only (no int8_dot)."""
     paths = layer.paths()
-    if not exact and INT8_DOT in paths:
+    # int8_dot is offered where the kernels can be built; taken by default where they load
+    # (built at load, the first time, not in a step; a failed build leaves the exact rule)
+    if not exact and INT8_DOT in paths and kernels.available() is None:
         return {bucket: INT8_DOT for bucket in BUCKETS}
     if not bf16_matmul_is_fast(layer.device):
         return {"decode": KERNEL, "prefill": FP32_TILES if FP32_TILES in paths else KERNEL}

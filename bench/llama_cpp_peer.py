@@ -66,7 +66,7 @@ class Settings:
     seed: int = 0
     load_kwargs: dict = field(
         default_factory=dict
-    )  # dtype= / quantize= / kv_cache_dtype= for load_model
+    )  # dtype= / quantize= / kv_cache_dtype= / exact= for load_model
 
 
 class Qinfer:
@@ -334,6 +334,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", default=None, help="qinfer's KV storage (llama.cpp keeps f16)"
     )
+    parser.add_argument(
+        "--exact", action="store_true", help="qinfer's reference mode (fp32 activations)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
@@ -349,6 +352,7 @@ def main() -> None:
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2 (the first comes from the prefill)")
     given = {"dtype": args.dtype, "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype}
+    given["exact"] = args.exact or None
     settings = Settings(
         str(path),
         threads=args.threads,

@@ -8,6 +8,7 @@ Every test runs on a tiny random Qwen3 checkpoint in float32 and checks that the
 leaves its KV pool clean: after each test no block is held by a sequence.
 """
 
+import argparse
 import random
 
 import pytest
@@ -280,6 +281,19 @@ def test_only_the_paged_backend_is_batch_invariant():
     use_features(invariant, qinfer.Features(batch_invariant=True))
     with pytest.raises(QinferError, match="'gathered' has no batch-invariant arithmetic"):
         LLM(invariant, attention_backend="gathered")
+
+
+def test_exact_is_chosen_when_a_model_loads():
+    """`exact` picks the quantized Linears' paths at load: asked of a loaded model with the
+    other one, it is refused in one line; the flag and `LLM`'s keyword reach the load."""
+    from qinfer.engine.args import add_model_arguments, load_config
+
+    with pytest.raises(QinferError, match="exact True is chosen when a model loads"):
+        LLM(random_model("qwen3"), exact=True)
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert load_config(parser.parse_args(["--exact"])).model_arguments()["exact"] is True
+    assert "exact" not in load_config(parser.parse_args([])).model_arguments()
 
 
 def test_block_accounting_holds_through_random_adds_aborts_and_preemptions(model, pools):

@@ -239,9 +239,10 @@ def test_qinfer_serve_completes_on_it_and_refuses_chat_in_one_line(serve):
 
 def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, tokenizers):
     """The default load: Q4_K as int4 groups, the Q8_0 embedding (and tied head) and the
-    Q5_0 and Q6_K projections as int8 blocks, their values exactly, with fp32 activations
-    (qinfer's exact kernels; bf16 where they cannot be built); its greedy tokens follow the
-    fp32 model but at near-ties its error explains."""
+    Q5_0 and Q6_K projections as int8 blocks, their values exactly (the int4 groups times
+    int8 activations, the int8 blocks times fp32 ones; bf16 activations on torch's kernels
+    where qinfer's cannot be built); its greedy tokens follow the fp32 model but at
+    near-ties its error explains."""
     reference, _ = gemma3
     tokenizer, _ = tokenizers
     fast = qinfer.load_model(gemma3_path(), device="cpu")
@@ -265,8 +266,13 @@ def test_kept_blocks_keep_their_bits_and_greedy_parts_only_at_near_ties(gemma3, 
 #: with it and the top logits in fp32; 0.00043 with the Q5_0, Q6_K and Q8_0 tensors kept in
 #: their int8 blocks instead of re-rounded to one scale per row (2026-12-03); 0.00005 (top-1
 #: 99.61%; from token 300 0.00011, 99.35%) with the Q4_K groups exact too and fp32
-#: activations (2026-12-04). The bound is half llama.cpp's.
+#: activations (2026-12-04), now `exact=True`. The default path, int8 activations per block of
+#: 32 on the Q4_K groups (the int8 blocks still exact: they have no int8_dot yet), measured
+#: 0.00067 (top-1 98.30%; from token 300 0.00099, 97.91%) on the AVX512-VNNI/AMX Xeon
+#: (2026-12-05). Bounds: the default path 0.75x llama.cpp's, `exact` half of it (`KL_SHARE`).
 LLAMA_CPP = {0: (0.00788, 0.9294), 300: (0.01220, 0.9216)}
+#: The share of llama.cpp's KL each mode may drift: {exact: share}.
+KL_SHARE = {False: 0.75, True: 0.5}
 
 
 def kl_to_float32(gemma3, tokenizers, offset: int, **load):
@@ -280,15 +286,17 @@ def kl_to_float32(gemma3, tokenizers, offset: int, **load):
     return perplexity(fast, real_text_ids(tokenizer, offset), KL_CONTEXT, base=ours)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokenizers, offset):
-    """The default load (Q4_K as int4 groups; Q5_0, Q6_K and Q8_0 as int8 blocks; fp32
-    activations) against the exact fp32 dequantization on real text from the start and from
-    mid-document, as llama-perplexity measures it: no more than half llama.cpp's own KL on
-    the same file and windows, and top-1 agreement above llama.cpp's."""
-    result = kl_to_float32(gemma3, tokenizers, offset)
+def test_default_path_drifts_from_float32_less_than_llama_cpp(gemma3, tokenizers, offset, exact):
+    """The default load (Q4_K as int4 groups times int8 activations; Q5_0, Q6_K and Q8_0 as
+    int8 blocks; `exact`: fp32 activations throughout) against the exact fp32
+    dequantization on real text from the start and from mid-document, as llama-perplexity
+    measures it: no more than 0.75x llama.cpp's own KL on the same file and windows
+    (`exact`: half), and top-1 agreement above llama.cpp's."""
+    result = kl_to_float32(gemma3, tokenizers, offset, exact=exact)
     kl, top1 = LLAMA_CPP[offset]
-    assert result.kl <= kl / 2, result
+    assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
 
 
@@ -298,21 +306,22 @@ def test_default_path_drifts_from_float32_no_more_than_llama_cpp(gemma3, tokeniz
 #: scale per token and 256-wide head, 0.00807 and 92.68% with one per block of 32
 #: (2026-12-03), 0.00156 and 97.26% with the int8 blocks of the weights kept too, 0.00113
 #: and 97.91% (from token 300 0.00247, 96.47%) with every weight exact and fp32 activations
-#: (2026-12-04); the fp32 reference with an int8 KV cache alone 0.00110. The bound is half
-#: llama.cpp's.
+#: (2026-12-04), now `exact=True`; the fp32 reference with an int8 KV cache alone 0.00110.
+#: Bounds as the default path's (`KL_SHARE`).
 LLAMA_CPP_Q8_KV = {0: (0.01029, 0.9242), 300: (0.01393, 0.9229)}
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
 def test_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(
-    gemma3, tokenizers, offset
+    gemma3, tokenizers, offset, exact
 ):
     """The default load with an int8 KV cache against the exact fp32 dequantization, on
-    real text from the start and from mid-document: no more than half llama.cpp's KL with
-    its q8_0 cache, and top-1 agreement above llama.cpp's."""
-    result = kl_to_float32(gemma3, tokenizers, offset, kv_cache_dtype="int8")
+    real text from the start and from mid-document: no more than 0.75x llama.cpp's KL with
+    its q8_0 cache (`exact`: half), and top-1 agreement above llama.cpp's."""
+    result = kl_to_float32(gemma3, tokenizers, offset, kv_cache_dtype="int8", exact=exact)
     kl, top1 = LLAMA_CPP_Q8_KV[offset]
-    assert result.kl <= kl / 2, result
+    assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
 
 

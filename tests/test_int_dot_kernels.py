@@ -153,16 +153,20 @@ def test_auto_follows_torchs_cap_on_its_own_kernels(built, monkeypatch, cap, exp
         kernels.auto_path.cache_clear()
 
 
+#: Row counts a multi-row call is checked at: every count up to 33 (row tiles of 4 and
+#: their remainders, column tiles that change with them) and a prompt's 512.
+ROW_COUNTS = (*range(1, 34), 512)
+
+
 @pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])
 def test_a_row_is_the_same_in_any_batch(path, n, k) -> None:
     """Row i of an M-row call equals the 1-row call of that row, bit for bit, for every M
-    up to 33 (row tiles of 4 and their remainders, column tiles that change with them), and
-    with 1 thread or all of them."""
+    of ROW_COUNTS, and with 1 thread or all of them."""
     groups = weight(n, k)
     packed = kernels.pack_int4(groups)
-    x = activations(33, k, torch.float32)
-    alone = torch.cat([kernels.int4_mm(x[i : i + 1], packed, path) for i in range(33)])
-    for m in range(1, 34):
+    x = activations(ROW_COUNTS[-1], k, torch.float32)
+    alone = torch.cat([kernels.int4_mm(x[i : i + 1], packed, path) for i in range(len(x))])
+    for m in ROW_COUNTS:
         assert torch.equal(kernels.int4_mm(x[:m], packed, path), alone[:m]), f"M = {m}"
     threads = torch.get_num_threads()
     try:
@@ -280,9 +284,9 @@ def test_int8_within_int8_rounding_of_float_linear(path, n, k) -> None:
 @pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])
 def test_int8_row_is_the_same_in_any_batch(path, n, k) -> None:
     q, scales = int8_rows(n, k)
-    x = activations(33, k, torch.float32)
-    alone = torch.cat([kernels.int8_mm(x[i : i + 1], q, scales, path) for i in range(33)])
-    for m in range(1, 34):
+    x = activations(ROW_COUNTS[-1], k, torch.float32)
+    alone = torch.cat([kernels.int8_mm(x[i : i + 1], q, scales, path) for i in range(len(x))])
+    for m in ROW_COUNTS:
         assert torch.equal(kernels.int8_mm(x[:m], q, scales, path), alone[:m]), f"M = {m}"
 
 

@@ -410,6 +410,19 @@ def test_a_forced_kind_path_applies_to_the_layers_that_have_it(monkeypatch):
     assert [layer.chosen["decode"] for layer in layers] == ["int8_dot", "int8_dot", "kernel"]
 
 
+def test_a_failed_kernel_build_leaves_the_exact_rule(monkeypatch):
+    """A compiler that cannot build the kernels (offered int8_dot, not loadable): the
+    default rule takes the exact rule's paths instead of failing at the first call."""
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: True)
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: "the build failed")
+    layers = three_layers()
+    choose_paths(layers)
+    assert [layer.chosen for layer in layers] == [choose.rule_paths(w, exact=True) for w in layers]
+    assert "int8_dot" not in {p for layer in layers for p in layer.chosen.values()}
+
+
 def test_calls_up_to_decode_max_rows_take_the_decode_path():
     w = quantized("int4/32", 200, torch.bfloat16)
     w.use_paths("kernel", "fp32_tiles")
@@ -435,18 +448,43 @@ def three_layers() -> torch.nn.ModuleList:
     [(True, ["bf16_tiles", "bf16_tiles", "kernel"]), (False, ["fp32_tiles"] * 3)],
     ids=["fast", "slow"],
 )
-def test_the_rule_takes_the_kernel_at_decode_and_tiles_at_prefill_by_what_bf16_costs(
+def test_the_exact_rule_takes_the_kernel_at_decode_and_tiles_at_prefill_by_what_bf16_costs(
     monkeypatch, bf16_fast, prefills
 ):
-    """Decode: the kernel. Prefill where bf16 is slow: fp32 tiles; where it is fast: bf16
-    tiles for int8 rows (their kernel does not block like a GEMM), the int4 kernel."""
+    """`exact`: decode: the kernel. Prefill where bf16 is slow: fp32 tiles; where it is
+    fast: bf16 tiles for int8 rows (their kernel does not block like a GEMM), the int4
+    kernel."""
     monkeypatch.delenv(choose.ENV, raising=False)
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
     layers = three_layers()
-    choose_paths(layers)
+    choose_paths(layers, exact=True)
     assert [layer.chosen for layer in layers] == [
         {"decode": "kernel", "prefill": prefill} for prefill in prefills
     ]
+
+
+@pytest.mark.parametrize("bf16_fast", [True, False], ids=["fast", "slow"])
+@pytest.mark.parametrize("same_at_any_rows", [False, True], ids=["any", "invariant"])
+def test_the_default_rule_takes_int8_dot_wherever_a_layer_has_it(
+    monkeypatch, bf16_fast, same_at_any_rows
+):
+    """Not `exact`: int8 rows and int4 groups of 32 take int8_dot for both buckets on any
+    CPU class, batch-invariant too (a row alike at any row count); int4 groups of 128 (no
+    int8_dot) the exact rule's paths; the head keeps its kernel."""
+    monkeypatch.delenv(choose.ENV, raising=False)
+    monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
+    monkeypatch.setattr(kernels, "buildable", lambda: True)
+    monkeypatch.setattr(kernels, "available", lambda: None)
+    layers = torch.nn.ModuleList(
+        [quantized(kind, 48, torch.bfloat16) for kind in ("int8", "int4/32", "int4/128")]
+    )
+    choose_paths(layers, same_at_any_rows=same_at_any_rows)
+    dot = {"decode": "int8_dot", "prefill": "int8_dot"}
+    wide = choose.rule_paths(layers[2], exact=True)
+    if same_at_any_rows:
+        wide = {"decode": "kernel", "prefill": "kernel"}
+    assert [layer.chosen for layer in layers] == [dot, dot, wide]
+    assert {layer.head_path for layer in layers} == {"kernel"}
 
 
 AMX_XEON = ["avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
@@ -480,7 +518,7 @@ def test_an_int8_weight_past_the_tiled_size_keeps_its_kernel(monkeypatch):
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: True)
     monkeypatch.setattr(choose, "INT8_TILED_MAX", 96 * 256 - 1)  # one element short
     layer = quantized("int8", 96, torch.bfloat16)
-    choose_paths(layer)
+    choose_paths(layer, exact=True)
     assert layer.chosen == {"decode": "kernel", "prefill": "kernel"}
 
 
@@ -491,7 +529,7 @@ def test_a_layer_without_tile_paths_keeps_the_kernel(monkeypatch):
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
     monkeypatch.setattr(Int4Linear, "_tiles_supported", lambda self: False)
     layers = three_layers()
-    choose_paths(layers)
+    choose_paths(layers, exact=True)
     assert layers[0].chosen["prefill"] == "fp32_tiles"
     assert layers[2].chosen == {"decode": "kernel", "prefill": "kernel"}
 
@@ -500,17 +538,17 @@ def test_the_environment_overrides_the_rule(monkeypatch):
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: False)
     layers = three_layers()
     monkeypatch.setenv(choose.ENV, "prefill=bf16_tiles")
-    choose_paths(layers)
+    choose_paths(layers, exact=True)
     assert layers[2].chosen == {"decode": "kernel", "prefill": "bf16_tiles"}
     monkeypatch.setenv(choose.ENV, "kernel")
-    choose_paths(layers)
+    choose_paths(layers, exact=True)
     assert {p for layer in layers for p in layer.chosen.values()} == {"kernel"}
     monkeypatch.setenv(choose.ENV, "decode=fp32_tiles")  # prefill: the rule
-    choose_paths(layers)
+    choose_paths(layers, exact=True)
     assert layers[0].chosen == {"decode": "fp32_tiles", "prefill": "fp32_tiles"}
     monkeypatch.setenv(choose.ENV, "prefill=fast")
     with pytest.raises(ConfigError) as error:
-        choose_paths(layers)
+        choose_paths(layers, exact=True)
     assert str(error.value) == (
         "QINFER_LINEAR_PATH='prefill=fast': expected a path (kernel, fp32_tiles, bf16_tiles, "
         "int8_dot) or decode=PATH,prefill=PATH[,head=PATH] (head: kernel or int8_dot)"

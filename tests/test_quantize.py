@@ -147,27 +147,34 @@ def test_smollm2_greedy_follows_float32_except_at_near_ties():
 #: 0.00457 with a bf16 residual stream and bf16 logits (2026-12-01); 0.00307 with them in
 #: fp32; 0.00041 with the Q8_0 embedding and tied head kept in its blocks (2026-12-03);
 #: 0.00003 (top-1 99.74%; from token 300 0.00003, 99.48%) with the int4 groups kept exact
-#: too and fp32 activations (2026-12-04). The bound is half llama.cpp's: a return to bf16
-#: activations (0.003) fails it.
+#: too and fp32 activations (2026-12-04), now `exact=True`. The default path, int8
+#: activations per block of 32 on the int4 groups (the Q8_0 head kept exact), measured
+#: 0.00212 (top-1 95.42%; from token 300 0.00217, 95.82%) on the AVX512-VNNI/AMX Xeon
+#: (2026-12-05). Bounds: the default path 0.75x llama.cpp's, `exact` half of it (a return
+#: to bf16 activations, 0.003, fails both).
 SMOLLM2_LLAMA_CPP = {0: (0.00358, 0.9464), 300: (0.00352, 0.9490)}
+#: The share of llama.cpp's KL each mode may drift: {exact: share}.
+KL_SHARE = {False: 0.75, True: 0.5}
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp(offset):
-    """The default load (Q4_1 kept as int4 groups, the Q8_0 embedding and tied head as its
-    int8 blocks, fp32 activations, residual and logits) against the exact fp32
-    dequantization, on real text from the document's start and from mid-document, as
-    llama-perplexity measures it: no more than half llama.cpp's own KL on the same file
-    and windows (its kernels round too), and top-1 agreement above llama.cpp's."""
+def test_smollm2_default_path_drifts_from_float32_less_than_llama_cpp(offset, exact):
+    """The default load (Q4_1 kept as int4 groups times int8 activations per block of 32,
+    the Q8_0 embedding and tied head as its int8 blocks, fp32 residual and logits; `exact`:
+    fp32 activations) against the exact fp32 dequantization, on real text from the
+    document's start and from mid-document, as llama-perplexity measures it: no more than
+    0.75x llama.cpp's own KL on the same file and windows (`exact`: half), and top-1
+    agreement above llama.cpp's."""
     from qinfer.analysis.perplexity import perplexity
 
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)
-    fast = qinfer.load_model(path, device="cpu")
+    fast = qinfer.load_model(path, device="cpu", exact=exact)
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
     result = perplexity(fast, ids, KL_CONTEXT, base=reference)
     kl, top1 = SMOLLM2_LLAMA_CPP[offset]
-    assert result.kl <= kl / 2, result
+    assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
 
 
@@ -177,25 +184,28 @@ def test_smollm2_default_path_drifts_from_float32_about_as_far_as_llama_cpp(offs
 #: per token and head, 0.00354 and 95.43% with one per block of 32 (2026-12-03), 0.00038
 #: and 98.43% (from token 300 0.00035, 98.43%) with the weights exact (2026-12-04; the fp32
 #: reference with an int8 KV cache alone: 0.00040; with an fp8 cache the default path
-#: measured 0.00469). The bound is half llama.cpp's, as the default path's.
+#: measured 0.00469), now `exact=True`; the default path with int8 activations 0.00250
+#: and 96.34% (from token 300 0.00245, 96.21%; 2026-12-05). Bounds as the default path's
+#: (`KL_SHARE`).
 SMOLLM2_LLAMA_CPP_Q8_KV = {0: (0.00386, 0.9595), 300: (0.00392, 0.9477)}
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(offset):
+def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(offset, exact):
     """The default load with an int8 KV cache (blocks of 32, as q8_0's) against the exact
     fp32 dequantization, on real text from the start and from mid-document: no more than
-    half llama.cpp's own KL with its q8_0 cache, and top-1 agreement no more than a point
-    below llama.cpp's."""
+    0.75x llama.cpp's own KL with its q8_0 cache (`exact`: half), and top-1 agreement no
+    more than a point below llama.cpp's."""
     from qinfer.analysis.perplexity import perplexity
 
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)
-    fast = qinfer.load_model(path, device="cpu", kv_cache_dtype="int8")
+    fast = qinfer.load_model(path, device="cpu", kv_cache_dtype="int8", exact=exact)
     reference = qinfer.load_model(path, dtype="float32", device="cpu")
     result = perplexity(fast, ids, KL_CONTEXT, base=reference)
     kl, top1 = SMOLLM2_LLAMA_CPP_Q8_KV[offset]
-    assert result.kl <= kl / 2, result
+    assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1 - 0.01, result
 
 

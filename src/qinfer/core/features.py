@@ -54,11 +54,17 @@ class Features:
         model is the same alone and in any batch as long as its prompt runs in the same
         chunks (the tests: each prompt in one pass), and prefill is faster (sdpa, tile
         GEMMs, whole GEMMs).
+    exact: quantized Linears on CPU multiply the activations as they are (fp32 or bf16), the
+        reference mode (`--exact`). By default they round them to int8 per block of 32 and
+        multiply on integer dot products where the compiled kernels run, as llama.cpp does
+        (`qinfer.linear.choose`): faster, with less drift from the fp32 dequantized model
+        than llama.cpp's (tested); the residual stream, norms, softmax and logits stay fp32.
     """
 
     fast_sdpa: bool = True
     kv_cache_dtype: str = "auto"
     batch_invariant: bool = False
+    exact: bool = False
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)

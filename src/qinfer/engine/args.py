@@ -112,6 +112,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "(slower prefill: every query takes decode's attention; see Features)",
     )
     parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="multiply quantized weights by the activations as they are (fp32), the reference "
+        "mode; by default they are rounded to int8 per block of 32 and multiplied on integer "
+        "dot products on CPU, as llama.cpp does (faster, with less drift from fp32 than "
+        "llama.cpp's)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=bounded(int, 1),
         default=1,

@@ -42,7 +42,8 @@ class LoadConfig:
     dtype, device, quantize, group_size: as for `qinfer.load_model`; kv_cache_dtype: how
     the KV pool stores K/V (None: the model's default, "auto"; "int8" or "fp8" about halve
     its bytes per token: twice the sequences in the same memory); batch_invariant:
-    `Features.batch_invariant`; tensor_parallel_size: ranks the checkpoint is split over
+    `Features.batch_invariant`; exact: `Features.exact` (fp32 activations into quantized
+    weights, the reference mode); tensor_parallel_size: ranks the checkpoint is split over
     (N - 1 worker processes, `qinfer.runtime.distributed`); mmproj: llama.cpp's projector
     file of a Qwen2.5-VL or Qwen3-VL GGUF text model (its vision tower,
     `qinfer.vision.mmproj`)."""
@@ -53,6 +54,7 @@ class LoadConfig:
     group_size: int = 32
     kv_cache_dtype: str | None = None
     batch_invariant: bool = False
+    exact: bool = False
     tensor_parallel_size: int = 1
     mmproj: str | Path | None = None
 
@@ -68,13 +70,15 @@ class LoadConfig:
         return dataclasses.replace(load or cls(), **own), rest
 
     def model_arguments(self) -> dict[str, Any]:
-        """`load_model`'s keywords; a kv_cache_dtype of None and batch_invariant False are
-        left to the model's defaults."""
+        """`load_model`'s keywords; a kv_cache_dtype of None, batch_invariant and exact
+        False are left to the model's defaults."""
         load_args: dict[str, Any] = dict(
             dtype=self.dtype, device=self.device, quantize=self.quantize, group_size=self.group_size
         )
         if self.batch_invariant:
             load_args["batch_invariant"] = True
+        if self.exact:
+            load_args["exact"] = True
         if self.kv_cache_dtype is not None:
             check_kv_cache_dtype(self.kv_cache_dtype)
             load_args["kv_cache_dtype"] = self.kv_cache_dtype
@@ -93,8 +97,8 @@ def build_engine(
     settings are loaded with it, in the model's dtype: a folder's own, or for a GGUF text
     model those of `load.mmproj`), whose tokenizer is loaded too when it has one and none
     is given, and whose generation_config.json gives the sampling defaults of requests that
-    bring no SamplingParams. Of a loaded model, only a kv_cache_dtype or batch_invariant
-    other than its own is refused (`load`'s other fields are its own).
+    bring no SamplingParams. Of a loaded model, only a kv_cache_dtype, batch_invariant or
+    exact other than its own is refused (`load`'s other fields are its own).
 
     tensor_parallel_size N > 1: the checkpoint is split over N ranks; this process is
     rank 0, and the workers are stopped by `Engine.close()`, or when the engine is
@@ -117,7 +121,7 @@ def build_engine(
                 "tensor_parallel_size needs a checkpoint, not a loaded model: "
                 "every rank loads its own part"
             )
-        for name in ("kv_cache_dtype", "batch_invariant"):
+        for name in ("kv_cache_dtype", "batch_invariant", "exact"):
             chosen = load_args.get(name)
             if chosen is not None and chosen != getattr(model_or_path.features, name):
                 raise QinferError(

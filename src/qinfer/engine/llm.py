@@ -38,8 +38,8 @@ class LLM:
     tokenizer: a `Tokenizer` or its path; by default the checkpoint's (without one, prompts
         must be token ids).
     load: how a checkpoint loads (`qinfer.engine.build.LoadConfig`); its fields (dtype,
-        device, quantize, group_size, kv_cache_dtype, batch_invariant, tensor_parallel_size,
-        mmproj) may be given as keywords instead. `close()` or this process's exit stops
+        device, quantize, group_size, kv_cache_dtype, batch_invariant, exact,
+        tensor_parallel_size, mmproj) may be given as keywords instead. `close()` or this process's exit stops
         tensor-parallel workers.
     The other keywords: `qinfer.engine.EngineConfig`'s.
     """

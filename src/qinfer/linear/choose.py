@@ -3,14 +3,23 @@ from what the machine is (`compute.cpu_class`), never a timing.
 
 The rule (`rule_paths`), for quantized Linears on CPU:
 
-- decode bucket (up to `DECODE_MAX_ROWS` rows): the kernel, always. A tile path
-  dequantizes the whole weight for a row or a few, an order of magnitude slower.
-- prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
-  (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
-  elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX`
-  elements): the int8 kernels do not block like a GEMM, and a bf16 GEMM on the widened
-  weight catches them up from a few dozen rows.
-- the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel.
+- by default (not `exact`): `int8_dot` for both buckets wherever the layer has it (int8 rows,
+  int4 groups of 32; the compiled kernels load here): activations rounded to int8 per block
+  of 32 and integer dot products, as llama.cpp multiplies its Q4 and Q8 weights. Its drift
+  from the fp32 dequantized model is held under 0.75x llama.cpp's own (tests/test_quantize.py,
+  tests/test_gemma3_gguf.py), and it computes a row alike at any row count, so a
+  batch-invariant model takes it too. Layers without it take the exact rule below.
+- `exact` (`--exact`: fp32 or bf16 activations, the reference mode), and the layers
+  without int8_dot:
+  - decode bucket (up to `DECODE_MAX_ROWS` rows): the kernel, always. A tile path
+    dequantizes the whole weight for a row or a few, an order of magnitude slower.
+  - prefill bucket: `fp32_tiles` where the CPU does not multiply bf16 natively
+    (`compute.bf16_matmul_is_fast`, a table of CPU classes; AVX2-class CPUs), the kernel
+    elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX`
+    elements): the int8 kernels do not block like a GEMM, and a bf16 GEMM on the widened
+    weight catches them up from a few dozen rows.
+- the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel, in
+  either mode.
 
 (The figures behind each bucket: docs/BENCHMARKS.md, "Paths of quantized Linears".)
 An earlier version timed every path of every (kind, shape) at load instead. That cost
@@ -32,6 +41,7 @@ import os
 
 from torch import nn
 
+from qinfer import kernels
 from qinfer.core.errors import ConfigError
 from qinfer.linear.compute import bf16_matmul_is_fast
 from qinfer.linear.dense import DenseLinear
@@ -42,6 +52,7 @@ from qinfer.linear.paths import (
     BF16_TILES,
     BUCKETS,
     FP32_TILES,
+    INT8_DOT,
     KERNEL,
     KIND_PATHS,
     PATHS,
@@ -90,9 +101,14 @@ def rule_head_path(layer: QuantizedLinear) -> str:
     return KERNEL
 
 
-def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
-    """{bucket: path} the rule (module docstring) gives `layer` on the running CPU."""
+def rule_paths(layer: QuantizedLinear, exact: bool = False) -> dict[str, str]:
+    """{bucket: path} the rule (module docstring) gives `layer` on the running CPU; exact:
+    the fp32-activation paths only (no int8_dot)."""
     paths = layer.paths()
+    # int8_dot is offered where the kernels can be built; taken by default where they load
+    # (built at load, the first time, not in a step; a failed build leaves the exact rule)
+    if not exact and INT8_DOT in paths and kernels.available() is None:
+        return {bucket: INT8_DOT for bucket in BUCKETS}
     if not bf16_matmul_is_fast(layer.device):
         return {"decode": KERNEL, "prefill": FP32_TILES if FP32_TILES in paths else KERNEL}
     int8 = isinstance(layer, (Int8Linear, Int8BlockLinear))
@@ -100,20 +116,24 @@ def rule_paths(layer: QuantizedLinear) -> dict[str, str]:
     return {"decode": KERNEL, "prefill": BF16_TILES if widened and BF16_TILES in paths else KERNEL}
 
 
-def choose_paths(module: nn.Module, same_at_any_rows: bool = False) -> None:
+def choose_paths(module: nn.Module, same_at_any_rows: bool = False, exact: bool = False) -> None:
     """Set the decode and prefill path of every quantized Linear on CPU in `module`: the
-    rule's, except where QINFER_LINEAR_PATH forces one. Quantized layers on other devices
-    keep the kernel.
+    rule's (`exact`: without int8_dot), except where QINFER_LINEAR_PATH forces one.
+    Quantized layers on other devices keep the kernel.
 
-    same_at_any_rows (a batch-invariant model): every quantized Linear takes its kernel for
-    both buckets (the tile paths' GEMMs block by row count) and every dense one, grouped
-    experts included, its fixed-chunk GEMMs (`qinfer.linear.dense`), on any device."""
-    forced = {bucket: KERNEL for bucket in BUCKETS} if same_at_any_rows else forced_paths()
+    same_at_any_rows (a batch-invariant model): every quantized Linear takes a path that
+    computes a row alike at any row count for both buckets (the rule's where it is one of
+    ROW_INVARIANT, else its kernel: the tile paths' GEMMs block by row count) and every dense
+    one, grouped experts included, its fixed-chunk GEMMs (`qinfer.linear.dense`), on any
+    device."""
+    forced = {} if same_at_any_rows else forced_paths()
     for layer in cpu_quantized(module):
         # a kind's own path forced: the layers of other kinds follow the rule
         has = layer.paths()
         ours = {b: p for b, p in forced.items() if p not in KIND_PATHS or p in has}
-        paths = rule_paths(layer) | ours
+        paths = rule_paths(layer, exact) | ours
+        if same_at_any_rows:
+            paths = {b: p if p in ROW_INVARIANT else KERNEL for b, p in paths.items()}
         layer.use_paths(paths["decode"], paths["prefill"])
         layer.use_head_path(ours.get(HEAD) or rule_head_path(layer))
     for layer in module.modules():

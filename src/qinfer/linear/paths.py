@@ -14,8 +14,8 @@ A quantized Linear (int8 rows, int8 blocks, int4 groups) can run a call in sever
   bf16 GEMMs are fast (AVX512-BF16, AMX).
 - `int8_dot` (x86 CPUs with a C++ compiler; int8 rows, and int4 groups of 32: a kind's own
   path): the compiled kernels of `qinfer.kernels`, activations rounded to int8 per block of
-  32 and multiplied in integer dot products, as llama.cpp multiplies Q4 and Q8 weights. Never
-  the rule's choice yet (forced only: `QINFER_LINEAR_PATH=int8_dot`). At its first call it
+  32 and multiplied in integer dot products, as llama.cpp multiplies Q4 and Q8 weights: the
+  rule's choice for both buckets unless the model is `exact`. At its first call it
   builds the kernels if need be and takes the kernel's view of the weight: int8 rows as they
   are (and fp32 scales), int4 groups as a second, repacked copy.
 

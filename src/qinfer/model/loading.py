@@ -110,6 +110,7 @@ def load_model(
     parallel: Parallel | None = None,
     kv_cache_dtype: str | None = None,
     batch_invariant: bool | None = None,
+    exact: bool | None = None,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -126,11 +127,15 @@ def load_model(
     kv_cache_dtype: how the model's caches store K/V, "auto", "bf16", "int8" or "fp8"
         (`Features.kv_cache_dtype`; given, it replaces the one of `features`).
     batch_invariant: `Features.batch_invariant` (given, it replaces the one of `features`).
+    exact: `Features.exact`, fp32 (or bf16) activations into quantized weights, the reference
+        mode (given, it replaces the one of `features`); by default int8 activations.
     """
     if kv_cache_dtype is not None:  # checked before anything loads
         features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
     if batch_invariant is not None:
         features = dataclasses.replace(features or Features(), batch_invariant=batch_invariant)
+    if exact is not None:
+        features = dataclasses.replace(features or Features(), exact=exact)
     device = torch.device(device) if device is not None else default_device()
     scheme = quantize_choice(quantize, group_size)
     keep_blocks = keeps_gguf_blocks(dtype, quantize)

@@ -47,7 +47,7 @@ def load(
     quantize: weight-only quantization of the dense weights (None: they stay dense; a
         GGUF reader's kept blocks stay as they are).
     Quantized Linears on CPU then take the paths of `qinfer.linear.choose.choose_paths`'s
-    rule (nothing is timed).
+    rule (nothing is timed), for the model's `Features` (batch_invariant, exact).
     """
     parallel = parallel or SINGLE
     _place(model, parallel, checkpoint.dtype, checkpoint.device)
@@ -73,7 +73,11 @@ def load(
     _fill(model, read, fill, "loading weights")
     # each quantized Linear's decode and prefill path, by rule
     features = getattr(model, "features", None)
-    choose_paths(model, same_at_any_rows=features is not None and features.batch_invariant)
+    choose_paths(
+        model,
+        same_at_any_rows=features is not None and features.batch_invariant,
+        exact=features is not None and features.exact,
+    )
     return model
 
 

@@ -15,6 +15,9 @@ of prompt chunks and decode tokens the step holds:
                     (caches and row shape, or block tables, slots and history lengths)
     images          None (text), or the step's `BatchImages`: embeddings that replace the
                     image tokens' rows, and DeepStack features added to them
+    states          None (no linear-attention layers), or the step's `StepStates`: the
+                    recurrent-state pool of the Gated DeltaNet layers and each sequence's
+                    slot in it, in query_starts order
     rotations       the RoPE cos/sin of these positions (`Rotations`), made with the batch:
                     computed once per RoPE setting, shared by every layer of the forward
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qinfer.attention.backend import StepAttention
+from qinfer.attention.state_pool import StepStates
 from qinfer.layers.rope import Rotations, row_positions
 
 
@@ -59,6 +63,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     attention: StepAttention
     images: BatchImages | None = None
+    states: StepStates | None = None
     # (not an argument: a batch replaced with other positions gets rotations of its own)
     rotations: Rotations = field(init=False, repr=False, compare=False)
 
@@ -72,10 +77,11 @@ class ForwardBatch:
         offsets: int | torch.Tensor,
         attention: StepAttention,
         last_only: bool = False,
+        states: StepStates | None = None,
     ) -> ForwardBatch:
         """B rows of L tokens each (tokens (B, L), on the model's device), flattened row by
         row; offsets as `row_positions` takes them. Logits for every token, or for the last
-        of each row with last_only."""
+        of each row with last_only. states: row b's recurrent state in slot states.slots[b]."""
         B, L = tokens.shape
         device = tokens.device
         if last_only:
@@ -88,6 +94,7 @@ class ForwardBatch:
             query_starts=list(range(0, B * L + 1, L)),
             logits_indices=logits_indices,
             attention=attention,
+            states=states,
         )
 
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,43 @@ QWEN3_MOE = dict(
 #: A small Qwen2-MoE: the same experts, plus the shared expert every token goes through.
 QWEN2_MOE = dict(QWEN3_MOE, shared_expert_intermediate_size=64)
 
+#: A small Qwen3.5: 4 layers, linear attention (Gated DeltaNet) then full attention, twice;
+#: 2 key heads serving 4 value heads; gated attention with head_dim 32, a quarter of each
+#: head rotated, in interleaved M-RoPE sections.
+QWEN3_5 = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+)
+
+#: Qwen3.5-MoE and Qwen3-Next: the same hybrid layers (no M-RoPE sections), top-2 of 8
+#: experts and a shared expert in every layer.
+QWEN3_5_MOE = dict(
+    {k: v for k, v in QWEN3_5.items() if k != "rope_parameters"},
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+
+#: The hybrid families and the shapes their tests build.
+HYBRID = {
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_next": QWEN3_5_MOE,
+}
+
 #: A Gemma 3 shape: two sliding layers (window 6, RoPE theta 10k) then a global one (theta
 #: 1M with linear scaling), query_pre_attn_scalar != head_dim, and a final softcap small
 #: enough to bite on logits of order 1.
@@ -151,6 +188,9 @@ def _hf_classes(family: str):
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[family]
 
 
@@ -175,7 +215,7 @@ def random_model(family: str, seed: int = 0, **overrides) -> qinfer.Transformer:
 
 def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
     """Save a random `family` model (qwen3, qwen3_moe, qwen2, qwen2_moe, llama, mistral,
-    gemma3, smollm3, phi3, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
+    gemma3, smollm3, phi3, qwen3_5, qwen3_5_moe, qwen3_next, or gemma3-vision: Gemma 3 with a tiny vision tower, `overrides` then shape its
     text model) to `folder`; return the HF model."""
     import transformers
 
@@ -200,6 +240,10 @@ def build_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+    # Weights of order 1: a DeltaNet's state then carries real signal (at gain 1 the
+    # 4-layer model amplifies fp32 rounding past 1e-4 by layer 3: chaotic, not wrong).
+    if family in HYBRID:
+        spread_weights(model, gain=0.5)
     model.save_pretrained(folder)
     return model
 
@@ -282,14 +326,14 @@ def build_chat_checkpoint(folder: Path, family: str, **overrides):
     return reference
 
 
-def spread_weights(model: torch.nn.Module) -> None:
-    """Weights of order 1/sqrt(fan_in), norm scales around 1, biases around 0: a random
+def spread_weights(model: torch.nn.Module, gain: float = 1.0) -> None:
+    """Weights of order gain/sqrt(fan_in), norm scales around 1, biases around 0: a random
     model whose outputs are of order 1, so that a parity tolerance means something."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=generator) * p[0].numel() ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=generator) * gain * p[0].numel() ** -0.5)
             elif "norm" in name or "ln_q" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
             else:

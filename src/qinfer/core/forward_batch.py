@@ -15,6 +15,10 @@ of prompt chunks and decode tokens the step holds:
                     (caches and row shape, or block tables, slots and history lengths)
     images          None (text), or the step's `BatchImages`: embeddings that replace the
                     image tokens' rows, and DeepStack features added to them
+    states          None (no linear-attention layers), or the step's
+                    `qinfer.attention.state_pool.StepStates`: the recurrent-state pool of
+                    the Gated DeltaNet layers and each sequence's slot in it, in
+                    query_starts order
     rotations       the RoPE cos/sin of these positions (`Rotations`), made with the batch:
                     computed once per RoPE setting, shared by every layer of the forward
 
@@ -139,6 +143,8 @@ class ForwardBatch:
     # None only until a backend plans it (`planned`): a step over pools is planned from it
     attention: StepAttention | None = None
     images: BatchImages | None = None
+    # a StepStates (attention/, above this package: not named here)
+    states: object | None = None
     context_lens: torch.Tensor | None = None
     num_computed: list[int] | None = None
     block_size: int = 0
@@ -156,10 +162,11 @@ class ForwardBatch:
         offsets: int | torch.Tensor,
         attention: StepAttention,
         last_only: bool = False,
+        states: object | None = None,
     ) -> ForwardBatch:
         """B rows of L tokens each (tokens (B, L), on the model's device), flattened row by
         row; offsets as `row_positions` takes them. Logits for every token, or for the last
-        of each row with last_only."""
+        of each row with last_only. states: row b's recurrent state in slot states.slots[b]."""
         B, L = tokens.shape
         device = tokens.device
         if last_only:
@@ -172,6 +179,7 @@ class ForwardBatch:
             query_starts=list(range(0, B * L + 1, L)),
             logits_indices=logits_indices,
             attention=attention,
+            states=states,
         )
 
     @property

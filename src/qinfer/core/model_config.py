@@ -20,6 +20,9 @@ from qinfer.core.errors import ConfigError
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+#: A Gated DeltaNet layer (Qwen3.5, Qwen3-Next): linear attention over a fixed-size state.
+LINEAR_ATTENTION = "linear_attention"
+LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
 #: The MLP's gate activations: SwiGLU's SiLU, and GeGLU's tanh-approximated GELU (Gemma).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -84,6 +87,49 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class DeltaNetConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next); see
+    `layers/gated_deltanet.py`.
+
+    num_key_heads, key_head_dim: q and k heads (each value head reads key head
+        h // (num_value_heads / num_key_heads)); num_value_heads, value_head_dim: v, z and
+        the recurrent state's heads (Hv x d_k x d_v per sequence, fp32).
+    conv_kernel: the causal depthwise conv1d's width over q/k/v (4): a sequence keeps its
+        last conv_kernel - 1 inputs.
+    grouped_projections: Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, whose rows are grouped
+        by key head (q, k, v, z of key head 0, then of key head 1, ...), where Qwen3.5 has
+        `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, each in head order.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    grouped_projections: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(
+                f"config field 'linear_num_value_heads' ({self.num_value_heads}) must be a "
+                f"multiple of linear_num_key_heads ({self.num_key_heads})"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class Wiring:
     """How a family wires the shared layers; a family's file (`qinfer.models`) sets what
     differs from these defaults (Llama's)."""
@@ -103,6 +149,9 @@ class Wiring:
     # Norms after attention and MLP too, four per block, named as Gemma's checkpoints do.
     sandwich_norms: bool = False
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Attention's output gated per channel by sigmoid(gate) before o_proj (Qwen3.5,
+    # Qwen3-Next): q_proj is twice as wide, each head's query then its gate.
+    attention_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -141,6 +190,8 @@ class ModelConfig:
     # The token whose rows images' embeddings replace (Qwen-VL's <|image_pad|>); None: a
     # text-only model, which refuses images.
     image_token_id: int | None = None
+    # The Gated DeltaNet layers' shapes; None: no layer is linear attention.
+    deltanet: DeltaNetConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -153,9 +204,17 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        unknown = sorted(set(self.layer_types) - set(LAYER_KINDS))
         if unknown:
-            raise ConfigError(f"layer_types holds unsupported kinds {sorted(unknown)}")
+            raise ConfigError(
+                f"config field 'layer_types' names unknown kinds {unknown}; "
+                f"supported: {', '.join(LAYER_KINDS)}"
+            )
+        if LINEAR_ATTENTION in self.layer_types and self.deltanet is None:
+            raise ConfigError(
+                "config field 'layer_types' asks for linear_attention, which model_type "
+                f"{self.model_type!r} does not have"
+            )
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types asks for sliding_attention but sliding_window is unset")
         for rope in (self.rope, self.wiring.sliding_rope):
@@ -165,6 +224,10 @@ class ModelConfig:
     def sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward is a mixture of experts."""
         return self.moe is not None and layer in self.moe.sparse_layers
+
+    def linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
+        return self.layer_types[layer] == LINEAR_ATTENTION
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer `layer` in tokens, or None for full attention."""

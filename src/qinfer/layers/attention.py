@@ -2,6 +2,9 @@
 
 q/k/v projections -> reshape to heads -> QK-norm (Qwen3) -> RoPE -> the attention backend
 (stores K/V, grouped scaled-dot-product attention with fp32 softmax) -> o projection.
+With `Wiring.attention_output_gate` (Qwen3.5, Qwen3-Next) q_proj is twice as wide, each
+head's D query rows followed by its D gate rows, and the attention's output is multiplied
+by sigmoid(gate) before o_proj.
 
 The layer runs on the flat tokens of a `ForwardBatch`; the seed's own call on (B, L, hidden)
 rows and one contiguous cache is that same forward through the reference backend.
@@ -51,6 +54,9 @@ class Attention(Module, Placed):
         self.features = features
         self.heads = (config.num_attention_heads, config.num_key_value_heads)
         self.rope_settings = (config.max_position_embeddings, config.rope_for(layer))
+        # Rows of q_proj per query head: its query, then (gated attention) its gate.
+        self.gated = config.wiring.attention_output_gate
+        self.q_rows = 2 * D if self.gated else D
         # The scale factor for attention scores: 1/sqrt(head_dim), or the family's
         # (Gemma: 1/sqrt(query_pre_attn_scalar)).
         self.scale = config.attention_scale
@@ -63,9 +69,9 @@ class Attention(Module, Placed):
         self.wqkv = LinearSlot(
             LinearSource(
                 (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
-                ((q_out, H), (kv_out, H), (kv_out, H)),
+                ((config.num_attention_heads * self.q_rows, H), (kv_out, H), (kv_out, H)),
                 wiring.qkv_bias,
-                shard=functools.partial(_qkv_shard, *self.heads, D),
+                shard=functools.partial(_qkv_shard, *self.heads, D, self.q_rows),
             )
         )
         self.wo = LinearSlot(
@@ -86,9 +92,9 @@ class Attention(Module, Placed):
     def place(self, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
         """This rank's heads: Hq / N query heads and their KV heads (Hkv / N, or one shared
         with other ranks when Hkv < N); RoPE frequencies on `device`."""
-        q_rows, kv_rows = _head_rows(*self.heads, self.head_dim, parallel)
+        q_rows, kv_rows = _head_rows(*self.heads, self.head_dim, self.q_rows, parallel)
         self.qkv_sizes = [len(q_rows), len(kv_rows), len(kv_rows)]
-        self.num_heads = len(q_rows) // self.head_dim
+        self.num_heads = len(q_rows) // self.q_rows
         self.num_kv_heads = len(kv_rows) // self.head_dim
         # RoPE frequencies are shared by every layer with the same settings (layers/rope.py);
         # a layer's settings may be its own (Gemma 3's sliding layers: `config.rope_for`),
@@ -129,8 +135,17 @@ class Attention(Module, Placed):
         # (T, (Hq + 2 Hkv) * D) -> (T, Hq + 2 Hkv, D), q's heads, then k's, then v's. Hq and
         # Hkv are this rank's heads (Hq / N and Hkv / N, or 1, under tensor parallelism).
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        heads = linear(x, self.wqkv).reshape(T, Hq + 2 * Hkv, D)
-        projection_qk, projection_v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]
+        gate = None
+        if self.gated:  # q's Hq heads are (query, gate) pairs: (T, 2 Hq + 2 Hkv, D)
+            heads = linear(x, self.wqkv).reshape(T, 2 * Hq + 2 * Hkv, D)
+            pairs = heads[:, : 2 * Hq].view(T, Hq, 2, D)  # (T, Hq, 2, D)
+            gate = pairs[:, :, 1]  # (T, Hq, D)
+            # the query heads beside k's, as the ungated layer has them: (T, Hq + Hkv, D)
+            projection_qk = torch.cat((pairs[:, :, 0], heads[:, 2 * Hq : 2 * Hq + Hkv]), dim=1)
+            projection_v = heads[:, 2 * Hq + Hkv :]
+        else:
+            heads = linear(x, self.wqkv).reshape(T, Hq + 2 * Hkv, D)
+            projection_qk, projection_v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]
 
         # Step 2: per-head QK-norm, within each head, before RoPE: q_norm on q's heads and
         # k_norm on k's, in one pass over both.
@@ -155,6 +170,8 @@ class Attention(Module, Placed):
         #     x = scaled_dot_product_attention_grouped(q, keys, values, scale, mask)
         # a paged backend attends where the K/V of every sequence live in its block pool.
         x = attention.attend(self.layer, projection_q, projection_k, projection_v, self.scale)
+        if gate is not None:  # the output gate, per channel: (T, Hq, D) * sigmoid((T, Hq, D))
+            x = x * torch.sigmoid(gate).to(x.dtype)
 
         # Step 7: (T, Hq, D) -> (T, Hq * D) -> output projection -> (T, hidden).
         # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
@@ -162,20 +179,25 @@ class Attention(Module, Placed):
         return linear(x.reshape(T, Hq * D), self.wo)
 
 
-def _head_rows(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> tuple[range, range]:
-    """This rank's rows of q's projection and of k's (and v's): each head is head_dim
-    consecutive rows (columns of o_proj)."""
+def _head_rows(
+    heads: int, kv_heads: int, head_dim: int, q_rows: int, parallel: Parallel
+) -> tuple[range, range]:
+    """This rank's rows of q's projection (q_rows per head: head_dim, or twice that with
+    the head's gate) and of k's (and v's): each KV head is head_dim consecutive rows."""
     q_heads, kv = parallel.attention_heads(heads, kv_heads)
     D = head_dim
-    return range(q_heads.start * D, q_heads.stop * D), range(kv.start * D, kv.stop * D)
+    return range(q_heads.start * q_rows, q_heads.stop * q_rows), range(kv.start * D, kv.stop * D)
 
 
-def _qkv_shard(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> Shard | None:
-    """Column-parallel q/k/v: this rank's query heads and the KV heads they read."""
-    q_rows, kv_rows = _head_rows(heads, kv_heads, head_dim, parallel)
-    return parallel.split_out(q_rows, kv_rows, kv_rows)
+def _qkv_shard(
+    heads: int, kv_heads: int, head_dim: int, q_rows: int, parallel: Parallel
+) -> Shard | None:
+    """Column-parallel q/k/v: this rank's query heads (with their gates) and the KV heads
+    they read."""
+    q, kv = _head_rows(heads, kv_heads, head_dim, q_rows, parallel)
+    return parallel.split_out(q, kv, kv)
 
 
 def _o_shard(heads: int, kv_heads: int, head_dim: int, parallel: Parallel) -> Shard | None:
-    """Row-parallel o_proj: the columns of this rank's query heads."""
-    return parallel.split_in(_head_rows(heads, kv_heads, head_dim, parallel)[0])
+    """Row-parallel o_proj: the columns of this rank's query heads (head_dim each)."""
+    return parallel.split_in(_head_rows(heads, kv_heads, head_dim, head_dim, parallel)[0])

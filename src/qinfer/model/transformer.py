@@ -26,6 +26,7 @@ from qinfer.attention.kv_cache import KVCache, RotatingKVCache, StepMasks
 from qinfer.attention.kv_quant import KVFormat, kv_format
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import Mask, sdpa_for
+from qinfer.attention.state_pool import StatePool, StepStates
 from qinfer.core.errors import QinferError
 from qinfer.core.features import Features
 from qinfer.core.forward_batch import ForwardBatch
@@ -33,6 +34,7 @@ from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import Parallel, Shard
 from qinfer.layers.attention import Attention
+from qinfer.layers.gated_deltanet import GatedDeltaNet
 from qinfer.layers.mlp import MLP
 from qinfer.layers.moe import SparseMoE
 from qinfer.layers.norm import RMSNorm, rms_norm
@@ -43,7 +45,9 @@ from qinfer.weights.slots import LinearSlot, LinearSource, Placed
 
 
 class Block(Module):
-    """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
+    """One decoder layer: pre-norm attention and pre-norm MLP, each with a residual. The
+    attention is the seed's (`self_attn`), or a Gated DeltaNet (`linear_attn`) where the
+    config's layer_types says linear_attention (Qwen3.5, Qwen3-Next).
 
     The residual stream is fp32 whatever the compute dtype: the norms before attention and
     the MLP read it and write the compute dtype their matmuls take, and the outputs are
@@ -65,7 +69,11 @@ class Block(Module):
             return rms_norm(f"{prefix}.{name}.weight", H, config)
 
         self.attention_norm = norm("input_layernorm")
-        self.self_attn = Attention(prefix, config, features, layer=layer)
+        self.self_attn = self.linear_attn = None
+        if config.linear(layer):
+            self.linear_attn = GatedDeltaNet(prefix, config, layer=layer)
+        else:
+            self.self_attn = Attention(prefix, config, features, layer=layer)
         self.attention_output_norm = self.mlp_output_norm = None
         if config.wiring.sandwich_norms:
             self.attention_output_norm = norm("post_attention_layernorm")
@@ -86,9 +94,12 @@ class Block(Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden) fp32 -> (T, hidden) fp32: the flat tokens of `batch`. The residual
         stream x is updated in place and returned (the adds write into it)."""
-        attended = self.self_attn(
-            self.attention_norm(x), batch.positions, batch.attention, rotations=batch.rotations
-        )
+        if self.linear_attn is not None:
+            attended = self.linear_attn(self.attention_norm(x), batch.states, batch.query_starts)
+        else:
+            attended = self.self_attn(
+                self.attention_norm(x), batch.positions, batch.attention, rotations=batch.rotations
+            )
         # x += the attention's output, then the MLP's norm of x: one op (`RMSNorm.add`)
         mlp_in = self.mlp_norm.add(x, _normed(self.attention_output_norm, attended))
         x += _normed(self.mlp_output_norm, self.mlp(mlp_in))
@@ -97,7 +108,11 @@ class Block(Module):
     def norms(self) -> list[RMSNorm]:
         """Every norm of the block, QK-norms included."""
         found = [self.attention_norm, self.attention_output_norm, self.mlp_norm]
-        found += [self.mlp_output_norm, self.self_attn.q_norm, self.self_attn.k_norm]
+        found += [self.mlp_output_norm]
+        if self.self_attn is not None:
+            found += [self.self_attn.q_norm, self.self_attn.k_norm]
+        else:
+            found += [self.linear_attn.norm]
         return [norm for norm in found if norm is not None]
 
 
@@ -211,11 +226,13 @@ class Transformer(Module, Placed):
         batch_size: int = 1,
         left_padding: torch.Tensor | list[int] | None = None,
         max_length: int | None = None,
-    ) -> list[KVCache | RotatingKVCache]:
+    ) -> list[KVCache | RotatingKVCache | StatePool]:
         """One cache per layer: contiguous for full attention, a ring for sliding windows,
-        storing K/V as `features.kv_cache_dtype` says.
+        storing K/V as `features.kv_cache_dtype` says; for linear attention (Gated
+        DeltaNet) layers, one `StatePool` they share, slot b holding row b's state.
 
-        left_padding: (batch_size,) pad tokens at the start of each row of a batch.
+        left_padding: (batch_size,) pad tokens at the start of each row of a batch (not
+            with linear-attention layers, whose state would take in the padding).
         max_length: positions the cache may hold (default: the model's context).
         """
         limit = min(
@@ -223,10 +240,20 @@ class Transformer(Module, Placed):
         )
         step_masks = StepMasks()  # every layer of one window builds the same mask each step
         fmt = self.kv_format
-        caches: list[KVCache | RotatingKVCache] = []
+        states = None
+        if self.config.deltanet is not None:
+            if left_padding is not None:
+                raise QinferError(
+                    "left_padding: a model with linear-attention layers runs rows of one "
+                    "length (its recurrent state would take in the padding)"
+                )
+            states = StatePool(self.config, batch_size, self.dtype, self.device)
+        caches: list[KVCache | RotatingKVCache | StatePool] = []
         for layer in range(self.config.num_hidden_layers):
             window = self.config.window(layer)
-            if window is None:
+            if self.config.linear(layer):
+                caches.append(states)
+            elif window is None:
                 caches.append(KVCache(batch_size, limit, left_padding, step_masks, fmt))
             else:
                 caches.append(
@@ -267,8 +294,8 @@ class Transformer(Module, Placed):
             cache = self.make_cache(B, max_length=L)
         elif len(cache) != len(self.layers):
             raise QinferError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
-        if offsets is None:
-            offsets = cache[0].offsets
+        if offsets is None:  # where the first attention layer's cache left off
+            offsets = next(c for c in cache if not isinstance(c, StatePool)).offsets
         self._check_positions(offsets, L)
         return self.run_rows(tokens.to(self.device, torch.long), offsets, cache, mask, last_only)
 
@@ -291,7 +318,9 @@ class Transformer(Module, Placed):
         B, L = tokens.shape
         mask = "causal" if mask is None else mask
         attention = ReferenceAttention(cache, B, L, mask, sdpa_for(self.features))
-        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only)
+        pool = next((c for c in cache if isinstance(c, StatePool)), None)
+        states = None if pool is None else StepStates(pool, torch.arange(B, device=self.device))
+        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only, states)
         logits = self.compute_logits(batch.logits_rows(self.forward(batch)))
         return logits.view(B, -1, logits.shape[-1])
 

@@ -26,7 +26,10 @@ from qinfer.models import (
     qwen2_5_vl,
     qwen2_moe,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
     qwen3_vl,
     smollm3,
 )
@@ -58,6 +61,9 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     qwen2_5_vl.FAMILY,
     qwen3_vl.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
+    qwen3_next.FAMILY,
 )
 
 _BY_MODEL_TYPE = {t: family for family in FAMILIES for t in family.model_types}

@@ -1,0 +1,182 @@
+"""The Gated DeltaNet layer (Qwen3.5, Qwen3-Next): linear attention over a fixed-size
+per-sequence state, as transformers' `Qwen3_5GatedDeltaNet`.
+
+    x (T, hidden)
+      -> in_proj: q, k, v (the conv's C channels), z (gate of the output), b, a (per value head)
+      -> causal depthwise conv1d over q/k/v (kernel K, SiLU), continuing the sequence's window
+      -> q, k L2-normalised per head; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
+      -> the gated delta rule over the sequence's fp32 state (`qinfer.attention.deltanet`):
+         chunked for prompts, recurrent for decode
+      -> RMSNorm over each value head, times silu(z) -> out_proj -> (T, hidden)
+
+A step's sequences take their conv windows and states from the state pool's slots
+(`qinfer.attention.state_pool`, `ForwardBatch.states`) and write them back. Sequences of
+one length (a decode step, the reference path's rectangular rows) run together; a step of
+mixed lengths runs its sequences one by one.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from qinfer.attention.deltanet import (
+    CHUNK_SIZE,
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+)
+from qinfer.attention.state_pool import StepStates
+from qinfer.core.errors import QinferError
+from qinfer.core.model_config import ModelConfig
+from qinfer.core.module import Module
+from qinfer.core.parallel import Parallel
+from qinfer.layers.norm import RMSNorm
+from qinfer.linear import linear
+from qinfer.weights.slots import LinearSlot, LinearSource, Placed, TensorSlot
+
+
+class StoredTensor(Module, TensorSlot):
+    """One checkpoint tensor a layer uses as it is stored (the conv's kernel, A_log,
+    dt_bias), filled by `qinfer.weights.load`; `initial`: a fresh model's value."""
+
+    def __init__(self, source: str, shape: tuple[int, ...], initial: float = 0.0) -> None:
+        super().__init__()
+        self.source, self.shape, self.initial = source, shape, initial
+        self.register_buffer("value", torch.empty(shape, device="meta"))
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(
+                f"{self.source} has shape {tuple(tensor.shape)}, expected {self.shape}"
+            )
+        self.register_buffer("value", tensor)
+
+
+class GatedDeltaNet(Module, Placed):
+    """(T, hidden) -> (T, hidden) over the step's recurrent states.
+
+    Slots: `in_proj` (q/k/v, z, b, a fused: Qwen3.5's four projections side by side, or
+    Qwen3-Next's two grouped by key head), `out_proj`; tensors `conv` (C, 1, K), `A_log`,
+    `dt_bias` (Hv,); the gated norm's weight (d_v,), not zero-centred.
+    chunk_size: the tokens per chunk of the chunked form (`deltanet.CHUNK_SIZE`).
+    """
+
+    def __init__(self, layer_prefix: str, config: ModelConfig, *, layer: int) -> None:
+        super().__init__()
+        shapes = config.deltanet
+        self.layer = layer
+        self.shapes = shapes
+        self.chunk_size = CHUNK_SIZE
+        H, Hv = config.hidden_size, shapes.num_value_heads
+        prefix = f"{layer_prefix}.linear_attn"
+        if shapes.grouped_projections:  # Qwen3-Next: rows grouped by key head
+            names = (f"{prefix}.in_proj_qkvz", f"{prefix}.in_proj_ba")
+            outs = (shapes.conv_dim + shapes.value_dim, 2 * Hv)
+        else:
+            names = tuple(f"{prefix}.in_proj_{part}" for part in ("qkv", "z", "b", "a"))
+            outs = (shapes.conv_dim, shapes.value_dim, Hv, Hv)
+        self.in_proj = LinearSlot(LinearSource(names, tuple((out, H) for out in outs)))
+        self.out_proj = LinearSlot(LinearSource((f"{prefix}.out_proj",), ((H, shapes.value_dim),)))
+        self.conv = StoredTensor(
+            f"{prefix}.conv1d.weight", (shapes.conv_dim, 1, shapes.conv_kernel)
+        )
+        self.A_log = StoredTensor(f"{prefix}.A_log", (Hv,))
+        self.dt_bias = StoredTensor(f"{prefix}.dt_bias", (Hv,))
+        dv = shapes.value_head_dim
+        self.norm = RMSNorm(
+            dv, torch.empty(dv, device="meta"), config.rms_norm_eps, source=f"{prefix}.norm.weight"
+        )
+
+    def place(self, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
+        """One rank holds every head: the DeltaNet is not split under tensor parallelism."""
+        if parallel.world_size > 1:
+            raise QinferError(
+                f"layer {self.layer} is linear attention (Gated DeltaNet), which tensor "
+                f"parallelism does not split yet: run on one process, not {parallel.world_size}"
+            )
+
+    def forward(
+        self, x: torch.Tensor, states: StepStates | None, query_starts: list[int]
+    ) -> torch.Tensor:
+        """x (T, hidden), the flat tokens of a step; states: the pool and each sequence's
+        slot; query_starts: sequence s runs tokens query_starts[s]:query_starts[s + 1].
+        Returns (T, hidden)."""
+        if states is None:
+            raise QinferError(
+                f"layer {self.layer} is linear attention: the step needs its sequences' "
+                "recurrent states (ForwardBatch.states)"
+            )
+        T = x.shape[0]
+        qkv, z, b, a = self._project(x)  # (T, C), (T, Hv, dv), (T, Hv), (T, Hv)
+        lengths = [end - start for start, end in pairwise(query_starts)]
+        if len(set(lengths)) == 1:  # one length L: the S sequences as (S, L, ...) at once
+            S, L = len(lengths), lengths[0]
+            o = self._mix(qkv.view(S, L, -1), b.view(S, L, -1), a.view(S, L, -1), states)
+        else:  # mixed lengths (a chunked prompt beside decodes): one sequence at a time
+            o = torch.cat(
+                [
+                    self._mix(
+                        qkv[None, start:end],
+                        b[None, start:end],
+                        a[None, start:end],
+                        StepStates(states.pool, states.slots[s : s + 1]),
+                    )
+                    for s, (start, end) in enumerate(pairwise(query_starts))
+                ],
+                dim=1,
+            )
+        # o (S, L, Hv, dv) fp32 -> (T, Hv, dv): RMSNorm over each head, gated by silu(z)
+        o = self.norm(o.reshape(T, *z.shape[1:])) * F.silu(z.float())
+        return linear(o.reshape(T, -1).to(x.dtype), self.out_proj)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (T, hidden) -> q/k/v (T, C) (q's heads, then k's, then v's: the conv's channel
+        order), z (T, Hv, dv), b and a (T, Hv)."""
+        s, T = self.shapes, x.shape[0]
+        Hk, Hv, dk, dv = s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim
+        projected = linear(x, self.in_proj)
+        if not s.grouped_projections:
+            qkv, z, b, a = projected.split([s.conv_dim, s.value_dim, Hv, Hv], dim=-1)
+            return qkv, z.reshape(T, Hv, dv), b, a
+        # Qwen3-Next: per key head, its q (dk), k (dk), then its r = Hv / Hk value heads'
+        # v (r dv) and z (r dv); then per key head its r b's and r a's.
+        r = Hv // Hk
+        qkvz, ba = projected.split([s.conv_dim + s.value_dim, 2 * Hv], dim=-1)
+        q, k, v, z = qkvz.reshape(T, Hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.reshape(T, Hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([part.reshape(T, -1) for part in (q, k, v)], dim=-1)  # (T, C)
+        return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
+
+    def _mix(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, states: StepStates
+    ) -> torch.Tensor:
+        """S sequences of L tokens each: qkv (S, L, C), b, a (S, L, Hv); states: their S
+        slots. Conv and delta rule from the slots' states, which are written back. Returns
+        the rule's output (S, L, Hv, dv) fp32."""
+        s, slots = self.shapes, states.slots
+        S, L, _ = qkv.shape
+        conv_windows = states.pool.conv[self.layer]  # (slots, C, K - 1)
+        mixed, window = causal_conv1d(
+            qkv.transpose(1, 2), self.conv.value.squeeze(1), conv_windows[slots]
+        )  # (S, C, L), (S, C, K - 1)
+        conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
+        q, k, v = mixed.transpose(1, 2).split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        # (S, L, Hk, dk) each, normalised; value head h reads key head h // r
+        q, k = (l2_normalize(x.reshape(S, L, s.num_key_heads, s.key_head_dim)) for x in (q, k))
+        r = s.num_value_heads // s.num_key_heads
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+        v = v.reshape(S, L, s.num_value_heads, s.value_head_dim)
+        beta = b.float().sigmoid()  # (S, L, Hv)
+        g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
+        recurrent = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
+        if L == 1:  # decode
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent[slots])
+        else:
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, recurrent[slots], self.chunk_size)
+        recurrent.index_copy_(0, slots, state)
+        return o

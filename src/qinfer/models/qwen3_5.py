@@ -1,0 +1,95 @@
+"""Qwen3.5 and Qwen3.6 (`model_type: qwen3_5`, its text model `qwen3_5_text`): a hybrid of
+Gated DeltaNet layers and gated full attention, as transformers' `modeling_qwen3_5.py`.
+
+config.json: `layer_types` names each layer's kind, `linear_attention` (a Gated DeltaNet,
+`layers/gated_deltanet.py`) or `full_attention`; absent, every `full_attention_interval`-th
+layer (4) is full attention, the others linear, as transformers fills it. The DeltaNet's
+shapes are `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`,
+`linear_value_head_dim`, `linear_conv_kernel_dim`. Full attention is Qwen3's (QK-norm) with
+an output gate (q_proj twice as wide), partial rotary (`partial_rotary_factor`, 0.25 by
+default) and interleaved M-RoPE sections where the config gives `mrope_section` (the
+released checkpoints' (11, 11, 10)): a text token's three positions are one, so text runs
+as plain RoPE, and a config without sections is read as that. Every RMSNorm but the
+DeltaNet's gated one is zero-centred (scale 1 + w).
+
+The multimodal config (`qwen3_5`) keeps the text model's fields under `text_config` and its
+tensors under `model.language_model.*`; until the vision tower lands, it loads as a text
+model (no image token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from qinfer.core.errors import ConfigError
+from qinfer.core.model_config import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    DeltaNetConfig,
+    ModelConfig,
+    RopeConfig,
+)
+from qinfer.models.base import Family, HFConfig, rope_config_from_hf, shared_fields
+from qinfer.models.llama import llama_wiring
+from qinfer.models.qwen2_5_vl import mrope_config, vl_text_config
+
+#: What transformers assumes where a Qwen3.5 text config leaves fields out.
+DEFAULTS: dict[str, Any] = {"max_position_embeddings": 32768, "head_dim": 256}
+PARTIAL_ROTARY_FACTOR = 0.25
+
+
+def hybrid_rope(cfg: HFConfig) -> RopeConfig:
+    """Qwen3.5's RoPE: interleaved M-RoPE with the config's `mrope_section`, plain RoPE
+    where it gives none (the same rotation for text)."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    section = params.get("mrope_section")
+    if section is None:
+        return rope_config_from_hf({**cfg.values, "rope_parameters": params})
+    return mrope_config(cfg, tuple(section), interleaved=True)
+
+
+def hybrid_fields(cfg: HFConfig, rope: RopeConfig, grouped_projections: bool) -> dict[str, Any]:
+    """The ModelConfig fields every hybrid family reads alike: the layer kinds, the
+    DeltaNet's shapes, the gated attention's wiring and zero-centred norms, `rope` with its
+    partial rotary factor (0.25 where the config gives none)."""
+    layers = cfg.number("num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        interval = cfg.number("full_attention_interval", 4)
+        kinds = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
+    if not isinstance(kinds, list) or not all(isinstance(kind, str) for kind in kinds):
+        raise ConfigError(f"config field 'layer_types' must be a list of strings, got {kinds!r}")
+    deltanet = DeltaNetConfig(
+        num_key_heads=cfg.number("linear_num_key_heads", 16),
+        num_value_heads=cfg.number("linear_num_value_heads", 32),
+        key_head_dim=cfg.number("linear_key_head_dim", 128),
+        value_head_dim=cfg.number("linear_value_head_dim", 128),
+        conv_kernel=cfg.number("linear_conv_kernel_dim", 4),
+        grouped_projections=grouped_projections,
+    )
+    if not _partial_rotary_given(cfg):
+        rope = dataclasses.replace(rope, partial_rotary_factor=PARTIAL_ROTARY_FACTOR)
+    wiring = llama_wiring(cfg, qk_norm=True, attention_output_gate=True, norm_weight_offset=1.0)
+    return dict(layer_types=tuple(kinds), deltanet=deltanet, wiring=wiring, rope=rope)
+
+
+def _partial_rotary_given(cfg: HFConfig) -> bool:
+    """Whether the config sets partial_rotary_factor (at the top or among the RoPE's)."""
+    params = [cfg.values] + [cfg.get(key, {}) for key in ("rope_parameters", "rope_scaling")]
+    return any(isinstance(p, dict) and p.get("partial_rotary_factor") is not None for p in params)
+
+
+def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen3.5 config.json (its text model) -> ModelConfig."""
+    if cfg.model_type != "qwen3_5_text":
+        cfg = vl_text_config(cfg, "qwen3_5_text", DEFAULTS)
+    cfg = HFConfig({**DEFAULTS, **cfg.values})
+    return ModelConfig(**shared_fields(cfg, **hybrid_fields(cfg, hybrid_rope(cfg), False)))
+
+
+FAMILY = Family(
+    name="Qwen3.5 / Qwen3.6",
+    model_types=("qwen3_5", "qwen3_5_text"),
+    read_config=read_config,
+)

@@ -1,0 +1,36 @@
+"""Qwen3.5-MoE and Qwen3.6-MoE (`model_type: qwen3_5_moe`, its text model
+`qwen3_5_moe_text`): Qwen3.5's hybrid layers (`models/qwen3_5.py`) with a mixture of
+experts in every layer, plus a shared expert scaled by a sigmoid gate (Qwen2-MoE's,
+`layers/moe.py`); the k routing weights are always renormalised to sum to 1, as
+transformers' `Qwen3_5MoeTopKRouter` does (the config has no `norm_topk_prob`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qinfer.core.model_config import ModelConfig
+from qinfer.models.base import Family, HFConfig, shared_fields
+from qinfer.models.qwen2_5_vl import vl_text_config
+from qinfer.models.qwen3_5 import DEFAULTS, hybrid_fields, hybrid_rope
+from qinfer.models.qwen3_moe import read_experts
+
+
+def read_config(cfg: HFConfig) -> ModelConfig:
+    """A Qwen3.5-MoE config.json (its text model) -> ModelConfig."""
+    if cfg.model_type != "qwen3_5_moe_text":
+        cfg = vl_text_config(cfg, "qwen3_5_moe_text", DEFAULTS)
+    # Every layer has experts: no dense FFN, whose width the config need not give.
+    values = {**DEFAULTS, **cfg.values, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    values.setdefault("intermediate_size", values.get("moe_intermediate_size"))
+    cfg = HFConfig(values)
+    moe = dataclasses.replace(read_experts(cfg), norm_topk_prob=True)
+    hybrid = hybrid_fields(cfg, hybrid_rope(cfg), False)
+    return ModelConfig(**shared_fields(cfg, **hybrid, moe=moe))
+
+
+FAMILY = Family(
+    name="Qwen3.5-MoE / Qwen3.6-MoE",
+    model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    read_config=read_config,
+)

@@ -33,11 +33,11 @@ import re
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,6 +54,7 @@ from qinfer.server.lifecycle import Server
 from qinfer.server.model_server import ModelServer, ServerSettings
 from qinfer.server.openai import chat, completions, embeddings, models, responses
 from qinfer.server.routing import Access
+from qinfer.server.schema import Answer
 from qinfer.server.vllm import render, scores, tokenize
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -73,15 +74,14 @@ API_MODULES = (
     inspection,
 )
 
-#: /health's answer: "ok", or (with a 503) "error" and why the engine failed.
-HEALTH = {
-    "type": "object",
-    "properties": {
-        "status": {"enum": ["ok", "error"]},
-        "message": {"type": "string"},
-    },
-    "required": ["status"],
-}
+
+class Health(Answer):
+    """/health's answer: "ok", or (with a 503) "error" and why the engine failed."""
+
+    status: Literal["ok", "error"]
+    message: str | None = None
+
+
 #: /metrics' media type: Prometheus' text format.
 PROMETHEUS = "text/plain; version=0.0.4"
 
@@ -137,20 +137,16 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, settings: ServerSettin
 
     app.mount("/static", StaticFiles(directory=STATIC_FILES), name="static")
 
-    health_json = {"content": {"application/json": {"schema": HEALTH}}}
-    health_answers = {
-        200: {"description": "The engine runs", **health_json},
-        503: {
-            "description": "A tensor-parallel worker died: the server is stopping",
-            **health_json,
-        },
-    }
+    stopping = {"description": "A tensor-parallel worker died: the server is stopping"}
 
-    @app.get("/health", responses=health_answers)
-    async def health() -> Response:
+    @app.get(
+        "/health", response_model_exclude_unset=True, responses={503: {**stopping, "model": Health}}
+    )
+    async def health(response: Response) -> Health:
         if engine.failure is not None:  # a tensor-parallel worker died: the server is stopping
-            return JSONResponse({"status": "error", "message": str(engine.failure)}, 503)
-        return JSONResponse({"status": "ok"})
+            response.status_code = 503
+            return Health(status="error", message=str(engine.failure))
+        return Health(status="ok")
 
     metrics_text = {"description": "Prometheus' text format", "content": {PROMETHEUS: {}}}
 

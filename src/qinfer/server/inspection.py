@@ -10,7 +10,7 @@ field. The forward runs in the engine's step thread between two steps
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field
@@ -21,7 +21,7 @@ from qinfer.core.model_config import ModelConfig
 from qinfer.server.openai.chat import ChatMessage
 from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
-from qinfer.server.schema import StrictModel
+from qinfer.server.schema import Answer, StrictModel
 from qinfer.text.prompts import encode_prompt
 from qinfer.text.tokenizer import Tokenizer
 
@@ -58,6 +58,38 @@ class InspectRequest(StrictModel):
         ):
             return [message.for_template(i) for i, message in enumerate(self.prompt)]
         return self.prompt
+
+
+class InspectedToken(Answer):
+    id: int
+    text: str
+
+
+class Candidate(InspectedToken):
+    prob: float
+
+
+class LayerAttention(Answer):
+    layer: int
+    heads: list[int]
+    # [head][query][key]: row i is how token i spreads its attention over 0..i
+    weights: list[list[list[float]]]
+
+
+class InspectedPrompt(Answer):
+    """`POST /v1/inspect` (docs/INSPECT.md): the prompt's tokens, the asked layers'
+    attention, the top candidates for the next token at each position, and each layer's
+    (logit lens: [layer][position][candidate])."""
+
+    object: Literal["inspection"]
+    model: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tokens: list[InspectedToken]
+    attention: list[LayerAttention]
+    next_tokens: list[list[Candidate]]
+    logit_lens: list[list[list[Candidate]]]
 
 
 def encode_inspected_prompt(
@@ -117,7 +149,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/inspect",
         dependencies=access.authorized,
-        **documented(InspectRequest, {"prompt": "The capital of France is"}),
+        **documented(InspectedPrompt, InspectRequest, {"prompt": "The capital of France is"}),
     )
     async def inspect(request: Request) -> dict[str, Any]:
         return await inspected(server, await read_body(request, InspectRequest))

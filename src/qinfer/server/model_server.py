@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.engine import AsyncEngine
@@ -224,8 +224,9 @@ class ModelServer:
         *,
         stream: bool,
         include_usage: bool = False,
-    ) -> Response:
-        """A JSON answer, or a stream of events once the first delta proves the request runs.
+    ) -> Response | dict[str, Any]:
+        """A JSON answer (the dict, which the route validates as its answer type), or a
+        stream of events once the first delta proves the request runs.
 
         Waiting for the first delta lets an engine refusal (overloaded, prompt too long)
         still answer with its own status rather than inside a 200 stream. A client that
@@ -248,7 +249,7 @@ class ModelServer:
         if answer.cancelled():
             # 499 (nginx's "client closed request"): logged, never read by anyone.
             return Response(status_code=499)
-        return JSONResponse(answer.result())
+        return answer.result()  # the route's answer type validates it (`openapi.documented`)
 
 
 async def wait_for_disconnect(connection: Request) -> None:

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from qinfer.server.errors import ErrorBody
 
@@ -32,13 +32,10 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 DOCS_FILES = Path(fastapi_offline.__file__).parent / "static"
 DOCS_FILES_URL = "/docs-files"
 
-#: One server-sent event of a stream (OpenAPI 3.1 reads a stream's schema as each event's):
-#: its data (JSON, or OpenAI's closing "[DONE]") and, in the APIs that name them, its name.
-EVENT = {
-    "type": "object",
-    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-    "required": ["data"],
-}
+#: What a stream's events carry (OpenAPI 3.1 reads a stream's schema as each event's): its
+#: name, in the APIs that name them, and its data, a JSON object of the route's event model
+#: (as JSON Schema's `contentSchema` says of a string), or OpenAI's closing "[DONE]".
+EVENT_FIELDS = {"event": {"type": "string"}}
 #: Why a route answers each error status (the statuses a route lists in `documented`).
 ERROR_REASONS = {
     400: "A field of the wrong type, out of range or not supported, named in the message",
@@ -54,37 +51,57 @@ BODY_ERRORS = (400, 401, 404, 413, 503)
 
 
 def documented(
+    answer: Any,
     body: type[BaseModel] | None = None,
     example: Mapping[str, Any] | None = None,
     *,
     errors: Iterable[int] = BODY_ERRORS,
     error_body: type[BaseModel] = ErrorBody,
-    answer: Mapping[str, Any] | None = None,
-    streams: bool = False,
+    events: Any = None,
     links: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The keywords of a route's decorator that document it: `body`, the model its JSON
-    body is validated as, and `example`, a body it accepts (/docs' "Try it out" starts
-    from it; tests/test_openapi.py sends it); `errors`, the statuses it refuses with (a body of `error_body`);
-    `answer`, the schema of its 200 JSON (any object when None); `streams`, whether a body
-    with `stream: true` is answered with server-sent events; `links`, the OpenAPI links
-    from its answer to other operations."""
-    content: dict[str, Any] = {"application/json": {"schema": answer or {"type": "object"}}}
-    if streams:
-        content["text/event-stream"] = {"schema": EVENT}
-    success: dict[str, Any] = {"description": "The answer", "content": content}
+    """The keywords of a route's decorator that document it: `answer`, the type of its 200
+    JSON, which FastAPI then validates the route's answer as (a dict's keys kept as they
+    are: a key the type lacks, or a field of another type, is a 500, so the answer cannot
+    drift from the document; a `Response` the route builds itself goes out unchecked);
+    `body`, the model its JSON body is validated as, and `example`, a body it accepts
+    (/docs' "Try it out" starts from it; tests/test_openapi.py sends it); `errors`, the
+    statuses it refuses with (a body of `error_body`); `events`, the type of each event's
+    data when a body with `stream: true` is answered with server-sent events; `links`, the
+    OpenAPI links from its answer to other operations."""
+    success: dict[str, Any] = {"description": "The answer"}
+    if events is not None:
+        success["content"] = {"text/event-stream": {"schema": event_schema(events)}}
     if links:
         success["links"] = dict(links)
     responses: dict[int | str, Any] = {200: success}
     for status in errors:
         responses[status] = {"description": ERROR_REASONS[status], "model": error_body}
-    keywords: dict[str, Any] = {"responses": responses}
+    keywords: dict[str, Any] = {
+        "responses": responses,
+        "response_model": answer,
+        "response_model_exclude_unset": True,
+    }
     if body is not None:
         schema = body.model_json_schema(ref_template=REF_TEMPLATE)
         media = {"schema": schema, "example": dict(example or {})}
         request_body = {"required": True, "content": {"application/json": media}}
         keywords["openapi_extra"] = {"requestBody": request_body}
     return keywords
+
+
+def event_schema(events: Any) -> dict[str, Any]:
+    """The schema of one server-sent event whose data is JSON of type `events` (its
+    definitions under `$defs`, which `install` moves into the components)."""
+    data = TypeAdapter(events).json_schema(ref_template=REF_TEMPLATE, mode="serialization")
+    definitions = data.pop("$defs", {})
+    data_field = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    return {
+        "type": "object",
+        "properties": {**EVENT_FIELDS, "data": data_field},
+        "required": ["data"],
+        "$defs": definitions,
+    }
 
 
 def install(app: FastAPI) -> None:
@@ -97,9 +114,12 @@ def install(app: FastAPI) -> None:
         components = document.setdefault("components", {}).setdefault("schemas", {})
         for path in document["paths"].values():
             for operation in path.values():
-                content = operation.get("requestBody", {}).get("content", {})
-                for media in content.values():
-                    _move_definitions(media["schema"], components)
+                contents = [operation.get("requestBody", {}).get("content", {})]
+                contents += [
+                    answer.get("content", {}) for answer in operation["responses"].values()
+                ]
+                for media in (media for content in contents for media in content.values()):
+                    _move_definitions(media.get("schema", {}), components)
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -130,8 +150,9 @@ def install(app: FastAPI) -> None:
 
 
 def _move_definitions(schema: dict[str, Any], components: dict[str, Any]) -> None:
-    """Move a body schema's `$defs` into the document's components; two models of one name
-    with different schemas would make a reference ambiguous (ValueError naming it)."""
+    """Move a body's or an event's `$defs` into the document's components; two models of
+    one name with different schemas would make a reference ambiguous (ValueError naming
+    it)."""
     for name, definition in schema.pop("$defs", {}).items():
         if components.setdefault(name, definition) != definition:
-            raise ValueError(f"two request models are named {name!r}; rename one of them")
+            raise ValueError(f"two models are named {name!r}; rename one of them")

@@ -1,5 +1,6 @@
 """What every API's request bodies share: the strict pydantic base model, the logging of
-unknown fields, the bounds on tools and constraints, and shared field types.
+unknown fields, the bounds on tools and constraints, and shared field types; and the base
+model of every API's answers (`Answer`).
 
 Validation is strict: a field of the wrong type (`"temperature": "hot"`) or a value out
 of range (`"top_p": 7`) is refused with a 400 naming the field, rather than coerced. The
@@ -96,6 +97,14 @@ class StrictModel(BaseModel):
     def _log_unknown_fields(cls, data: Any) -> Any:
         log_unknown_fields(cls, data)
         return data
+
+
+class Answer(BaseModel):
+    """A part of an answer the server sends: exactly these keys (`additionalProperties:
+    false` in the document), so that an answer with a key its model lacks fails its
+    route's validation (`openapi.documented`) rather than differ from the document."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 def Unsupported(reason: str) -> Any:  # noqa: N802 (reads as a type in a field declaration)

@@ -21,11 +21,12 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel
 
 from qinfer.core.version import VERSION
-from qinfer.server.errors import APIError
+from qinfer.server.errors import APIError, ErrorBody
+from qinfer.server.openapi import ERROR_REASONS
 from qinfer.server.routing import Access
+from qinfer.server.schema import Answer
 
 if TYPE_CHECKING:
     from qinfer.engine import EngineStats
@@ -36,10 +37,15 @@ if TYPE_CHECKING:
 #: report here; all: every section.
 LOAD_SECTIONS = ("core", "memory", "queues", "disagg", "spec", "lora", "all")
 
+#: What `load_sections` accepts, for the document: sections between commas, each with
+#: spaces around it or none, and empty ones skipped, at least one named.
+_SECTION = f"({'|'.join(LOAD_SECTIONS)})"
+INCLUDE_PATTERN = rf"^(\s*,)*\s*{_SECTION}\s*(,\s*({_SECTION}\s*)?)*$"
+
 GB = 2**30
 
 
-class MemoryLoad(BaseModel):
+class MemoryLoad(Answer):
     """Memory the replica holds: weights and the KV pool (GiB), and the tokens it fits."""
 
     weight_gb: float
@@ -48,7 +54,7 @@ class MemoryLoad(BaseModel):
     token_capacity: int
 
 
-class QueueLoad(BaseModel):
+class QueueLoad(Answer):
     """Requests waiting, by why: for a slot (waiting); qinfer has no other queues."""
 
     waiting: int
@@ -57,7 +63,7 @@ class QueueLoad(BaseModel):
     retracted: int = 0
 
 
-class RankLoad(BaseModel):
+class RankLoad(Answer):
     """One data-parallel rank's load (a qinfer replica is one rank, rank 0)."""
 
     dp_rank: int = 0
@@ -75,7 +81,7 @@ class RankLoad(BaseModel):
     queues: QueueLoad | None = None
 
 
-class AggregateLoad(BaseModel):
+class AggregateLoad(Answer):
     """The ranks' loads summed (totals) and averaged (avg_)."""
 
     total_running_reqs: int
@@ -86,7 +92,7 @@ class AggregateLoad(BaseModel):
     avg_utilization: float
 
 
-class WorkerLoadResponse(BaseModel):
+class WorkerLoadResponse(Answer):
     """`GET /v1/loads`: SMG's `WorkerLoadResponse`, as SGLang answers it."""
 
     timestamp: str
@@ -96,7 +102,7 @@ class WorkerLoadResponse(BaseModel):
     aggregate: AggregateLoad
 
 
-class FlushResponse(BaseModel):
+class FlushResponse(Answer):
     """`POST /flush_cache`: what the flush did (blocks of `block_size` token positions)."""
 
     message: str
@@ -106,7 +112,7 @@ class FlushResponse(BaseModel):
     block_size: int
 
 
-class ModelInfo(BaseModel):
+class ModelInfo(Answer):
     """`GET /model_info`: the served model, as SGLang's `/get_model_info` names it."""
 
     model_path: str  # the served model's id (`--served-model-name`)
@@ -117,7 +123,7 @@ class ModelInfo(BaseModel):
     max_model_len: int
 
 
-class ServerInfo(BaseModel):
+class ServerInfo(Answer):
     """`GET /server_info`: how the replica runs, for routers and operators."""
 
     version: str
@@ -137,9 +143,15 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     memory = memory_load(server)
 
     # Sections not asked for are left out, as SGLang leaves them.
-    @routes.get("/v1/loads", response_model_exclude_none=True)
+    bad_include = {400: {"description": ERROR_REASONS[400], "model": ErrorBody}}
+
+    @routes.get("/v1/loads", response_model_exclude_none=True, responses=bad_include)
     async def loads(
-        include: str = Query("all", description=f"sections, comma-separated: {LOAD_SECTIONS}"),
+        include: str = Query(
+            "all",
+            description=f"sections, comma-separated: {LOAD_SECTIONS}",
+            json_schema_extra={"pattern": INCLUDE_PATTERN},
+        ),
     ) -> WorkerLoadResponse:
         sections = load_sections(include)
         load = rank_load(server, server.engine.stats(), memory, sections)

@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from qinfer.request.tool_calls import check_tool_schemas
+from qinfer.server.anthropic.messages_answer import MessageEvent, ReplyMessage, TokenCount
 from qinfer.server.anthropic.messages_request import ConversationRequest, MessagesRequest
 from qinfer.server.choices import Completion
 from qinfer.server.errors import APIError, error_from_exception
@@ -249,7 +250,7 @@ class MessagesAPI:
     def __init__(self, server: ModelServer):
         self.server = server
 
-    async def create(self, body: MessagesRequest, connection: Request) -> Response:
+    async def create(self, body: MessagesRequest, connection: Request) -> Response | dict[str, Any]:
         server = self.server
         if body.thread is not None:
             raise threads_unsupported()
@@ -324,16 +325,25 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/messages",
         **documented(
-            MessagesRequest, message, errors=errors, error_body=AnthropicErrorBody, streams=True
+            ReplyMessage,
+            MessagesRequest,
+            message,
+            errors=errors,
+            error_body=AnthropicErrorBody,
+            events=MessageEvent,
         ),
     )
-    async def create_message(request: Request) -> Response:
+    async def create_message(request: Request) -> Response | dict[str, Any]:
         return await api.create(await read_body(request, MessagesRequest), request)
 
     @routes.post(
         "/v1/messages/count_tokens",
         **documented(
-            ConversationRequest, message, errors=errors[:-1], error_body=AnthropicErrorBody
+            TokenCount,
+            ConversationRequest,
+            message,
+            errors=errors[:-1],
+            error_body=AnthropicErrorBody,
         ),
     )
     async def count_message_tokens(request: Request) -> dict[str, int]:

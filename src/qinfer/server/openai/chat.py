@@ -18,6 +18,7 @@ from qinfer.request.sampling import MAX_LOGPROBS
 from qinfer.request.tool_calls import ToolCallDelta, check_tool_schemas
 from qinfer.server.choices import Completion, Delta
 from qinfer.server.images import ImageRef, image_part
+from qinfer.server.openai.answers import ChatCompletion, ChatEvent
 from qinfer.server.openai.generation import (
     ChoicesFormat,
     GenerationRequest,
@@ -285,6 +286,10 @@ class ChatCompletionRequest(GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+#: A body the route accepts, for the document (/docs' "Try it out" starts from it).
+CHAT_EXAMPLE = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
 def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/chat/completions (the generate task)."""
     routes = APIRouter()
@@ -293,16 +298,21 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         "/v1/chat/completions",
         dependencies=access.serving("generate"),
         **documented(
-            ChatCompletionRequest, {"messages": [{"role": "user", "content": "Hi"}]}, streams=True
+            ChatCompletion,
+            ChatCompletionRequest,
+            CHAT_EXAMPLE,
+            events=ChatEvent,
         ),
     )
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response | dict[str, Any]:
         return await chat(server, await read_body(request, ChatCompletionRequest), request)
 
     return routes
 
 
-async def chat(server: ModelServer, body: ChatCompletionRequest, connection: Request) -> Response:
+async def chat(
+    server: ModelServer, body: ChatCompletionRequest, connection: Request
+) -> Response | dict[str, Any]:
     server.check_model(body.model)
     if body.tools:  # compiling schemas can take a while: off the event loop
         await run_in_threadpool(

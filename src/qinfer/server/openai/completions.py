@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from qinfer.server.choices import Completion, Delta
 from qinfer.server.errors import APIError
+from qinfer.server.openai.answers import TextCompletion, TextEvent
 from qinfer.server.openai.generation import (
     MAX_CHOICES,
     ChoicesFormat,
@@ -84,6 +85,10 @@ class CompletionRequest(GenerationRequest):
         return fields
 
 
+#: A body the route accepts, for the document (/docs' "Try it out" starts from it).
+COMPLETION_EXAMPLE = {"prompt": "Once upon a time"}
+
+
 def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/completions (the generate task)."""
     routes = APIRouter()
@@ -91,15 +96,17 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/completions",
         dependencies=access.serving("generate"),
-        **documented(CompletionRequest, {"prompt": "Once upon a time"}, streams=True),
+        **documented(TextCompletion, CompletionRequest, COMPLETION_EXAMPLE, events=TextEvent),
     )
-    async def completions(request: Request) -> Response:
+    async def completions(request: Request) -> Response | dict[str, Any]:
         return await complete(server, await read_body(request, CompletionRequest), request)
 
     return routes
 
 
-async def complete(server: ModelServer, body: CompletionRequest, connection: Request) -> Response:
+async def complete(
+    server: ModelServer, body: CompletionRequest, connection: Request
+) -> Response | dict[str, Any]:
     server.check_model(body.model)
     params = sampling_params(server, body)
     prompts = await prompt_ids(server, body)

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from qinfer.core.errors import RequestError
 from qinfer.server.errors import APIError
+from qinfer.server.openai.answers import EmbeddingList
 from qinfer.server.openapi import documented
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.routing import Access, read_body
@@ -110,7 +111,8 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     routes = APIRouter(dependencies=access.serving("generate", "embed"))
 
     @routes.post(
-        "/v1/embeddings", **documented(EmbeddingRequest, {"input": "The capital of France"})
+        "/v1/embeddings",
+        **documented(EmbeddingList, EmbeddingRequest, {"input": "The capital of France"}),
     )
     async def create_embeddings(request: Request) -> dict[str, Any]:
         return await api.create(await read_body(request, EmbeddingRequest))

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 
+from qinfer.server.openai.answers import ModelList
 from qinfer.server.openapi import documented
 from qinfer.server.routing import Access
 
@@ -17,7 +18,9 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """GET /v1/models (any task)."""
     routes = APIRouter()
 
-    @routes.get("/v1/models", dependencies=access.authorized, **documented(errors=(401,)))
+    @routes.get(
+        "/v1/models", dependencies=access.authorized, **documented(ModelList, errors=(401,))
+    )
     async def models() -> dict[str, Any]:
         return model_list(server)
 

@@ -42,6 +42,11 @@ from qinfer.request.sampling import SamplingParams
 from qinfer.request.tool_calls import check_tool_schemas
 from qinfer.server.choices import Completion
 from qinfer.server.errors import APIError
+from qinfer.server.openai.responses_answer import (
+    DeletedResponse,
+    ResponseObject,
+    ResponseStreamEvent,
+)
 from qinfer.server.openai.responses_request import (
     MAX_INPUT_ITEMS,
     ResponsesRequest,
@@ -372,7 +377,9 @@ class ResponsesAPI:
         self.server = server
         self.store = store if store is not None else ResponseStore()
 
-    async def create(self, body: ResponsesRequest, connection: Request) -> Response:
+    async def create(
+        self, body: ResponsesRequest, connection: Request
+    ) -> Response | dict[str, Any]:
         server = self.server
         server.check_model(body.model)
         tools = body.offered_tools()
@@ -433,15 +440,22 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     }
 
     @routes.post(
-        "/v1/responses", **documented(ResponsesRequest, {"input": "Hi"}, streams=True, links=links)
+        "/v1/responses",
+        **documented(
+            ResponseObject,
+            ResponsesRequest,
+            {"input": "Hi"},
+            events=ResponseStreamEvent,
+            links=links,
+        ),
     )
-    async def create_response(request: Request) -> Response:
+    async def create_response(request: Request) -> Response | dict[str, Any]:
         return await api.create(await read_body(request, ResponsesRequest), request)
 
     @routes.get(
         "/v1/responses/{response_id}",
         operation_id="get_response",
-        **documented(errors=(401, 404)),
+        **documented(ResponseObject, errors=(401, 404)),
     )
     async def get_response(response_id: str) -> dict[str, Any]:
         return api.store.response(response_id)
@@ -449,7 +463,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.delete(
         "/v1/responses/{response_id}",
         operation_id="delete_response",
-        **documented(errors=(401, 404)),
+        **documented(DeletedResponse, errors=(401, 404)),
     )
     async def delete_response(response_id: str) -> dict[str, Any]:
         api.store.delete(response_id)

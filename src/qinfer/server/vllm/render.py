@@ -14,17 +14,23 @@ import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 
-from qinfer.server.openai.chat import ChatCompletionRequest
-from qinfer.server.openai.completions import CompletionRequest, prompt_ids
+from qinfer.server.openai.chat import CHAT_EXAMPLE, ChatCompletionRequest
+from qinfer.server.openai.completions import COMPLETION_EXAMPLE, CompletionRequest, prompt_ids
+from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
+from qinfer.server.schema import Answer
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
 
 
-class RenderedPrompt(BaseModel):
+#: What these routes refuse: the body, the API key, the model, the body's size (the
+#: engine never runs, so never a full queue).
+RENDER_ERRORS = (400, 401, 404, 413)
+
+
+class RenderedPrompt(Answer):
     """One prompt as the engine would get it (vLLM's `GenerateRequest`'s fields qinfer
     has: the id a generation would carry, the prompt's token ids, the model)."""
 
@@ -37,7 +43,10 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /v1/chat/completions/render and /v1/completions/render (the generate task)."""
     routes = APIRouter(dependencies=access.serving("generate"))
 
-    @routes.post("/v1/chat/completions/render")
+    @routes.post(
+        "/v1/chat/completions/render",
+        **documented(RenderedPrompt, ChatCompletionRequest, CHAT_EXAMPLE, errors=RENDER_ERRORS),
+    )
     async def render_chat(request: Request) -> RenderedPrompt:
         body = await read_body(request, ChatCompletionRequest)
         server.check_model(body.model)
@@ -47,7 +56,12 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         )
         return rendered(server, "chatcmpl", parts.token_ids)
 
-    @routes.post("/v1/completions/render")
+    @routes.post(
+        "/v1/completions/render",
+        **documented(
+            list[RenderedPrompt], CompletionRequest, COMPLETION_EXAMPLE, errors=RENDER_ERRORS
+        ),
+    )
     async def render_completion(request: Request) -> list[RenderedPrompt]:
         body = await read_body(request, CompletionRequest)
         server.check_model(body.model)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field
@@ -32,7 +32,7 @@ from qinfer.server.errors import APIError
 from qinfer.server.openapi import documented
 from qinfer.server.prompt_runs import run_prompts
 from qinfer.server.routing import Access, read_body
-from qinfer.server.schema import StrictModel
+from qinfer.server.schema import Answer, StrictModel
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
@@ -76,6 +76,48 @@ class ScoreRequest(StrictModel):
                 param="text_2",
             )
         return list(zip(queries, documents, strict=True))
+
+
+class ScoreUsage(Answer):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0  # /v1/score's only
+
+
+class Document(Answer):
+    text: str
+
+
+class RerankResult(Answer):
+    index: int  # of the document in the request
+    relevance_score: float
+    document: Document | None = None  # absent when return_documents is false
+
+
+class Reranking(Answer):
+    """`POST /v1/rerank`: the results, best first."""
+
+    id: str
+    model: str
+    usage: ScoreUsage
+    results: list[RerankResult]
+
+
+class Score(Answer):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class Scores(Answer):
+    """`POST /v1/score`: one score per pair, in the pairs' order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Score]
+    usage: ScoreUsage
 
 
 class ScoresAPI:
@@ -148,13 +190,18 @@ def router(server: ModelServer, access: Access) -> APIRouter:
 
     @routes.post(
         "/v1/rerank",
-        **documented(RerankRequest, {"query": "capital of France", "documents": ["Paris", "Rome"]}),
+        **documented(
+            Reranking,
+            RerankRequest,
+            {"query": "capital of France", "documents": ["Paris", "Rome"]},
+        ),
     )
     async def rerank(request: Request) -> dict[str, Any]:
         return await api.rerank(await read_body(request, RerankRequest))
 
     @routes.post(
-        "/v1/score", **documented(ScoreRequest, {"text_1": "capital of France", "text_2": "Paris"})
+        "/v1/score",
+        **documented(Scores, ScoreRequest, {"text_1": "capital of France", "text_2": "Paris"}),
     )
     async def score(request: Request) -> dict[str, Any]:
         return await api.score(await read_body(request, ScoreRequest))

@@ -14,7 +14,7 @@ from qinfer.server.images import accepted_refs
 from qinfer.server.openai.chat import ChatMessage, ToolDefinition
 from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
-from qinfer.server.schema import MAX_TOOLS, StrictModel, TemplateKwargs
+from qinfer.server.schema import MAX_TOOLS, Answer, StrictModel, TemplateKwargs
 
 if TYPE_CHECKING:
     from qinfer.server.model_server import ModelServer
@@ -61,6 +61,20 @@ class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
+class Tokens(Answer):
+    """`POST /tokenize`: the ids, how many, and the context they must fit."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Text(Answer):
+    """`POST /detokenize`."""
+
+    prompt: str
+
+
 def router(server: ModelServer, access: Access) -> APIRouter:
     """POST /tokenize and /detokenize (any task)."""
     routes = APIRouter()
@@ -68,7 +82,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/tokenize",
         dependencies=access.authorized,
-        **documented(TokenizeRequest, {"prompt": "Hello"}, errors=TEXT_ERRORS),
+        **documented(Tokens, TokenizeRequest, {"prompt": "Hello"}, errors=TEXT_ERRORS),
     )
     async def tokenize(request: Request) -> dict[str, Any]:
         return await token_ids(server, await read_body(request, TokenizeRequest))
@@ -76,7 +90,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/detokenize",
         dependencies=access.authorized,
-        **documented(DetokenizeRequest, {"tokens": [100, 101]}, errors=TEXT_ERRORS),
+        **documented(Text, DetokenizeRequest, {"tokens": [100, 101]}, errors=TEXT_ERRORS),
     )
     async def detokenize(request: Request) -> dict[str, Any]:
         return await text(server, await read_body(request, DetokenizeRequest))

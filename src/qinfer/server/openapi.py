@@ -58,6 +58,7 @@ def documented(
     errors: Iterable[int] = BODY_ERRORS,
     error_body: type[BaseModel] = ErrorBody,
     events: Any = None,
+    done: bool = False,
     links: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The keywords of a route's decorator that document it: `answer`, the type of its 200
@@ -67,11 +68,12 @@ def documented(
     `body`, the model its JSON body is validated as, and `example`, a body it accepts
     (/docs' "Try it out" starts from it; tests/test_openapi.py sends it); `errors`, the
     statuses it refuses with (a body of `error_body`); `events`, the type of each event's
-    data when a body with `stream: true` is answered with server-sent events; `links`, the
+    data when a body with `stream: true` is answered with server-sent events, and `done`,
+    whether the stream ends with OpenAI's "[DONE]" (data that is no JSON); `links`, the
     OpenAPI links from its answer to other operations."""
     success: dict[str, Any] = {"description": "The answer"}
     if events is not None:
-        success["content"] = {"text/event-stream": {"schema": event_schema(events)}}
+        success["content"] = {"text/event-stream": {"schema": event_schema(events, done)}}
     if links:
         success["links"] = dict(links)
     responses: dict[int | str, Any] = {200: success}
@@ -90,12 +92,19 @@ def documented(
     return keywords
 
 
-def event_schema(events: Any) -> dict[str, Any]:
-    """The schema of one server-sent event whose data is JSON of type `events` (its
-    definitions under `$defs`, which `install` moves into the components)."""
+def event_schema(events: Any, done: bool = False) -> dict[str, Any]:
+    """The schema of one server-sent event whose data is JSON of type `events`, or "[DONE]"
+    when `done` (its definitions under `$defs`, which `install` moves into the components;
+    schemathesis reads each event's data by its `contentMediaType` and `contentSchema`)."""
     data = TypeAdapter(events).json_schema(ref_template=REF_TEMPLATE, mode="serialization")
     definitions = data.pop("$defs", {})
-    data_field = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
+    data_field: dict[str, Any] = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": data,
+    }
+    if done:
+        data_field = {"anyOf": [data_field, {"const": "[DONE]"}]}
     return {
         "type": "object",
         "properties": {**EVENT_FIELDS, "data": data_field},

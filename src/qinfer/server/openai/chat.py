@@ -302,6 +302,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
             ChatCompletionRequest,
             CHAT_EXAMPLE,
             events=ChatEvent,
+            done=True,
         ),
     )
     async def chat_completions(request: Request) -> Response | dict[str, Any]:

@@ -96,7 +96,9 @@ def router(server: ModelServer, access: Access) -> APIRouter:
     @routes.post(
         "/v1/completions",
         dependencies=access.serving("generate"),
-        **documented(TextCompletion, CompletionRequest, COMPLETION_EXAMPLE, events=TextEvent),
+        **documented(
+            TextCompletion, CompletionRequest, COMPLETION_EXAMPLE, events=TextEvent, done=True
+        ),
     )
     async def completions(request: Request) -> Response | dict[str, Any]:
         return await complete(server, await read_body(request, CompletionRequest), request)

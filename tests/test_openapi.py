@@ -70,8 +70,9 @@ UNSTATED_RULES = {
     "POST /v1/responses": "input",
     # as many text_2 as text_1, or one text_1
     "POST /v1/score": "text_2",
-    # the documents' prompts fit the context
-    "POST /v1/rerank": "documents",
+    # an integer written as a float (2.0, an integer to JSON Schema) is refused: strict
+    # parsing, as for every integer field (found once the documents' bounds were stated)
+    "POST /v1/rerank": "top_n",
 }
 #: Generated cases per operation: the issue's floor.
 CASES = 40

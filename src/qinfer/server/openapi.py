@@ -5,9 +5,11 @@ cannot drift from the code; /docs and /redoc show it without a network.
 The routes read their bodies themselves (`routing.read_body`: the size bounded before
 parsing, one line naming the field at fault, unknown fields logged), so FastAPI never
 sees their models: `documented(...)` gives a route's decorator the `openapi_extra` (the
-body's schema) and `responses` (its answers and errors) that say what it does, and
-`install(app)` moves the bodies' nested definitions into the document's components,
-where their references point. The pages' scripts and styles are those the
+body's schema), its `response_model` (the answer's model, every key declared, which
+FastAPI validates each JSON answer as) and `responses` (its errors, and its stream's
+events, each event's data a JSON string of the events' model by `contentSchema`), and
+`install(app)` moves the bodies' and events' nested definitions into the document's
+components, where their references point. The pages' scripts and styles are those the
 `fastapi-offline` package ships (Swagger UI, ReDoc), served from `/docs-files`.
 """
 

@@ -46,7 +46,7 @@ class RerankRequest(StrictModel):
 
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: list[str] = Field(min_length=1, max_length=MAX_SCORED_DOCUMENTS)
     top_n: int | None = Field(None, ge=0)
     return_documents: bool = True
     instruction: str | None = None

@@ -23,6 +23,8 @@ from qinfer.attention.state_pool import StatePool
 from qinfer.core.errors import QinferError
 from qinfer.engine import LLM
 from qinfer.request.sampling import SamplingParams
+from qinfer.runtime.step import ScheduledStep
+from qinfer.runtime.step_channel import pack, unpack
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +157,11 @@ def test_speculative_decoding_is_refused_and_prefix_caching_switched_off(caplog)
         engine = LLM(model).engine
     assert not engine.config.enable_prefix_caching
     assert [r.getMessage() for r in caplog.records if "enable_prefix_caching" in r.getMessage()]
+
+
+def test_the_step_channel_carries_the_state_slots():
+    """A tensor-parallel worker gets each sequence's slot with its step."""
+    step = ScheduledStep([[5, 6], [7]], [0, 10], [[[1], [4, 5, 6]]], [1, 1], state_slots=[3, 0])
+    header, payload = pack(step)
+    assert header.tolist() == [2, 3, 1, 4, 2]
+    assert unpack(header.tolist(), payload.tolist()) == step

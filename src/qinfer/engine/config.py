@@ -22,7 +22,8 @@ class EngineConfig:
     max_num_seqs: sequences in one step (decoding or prefilling).
     max_num_batched_tokens: tokens run through the model in one step (decode tokens
         plus prefill chunks); long prompts are prefilled in chunks of at most this.
-    kv_cache_memory: bytes for the KV pool; default: gpu_memory_utilization of the free
+    kv_cache_memory: bytes for the KV pool (and a hybrid model's recurrent-state slots, at
+        most half of it: `runtime.runner.state_slots`); default: gpu_memory_utilization of the free
         device memory on GPU, `runtime.config.DEFAULT_CPU_KV_MEMORY` on CPU.
     num_kv_blocks: exact pool size in blocks; overrides kv_cache_memory.
     max_model_len: longest sequence (prompt + output); default the model's context.

@@ -120,6 +120,9 @@ def test_sliding_layers_of_different_windows_are_refused():
         def window(self, layer):
             return [4, 8][layer]
 
+        def linear(self, layer):
+            return False
+
     with pytest.raises(ConfigError, match=r"^sliding layers of one model must share a window"):
         BlockSpaces.of(Config())
 
@@ -295,7 +298,7 @@ def test_the_step_channel_carries_both_spaces_tables():
     assert unpack(header.tolist(), payload.tolist()) == step
     one = ScheduledStep([[5]], [0], [[[2]]], [1])
     header, payload = pack(one)
-    assert header.tolist() == [1, 1, 1, 1]
+    assert header.tolist() == [1, 1, 1, 1, 0]  # no state slots
     assert unpack(header.tolist(), payload.tolist()) == one
 
 

@@ -42,21 +42,26 @@ class BlockSpaces:
     """How one model's layers split over block spaces.
 
     windows[s]: space s's window in tokens (None: it keeps whole histories).
-    layers[l]: (s, i): layer l's K/V are layer i of space s's pool.
+    layers[l]: (s, i): layer l's K/V are layer i of space s's pool; None for a layer that
+    keeps no K/V (a hybrid model's linear attention: its state is the state pool's,
+    `qinfer.attention.state_pool`).
     layer_windows[l]: layer l's own attention window (what its mask says; a layer of a
     whole-history space may still slide, masked to its window).
     """
 
     windows: tuple[int | None, ...]
-    layers: tuple[tuple[int, int], ...]
+    layers: tuple[tuple[int, int] | None, ...]
     layer_windows: tuple[int | None, ...]
 
     @classmethod
     def whole(cls, config: ModelConfig) -> BlockSpaces:
-        """One space holding whole histories for every layer (sliding layers masked to
-        their window): a draft model's pool, or a model without sliding layers."""
-        layer_windows = tuple(config.window(layer) for layer in range(config.num_hidden_layers))
-        return cls((None,), tuple((0, i) for i in range(len(layer_windows))), layer_windows)
+        """One space holding whole histories for every attention layer (sliding layers
+        masked to their window): a draft model's pool, or a model without sliding layers."""
+        count = range(config.num_hidden_layers)
+        layer_windows = tuple(config.window(layer) for layer in count)
+        attending = [layer for layer in count if not config.linear(layer)]
+        layers = tuple((0, attending.index(i)) if i in attending else None for i in count)
+        return cls((None,), layers, layer_windows)
 
     @classmethod
     def of(cls, config: ModelConfig, whole_space_0: bool = False) -> BlockSpaces:
@@ -64,7 +69,7 @@ class BlockSpaces:
         their window (the only one when every layer slides, unless whole_space_0 asks
         space 0 to keep whole histories: a draft model reads them)."""
         spaces = cls.whole(config)
-        kinds = spaces.layer_windows
+        kinds = [w for w, held in zip(spaces.layer_windows, spaces.layers, strict=True) if held]
         windows = sorted({w for w in kinds if w is not None})
         if len(windows) > 1:
             raise ConfigError(f"sliding layers of one model must share a window, got {windows}")
@@ -72,13 +77,14 @@ class BlockSpaces:
             return spaces
         window_space = 1 if None in kinds else 0
         space_of = [0 if w is None else window_space for w in kinds]
-        layers = tuple((s, space_of[:layer].count(s)) for layer, s in enumerate(space_of))
+        held = iter((s, space_of[:i].count(s)) for i, s in enumerate(space_of))
+        layers = tuple(None if where is None else next(held) for where in spaces.layers)
         space_windows = (None, windows[0]) if window_space else (windows[0],)
-        return cls(space_windows, layers, kinds)
+        return cls(space_windows, layers, spaces.layer_windows)
 
     def num_layers(self, space: int) -> int:
         """The layers whose K/V live in `space`."""
-        return sum(s == space for s, _ in self.layers)
+        return sum(where is not None and where[0] == space for where in self.layers)
 
 
 def first_block(num_computed: int, window: int | None, block_size: int) -> int:

@@ -163,9 +163,10 @@ class PagedLayer(NamedTuple):
     window: int | None
 
 
-def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer]:
-    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner)."""
+def paged_layers(pools: list[KVPool], spaces: BlockSpaces) -> list[PagedLayer | None]:
+    """Every layer's `PagedLayer` over the pools of `spaces` (made once per runner); None
+    for a layer without K/V (linear attention)."""
     return [
-        PagedLayer(pools[space].layers[index], space, window)
-        for (space, index), window in zip(spaces.layers, spaces.layer_windows, strict=True)
+        None if where is None else PagedLayer(pools[where[0]].layers[where[1]], where[0], window)
+        for where, window in zip(spaces.layers, spaces.layer_windows, strict=True)
     ]

@@ -11,8 +11,9 @@ window (the last K - 1 inputs of q/k/v, (C, K - 1)) and the delta rule's matrix
 A sequence takes a slot (`allocate`, zeroed: a new sequence's state) and keeps it until it
 ends (`free`); a step names the slots of its sequences in order (`StepStates`, carried by
 `ForwardBatch.states`), and each DeltaNet layer reads and writes those rows. The reference
-path (`Transformer.make_cache`) makes a pool of B slots for B rows; the engine's paged path
-will hold one pool sized with the KV pool, a slot per running sequence.
+path (`Transformer.make_cache`) makes a pool of B slots for B rows; the engine's runner
+holds one pool beside its KV pools, sized with them (`runtime.runner.state_slots`), and the
+engine gives each running sequence a slot (`engine.block_manager`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ class StatePool:
             i: torch.zeros(matrix, dtype=torch.float32, device=device) for i in layers
         }
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes one sequence's state takes, every DeltaNet layer's conv window in `dtype`
+        and fp32 matrix."""
+        shapes = config.deltanet
+        window = shapes.conv_dim * (shapes.conv_kernel - 1) * dtype.itemsize
+        matrix = shapes.num_value_heads * shapes.key_head_dim * shapes.value_head_dim * 4
+        layers = sum(config.linear(i) for i in range(config.num_hidden_layers))
+        return layers * (window + matrix)
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,13 @@ Freed (and released) blocks keep their K/V and their registration in a least-rec
 free list: allocating a fresh block takes the least recently freed one and only then forgets
 what it held. A sequence frees its blocks last-to-first, so a prompt's tail is evicted before
 its head (the head is the part other prompts are likely to share).
+
+State slots. A hybrid model (Gated DeltaNet layers) keeps a fixed-size recurrent state per
+running sequence in the runner's state pool (`qinfer.attention.state_pool`): the manager
+gives a sequence one of its `state_slots` when it is admitted (`allocate_prefix`) and takes
+it back with its blocks (`free`: finished, aborted or preempted; a preempted sequence is
+recomputed from its first token, so its state need not be kept). A sequence is admitted
+only while a slot is free (`can_admit`).
 """
 
 from __future__ import annotations
@@ -192,6 +199,8 @@ class BlockManager:
     (None: it keeps whole histories), as `BlockSpaces.windows`. A sequence's table in
     space s is `seq.tables[s]`. The pool statistics (num_blocks, num_free_blocks,
     num_cached_free_blocks) are space 0's, the one that bounds the context held.
+    state_slots: the recurrent-state pool's slots, one per running sequence (0: the model
+    keeps no such state).
     """
 
     def __init__(
@@ -200,6 +209,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
+        state_slots: int = 0,
     ) -> None:
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(windows):
@@ -210,6 +220,8 @@ class BlockManager:
         self.windows = tuple(windows)
         self._window_spaces = [s for s, window in enumerate(windows) if window is not None]
         self._content_ids = itertools.count()
+        self.state_slots = state_slots
+        self._free_slots = list(range(state_slots - 1, -1, -1))  # popped: slot 0 first
 
     @property
     def num_blocks(self) -> int:
@@ -223,6 +235,14 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         return self.pools[0].num_cached_free_blocks
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def can_admit(self) -> bool:
+        """Whether a new sequence can start: a state slot is free, or none is needed."""
+        return not self.state_slots or bool(self._free_slots)
 
     def flush_prefix_cache(self) -> CacheFlush:
         """Forget every cached prefix no sequence holds, in every space (`/flush_cache`)."""
@@ -270,6 +290,10 @@ class BlockManager:
         """
         if any(self._tables(seq)):
             raise CacheError(f"sequence {seq.request_id!r} already holds blocks")
+        if self.state_slots:
+            if not self._free_slots:
+                raise CacheError(f"no state slot is free for sequence {seq.request_id!r}")
+            seq.state_slot = self._free_slots.pop()
         looks_up = self.enable_prefix_caching and seq.uses_prefix_cache
         hits = self._match_prefix(seq) if looks_up else []
         # each space's block of each hit index, None where a window space lacks it
@@ -349,12 +373,16 @@ class BlockManager:
             seq.last_block_key = (h, content)
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (finished, aborted or preempted); its K/V stay cached."""
+        """Release a sequence's blocks and state slot (finished, aborted or preempted); its
+        K/V stay cached."""
         for pool, table in zip(self.pools, self._tables(seq), strict=True):
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK:
                     pool.release(block_id)
         seq.tables = [[] for _ in self.pools]
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_key = None

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, fields, replace
 
 from qinfer.core.errors import QinferError
 from qinfer.core.features import check_attention_backend
+from qinfer.core.model_config import ModelConfig
 from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.runtime.config import RuntimeConfig
+
+log = logging.getLogger("qinfer.engine")
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,8 @@ class EngineConfig:
     max_num_seqs: sequences in one step (decoding or prefilling).
     max_num_batched_tokens: tokens run through the model in one step (decode tokens
         plus prefill chunks); long prompts are prefilled in chunks of at most this.
-    kv_cache_memory: bytes for the KV pool; default: gpu_memory_utilization of the free
+    kv_cache_memory: bytes for the KV pool (and a hybrid model's recurrent-state slots, at
+        most half of it: `runtime.runner.state_slots`); default: gpu_memory_utilization of the free
         device memory on GPU, `runtime.config.DEFAULT_CPU_KV_MEMORY` on CPU.
     num_kv_blocks: exact pool size in blocks; overrides kv_cache_memory.
     max_model_len: longest sequence (prompt + output); default the model's context.
@@ -86,6 +91,33 @@ class EngineConfig:
         return RuntimeConfig(
             **shared, num_speculative_tokens=self.num_speculative_tokens, whole_space_0=drafted
         )
+
+    def for_model(self, config: ModelConfig) -> EngineConfig:
+        """This config as the engine runs a model of `config`. A hybrid model (Gated
+        DeltaNet layers: a recurrent state per sequence, `qinfer.attention.state_pool`)
+        needs what is not built yet for some settings: the prefix cache would need a state
+        snapshot per cached block, static decode and CUDA graphs a state slot per padding
+        row; each is switched off with one logged line. Speculative decoding would need
+        the state rolled back to the last accepted token: refused, naming it."""
+        if config.deltanet is None:
+            return self
+        if self.speculative is not None:
+            raise QinferError(
+                f"engine argument speculative: model_type {config.model_type!r} keeps a "
+                "recurrent state (Gated DeltaNet), which speculative decoding cannot roll "
+                "back yet"
+            )
+        off = [name for name in ("enable_prefix_caching", "static_decode") if getattr(self, name)]
+        off += ["cuda_graphs"] if self.cuda_graphs else []
+        for name in off:
+            log.warning(
+                "%s is off: model_type %r keeps a recurrent state (Gated DeltaNet) per "
+                "sequence, which %s does not handle yet",
+                name,
+                config.model_type,
+                name,
+            )
+        return replace(self, enable_prefix_caching=False, static_decode=False, cuda_graphs=False)
 
     @classmethod
     def from_kwargs(cls, **engine_args) -> EngineConfig:

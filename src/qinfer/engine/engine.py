@@ -69,14 +69,18 @@ class Engine:
         self.model = model
         self.vision = vision or VisionLanguageModel(model, None, None)
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
+        self.config = (config or EngineConfig()).for_model(model.config)
         self.default_params = default_params or SamplingParams()  # for requests without any
         self.executor = Executor(model, self.config.runtime, group)
         # close() on demand, else when the engine is collected or the interpreter exits
         self._close = weakref.finalize(self, self.executor.close)
         blocks, windows = self.executor.num_blocks, self.executor.spaces.windows
         self.block_manager = BlockManager(
-            blocks, self.config.block_size, self.config.enable_prefix_caching, windows
+            blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            windows,
+            self.executor.state_slots,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.speculator = None

@@ -71,6 +71,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.max_num_seqs
             and not preempted  # the pool is full: do not admit only to preempt
+            and self.block_manager.can_admit()  # a state slot, when the model keeps state
         ):
             seq = self.waiting[0]
             cached = self.block_manager.allocate_prefix(seq)

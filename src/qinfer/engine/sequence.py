@@ -33,6 +33,9 @@ class Sequence:
 
     `images` (a vision-language model's prompt with images: `qinfer.engine.images`) holds
     where their tokens are, their M-RoPE positions, their cache keys and their embeddings.
+
+    `state_slot`: a hybrid model's, its slot in the runner's recurrent-state pool while it
+    runs (the block manager's to give and take; None otherwise).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.proposed: list[int] = []  # guessed next tokens, to verify in the next step
         self.num_draft_computed = 0  # leading tokens with K/V in a draft model's pool
+        self.state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +112,8 @@ def scheduled_step(
     num_logits[b] of them, counted from the last, produce logits (0: a prompt chunk that
     leaves more of its prompt for later steps, or a pooling sequence); its tables in each
     of the model's block spaces, a window space's from the first block the step reads;
-    the positions and image embeddings of its sequences with images (encoded already).
+    the positions and image embeddings of its sequences with images (encoded already);
+    the state slots of a hybrid model's sequences.
     Token ids are not checked: the engine checked every prompt when it came in, sampled
     ids come from the logits, and proposed ids from the vocabulary."""
     tables = [
@@ -122,12 +127,14 @@ def scheduled_step(
         None if seq.images is None else seq.images.step(seq.num_computed_tokens, n)
         for seq, n in zip(seqs, num_new, strict=True)
     ]
+    slots = [seq.state_slot for seq in seqs]
     return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
         tables,
         list(num_logits),
         images if any(image is not None for image in images) else None,
+        None if None in slots else slots,
     )
 
 

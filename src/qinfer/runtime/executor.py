@@ -28,7 +28,7 @@ from qinfer.core.errors import QinferError
 from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.distributed import TensorParallelGroup
-from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks
+from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks, state_slots
 from qinfer.runtime.step import ScheduledStep
 from qinfer.runtime.step_channel import StepChannel
 
@@ -78,8 +78,8 @@ class Executor:
         self.group = group
         self.parallel = ParallelConfig(tensor=1 if group is None else group.parallel.world_size)
         self._channel = None if group is None else StepChannel(group)
-        self.spaces, blocks = pool_layout(model, config, self._channel)
-        self.runner = ModelRunner(model, config, blocks, self.spaces)
+        self.spaces, blocks, slots = pool_layout(model, config, self._channel)
+        self.runner = ModelRunner(model, config, blocks, self.spaces, slots)
 
     @property
     def model(self) -> Transformer:
@@ -92,9 +92,17 @@ class Executor:
         return self.runner.num_blocks
 
     @property
+    def state_slots(self) -> int:
+        """Slots of the recurrent-state pool (0: the model has no Gated DeltaNet layer)."""
+        states = self.runner.states
+        return 0 if states is None else states.slots
+
+    @property
     def kv_cache_bytes(self) -> int:
-        """Bytes this process's KV pools take (rank 0's under tensor parallelism)."""
-        return sum(pool.nbytes for pool in self.runner.pools)
+        """Bytes this process's KV pools and recurrent-state pool take (rank 0's under
+        tensor parallelism)."""
+        states = self.runner.states
+        return sum(pool.nbytes for pool in self.runner.pools) + (states.nbytes if states else 0)
 
     def execute(
         self, step: ScheduledStep, hidden_rows: list[list[int] | None] | None = None
@@ -125,16 +133,17 @@ def follow(model: Transformer, config: RuntimeConfig, group: TensorParallelGroup
     """A worker rank: size the same pools as every rank, then run rank 0's steps, in its
     order, until it stops."""
     channel = StepChannel(group)
-    spaces, blocks = pool_layout(model, config, channel)
-    runner = ModelRunner(model, config, blocks, spaces)
+    spaces, blocks, slots = pool_layout(model, config, channel)
+    runner = ModelRunner(model, config, blocks, spaces, slots)
     while (step := channel.receive()) is not None:
         runner.forward(step)
 
 
 def pool_layout(
     model: Transformer, config: RuntimeConfig, channel: StepChannel | None
-) -> tuple[BlockSpaces, list[int]]:
-    """The model's block spaces and each one's blocks (`kv_pool_blocks`). A draft model
+) -> tuple[BlockSpaces, list[int], int]:
+    """The model's block spaces, each one's blocks (`kv_pool_blocks`) and the slots of its
+    recurrent-state pool (`state_slots`, out of the same budget). A draft model
     reads space 0's tables for its own pool, so with one, space 0 keeps whole histories.
     Under tensor parallelism every rank takes rank 0's word for that (a worker's config has
     no speculative settings: the draft model is rank 0's)."""
@@ -142,4 +151,5 @@ def pool_layout(
     if channel is not None:
         drafted = bool(channel.rank_0(int(drafted)))
     spaces = BlockSpaces.of(model.config, whole_space_0=drafted)
-    return spaces, kv_pool_blocks(model, config, spaces, channel)
+    slots = state_slots(model, config, channel)
+    return spaces, kv_pool_blocks(model, config, spaces, channel, slots), slots

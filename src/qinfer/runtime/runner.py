@@ -21,6 +21,7 @@ import torch
 from qinfer.attention.backend import choose_backend
 from qinfer.attention.block_spaces import BlockSpaces, window_space_blocks
 from qinfer.attention.kv_pool import KVPool, paged_layers
+from qinfer.attention.state_pool import StatePool, StepStates
 from qinfer.attention.step_buffers import StepBuffers
 from qinfer.core.errors import QinferError
 from qinfer.core.forward_batch import BatchImages, ForwardBatch
@@ -41,18 +42,55 @@ def kv_heads(model: Transformer) -> int:
     return len(heads)
 
 
+def pool_budget(model: Transformer, config: RuntimeConfig) -> int | None:
+    """Bytes for the pools (KV blocks and recurrent states): kv_cache_memory, or a share of
+    free GPU memory, or the CPU default; None when num_kv_blocks sizes the KV pool."""
+    if config.num_kv_blocks is not None:
+        return None
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if model.device.type == "cuda":
+        return _gpu_budget(model, config)
+    return DEFAULT_CPU_KV_MEMORY
+
+
+def state_slots(
+    model: Transformer, config: RuntimeConfig, channel: StepChannel | None = None
+) -> int:
+    """Slots of the recurrent-state pool (`StatePool`: a hybrid model's Gated DeltaNet
+    layers), a running sequence's each: 0 for a model without such layers; max_num_seqs
+    beside num_kv_blocks; else as many as half the budget (`pool_budget`) holds, at most
+    max_num_seqs (the KV blocks get the rest: `kv_pool_blocks`). A budget whose half holds
+    no sequence's state is one error naming kv_cache_memory. With a channel, the fewest
+    any rank holds."""
+    if model.config.deltanet is None:
+        return 0
+    budget = pool_budget(model, config)
+    slots = config.max_num_seqs
+    if budget is not None:
+        per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+        slots = min(slots, budget // 2 // per_slot)
+        if slots < 1:
+            raise QinferError(
+                f"kv_cache_memory of {budget} bytes holds no sequence's recurrent state "
+                f"({per_slot} bytes each, in at most half of it): raise kv_cache_memory"
+            )
+    return slots if channel is None else channel.min(slots)
+
+
 def kv_pool_blocks(
     model: Transformer,
     config: RuntimeConfig,
     spaces: BlockSpaces,
     channel: StepChannel | None = None,
+    states: int = 0,
 ) -> list[int]:
     """How many blocks each block space's pool gets (`spaces`).
 
-    One space: num_kv_blocks, else the byte budget divided by a block's size (the budget:
-    kv_cache_memory, or a share of free GPU memory, or the CPU default; a block holds this
-    rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about 1.8x the
-    blocks of a bf16 one). A window space besides space 0 (sliding layers beside
+    One space: num_kv_blocks, else the byte budget (`pool_budget`, less `states` slots of
+    the recurrent-state pool: `state_slots`) divided by a block's size (a block holds
+    this rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about 1.8x
+    the blocks of a bf16 one). A window space besides space 0 (sliding layers beside
     full-attention ones): `whole` = num_kv_blocks, or the budget divided by a block of
     every layer (one space's count); the window space gets what its running sequences can
     hold at once (`window_space_blocks`, with rank 0's speculative settings), at most
@@ -66,16 +104,12 @@ def kv_pool_blocks(
         )
         for s in range(len(spaces.windows))
     ]
-    budget = None
-    if config.num_kv_blocks is not None:
+    budget = pool_budget(model, config)
+    if budget is None:
         whole = config.num_kv_blocks
     else:
-        budget = config.kv_cache_memory
-        if budget is None:
-            if model.device.type == "cuda":
-                budget = _gpu_budget(model, config)
-            else:
-                budget = DEFAULT_CPU_KV_MEMORY
+        if states:
+            budget -= states * StatePool.bytes_per_slot(model.config, model.dtype)
         whole = budget // sum(per_block)
     counts = [whole]
     if len(per_block) == 2:
@@ -143,11 +177,17 @@ class StepOutput:
 
 class ModelRunner:
     """One rank's model over its own KV pools, num_blocks[s] blocks in block space s of
-    `spaces`: `forward` runs a step, attending through the backend config.attention_backend
-    names (`choose_backend`)."""
+    `spaces`, and a recurrent-state pool of `state_slots` slots for a hybrid model's Gated
+    DeltaNet layers (`StatePool`; None without them): `forward` runs a step, attending
+    through the backend config.attention_backend names (`choose_backend`)."""
 
     def __init__(
-        self, model: Transformer, config: RuntimeConfig, num_blocks: list[int], spaces: BlockSpaces
+        self,
+        model: Transformer,
+        config: RuntimeConfig,
+        num_blocks: list[int],
+        spaces: BlockSpaces,
+        state_slots: int = 0,
     ) -> None:
         self.model = model
         self.block_size = config.block_size
@@ -156,6 +196,13 @@ class ModelRunner:
         graphs = use_cuda_graphs(config.cuda_graphs, model.device)
         self.graphs = StepGraphs() if graphs else None
         self.static_decode = config.static_decode or graphs
+        self.states = None
+        if state_slots:
+            if self.static_decode:  # its padding rows would need slots of their own
+                raise QinferError(
+                    "static_decode and cuda_graphs do not run hybrid (Gated DeltaNet) models yet"
+                )
+            self.states = StatePool(model.config, state_slots, model.dtype, model.device)
         self.backend = choose_backend(
             config.attention_backend,
             model.device,
@@ -241,9 +288,22 @@ class ModelRunner:
         carries the embeddings of its image tokens (`BatchImages`); the attention plan
         keeps the buffers' (T,) positions, which order the keys for the masks."""
         batch = self._batch(self._write(step, widths))
+        if self.states is not None:
+            batch = dataclasses.replace(batch, states=self._states(step))
         if step.images is None:
             return batch
         return dataclasses.replace(batch, **self._images(step, batch.query_starts))
+
+    def _states(self, step: ScheduledStep) -> StepStates:
+        """The step's slots in the recurrent-state pool; a sequence whose step starts at
+        position 0 (new, or recomputed after a preemption) starts from a zero state."""
+        if step.state_slots is None:
+            raise QinferError("a step of a hybrid model needs its sequences' state_slots")
+        for slot, computed in zip(step.state_slots, step.num_computed, strict=True):
+            if computed == 0:
+                self.states.reset(slot)
+        slots = torch.tensor(step.state_slots, dtype=torch.long, device=self.model.device)
+        return StepStates(self.states, slots)
 
     def _images(self, step: ScheduledStep, starts: list[int]) -> dict:
         """The `ForwardBatch` fields of a step with images: positions (3, T), each

@@ -42,13 +42,17 @@ class ScheduledStep:
     `logits_rows` places them). images[b]: None for a
     sequence without images (its positions count up from num_computed[b]), else its
     `StepImages`; images None: no sequence of the step has any (a text step). Images stay
-    on rank 0's runner: `step_channel` carries none."""
+    on rank 0's runner: `step_channel` carries none. state_slots[b]: sequence b's slot in
+    the runner's recurrent-state pool (a hybrid model's Gated DeltaNet layers,
+    `qinfer.attention.state_pool`; a sequence whose step starts at position 0 starts from
+    a zero state there); None for a model without such layers."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
     tables: list[list[list[int]]]
     num_logits: list[int]
     images: list[StepImages | None] | None = None
+    state_slots: list[int] | None = None
 
     def logits_rows(self) -> tuple[list[int], list[range]]:
         """Its rows of logits, as `logits_rows` places them."""

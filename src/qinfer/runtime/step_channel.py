@@ -7,11 +7,12 @@ runs it over its own KV pools (same block ids: the pools have the same number of
 through the same `Transformer.forward`. Two broadcasts per step, on the group's
 CPU `control` group:
 
-    header  (4,) int64: [S sequences, T new tokens, K block spaces, E block-table
-            entries of every space]; S = 0: stop
-    payload (3 S + K S + T + E,) int64: new-token counts (S) | computed counts (S) |
+    header  (5,) int64: [S sequences, T new tokens, K block spaces, E block-table
+            entries of every space, N state slots (S or 0)]; S = 0: stop
+    payload (3 S + K S + T + E + N,) int64: new-token counts (S) | computed counts (S) |
             logits rows (S) | block-table lengths, space after space (K S) |
-            new tokens (T) | tables, space after space (E)
+            new tokens (T) | tables, space after space (E) | state slots (N: a hybrid
+            model's, `ScheduledStep.state_slots`)
 
 A decode step of 32 sequences with 8-block tables in one space is 32 * 13 = 416 numbers
 (3.3 KB).
@@ -31,21 +32,26 @@ def pack(step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor]:
     tables = step.tables
     tokens = [t for ids in step.new_tokens for t in ids]
     entries = [b for space in tables for table in space for b in table]
-    header = torch.tensor([len(step.new_tokens), len(tokens), len(tables), len(entries)])
+    slots = list(step.state_slots or [])
+    header = torch.tensor(
+        [len(step.new_tokens), len(tokens), len(tables), len(entries), len(slots)]
+    )
     payload = [len(ids) for ids in step.new_tokens] + list(step.num_computed)
     payload += list(step.num_logits) + [len(table) for space in tables for table in space]
-    return header, torch.tensor(payload + tokens + entries, dtype=torch.long)
+    return header, torch.tensor(payload + tokens + entries + slots, dtype=torch.long)
 
 
 def unpack(header: list[int], payload: list[int]) -> ScheduledStep:
     """The step `pack` made these numbers from (header as ints, payload as ints)."""
-    S, T, K, _ = header
+    S, T, K, E, N = header
     lengths, computed, num_logits = payload[:S], payload[S : 2 * S], payload[2 * S : 3 * S]
     table_lengths = payload[3 * S : 3 * S + K * S]
     tokens = payload[3 * S + K * S : 3 * S + K * S + T]
-    tables = _split(payload[3 * S + K * S + T :], table_lengths)
+    entries_start = 3 * S + K * S + T
+    tables = _split(payload[entries_start : entries_start + E], table_lengths)
     spaces = [tables[k * S : (k + 1) * S] for k in range(K)]
-    return ScheduledStep(_split(tokens, lengths), computed, spaces, num_logits)
+    slots = payload[entries_start + E :] if N else None
+    return ScheduledStep(_split(tokens, lengths), computed, spaces, num_logits, state_slots=slots)
 
 
 class StepChannel:
@@ -62,15 +68,15 @@ class StepChannel:
 
     def stop(self) -> None:
         """Rank 0: tell the workers there are no more steps."""
-        self._broadcast(torch.zeros(4, dtype=torch.long))
+        self._broadcast(torch.zeros(5, dtype=torch.long))
 
     def receive(self) -> ScheduledStep | None:
         """A worker: the next step, or None once rank 0 has stopped."""
-        header = self._broadcast(torch.empty(4, dtype=torch.long)).tolist()
-        S, T, K, E = header
+        header = self._broadcast(torch.empty(5, dtype=torch.long)).tolist()
+        S, T, K, E, N = header
         if S == 0:
             return None
-        payload = self._broadcast(torch.empty(3 * S + K * S + T + E, dtype=torch.long))
+        payload = self._broadcast(torch.empty(3 * S + K * S + T + E + N, dtype=torch.long))
         return unpack(header, payload.tolist())
 
     def rank_0(self, value: int) -> int:

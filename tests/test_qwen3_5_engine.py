@@ -1,0 +1,167 @@
+"""Hybrid models (Qwen3.5 dense and MoE: Gated DeltaNet + gated attention) through the
+engine's paged path, in float32: a state slot per running sequence beside the KV blocks.
+
+- greedy tokens through `LLM` with small blocks and chunked prefill equal transformers'
+  greedy `generate`, token for token;
+- a request's tokens are the same alone and batched with prompts of other lengths, with
+  its prompt in one chunk or in several (its state carried across chunks), and when a
+  tiny pool preempts it (its state recomputed from its first token);
+- abort and finish give the slot back; the slots bound the running sequences; a budget
+  that holds no sequence's state, and speculative decoding, are one-line errors; the
+  prefix cache is switched off with one logged line.
+"""
+
+import logging
+
+import pytest
+import torch
+from checkpoints import HYBRID, build_checkpoint, random_model, random_tokens
+
+import qinfer
+from qinfer.attention.deltanet import CHUNK_SIZE
+from qinfer.attention.state_pool import StatePool
+from qinfer.core.errors import QinferError
+from qinfer.engine import LLM
+from qinfer.request.sampling import SamplingParams
+from qinfer.runtime.step import ScheduledStep
+from qinfer.runtime.step_channel import pack, unpack
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+NEW_TOKENS = 8
+#: prompt lengths: a decode-sized one, one past a block, one past the DeltaNet's chunk
+LENGTHS = [3, 21, CHUNK_SIZE + 7]
+#: small blocks, steps of 16 tokens (every prompt but the first in several chunks)
+SMALL = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def prompts(lengths: list[int], seed: int = 3) -> list[list[int]]:
+    return [random_tokens(1, n, seed=seed + i)[0].tolist() for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model, qinfer model) of one random checkpoint, float32 on CPU."""
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = build_checkpoint(folder, request.param, **HYBRID[request.param])
+    return reference, qinfer.load_model(folder, dtype=torch.float32, device="cpu")
+
+
+def generate(model, ids: list[list[int]], **engine_args) -> list[list[int]]:
+    llm = LLM(model, **{**SMALL, **engine_args})
+    return [out.token_ids for out in llm.generate(ids, GREEDY, use_tqdm=False)]
+
+
+def test_greedy_tokens_equal_transformers_generate(pair):
+    """Three prompts batched, prefilled in chunks of 16 over blocks of 4: each one's greedy
+    tokens are transformers' greedy generate of that prompt alone."""
+    reference, model = pair
+    reference.generation_config.eos_token_id = None  # as ignore_eos
+    ids = prompts(LENGTHS)
+    ours = generate(model, ids)
+    for prompt, tokens in zip(ids, ours, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_batched_and_chunked_equal_alone_and_whole(pair):
+    """Each prompt alone in steps that hold it whole gives the tokens it gets batched with
+    the others and prefilled in chunks of 16 (then 5: a chunk shorter than a block)."""
+    _, model = pair
+    ids = prompts(LENGTHS)
+    whole = [generate(model, [prompt], max_num_batched_tokens=128)[0] for prompt in ids]
+    assert generate(model, ids) == whole
+    assert generate(model, ids, max_num_batched_tokens=5) == whole
+
+
+def test_preemption_recomputes_the_state(pair):
+    """A pool of 14 blocks of 4 for four prompts that need 12 at once: sequences are
+    preempted (their slots freed, their states recomputed from the first token when they
+    resume) and every one still gets its tokens alone."""
+    _, model = pair
+    ids = prompts([17, 13, 9, 20], seed=11)
+    alone = [generate(model, [prompt])[0] for prompt in ids]
+    llm = LLM(model, **SMALL, num_kv_blocks=14)
+    outs = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert llm.engine.stats().preemptions_total > 0
+    assert [out.token_ids for out in outs] == alone
+    manager = llm.engine.block_manager
+    assert manager.num_free_state_slots == manager.state_slots == SMALL["max_num_seqs"]
+
+
+def test_abort_frees_the_slot():
+    """A request aborted mid-prompt gives its slot back; the next one starts from a zero
+    state in it and gets its tokens alone."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    llm = LLM(model, **{**SMALL, "max_num_seqs": 1})
+    engine = llm.engine
+    first, second = prompts([40, 9])
+    request_id = engine.add_request(first, GREEDY)
+    engine.step()  # the first chunk of 16: its state holds them
+    assert engine.block_manager.num_free_state_slots == 0
+    assert engine.abort(request_id).finish_reason == "abort"
+    assert engine.block_manager.num_free_state_slots == 1
+    assert [out.token_ids for out in llm.generate([second], GREEDY, use_tqdm=False)] == [
+        generate(model, [second])[0]
+    ]
+
+
+def test_state_slots_bound_the_running_sequences():
+    """A budget whose half holds two sequences' states: two slots, so at most two
+    sequences run at once (max_num_seqs 4), the KV blocks get the rest of the budget, and
+    the tokens are those of four slots."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    llm = LLM(model, **SMALL, kv_cache_memory=5 * per_slot)
+    engine = llm.engine
+    assert engine.executor.state_slots == 2
+    assert engine.executor.kv_cache_bytes <= 5 * per_slot
+    ids = prompts([5, 6, 7, 8])  # at most 16 tokens: 4 blocks each
+    request_ids = [engine.add_request(prompt, GREEDY) for prompt in ids]
+    outs, most = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out.token_ids
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2
+    assert [outs[request_id] for request_id in request_ids] == generate(model, ids)
+
+
+def test_the_kv_pool_holds_only_the_attention_layers():
+    """Half the layers are linear attention: the KV pool holds the other half, and a
+    budget buys twice the blocks it would for K/V in every layer."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    engine = LLM(model, **SMALL, num_kv_blocks=8).engine
+    (pool,) = engine.executor.runner.pools
+    assert pool.keys.shape[0] == 2 == model.config.num_hidden_layers // 2
+
+
+def test_a_budget_without_room_for_one_state_is_one_error():
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    with pytest.raises(QinferError, match="kv_cache_memory of .* holds no sequence's recurrent"):
+        LLM(model, kv_cache_memory=per_slot)
+
+
+def test_speculative_decoding_is_refused_and_prefix_caching_switched_off(caplog):
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    with pytest.raises(QinferError, match="engine argument speculative") as error:
+        LLM(model, speculative={"method": "ngram", "num_speculative_tokens": 2})
+    assert "\n" not in str(error.value)
+    with caplog.at_level(logging.WARNING, logger="qinfer.engine"):
+        engine = LLM(model).engine
+    assert not engine.config.enable_prefix_caching
+    assert [r.getMessage() for r in caplog.records if "enable_prefix_caching" in r.getMessage()]
+
+
+def test_the_step_channel_carries_the_state_slots():
+    """A tensor-parallel worker gets each sequence's slot with its step."""
+    step = ScheduledStep([[5, 6], [7]], [0, 10], [[[1], [4, 5, 6]]], [1, 1], state_slots=[3, 0])
+    header, payload = pack(step)
+    assert header.tolist() == [2, 3, 1, 4, 2]
+    assert unpack(header.tolist(), payload.tolist()) == step

@@ -15,8 +15,10 @@ from checkpoints import build_checkpoint, max_diff, random_tokens
 
 import qinfer
 from qinfer.core.errors import AdapterError
+from qinfer.engine import LLM
 from qinfer.linear.lora import LoraLinear
 from qinfer.lora import Adapters
+from qinfer.request.sampling import SamplingParams
 
 peft = pytest.importorskip("peft")
 
@@ -136,3 +138,65 @@ def test_refusals(qwen3, tmp_path):
     with pytest.raises(AdapterError, match="max_loras=1"):
         adapters.load("ok2", tmp_path / "ok")
     assert not any(isinstance(m, LoraLinear) for m in model.layers[0].mlp.modules())
+
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def served(qwen3, tmp_path_factory):
+    """An LLM over the qwen3 checkpoint (batch-invariant) with three adapters loaded at start,
+    and transformers + peft's merged models of each."""
+    reference, folder = qwen3
+    root = tmp_path_factory.mktemp("adapters")
+    merged, modules = {}, {}
+    for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
+        merged[f"a{i}"] = save_adapter(reference, root / f"a{i}", targets, r=8, seed=10 + i)
+        modules[f"a{i}"] = str(root / f"a{i}")
+    merged[None] = reference
+    llm = LLM(folder, dtype=torch.float32, batch_invariant=True, lora_modules=modules, block_size=4)
+    return llm, merged
+
+
+def test_generate_per_request_adapter(served):
+    """Greedy tokens through each adapter equal transformers + peft's merged model's; a
+    batch of three adapters and the base gives each its tokens alone."""
+    llm, merged = served
+    prompts = [random_tokens(1, 9, seed=20 + i)[0].tolist() for i in range(4)]
+    names = ["a0", None, "a1", "a2"]
+    together = llm.generate(prompts, GREEDY, use_tqdm=False, lora=names)
+    for prompt, name, output in zip(prompts, names, together, strict=True):
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False, lora=name)[0]
+        assert output.token_ids == alone.token_ids, name
+        with torch.no_grad():
+            expected = merged[name].generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(prompt) :]
+        assert output.token_ids == expected.tolist(), name
+
+
+def test_prefix_cache_keyed_by_adapter(served):
+    """A prompt's blocks cached under one adapter serve it again, never the base or another
+    adapter."""
+    llm, _ = served
+    prompt = random_tokens(1, 14, seed=40)[0].tolist()
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a0")[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a0")[0]
+    base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a1")[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert base.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids
+
+
+def test_engine_load_unload(served, tmp_path):
+    llm, _ = served
+    with pytest.raises(AdapterError, match="'nope' is not loaded"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora="nope")
+    llm.load_lora("late", llm.engine.adapters.get("a1").path)
+    late = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")[0]
+    a1 = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="a1")[0]
+    assert late.token_ids == a1.token_ids
+    llm.unload_lora("late")
+    with pytest.raises(AdapterError, match="'late' is not loaded"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")

@@ -7,6 +7,7 @@ import enum
 
 from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.engine.images import SequenceImages
+from qinfer.lora.adapters import Resident
 from qinfer.runtime.step import ScheduledStep
 
 
@@ -33,6 +34,10 @@ class Sequence:
 
     `images` (a vision-language model's prompt with images: `qinfer.engine.images`) holds
     where their tokens are, their M-RoPE positions, their cache keys and their embeddings.
+
+    `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Resident`) names its
+    slot, which its rows run through, and its key, which keys its blocks in the prefix
+    cache: an adapter's K/V never serve the base model or another adapter.
     """
 
     def __init__(
@@ -41,9 +46,11 @@ class Sequence:
         prompt_token_ids: list[int],
         uses_prefix_cache: bool = True,
         images: SequenceImages | None = None,
+        adapter: Resident | None = None,
     ) -> None:
         self.request_id = request_id
         self.images = images
+        self.adapter = adapter
         # False: starts from no cached block (a pooling that needs every prompt row)
         self.uses_prefix_cache = uses_prefix_cache
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -75,9 +82,13 @@ class Sequence:
     def block_key(self, start: int, end: int) -> tuple[int | bytes, ...]:
         """What the prefix cache keys its block of positions start .. end - 1 on: their
         token ids, then the digests of the images whose tokens they hold (the same ids
-        with another image's pixels are another block)."""
-        tokens = tuple(self.token_ids[start:end])
-        return tokens if self.images is None else tokens + self.images.digests_in(start, end)
+        with another image's pixels are another block), then its LoRA adapter's key."""
+        key = tuple(self.token_ids[start:end])
+        if self.images is not None:
+            key += self.images.digests_in(start, end)
+        if self.adapter is not None:
+            key += (b"lora:%d" % self.adapter.key,)
+        return key
 
     def new_tokens(self, n: int) -> list[int]:
         """The next n tokens to run: uncomputed ones first, then proposed ones."""
@@ -122,12 +133,14 @@ def scheduled_step(
         None if seq.images is None else seq.images.step(seq.num_computed_tokens, n)
         for seq, n in zip(seqs, num_new, strict=True)
     ]
+    adapters = [None if seq.adapter is None else seq.adapter.slot for seq in seqs]
     return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
         tables,
         list(num_logits),
         images if any(image is not None for image in images) else None,
+        adapters if any(slot is not None for slot in adapters) else None,
     )
 
 

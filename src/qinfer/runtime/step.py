@@ -42,13 +42,15 @@ class ScheduledStep:
     `logits_rows` places them). images[b]: None for a
     sequence without images (its positions count up from num_computed[b]), else its
     `StepImages`; images None: no sequence of the step has any (a text step). Images stay
-    on rank 0's runner: `step_channel` carries none."""
+    on rank 0's runner: `step_channel` carries none. adapters[b]: the LoRA adapter slot
+    sequence b runs through (None: the base model); adapters None: no sequence has one."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
     tables: list[list[list[int]]]
     num_logits: list[int]
     images: list[StepImages | None] | None = None
+    adapters: list[int | None] | None = None
 
     def logits_rows(self) -> tuple[list[int], list[range]]:
         """Its rows of logits, as `logits_rows` places them."""

@@ -6,12 +6,18 @@ refused in one line naming what is wrong."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-from checkpoints import build_checkpoint, max_diff, random_tokens
+from checkpoints import (
+    ALL,
+    ATTENTION,
+    build_checkpoint,
+    max_diff,
+    random_tokens,
+    save_lora_adapter,
+)
 
 import qinfer
 from qinfer.core.errors import AdapterError
@@ -20,24 +26,7 @@ from qinfer.linear.lora import LoraLinear
 from qinfer.lora import Adapters
 from qinfer.request.sampling import SamplingParams
 
-peft = pytest.importorskip("peft")
-
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
-
-
-def save_adapter(reference, folder, targets, r=8, alpha=16, rslora=False, seed=0, **save):
-    """A random PEFT LoRA adapter (A and B non-zero) over a copy of `reference`, saved to
-    `folder`; returns transformers + peft's model with the adapter merged in."""
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
-    model = peft.get_peft_model(copy.deepcopy(reference), config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    model.save_pretrained(folder, **save)
-    return model.merge_and_unload().eval()
+pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def logits(model, tokens, adapters=None):
 )
 def test_peft_adapter_equals_merged_model(tmp_path, family, targets, rslora):
     reference = build_checkpoint(tmp_path / "base", family)
-    merged = save_adapter(reference, tmp_path / "adapter", targets, rslora=rslora)
+    merged = save_lora_adapter(reference, tmp_path / "adapter", targets, rslora=rslora)
     model = qinfer.load_model(tmp_path / "base", dtype=torch.float32, device="cpu")
     adapters = Adapters(model)
     slot = adapters.load("mine", tmp_path / "adapter").slot
@@ -87,7 +76,7 @@ def test_mixed_batch_rows_as_if_alone(qwen3, tmp_path):
     adapters = Adapters(model)
     slots = []
     for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
-        save_adapter(reference, tmp_path / f"a{i}", targets, r=4 + 4 * i, seed=i)
+        save_lora_adapter(reference, tmp_path / f"a{i}", targets, r=4 + 4 * i, seed=i)
         slots.append(adapters.load(f"a{i}", tmp_path / f"a{i}").slot)
     rows = [slots[0], None, slots[1], slots[2]]
     mixed = logits(model, tokens, rows)
@@ -108,21 +97,21 @@ def test_refusals(qwen3, tmp_path):
     reference, folder = qwen3
     model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
     adapters = Adapters(model, max_loras=1, max_lora_rank=8)
-    save_adapter(reference, tmp_path / "big", ATTENTION, r=16)
+    save_lora_adapter(reference, tmp_path / "big", ATTENTION, r=16)
     with pytest.raises(AdapterError, match="rank 16 is above max_lora_rank 8"):
         adapters.load("big", tmp_path / "big")
-    save_adapter(reference, tmp_path / "head", ["lm_head"], r=4, save_embedding_layers=False)
+    save_lora_adapter(reference, tmp_path / "head", ["lm_head"], r=4, save_embedding_layers=False)
     with pytest.raises(AdapterError, match="targets lm_head, which is not"):
         adapters.load("head", tmp_path / "head")
     other = build_checkpoint(tmp_path / "other", "qwen3", hidden_size=32, head_dim=16)
-    save_adapter(other, tmp_path / "other_adapter", ATTENTION, r=4)
+    save_lora_adapter(other, tmp_path / "other_adapter", ATTENTION, r=4)
     with pytest.raises(AdapterError, match="another base model"):
         adapters.load("other", tmp_path / "other_adapter")
     with pytest.raises(AdapterError, match="not a folder with adapter_config.json"):
         adapters.load("x", tmp_path / "nowhere")
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         adapters.load("x", folder)
-    save_adapter(reference, tmp_path / "ok", ["q_proj"], r=4)
+    save_lora_adapter(reference, tmp_path / "ok", ["q_proj"], r=4)
     config_file = tmp_path / "ok" / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "lora_alpha": None}))
@@ -151,7 +140,7 @@ def served(qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     merged, modules = {}, {}
     for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
-        merged[f"a{i}"] = save_adapter(reference, root / f"a{i}", targets, r=8, seed=10 + i)
+        merged[f"a{i}"] = save_lora_adapter(reference, root / f"a{i}", targets, r=8, seed=10 + i)
         modules[f"a{i}"] = str(root / f"a{i}")
     merged[None] = reference
     llm = LLM(folder, dtype=torch.float32, batch_invariant=True, lora_modules=modules, block_size=4)

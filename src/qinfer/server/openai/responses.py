@@ -374,7 +374,7 @@ class ResponsesAPI:
 
     async def create(self, body: ResponsesRequest, connection: Request) -> Response:
         server = self.server
-        server.check_model(body.model)
+        lora = server.check_model(body.model, adapters=True)
         tools = body.offered_tools()
         if body.tools:  # compiling schemas can take a while: off the event loop
             await run_in_threadpool(
@@ -413,6 +413,7 @@ class ResponsesAPI:
             forced_tool=body.forced_tool,
             parallel_tool_calls=body.parallel_tool_calls,
             id_prefix="resp",
+            lora=lora,
         )
         answer_format = ResponsesFormat(
             body, conversation, self.store, params, server.tokenizer, server.settings.model_name

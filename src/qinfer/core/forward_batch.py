@@ -80,30 +80,30 @@ class SpaceTensors(NamedTuple):
 
 
 class AdapterRows(NamedTuple):
-    """The rows of one step that run through LoRA adapters, grouped by adapter: groups[i]
-    = (slot, rows), rows (n,) long, ascending, the flat step's rows of the sequences that
-    chose the adapter in `slot` (`qinfer.linear.lora.LoraLinear`: one product per group).
-    Rows in no group run the base model alone."""
+    """The rows of one step that run through LoRA adapters: rows (n,) long, ascending, the
+    flat step's rows of the sequences that chose one, and slots (n,) long, each row's
+    adapter slot (`qinfer.linear.lora.LoraLinear`). Other rows run the base model alone."""
 
-    groups: tuple[tuple[int, torch.Tensor], ...]
+    rows: torch.Tensor
+    slots: torch.Tensor
 
     @classmethod
     def of_sequences(
         cls, query_starts: list[int], slots: list[int | None], device: torch.device | str
     ) -> AdapterRows | None:
-        """Sequence b's rows query_starts[b]:query_starts[b + 1] in the group of slots[b]
-        (None: the base model); None where no sequence has an adapter."""
-        rows: dict[int, list[int]] = {}
+        """Sequence b's rows query_starts[b]:query_starts[b + 1] through slots[b] (None:
+        the base model); None where no sequence has an adapter."""
+        rows: list[int] = []
+        row_slots: list[int] = []
         for (start, end), slot in zip(pairwise(query_starts), slots, strict=True):
             if slot is not None:
-                rows.setdefault(slot, []).extend(range(start, end))
+                rows += range(start, end)
+                row_slots += [slot] * (end - start)
         if not rows:
             return None
         return cls(
-            tuple(
-                (slot, torch.tensor(found, dtype=torch.long, device=device))
-                for slot, found in sorted(rows.items())
-            )
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(row_slots, dtype=torch.long, device=device),
         )
 
 

@@ -138,7 +138,7 @@ class Adapters:
                 )
             parts.setdefault((target.owner, target.attr), []).append((target, a, b))
         placed = {}
-        dtype, device = self.model.dtype, self.model.device
+        dtype, device = adapter_dtype(self.model.dtype, self.model.device), self.model.device
         for (owner, attr), found in parts.items():
             rank = sum(a.shape[0] for _, a, _ in found)
             stacked_b = torch.zeros(getattr(owner, attr).out_features, rank)
@@ -150,6 +150,13 @@ class Adapters:
             stacked_a = torch.cat([a for _, a, _ in found])
             placed[owner, attr] = (stacked_a.to(device, dtype), stacked_b.to(device, dtype))
         return placed
+
+
+def adapter_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype adapters compute in: the model's, but fp32 on the CPU, whose GEMMs of a
+    LoRA's thin shapes ((n, in) x (in, r), r ~ 16) run several times faster in fp32 than
+    in bf16 (docs/BENCHMARKS.md, "LoRA adapters at decode")."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def _targets(model: nn.Module) -> dict[str, Target]:

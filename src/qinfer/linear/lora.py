@@ -48,7 +48,8 @@ class LoraLinear(Linear):
         self.bias = base.bias
         self.fixed_rows = fixed_rows
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pack()
+        for name in ("a", "b_t", "column_slots"):  # buffers, as every Linear's tensors
+            self.register_buffer(name, None)
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Hold adapter `slot`: a (r, in) and b (out, r), scale folded into b."""

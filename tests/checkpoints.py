@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -338,3 +339,24 @@ def spread_weights(model: torch.nn.Module, gain: float = 1.0) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=generator))
             else:
                 p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+
+
+#: PEFT target_modules: the attention projections, and those with the MLP's.
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora_adapter(reference, folder, targets, r=8, alpha=16, rslora=False, seed=0, **save):
+    """A random PEFT LoRA adapter (A and B non-zero) over a copy of `reference`, saved to
+    `folder`; returns transformers + peft's model with the adapter merged in."""
+    import peft
+
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
+    model = peft.get_peft_model(copy.deepcopy(reference), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder, **save)
+    return model.merge_and_unload().eval()

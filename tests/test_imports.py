@@ -14,6 +14,7 @@ The layers, from the bottom, each one package of `src/qinfer` (docs/ARCHITECTURE
     attention   attention arithmetic, its backends and their KV storage
     layers      norm, RoPE, MLP, MoE, the Attention layer (which calls a backend)
     model       the Transformer, the batch it runs, load_model
+    lora        LoRA adapters read and held resident on a loaded model
     vision      images in: decoding, patches, the vision towers
     text        tokenizer, templates, prompts, detokenizer, reasoning
     analysis    looking into a model: inspection, heatmap, perplexity
@@ -49,6 +50,7 @@ LAYERS = {
     "attention": {"attention"},
     "layers": {"layers"},
     "model": {"model"},
+    "lora": {"lora"},
     "vision": {"vision"},
     "text": {"text"},
     "analysis": {"analysis"},

@@ -18,6 +18,10 @@ class WeightsError(QinferError):
     """A weight file or tensor is missing, corrupt or of the wrong shape."""
 
 
+class AdapterError(QinferError):
+    """A LoRA adapter is unreadable, does not fit the model, or is not loaded."""
+
+
 class CacheError(QinferError):
     """A KV cache was asked to hold more positions than it can."""
 

@@ -21,6 +21,8 @@ of prompt chunks and decode tokens the step holds:
                     query_starts order
     rotations       the RoPE cos/sin of these positions (`Rotations`), made with the batch:
                     computed once per RoPE setting, shared by every layer of the forward
+    adapters        None (no row runs a LoRA adapter: the base model alone), or the step's
+                    `AdapterRows`: which rows run through which adapter slot
 
 and, for a step over KV pools (a runner's, `qinfer.attention.step_buffers`), what its
 attention is planned from (`AttentionBackend.plan`):
@@ -75,6 +77,34 @@ class SpaceTensors(NamedTuple):
     tables: list[list[int]]
     first_blocks: list[int] | None
     key_starts: torch.Tensor | None
+
+
+class AdapterRows(NamedTuple):
+    """The rows of one step that run through LoRA adapters: rows (n,) long, ascending, the
+    flat step's rows of the sequences that chose one, and slots (n,) long, each row's
+    adapter slot (`qinfer.linear.lora.LoraLinear`). Other rows run the base model alone."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of_sequences(
+        cls, query_starts: list[int], slots: list[int | None], device: torch.device | str
+    ) -> AdapterRows | None:
+        """Sequence b's rows query_starts[b]:query_starts[b + 1] through slots[b] (None:
+        the base model); None where no sequence has an adapter."""
+        rows: list[int] = []
+        row_slots: list[int] = []
+        for (start, end), slot in zip(pairwise(query_starts), slots, strict=True):
+            if slot is not None:
+                rows += range(start, end)
+                row_slots += [slot] * (end - start)
+        if not rows:
+            return None
+        return cls(
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(row_slots, dtype=torch.long, device=device),
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +179,7 @@ class ForwardBatch:
     num_computed: list[int] | None = None
     block_size: int = 0
     spaces: list[SpaceTensors] = field(default_factory=list)
+    adapters: AdapterRows | None = None
     # (not an argument: a batch replaced with other positions gets rotations of its own)
     rotations: Rotations = field(init=False, repr=False, compare=False)
 
@@ -163,23 +194,29 @@ class ForwardBatch:
         attention: StepAttention,
         last_only: bool = False,
         states: object | None = None,
+        adapters: list[int | None] | None = None,
     ) -> ForwardBatch:
         """B rows of L tokens each (tokens (B, L), on the model's device), flattened row by
         row; offsets as `row_positions` takes them. Logits for every token, or for the last
-        of each row with last_only. states: row b's recurrent state in slot states.slots[b]."""
+        of each row with last_only. states: row b's recurrent state in slot states.slots[b].
+        adapters: row b's LoRA adapter slot (None: the base model), or None for none."""
         B, L = tokens.shape
         device = tokens.device
         if last_only:
             logits_indices = torch.arange(L - 1, B * L, L, device=device)
         else:
             logits_indices = torch.arange(B * L, device=device)
+        starts = list(range(0, B * L + 1, L))
         return cls(
             token_ids=tokens.reshape(B * L),
             positions=row_positions(offsets, B, L, device).reshape(B * L),
-            query_starts=list(range(0, B * L + 1, L)),
+            query_starts=starts,
             logits_indices=logits_indices,
             attention=attention,
             states=states,
+            adapters=None
+            if adapters is None
+            else AdapterRows.of_sequences(starts, adapters, device),
         )
 
     @property

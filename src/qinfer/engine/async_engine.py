@@ -91,14 +91,19 @@ class AsyncEngine:
     # -- called from the event loop --------------------------------------------------------
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora: str | None = None,
     ) -> str:
         """Check, encode and queue a request (call it from a running event loop); its id.
+        lora: the loaded LoRA adapter it runs through (None: the base model).
 
         Raises RequestError (bad request) or EngineOverloadedError (too many waiting).
         """
         self._check_serving()
-        return self._enqueue(self.engine.make_request(prompt, params, request_id))
+        return self._enqueue(self.engine.make_request(prompt, params, request_id, lora))
 
     def _check_serving(self) -> None:
         """Refuse new work once the engine has failed or is shutting down."""
@@ -135,15 +140,18 @@ class AsyncEngine:
         prompt: Prompt,
         params: SamplingParams | PoolingParams | ScoreParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last has finished=True.
         With PoolingParams (ScoreParams), one output: finished, with its `embedding`
-        (`score`). Leaving the loop
+        (`score`). lora: the loaded LoRA adapter it runs through. Leaving the loop
         early (or cancelling the task) aborts the request."""
         self._check_serving()
         # Encoding the prompt and compiling a grammar (about a second for a large schema
         # over a 150k vocabulary) run in a worker thread: other streams keep flowing.
-        request = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id)
+        request = await asyncio.to_thread(
+            self.engine.make_request, prompt, params, request_id, lora
+        )
         request_id = self._enqueue(request)
         stream = self._streams[request_id]
         finished = False
@@ -165,6 +173,14 @@ class AsyncEngine:
         length. fn must not keep the model's state changed (it gets the engine's model).
         """
         return await self._run_in_step_thread(lambda engine: fn(engine.executor.model))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """`Engine.load_lora`, between two steps."""
+        await self._run_in_step_thread(lambda engine: engine.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """`Engine.unload_lora`, between two steps."""
+        await self._run_in_step_thread(lambda engine: engine.unload_lora(name))
 
     async def flush_prefix_cache(self) -> CacheFlush:
         """Forget the cached prefixes no request holds (between two steps); what was

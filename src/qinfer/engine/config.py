@@ -38,6 +38,9 @@ class EngineConfig:
         it implies static_decode); None: on with a CUDA device, False: eager everywhere.
     speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
+    lora_modules: LoRA adapters loaded at start, name -> PEFT folder (`qinfer.lora`); a
+        request names one (`Engine.make_request`'s lora), more load at run time.
+    max_loras: adapters resident at once; max_lora_rank: the largest rank one may have.
     """
 
     block_size: int = RuntimeConfig.block_size
@@ -53,12 +56,16 @@ class EngineConfig:
     static_decode: bool = RuntimeConfig.static_decode
     cuda_graphs: bool | None = RuntimeConfig.cuda_graphs
     speculative: SpeculativeConfig | None = None
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         # a mapping of settings (`LLM(..., speculative={...})`) becomes its config
         object.__setattr__(self, "speculative", SpeculativeConfig.create(self.speculative))
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"]
         positive += ["kv_cache_memory", "num_kv_blocks", "max_model_len"]
+        positive += ["max_loras", "max_lora_rank"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
-from qinfer.core.errors import QinferError, RequestError
+from qinfer.core.errors import AdapterError, QinferError, RequestError
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.images import encode_images, prompt_images
@@ -32,6 +32,7 @@ from qinfer.engine.sequence import Sequence, scheduled_step
 from qinfer.engine.speculative.speculator import Speculator
 from qinfer.engine.stats import EngineStats, ThroughputMeter
 from qinfer.engine.tasks import check_task_params, make_task
+from qinfer.lora.adapters import Adapters
 from qinfer.model.transformer import Transformer
 from qinfer.request.pooling import PoolingParams
 from qinfer.request.sampling import SamplingParams
@@ -106,6 +107,10 @@ class Engine:
             eos_token_ids = model_eos_ids(model.config, tokenizer)
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
+        # LoRA adapters, once the first loads (`load_lora`): none, and nothing changes
+        self.adapters: Adapters | None = None
+        for name, path in (self.config.lora_modules or {}).items():
+            self.load_lora(name, path)
         self._throughput = ThroughputMeter()
         self._counts = dict.fromkeys(
             ["prompt", "prompt_computed", "generated", "finished", "aborted", "images_encoded"],
@@ -120,8 +125,12 @@ class Engine:
         prompt: Prompt,
         params: SamplingParams | PoolingParams | ScoreParams | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> Request:
         """Check and encode a request without touching the engine's state (thread-safe).
+
+        lora: the name of a loaded LoRA adapter (`load_lora`) the request runs through
+        (None: the base model); an unknown name is refused (`AdapterError`).
 
         params: SamplingParams to generate; PoolingParams to pool the prompt's hidden
         states into one vector instead (`qinfer.request.pooling`; the output's `embedding`);
@@ -129,6 +138,11 @@ class Engine:
         (`qinfer.request.scoring`; the output's `score`)."""
         params = self.default_params if params is None else params
         sampling = check_task_params(params, self.model.config)
+        adapter = None
+        if lora is not None:
+            if self.adapters is None:
+                raise AdapterError(f"LoRA adapter {lora!r} is not loaded (loaded: none)")
+            adapter = self.adapters.get(lora)
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -158,7 +172,11 @@ class Engine:
         task = make_task(params, len(ids), max_tokens)
         # A cache hit skips rows that prompt logprobs (and some poolings) need.
         seq = Sequence(
-            request_id, ids, task.uses_prefix_cache and sampling.prompt_logprobs is None, images
+            request_id,
+            ids,
+            task.uses_prefix_cache and sampling.prompt_logprobs is None,
+            images,
+            adapter,
         )
         try:
             state = RequestState.create(
@@ -172,6 +190,29 @@ class Engine:
         except QinferError as error:
             raise RequestError(str(error)) from None
         return Request(seq, prompt if isinstance(prompt, str) else None, state, task)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at `path` (a PEFT folder) under `name`, for requests
+        from now on (`qinfer.lora.Adapters`: at most config.max_loras)."""
+        if self.adapters is None:
+            self.adapters = Adapters(self.model, self.config.max_loras, self.config.max_lora_rank)
+        self.adapters.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name`: refused while a request runs through it."""
+        if self.adapters is None:
+            raise AdapterError(f"LoRA adapter {name!r} is not loaded (loaded: none)")
+        slot = self.adapters.get(name).slot
+        users = sum(
+            request.seq.adapter is not None and request.seq.adapter.slot == slot
+            for request in self.requests.values()
+        )
+        if users:
+            raise AdapterError(
+                f"LoRA adapter {name!r} is in use by {users} unfinished requests; "
+                "unload it when they end"
+            )
+        self.adapters.unload(name)
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request`."""

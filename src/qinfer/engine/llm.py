@@ -41,7 +41,8 @@ class LLM:
         device, quantize, group_size, kv_cache_dtype, batch_invariant, exact,
         tensor_parallel_size, mmproj) may be given as keywords instead. `close()` or this process's exit stops
         tensor-parallel workers.
-    The other keywords: `qinfer.engine.EngineConfig`'s.
+    The other keywords: `qinfer.engine.EngineConfig`'s (lora_modules, max_loras and
+    max_lora_rank among them: LoRA adapters).
     """
 
     def __init__(
@@ -60,10 +61,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, token ids, chat messages, whose content parts may
         hold images, or an `ImagePrompt`; or a list of them); the outputs come back in the
-        prompts' order. params: one for all, or one each."""
+        prompts' order. params: one for all, or one each. lora: the loaded LoRA adapter
+        (`lora_modules`, `load_lora`) for all, or one each (None: the base model)."""
         if isinstance(prompts, (list, tuple)) and not prompts:
             raise RequestError("prompts is empty: give at least one prompt")
         prompts = list(prompts) if is_batch(prompts) else [prompts]
@@ -71,7 +74,20 @@ class LLM:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return [_whole(output) for output in self._run(prompts, params, use_tqdm)]
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        elif len(lora) != len(prompts):
+            raise RequestError(f"got {len(lora)} lora names for {len(prompts)} prompts")
+        outputs = self._run(prompts, params, use_tqdm, list(lora))
+        return [_whole(output) for output in outputs]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load the LoRA adapter at `path` (a PEFT folder) under `name`."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop the LoRA adapter `name`."""
+        self.engine.unload_lora(name)
 
     def embed(
         self,
@@ -118,11 +134,18 @@ class LLM:
         outputs = self._run(prompts, [params] * len(prompts), use_tqdm)
         return [output.score for output in outputs]
 
-    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
-        """Run every (prompt, params) request to its end; their last outputs, in order."""
+    def _run(
+        self, prompts: list[Prompt], params: list, use_tqdm: bool, loras: list | None = None
+    ) -> list[RequestOutput]:
+        """Run every (prompt, params[, lora]) request to its end; their last outputs, in
+        order."""
         engine = self.engine
+        loras = loras or [None] * len(prompts)
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        requests = [
+            engine.make_request(p, sp, lora=lora)
+            for p, sp, lora in zip(prompts, params, loras, strict=True)
+        ]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="requests", disable=not use_tqdm) as bar:
             for output in run_requests(engine, requests):

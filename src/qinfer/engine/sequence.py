@@ -7,6 +7,7 @@ import enum
 
 from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.engine.images import SequenceImages
+from qinfer.lora.adapters import Resident
 from qinfer.runtime.step import ScheduledStep
 
 
@@ -36,6 +37,9 @@ class Sequence:
 
     `state_slot`: a hybrid model's, its slot in the runner's recurrent-state pool while it
     runs (the block manager's to give and take; None otherwise).
+    `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Resident`) names its
+    slot, which its rows run through, and its key, which keys its blocks in the prefix
+    cache: an adapter's K/V never serve the base model or another adapter.
     """
 
     def __init__(
@@ -44,9 +48,11 @@ class Sequence:
         prompt_token_ids: list[int],
         uses_prefix_cache: bool = True,
         images: SequenceImages | None = None,
+        adapter: Resident | None = None,
     ) -> None:
         self.request_id = request_id
         self.images = images
+        self.adapter = adapter
         # False: starts from no cached block (a pooling that needs every prompt row)
         self.uses_prefix_cache = uses_prefix_cache
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -79,9 +85,13 @@ class Sequence:
     def block_key(self, start: int, end: int) -> tuple[int | bytes, ...]:
         """What the prefix cache keys its block of positions start .. end - 1 on: their
         token ids, then the digests of the images whose tokens they hold (the same ids
-        with another image's pixels are another block)."""
-        tokens = tuple(self.token_ids[start:end])
-        return tokens if self.images is None else tokens + self.images.digests_in(start, end)
+        with another image's pixels are another block), then its LoRA adapter's key."""
+        key = tuple(self.token_ids[start:end])
+        if self.images is not None:
+            key += self.images.digests_in(start, end)
+        if self.adapter is not None:
+            key += (b"lora:%d" % self.adapter.key,)
+        return key
 
     def new_tokens(self, n: int) -> list[int]:
         """The next n tokens to run: uncomputed ones first, then proposed ones."""
@@ -128,13 +138,15 @@ def scheduled_step(
         for seq, n in zip(seqs, num_new, strict=True)
     ]
     slots = [seq.state_slot for seq in seqs]
+    adapters = [None if seq.adapter is None else seq.adapter.slot for seq in seqs]
     return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],
         tables,
         list(num_logits),
         images if any(image is not None for image in images) else None,
-        None if None in slots else slots,
+        state_slots=None if None in slots else slots,
+        adapters=adapters if any(slot is not None for slot in adapters) else None,
     )
 
 

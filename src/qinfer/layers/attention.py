@@ -23,7 +23,7 @@ import torch
 from qinfer.attention.reference import Cache, ReferenceAttention
 from qinfer.attention.sdpa import Mask, sdpa_for
 from qinfer.core.features import Features
-from qinfer.core.forward_batch import Rotations, StepAttention, row_positions
+from qinfer.core.forward_batch import AdapterRows, Rotations, StepAttention, row_positions
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import SINGLE, Parallel, Shard
@@ -110,12 +110,13 @@ class Attention(Module, Placed):
         attention: StepAttention | Cache,
         mask: Mask = None,
         rotations: Rotations | None = None,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor:
         """x: (T, hidden), the flat tokens of a `ForwardBatch`; positions: (T,), or (3, T)
         under M-RoPE (`ForwardBatch.positions`);
         attention: the step's backend, which stores K/V and attends; rotations: the
-        batch's cos/sin of those positions, shared by its layers (None: computed here).
-        Returns (T, hidden).
+        batch's cos/sin of those positions, shared by its layers (None: computed here);
+        adapters: the batch's LoRA rows (`ForwardBatch.adapters`). Returns (T, hidden).
 
         The seed's call, x (B, L, hidden) -> (B, L, hidden), runs the same layer over one
         contiguous cache through the reference backend (`qinfer.attention.reference`):
@@ -137,14 +138,14 @@ class Attention(Module, Placed):
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         gate = None
         if self.gated:  # q's Hq heads are (query, gate) pairs: (T, 2 Hq + 2 Hkv, D)
-            heads = linear(x, self.wqkv).reshape(T, 2 * Hq + 2 * Hkv, D)
+            heads = linear(x, self.wqkv, adapters).reshape(T, 2 * Hq + 2 * Hkv, D)
             pairs = heads[:, : 2 * Hq].view(T, Hq, 2, D)  # (T, Hq, 2, D)
             gate = pairs[:, :, 1]  # (T, Hq, D)
             # the query heads beside k's, as the ungated layer has them: (T, Hq + Hkv, D)
             projection_qk = torch.cat((pairs[:, :, 0], heads[:, 2 * Hq : 2 * Hq + Hkv]), dim=1)
             projection_v = heads[:, 2 * Hq + Hkv :]
         else:
-            heads = linear(x, self.wqkv).reshape(T, Hq + 2 * Hkv, D)
+            heads = linear(x, self.wqkv, adapters).reshape(T, Hq + 2 * Hkv, D)
             projection_qk, projection_v = heads[:, : Hq + Hkv], heads[:, Hq + Hkv :]
 
         # Step 2: per-head QK-norm, within each head, before RoPE: q_norm on q's heads and
@@ -176,7 +177,7 @@ class Attention(Module, Placed):
         # Step 7: (T, Hq, D) -> (T, Hq * D) -> output projection -> (T, hidden).
         # Under tensor parallelism o_proj is row-parallel: the rank's heads give a partial
         # sum, and its call all-reduces the ranks' sums (the layer's one collective).
-        return linear(x.reshape(T, Hq * D), self.wo)
+        return linear(x.reshape(T, Hq * D), self.wo, adapters)
 
 
 def _head_rows(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qinfer.core.forward_batch import AdapterRows
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import Parallel, Shard
@@ -43,11 +44,12 @@ class MLP(Module):
         self.gate_up, self.down = (LinearSlot(source) for source in sources)
         self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
+        """adapters: the batch's LoRA rows (`ForwardBatch.adapters`), x then (T, hidden)."""
         # (*P, 2 * inter / N) -> (*P, inter / N)
-        gated = gate_times_up(linear(x, self.gate_up), self.activation)
+        gated = gate_times_up(linear(x, self.gate_up, adapters), self.activation)
         # row-parallel down: the ranks' partial sums all-reduced, (*P, hidden)
-        return linear(gated, self.down)
+        return linear(gated, self.down, adapters)
 
 
 def gated_ffn_sources(

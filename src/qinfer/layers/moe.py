@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from qinfer.core.forward_batch import AdapterRows
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import SINGLE, Parallel
@@ -102,8 +103,9 @@ class SparseMoE(Module, Placed):
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(x.dtype), chosen
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (*P, hidden) -> (*P, hidden), each token through its top k experts."""
+    def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
+        """x (*P, hidden) -> (*P, hidden), each token through its top k experts. adapters:
+        unused (LoRA on experts is refused at load, `qinfer.lora.adapters`)."""
         H = x.shape[-1]
         flat = x.reshape(-1, H)  # (T, hidden)
         top, chosen = self.route(flat)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from qinfer.core.errors import WeightsError
+from qinfer.core.forward_batch import AdapterRows
 from qinfer.core.module import Module
 from qinfer.linear.logits import fp32_logits
 
@@ -26,6 +27,10 @@ class Linear(Module, ABC):
     out_features: int
     in_features: int
     bias: torch.Tensor | None
+    #: the `qinfer.weights.slots.LinearSource` it was loaded from (None: built otherwise)
+    source = None
+    #: whether its call takes a step's `AdapterRows` (`qinfer.linear.lora.LoraLinear`)
+    takes_adapters = False
 
     @abstractmethod
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +68,9 @@ class Linear(Module, ABC):
         return 0 if self.bias is None else self.bias.nbytes
 
 
-def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
-    """(..., in_features) -> (..., out_features): the layers' one call, whatever w's kind."""
-    return w(x)
+def linear(x: torch.Tensor, w: Linear, adapters: AdapterRows | None = None) -> torch.Tensor:
+    """(..., in_features) -> (..., out_features): the layers' one call, whatever w's kind.
+    adapters: the step's LoRA rows, for a projection that holds adapters (else unused)."""
+    if adapters is None or not w.takes_adapters:
+        return w(x)
+    return w(x, adapters)

@@ -98,11 +98,15 @@ class Block(Module):
             attended = self.linear_attn(self.attention_norm(x), batch.states, batch.query_starts)
         else:
             attended = self.self_attn(
-                self.attention_norm(x), batch.positions, batch.attention, rotations=batch.rotations
+                self.attention_norm(x),
+                batch.positions,
+                batch.attention,
+                rotations=batch.rotations,
+                adapters=batch.adapters,
             )
         # x += the attention's output, then the MLP's norm of x: one op (`RMSNorm.add`)
         mlp_in = self.mlp_norm.add(x, _normed(self.attention_output_norm, attended))
-        x += _normed(self.mlp_output_norm, self.mlp(mlp_in))
+        x += _normed(self.mlp_output_norm, self.mlp(mlp_in, batch.adapters))
         return x
 
     def norms(self) -> list[RMSNorm]:
@@ -275,6 +279,7 @@ class Transformer(Module, Placed):
         cache: list | None = None,
         mask: Mask = None,
         last_only: bool = False,
+        adapters: list[int | None] | None = None,
     ) -> torch.Tensor:
         """tokens (B, L) -> logits (B, L, vocab) in fp32 ((B, 1, vocab) with last_only).
 
@@ -282,6 +287,7 @@ class Transformer(Module, Placed):
             ((B, L)); by default where the cache left off (0 without a cache).
         cache: from `make_cache`; without one, the call sees only these tokens.
         mask: "causal" (the default) or a boolean (B, 1, L, S) tensor.
+        adapters: row b's LoRA adapter slot (`qinfer.lora.Adapters`; None: the base model).
 
         Checks its inputs (ids inside the vocabulary, positions inside the context: host
         syncs), then runs `run_rows`. This is the model's public call, in place of
@@ -297,7 +303,8 @@ class Transformer(Module, Placed):
         if offsets is None:  # where the first attention layer's cache left off
             offsets = next(c for c in cache if not isinstance(c, StatePool)).offsets
         self._check_positions(offsets, L)
-        return self.run_rows(tokens.to(self.device, torch.long), offsets, cache, mask, last_only)
+        tokens = tokens.to(self.device, torch.long)
+        return self.run_rows(tokens, offsets, cache, mask, last_only, adapters)
 
     @torch.inference_mode()
     def run_rows(
@@ -307,12 +314,14 @@ class Transformer(Module, Placed):
         cache: list,
         mask: Mask = None,
         last_only: bool = False,
+        adapters: list[int | None] | None = None,
     ) -> torch.Tensor:
         """`__call__` without its checks and without host syncs, for callers that built the
         inputs themselves (generate's decode loop, benchmarks): B rows of L tokens through
         the reference attention backend over contiguous caches.
 
-        tokens (B, L) long on the model's device; offsets and cache as in `__call__`.
+        tokens (B, L) long on the model's device; offsets, cache and adapters as in
+        `__call__`.
         Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
         """
         B, L = tokens.shape
@@ -320,7 +329,7 @@ class Transformer(Module, Placed):
         attention = ReferenceAttention(cache, B, L, mask, sdpa_for(self.features))
         pool = next((c for c in cache if isinstance(c, StatePool)), None)
         states = None if pool is None else StepStates(pool, torch.arange(B, device=self.device))
-        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only, states)
+        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only, states, adapters)
         logits = self.compute_logits(batch.logits_rows(self.forward(batch)))
         return logits.view(B, -1, logits.shape[-1])
 

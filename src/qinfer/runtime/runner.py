@@ -24,7 +24,7 @@ from qinfer.attention.kv_pool import KVPool, paged_layers
 from qinfer.attention.state_pool import StatePool, StepStates
 from qinfer.attention.step_buffers import StepBuffers
 from qinfer.core.errors import QinferError
-from qinfer.core.forward_batch import BatchImages, ForwardBatch
+from qinfer.core.forward_batch import AdapterRows, BatchImages, ForwardBatch
 from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import DEFAULT_CPU_KV_MEMORY, RuntimeConfig
 from qinfer.runtime.cuda_graphs import StepGraphs, use_cuda_graphs
@@ -260,8 +260,10 @@ class ModelRunner:
         num_seqs = len(step.new_tokens)
         hidden_rows = hidden_rows or [None] * num_seqs
         widths = None
-        # (a step with images has per-step positions: it runs as it is)
-        if self.static_decode and is_decode(step) and not any(hidden_rows) and not step.images:
+        # (a step with images has per-step positions, one with adapters rows grouped by
+        # adapter: each runs as it is)
+        static = not step.images and step.adapters is None
+        if self.static_decode and is_decode(step) and not any(hidden_rows) and static:
             _, max_rows, max_widths = self.buffers.capacity
             step, widths = padded(step, self.scratch, max_rows, list(max_widths))
             if self.graphs is not None:
@@ -286,10 +288,15 @@ class ModelRunner:
 
         A step with images (`ScheduledStep.images`) runs at (3, T) M-RoPE positions and
         carries the embeddings of its image tokens (`BatchImages`); the attention plan
-        keeps the buffers' (T,) positions, which order the keys for the masks."""
+        keeps the buffers' (T,) positions, which order the keys for the masks. A step with
+        adapters (`ScheduledStep.adapters`) carries its rows grouped by adapter."""
         batch = self._batch(self._write(step, widths))
         if self.states is not None:
             batch = dataclasses.replace(batch, states=self._states(step))
+        if step.adapters is not None:  # each sequence's rows through its adapter
+            starts = batch.query_starts
+            rows = AdapterRows.of_sequences(starts, step.adapters, self.model.device)
+            batch = dataclasses.replace(batch, adapters=rows)
         if step.images is None:
             return batch
         return dataclasses.replace(batch, **self._images(step, batch.query_starts))

@@ -45,7 +45,9 @@ class ScheduledStep:
     on rank 0's runner: `step_channel` carries none. state_slots[b]: sequence b's slot in
     the runner's recurrent-state pool (a hybrid model's Gated DeltaNet layers,
     `qinfer.attention.state_pool`; a sequence whose step starts at position 0 starts from
-    a zero state there); None for a model without such layers."""
+    a zero state there); None for a model without such layers. adapters[b]: the LoRA
+    adapter slot sequence b runs through (None: the base model); adapters None: no
+    sequence has one."""
 
     new_tokens: list[list[int]]
     num_computed: list[int]
@@ -53,6 +55,7 @@ class ScheduledStep:
     num_logits: list[int]
     images: list[StepImages | None] | None = None
     state_slots: list[int] | None = None
+    adapters: list[int | None] | None = None
 
     def logits_rows(self) -> tuple[list[int], list[range]]:
         """Its rows of logits, as `logits_rows` places them."""

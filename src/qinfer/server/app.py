@@ -55,7 +55,7 @@ from qinfer.server.model_server import ModelServer, ServerSettings
 from qinfer.server.openai import chat, completions, embeddings, models, responses
 from qinfer.server.routing import Access
 from qinfer.server.schema import Answer
-from qinfer.server.vllm import render, scores, tokenize
+from qinfer.server.vllm import lora, render, scores, tokenize
 from qinfer.text.tokenizer import Tokenizer, load_tokenizer
 
 #: The APIs, each a module whose `router(server, access)` holds its routes
@@ -70,6 +70,7 @@ API_MODULES = (
     embeddings,
     scores,
     render,
+    lora,
     worker,
     inspection,
 )
@@ -213,6 +214,7 @@ def serve(
     log_level: str = "info",
     pooling: PoolingParams | None = None,
     task: str | None = None,
+    allow_runtime_lora: bool = False,
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
@@ -221,6 +223,8 @@ def serve(
     allowed_media_domains: the hosts whose image URLs are fetched (`ServerSettings`).
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
+    allow_runtime_lora: serve vLLM's load/unload LoRA routes (`ServerSettings`); the
+    adapters loaded at start are the engine keywords' lora_modules.
 
     load: how the checkpoint loads (`qinfer.engine.build.LoadConfig`; its fields may be
     given as keywords instead); when a tensor-parallel rank dies, `/health` answers 503,
@@ -244,6 +248,7 @@ def serve(
         # As OpenAI does, a request without max_tokens may run to the end of the context.
         default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),
         checkpoint_sampling=checkpoint_sampling(path),
+        allow_runtime_lora=allow_runtime_lora,
     )
     app = create_app(engine, tokenizer, settings)
     server = Server(app, engine, host, port, log_level)

@@ -179,7 +179,8 @@ class Completion:
     sampling of choice 0 of every prompt (choice j gets `seed + j`); split_reasoning: split
     `<think>` blocks off the text; tools: parse tool calls out of the content (chat
     requests that offer tools); echo: the text each prompt's choices start with (a text
-    completion's `echo`), or None.
+    completion's `echo`), or None; lora: the LoRA adapter every choice runs through (None:
+    the base model).
     """
 
     def __init__(
@@ -193,8 +194,9 @@ class Completion:
         split_reasoning: bool = False,
         tools: ToolUse | None = None,
         echo: Sequence[str] | None = None,
+        lora: str | None = None,
     ):
-        self.engine, self.metrics, self.n = engine, metrics, n
+        self.engine, self.metrics, self.n, self.lora = engine, metrics, n, lora
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = []
@@ -222,7 +224,9 @@ class Completion:
         async def pump(choice: Choice) -> None:
             """Relay one engine request's outputs to the queue, then None (or its error)."""
             timer = RequestTimer(self.metrics)
-            stream = self.engine.generate(choice.prompt, choice.params, choice.request_id)
+            stream = self.engine.generate(
+                choice.prompt, choice.params, choice.request_id, self.lora
+            )
             try:
                 async for output in stream:
                     timer.tokens_arrived(len(output.delta_token_ids))

@@ -57,6 +57,8 @@ ENGINE_FLAGS = [
         bounded(int, 0),
         "queued requests before 503",
     ),
+    ("--max-loras", "max_loras", bounded(int, 1), "LoRA adapters resident at once (default 4)"),
+    ("--max-lora-rank", "max_lora_rank", bounded(int, 1), "largest LoRA rank (default 64)"),
 ]
 
 
@@ -197,11 +199,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="no CUDA graphs: every step runs eagerly",
     )
     engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, each a model requests name",
+    )
+    engine.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    engine.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="do not reuse the K/V of shared prompt prefixes",
     )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH, as (name, path)."""
+    name, equals, path = text.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
 
 
 def api_keys(args: argparse.Namespace) -> list[str] | None:
@@ -238,6 +262,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args["cuda_graphs"] = args.cuda_graphs
     engine_args = {name: value for name, value in engine_args.items() if value is not None}
     engine_args["speculative"] = speculative_arguments(args)
+    if args.lora_modules:
+        engine_args["lora_modules"] = dict(args.lora_modules)
     serve(
         args.model,
         host=args.host,
@@ -251,6 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         pooling=PoolingParams(args.pooling, args.normalize),
         task=args.task,
+        allow_runtime_lora=args.allow_runtime_lora,
         **engine_args,
     )
     return 0

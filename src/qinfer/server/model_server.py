@@ -56,6 +56,9 @@ class ServerSettings:
         see the module doc.
     allowed_media_domains: the hosts whose http(s) image URLs the server fetches (exact
         names); none by default: only inline images (data URLs, base64) are read.
+    allow_runtime_lora: serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+        (`qinfer.server.vllm.lora`); off by default, as vLLM's
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING.
     """
 
     model_name: str
@@ -67,6 +70,7 @@ class ServerSettings:
     pooling: PoolingParams = field(default_factory=PoolingParams)
     task: str = "generate"
     allowed_media_domains: Sequence[str] = ()
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -110,14 +114,34 @@ class ModelServer:
         """Whether the model reads images (a vision-language checkpoint with its tower)."""
         return self.engine.engine.vision.encoder is not None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.model_name:
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded now, each a model a request may name."""
+        adapters = self.engine.engine.adapters
+        return [] if adapters is None else adapters.names()
+
+    def check_model(self, name: str | None, adapters: bool = False) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model, or no name);
+        adapters: the route generates, so an adapter's name is a model it serves (vLLM's
+        served LoRA names). Any other name is a 404."""
+        if name is None or name == self.settings.model_name:
+            return None
+        if name in self.lora_names():
+            if adapters:
+                return name
             raise APIError(
-                404,
-                f"The model '{name}' does not exist; this server serves '{self.settings.model_name}'",
+                400,
+                f"The model '{name}' is a LoRA adapter; this route serves the base model "
+                f"'{self.settings.model_name}' only",
                 param="model",
-                code="model_not_found",
+                code="invalid_value",
             )
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves "
+            f"'{self.settings.model_name}'" + "".join(f", '{lora}'" for lora in self.lora_names()),
+            param="model",
+            code="model_not_found",
+        )
 
     def template_kwargs(
         self, requested: Mapping[str, Any] | None, thinking: bool | None = None
@@ -181,12 +205,14 @@ class ModelServer:
         n: int = 1,
         id_prefix: str = "chatcmpl",
         prefill: str = "",
+        lora: str | None = None,
     ) -> Completion:
         """The engine requests (not yet started) that answer a conversation: its prompt
         encoded, its `<think>` block split off for a thinking model, calls of `tools` parsed
         out of the reply and, with `forced_tool` ("required" or a tool's name), forced by a
         grammar in the model's own wrapping; prefill: text the reply continues (the
-        Messages API's last assistant message). The Responses and Messages APIs share it.
+        Messages API's last assistant message); lora: the LoRA adapter the request's
+        `model` named (`check_model`). The Responses and Messages APIs share it.
         Its prompt is `chat_prompt`'s, so a bad image is a 400 naming it before the engine
         sees the request."""
         parts = await self.chat_prompt(messages, template_kwargs, tools, prefill)
@@ -214,6 +240,7 @@ class ModelServer:
             id_prefix,
             self.splits_reasoning,
             tool_use,
+            lora=lora,
         )
 
     async def respond(

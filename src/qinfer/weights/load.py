@@ -145,5 +145,8 @@ def _fill(
             linear = make_grouped_linear([read(source) for source in slot.sources])
         else:
             linear = read(slot.source)
+            # which checkpoint projections it holds, side by side: what a LoRA adapter
+            # names (`qinfer.lora.adapters`)
+            linear.source = slot.source
         for parent, name in places:
             setattr(parent, name, linear)

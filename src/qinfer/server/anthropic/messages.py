@@ -254,7 +254,7 @@ class MessagesAPI:
         server = self.server
         if body.thread is not None:
             raise threads_unsupported()
-        server.check_model(body.model)
+        lora = server.check_model(body.model, adapters=True)
         await self._check_tools(body)
         params = server.settings.default_params.replace(**body.sampling_overrides())
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
@@ -267,6 +267,7 @@ class MessagesAPI:
             parallel_tool_calls=parallel,
             id_prefix="msg",
             prefill=body.prefill or "",
+            lora=lora,
         )
         answer_format = MessagesFormat(server.settings.model_name)
         return await server.respond(completion, answer_format, connection, stream=body.stream)

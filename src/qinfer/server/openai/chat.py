@@ -314,7 +314,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
 async def chat(
     server: ModelServer, body: ChatCompletionRequest, connection: Request
 ) -> Response | dict[str, Any]:
-    server.check_model(body.model)
+    lora = server.check_model(body.model, adapters=True)
     if body.tools:  # compiling schemas can take a while: off the event loop
         await run_in_threadpool(
             check_tool_schemas, [tool.model_dump(exclude_none=True) for tool in body.tools]
@@ -327,10 +327,11 @@ async def chat(
         forced_tool=body.forced_tool,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         n=body.n,
+        lora=lora,
     )
     return await server.respond(
         completion,
-        ChatFormat(server.tokenizer, server.settings.model_name),
+        ChatFormat(server.tokenizer, lora or server.settings.model_name),
         connection,
         stream=body.stream,
         include_usage=body.include_usage,

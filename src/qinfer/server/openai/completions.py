@@ -109,18 +109,18 @@ def router(server: ModelServer, access: Access) -> APIRouter:
 async def complete(
     server: ModelServer, body: CompletionRequest, connection: Request
 ) -> Response | dict[str, Any]:
-    server.check_model(body.model)
+    lora = server.check_model(body.model, adapters=True)
     params = sampling_params(server, body)
     prompts = await prompt_ids(server, body)
     echo = None
     if body.echo:  # the prompts as the client wrote them (ids decoded)
         echo = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in body.prompts]
     completion = Completion(
-        server.engine, server.metrics, prompts, params, body.n, "cmpl", echo=echo
+        server.engine, server.metrics, prompts, params, body.n, "cmpl", echo=echo, lora=lora
     )
     return await server.respond(
         completion,
-        TextFormat(server.tokenizer, server.settings.model_name),
+        TextFormat(server.tokenizer, lora or server.settings.model_name),
         connection,
         stream=body.stream,
         include_usage=body.include_usage,

@@ -1,4 +1,5 @@
-"""OpenAI's model list: `GET /v1/models`, the one model this server serves."""
+"""OpenAI's model list: `GET /v1/models`, the model this server serves and its loaded LoRA
+adapters (each a model of its own, `parent` the base, as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,31 @@ def router(server: ModelServer, access: Access) -> APIRouter:
 
 
 def model_list(server: ModelServer) -> dict[str, Any]:
+    base = server.settings.model_name
+    adapters = [
+        {
+            "id": name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "qinfer",
+            "root": server.engine.engine.adapters.get(name).path,
+            "parent": base,
+            "thinking": server.splits_reasoning,
+        }
+        for name in server.lora_names()
+    ]
     return {
         "object": "list",
         "data": [
             {
-                "id": server.settings.model_name,
+                "id": base,
                 "object": "model",
                 "created": server.created,
                 "owned_by": "qinfer",
                 # qinfer's own: whether the model thinks (Qwen3's <think> blocks),
                 # so the chat page offers its thinking switch only then.
                 "thinking": server.splits_reasoning,
-            }
+            },
+            *adapters,
         ],
     }

@@ -381,7 +381,7 @@ class ResponsesAPI:
         self, body: ResponsesRequest, connection: Request
     ) -> Response | dict[str, Any]:
         server = self.server
-        server.check_model(body.model)
+        lora = server.check_model(body.model, adapters=True)
         tools = body.offered_tools()
         if body.tools:  # compiling schemas can take a while: off the event loop
             await run_in_threadpool(
@@ -420,6 +420,7 @@ class ResponsesAPI:
             forced_tool=body.forced_tool,
             parallel_tool_calls=body.parallel_tool_calls,
             id_prefix="resp",
+            lora=lora,
         )
         answer_format = ResponsesFormat(
             body, conversation, self.store, params, server.tokenizer, server.settings.model_name

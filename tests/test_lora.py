@@ -1,0 +1,191 @@
+"""LoRA adapters (`qinfer.lora`, `qinfer.linear.lora`): a PEFT folder made with `peft` over a
+random checkpoint gives transformers + peft's merged model's logits in float32, on qinfer's
+fused q/k/v and gate/up projections; rows of different adapters (and none) share a batch,
+each as if alone, and rows of none are the base model's bit for bit; bad adapters are
+refused in one line naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import (
+    ALL,
+    ATTENTION,
+    build_checkpoint,
+    max_diff,
+    random_tokens,
+    save_lora_adapter,
+)
+
+import qinfer
+from qinfer.core.errors import AdapterError
+from qinfer.engine import LLM
+from qinfer.linear.lora import LoraLinear
+from qinfer.lora import Adapters
+from qinfer.request.sampling import SamplingParams
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3")
+    return build_checkpoint(folder, "qwen3"), folder
+
+
+def logits(model, tokens, adapters=None):
+    return model(tokens, adapters=adapters)
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "rslora"),
+    [
+        ("qwen3", ALL, False),
+        ("qwen3", ["q_proj", "v_proj", "up_proj"], True),
+        ("qwen3_moe", ATTENTION, False),
+    ],
+)
+def test_peft_adapter_equals_merged_model(tmp_path, family, targets, rslora):
+    reference = build_checkpoint(tmp_path / "base", family)
+    merged = save_lora_adapter(reference, tmp_path / "adapter", targets, rslora=rslora)
+    model = qinfer.load_model(tmp_path / "base", dtype=torch.float32, device="cpu")
+    adapters = Adapters(model)
+    slot = adapters.load("mine", tmp_path / "adapter").slot
+    tokens = random_tokens(2, 12)
+    with torch.no_grad():
+        expected = merged(tokens).logits.float()
+        base = reference(tokens).logits.float()
+    got = logits(model, tokens, [slot, slot])
+    assert max_diff(got, expected) < 1e-4
+    assert max_diff(expected, base) > 1e-2  # the adapter changes the logits
+    # targeted projections only, fused ones whole
+    wrapped = {name for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+    assert all(name.endswith(("wqkv", "wo", "gate_up", "down")) for name in wrapped)
+    assert max_diff(logits(model, tokens), base) < 1e-4  # no adapter: the base model
+
+
+def test_mixed_batch_rows_as_if_alone(qwen3, tmp_path):
+    """Three adapters and the base in one batch: each row bit for bit as alone; the base's
+    row bit for bit the model's without any adapter loaded."""
+    reference, folder = qwen3
+    model = qinfer.load_model(folder, dtype=torch.float32, device="cpu", batch_invariant=True)
+    tokens = random_tokens(4, 10, seed=3)
+    before = logits(model, tokens)
+    adapters = Adapters(model)
+    slots = []
+    for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
+        save_lora_adapter(reference, tmp_path / f"a{i}", targets, r=4 + 4 * i, seed=i)
+        slots.append(adapters.load(f"a{i}", tmp_path / f"a{i}").slot)
+    rows = [slots[0], None, slots[1], slots[2]]
+    mixed = logits(model, tokens, rows)
+    for b, slot in enumerate(rows):
+        alone = logits(model, tokens[b : b + 1], [slot])
+        assert torch.equal(mixed[b], alone[0]), f"row {b} (slot {slot})"
+    assert torch.equal(mixed[1], before[1])
+    assert not torch.equal(mixed[0], before[0])
+    # unloaded: its projections hold no pair for its slot; the base's rows unchanged
+    adapters.unload("a0")
+    assert "a0" not in adapters
+    with pytest.raises(AdapterError, match="'a0' is not loaded"):
+        adapters.get("a0")
+    assert torch.equal(logits(model, tokens), before)
+
+
+def test_refusals(qwen3, tmp_path):
+    reference, folder = qwen3
+    model = qinfer.load_model(folder, dtype=torch.float32, device="cpu")
+    adapters = Adapters(model, max_loras=1, max_lora_rank=8)
+    save_lora_adapter(reference, tmp_path / "big", ATTENTION, r=16)
+    with pytest.raises(AdapterError, match="rank 16 is above max_lora_rank 8"):
+        adapters.load("big", tmp_path / "big")
+    save_lora_adapter(reference, tmp_path / "head", ["lm_head"], r=4, save_embedding_layers=False)
+    with pytest.raises(AdapterError, match="targets lm_head, which is not"):
+        adapters.load("head", tmp_path / "head")
+    other = build_checkpoint(tmp_path / "other", "qwen3", hidden_size=32, head_dim=16)
+    save_lora_adapter(other, tmp_path / "other_adapter", ATTENTION, r=4)
+    with pytest.raises(AdapterError, match="another base model"):
+        adapters.load("other", tmp_path / "other_adapter")
+    with pytest.raises(AdapterError, match="not a folder with adapter_config.json"):
+        adapters.load("x", tmp_path / "nowhere")
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        adapters.load("x", folder)
+    save_lora_adapter(reference, tmp_path / "ok", ["q_proj"], r=4)
+    config_file = tmp_path / "ok" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "lora_alpha": None}))
+    with pytest.raises(AdapterError, match="lora_alpha is missing"):
+        adapters.load("ok", tmp_path / "ok")
+    config_file.write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="use_dora"):
+        adapters.load("ok", tmp_path / "ok")
+    config_file.write_text(json.dumps(config))
+    adapters.load("ok", tmp_path / "ok")
+    with pytest.raises(AdapterError, match="already loaded"):
+        adapters.load("ok", tmp_path / "ok")
+    with pytest.raises(AdapterError, match="max_loras=1"):
+        adapters.load("ok2", tmp_path / "ok")
+    assert not any(isinstance(m, LoraLinear) for m in model.layers[0].mlp.modules())
+
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def served(qwen3, tmp_path_factory):
+    """An LLM over the qwen3 checkpoint (batch-invariant) with three adapters loaded at start,
+    and transformers + peft's merged models of each."""
+    reference, folder = qwen3
+    root = tmp_path_factory.mktemp("adapters")
+    merged, modules = {}, {}
+    for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
+        merged[f"a{i}"] = save_lora_adapter(reference, root / f"a{i}", targets, r=8, seed=10 + i)
+        modules[f"a{i}"] = str(root / f"a{i}")
+    merged[None] = reference
+    llm = LLM(folder, dtype=torch.float32, batch_invariant=True, lora_modules=modules, block_size=4)
+    return llm, merged
+
+
+def test_generate_per_request_adapter(served):
+    """Greedy tokens through each adapter equal transformers + peft's merged model's; a
+    batch of three adapters and the base gives each its tokens alone."""
+    llm, merged = served
+    prompts = [random_tokens(1, 9, seed=20 + i)[0].tolist() for i in range(4)]
+    names = ["a0", None, "a1", "a2"]
+    together = llm.generate(prompts, GREEDY, use_tqdm=False, lora=names)
+    for prompt, name, output in zip(prompts, names, together, strict=True):
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False, lora=name)[0]
+        assert output.token_ids == alone.token_ids, name
+        with torch.no_grad():
+            expected = merged[name].generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(prompt) :]
+        assert output.token_ids == expected.tolist(), name
+
+
+def test_prefix_cache_keyed_by_adapter(served):
+    """A prompt's blocks cached under one adapter serve it again, never the base or another
+    adapter."""
+    llm, _ = served
+    prompt = random_tokens(1, 14, seed=40)[0].tolist()
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a0")[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a0")[0]
+    base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora="a1")[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert base.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids
+
+
+def test_engine_load_unload(served, tmp_path):
+    llm, _ = served
+    with pytest.raises(AdapterError, match="'nope' is not loaded"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora="nope")
+    llm.load_lora("late", llm.engine.adapters.get("a1").path)
+    late = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")[0]
+    a1 = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="a1")[0]
+    assert late.token_ids == a1.token_ids
+    llm.unload_lora("late")
+    with pytest.raises(AdapterError, match="'late' is not loaded"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")

@@ -1,7 +1,7 @@
-"""qinfer.kernels' int4 x int8 and int8 x int8 dot-product kernels: exact against a float64
-reference built from the same quantized activations, within int8 rounding of F.linear, alike
-on every dispatch path this CPU runs, the same for a row whatever batch it is in, and
-one-line errors.
+"""qinfer.kernels' int4 x int8 and int8 (rows and blocks) x int8 dot-product kernels: exact
+against a float64 reference built from the same quantized activations, within int8 rounding
+of F.linear, alike on every dispatch path this CPU runs, the same for a row whatever batch it
+is in, and one-line errors.
 
 The extension builds on first use (about 20 s, then cached); every test skips with the
 loader's reason where it cannot (no compiler, not x86-64, the build failed).
@@ -240,58 +240,78 @@ def test_groups_of_other_sizes_are_refused(built) -> None:
         kernels.pack_int4(quantize_int4(torch.randn(16, 128), 64))
 
 
-# ------------------------------------------------------------- int8 rows
+# ------------------------------------------------------------- int8 rows and int8 blocks
+
+#: int8_mm's weight scales: one per row (0), or one per block of 32 or 16 input columns (GGUF's
+#: Q8_0 and Q5_0, Q6_K).
+SCALE_BLOCKS = (0, 32, 16)
 
 
-def int8_rows(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 rows (N, K) with -128 and 127 among them, and per-row fp32 scales of very
-    different magnitude."""
+def int8_weight(n: int, k: int, block: int = 0, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random int8 q (N, K) with -128 and 127 among them, fp32 scales of very different
+    magnitude, one per row (block 0: (N,)) or per block of `block` columns (N, K / block), and
+    the weight they make, (N, K) float64."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
     q[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
-    return q, torch.logspace(-4, -1, n)[torch.randperm(n, generator=generator)]
+    shape = (n,) if block == 0 else (n, k // block)
+    magnitudes = torch.logspace(-4, -1, shape[0] * (1 if block == 0 else k // block))
+    scales = magnitudes[torch.randperm(len(magnitudes), generator=generator)].view(shape)
+    per_column = scales[:, None] if block == 0 else scales.repeat_interleave(block, 1)
+    return q, scales, q.double() * per_column.double()
 
 
+@pytest.mark.parametrize("block", SCALE_BLOCKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_int8_exact_from_the_same_quantized_activations(path, dtype, n, k) -> None:
+def test_int8_exact_from_the_same_quantized_activations(path, dtype, n, k, block) -> None:
     """Against float64 from the kernel's own int8 activations: the integer dots are exact,
-    so only fp32's sums of the blocks and the scale differ."""
-    q, scales = int8_rows(n, k)
+    so only fp32's sums of the blocks and the scales differ."""
+    q, scales, w = int8_weight(n, k, block)
     x = activations(6, k, dtype)
     qx, dx, _ = kernels.quantize_q8_1(x, path)
     xq = qx.double() * dx.double().repeat_interleave(32, 1)
-    w = q.double() * scales.double()[:, None]
     y = kernels.int8_mm(x, q, scales, path)
     assert y.dtype == torch.float32 and y.shape == (6, n)
-    bound = (k // 32 + 8) * 2 * FP32_UNIT * (xq.abs() @ w.abs().T)
+    bound = (k // (block or 32) + 8) * 2 * FP32_UNIT * (xq.abs() @ w.abs().T)
     assert ((y.double() - xq @ w.T).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("block", SCALE_BLOCKS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_int8_within_int8_rounding_of_float_linear(path, n, k) -> None:
-    q, scales = int8_rows(n, k)
+def test_int8_within_int8_rounding_of_float_linear(path, n, k, block) -> None:
+    q, scales, w = int8_weight(n, k, block)
     x = activations(6, k, torch.float32)
     _, dx, _ = kernels.quantize_q8_1(x, path)
-    w = q.double() * scales.double()[:, None]
     rounding = 0.5 * dx.double().repeat_interleave(32, 1) @ w.abs().T
-    slack = (k // 32 + 8) * 4 * FP32_UNIT * (x.double().abs() @ w.abs().T)
+    slack = (k // (block or 32) + 8) * 4 * FP32_UNIT * (x.double().abs() @ w.abs().T)
     error = (kernels.int8_mm(x, q, scales, path).double() - F.linear(x.double(), w)).abs()
     assert (error <= rounding + slack).all()
     assert error.max() > 0
 
 
+@pytest.mark.parametrize("block", SCALE_BLOCKS)
 @pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])
-def test_int8_row_is_the_same_in_any_batch(path, n, k) -> None:
-    q, scales = int8_rows(n, k)
+def test_int8_row_is_the_same_in_any_batch(path, n, k, block) -> None:
+    """As int4_mm's: row i of an M-row call is the 1-row call's, bit for bit, for every M of
+    ROW_COUNTS, with 1 thread or all of them (an odd block count: the half pair at the end)."""
+    q, scales, _ = int8_weight(n, k, block)
     x = activations(ROW_COUNTS[-1], k, torch.float32)
     alone = torch.cat([kernels.int8_mm(x[i : i + 1], q, scales, path) for i in range(len(x))])
     for m in ROW_COUNTS:
         assert torch.equal(kernels.int8_mm(x[:m], q, scales, path), alone[:m]), f"M = {m}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = kernels.int8_mm(x, q, scales, path)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, alone)
 
 
-def test_int8_paths_agree_to_rounding(built) -> None:
-    q, scales = int8_rows(77, 1536)
+@pytest.mark.parametrize("block", SCALE_BLOCKS)
+def test_int8_paths_agree_to_rounding(built, block) -> None:
+    q, scales, _ = int8_weight(77, 1536, block)
     x = activations(9, 1536, torch.float32)
     results = [kernels.int8_mm(x, q, scales, name) for name in kernels.paths()]
     for other in results[1:]:
@@ -300,7 +320,7 @@ def test_int8_paths_agree_to_rounding(built) -> None:
 
 
 def test_int8_bad_inputs_name_the_tensor(built) -> None:
-    q, scales = int8_rows(16, 64)
+    q, scales, _ = int8_weight(16, 64)
     x = torch.randn(2, 64)
     assert "int8_mm: q must have shape (16, 96), (N, K) for x's K = 96" in _error(
         lambda: kernels.int8_mm(torch.randn(2, 96), q, scales)
@@ -308,9 +328,11 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
     assert "int8_mm: q must be torch.int8, got torch.uint8" in _error(
         lambda: kernels.int8_mm(x, q.view(torch.uint8), scales)
     )
-    assert "int8_mm: scales must have shape (16,) for q's N, got (8,)" in _error(
+    per = "per row, or (16, 2) or (16, 4) per block of 32 or 16, for q's N and x's K = 64"
+    assert f"int8_mm: scales must have shape (16,) {per}, got (8,)" in _error(
         lambda: kernels.int8_mm(x, q, scales[:8])
     )
+    assert f"{per}, got (16, 8)" in _error(lambda: kernels.int8_mm(x, q, torch.ones(16, 8)))
     assert "int8_mm: scales must be torch.float32, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )

@@ -347,15 +347,17 @@ def dot_kernel_output(w, x: torch.Tensor) -> torch.Tensor:
     """What the compiled kernel gives for `w`'s own weight (int4: its groups read back)."""
     if isinstance(w, Int8Linear):
         return kernels.int8_mm(x, w.q, w.scales.float())
+    if isinstance(w, Int8BlockLinear):
+        return kernels.int8_mm(x, w.q, w.scales)
     return kernels.int4_mm(x, kernels.pack_int4(w.groups()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["int8", "int4/32"])
+@pytest.mark.parametrize("kind", ["int8", "int8/32", "int8/16", "int4/32"])
 @pytest.mark.parametrize("out", [48, 200])
 def test_int8_dot_multiplies_the_kernels_own_weight(int8_dot_built, kind, out, dtype):
     """The int8_dot path gives the compiled kernel's output on the layer's own weight (int8
-    rows as stored, int4 groups read back out of torch's packed layout), bit for bit plus
+    rows and blocks as stored, int4 groups read back out of torch's packed layout), bit for bit plus
     the bias, and so lies within the activations' int8 rounding of the dequantized weight
     (test_int_dot_kernels holds the kernels to that bound)."""
     w = quantized(kind, out, dtype)
@@ -468,22 +470,21 @@ def test_the_exact_rule_takes_the_kernel_at_decode_and_tiles_at_prefill_by_what_
 def test_the_default_rule_takes_int8_dot_wherever_a_layer_has_it(
     monkeypatch, bf16_fast, same_at_any_rows
 ):
-    """Not `exact`: int8 rows and int4 groups of 32 take int8_dot for both buckets on any
-    CPU class, batch-invariant too (a row alike at any row count); int4 groups of 128 (no
-    int8_dot) the exact rule's paths; the head keeps its kernel."""
+    """Not `exact`: int8 rows, int8 blocks and int4 groups of 32 take int8_dot for both
+    buckets on any CPU class, batch-invariant too (a row alike at any row count); int4 groups
+    of 128 (no int8_dot) the exact rule's paths; the head keeps its kernel."""
     monkeypatch.delenv(choose.ENV, raising=False)
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
     monkeypatch.setattr(kernels, "buildable", lambda: True)
     monkeypatch.setattr(kernels, "available", lambda: None)
-    layers = torch.nn.ModuleList(
-        [quantized(kind, 48, torch.bfloat16) for kind in ("int8", "int4/32", "int4/128")]
-    )
+    kinds = ("int8", "int8/32", "int8/16", "int4/32", "int4/128")
+    layers = torch.nn.ModuleList([quantized(kind, 48, torch.bfloat16) for kind in kinds])
     choose_paths(layers, same_at_any_rows=same_at_any_rows)
     dot = {"decode": "int8_dot", "prefill": "int8_dot"}
-    wide = choose.rule_paths(layers[2], exact=True)
+    wide = choose.rule_paths(layers[-1], exact=True)
     if same_at_any_rows:
         wide = {"decode": "kernel", "prefill": "kernel"}
-    assert [layer.chosen for layer in layers] == [dot, dot, wide]
+    assert [layer.chosen for layer in layers] == [dot] * 4 + [wide]
     assert {layer.head_path for layer in layers} == {"kernel"}
 
 
@@ -585,7 +586,8 @@ def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
 
 def head_kinds() -> dict[str, Linear]:
     """A 1000-row bf16 head of each kind (the int4 one ends in its layout's 40-row tail)."""
-    heads = {kind: quantized(kind, 1000, torch.bfloat16) for kind in ("int8", "int4/32")}
+    kinds = ("int8", "int8/32", "int4/32")
+    heads = {kind: quantized(kind, 1000, torch.bfloat16) for kind in kinds}
     heads["dense"] = DenseLinear(weight(1000, 256).bfloat16())
     for head in heads.values():
         head.bias = None
@@ -608,7 +610,7 @@ def test_a_bf16_head_gives_each_row_its_top_logits_as_fp32_computes_them(kind):
     torch.testing.assert_close(got, exact, atol=0.5, rtol=1 / 128)  # the rest: bf16's
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4/32"])
+@pytest.mark.parametrize("kind", ["int8", "int8/32", "int4/32"])
 def test_an_int8_dot_head_gives_each_row_its_top_logits_as_fp32_computes_them(int8_dot_built, kind):
     """The compiled kernel takes the fp32 input and writes fp32, its activations rounded
     to int8: the 16 highest of each row are still recomputed exactly, the rest lie within
@@ -649,7 +651,7 @@ def test_a_quantized_head_keeps_its_kernel_unless_int8_dot_is_forced(monkeypatch
 
 
 @pytest.mark.parametrize("head_path", ["kernel", "int8_dot"])
-@pytest.mark.parametrize("kind", ["int8", "int4/32"])
+@pytest.mark.parametrize("kind", ["int8", "int8/32", "int4/32"])
 def test_a_quantized_head_gives_a_row_the_same_logits_in_any_batch(kind, head_path):
     """Even where its other calls of over 16 rows take tiles (whose GEMM blocks by rows):
     the head's first pass takes its head path (the kernel, or int8_dot) at every row count."""

@@ -5,7 +5,8 @@ and why: docs/KERNELS.md.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
-    y = int8_mm(x, q, scales)      # int8 rows q (N, K), fp32 scales (N,): ~ x @ (q * s).T
+    y = int8_mm(x, q, scales)      # int8 q (N, K), fp32 scales per row (N,) or per block
+                                   #   of 32 or 16 (N, K/B): ~ x @ (q * s).T
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), fp32 scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
@@ -120,9 +121,11 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
 def int8_mm(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str = "auto"
 ) -> torch.Tensor:
-    """(M, K) fp32 or bf16 times int8 rows q (N, K) with one fp32 scale per row (N,),
-    transposed -> (M, N) fp32: scales[n] * sum_b dx[r, b] (q[n, b] . qx[r, b]), the
-    activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's q8_0 dot)."""
+    """(M, K) fp32 or bf16 times int8 q (N, K) with fp32 scales, one per row (N,) or one per
+    block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
+    sum_b dx[r, b] (q[n, b] . qx[r, b]), or sum_b dx[r, b] * scales[n, b] (q[n, b] . qx[r, b])
+    per block, the activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's
+    q8_0 dot)."""
     if ops.int8_mm is None:
         require()
     return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path)

@@ -1,5 +1,6 @@
-// int8 weights (N, K) with one scale per output row x int8 activations on integer dot
-// products, as llama.cpp's q8_0 dot: the op int8_mm. docs/KERNELS.md says what it computes.
+// int8 weights (N, K) with one scale per output row or per block of 32 or 16 x int8
+// activations on integer dot products, as llama.cpp's q8_0 dot: the op int8_mm.
+// docs/KERNELS.md says what it computes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,35 +25,54 @@ namespace qinfer_kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// int8 weights (N, K) as stored, one scale per output row: y[r, n] = scale[n] * sum_b dx[r, b]
-// * (q[n, b, :] . qx[r, b, :]), the activations in the row's own order (`qx_pos<true>`).
-// The signed x signed products take llama.cpp's q8_0 trick: |w| (unsigned) times x with w's
-// sign, so that VNNI's u8 x s8 dpbusd and AVX2's maddubs (127 * 128 * 2 < 2^15: no
-// saturation) serve. Per output: acc (lanes) += float(dot lanes) * dx lanes, pair by pair;
-// out = horizontal sum of acc (a fixed tree) times the row's scale.
+// int8 weights (N, K) as stored, with one scale per output row (B = 0: `Int8Linear`) or one
+// per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's Q8_0, Q5_0, Q6_K), times
+// the activations in the row's own order (`qx_pos<true>`):
+//   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
+//   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
+// The signed x signed products take llama.cpp's q8_0 trick: |w| (unsigned; -128's is 128)
+// times x with w's sign, so that VNNI's u8 x s8 dpbusd and AVX2's maddubs (128 * 127 * 2 <
+// 2^15: no saturation) serve. Per output: acc (lanes) += float(dot lanes) * scale lanes,
+// pair by pair, where a lane's scale is dx (rows) or dx * d of the weight block its 4 bytes
+// lie in (blocks); out = horizontal sum of acc (a fixed tree), times the row's scale (rows).
+// The integer dots are exact and every output takes the same steps at any row count.
 // ---------------------------------------------------------------------------------------
 
 struct Weights8 {
   const int8_t* q;     // (N, K)
-  const float* scale;  // (N,)
+  const float* scale;  // (N,) rows, or (N, K/B) blocks
   int64_t nb;
 };
 
+template <int B>
 struct Int8Q8 {
+  static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
+  static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
   QINFER_MATMUL_KERNEL(Weights8, Act)
 };
 
+template <int B>
 template <int R, int C>
-QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
-                                   float* out, int64_t ldo) {
+QINFER_VNNI void Int8Q8<B>::tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
+                                      float* out, int64_t ldo) {
+  constexpr int64_t S = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   // a pair's 64 bytes are block 2p (lanes 0-7) then 2p + 1 (lanes 8-15); dx8 holds their
   // scales four times each
   const __m512i pair_lanes = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  // the pair's 2 S weight scales to the lanes of their 32 / S bytes
+  const __m512i scale_lanes = S == 2
+      ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
   const int8_t* q[C];
+  const float* d[C];
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
+  for (int c = 0; c < C; ++c) {
+    q[c] = w.q + (n0 + c) * K;
+    d[c] = w.scale + (n0 + c) * w.nb * S;
+  }
+  if constexpr (S > 0) prefetch_scales<C>(d, w.nb * S);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m512 acc[C][R];
   clear(acc);
@@ -73,29 +93,45 @@ QINFER_VNNI void Int8Q8::tile_vnni(const Weights8& w, int64_t n0, const Act& a, 
                                   : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q[c] + p * 64);
       const __m512i magnitude = _mm512_abs_epi8(wq);
       const __mmask64 negative = _mm512_movepi8_mask(wq);
+      [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
+      if constexpr (S > 0) {
+        const __mmask8 mine = p < full ? (1 << (2 * S)) - 1 : (1 << S) - 1;
+        ws = _mm512_permutexvar_ps(
+            scale_lanes, _mm512_castps128_ps512(_mm_maskz_loadu_ps(mine, d[c] + p * 2 * S)));
+      }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m512i signed_x = _mm512_mask_sub_epi8(x[i], negative, zero, x[i]);
         const __m512i dot = _mm512_dpbusd_epi32(zero, magnitude, signed_x);
-        acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx[i], acc[c][i]);
+        const __m512 scale = S > 0 ? _mm512_mul_ps(dx[i], ws) : dx[i];
+        acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][i]);
       }
     }
   }
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i)
-      out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]) * w.scale[n0 + c];
+    for (int i = 0; i < R; ++i) {
+      const float sum = _mm512_reduce_add_ps(acc[c][i]);
+      out[(r0 + i) * ldo + n0 + c] = S > 0 ? sum : sum * w.scale[n0 + c];
+    }
 }
 
+template <int B>
 template <int R, int C>
-QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
-                                   float* out, int64_t ldo) {
+QINFER_AVX2 void Int8Q8<B>::tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
+                                      float* out, int64_t ldo) {
+  constexpr int64_t S = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q[C];
+  const float* d[C];
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) q[c] = w.q + (n0 + c) * K;
+  for (int c = 0; c < C; ++c) {
+    q[c] = w.q + (n0 + c) * K;
+    d[c] = w.scale + (n0 + c) * w.nb * S;
+  }
+  if constexpr (S > 0) prefetch_scales<C>(d, w.nb * S);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m256 acc[C][R];
   clear(acc);
@@ -104,9 +140,19 @@ QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, 
     for (int c = 0; c < C; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetch), _MM_HINT_T0);
       __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
+      [[maybe_unused]] __m256 ws[2];  // their weight scales by lane (blocks; zero past it)
       wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64));
       wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64 + 32))
                        : _mm256_setzero_si256();
+      if constexpr (S > 0) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const float* dh = d[c] + (2 * p + h) * S;
+          const bool mine = h == 0 || p < full;
+          const float lo = mine ? dh[0] : 0.0f, hi = mine ? dh[S - 1] : 0.0f;
+          ws[h] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
+        }
+      }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         #pragma GCC unroll 2
@@ -116,8 +162,9 @@ QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, 
           const __m256i s16 =
               _mm256_maddubs_epi16(_mm256_abs_epi8(wq[h]), _mm256_sign_epi8(x, wq[h]));
           const __m256i dot = _mm256_madd_epi16(s16, ones);
-          acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                      _mm256_broadcast_ss(dx8[i] + p * 8 + 4 * h), acc[c][i]);
+          const __m256 dxh = _mm256_broadcast_ss(dx8[i] + p * 8 + 4 * h);
+          const __m256 scale = S > 0 ? _mm256_mul_ps(dxh, ws[h]) : dxh;
+          acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][i]);
         }
       }
     }
@@ -125,23 +172,32 @@ QINFER_AVX2 void Int8Q8::tile_avx2(const Weights8& w, int64_t n0, const Act& a, 
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i)
-      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]) * w.scale[n0 + c];
+    for (int i = 0; i < R; ++i) {
+      const float sum = hsum_avx2(acc[c][i]);
+      out[(r0 + i) * ldo + n0 + c] = S > 0 ? sum : sum * w.scale[n0 + c];
+    }
 }
 
-void Int8Q8::dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out,
-                        int64_t ldo) {
+template <int B>
+void Int8Q8<B>::dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out,
+                           int64_t ldo) {
+  constexpr int64_t S = kScales, L = B == 0 ? kBlock : B;  // elements per weight scale
   const int64_t K = w.nb * kBlock;
   const int8_t* q = w.q + n * K;
+  const float* d = w.scale + n * w.nb * S;
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
   float acc = 0.0f;
   for (int64_t b = 0; b < w.nb; ++b) {
-    int32_t dot = 0;
-    for (int64_t j = 0; j < kBlock; ++j) dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
-    acc += static_cast<float>(dot) * dx8[(b >> 1) * 8 + (b & 1) * 4];
+    const float dx = dx8[(b >> 1) * 8 + (b & 1) * 4];
+    for (int64_t part = 0; part < kBlock / L; ++part) {
+      int32_t dot = 0;
+      for (int64_t j = part * L; j < (part + 1) * L; ++j)
+        dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
+      acc += static_cast<float>(dot) * (S > 0 ? dx * d[b * S + part] : dx);
+    }
   }
-  out[r * ldo + n] = acc * w.scale[n];
+  out[r * ldo + n] = S > 0 ? acc : acc * w.scale[n];
 }
 
 }  // namespace
@@ -155,8 +211,15 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
   TORCH_CHECK(scales_in.scalar_type() == at::kFloat, "int8_mm: scales must be torch.float32, got ",
               dtype_name(scales_in.scalar_type()));
-  TORCH_CHECK(scales_in.dim() == 1 && scales_in.size(0) == N, "int8_mm: scales must have shape (",
-              N, ",) for q's N, got ", shape_str(scales_in));
+  // (N,): one scale per row; (N, K/B): one per block of B = 32 or 16 input columns
+  const int64_t B = scales_in.dim() == 2 && scales_in.size(0) == N && scales_in.size(1) > 0 &&
+                            K % scales_in.size(1) == 0
+                        ? K / scales_in.size(1)
+                        : 0;
+  TORCH_CHECK((scales_in.dim() == 1 && scales_in.size(0) == N) || B == 32 || B == 16,
+              "int8_mm: scales must have shape (", N, ",) per row, or (", N, ", ", K / 32,
+              ") or (", N, ", ", K / 16, ") per block of 32 or 16, for q's N and x's K = ", K,
+              ", got ", shape_str(scales_in));
   const Isa path = resolve_path("int8_mm", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -165,7 +228,13 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   Act a = storage.make(M, K);
   quantize<true>(x, a, path);
   const Weights8 w{q.data_ptr<int8_t>(), sc.data_ptr<float>(), K / kBlock};
-  matmul<Int8Q8>(path, w, N, M, a, out.data_ptr<float>());
+  if (B == 32) {
+    matmul<Int8Q8<32>>(path, w, N, M, a, out.data_ptr<float>());
+  } else if (B == 16) {
+    matmul<Int8Q8<16>>(path, w, N, M, a, out.data_ptr<float>());
+  } else {
+    matmul<Int8Q8<0>>(path, w, N, M, a, out.data_ptr<float>());
+  }
   return out;
 }
 

@@ -4,8 +4,9 @@ from what the machine is (`compute.cpu_class`), never a timing.
 The rule (`rule_paths`), for quantized Linears on CPU:
 
 - by default (not `exact`): `int8_dot` for both buckets wherever the layer has it (int8 rows,
-  int4 groups of 32; the compiled kernels load here): activations rounded to int8 per block
-  of 32 and integer dot products, as llama.cpp multiplies its Q4 and Q8 weights. Its drift
+  int8 blocks, int4 groups of 32; the compiled kernels load here): activations rounded to
+  int8 per block of 32 and integer dot products, as llama.cpp multiplies its Q4, Q5, Q6 and
+  Q8 weights. Its drift
   from the fp32 dequantized model is held under 0.75x llama.cpp's own (tests/test_quantize.py,
   tests/test_gemma3_gguf.py), and it computes a row alike at any row count, so a
   batch-invariant model takes it too. Layers without it take the exact rule below.
@@ -31,8 +32,8 @@ path per shape, beside the one taken.
 `QINFER_LINEAR_PATH` forces paths instead of the rule: a path name for both buckets
 (`kernel`, `fp32_tiles`, `bf16_tiles`, `int8_dot`; `kernel` and `int8_dot` for the head
 too), or `decode=PATH,prefill=PATH,head=PATH` (a bucket left out follows the rule). A kind's
-own path (`int8_dot`: int8 rows, int4 groups of 32) is forced on the layers that have it;
-the others follow the rule.
+own path (`int8_dot`: int8 rows, int8 blocks, int4 groups of 32) is forced on the layers that
+have it; the others follow the rule.
 """
 
 from __future__ import annotations

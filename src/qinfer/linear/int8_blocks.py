@@ -10,6 +10,8 @@ from fp32: KL 0.0068, against 0.0005 with these blocks read dense (docs/BENCHMAR
 Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
 activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rounded but the
 sums, each row alike at any row count (the head's path too, whose logits are then fp32's).
+int8_dot is `kernels.int8_mm` on the same q and block scales, the activations rounded to int8
+per block of 32 (llama.cpp's q8_0 / q5_0 / q6_K dots), each row alike at any row count too.
 Where the kernels cannot be built (no compiler or ninja) it is torch's int8 kernel on a
 copy re-rounded to one scale per row, made at the first call: the speed and the precision
 of before, with one warning; embedding rows stay exact. The tile paths widen the blocks
@@ -20,7 +22,9 @@ each call (correct, not a fast path).
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +34,7 @@ from qinfer import kernels
 from qinfer.core.errors import WeightsError
 from qinfer.linear.int8 import CHUNK_ROWS, Int8Rows, quantize_int8
 from qinfer.linear.logits import fp32_logits
-from qinfer.linear.paths import QuantizedLinear, scratch
+from qinfer.linear.paths import KERNEL, QuantizedLinear, scratch
 
 #: Block sizes the kernel takes.
 BLOCK_SIZES = (32, 16)
@@ -120,6 +124,13 @@ class Int8BlockLinear(QuantizedLinear):
         rows = self._row_copy
         return torch._weight_int8pack_mm(flat, rows.q, rows.scales.to(flat.dtype))
 
+    def _dot_supported(self) -> bool:
+        return self.device.type == "cpu"  # K a multiple of 32: checked at construction
+
+    def _dot_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`kernels.int8_mm` on q and the block scales as they are."""
+        return functools.partial(kernels.int8_mm, q=self.q, scales=self.scales)
+
     def _rounded_to_rows(self) -> Int8Rows:
         """The weight re-rounded to one scale per row, CHUNK_ROWS rows at a time (a 262k-row
         table never exists in fp32 whole)."""
@@ -134,10 +145,11 @@ class Int8BlockLinear(QuantizedLinear):
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As `Linear.logits`: the compiled kernel takes the fp32 input as it is and writes
         fp32 logits of the exact weight, none to recompute; without it, the row copy's
-        logits in `dtype` with the top ones recomputed from the exact rows."""
-        if self.device.type == "cpu" and _kernel_missing() is None:
+        logits in `dtype` with the top ones recomputed from the exact rows; int8_dot's as
+        `QuantizedLinear.logits`."""
+        if self.head_path == KERNEL and self.device.type == "cpu" and _kernel_missing() is None:
             return fp32_logits(self, x, torch.float32, exact=True)
-        return fp32_logits(self, x, dtype)
+        return super().logits(x, dtype)
 
     def _tiles_supported(self) -> bool:
         return True

@@ -12,12 +12,12 @@ A quantized Linear (int8 rows, int8 blocks, int4 groups) can run a call in sever
   rounded back): the fast prefill path on CPUs whose bf16 GEMM is slow (AVX2 only).
 - `bf16_tiles`: the same into a bf16 buffer with a bf16 GEMM: the fast prefill path where
   bf16 GEMMs are fast (AVX512-BF16, AMX).
-- `int8_dot` (x86 CPUs with a C++ compiler; int8 rows, and int4 groups of 32: a kind's own
-  path): the compiled kernels of `qinfer.kernels`, activations rounded to int8 per block of
+- `int8_dot` (x86 CPUs with a C++ compiler; int8 rows, int8 blocks, and int4 groups of 32:
+  a kind's own path): the compiled kernels of `qinfer.kernels`, activations rounded to int8 per block of
   32 and multiplied in integer dot products, as llama.cpp multiplies Q4 and Q8 weights: the
   rule's choice for both buckets unless the model is `exact`. At its first call it
-  builds the kernels if need be and takes the kernel's view of the weight: int8 rows as they
-  are (and fp32 scales), int4 groups as a second, repacked copy.
+  builds the kernels if need be and takes the kernel's view of the weight: int8 rows and
+  blocks as they are (and fp32 scales), int4 groups as a second, repacked copy.
 
 Which path a layer takes is set per row bucket (`DECODE_MAX_ROWS` rows or fewer: the decode
 choice; more: the prefill choice) by `qinfer.linear.choose`'s rule; a call costs one

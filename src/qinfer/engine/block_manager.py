@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.core.errors import CacheError
+from qinfer.engine.disk_cache import DiskCache
 from qinfer.engine.sequence import Sequence
 
 
@@ -54,6 +55,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.generation = 0  # times allocated: a reader elsewhere sees a reuse by it
         self.reset()
 
     def reset(self) -> None:
@@ -92,6 +94,7 @@ class BlockPool:
         if block.content_id is not None:  # evict: forget the prefix it held
             self._forget(block)
         block.ref_count = 1
+        block.generation += 1
         return block_id
 
     def _forget(self, block: Block) -> None:
@@ -200,6 +203,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
+        disk: DiskCache | None = None,
     ) -> None:
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(windows):
@@ -210,6 +214,11 @@ class BlockManager:
         self.windows = tuple(windows)
         self._window_spaces = [s for s, window in enumerate(windows) if window is not None]
         self._content_ids = itertools.count()
+        # the disk tier (`qinfer.engine.disk_cache`; None: memory only): the engine gives
+        # one only for models whose every space keeps whole histories
+        self.disk = disk
+        if disk is not None:
+            disk.block_pools = self.pools
 
     @property
     def num_blocks(self) -> int:
@@ -285,6 +294,8 @@ class BlockManager:
             table.extend(pool.take(block) for block in blocks[first:n])
         seq.num_hashed_blocks, seq.num_computed_tokens = n, n * size
         seq.last_block_key = (hits[n - 1].hash, hits[n - 1].content_id) if n else None
+        if looks_up and self.disk is not None:
+            self._read_from_disk(seq)
         return seq.num_computed_tokens
 
     def _match_prefix(self, seq: Sequence) -> list[Block]:
@@ -301,6 +312,39 @@ class BlockManager:
             hits.append(block)
             parent_hash, parent_content = h, block.content_id
         return hits
+
+    def _read_from_disk(self, seq: Sequence) -> None:
+        """Extend a sequence's prefix hit with the blocks that follow it on disk: each read
+        into a fresh block of every space and registered as a computed one would be, until
+        the first block missing there, or the blocks its prompt's rest needs run short."""
+        size, first = self.block_size, seq.num_hashed_blocks
+        last = (seq.num_tokens - 1) // size  # at least one token is left to compute
+        if first >= last:
+            return
+        names = self.disk.digests(seq, last, size)
+        for i in range(first, last):
+            # this block and one for the tokens left to compute
+            if any(pool.num_free_blocks < 2 for pool in self.pools):
+                break
+            parts = self.disk.read(*names[i])
+            if parts is None:
+                break
+            spaces = zip(self.pools, self.disk.pools, self._tables(seq), parts, strict=True)
+            for pool, kv, table, part in spaces:
+                table.append(pool.allocate())
+                kv.write_block(table[-1], part)
+            seq.num_computed_tokens += size
+            self._register(seq)
+            self.disk.tokens_read += size
+
+    def save_to_disk(self, seq: Sequence) -> None:
+        """Hand the disk tier every full block of `seq` registered in the prefix cache
+        (call before `free`): it writes those not on disk yet, in the background."""
+        if self.disk is None or not seq.num_hashed_blocks:
+            return
+        names = self.disk.digests(seq, seq.num_hashed_blocks, self.block_size)
+        tables = self._tables(seq)
+        self.disk.save([(*name, [table[i] for table in tables]) for i, name in enumerate(names)])
 
     def _longest_hit(self, held: list[list[Block | None]]) -> int:
         """The most leading blocks of a prefix hit (held: each space's blocks of its indices)

@@ -36,6 +36,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,8 +176,8 @@ class DiskCache:
             self.known.discard(digest)
             path.unlink(missing_ok=True)
             return None
-        try:
-            os.utime(path)  # least recently used last
+        try:  # least recently used last (a time of ns, not the file system's coarse clock)
+            os.utime(path, ns=(time.time_ns(), time.time_ns()))
         except OSError:
             pass
         self.known.add(digest)
@@ -241,6 +242,7 @@ class DiskCache:
         temporary = path.with_name(f".{write.digest}.{os.getpid()}.{threading.get_ident()}")
         try:
             temporary.write_bytes(data)
+            os.utime(temporary, ns=(time.time_ns(), time.time_ns()))  # the order of writes
             os.replace(temporary, path)
         except OSError as error:
             temporary.unlink(missing_ok=True)

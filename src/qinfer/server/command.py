@@ -15,11 +15,13 @@ from qinfer.core.features import ATTENTION_BACKENDS
 from qinfer.engine.args import (
     add_mmproj_argument,
     add_model_arguments,
+    add_prompt_cache_arguments,
     add_speculative_arguments,
     bounded,
     check_device,
     load_config,
     one_of,
+    prompt_cache_arguments,
     speculative_arguments,
 )
 from qinfer.request.pooling import POOLING_METHODS, PoolingParams
@@ -87,6 +89,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_mmproj_argument(parser)
     add_speculative_arguments(parser)
+    add_prompt_cache_arguments(parser)
     add_server_arguments(parser)
     add_task_arguments(parser)
     add_engine_arguments(parser)
@@ -238,6 +241,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args["cuda_graphs"] = args.cuda_graphs
     engine_args = {name: value for name, value in engine_args.items() if value is not None}
     engine_args["speculative"] = speculative_arguments(args)
+    engine_args |= prompt_cache_arguments(args)
     serve(
         args.model,
         host=args.host,

@@ -25,6 +25,12 @@ step reads (positions N - W + 1 .. N - 1; before them, NULL_BLOCK): the hit is t
 for which every space holds what it needs. When every layer slides, space 0 is a window
 space: its released blocks stay registered, and a hit needs the whole chain still there.
 
+Disk. With a disk tier (`qinfer.engine.disk_cache`), a hit in memory is extended by the
+blocks that follow it on disk (`_read_from_disk`: read into fresh blocks, registered as if
+computed), and a finished sequence's registered blocks are handed to it (`save_to_disk`).
+A block's `generation` (times allocated) tells the tier's writer thread whether a block it
+was handed has been reused since.
+
 Freed (and released) blocks keep their K/V and their registration in a least-recently-used
 free list: allocating a fresh block takes the least recently freed one and only then forgets
 what it held. A sequence frees its blocks last-to-first, so a prompt's tail is evicted before
@@ -316,7 +322,7 @@ class BlockManager:
     def _read_from_disk(self, seq: Sequence) -> None:
         """Extend a sequence's prefix hit with the blocks that follow it on disk: each read
         into a fresh block of every space and registered as a computed one would be, until
-        the first block missing there, or the blocks its prompt's rest needs run short."""
+        the first block missing there, or until a space has fewer than two free blocks."""
         size, first = self.block_size, seq.num_hashed_blocks
         last = (seq.num_tokens - 1) // size  # at least one token is left to compute
         if first >= last:

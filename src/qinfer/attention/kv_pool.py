@@ -137,6 +137,38 @@ class KVPool:
         tensors = (self.keys, self.values, self.key_scales, self.value_scales)
         return sum(t.nbytes for t in tensors if t is not None)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Keys and values, then their scales when quantized: what a block holds."""
+        scales = [] if self.key_scales is None else [self.key_scales, self.value_scales]
+        return [self.keys, self.values, *scales]
+
+    def _block(self, tensor: torch.Tensor, block_id: int) -> torch.Tensor:
+        """A block's part of one pool tensor as (layers, block_size, Hkv, X), a view."""
+        start = block_id * self.block_size
+        if self.layout is KVLayout.HEADS_FIRST:  # (layers, Hkv, slots, X)
+            return tensor[:, :, start : start + self.block_size].transpose(1, 2)
+        return tensor[:, start : start + self.block_size]
+
+    def block_shapes(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """The shape and dtype of each of `read_block`'s tensors."""
+        return [(self._block(t, 0).shape, t.dtype) for t in self.tensors]
+
+    def read_block(self, block_id: int) -> list[torch.Tensor]:
+        """A copy of one block's K/V (and scales) on the CPU, (layers, block_size, Hkv, X)
+        each whatever the layout: the form a block is kept in outside the pool (the prompt
+        cache's files)."""
+        # as bytes: torch has no CPU copy kernel of fp8 (`raw_bytes`)
+        return [
+            raw_bytes(self._block(t, block_id)).contiguous().cpu().view(t.dtype)
+            for t in self.tensors
+        ]
+
+    def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None:
+        """Fill one block with what `read_block` gave (of a pool of the same shapes)."""
+        for tensor, part in zip(self.tensors, parts, strict=True):
+            raw_bytes(self._block(tensor, block_id)).copy_(raw_bytes(part))
+
     @staticmethod
     def bytes_per_block(
         config: ModelConfig,

@@ -18,6 +18,7 @@ from qinfer.cli.shared import (
 from qinfer.core.errors import QinferError
 from qinfer.engine.args import (
     add_model_arguments,
+    add_prompt_cache_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
 )
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_speculative_arguments(parser)
+    add_prompt_cache_arguments(parser)
     add_sampling_arguments(parser, chat=True)
     add_image_argument(parser)
 

@@ -17,6 +17,7 @@ from qinfer.cli.shared import (
 from qinfer.core.errors import QinferError
 from qinfer.engine.args import (
     add_model_arguments,
+    add_prompt_cache_arguments,
     add_sampling_arguments,
     add_speculative_arguments,
 )
@@ -25,6 +26,7 @@ from qinfer.engine.args import (
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_speculative_arguments(parser)
+    add_prompt_cache_arguments(parser)
     add_sampling_arguments(parser, chat=False)
     add_image_argument(parser)
     parser.add_argument(

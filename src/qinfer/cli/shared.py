@@ -14,6 +14,7 @@ from qinfer.engine.args import (
     add_mmproj_argument,
     check_device,
     load_config,
+    prompt_cache_arguments,
     speculative_arguments,
 )
 from qinfer.request.chat_defaults import GENERATE_MAX_TOKENS, chat_sampling_params
@@ -62,11 +63,13 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     generator over a loaded model (`stream_generate`); above, with speculative decoding
     (whose draft model loads once) or with --image (a vision-language checkpoint's tower
     loads with it), a batching engine whose rank 0 this process is (`LLM.stream`), its
-    workers following each step."""
+    workers following each step; so with --prompt-cache-dir (the engine's prefix cache)."""
     speculative = speculative_arguments(args)
+    prompt_cache = prompt_cache_arguments(args)
     # images need the engine's vision tower, which a checkpoint's engine loads
     images = args.image or args.mmproj
-    if args.tensor_parallel_size == 1 and speculative is None and not images:
+    plain = speculative is None and not images and not prompt_cache
+    if args.tensor_parallel_size == 1 and plain:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
         from functools import partial
 
@@ -83,6 +86,7 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         tokenizer,
         load=load_config(args),
         speculative=speculative,
+        **prompt_cache,
     )
     announcer.finished(llm.engine.executor.model)
     return path, tokenizer, llm.stream

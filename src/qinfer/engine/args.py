@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qinfer.core.features import KV_CACHE_DTYPES
+from qinfer.engine.config import parse_byte_size
 from qinfer.request.chat_defaults import CHAT_DEFAULTS, GENERATE_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ def one_of(names: tuple[str, ...]) -> Callable[[str], str]:
 
     parse.__name__ = "name"
     return parse
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: `parse_byte_size`."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _noun(kind: type) -> str:
@@ -242,6 +251,36 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="tokens proposed per step at most (default: 4)",
     )
+
+
+def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prefix cache's disk tier (`qinfer.engine.disk_cache`)."""
+    group = parser.add_argument_group("prompt cache on disk")
+    group.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the K/V blocks of finished prompts in DIR too, so that a restart or "
+        "another process on this machine reads them instead of recomputing them "
+        "(default: memory only)",
+    )
+    group.add_argument(
+        "--prompt-cache-size",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the most DIR holds, least recently used blocks removed first (default: 10GB)",
+    )
+
+
+def prompt_cache_arguments(args: argparse.Namespace) -> dict:
+    """The engine arguments of `add_prompt_cache_arguments`' flags (those given)."""
+    from qinfer.core.errors import QinferError
+
+    if args.prompt_cache_dir is None and args.prompt_cache_size is not None:
+        raise QinferError("--prompt-cache-size needs --prompt-cache-dir")
+    names = ("prompt_cache_dir", "prompt_cache_size")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def speculative_arguments(args: argparse.Namespace) -> dict | None:

@@ -25,6 +25,12 @@ step reads (positions N - W + 1 .. N - 1; before them, NULL_BLOCK): the hit is t
 for which every space holds what it needs. When every layer slides, space 0 is a window
 space: its released blocks stay registered, and a hit needs the whole chain still there.
 
+Disk. With a disk tier (`qinfer.engine.disk_cache`), a hit in memory is extended by the
+blocks that follow it on disk (`_read_from_disk`: read into fresh blocks, registered as if
+computed), and a finished sequence's registered blocks are handed to it (`save_to_disk`).
+A block's `generation` (times allocated) tells the tier's writer thread whether a block it
+was handed has been reused since.
+
 Freed (and released) blocks keep their K/V and their registration in a least-recently-used
 free list: allocating a fresh block takes the least recently freed one and only then forgets
 what it held. A sequence frees its blocks last-to-first, so a prompt's tail is evicted before
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 
 from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.core.errors import CacheError
+from qinfer.engine.disk_cache import DiskCache
 from qinfer.engine.sequence import Sequence
 
 
@@ -61,6 +68,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.generation = 0  # times allocated: a reader elsewhere sees a reuse by it
         self.reset()
 
     def reset(self) -> None:
@@ -99,6 +107,7 @@ class BlockPool:
         if block.content_id is not None:  # evict: forget the prefix it held
             self._forget(block)
         block.ref_count = 1
+        block.generation += 1
         return block_id
 
     def _forget(self, block: Block) -> None:
@@ -210,6 +219,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
         state_slots: int = 0,
+        disk: DiskCache | None = None,
     ) -> None:
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(windows):
@@ -222,6 +232,11 @@ class BlockManager:
         self._content_ids = itertools.count()
         self.state_slots = state_slots
         self._free_slots = list(range(state_slots - 1, -1, -1))  # popped: slot 0 first
+        # the disk tier (`qinfer.engine.disk_cache`; None: memory only): the engine gives
+        # one only for models whose every space keeps whole histories
+        self.disk = disk
+        if disk is not None:
+            disk.block_pools = self.pools
 
     @property
     def num_blocks(self) -> int:
@@ -309,6 +324,10 @@ class BlockManager:
             table.extend(pool.take(block) for block in blocks[first:n])
         seq.num_hashed_blocks, seq.num_computed_tokens = n, n * size
         seq.last_block_key = (hits[n - 1].hash, hits[n - 1].content_id) if n else None
+        # an adapter's key is this process's load count: another process's file under it
+        # could be another adapter's K/V, so adapters stay in memory
+        if looks_up and self.disk is not None and seq.adapter is None:
+            self._read_from_disk(seq)
         return seq.num_computed_tokens
 
     def _match_prefix(self, seq: Sequence) -> list[Block]:
@@ -325,6 +344,39 @@ class BlockManager:
             hits.append(block)
             parent_hash, parent_content = h, block.content_id
         return hits
+
+    def _read_from_disk(self, seq: Sequence) -> None:
+        """Extend a sequence's prefix hit with the blocks that follow it on disk: each read
+        into a fresh block of every space and registered as a computed one would be, until
+        the first block missing there, or until a space has fewer than two free blocks."""
+        size, first = self.block_size, seq.num_hashed_blocks
+        last = (seq.num_tokens - 1) // size  # at least one token is left to compute
+        if first >= last:
+            return
+        names = self.disk.digests(seq, last, size)
+        for i in range(first, last):
+            # this block and one for the tokens left to compute
+            if any(pool.num_free_blocks < 2 for pool in self.pools):
+                break
+            parts = self.disk.read(*names[i])
+            if parts is None:
+                break
+            spaces = zip(self.pools, self.disk.pools, self._tables(seq), parts, strict=True)
+            for pool, kv, table, part in spaces:
+                table.append(pool.allocate())
+                kv.write_block(table[-1], part)
+            seq.num_computed_tokens += size
+            self._register(seq)
+            self.disk.tokens_read += size
+
+    def save_to_disk(self, seq: Sequence) -> None:
+        """Hand the disk tier every full block of `seq` registered in the prefix cache
+        (call before `free`): it writes those not on disk yet, in the background."""
+        if self.disk is None or seq.adapter is not None or not seq.num_hashed_blocks:
+            return
+        names = self.disk.digests(seq, seq.num_hashed_blocks, self.block_size)
+        tables = self._tables(seq)
+        self.disk.save([(*name, [table[i] for table in tables]) for i, name in enumerate(names)])
 
     def _longest_hit(self, held: list[list[Block | None]]) -> int:
         """The most leading blocks of a prefix hit (held: each space's blocks of its indices)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from qinfer.core.errors import QinferError
 from qinfer.core.features import check_attention_backend
@@ -12,6 +14,28 @@ from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.runtime.config import RuntimeConfig
 
 log = logging.getLogger("qinfer.engine")
+
+#: What a size's suffix multiplies by (decimal and binary units, case ignored).
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_byte_size(text: str | int) -> int:
+    """Bytes from an int or a text such as "10GB", "512MiB", "2e9" (ValueError: not a
+    positive size)."""
+    stripped = str(text).strip().lower()
+    unit = stripped.lstrip("0123456789.e+_")
+    try:
+        number = float(stripped[: len(stripped) - len(unit)])
+    except ValueError:
+        number = math.nan
+    if isinstance(text, bool) or unit.strip() not in SIZE_UNITS or not 0 < number < math.inf:
+        raise ValueError(f"must be a size such as 10GB or 512MiB, got {text!r}")
+    return int(number * SIZE_UNITS[unit.strip()])
+
+
+#: The disk tier's default bound (`EngineConfig.prompt_cache_size`).
+DEFAULT_PROMPT_CACHE_SIZE = 10 * 10**9
 
 
 @dataclass(frozen=True)
@@ -41,6 +65,10 @@ class EngineConfig:
     lora_modules: LoRA adapters loaded at start, name -> PEFT folder (`qinfer.lora`); a
         request names one (`Engine.make_request`'s lora), more load at run time.
     max_loras: adapters resident at once; max_lora_rank: the largest rank one may have.
+    prompt_cache_dir: a folder for the prefix cache's disk tier (`qinfer.engine.disk_cache`:
+        full blocks of finished prompts, read back by a restarted engine or another
+        process); None: memory only. prompt_cache_size: the most bytes it holds (an int, or
+        a text such as "10GB").
     """
 
     block_size: int = RuntimeConfig.block_size
@@ -59,6 +87,8 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    prompt_cache_dir: str | Path | None = None
+    prompt_cache_size: int | str = DEFAULT_PROMPT_CACHE_SIZE
 
     def __post_init__(self) -> None:
         # a mapping of settings (`LLM(..., speculative={...})`) becomes its config
@@ -73,6 +103,11 @@ class EngineConfig:
                     f"engine argument {name} must be a positive integer, got {value!r}"
                 )
         check_attention_backend(self.attention_backend)
+        try:
+            size = parse_byte_size(self.prompt_cache_size)
+        except ValueError as error:
+            raise QinferError(f"engine argument prompt_cache_size {error}") from None
+        object.__setattr__(self, "prompt_cache_size", size)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise QinferError(
                 f"engine argument gpu_memory_utilization must be in (0, 1], "

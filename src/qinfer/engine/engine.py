@@ -14,6 +14,7 @@ blocks of every sequence that finished. `LLM` (offline) and `AsyncEngine` (serve
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 import weakref
@@ -22,8 +23,10 @@ import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
 from qinfer.core.errors import AdapterError, QinferError, RequestError
+from qinfer.core.model_config import LINEAR_ATTENTION
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
+from qinfer.engine.disk_cache import DiskCache, model_fingerprint
 from qinfer.engine.images import encode_images, prompt_images
 from qinfer.engine.outputs import RequestOutput, TokenLogprob
 from qinfer.engine.request import Request
@@ -44,6 +47,8 @@ from qinfer.text.prompts import Prompt, encode_prompt_parts
 from qinfer.text.prompts import eos_token_ids as model_eos_ids
 from qinfer.text.tokenizer import Tokenizer
 from qinfer.vision.language_model import VisionLanguageModel
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -73,15 +78,17 @@ class Engine:
         self.config = (config or EngineConfig()).for_model(model.config)
         self.default_params = default_params or SamplingParams()  # for requests without any
         self.executor = Executor(model, self.config.runtime, group)
+        self.disk_cache = self._disk_cache()
         # close() on demand, else when the engine is collected or the interpreter exits
-        self._close = weakref.finalize(self, self.executor.close)
+        self._close = weakref.finalize(self, _close, self.executor, self.disk_cache)
         blocks, windows = self.executor.num_blocks, self.executor.spaces.windows
         self.block_manager = BlockManager(
             blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
             windows,
-            self.executor.state_slots,
+            state_slots=self.executor.state_slots,
+            disk=self.disk_cache,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.speculator = None
@@ -117,6 +124,31 @@ class Engine:
             0,
         )
         self._encoder_seconds = 0.0
+
+    def _disk_cache(self) -> DiskCache | None:
+        """The prefix cache's disk tier, if prompt_cache_dir asks for one and every block
+        of this engine is one file's worth of K/V (else one log line says why not)."""
+        config, executor = self.config, self.executor
+        if config.prompt_cache_dir is None:
+            return None
+        why = None
+        if not config.enable_prefix_caching:
+            why = "prefix caching is off"
+        elif executor.parallel.tensor > 1:
+            why = "tensor parallelism (each rank holds part of every block)"
+        elif LINEAR_ATTENTION in self.model.config.layer_types:
+            why = "linear-attention layers (their states are not kept in blocks)"
+        elif any(window is not None for window in executor.spaces.windows):
+            why = "sliding-window layers (their blocks are released before a prompt ends)"
+        elif config.speculative is not None and config.speculative.method == "draft":
+            why = "a draft model (its K/V are not kept on disk)"
+        if why is not None:
+            log.warning("prompt cache on disk is off for this engine: %s", why)
+            return None
+        fingerprint = model_fingerprint(self.model, config.block_size)
+        return DiskCache(
+            config.prompt_cache_dir, config.prompt_cache_size, fingerprint, executor.runner.pools
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -246,7 +278,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; nothing at world 1)."""
+        """Write the blocks the disk tier still holds queued, stop its writer and the
+        tensor-parallel workers, if any (idempotent)."""
         self._close()
 
     # -- the step -------------------------------------------------------------------------
@@ -408,6 +441,7 @@ class Engine:
             self.speculator.finished(request.seq.request_id)
         request.finish_reason = reason
         request.state.finish(reason)  # releases its processors (a grammar's matcher)
+        self.block_manager.save_to_disk(request.seq)
         self.scheduler.finish(request.seq)
         self.requests.pop(request.seq.request_id, None)
         self._counts["finished"] += 1
@@ -430,6 +464,9 @@ class Engine:
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             prompt_tokens_total=self._counts["prompt"],
             prompt_tokens_computed_total=self._counts["prompt_computed"],
+            prompt_tokens_from_disk_total=0
+            if self.disk_cache is None
+            else self.disk_cache.tokens_read,
             generation_tokens_total=self._counts["generated"],
             requests_finished_total=self._counts["finished"],
             requests_aborted_total=self._counts["aborted"],
@@ -449,6 +486,13 @@ class Engine:
             "spec_proposed_tokens_total": counts.proposed,
             "spec_accepted_tokens_total": counts.accepted,
         }
+
+
+def _close(executor: Executor, disk_cache: DiskCache | None) -> None:
+    """What `Engine.close` (or the engine's collection) stops."""
+    if disk_cache is not None:
+        disk_cache.close()
+    executor.close()
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -26,6 +26,8 @@ class EngineStats:
     prefix_cache_hit_rate: float  # hits / queries (0 before any query)
     prompt_tokens_total: int  # prompt tokens of the requests added
     prompt_tokens_computed_total: int  # prompt tokens run through the model (recomputes too)
+    # prompt tokens whose K/V were read from the prefix cache's disk tier, not computed
+    prompt_tokens_from_disk_total: int
     generation_tokens_total: int
     requests_finished_total: int
     requests_aborted_total: int

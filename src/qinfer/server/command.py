@@ -15,11 +15,13 @@ from qinfer.core.features import ATTENTION_BACKENDS
 from qinfer.engine.args import (
     add_mmproj_argument,
     add_model_arguments,
+    add_prompt_cache_arguments,
     add_speculative_arguments,
     bounded,
     check_device,
     load_config,
     one_of,
+    prompt_cache_arguments,
     speculative_arguments,
 )
 from qinfer.request.pooling import POOLING_METHODS, PoolingParams
@@ -89,6 +91,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_mmproj_argument(parser)
     add_speculative_arguments(parser)
+    add_prompt_cache_arguments(parser)
     add_server_arguments(parser)
     add_task_arguments(parser)
     add_engine_arguments(parser)
@@ -264,6 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args["speculative"] = speculative_arguments(args)
     if args.lora_modules:
         engine_args["lora_modules"] = dict(args.lora_modules)
+    engine_args |= prompt_cache_arguments(args)
     serve(
         args.model,
         host=args.host,

@@ -84,6 +84,14 @@ class EngineCollector(Collector):
         counters = {
             "qinfer_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens_total),
             "qinfer_generation_tokens": ("Tokens generated", s.generation_tokens_total),
+            "qinfer_prompt_tokens_computed": (
+                "Prompt tokens run through the model (recomputations too)",
+                s.prompt_tokens_computed_total,
+            ),
+            "qinfer_prompt_tokens_from_disk": (
+                "Prompt tokens whose K/V were read from the prompt cache on disk",
+                s.prompt_tokens_from_disk_total,
+            ),
             "qinfer_prefix_cache_queries": (
                 "Prompt tokens looked up in the prefix cache",
                 s.prefix_cache_queries,

@@ -75,6 +75,8 @@ class RankLoad(Answer):
     token_usage: float  # num_used_tokens / max_total_num_tokens
     gen_throughput: float  # generated tokens per second, over the last seconds
     cache_hit_rate: float  # prompt tokens found in the prefix cache / those looked up
+    # prompt tokens whose K/V were read from the prompt cache on disk (`--prompt-cache-dir`)
+    prompt_tokens_from_disk: int = 0
     utilization: float  # running requests / the most a step batches
     max_running_requests: int
     memory: MemoryLoad | None = None
@@ -247,6 +249,7 @@ def rank_load(
         token_usage=used / max(capacity, 1),
         gen_throughput=stats.generation_tokens_per_s,
         cache_hit_rate=stats.prefix_cache_hit_rate,
+        prompt_tokens_from_disk=stats.prompt_tokens_from_disk_total,
         utilization=stats.num_running / max_running,
         max_running_requests=max_running,
         memory=memory if "memory" in sections else None,

@@ -176,10 +176,13 @@ class ModelCard(Answer):
     # qinfer's own: whether the model thinks (Qwen3's <think> blocks), so that the chat
     # page offers its thinking switch only then.
     thinking: bool
+    # a LoRA adapter's card (vLLM's): its folder, and the base model it runs on
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(Answer):
-    """`GET /v1/models`: the one model this server serves."""
+    """`GET /v1/models`: the model this server serves, then its LoRA adapters."""
 
     object: Literal["list"]
     data: list[ModelCard]

@@ -50,7 +50,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         "/v1/load_lora_adapter",
         dependencies=serving,
         response_class=PlainTextResponse,
-        **documented(LoadLoraRequest, {"lora_name": "mine", "lora_path": "/adapters/mine"}),
+        **documented(str, LoadLoraRequest, {"lora_name": "mine", "lora_path": "/adapters/mine"}),
     )
     async def load(request: Request) -> str:
         body = await read_body(request, LoadLoraRequest)
@@ -71,7 +71,7 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         "/v1/unload_lora_adapter",
         dependencies=serving,
         response_class=PlainTextResponse,
-        **documented(UnloadLoraRequest, {"lora_name": "mine"}),
+        **documented(str, UnloadLoraRequest, {"lora_name": "mine"}),
     )
     async def unload(request: Request) -> str:
         body = await read_body(request, UnloadLoraRequest)

@@ -27,6 +27,7 @@ cores.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -50,6 +51,16 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
+def _first(name: str, *modules: str):
+    """`name` from the first of `modules` that this tree has."""
+    for module in modules:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(f"{name} not found in any of {', '.join(modules)}")
+
+
 def worker(
     side: str, other: str, sync_dir: Path, rounds: int, turns: bool
 ) -> dict[str, list[float]]:
@@ -59,12 +70,13 @@ def worker(
     import torch
 
     from qinfer import LLM, SamplingParams, load_model
-    from qinfer.core.checkpoint import resolve_model
 
-    try:
-        from qinfer.engine.generation import generate_ids
-    except ImportError:  # trees before the one engine (5c3a668 and older)
-        from qinfer.generate import generate_ids
+    # where older trees keep them: before the layer packages (3303565), before the one
+    # engine (5c3a668)
+    resolve_model = _first("resolve_model", "qinfer.core.checkpoint", "qinfer.checkpoint")
+    generate_ids = _first(
+        "generate_ids", "qinfer.engine.generation", "qinfer.generation", "qinfer.generate"
+    )
 
     if not turns:
         torch.set_num_threads(1)

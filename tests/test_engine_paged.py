@@ -30,7 +30,7 @@ from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.attention.gathered import GatheredBackend
 from qinfer.attention.kv_cache import position_mask
 from qinfer.attention.kv_pool import KVLayout, KVPool, paged_layers
-from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, _PagedStep, split_by_history
+from qinfer.attention.paged import SPLIT_KEYS, PagedBackend, _SpacePlan, split_by_history
 from qinfer.attention.sdpa import reference_sdpa_fp32, torch_sdpa_grouped
 from qinfer.attention.step_buffers import StepBuffers, step_batch
 from qinfer.core.errors import QinferError, RequestError
@@ -289,7 +289,7 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_its_history_in_place(rows):
     pool.values.normal_()
     (start, n), first = rows[0], 3
     tables = [list(range(first, first + -(-(start + n) // BLOCK)))]
-    step = _PagedStep(step_batch([n], [start], tables, BLOCK, "cpu"))
+    step = _SpacePlan(step_batch([n], [start], tables, BLOCK, "cpu"))
     assert step.groups[0].first_slot == first * BLOCK
     q, k, v = (torch.randn(n, h, D) for h in (HQ, HKV, HKV))
     want, _, _ = reference_attend(pool, tables, rows, q, k, v, None, D**-0.5)

@@ -1,5 +1,5 @@
 """Generation: greedy output equals transformers' generate, alone and batched; streaming,
-stop strings, EOS and context limits behave as the generation.py docstring says.
+stop strings, EOS and context limits behave as engine/generation.py's docstring says.
 
 The references: `transformers`' `generate(do_sample=False)` on the same random checkpoint
 for token ids, and, for the text-level checks, a model forced to say a known script.

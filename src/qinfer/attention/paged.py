@@ -34,7 +34,7 @@ A group's histories are padded to its longest (in whole blocks) and masked by po
 
 Block spaces (`qinfer.attention.block_spaces`): a model with sliding-window layers keeps
 their K/V in a pool of their own, whose tables hold only each sequence's window (the
-blocks before it go back to the pool). The step is then two `_PagedStep`s, one per space,
+blocks before it go back to the pool). The step's plan is then two `_SpacePlan`s, one per space,
 each with its own slots and tables, and each layer reads its space's: a sliding layer's
 history starts at its table's first block (a decode reads at most ceil(window / B) + 1
 blocks, however long the sequence), its keys placed by position (key_starts) for the mask.
@@ -58,7 +58,7 @@ from qinfer.core.forward_batch import ForwardBatch, SpaceTensors
 SPLIT_KEYS = 1024
 
 
-class _PagedStep:
+class _SpacePlan:
     """Where the K/V of one step's tokens go to and come from in one block space's pool:
     the metadata that every layer of that space shares, built once per step from the
     step's `ForwardBatch` (views of the runner's `StepBuffers`, written in place; `space`
@@ -294,7 +294,7 @@ class _Group:
 
 class PagedBackend:
     """The paged CPU backend (`qinfer.attention.backend`): pools laid out heads first, a
-    step's metadata as `_PagedStep`s (one per block space), `PagedAttention` to attend.
+    step's metadata as `_SpacePlan`s (one per block space), `PagedAttention` to attend.
 
     sdpa: the attention function of prompt chunks; invariant: every query through the
     decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
@@ -306,13 +306,13 @@ class PagedBackend:
     def __init__(self, sdpa: Sdpa, invariant: bool = False, decode_kernel: bool = False) -> None:
         self.sdpa, self.invariant = sdpa, invariant
         self.decode_kernel = decode_kernel and not invariant
-        # A decode step through the op reads only the step's tensors (`_PagedStep`); any
+        # A decode step through the op reads only the step's tensors (`_SpacePlan`); any
         # other is grouped by history on the host, step by step.
         self.static_decode = self.decode_kernel
 
     def plan(self, step: ForwardBatch, layers: list[PagedLayer]) -> PagedAttention:
         """The step's attention over the pools that `layers` place."""
-        paged = [_PagedStep(step, space) for space in range(len(step.spaces))]
+        paged = [_SpacePlan(step, space) for space in range(len(step.spaces))]
         return PagedAttention(layers, paged, self.sdpa, self.invariant, self.decode_kernel)
 
 
@@ -321,7 +321,7 @@ class PagedAttention:
     each layer in turn.
 
     layers[l]: where layer l's K/V live (`paged_layers`); steps[s]: this step's
-    `_PagedStep` over block space s's pool; sdpa: the attention function of prompt chunks
+    `_SpacePlan` over block space s's pool; sdpa: the attention function of prompt chunks
     (decode groups use this module's own, which reads the values where they sit). Both
     answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
     decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
@@ -332,7 +332,7 @@ class PagedAttention:
     def __init__(
         self,
         layers: list[PagedLayer],
-        steps: list[_PagedStep],
+        steps: list[_SpacePlan],
         sdpa: Sdpa,
         invariant: bool = False,
         decode_kernel: bool = False,

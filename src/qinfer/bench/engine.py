@@ -9,7 +9,8 @@ ignored, so every engine produces exactly the same number of tokens). Three ways
 serve it, in one process on one model:
 
 - engine: every request given to `qinfer.LLM` at once (continuous batching);
-- one by one: each request alone through the plain generator `qinfer.generate_ids`;
+- one by one: each request alone through the plain generator
+  `qinfer.engine.generation.generate_ids`;
 - transformers (with compare_hf): one left-padded batched `generate` over all requests.
   It cannot stop rows at different lengths, so it runs max(output lengths) steps for
   everyone; only the tokens the requests asked for are counted.

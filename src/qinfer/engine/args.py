@@ -1,5 +1,5 @@
 """Command-line flags several `qinfer` subcommands share: which model to load and how to
-sample. cli.py and server/command.py both add them from here.
+sample. cli/ and server/command.py both add them from here.
 
 Flags are checked by their argparse types, while the command line is parsed: a bad value
 is refused in milliseconds, naming the flag, before torch is imported or a model loaded.

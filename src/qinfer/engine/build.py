@@ -5,7 +5,7 @@ group (`follow_engine`: a worker rank's side).
     load = LoadConfig(dtype="float32", device="cpu")
     engine = build_engine("path/to/checkpoint", None, load, {"max_num_seqs": 16})
 
-`LLM`, `AsyncEngine` and `qinfer.serve` take `LoadConfig`'s fields as keywords
+`LLM`, `AsyncEngine` and `qinfer.server.app.serve` take `LoadConfig`'s fields as keywords
 (`LoadConfig.split`); the command line's flags make one (`qinfer.engine.args.load_config`).
 """
 

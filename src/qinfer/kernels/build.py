@@ -21,23 +21,11 @@ from qinfer.kernels import registry
 
 LIBRARY = "qinfer_kernels"
 _HERE = Path(__file__).parent
-# One source per weight format or op (docs/KERNELS.md), and library.cpp, which registers them.
-SOURCES = tuple(
-    _HERE / name
-    for name in (
-        "library.cpp",
-        "quantize_q8.cpp",
-        "int4_q8.cpp",
-        "int8_q8.cpp",
-        "int8_blocks.cpp",
-        "int4_groups.cpp",
-        "rms_norm.cpp",
-        "paged_decode.cpp",
-        "rope.cpp",
-    )
-)
+# Every source here is compiled into the library: one per weight format or op
+# (docs/KERNELS.md), and library.cpp, which registers them. A new op's source needs no line.
+SOURCES = tuple(sorted(_HERE.glob("*.cpp")))
 # What the sources include: part of the build's name, and of what an install must hold.
-HEADERS = tuple(_HERE / name for name in ("isa.h", "common.h", "ops.h", "matmul.h", "q8.h"))
+HEADERS = tuple(sorted(_HERE.glob("*.h")))
 # -fopenmp: at::parallel_for is inline and runs serially unless compiled with OpenMP; the
 # library then links libgomp.so.1, the one torch has already loaded (the same soname), so the
 # kernel shares torch's thread pool and torch.set_num_threads.
@@ -74,9 +62,8 @@ def available() -> str | None:
     if not on_x86():
         machine = platform.machine() or "unknown"
         return f"qinfer's CPU kernels are x86-64 only, this machine is {machine}"
-    missing_source = next((f for f in SOURCES + HEADERS if not f.is_file()), None)
-    if missing_source is not None:  # an install that left a source out of the package data
-        return f"the kernel source {missing_source} is not installed"
+    if _HERE / "library.cpp" not in SOURCES:  # an install that left out the package data
+        return f"the kernel sources are not installed in {_HERE}"
     directory = build_directory()
     try:
         # built before for these sources, flags and torch (the directory's name says so):

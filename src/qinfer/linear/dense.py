@@ -35,7 +35,7 @@ class DenseLinear(Linear):
     """weight (out, in) and bias (out,) or None, both in the compute dtype.
 
     fixed_rows: multiply in FIXED_ROWS-row chunks (module docstring), set by
-    `qinfer.linear.choose_paths` for a batch-invariant model.
+    `qinfer.linear.choose.choose_paths` for a batch-invariant model.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

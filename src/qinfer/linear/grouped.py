@@ -56,7 +56,7 @@ class StackedDenseLinear(GroupedLinear):
     """weight (E, out, in) in the compute dtype, run by one grouped GEMM.
 
     fixed_rows: each run through `linear_in_fixed_chunks` instead (the grouped GEMM blocks
-    a run by its length), set by `qinfer.linear.choose_paths` for a batch-invariant model;
+    a run by its length), set by `qinfer.linear.choose.choose_paths` for a batch-invariant model;
     that path reads the run lengths on the host.
     """
 

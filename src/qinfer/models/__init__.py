@@ -3,7 +3,7 @@
 A family's file (`qinfer.models.<family>`) holds what sets it apart: which config.json keys
 and GGUF metadata it reads, its defaults and validation, its tensor names where they differ
 and how it wires the shared layers (`qinfer.core.model_config.Wiring`). Adding a family is its file
-plus one line in FAMILIES.
+plus two lines here: its import and its entry in FAMILIES.
 
 `config_from_hf(dict)` / `config_from_file(path)` build a `ModelConfig` through the family
 of the config's `model_type`; `family_of_gguf(arch)` finds the family of a GGUF file.

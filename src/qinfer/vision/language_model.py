@@ -105,7 +105,7 @@ class VisionLanguageModel:
         """The model of a Hugging Face folder or GGUF file (`load_model`'s dtype and
         device), with its vision tower and image settings: a vision-language folder's own,
         or those of llama.cpp's projector file `mmproj` for a GGUF text model
-        (`qinfer.vision.load_vision`)."""
+        (`qinfer.vision.load.load_vision`)."""
         if mmproj is not None:  # a wrong projector fails before the text model loads
             check_projector(mmproj, path)
         model = load_model(path, dtype=dtype, device=device)

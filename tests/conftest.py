@@ -89,3 +89,23 @@ def serve():
     stopped after the test: every server a test stands up goes through `serving`."""
     with contextlib.ExitStack() as stack:
         yield lambda *args, **options: stack.enter_context(serving(*args, **options))
+
+
+@pytest.fixture
+def int8_dot_built() -> None:
+    """Skips a test of qinfer's compiled kernels where they cannot be built here."""
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright, one per module (tests/web_pages.py; a module
+    whose Playwright or Chromium is missing skips before asking for it)."""
+    from web_pages import CHROMIUM, CHROMIUM_ARGS, playwright
+
+    with playwright.sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -12,11 +12,11 @@ the schema the document gives its data. The server is the embedded SmolLM2 in th
 short context; each generated body names the served model and has its token budget cut to
 a few tokens (`servable`), so that a valid body costs little whatever its `max_tokens` says.
 
-tests/test_server_fuzz.py's hand-written strategies all stay: they reach what bodies
-drawn from the schemas alone rarely do (forced tool calls, JSON-schema replies and
-reasoning cut at every token budget, eight bodies batched at once, bodies that are no
-JSON), and they assert what schemathesis does not: that a 4xx names the field at fault,
-and that a stream ends as the API's clients expect.
+The hand-written strategies of tests/server_fuzzing.py and tests/test_server_fuzz_*.py all
+stay: they reach what bodies drawn from the schemas alone rarely do (forced tool calls,
+JSON-schema replies and reasoning cut at every token budget, eight bodies batched at once,
+bodies that are no JSON), and they assert what schemathesis does not: that a 4xx names the
+field at fault, and that a stream ends as the API's clients expect.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The chat page's image attach in a real browser (Debian's Chromium driven by Playwright, as
-tests/test_web.py does), against the server `qinfer serve` runs on a tiny random Qwen2.5-VL
+tests/test_web_chat.py does), against the server `qinfer serve` runs on a tiny random Qwen2.5-VL
 checkpoint (tests/test_server_vision.py's, in-process). The reference is the API's own
 greedy answer to the same image and text; a text-only model's 400 shows as the page's error.
 """
@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 from test_server_vision import IMAGE, build_text_only, build_tiny_vl, data_url, png, vl_app
-from test_web import (
+from web_pages import (
     ARTIFACTS,
     CHROMIUM,
     CHROMIUM_ARGS,

@@ -1,10 +1,8 @@
-"""The web pages of `qinfer serve` in a real browser: Debian's Chromium driven by Playwright,
-against a real server on the embedded SmolLM2 (nothing mocked).
-
-Screenshots of both pages, at desktop and phone sizes, go to tests/artifacts/ (not committed)
-for a person to look at.
-Chromium comes from apt (`.ci/run` installs it); Playwright's own browser download is
-never used.
+"""The web pages of `qinfer serve` in a real browser (tests/web_pages.py: Debian's Chromium
+driven by Playwright), against a real server on the embedded SmolLM2 (nothing mocked): the
+chat page at desktop size (the API key, streaming, stop, markup, errors, Markdown, input
+methods, a killed server), the inspector, and both pages at phone size (the settings drawer,
+the chat history, the page's chat defaults). Screenshots go to tests/artifacts/.
 """
 
 from __future__ import annotations
@@ -13,33 +11,24 @@ import contextlib
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from servers import serving
+from web_pages import (
+    ARTIFACTS,
+    CHROMIUM,
+    QUESTION,
+    TIMEOUT_MS,
+    conversation,
+    send,
+    wait_for_answer,
+    watch_answer,
+)
 
-import qinfer
 from qinfer.analysis.inspection import MAX_INSPECT_TOKENS
 
-playwright = pytest.importorskip("playwright.sync_api")
-
-CHROMIUM = Path("/usr/bin/chromium")
-# Without the background-networking switches Chromium's own connections (updates, sync,
-# field trials) are refused on a closed network and slow every page down.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = Path(__file__).parent / "artifacts"
 API_KEY = "web-test-key"
-QUESTION = "Name three colours of the rainbow."
 PHONE = {"width": 390, "height": 844}
 # An answer with what chat answers use: a table, bullets nested in a numbered list, a link,
 # a code block.
@@ -59,7 +48,6 @@ MARKDOWN_ANSWER = """Here is a **summary**, see [the docs](https://example.com/d
 def add(a, b):
     return a + b
 ```"""
-TIMEOUT_MS = 120_000
 
 #: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores (real
 #: models, servers as processes or many generations).
@@ -109,14 +97,6 @@ def api(server):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with playwright.sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def page(browser, server):
     """One tab for the module: the key, once entered, stays in its localStorage."""
     context = browser.new_context(base_url=server, viewport={"width": 1280, "height": 860})
@@ -138,12 +118,6 @@ def wait_for_metric(api: httpx.Client, name: str, value: float, timeout: float =
     while metric(api, name) != value:
         assert time.monotonic() < deadline, f"{name} stayed at {metric(api, name)}, not {value}"
         time.sleep(0.05)
-
-
-def conversation(page) -> list[dict]:
-    """The messages of the conversation on the page, as the page stored them."""
-    stored = json.loads(page.evaluate("localStorage.getItem('qinfer.chats')"))
-    return next(chat for chat in stored["chats"] if chat["id"] == stored["current"])["messages"]
 
 
 def horizontal_overflow(page) -> int:
@@ -181,34 +155,6 @@ def force_answer(page, text: str):
 
     page.route("**/v1/chat/completions", handler)
     return handler
-
-
-def send(page, text: str) -> None:
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def watch_answer(page, snapshot: str) -> None:
-    """From now on, each time the conversation changes, append `snapshot` (a JavaScript
-    expression over `last`, the last assistant message) to `window.seen`, unless it is
-    empty: what a person would have seen while the answer streamed."""
-    page.evaluate(
-        f"""() => {{
-        window.seen = [];
-        new MutationObserver(() => {{
-            const last = document.querySelector('.message.assistant:last-child');
-            const value = last && ({snapshot});
-            if (value) window.seen.push(value);
-        }}).observe(document.getElementById('messages'), {{subtree: true, childList: true,
-                                                          characterData: true}});
-    }}"""
-    )
-
-
-def wait_for_answer(page) -> None:
-    """Until the answer being streamed has finished (its footer shows)."""
-    page.wait_for_selector("#send:not([hidden])")
-    page.wait_for_selector(".message.assistant:last-child .message-footer")
 
 
 def test_chat_asks_for_the_key_and_streams_the_greedy_answer(page, api):
@@ -589,96 +535,3 @@ def test_phone_inspector_fits(phone):
     assert horizontal_overflow(phone) == 0
     assert phone.locator("#heatmap").bounding_box()["width"] <= PHONE["width"]
     phone.screenshot(path=ARTIFACTS / "inspect-phone.png", full_page=True)
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(qwen3_chat_folder):
-    """`qinfer serve` on a random Qwen3 whose tokenizer has Qwen3's <think> tags."""
-    with serving("--model", str(qwen3_chat_folder)) as running:
-        yield running.url
-
-
-def thinking_grammar(folder: Path) -> str:
-    """A Lark grammar for a reply as Qwen3 writes one when it thinks: the `<think>` token,
-    free reasoning, `</think>`, then a free answer (the tags by id: llguidance matches
-    added tokens only by id). Free parts keep the model's own greedy choices."""
-    tokenizer = qinfer.load_tokenizer(folder)
-    think_open, think_close = (tokenizer.token_to_id(t) for t in ("<think>", "</think>"))
-    return (
-        f'start: <[{think_open}]> "\\n" REASONING "\\n" <[{think_close}]> "\\n\\n" ANSWER\n'
-        "REASONING: /[a-z][a-z ]{80,160}[a-z]/\n"
-        "ANSWER: /[A-Z][a-z ,]{10,30}[.]/\n"
-    )
-
-
-def test_reasoning_streams_into_a_collapsible_block_apart_from_the_answer(
-    browser, qwen3_server, qwen3_chat_folder
-):
-    """The real server's reasoning_content deltas: a random Qwen3 is made to think by a
-    grammar the test adds to the page's request (thinking off, so the prompt closes the
-    block and the grammar applies from the first token, `<think>` included)."""
-    grammar = thinking_grammar(qwen3_chat_folder)
-
-    def force_thinking(route):
-        body = json.loads(route.request.post_data)
-        body["guided_grammar"] = grammar
-        route.continue_(post_data=json.dumps(body))
-
-    context = browser.new_context(base_url=qwen3_server, viewport={"width": 1280, "height": 860})
-    context.set_default_timeout(TIMEOUT_MS)
-    page = context.new_page()
-    try:
-        page.route("**/v1/chat/completions", force_thinking)
-        page.goto("/")
-        page.fill("#temperature", "0")
-        page.dispatch_event("#temperature", "change")
-        # The server says this model thinks: the page offers the switch.
-        assert httpx.get(f"{qwen3_server}/v1/models").json()["data"][0]["thinking"] is True
-        page.select_option("#thinking", "off")
-        # Each change of the page: [reasoning shown, answer shown, the block's label, open].
-        watch_answer(
-            page,
-            """(block => block && [block.querySelector('.reasoning-text').textContent.length,
-                                  last.querySelector('.content').textContent.length,
-                                  block.querySelector('summary').textContent, block.open]
-               )(last.querySelector('details.reasoning'))""",
-        )
-        send(page, QUESTION)
-        wait_for_answer(page)
-        seen = page.evaluate("window.seen")
-        reply = api_reply(qwen3_server, grammar)
-        # While the model thought, its reasoning showed in an open "Thinking…" block with no
-        # answer yet (how much of it arrived per frame depends on the machine's speed).
-        thinking = [r and not a and label == "Thinking…" and shown for r, a, label, shown in seen]
-        assert any(thinking), seen
-        last = page.locator(".message.assistant:last-child")
-        block = last.locator("details.reasoning")
-        assert block.locator("summary").text_content() == "Thought"
-        assert not block.evaluate("details => details.open")  # folded once the answer came
-        assert block.locator(".reasoning-text").text_content() == reply["reasoning_content"]
-        assert last.locator(".content").text_content() == reply["content"]
-        assert "<think>" not in last.text_content() and reply["content"]
-        saved = conversation(page)[-1]
-        assert (saved["reasoning"], saved["content"]) == (
-            reply["reasoning_content"],
-            reply["content"],
-        )
-        block.locator("summary").click()
-        assert block.evaluate("details => details.open")
-        assert block.locator(".reasoning-text").is_visible()
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=ARTIFACTS / "chat-reasoning.png")
-    finally:
-        context.close()
-
-
-def api_reply(url: str, grammar: str) -> dict:
-    """The API's greedy answer to the page's request (thinking off, the same grammar)."""
-    body = {
-        "messages": [{"role": "user", "content": QUESTION}],
-        "temperature": 0,
-        "chat_template_kwargs": {"enable_thinking": False},
-        "guided_grammar": grammar,
-    }
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    return response.json()["choices"][0]["message"]

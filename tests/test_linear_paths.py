@@ -1,38 +1,29 @@
-"""The Linear family: each kernel path against the fp32 weight it claims to hold.
+"""The Linear family's paths (kernel, fp32 tiles, bf16 tiles, int8_dot): each against the
+fp32 weight it claims to hold, and the rule that picks one per layer and row count.
 
-References: `gguf.quants.dequantize` for GGUF blocks kept as int4 groups (bit for bit), and
-`F.linear` in fp32 over `dequantize()` for every kernel. Tolerances for bf16 paths come from
-bf16's 8-bit mantissa: the activations are rounded to bf16 before the kernel (the reference
-gets the same rounded activations) and the output is rounded to bf16, a relative error of
-2^-9 per value, plus a different summation order; 1% of the output's scale bounds both.
+The reference is `F.linear` in fp32 over `dequantize()` (tests/linear_layers.py); tolerances
+for bf16 paths come from bf16's 8-bit mantissa (activations and output rounded to bf16, a
+relative error of 2^-9 per value, plus a different summation order: 1% of the output's scale
+bounds both). Also: where each path is offered, QINFER_LINEAR_PATH, the CPU class, the bench
+table, the head's logits, and batch-invariant layers.
 """
 
 from __future__ import annotations
 
-import re
-
-import gguf
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from checkpoints import int4_kind
-from gguf_files import synthetic_tensor
+from linear_layers import activations, assert_matches_dequantized, int8_blocks_of, weight
 
 from qinfer import kernels
 from qinfer.bench.linear_paths import path_table
 from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.linear import (
-    ConcatLinear,
     DenseLinear,
-    Int4BlockLinear,
     Int4Linear,
     Int8BlockLinear,
-    Int8Blocks,
     Int8Linear,
     Linear,
     choose,
-    make_linear,
     paths,
     quantize_int4,
     quantize_int8,
@@ -41,263 +32,8 @@ from qinfer.linear.choose import choose_paths
 from qinfer.linear.compute import cpu_class
 from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int4 import _cpu_block_rows
-from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
-from qinfer.weights.gguf_quants import INT4_GROUPS, INT8_BLOCKS, int4_groups, int8_blocks
-
-
-def weight(rows: int = 48, columns: int = 256, seed: int = 0) -> torch.Tensor:
-    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 0.05
-
-
-def activations(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(7)).to(dtype)
-
-
-def assert_matches_dequantized(w, x: torch.Tensor, tolerance: float | None = None) -> None:
-    """w(x) against F.linear in fp32 over w.dequantize(), the same activations; tolerance:
-    of the output's scale (default: 1e-5 for fp32 activations, 1e-2 for bf16)."""
-    expected = F.linear(x.float(), w.dequantize(), None if w.bias is None else w.bias.float())
-    got = w(x)
-    assert got.dtype == x.dtype and got.shape == expected.shape
-    scale = expected.abs().max().item()
-    if tolerance is None:
-        tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), expected, rtol=0, atol=tolerance * scale)
-
-
-# ------------------------------------------------------------- GGUF blocks kept as int4
-
-
-@pytest.mark.parametrize("qtype", list(INT4_GROUPS), ids=lambda t: t.name)
-def test_int4_groups_of_gguf_blocks_dequantize_bit_identically(qtype):
-    data = synthetic_tensor(qtype, rows=32, columns=512)
-    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
-    groups = int4_groups(data, qtype)
-    assert groups.group_size == 32
-    assert torch.equal(groups.dequantize(), reference)
-    # ... and as the CPU kernel multiplies by them (fp32 activations: no rounding of scales)
-    assert torch.equal(Int4Linear(groups, None, torch.float32).dequantize(), reference)
-
-
-@pytest.mark.parametrize("qtype", list(INT8_BLOCKS), ids=lambda t: t.name)
-def test_int8_blocks_of_gguf_blocks_dequantize_bit_identically(qtype):
-    """Q8_0, Q5_0 (blocks of 32) and Q6_K (16) as int8 with their own scales: the file's
-    values exactly, in `dequantize`, in embedding rows and in the layer's tiles."""
-    data = synthetic_tensor(qtype, rows=32, columns=512)
-    reference = torch.from_numpy(gguf.quants.dequantize(data, qtype))
-    blocks = int8_blocks(data, qtype)
-    assert blocks.block_size == (16 if qtype == gguf.GGMLQuantizationType.Q6_K else 32)
-    assert torch.equal(blocks.dequantize(), reference)
-    layer = Int8BlockLinear(blocks, None, torch.float32)
-    assert torch.equal(layer.dequantize(), reference)
-    ids = torch.tensor([[5, 0, 31]])
-    assert torch.equal(layer.rows(ids), reference[ids])
-    assert torch.equal(layer._dequantize_rows(8, 24, torch.float32), reference[8:24])
-
-
-def test_smollm2_projections_keep_their_q4_1_bits(smollm2_reader):
-    """Every Q4_1 projection of one layer (q/k rows unpermuted as for the dense path)."""
-    from gguf_files import smollm2_path
-
-    _, weights = open_gguf(smollm2_path(), lambda config, quantized, exact: torch.bfloat16, "cpu")
-    assert weights.keep_types
-    for name in [n for n in weights.names() if n.startswith("model.layers.3.")]:
-        if not name.endswith("proj.weight"):
-            continue
-        kernel = Int4Linear(weights._stored(name), None, torch.float32)
-        assert torch.equal(kernel.dequantize(), weights._read(name)), name
-
-
-# ------------------------------------------------------------------ kernel paths
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_int4_kernel_matches_its_dequantized_weight(dtype, rows):
-    w = Int4Linear(quantize_int4(weight(), 32), torch.randn(48).to(dtype), dtype)
-    assert_matches_dequantized(w, activations(rows, 256, dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_int8_kernel_matches_its_dequantized_weight(dtype, rows):
-    w = Int8Linear(quantize_int8(weight()), None, dtype)
-    assert_matches_dequantized(w, activations(rows, 256, dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("block", [32, 16])
-def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, dtype):
-    """The compiled kernel: the exact weight times the activations (bf16 widened exactly),
-    fp32 sums only, whatever the path; each row alike at any row count, bit for bit."""
-    w = Int8BlockLinear(int8_blocks_of(weight(200, 256), block), None, dtype)
-    x = activations(20, 256, dtype)
-    expected = x.double() @ w.dequantize().double().T
-    for path in kernels.paths():
-        got = kernels.int8_blocks_mm(x, w.q, w.scales, path)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
-        for rows in (1, 3, 5, 17):  # tiles of 4 rows, one column or two
-            assert torch.equal(kernels.int8_blocks_mm(x[:rows], w.q, w.scales, path), got[:rows])
-    assert_matches_dequantized(w, x, 1e-5 if dtype == torch.float32 else 1e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-# 8 blocks; 5, 3 and 18 (the kernel loads 4 at once; 18 is SmolLM2's 576: two chunks of m)
-@pytest.mark.parametrize("k", [256, 160, 96, 576])
-def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k):
-    """int4 groups of 32 in qinfer's layout: the weight d q + m (the fp32 scales and zeros,
-    not re-rounded to the activations' dtype) times the activations as they are, fp32
-    products and sums only, on every path; each row alike at any row count, bit for bit;
-    the layer's tiles, rows and int8_dot path read the same packed weight."""
-    groups = quantize_int4(weight(201, k), 32)  # odd: a last column of its own in 2-col tiles
-    w = Int4BlockLinear(groups, None, dtype)
-    assert torch.equal(w.d, groups.scales)  # fp32, as given
-    exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
-        32, 1
-    ) + groups.zeros.double().repeat_interleave(32, 1)
-    torch.testing.assert_close(w.dequantize().double(), exact, rtol=0, atol=1e-6)
-    x = activations(20, k, dtype)
-    expected = x.double() @ w.dequantize().double().T
-    for path in kernels.paths():
-        got = kernels.int4_groups_mm(x, w.packed, path)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5)
-        for rows in (1, 3, 5, 17):  # tiles of 4 rows, one column or two
-            assert torch.equal(kernels.int4_groups_mm(x[:rows], w.packed, path), got[:rows])
-    assert_matches_dequantized(w, x, 1e-5 if dtype == torch.float32 else 1e-2)
-    ids = torch.tensor([[0, 199], [57, 3]])
-    assert torch.equal(w.rows(ids), w.dequantize()[ids])
-    assert torch.equal(w.groups().q, groups.q)
-    for path in ("fp32_tiles", "int8_dot"):
-        torch.testing.assert_close(w.run_path(path, x).double(), expected, rtol=0.02, atol=0.05)
-
-
-def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
-    q, d = torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2)
-    with pytest.raises(RuntimeError, match=r"d must have shape \(N, K/32\) or \(N, K/16\)"):
-        kernels.int8_blocks_mm(torch.zeros(1, 64), q, torch.zeros(4, 3))
-    with pytest.raises(RuntimeError, match="q must be torch.int8, got torch.uint8"):
-        kernels.int8_blocks_mm(torch.zeros(1, 64), q.view(torch.uint8), d)
-    with pytest.raises(WeightsError, match="int8 blocks of 8 columns are not one of 32, 16"):
-        Int8BlockLinear(Int8Blocks(q, torch.zeros(4, 8)), None, torch.float32)
-    with pytest.raises(WeightsError, match="int8 blocks need a multiple of 32 input columns"):
-        Int8BlockLinear(Int8Blocks(q[:, :48], torch.zeros(4, 3)), None, torch.float32)
-
-
-def test_int8_blocks_take_fp16_activations(int8_dot_built):
-    """An fp16 model on CPU (allowed) widens its activations for the kernel."""
-    w = Int8BlockLinear(int8_blocks_of(weight(48, 256), 32), None, torch.float16)
-    assert_matches_dequantized(w, activations(3, 256, torch.float16), 1e-2)
-
-
-def test_int8_blocks_without_the_compiled_kernel_take_torchs_on_a_row_copy(monkeypatch):
-    """No compiler here: one warning naming why, torch's int8 kernel on a copy re-rounded
-    to one scale per row (the speed of before), embedding rows still exact."""
-    from qinfer.linear import int8_blocks
-
-    reason = "no C++ compiler (c++) to build the qinfer_kernels library"
-    monkeypatch.setattr(int8_blocks.kernels, "available", lambda: reason)
-    monkeypatch.setattr(int8_blocks, "_warned", False)
-    exact = int8_blocks_of(weight(96, 256), 32)
-    x = activations(3, 256, torch.bfloat16)
-    with pytest.warns(UserWarning, match=f"multiply as int8 rows .*: {re.escape(reason)}"):
-        w = Int8BlockLinear(exact, None, torch.bfloat16)  # at load, not in a step
-    got = w(x)
-    rows = quantize_int8(exact.dequantize())
-    assert torch.equal(got, torch._weight_int8pack_mm(x, rows.q, rows.scales.bfloat16()))
-    assert_matches_dequantized(w, x)
-    assert torch.equal(w.rows(torch.tensor([4])), exact.dequantize()[[4]])
-
-
-def test_int4_rows_not_a_multiple_of_16_are_padded():
-    w = Int4Linear(quantize_int4(weight(rows=24), 64), None, torch.bfloat16)
-    x = activations(3, 256, torch.bfloat16)
-    assert w(x).shape == (3, 24)
-    assert_matches_dequantized(w, x)
-
-
-def test_batched_activations_keep_their_leading_shape():
-    w = Int4Linear(quantize_int4(weight(), 32), None, torch.bfloat16)
-    x = activations(6, 256, torch.bfloat16).reshape(2, 3, 256)
-    torch.testing.assert_close(w(x), w(x.reshape(6, 256)).reshape(2, 3, 48), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
-def test_quantize_int4_error_is_at_most_half_a_step(group_size):
-    w = weight()
-    groups = quantize_int4(w, group_size)
-    step = groups.scales.repeat_interleave(group_size, dim=1)
-    assert ((groups.dequantize() - w).abs() <= step / 2 + 1e-7).all()
-    assert int(groups.q.min()) >= 0 and int(groups.q.max()) <= 15
-
-
-def test_quantize_int8_error_is_at_most_half_a_step():
-    w = weight()
-    rows = quantize_int8(w)
-    assert ((rows.dequantize() - w).abs() <= rows.scales[:, None] / 2 + 1e-7).all()
-
-
-def test_int8_rows_serve_embedding_lookups():
-    w = Int8Linear(quantize_int8(weight()), None, torch.bfloat16)
-    ids = torch.tensor([[3, 0, 47]])
-    expected = w.dequantize()[ids]  # fp32: q * scale exact
-    torch.testing.assert_close(w.rows(ids), expected, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize(
-    "group_size, message",
-    [(48, "must be one of 32, 64, 128, 256, got 48"), (64, "64 does not divide its 96 input")],
-)
-def test_quantize_int4_refuses_a_group_that_does_not_fit(group_size, message):
-    with pytest.raises(WeightsError, match=f"cannot quantize q_proj: .*{message}"):
-        quantize_int4(weight(columns=96), group_size, "q_proj")
-
-
-# --------------------------------------------------------------- fused projections
-
-
-def test_parts_of_one_kind_become_one_kernel():
-    parts = [quantize_int4(weight(seed=s), 32) for s in range(3)]
-    fused = make_linear(parts, [None] * 3, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(fused, int4_kind()) and fused.out_features == 144
-    x = activations(2, 256, torch.bfloat16)
-    alone = [int4_kind()(p, None, torch.bfloat16)(x) for p in parts]
-    torch.testing.assert_close(fused(x), torch.cat(alone, -1), rtol=0, atol=0)
-
-
-def test_parts_of_different_kinds_run_side_by_side():
-    parts = [quantize_int4(weight(seed=0), 32), weight(seed=1), quantize_int8(weight(seed=2))]
-    biases = [None, torch.ones(48), None]
-    fused = make_linear(parts, biases, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(fused, ConcatLinear)
-    assert [type(p) for p in fused.parts] == [int4_kind(), DenseLinear, Int8Linear]
-    assert fused.parts[1].bias is not None and fused.parts[0].bias is None
-    x = activations(3, 256, torch.bfloat16)
-    bias = torch.cat([torch.zeros(48), torch.ones(48), torch.zeros(48)])
-    expected = F.linear(x.float(), fused.dequantize(), bias)
-    torch.testing.assert_close(fused(x).float(), expected, rtol=0, atol=1e-2)
-
-
-@pytest.mark.parametrize("qtype", sorted(INT8_ROW_TYPES))
-def test_the_other_gguf_blocks_become_int8_rows_within_half_a_row_step(qtype):
-    data = synthetic_tensor(qtype, rows=8, columns=256)
-    exact = torch.from_numpy(gguf.quants.dequantize(data, qtype))
-    rows = quantize_int8(exact)
-    # Half a step, up to fp32 rounding (Q6_K values can sit exactly on a half step).
-    assert ((rows.dequantize() - exact).abs() <= rows.scales[:, None] / 2 * (1 + 1e-5)).all()
-    assert np.array_equal(rows.q.shape, exact.shape)
-
 
 # ------------------------------------------------- paths: kernel, fp32 tiles, bf16 tiles
-
-
-def int8_blocks_of(w: torch.Tensor, block: int) -> Int8Blocks:
-    """w as int8 blocks of `block` columns, each block's absmax at 127 (as Q8_0 rounds)."""
-    blocks = w.view(len(w), -1, block)
-    scales = blocks.abs().amax(-1) / 127  # (N, K / block)
-    q = torch.round(blocks / scales[..., None]).to(torch.int8).view_as(w)
-    return Int8Blocks(q, scales)
 
 
 def quantized(kind: str, rows: int, dtype: torch.dtype, columns: int = 256):
@@ -334,13 +70,6 @@ def test_int4_tiles_read_the_kernels_packed_layout_on_this_cpu():
     assert _cpu_block_rows() in (64, 32)
     offered = paths.PATHS if kernels.buildable() else paths.PATHS[:-1]  # int8_dot: compiled
     assert quantized("int4/32", 48, torch.bfloat16).paths() == offered
-
-
-@pytest.fixture
-def int8_dot_built() -> None:
-    reason = kernels.available()
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def dot_kernel_output(w, x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ The server runs the planted Qwen3 (tests/planted_qwen3.py): greedy, it thinks "T
 and answers "Hello" after any chat prompt, so thinking blocks and text are known without a
 trained model; tool uses and JSON come from grammars (`tool_choice` "any" or "tool",
 `output_config.format`), whatever the random weights would write. Prompts are checked
-against the chat completions endpoint, whose template rendering tests/test_tool_calls.py
-checks against transformers.
+against the chat completions endpoint, whose template rendering
+tests/test_tool_call_formats.py checks against transformers.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ The server runs the planted Qwen3 (tests/planted_qwen3.py): greedy, it thinks "T
 and answers "Hello" after any chat prompt, so reasoning items and text are known without
 a trained model; tool calls and JSON come from grammars (`tool_choice` "required",
 `text.format`), whatever the random weights would write. Prompts are checked against the
-chat completions endpoint, whose template rendering tests/test_tool_calls.py checks
-against transformers.
+chat completions endpoint, whose template rendering tests/test_tool_call_formats.py
+checks against transformers.
 """
 
 from __future__ import annotations

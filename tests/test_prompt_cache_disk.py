@@ -13,7 +13,7 @@ import shutil
 import httpx
 import pytest
 import torch
-from checkpoints import random_model
+from checkpoints import QWEN3_5, random_model
 from servers import metric_values, serving
 
 import qinfer
@@ -192,7 +192,7 @@ def test_a_directory_that_cannot_be_written_is_refused_naming_the_flag(model, tm
 
 def test_a_hybrid_model_keeps_its_prompt_cache_in_memory(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="qinfer.engine.engine"):
-        llm = make_llm(random_model("qwen3_5"), tmp_path)
+        llm = make_llm(random_model("qwen3_5", **QWEN3_5), tmp_path)
     assert llm.engine.disk_cache is None
     assert any("linear-attention" in r.getMessage() for r in caplog.records)
 

@@ -132,12 +132,13 @@ class Engine:
         if config.prompt_cache_dir is None:
             return None
         why = None
-        if not config.enable_prefix_caching:
+        # (a hybrid's prefix caching is off too: `EngineConfig.for_model`; the layers say why)
+        if LINEAR_ATTENTION in self.model.config.layer_types:
+            why = "linear-attention layers (their states are not kept in blocks)"
+        elif not config.enable_prefix_caching:
             why = "prefix caching is off"
         elif executor.parallel.tensor > 1:
             why = "tensor parallelism (each rank holds part of every block)"
-        elif LINEAR_ATTENTION in self.model.config.layer_types:
-            why = "linear-attention layers (their states are not kept in blocks)"
         elif any(window is not None for window in executor.spaces.windows):
             why = "sliding-window layers (their blocks are released before a prompt ends)"
         elif config.speculative is not None and config.speculative.method == "draft":

@@ -104,6 +104,10 @@ def kv_pool_blocks(
         )
         for s in range(len(spaces.windows))
     ]
+    if not sum(per_block):  # every layer linear attention: the pools' sizing divides by it
+        raise QinferError(
+            "layer_types: a model without any attention layer is not supported by the engine"
+        )
     budget = pool_budget(model, config)
     if budget is None:
         whole = config.num_kv_blocks

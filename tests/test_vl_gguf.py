@@ -43,6 +43,7 @@ from qinfer import LLM, SamplingParams
 from qinfer.cli import main
 from qinfer.core.errors import ConfigError, RequestError, WeightsError
 from qinfer.linear import DenseLinear
+from qinfer.linear.choose import choose_paths
 from qinfer.vision import (
     ImagePrompt,
     VisionLanguageModel,
@@ -218,6 +219,7 @@ def test_a_q8_0_projector_reads_its_blocks_as_gguf_dequantizes_them(files):
         assert torch.equal(linear.weight, torch.from_numpy(expected).float())
     config = vl.model.config
     kept, _ = load_projector(files.mmproj_q8, files.text, config, torch.float32, "cpu", True)
+    choose_paths(kept, exact=True)  # fp32 activations: only the weights could differ
     assert isinstance(vl.encoder.blocks[0].attn.qkv, DenseLinear)
     assert not isinstance(kept.blocks[0].attn.qkv, DenseLinear)
     p = image_prompt(vl, [PICTURE])
@@ -497,7 +499,8 @@ def test_a_q8_0_projectors_kept_blocks_at_the_default_dtype_answer_as_float32(fi
     params = SamplingParams(temperature=0.0, max_tokens=8)
     runs = {}
     for dtype in (None, "float32"):
-        llm = LLM(files.text, dtype=dtype, device="cpu", mmproj=files.mmproj_q8)
+        # exact: the kept blocks meet fp32 activations, as the dequantized tower's do
+        llm = LLM(files.text, dtype=dtype, device="cpu", mmproj=files.mmproj_q8, exact=True)
         vision = llm.engine.vision
         [out] = llm.generate(chat, params, use_tqdm=False)
         runs[dtype] = (vision, out.token_ids)

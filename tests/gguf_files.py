@@ -73,6 +73,32 @@ def real_text_ids(tokenizer, offset: int = 0) -> list[int]:
     return ids[offset : offset + KL_WINDOWS * KL_CONTEXT]
 
 
+def kl_to_reference(model, ids: list[int], reference_log_probs: Callable):
+    """`perplexity` of `model` on the KL windows `ids`, against a reference given as its
+    memoized scorer (`reference_scorer`)."""
+    from qinfer.analysis.perplexity import score, scored_log_probs
+
+    return score(functools.partial(scored_log_probs, model), ids, KL_CONTEXT, reference_log_probs)
+
+
+def reference_scorer(reference) -> Callable:
+    """The reference model's log-probs of a chunk, computed once per chunk: a module's KL
+    tests all score the same windows against the same fp32 dequantization, so each
+    window's reference forward runs once, not once per test (the memo holds a chunk's
+    (KL_CONTEXT / 2 - 1, V) fp32 rows: 1.6 GB over Gemma 3's six windows)."""
+    from qinfer.analysis.perplexity import scored_log_probs
+
+    memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def scorer(chunk: torch.Tensor) -> torch.Tensor:
+        key = tuple(chunk.tolist())
+        if key not in memo:
+            memo[key] = scored_log_probs(reference, chunk)
+        return memo[key]
+
+    return scorer
+
+
 @dataclass(frozen=True)
 class GreedyComparison:
     """How the greedy tokens of a fast path follow those of its fp32 reference after one

@@ -14,12 +14,13 @@ import torch
 from checkpoints import int4_kind
 from gguf import GGMLQuantizationType as Q
 from gguf_files import (
-    KL_CONTEXT,
     KL_OFFSETS,
     assert_greedy_follows,
     compare_greedy,
     gemma3_path,
+    kl_to_reference,
     real_text_ids,
+    reference_scorer,
 )
 
 import qinfer
@@ -276,27 +277,33 @@ LLAMA_CPP = {0: (0.00788, 0.9294), 300: (0.01220, 0.9216)}
 KL_SHARE = {False: 0.75, True: 0.5}
 
 
-def kl_to_float32(gemma3, tokenizers, offset: int, **load):
-    """`perplexity` of the file loaded with `load` against the fp32 dequantization (the
-    `gemma3` fixture's), on the real-text windows from token `offset`."""
-    from qinfer.analysis.perplexity import perplexity
+@pytest.fixture(scope="module")
+def float32_log_probs(gemma3):
+    """The fp32 dequantization's (the `gemma3` fixture's) log-probs of each KL window,
+    computed once for the module's KL tests."""
+    return reference_scorer(gemma3[0])
 
-    ours, _ = gemma3
+
+def kl_to_float32(float32_log_probs, tokenizers, offset: int, **load):
+    """`perplexity` of the file loaded with `load` against the fp32 dequantization, on the
+    real-text windows from token `offset`."""
     tokenizer, _ = tokenizers
     fast = qinfer.load_model(gemma3_path(), device="cpu", **load)
-    return perplexity(fast, real_text_ids(tokenizer, offset), KL_CONTEXT, base=ours)
+    return kl_to_reference(fast, real_text_ids(tokenizer, offset), float32_log_probs)
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_default_path_drifts_from_float32_less_than_llama_cpp(gemma3, tokenizers, offset, exact):
+def test_default_path_drifts_from_float32_less_than_llama_cpp(
+    float32_log_probs, tokenizers, offset, exact
+):
     """The default load (Q4_K as int4 groups, Q5_0, Q6_K and Q8_0 as int8 blocks, the
     projections times int8 activations, the head times fp32 ones; `exact`: fp32 activations
     throughout) against the exact fp32
     dequantization on real text from the start and from mid-document, as llama-perplexity
     measures it: no more than 0.75x llama.cpp's own KL on the same file and windows
     (`exact`: half), and top-1 agreement above llama.cpp's."""
-    result = kl_to_float32(gemma3, tokenizers, offset, exact=exact)
+    result = kl_to_float32(float32_log_probs, tokenizers, offset, exact=exact)
     kl, top1 = LLAMA_CPP[offset]
     assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
@@ -316,12 +323,14 @@ LLAMA_CPP_Q8_KV = {0: (0.01029, 0.9242), 300: (0.01393, 0.9229)}
 @pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
 def test_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(
-    gemma3, tokenizers, offset, exact
+    float32_log_probs, tokenizers, offset, exact
 ):
     """The default load with an int8 KV cache against the exact fp32 dequantization, on
     real text from the start and from mid-document: no more than 0.75x llama.cpp's KL with
     its q8_0 cache (`exact`: half), and top-1 agreement above llama.cpp's."""
-    result = kl_to_float32(gemma3, tokenizers, offset, kv_cache_dtype="int8", exact=exact)
+    result = kl_to_float32(
+        float32_log_probs, tokenizers, offset, kv_cache_dtype="int8", exact=exact
+    )
     kl, top1 = LLAMA_CPP_Q8_KV[offset]
     assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
@@ -350,12 +359,12 @@ LLAMA_CPP_Q4_0 = {0: (0.65625, 0.5360), 300: (0.94603, 0.4732)}
 
 @pytest.mark.parametrize("offset", KL_OFFSETS)
 def test_quantize_int4_drifts_from_float32_no_further_than_llama_cpp_q4_0(
-    gemma3, tokenizers, offset
+    float32_log_probs, tokenizers, offset
 ):
     """`quantize="int4"` on real text from the start and from mid-document drifts from fp32
     no further than llama.cpp's own Q4_0 requantization of the file, with top-1 agreement
     at least its."""
-    result = kl_to_float32(gemma3, tokenizers, offset, quantize="int4")
+    result = kl_to_float32(float32_log_probs, tokenizers, offset, quantize="int4")
     kl, top1 = LLAMA_CPP_Q4_0[offset]
     assert result.kl <= kl, result
     assert result.top1 >= top1, result

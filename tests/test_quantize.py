@@ -13,11 +13,12 @@ import pytest
 import torch
 from checkpoints import build_checkpoint, int4_kind, random_tokens
 from gguf_files import (
-    KL_CONTEXT,
     KL_OFFSETS,
     assert_greedy_follows,
     compare_greedy,
+    kl_to_reference,
     real_text_ids,
+    reference_scorer,
     smollm2_path,
 )
 
@@ -158,22 +159,28 @@ SMOLLM2_LLAMA_CPP = {0: (0.00358, 0.9464), 300: (0.00352, 0.9490)}
 KL_SHARE = {False: 0.75, True: 0.5}
 
 
+@pytest.fixture(scope="module")
+def smollm2_float32_log_probs():
+    """The embedded file's fp32 dequantization's log-probs of each KL window, computed once
+    for the module's KL tests."""
+    return reference_scorer(qinfer.load_model(smollm2_path(), dtype="float32", device="cpu"))
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_smollm2_default_path_drifts_from_float32_less_than_llama_cpp(offset, exact):
+def test_smollm2_default_path_drifts_from_float32_less_than_llama_cpp(
+    smollm2_float32_log_probs, offset, exact
+):
     """The default load (Q4_1 kept as int4 groups times int8 activations per block of 32,
     the Q8_0 embedding and tied head as its int8 blocks, fp32 residual and logits; `exact`:
     fp32 activations) against the exact fp32 dequantization, on real text from the
     document's start and from mid-document, as llama-perplexity measures it: no more than
     0.75x llama.cpp's own KL on the same file and windows (`exact`: half), and top-1
     agreement above llama.cpp's."""
-    from qinfer.analysis.perplexity import perplexity
-
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)
     fast = qinfer.load_model(path, device="cpu", exact=exact)
-    reference = qinfer.load_model(path, dtype="float32", device="cpu")
-    result = perplexity(fast, ids, KL_CONTEXT, base=reference)
+    result = kl_to_reference(fast, ids, smollm2_float32_log_probs)
     kl, top1 = SMOLLM2_LLAMA_CPP[offset]
     assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1, result
@@ -193,18 +200,17 @@ SMOLLM2_LLAMA_CPP_Q8_KV = {0: (0.00386, 0.9595), 300: (0.00392, 0.9477)}
 
 @pytest.mark.parametrize("exact", [False, True], ids=["int8_activations", "exact"])
 @pytest.mark.parametrize("offset", KL_OFFSETS)
-def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(offset, exact):
+def test_smollm2_int8_kv_cache_drifts_from_float32_no_further_than_llama_cpp_q8_0(
+    smollm2_float32_log_probs, offset, exact
+):
     """The default load with an int8 KV cache (blocks of 32, as q8_0's) against the exact
     fp32 dequantization, on real text from the start and from mid-document: no more than
     0.75x llama.cpp's own KL with its q8_0 cache (`exact`: half), and top-1 agreement no
     more than a point below llama.cpp's."""
-    from qinfer.analysis.perplexity import perplexity
-
     path = smollm2_path()
     ids = real_text_ids(qinfer.load_tokenizer(path), offset)
     fast = qinfer.load_model(path, device="cpu", kv_cache_dtype="int8", exact=exact)
-    reference = qinfer.load_model(path, dtype="float32", device="cpu")
-    result = perplexity(fast, ids, KL_CONTEXT, base=reference)
+    result = kl_to_reference(fast, ids, smollm2_float32_log_probs)
     kl, top1 = SMOLLM2_LLAMA_CPP_Q8_KV[offset]
     assert result.kl <= kl * KL_SHARE[exact], result
     assert result.top1 >= top1 - 0.01, result

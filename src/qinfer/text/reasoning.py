@@ -73,6 +73,11 @@ class ReasoningStream:
         self._held = ""
         self._reasoning_started = False  # leading newlines of the reasoning are dropped
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the text read so far ends inside the `<think>` block."""
+        return self._state == _REASONING
+
     def push(self, delta: str) -> tuple[str, str]:
         self._held += delta
         reasoning, answer = "", ""

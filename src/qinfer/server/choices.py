@@ -120,12 +120,10 @@ class Choice:
     def reasoning_tokens(self, think_close: int) -> int:
         """The reply's tokens of reasoning: through `</think>`, or all of them while the
         block is still open; none when the reply did not think."""
-        if self.reasoning is None or self.output is None:
+        if self.reasoning is None or self.output is None or not self.reasoning.opened:
             return 0
         generated = self.output.token_ids
-        if think_close in generated:
-            return generated.index(think_close) + 1
-        return len(generated) if self.reasoning.thinking else 0
+        return generated.index(think_close) + 1 if think_close in generated else len(generated)
 
     def advance(self, output: RequestOutput) -> Delta:
         """The delta of `output`, the engine's latest output for this choice."""

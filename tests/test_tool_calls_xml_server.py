@@ -1,6 +1,7 @@
 """Qwen3.5 as agents use it, through `qinfer serve` answering the real `openai` client: XML
 tool calls returned as `tool_calls` (whole and streamed) and forced by `tool_choice`, and
-the reasoning budget (`thinking_token_budget`, `--reasoning-budget`).
+the reasoning budget (`thinking_token_budget`, `--reasoning-budget`); the Responses and
+Anthropic Messages APIs alike (their forced calls, the Messages API's `budget_tokens`).
 
 The server runs a random Qwen3.5 with Qwen3.5's chat template
 (tests/qwen3_5_chat_template.jinja), so its replies are noise unless something forces
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -34,7 +36,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(openai client, tokenizer) of `qinfer serve --reasoning-budget 5` on a random
+    """(openai client, tokenizer, URL) of `qinfer serve --reasoning-budget 5` on a random
     Qwen3.5 with Qwen3.5's template."""
     folder = tmp_path_factory.mktemp("tools-qwen3_5")
     backend = save_qwen3_5_tokenizer(folder)
@@ -51,7 +53,7 @@ def served(tmp_path_factory):
         client = openai.OpenAI(
             base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120
         )
-        yield client, qinfer.load_tokenizer(folder)
+        yield client, qinfer.load_tokenizer(folder), server.url
 
 
 def chat(client, stream: bool = False, **fields):
@@ -88,7 +90,7 @@ XML_TIME = "\n<function=get_time>\n<parameter=city>\nTokyo\n</parameter>\n</func
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_xml_calls_come_back_as_tool_calls(served, stream):
-    client, tokenizer = served
+    client, tokenizer, _ = served
     text = ["Let me look.\n", None, XML_WEATHER, None, "\n", None, XML_TIME, None]
     extra = {**NO_THINKING, "guided_grammar": forcing_grammar(tokenizer, text)}
     reasoning, content, calls, finish, _ = chat(client, stream, tools=TOOLS, extra_body=extra)
@@ -104,7 +106,7 @@ def test_xml_calls_come_back_as_tool_calls(served, stream):
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_a_forced_call_parses_against_its_schema(served, stream, choice):
-    client, _ = served
+    client, _, _ = served
     _, content, calls, finish, _ = chat(
         client, stream, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=1,
         parallel_tool_calls=False, max_tokens=150, extra_body=NO_THINKING,
@@ -128,7 +130,7 @@ def test_the_budget_closes_think_and_the_answer_follows(served, stream, budget, 
     """With its own budget (or the server's --reasoning-budget) of N, the block closes after
     N tokens (N + 1 with `</think>`, as `reasoning_tokens` counts) and the answer takes
     the rest of max_tokens."""
-    client, tokenizer = served
+    client, tokenizer, _ = served
     extra = {} if budget is None else {"thinking_token_budget": budget}
     reasoning, content, _, finish, usage = chat(
         client, stream, max_tokens=12, temperature=1.0, seed=0,
@@ -141,12 +143,63 @@ def test_the_budget_closes_think_and_the_answer_follows(served, stream, budget, 
 
 
 def test_a_bad_budget_is_one_error_naming_it(served):
-    client, _ = served
+    client, _, _ = served
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         chat(client, extra_body={"thinking_token_budget": -1})
 
 
 def test_without_thinking_no_reasoning_tokens_are_counted(served):
-    client, tokenizer = served
+    client, tokenizer, _ = served
     *_, usage = chat(client, max_tokens=4, logit_bias=banned(tokenizer), extra_body=NO_THINKING)
     assert usage.completion_tokens == 4 and usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_the_responses_api_gets_a_forced_xml_call(served):
+    client, _, _ = served
+    weather = {"type": "function", "name": "get_weather", **{
+        k: v for k, v in TOOLS[0]["function"].items() if k != "name"}}  # fmt: skip
+    response = client.responses.create(
+        model="tiny", input="Weather in Paris?", tools=[weather], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=150, temperature=1.0,
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), weather["parameters"])
+
+
+@pytest.fixture
+def claude(served):
+    _, _, url = served
+    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+
+def test_the_messages_api_gets_a_forced_xml_call(claude):
+    schema = TOOLS[0]["function"]["parameters"]
+    message = claude.messages.create(
+        model="tiny", max_tokens=150, messages=USER, extra_body={"temperature": 1.0},
+        tools=[{"name": "get_weather", "input_schema": schema}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )  # fmt: skip
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and message.stop_reason == "tool_use"
+    jsonschema.validate(use.input, schema)
+
+
+def test_the_messages_api_budget_closes_think(served, claude):
+    """`thinking.budget_tokens` is the same budget: greedy, with `</think>` and the end
+    banned, the thinking block is the chat completion's reasoning under the same budget
+    (2 tokens, then `</think>`), and the answer follows."""
+    client, tokenizer, _ = served
+    fields = {"logit_bias": banned(tokenizer), "temperature": 0}
+    message = claude.messages.create(
+        model="tiny", max_tokens=12, messages=USER,
+        thinking={"type": "enabled", "budget_tokens": 2}, extra_body=fields,
+    )  # fmt: skip
+    reasoning, content, _, _, usage = chat(
+        client, max_tokens=12, extra_body={**fields, "thinking_token_budget": 2}
+    )
+    assert usage.completion_tokens_details.reasoning_tokens == 3
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == reasoning and message.content[1].text == content
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 12

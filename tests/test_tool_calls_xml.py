@@ -64,19 +64,27 @@ TWO_CALLS = (
 
 
 def parse(text: str, step: int, forced: bool = False, tools=SCHEMAS):
-    """(content, [(index, name, arguments)], cut call) of `text` pushed `step` characters
-    at a time."""
+    """(content, [(index, name, arguments)], cut calls) of `text` pushed `step` characters
+    at a time; a cut call's arguments stay text (they are not JSON)."""
     parser = XmlCallParser(tools, forced)
     deltas = [parser.push(text[i : i + step]) for i in range(0, len(text), step)]
     deltas.append(parser.finish())
-    calls = [(c.index, c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls]
+    calls: dict[int, list] = {}
+    for call in (c for d in deltas for c in d.tool_calls):
+        if call.id is not None:
+            assert call.index not in calls and call.name is not None
+            calls[call.index] = [call.index, call.name, ""]
+        calls[call.index][2] += call.arguments
     cut = [d.cut_call for d in deltas if d.cut_call is not None]
-    return "".join(d.content for d in deltas), calls, cut
+    for index, call in calls.items():
+        call[2] = call[2] if index in cut else json.loads(call[2])
+    return "".join(d.content for d in deltas), [tuple(c) for c in calls.values()], cut
 
 
+@pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("step", [1, 2, 7, 10_000])
-def test_two_xml_calls_parse_alike_however_the_text_is_split(step):
-    content, calls, cut = parse(TWO_CALLS, step)
+def test_two_xml_calls_parse_alike_however_the_text_is_split(step, forced):
+    content, calls, cut = parse(TWO_CALLS, step, forced)
     assert content == "Let me look.\n" and not cut
     assert calls == [
         (0, "get_weather", {"city": "Paris", "days": 3}),
@@ -123,24 +131,38 @@ def test_a_block_that_is_not_a_call_of_an_offered_tool_is_content(block, step):
     assert parse(block, step) == (block, [], [])
 
 
+def test_forced_calls_stream_a_parameter_at_a_time():
+    parser = XmlCallParser(SCHEMAS, forced=True)
+    head = parser.push("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar")
+    assert [(c.index, c.name, c.arguments) for c in head.tool_calls] == [(0, "get_weather", "")]
+    city = parser.push("is\n</parameter>\n<parameter=days>\n")
+    assert [c.arguments for c in city.tool_calls] == ['{"city": "Paris"']
+    rest = parser.push("3\n</parameter>\n</function>\n</tool_call>")
+    assert [c.arguments for c in rest.tool_calls] == [', "days": 3', "}"]
+    assert parser.made_calls
+
+
+@pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("step", [1, 10_000])
-def test_a_call_cut_short_is_a_partial_call_marked_cut(step):
+def test_a_call_cut_short_is_a_partial_call_marked_cut(step, forced):
     cut = TWO_CALLS[: TWO_CALLS.index("Tokyo")]
-    content, calls, cut_calls = parse(cut, step)
+    content, calls, cut_calls = parse(cut, step, forced)
     assert content == "Let me look.\n" and cut_calls == [1]
-    assert calls == [(0, "get_weather", {"city": "Paris", "days": 3}), (1, "get_time", {})]
+    partial = "" if forced else "{}"  # streamed: nothing whole yet; else what parsed whole
+    assert calls == [(0, "get_weather", {"city": "Paris", "days": 3}), (1, "get_time", partial)]
     # cut before its function's name: content when unforced, nothing when forced
     start = "Sure.\n<tool_call>\n<function=get_w"
     assert parse(start, step) == (start, [], [])
     assert parse(start, step, forced=True) == ("Sure.\n", [], [])
 
 
-def test_a_repeated_call_ends_the_reply():
-    parser = XmlCallParser(SCHEMAS, forced=True)
+@pytest.mark.parametrize("step", [1, 10_000])
+def test_a_repeated_call_ends_the_reply_and_is_never_sent(step):
     once = xml_call("get_time", city="Tokyo")
-    out = parser.push(f"{once}\n{once}\nmore")
-    assert [c.name for c in out.tool_calls] == ["get_time"] and parser.repeated
-    assert parser.push("ignored").content == "" and parser.finish().content == ""
+    other = xml_call("get_time", city="Paris")  # the same tool: held until it differs
+    content, calls, _ = parse(f"{once}\n{other}\n{once}\nmore", step, forced=True)
+    assert content == ""
+    assert calls == [(0, "get_time", {"city": "Tokyo"}), (1, "get_time", {"city": "Paris"})]
 
 
 def output(text: str, delta: str, finished: bool) -> RequestOutput:

@@ -18,8 +18,12 @@ written, a number, a boolean, null, an object or array as JSON; text that does n
 its type stays a string, as vLLM keeps it. The newline after `<parameter=P>` and the one
 before `</parameter>` belong to the syntax, not the value.
 
-`XmlCallParser` splits a reply into content and calls, one call handed out whole as soon
-as its block closes (its arguments as JSON text, as OpenAI's are). A block that is not a
+`XmlCallParser` splits a reply into content and calls, their arguments as JSON text (as
+OpenAI's are). A call that a grammar forces goes out as it is written: its id and name
+once `<function=NAME>` is read, then its arguments a parameter at a time (`{"city":
+"Paris"`, `, "days": 3`, `}`); one that names an earlier call's tool is held until its
+block closes (it may repeat that call: `parser` explains the repeats). An unforced call
+goes out whole when its block closes, once it is known to be a call. A block that is not a
 call of an offered tool with its own parameters (an unknown tool, an unknown parameter, no
 `<function=...>`) is content, as written. A block the reply's end cuts after its
 `<function=NAME>` goes out as a call with the parameters read whole so far and is marked
@@ -49,6 +53,8 @@ from qinfer.text.detokenizer import partial_match_length
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 
+_FUNCTION_HEAD = re.compile(r"\s*<function=([^>\n]+)>\n")
+_NEXT_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)(?:</function>\s*)?\Z", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.DOTALL)
 
@@ -61,14 +67,15 @@ class CallLog:
     opened: int = 0
     made: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    def open(self, name: str, arguments: dict[str, Any]) -> ToolCallDelta:
-        """A new call's delta: its index, id, name and arguments as JSON text."""
+    def open(self, name: str, arguments: dict[str, Any] | None) -> ToolCallDelta:
+        """A new call's delta: its index, id, name and arguments as JSON text (None: none
+        yet, they stream)."""
         self.opened += 1
         return ToolCallDelta(
             self.opened - 1,
             id=f"call_{uuid.uuid4().hex[:24]}",
             name=name,
-            arguments=json.dumps(arguments, ensure_ascii=False),
+            arguments="" if arguments is None else json.dumps(arguments, ensure_ascii=False),
         )
 
     def repeats(self, name: str, arguments: dict[str, Any]) -> bool:
@@ -139,6 +146,17 @@ def _parameters(body: str, schema: Mapping[str, Any], whole: bool) -> dict[str, 
 _TEXT, _BLOCK, _OVER = "text", "block", "over"
 
 
+@dataclass
+class _Streaming:
+    """A forced call going out as it is written: its index and name, where its next
+    parameter starts in the block, and its arguments so far."""
+
+    index: int
+    name: str
+    at: int
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
 class XmlCallParser:
     """Splits a streamed reply into content and XML calls (see the module docstring); the
     same interface as `parser.ToolCallParser`.
@@ -159,6 +177,7 @@ class XmlCallParser:
         self.repeated = False  # the reply wrote one of its calls again: it is over
         self._state, self._held, self._block = _TEXT, "", ""
         self._after_call = False  # a call was made and no text has come since
+        self._streaming: _Streaming | None = None  # the forced call going out
 
     @property
     def num_calls(self) -> int:
@@ -188,7 +207,12 @@ class XmlCallParser:
         """The end of the reply: held text goes out; a cut block is a cut call (from its
         `<function=NAME>` on) or content (dropped in a forced reply)."""
         out = self.push("")
-        if self._state == _BLOCK:
+        if self._streaming is not None:  # made if its function closed, else cut
+            if FUNCTION_CLOSE in self._block[self._streaming.at :]:
+                self._close_streaming(out)
+            else:
+                out.cut_call, self._streaming = self._streaming.index, None
+        elif self._state == _BLOCK:
             self._cut_block(self._block + self._held, out)
         elif self._state == _TEXT:
             out.content += self._held
@@ -212,11 +236,52 @@ class XmlCallParser:
     def _in_block(self, out: ParsedDelta) -> None:
         self._block, self._held = self._block + self._held, ""
         end = self._block.find(TOOL_CALL_CLOSE)
+        if self.forced and self._streaming is None:
+            self._start_streaming(out)
+        if self._streaming is not None:
+            self._stream_parameters(self._block if end < 0 else self._block[:end], out)
         if end < 0:
             return
         block, self._held = self._block[:end], self._block[end + len(TOOL_CALL_CLOSE) :]
         self._state, self._block = _TEXT, ""
-        self._whole_block(block, out, closed=True)
+        if self._streaming is not None:
+            self._close_streaming(out)
+        else:
+            self._whole_block(block, out, closed=True)
+
+    def _start_streaming(self, out: ParsedDelta) -> None:
+        """A forced call whose `<function=NAME>` is read goes out, unless an earlier call
+        named that tool (then it waits for its block's end: it may be a repeat)."""
+        head = _FUNCTION_HEAD.match(self._block)
+        name = None if head is None else head.group(1).strip()
+        if name not in self.tools or any(made == name for made, _ in self.log.made):
+            return
+        call = self.log.open(name, None)
+        out.tool_calls.append(call)
+        self._streaming = _Streaming(call.index, name, head.end())
+
+    def _stream_parameters(self, block: str, out: ParsedDelta) -> None:
+        """The streaming call's parameters whole in `block` and not yet out, as JSON."""
+        call = self._streaming
+        properties = self.tools[call.name].get("properties") or {}
+        while (found := _NEXT_PARAMETER.match(block, call.at)) is not None:
+            key = found.group(1).strip()
+            if key not in properties:  # not the grammar's: nothing more goes out
+                return
+            value = parameter_value(found.group(2), properties[key])
+            text = (
+                json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+            )
+            out.tool_calls.append(
+                ToolCallDelta(call.index, arguments=(", " if call.arguments else "{") + text)
+            )
+            call.arguments[key], call.at = value, found.end()
+
+    def _close_streaming(self, out: ParsedDelta) -> None:
+        call, self._streaming = self._streaming, None
+        out.tool_calls.append(ToolCallDelta(call.index, arguments="}" if call.arguments else "{}"))
+        self.log.made.append((call.name, call.arguments))
+        self._after_call = True
 
     def _whole_block(self, block: str, out: ParsedDelta, closed: bool = False) -> None:
         """A whole block: a call (a repeat ends the reply), else content as written."""

@@ -149,8 +149,10 @@ def test_a_bad_budget_is_one_error_naming_it(served):
 
 
 def test_without_thinking_no_reasoning_tokens_are_counted(served):
+    """Thinking off (and `<think>` banned: the model may not open a block of its own)."""
     client, tokenizer, _ = served
-    *_, usage = chat(client, max_tokens=4, logit_bias=banned(tokenizer), extra_body=NO_THINKING)
+    bias = {**banned(tokenizer), str(tokenizer.token_to_id("<think>")): -100}
+    *_, usage = chat(client, max_tokens=4, logit_bias=bias, extra_body=NO_THINKING)
     assert usage.completion_tokens == 4 and usage.completion_tokens_details.reasoning_tokens == 0
 
 
@@ -203,3 +205,24 @@ def test_the_messages_api_budget_closes_think(served, claude):
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == reasoning and message.content[1].text == content
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 12
+
+
+def test_a_forced_call_cut_by_max_tokens_is_reported_cut(served):
+    """Cut inside its parameters, a forced call streams as far as it got and ends with
+    "length"; the whole answer leaves it out (its arguments are not JSON)."""
+    client, tokenizer, _ = served
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"
+    cut_at = len(tokenizer.encode(head, add_special_tokens=False))  # inside the city
+    fields = dict(
+        tools=[TOOLS[0]],
+        tool_choice="required",
+        max_tokens=cut_at,
+        temperature=0,
+        extra_body=NO_THINKING,
+    )
+    _, content, calls, finish, _ = chat(client, **fields)
+    assert (content, calls, finish) == ("", [], "length")
+    _, content, calls, finish, _ = chat(client, stream=True, **fields)
+    assert content == "" and finish == "length" and len(calls) == 1
+    name, arguments = calls[0]
+    assert name == "get_weather" and arguments == ""  # its first parameter is not whole

@@ -280,6 +280,28 @@ def save_qwen3_tokenizer(
     return backend
 
 
+#: Qwen3.5's chat template (XML tool calls, tools in `<tools>`), as released with its
+#: checkpoints: the text found quoted whole in a public repository's fallback table for
+#: Qwen3.5 models (no hub download here); stored beside this module.
+QWEN3_5_CHAT_TEMPLATE = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text(
+    encoding="utf-8"
+)
+
+
+def save_qwen3_5_tokenizer(folder: Path) -> tokenizers.Tokenizer:
+    """Write a Qwen3.5 tokenizer folder: `train_tokenizer` with ChatML's special tokens
+    and Qwen's added ones, Qwen3.5's chat template, its EOS and pad tokens."""
+    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
+    save_tokenizer_folder(
+        folder,
+        backend,
+        chat_template=QWEN3_5_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    return backend
+
+
 def save_llama3_tokenizer(folder: Path) -> Path:
     """Write a Llama 3.2 tokenizer folder (its template in chat_template.jinja)."""
     return save_tokenizer_folder(

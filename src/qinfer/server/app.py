@@ -215,6 +215,7 @@ def serve(
     pooling: PoolingParams | None = None,
     task: str | None = None,
     allow_runtime_lora: bool = False,
+    reasoning_budget: int | None = None,
     **engine_args: Any,
 ) -> None:
     """Load `model` (None: the embedded SmolLM2) and serve it until interrupted.
@@ -224,7 +225,8 @@ def serve(
     pooling: how `/v1/embeddings` pools (default: last token, normalised).
     task: "generate", "embed" or "rerank" (see the module doc; None: `checkpoint_task`).
     allow_runtime_lora: serve vLLM's load/unload LoRA routes (`ServerSettings`); the
-    adapters loaded at start are the engine keywords' lora_modules.
+    adapters loaded at start are the engine keywords' lora_modules. reasoning_budget: the
+    default cap of a chat's thinking tokens (`ServerSettings`).
 
     load: how the checkpoint loads (`qinfer.engine.build.LoadConfig`; its fields may be
     given as keywords instead); when a tensor-parallel rank dies, `/health` answers 503,
@@ -249,6 +251,7 @@ def serve(
         default_params=SamplingParams.from_generation_config(path, max_tokens=engine.context_len),
         checkpoint_sampling=checkpoint_sampling(path),
         allow_runtime_lora=allow_runtime_lora,
+        reasoning_budget=reasoning_budget,
     )
     app = create_app(engine, tokenizer, settings)
     server = Server(app, engine, host, port, log_level)

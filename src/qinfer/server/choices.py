@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from qinfer.engine.outputs import TokenLogprob
 from qinfer.request.sampling import SamplingParams
-from qinfer.request.tool_calls import ToolCallDelta, ToolCallParser, ToolUse
+from qinfer.request.tool_calls import (
+    ParsedDelta,
+    ToolCallDelta,
+    ToolCallParser,
+    ToolUse,
+    XmlCallParser,
+)
 from qinfer.server.metrics import RequestTimer, ServerMetrics
 from qinfer.text.reasoning import ReasoningStream
 
@@ -96,7 +102,11 @@ class Choice:
         self.tools = tools
         self.echo = echo  # not yet handed out
         self.echo_logprobs = params.prompt_logprobs is not None  # not yet handed out
-        self.tool_parser: ToolCallParser | None = None if tools is None else tools.parser()
+        self.tool_parser: ToolCallParser | XmlCallParser | None = (
+            None if tools is None else tools.parser()
+        )
+        # The XML calls a model writes inside <think> are calls too (`xml_calls`).
+        self.think_parser = None if tools is None else tools.reasoning_parser(self.tool_parser)
         self.num_logprobs = 0  # logprobs already handed out
         self.content_length = 0  # characters of content already handed out
         self.output: RequestOutput | None = None  # the latest engine output
@@ -106,6 +116,14 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def reasoning_tokens(self, think_close: int) -> int:
+        """The reply's tokens of reasoning: through `</think>`, or all of them while the
+        block is still open; none when the reply did not think."""
+        if self.reasoning is None or self.output is None or not self.reasoning.opened:
+            return 0
+        generated = self.output.token_ids
+        return generated.index(think_close) + 1 if think_close in generated else len(generated)
 
     def advance(self, output: RequestOutput) -> Delta:
         """The delta of `output`, the engine's latest output for this choice."""
@@ -131,15 +149,26 @@ class Choice:
                 delta.reasoning += tail_reasoning
                 delta.content += tail_content
         delta.finish_reason = self.finish_reason
+        thought = ParsedDelta()  # the calls written inside <think>
+        if self.think_parser is not None and self.reasoning is not None:
+            thought = self.think_parser.push(delta.reasoning)
+            if self.finished:
+                tail = self.think_parser.finish()
+                thought.content += tail.content
+                thought.tool_calls += tail.tool_calls
+                thought.cut_call = tail.cut_call
+            delta.reasoning = thought.content
         if self.tool_parser is not None:
             parsed = self.tool_parser.push(delta.content)
-            if self.tool_parser.repeated:  # the reply is over: its calls are all made
+            parsed.tool_calls = thought.tool_calls + parsed.tool_calls
+            repeated = self.think_parser is not None and self.think_parser.repeated
+            if self.tool_parser.repeated or repeated:  # the reply is over: its calls are made
                 self.finish_reason = "stop"
             if self.finished:
                 tail = self.tool_parser.finish()
                 parsed.content += tail.content
                 parsed.tool_calls += tail.tool_calls
-                delta.cut_call = tail.cut_call
+                delta.cut_call = thought.cut_call if tail.cut_call is None else tail.cut_call
                 made_calls = self.tool_parser.made_calls
                 delta.finish_reason = finish_reason(self.tools, self.finish_reason, made_calls)
             delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
@@ -156,20 +185,26 @@ def finish_reason(tools: ToolUse, reason: str | None, made_calls: bool) -> str |
     return "tool_calls"
 
 
-def usage(outputs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
+def usage(
+    outputs: Sequence[RequestOutput], n: int, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
     """OpenAI `usage` of a request's final outputs, choice `i * n + j` at position i * n + j.
 
     The n samples of one prompt share it, so its tokens (and cached tokens) count once.
+    reasoning_tokens: the choices' tokens of reasoning (None: not a thinking model's chat).
     """
     per_prompt = outputs[::n]
     prompt_tokens = sum(o.num_prompt_tokens for o in per_prompt)
     completion_tokens = sum(o.num_generated_tokens for o in outputs)
-    return {
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in per_prompt)},
     }
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 class Completion:
@@ -180,7 +215,8 @@ class Completion:
     `<think>` blocks off the text; tools: parse tool calls out of the content (chat
     requests that offer tools); echo: the text each prompt's choices start with (a text
     completion's `echo`), or None; lora: the LoRA adapter every choice runs through (None:
-    the base model).
+    the base model); think_close: the id of `</think>` when the reasoning is split off
+    (usage then counts each choice's reasoning tokens).
     """
 
     def __init__(
@@ -195,8 +231,10 @@ class Completion:
         tools: ToolUse | None = None,
         echo: Sequence[str] | None = None,
         lora: str | None = None,
+        think_close: int | None = None,
     ):
         self.engine, self.metrics, self.n, self.lora = engine, metrics, n, lora
+        self.think_close = think_close
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = []
@@ -211,7 +249,11 @@ class Completion:
                 )
 
     def usage(self) -> dict[str, Any]:
-        return usage([choice.output for choice in self.choices], self.n)
+        outputs = [choice.output for choice in self.choices]
+        if self.think_close is None:
+            return usage(outputs, self.n)
+        spent = sum(choice.reasoning_tokens(self.think_close) for choice in self.choices)
+        return usage(outputs, self.n, spent)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of all choices as the engine produces them, interleaved.

@@ -147,6 +147,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="server-wide chat template variables, e.g. '{\"enable_thinking\": false}'",
     )
+    parser.add_argument(
+        "--reasoning-budget",
+        type=bounded(int, 0),
+        default=None,
+        metavar="N",
+        help="a thinking model's <think> block takes at most N tokens, then </think> is "
+        "forced and the answer follows (a request's thinking_token_budget overrides it; "
+        "default: unbounded)",
+    )
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
@@ -282,6 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
         pooling=PoolingParams(args.pooling, args.normalize),
         task=args.task,
         allow_runtime_lora=args.allow_runtime_lora,
+        reasoning_budget=args.reasoning_budget,
         **engine_args,
     )
     return 0

@@ -29,7 +29,7 @@ from qinfer.server.images import ImageReader
 from qinfer.server.metrics import ServerMetrics
 from qinfer.server.streaming import EventStreamResponse
 from qinfer.text.prompts import PromptParts, encode_prompt_parts
-from qinfer.text.reasoning import splits_reasoning
+from qinfer.text.reasoning import THINK_CLOSE, splits_reasoning
 from qinfer.text.tokenizer import Tokenizer
 
 
@@ -59,6 +59,9 @@ class ServerSettings:
     allow_runtime_lora: serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
         (`qinfer.server.vllm.lora`); off by default, as vLLM's
         VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+    reasoning_budget: the most tokens a thinking model's `<think>` block takes in a chat
+        request that sets no budget of its own (`--reasoning-budget`; None: unbounded);
+        then `</think>` is forced and the answer follows (`SamplingParams.thinking_budget`).
     """
 
     model_name: str
@@ -71,6 +74,7 @@ class ServerSettings:
     task: str = "generate"
     allowed_media_domains: Sequence[str] = ()
     allow_runtime_lora: bool = False
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
@@ -216,10 +220,13 @@ class ModelServer:
         Its prompt is `chat_prompt`'s, so a bad image is a 400 naming it before the engine
         sees the request."""
         parts = await self.chat_prompt(messages, template_kwargs, tools, prefill)
+        if params.thinking_budget is None and self.settings.reasoning_budget is not None:
+            params = params.replace(thinking_budget=self.settings.reasoning_budget)
         # With images the engine gets the parts: it expands each placeholder to its image's run.
         prompt = parts if parts.images else parts.token_ids
         names = tuple(tool["function"]["name"] for tool in tools or ())
-        tool_use = ToolUse(self.tool_format, names, forced_tool) if tools else None
+        parameters = {t["function"]["name"]: t["function"].get("parameters") for t in tools or ()}
+        tool_use = ToolUse(self.tool_format, names, forced_tool, parameters) if tools else None
         if tools and forced_tool is not None:
             # A named tool is one call; "required" may make several unless not parallel.
             callable_tools = [
@@ -241,6 +248,7 @@ class ModelServer:
             self.splits_reasoning,
             tool_use,
             lora=lora,
+            think_close=self.tokenizer.token_to_id(THINK_CLOSE) if self.splits_reasoning else None,
         )
 
     async def respond(

@@ -70,6 +70,7 @@ class ReasoningStream:
 
     def __init__(self, prompt_opened_think: bool = False) -> None:
         self._state = _REASONING if prompt_opened_think else _START
+        self.opened = prompt_opened_think  # the text is (or was) inside a <think> block
         self._held = ""
         self._reasoning_started = False  # leading newlines of the reasoning are dropped
 
@@ -105,7 +106,7 @@ class ReasoningStream:
         head = self._held.lstrip()
         if head.startswith(THINK_OPEN):
             self._held = head[len(THINK_OPEN) :]
-            self._state = _REASONING
+            self._state, self.opened = _REASONING, True
         elif not THINK_OPEN.startswith(head):
             self._state = _ANSWER
         return ""

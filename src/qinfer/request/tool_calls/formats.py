@@ -10,6 +10,17 @@ what it was trained on; `tool_call_format` reads that off the chat template:
                       {"name": "get_weather", "arguments": {"city": "Paris"}}
                       </tool_call>
                   separated by newlines, possibly after some text.
+    qwen3_xml     Qwen3.5/3.6, Qwen3-Coder (the template writes `<function=` and
+                  `<parameter=`): the template renders the tools and earlier calls; the
+                  model answers with blocks (`xml_calls`)
+                      <tool_call>
+                      <function=get_weather>
+                      <parameter=city>
+                      Paris
+                      </parameter>
+                      </function>
+                      </tool_call>
+                  separated by newlines, possibly after some text (or inside `<think>`).
     llama3_json   Llama 3.x (the template asks for `{"name", "parameters"}`): the template
                   renders the tools; the whole reply is one JSON object
                       {"name": "get_weather", "parameters": {"city": "Paris"}}
@@ -36,7 +47,8 @@ PYTHON_TAG = "<|python_tag|>"
 class ToolCallFormat:
     """How one family writes tool calls (see the module docstring).
 
-    name: "hermes", "llama3_json" or "generic". tagged: calls sit between
+    name: "hermes", "qwen3_xml", "llama3_json" or "generic". xml: the calls are XML
+    (`xml_calls`), else JSON. tagged: calls sit between
     `<tool_call>` and `</tool_call>` (else the reply is one bare JSON object).
     arguments_key: the JSON key of the arguments. in_template: the chat template renders
     the tools (`tools=`); else they go in a system message. parallel: several calls a turn.
@@ -47,9 +59,13 @@ class ToolCallFormat:
     arguments_key: str
     in_template: bool
     parallel: bool
+    xml: bool = False
 
 
 HERMES = ToolCallFormat("hermes", True, "arguments", in_template=True, parallel=True)
+QWEN3_XML = ToolCallFormat(
+    "qwen3_xml", True, "arguments", in_template=True, parallel=True, xml=True
+)
 LLAMA3_JSON = ToolCallFormat("llama3_json", False, "parameters", in_template=True, parallel=False)
 GENERIC = ToolCallFormat("generic", True, "arguments", in_template=False, parallel=True)
 
@@ -57,6 +73,8 @@ GENERIC = ToolCallFormat("generic", True, "arguments", in_template=False, parall
 def tool_call_format(tokenizer: Tokenizer) -> ToolCallFormat:
     """The format of the tokenizer's chat template (see the module docstring)."""
     template = tokenizer.chat_template or ""
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN3_XML
     if TOOL_CALL_OPEN in template:
         return HERMES
     if '"parameters"' in template and "<|start_header_id|>" in template:

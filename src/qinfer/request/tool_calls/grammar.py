@@ -9,6 +9,10 @@ mode, as `response_format` schemas are: an object schema that lists `properties`
 model, nested models and `$defs` included) allows no other key, so a small model cannot
 invent keys until max_tokens; `"additionalProperties": true`, or the tool's `strict:
 false`, leaves objects open.
+
+Qwen3.5's XML calls (`xml_calls`) are forced parameter by parameter, in the schema's
+order, the required ones always and the others optionally: a string's value is text
+without `</` (so that `</parameter>` ends it), any other value JSON under its schema.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def tool_call_grammar(
     constrains its arguments, closed as in strict mode unless the tool says `strict: false`
     (see the module docstring).
     """
+    if fmt.xml:
+        return _xml_call_grammar(tools, tokenizer, parallel and fmt.parallel)
     if len(tools) == 1:
         call_json = _call_schema(fmt, tools[0]["function"], "")
     else:
@@ -73,6 +79,54 @@ def tool_call_grammar(
     lines.append(f'call: {open_tag} "\\n" call_json "\\n" {close_tag}')
     lines.append('start: call ("\\n" call)*' if parallel and fmt.parallel else "start: call")
     return "\n".join(lines) + "\n"
+
+
+def _xml_call_grammar(
+    tools: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, parallel: bool
+) -> str:
+    """The Lark grammar of one or more XML calls of `tools` (see the module docstring)."""
+    open_tag, close_tag = _tag(tokenizer, TOOL_CALL_OPEN), _tag(tokenizer, TOOL_CALL_CLOSE)
+    lines = [
+        "%llguidance {}",
+        'start: call ("\\n" call)*' if parallel else "start: call",
+        f'call: {open_tag} "\\n" function "</function>\\n" {close_tag}',
+        # A string value: text in which `</` can only start the closing `</parameter>`.
+        "TEXT_VALUE: /(?s:(?:[^<]|<[^\\/])*)\\n<\\/parameter>\\n/",
+    ]
+    functions = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = function.get("parameters") or {}
+        closed = function.get("strict") is not False
+        parameters = strict_schema(parameters) if closed else lenient_schema(parameters)
+        required = set(parameters.get("required") or ())
+        items = [json.dumps(f"<function={function['name']}>\n")]
+        for j, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
+            rule, opening = f"p{i}_{j}", json.dumps(f"<parameter={key}>\n")
+            lines.append(f"{rule}: {opening} {_xml_value(rule, schema, parameters, lines)}")
+            items.append(rule if key in required else f"{rule}?")
+        lines.append(f"f{i}: {' '.join(items)}")
+        functions.append(f"f{i}")
+    lines.append(f"function: {' | '.join(functions)}")
+    return "\n".join(lines) + "\n"
+
+
+def _xml_value(rule: str, schema: Any, parameters: Mapping[str, Any], lines: list[str]) -> str:
+    """The Lark items of one parameter's value and its closing, rules added to `lines`:
+    one of a string enum's values, text for a string (or a schema that allows one), else
+    JSON under the schema (its `$ref`s resolved against the parameters' `$defs`)."""
+    closing = '"\\n</parameter>\\n"'
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = [types] if isinstance(types, str) else list(types or ())
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if enum and all(isinstance(value, str) for value in enum):
+        return f"({' | '.join(json.dumps(value) for value in enum)}) {closing}"
+    if "string" in types or not isinstance(schema, dict) or not (types or "$ref" in schema):
+        return "TEXT_VALUE"
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    value = {**schema, **defs, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    lines.append(f"{rule}_json: %json {json.dumps(value)}")
+    return f"{rule}_json {closing}"
 
 
 def _call_schema(fmt: ToolCallFormat, function: Mapping[str, Any], at: str) -> dict[str, Any]:

@@ -41,22 +41,6 @@ from qinfer.request.tool_calls.partial_json import ValueScanner, may_become, sam
 from qinfer.text.detokenizer import partial_match_length
 
 
-@dataclass(frozen=True)
-class ToolUse:
-    """The tools one request offers, in the model's format, and whether a call is forced.
-
-    forced: "required" (some tool), a tool's name (that tool), or None (`auto`).
-    """
-
-    fmt: ToolCallFormat
-    tool_names: tuple[str, ...]
-    forced: str | None = None
-
-    def parser(self) -> ToolCallParser:
-        """A parser for one reply (one per choice)."""
-        return ToolCallParser(self.fmt, self.tool_names, forced=self.forced is not None)
-
-
 @dataclass
 class ToolCallDelta:
     """What one stretch of a reply adds to the call at `index`: its id and name the

@@ -24,13 +24,19 @@ class CachedTokens(Answer):
     cached_tokens: int  # prompt tokens read from the prefix cache
 
 
+class ReasoningTokens(Answer):
+    reasoning_tokens: int  # generated inside <think>, its closing </think> included
+
+
 class Usage(Answer):
-    """Tokens a request took; the n choices of one prompt count its tokens once."""
+    """Tokens a request took; the n choices of one prompt count its tokens once. A chat
+    answer of a thinking model says how many of its tokens were reasoning."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: CachedTokens
+    completion_tokens_details: ReasoningTokens | None = None
 
 
 class TopLogprob(Answer):

@@ -201,6 +201,9 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     # Thinking on or off (a thinking model's template's `enable_thinking`); see `thinking`.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's name: at most this many tokens of <think> (then </think> is forced; see
+    # `SamplingParams.thinking_budget`); None: the server's `--reasoning-budget`.
+    thinking_token_budget: int | None = Field(None, ge=0)
     modalities: list[Literal["text"]] | None = None
     audio: Unsupported("qinfer answers in text only") = None
     prediction: Unsupported("predicted outputs are not implemented") = None
@@ -275,6 +278,12 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return "required" if self.tool_choice == "required" else None
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        fields = super().sampling_overrides()
+        if self.thinking_token_budget is not None:
+            fields["thinking_budget"] = self.thinking_token_budget
+        return fields
 
     @property
     def token_budget(self) -> int | None:

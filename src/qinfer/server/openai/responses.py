@@ -56,7 +56,6 @@ from qinfer.server.openai.responses_request import (
 from qinfer.server.openapi import documented
 from qinfer.server.reply_parts import Part, PartEvent, PartsFormat, ReplyParts
 from qinfer.server.routing import Access, read_body
-from qinfer.text.reasoning import THINK_CLOSE
 from qinfer.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -229,27 +228,23 @@ class ResponsesFormat(PartsFormat):
             for part in parts
             if not part.cut
         ]
-        usage = self.usage(completion, parts)
+        usage = self.usage(completion)
         response = self.response_object(completion, status, output, usage, error)
         if self.body.store:
             items = [*self.conversation, *(input_item(o) for o in output)]
             self.store.save(self.id, items, response)
         return response
 
-    def usage(self, completion: Completion, parts: list[Part]) -> dict[str, Any]:
+    def usage(self, completion: Completion) -> dict[str, Any]:
         """OpenAI's usage; reasoning tokens are the generated ones up to and including
         `</think>` (all of them while the block is open), when the reply thought."""
         counts = completion.usage()
-        reasoning_tokens = 0
-        if any(part.kind == "reasoning" for part in parts):
-            generated = completion.choices[0].output.token_ids
-            close = self.tokenizer.token_to_id(THINK_CLOSE)
-            reasoning_tokens = generated.index(close) + 1 if close in generated else len(generated)
+        details = counts.get("completion_tokens_details") or {"reasoning_tokens": 0}
         return {
             "input_tokens": counts["prompt_tokens"],
             "input_tokens_details": counts["prompt_tokens_details"],
             "output_tokens": counts["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens_details": details,
             "total_tokens": counts["total_tokens"],
         }
 

@@ -189,3 +189,37 @@ def test_engine_load_unload(served, tmp_path):
     llm.unload_lora("late")
     with pytest.raises(AdapterError, match="'late' is not loaded"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")
+
+
+def test_generate_and_chat_take_an_adapter(tmp_path, capsys, monkeypatch):
+    """`qinfer generate --lora DIR` prints the greedy reply through the adapter (the
+    engine's with that adapter, not the base model's); `chat --lora` replies through it
+    too; a folder that is not an adapter is refused in one line naming it."""
+    import io
+
+    from text_assets import save_qwen3_tokenizer
+
+    from qinfer.cli import main
+
+    backend = save_qwen3_tokenizer(tmp_path)
+    reference = build_checkpoint(tmp_path, "qwen3", vocab_size=backend.get_vocab_size())
+    adapter = tmp_path / "adapter"
+    save_lora_adapter(reference, adapter, ALL, r=8, seed=3)
+    flags = ["--model", str(tmp_path), "--max-tokens", "6", "--temperature", "0"]
+    flags += ["--dtype", "float32", "--device", "cpu", "--lora", str(adapter)]
+    assert main(["generate", *flags, "Hi"]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(tmp_path, dtype=torch.float32, lora_modules={"a": str(adapter)})
+    chat = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    through, base = (
+        llm.generate([chat], params, use_tqdm=False, lora=name)[0].text for name in ("a", None)
+    )
+    assert printed == through + "\n" and through != base
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(["chat", *flags]) == 0
+    assert capsys.readouterr().out.count(through) == 1
+    flags[-1] = str(tmp_path / "nothing")
+    assert main(["generate", *flags, "Hi"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "nothing" in line

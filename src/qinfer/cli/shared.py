@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from qinfer.engine.args import (
+    LORA_NAME,
     add_mmproj_argument,
     check_device,
     load_config,
+    lora_arguments,
     prompt_cache_arguments,
     speculative_arguments,
 )
@@ -63,16 +66,16 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
     generator over a loaded model (`stream_generate`); above, with speculative decoding
     (whose draft model loads once) or with --image (a vision-language checkpoint's tower
     loads with it), a batching engine whose rank 0 this process is (`LLM.stream`), its
-    workers following each step; so with --prompt-cache-dir (the engine's prefix cache)."""
+    workers following each step; so with --prompt-cache-dir (the engine's prefix cache) and
+    with --lora (the engine's adapters)."""
     speculative = speculative_arguments(args)
     prompt_cache = prompt_cache_arguments(args)
+    lora = lora_arguments(args)
     # images need the engine's vision tower, which a checkpoint's engine loads
     images = args.image or args.mmproj
-    plain = speculative is None and not images and not prompt_cache
+    plain = speculative is None and not images and not prompt_cache and not lora
     if args.tensor_parallel_size == 1 and plain:
         path, model, tokenizer = load_model_and_tokenizer(args)  # announced before torch's import
-        from functools import partial
-
         from qinfer.engine.generation import stream_generate
 
         return path, tokenizer, partial(stream_generate, model, tokenizer)
@@ -87,9 +90,10 @@ def load_streamer(args: argparse.Namespace) -> tuple[Path, Tokenizer, Streamer]:
         load=load_config(args),
         speculative=speculative,
         **prompt_cache,
+        **lora,
     )
     announcer.finished(llm.engine.executor.model)
-    return path, tokenizer, llm.stream
+    return path, tokenizer, partial(llm.stream, lora=LORA_NAME if lora else None)
 
 
 def sampling_params(args: argparse.Namespace, path: Path, *, chat: bool = False) -> SamplingParams:

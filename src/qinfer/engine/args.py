@@ -253,6 +253,26 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_argument(parser: argparse.ArgumentParser) -> None:
+    """`qinfer generate` / `chat`'s adapter (`qinfer serve` names its own: --lora-modules)."""
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="DIR",
+        help="a PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) "
+        "the replies run through (default: the base model)",
+    )
+
+
+#: The name `--lora`'s adapter is loaded under (the engine's requests name their adapter).
+LORA_NAME = "lora"
+
+
+def lora_arguments(args: argparse.Namespace) -> dict:
+    """The engine arguments of --lora (none when it is not given)."""
+    return {} if args.lora is None else {"lora_modules": {LORA_NAME: args.lora}}
+
+
 def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The prefix cache's disk tier (`qinfer.engine.disk_cache`)."""
     group = parser.add_argument_group("prompt cache on disk")

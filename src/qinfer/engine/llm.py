@@ -154,10 +154,13 @@ class LLM:
                     bar.update(1)
         return [finished[r.seq.request_id] for r in requests]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> TextStream:
         """One prompt as a stream of text deltas, as `qinfer.stream_generate` gives it. The
-        prompt is checked here; the engine runs as the stream is read."""
-        return TextStream(self.engine, self.engine.make_request(prompt, params))
+        prompt is checked here; the engine runs as the stream is read. lora: the loaded
+        LoRA adapter it runs through (None: the base model)."""
+        return TextStream(self.engine, self.engine.make_request(prompt, params, lora=lora))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -169,6 +169,28 @@ def test_the_directory_stays_under_its_size_oldest_blocks_removed_first(model, t
     assert not any(path.exists() for path in block_files(llm, prompts[0]))
 
 
+def test_a_flush_removes_the_models_files_and_leaves_other_models(model, tmp_path):
+    """`/flush_cache`'s flush empties the disk tier of this model too (its files removed,
+    counted; another model's folder untouched), so the next run computes the prompt."""
+    other = tmp_path / "another-model"
+    other.mkdir()
+    (other / "kept.kvb").write_bytes(b"not ours")
+    llm = make_llm(model, tmp_path)
+    cold = run(llm)
+    llm.engine.disk_cache.flush()
+    assert all(path.exists() for path in block_files(llm))
+    flush = llm.engine.block_manager.flush_prefix_cache()
+    # the prompt and its 6 generated tokens fill 8 blocks of 8 positions
+    assert flush.dropped_disk_blocks == 8 and flush.dropped_blocks == 8
+    assert not any(path.exists() for path in block_files(llm))
+    assert (other / "kept.kvb").exists()
+    again = run(llm)
+    stats = llm.engine.stats()
+    assert again.num_cached_tokens == 0 and stats.prompt_tokens_from_disk_total == 0
+    assert again.token_ids == cold.token_ids
+    llm.close()
+
+
 def test_two_engines_sharing_a_directory_read_each_others_blocks(model, tmp_path):
     first, second = make_llm(model, tmp_path), make_llm(model, tmp_path)
     other = [p + 1 for p in PROMPT]

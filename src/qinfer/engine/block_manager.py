@@ -195,10 +195,12 @@ class BlockPool:
 class CacheFlush:
     """What `BlockManager.flush_prefix_cache` did, in space 0's blocks: prefixes forgotten
     (free blocks) and kept (blocks that running sequences hold: forgotten once freed and
-    reused, never taken from them)."""
+    reused, never taken from them); and the disk tier's block files removed (0 without
+    one)."""
 
     dropped_blocks: int
     kept_blocks: int
+    dropped_disk_blocks: int = 0
 
 
 class BlockManager:
@@ -260,9 +262,11 @@ class BlockManager:
         return not self.state_slots or bool(self._free_slots)
 
     def flush_prefix_cache(self) -> CacheFlush:
-        """Forget every cached prefix no sequence holds, in every space (`/flush_cache`)."""
+        """Forget every cached prefix no sequence holds, in every space, and the disk
+        tier's files of this model (`/flush_cache`)."""
         dropped = [pool.forget_free() for pool in self.pools]
-        return CacheFlush(dropped[0], self.pools[0].num_cached_held_blocks)
+        on_disk = 0 if self.disk is None else self.disk.forget()
+        return CacheFlush(dropped[0], self.pools[0].num_cached_held_blocks, on_disk)
 
     def _tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s tables in this manager's spaces (one each, made here when it has none)."""

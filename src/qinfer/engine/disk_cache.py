@@ -207,6 +207,22 @@ class DiskCache:
         """Wait until every queued block is written (or dropped)."""
         self._jobs.join()
 
+    def forget(self) -> int:
+        """Remove this model's block files (after the queued ones are written), for
+        `/flush_cache`; other models' folders are left alone. Returns the files removed."""
+        self.flush()
+        removed = 0
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    os.unlink(entry.path)
+                except OSError:  # removed meanwhile by another process
+                    continue
+                removed += 1
+        self.known.clear()
+        self._total = sum(size for _, _, size in self._files())
+        return removed
+
     def close(self) -> None:
         """Write what is queued, then stop the writer (idempotent)."""
         if self._thread.is_alive():

@@ -110,6 +110,7 @@ class FlushResponse(Answer):
     message: str
     dropped_blocks: int  # cached prefixes forgotten: no request held them
     kept_blocks: int  # cached prefixes running requests hold: kept for them
+    dropped_disk_blocks: int  # the prompt cache's files of this model removed (--prompt-cache-dir)
     running_requests: int
     block_size: int
 
@@ -177,10 +178,14 @@ def router(server: ModelServer, access: Access) -> APIRouter:
         flush = await server.engine.flush_prefix_cache()
         running = server.engine.stats().num_running
         kept = f", kept {flush.kept_blocks} that running requests hold" if flush.kept_blocks else ""
+        disk = (
+            f", removed {flush.dropped_disk_blocks} from disk" if flush.dropped_disk_blocks else ""
+        )
         return FlushResponse(
-            message=f"Cache flushed: dropped {flush.dropped_blocks} cached blocks{kept}",
+            message=f"Cache flushed: dropped {flush.dropped_blocks} cached blocks{kept}{disk}",
             dropped_blocks=flush.dropped_blocks,
             kept_blocks=flush.kept_blocks,
+            dropped_disk_blocks=flush.dropped_disk_blocks,
             running_requests=running,
             block_size=server.engine.engine.config.block_size,
         )

@@ -119,13 +119,14 @@ def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, d
 # 8 blocks; 5, 3 and 18 (the kernel loads 4 at once; 18 is SmolLM2's 576: two chunks of m)
 @pytest.mark.parametrize("k", [256, 160, 96, 576])
 def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k):
-    """int4 groups of 32 in qinfer's layout: the weight d q + m (the fp32 scales and zeros,
-    not re-rounded to the activations' dtype) times the activations as they are, fp32
+    """int4 groups of 32 in qinfer's layout: the weight d q + m (the scales and zeros as
+    given, fp16 values held in fp16, not re-rounded to the activations' dtype) times the
+    activations as they are, fp32
     products and sums only, on every path; each row alike at any row count, bit for bit;
     the layer's tiles, rows and int8_dot path read the same packed weight."""
     groups = quantize_int4(weight(201, k), 32)  # odd: a last column of its own in 2-col tiles
     w = Int4BlockLinear(groups, None, dtype)
-    assert torch.equal(w.d, groups.scales)  # fp32, as given
+    assert w.d.dtype == torch.float16 and torch.equal(w.d.float(), groups.scales)
     exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
         32, 1
     ) + groups.zeros.double().repeat_interleave(32, 1)

@@ -92,7 +92,7 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 dv = _mm512_set1_ps(widen(p.d[c][b]));
+      const __m512 dv = splat16(p.d[c] + b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -128,7 +128,7 @@ QINFER_AVX2 void Int8BlocksF32<S>::tile_avx2(const WeightsF<S>& w, int64_t n0, c
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 dv = _mm256_set1_ps(widen(p.d[c][b]));
+      const __m256 dv = splat8(p.d[c] + b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
     }

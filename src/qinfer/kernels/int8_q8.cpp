@@ -114,7 +114,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = _mm512_reduce_add_ps(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen(w.scale[n0 + c]);
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
     }
 }
 
@@ -150,7 +150,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
         for (int h = 0; h < 2; ++h) {
           const S* dh = d[c] + (2 * p + h) * L;
           const bool mine = h == 0 || p < full;
-          const float lo = mine ? widen(dh[0]) : 0.0f, hi = mine ? widen(dh[L - 1]) : 0.0f;
+          const float lo = mine ? widen_f16c(dh[0]) : 0.0f, hi = mine ? widen_f16c(dh[L - 1]) : 0.0f;
           ws[h] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
         }
       }
@@ -175,7 +175,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = hsum_avx2(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen(w.scale[n0 + c]);
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
     }
 }
 

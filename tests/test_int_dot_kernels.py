@@ -67,8 +67,46 @@ def test_pack_layout(built) -> None:
     q = groups.q.view(24, 3, 32)
     assert torch.equal(blocks & 15, q[..., :16])  # byte j: element j low, j + 16 high
     assert torch.equal(blocks >> 4, q[..., 16:])
+    # quantize_int4's scales and mins are fp16 values: packed as fp16, the same numbers
+    assert packed.d.dtype == packed.m.dtype == torch.float16
+    assert torch.equal(packed.d.float(), groups.scales)
+    assert torch.equal(packed.m.float(), groups.zeros - 8 * groups.scales)
+
+
+def test_pack_keeps_fp32_where_fp16_would_round(built) -> None:
+    """One scale that is no fp16 value (Q4_K's d * sc, say) keeps d and m in fp32, as given."""
+    groups = weight(24, 96)
+    groups.scales[5, 1] *= 1 + 2.0**-20
+    packed = kernels.pack_int4(groups)
+    assert packed.d.dtype == packed.m.dtype == torch.float32
     assert torch.equal(packed.d, groups.scales)
     assert torch.equal(packed.m, groups.zeros - 8 * groups.scales)
+
+
+# (N, K) with an odd block count (a half pair, a last group of fewer than 4 blocks), every
+# column tile's tail, and a K of more than 16 blocks (the offsets' chunks of 16 and 8)
+HALF_SHAPES = [(19, 32), (33, 96), (40, 288), (77, 1536)]
+
+
+@pytest.mark.parametrize(("n", "k"), HALF_SHAPES)
+def test_fp16_scales_give_the_bits_of_fp32_ones(path, n, k) -> None:
+    """fp16 scales (GGUF's, widened in the kernels) and the same values in fp32 give the same
+    bits on every op and path, at 1 row and at 9: only the bytes read differ."""
+    groups = weight(n, k)
+    half = kernels.pack_int4(groups)
+    wide = kernels.PackedInt4(half.qs, half.d.float(), half.m.float())
+    q, scales, _ = int8_weight(n, k, 32)
+    q16, scales16, _ = int8_weight(n, k, 16)
+    for rows in (1, 9):
+        x = activations(rows, k, torch.float32)
+        for op in (kernels.int4_mm, kernels.int4_groups_mm):
+            assert torch.equal(op(x, half, path), op(x, wide, path)), (op.__name__, rows)
+        for q_, s in ((q, scales.half()), (q16, scales16.half()), (q, scales[:, 0].half())):
+            for op in (kernels.int8_mm, kernels.int8_blocks_mm):
+                if op is kernels.int8_blocks_mm and s.dim() == 1:
+                    continue  # int8 blocks only: no per-row scales
+                got, want = op(x, q_, s, path), op(x, q_, s.float(), path)
+                assert torch.equal(got, want), (op.__name__, tuple(s.shape), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -214,9 +252,10 @@ def test_bad_inputs_name_the_tensor(built) -> None:
     )
     assert "qs must be torch.uint8, got torch.int32" in _error(lambda: op(x, qs.int(), d, m))
     assert "d must have shape (16, 2)" in _error(lambda: op(x, qs, d[:, :1], m))
-    assert "m must be torch.float32, got torch.bfloat16" in _error(
-        lambda: op(x, qs, d, m.bfloat16())
+    assert "d must be torch.float16 or torch.float32, got torch.bfloat16" in _error(
+        lambda: op(x, qs, d.bfloat16(), m)
     )
+    assert "m must be torch.float16, got torch.float32" in _error(lambda: op(x, qs, d, m.float()))
     assert "path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
         lambda: kernels.int4_mm(x, packed, "fast")
     )
@@ -333,7 +372,7 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
         lambda: kernels.int8_mm(x, q, scales[:8])
     )
     assert f"{per}, got (16, 8)" in _error(lambda: kernels.int8_mm(x, q, torch.ones(16, 8)))
-    assert "int8_mm: scales must be torch.float32, got torch.bfloat16" in _error(
+    assert "int8_mm: scales must be torch.float16 or torch.float32, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )
     assert "int8_mm: path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(

@@ -62,6 +62,9 @@ def test_int8_blocks_of_gguf_blocks_dequantize_bit_identically(qtype):
     assert blocks.block_size == (16 if qtype == gguf.GGMLQuantizationType.Q6_K else 32)
     assert torch.equal(blocks.dequantize(), reference)
     layer = Int8BlockLinear(blocks, None, torch.float32)
+    # the file's fp16 scales stay fp16 (Q8_0, Q5_0); Q6_K's d * sc are no fp16 values
+    wide = qtype == gguf.GGMLQuantizationType.Q6_K
+    assert layer.scales.dtype == (torch.float32 if wide else torch.float16)
     assert torch.equal(layer.dequantize(), reference)
     ids = torch.tensor([[5, 0, 31]])
     assert torch.equal(layer.rows(ids), reference[ids])
@@ -119,13 +122,14 @@ def test_int8_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, block, d
 # 8 blocks; 5, 3 and 18 (the kernel loads 4 at once; 18 is SmolLM2's 576: two chunks of m)
 @pytest.mark.parametrize("k", [256, 160, 96, 576])
 def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k):
-    """int4 groups of 32 in qinfer's layout: the weight d q + m (the fp32 scales and zeros,
-    not re-rounded to the activations' dtype) times the activations as they are, fp32
+    """int4 groups of 32 in qinfer's layout: the weight d q + m (the scales and zeros as
+    given, fp16 values held in fp16, not re-rounded to the activations' dtype) times the
+    activations as they are, fp32
     products and sums only, on every path; each row alike at any row count, bit for bit;
     the layer's tiles, rows and int8_dot path read the same packed weight."""
     groups = quantize_int4(weight(201, k), 32)  # odd: a last column of its own in 2-col tiles
     w = Int4BlockLinear(groups, None, dtype)
-    assert torch.equal(w.d, groups.scales)  # fp32, as given
+    assert w.d.dtype == torch.float16 and torch.equal(w.d.float(), groups.scales)
     exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
         32, 1
     ) + groups.zeros.double().repeat_interleave(32, 1)
@@ -203,6 +207,20 @@ def test_quantize_int4_error_is_at_most_half_a_step(group_size):
     step = groups.scales.repeat_interleave(group_size, dim=1)
     assert ((groups.dequantize() - w).abs() <= step / 2 + 1e-7).all()
     assert int(groups.q.min()) >= 0 and int(groups.q.max()) <= 15
+
+
+def test_quantize_int4_rounds_scales_and_mins_to_fp16_within_its_range():
+    """Scales and mins are fp16 values (held in 2 bytes by the kernels), q rounded against
+    them; a weight past fp16's range keeps fp32 ones, still within half a step."""
+    w = weight()
+    groups = quantize_int4(w, 32)
+    mins = groups.zeros - 8 * groups.scales
+    assert torch.equal(groups.scales.half().float(), groups.scales)
+    assert torch.equal(mins.half().float(), mins)
+    huge = quantize_int4(w * 1e7, 32)
+    assert not torch.equal(huge.scales.half().float(), huge.scales)
+    step = huge.scales.repeat_interleave(32, dim=1)
+    assert ((huge.dequantize() - w * 1e7).abs() <= step / 2 * (1 + 1e-5)).all()
 
 
 def test_quantize_int8_error_is_at_most_half_a_step():

@@ -5,9 +5,9 @@ and why: docs/KERNELS.md.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
     y = int4_mm(x, packed)         # x (M, K) fp32 or bf16 -> y (M, N) fp32, ~ x @ W.T
-    y = int8_mm(x, q, scales)      # int8 q (N, K), fp32 scales per row (N,) or per block
+    y = int8_mm(x, q, scales)      # int8 q (N, K), scales per row (N,) or per block
                                    #   of 32 or 16 (N, K/B): ~ x @ (q * s).T
-    y = int8_blocks_mm(x, q, d)    # int8 q (N, K), fp32 scales d (N, K/B), B = 16 or 32:
+    y = int8_blocks_mm(x, q, d)    # int8 q (N, K), scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
                                    #   x @ W.T, W = d q + m, per block d (q . x) + m sum(x)
@@ -25,7 +25,8 @@ The library is built on first use (`build`: `available()` says why it cannot be,
 whether it can be expected to); the paths each op has on this CPU and the one "auto" takes
 are `cpu`'s (`paths`, `auto_path`, `norm_paths`, `norm_auto_path`), and `in_use()` says
 whether the layers take the kernels (`QINFER_CPU_KERNELS` off: the pure-torch path). The
-ops' registration with torch (fake kernels for `torch.compile`, refusals of other devices'
+weights' scales (and int4 offsets m) are fp16 or fp32, widened exactly in the kernels:
+`fp16_if_exact` keeps a GGUF's fp16 scales at the file's size. The ops' registration with torch (fake kernels for `torch.compile`, refusals of other devices'
 tensors) is `registry`'s.
 """
 
@@ -53,6 +54,7 @@ __all__ = [
     "available",
     "build_directory",
     "buildable",
+    "fp16_if_exact",
     "heads_rms_norm",
     "in_use",
     "int4_groups_mm",
@@ -86,9 +88,20 @@ class Int4Groups(Protocol):
     def group_size(self) -> int: ...
 
 
+def fp16_if_exact(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A weight's fp32 scales (and offsets) as the kernels read them: all in fp16 where every
+    one is an fp16 value (GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 hold fp16 scales: a decode step then
+    reads the file's bytes, a Q4_0 block 18 of them, not 24), else all as they are (Q4_K's and
+    Q6_K's scales d * sc are not). Either gives the same bits: the kernels widen fp16 exactly."""
+    narrowed = tuple(s.half() for s in scales)
+    exact = all(torch.equal(n.float(), s) for n, s in zip(narrowed, scales, strict=True))
+    return narrowed if exact else scales
+
+
 @dataclass(frozen=True)
 class PackedInt4:
-    """A weight for `int4_mm`: qs (N, K/2) uint8, d and m (N, K/32) fp32 (w = d q + m)."""
+    """A weight for `int4_mm`: qs (N, K/2) uint8, d and m (N, K/32) both fp16 or both fp32
+    (w = d q + m)."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -101,14 +114,15 @@ class PackedInt4:
 
 
 def pack_int4(groups: Int4Groups) -> PackedInt4:
-    """The kernel's layout of int4 groups of 32 (docs/KERNELS.md)."""
+    """The kernel's layout of int4 groups of 32 (docs/KERNELS.md), d and m in fp16 where
+    that is exact (`fp16_if_exact`)."""
     require()
     if groups.group_size != BLOCK:
         raise ValueError(
             f"pack_int4: the kernel takes int4 groups of {BLOCK}, got groups of {groups.group_size}"
         )
     qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
-    return PackedInt4(qs, d, m)
+    return PackedInt4(qs, *fp16_if_exact(d, m))
 
 
 def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
@@ -121,8 +135,8 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
 def int8_mm(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str = "auto"
 ) -> torch.Tensor:
-    """(M, K) fp32 or bf16 times int8 q (N, K) with fp32 scales, one per row (N,) or one per
-    block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
+    """(M, K) fp32 or bf16 times int8 q (N, K) with fp16 or fp32 scales, one per row (N,) or
+    one per block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
     sum_b dx[r, b] (q[n, b] . qx[r, b]), or sum_b dx[r, b] * scales[n, b] (q[n, b] . qx[r, b])
     per block, the activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's
     q8_0 dot)."""
@@ -134,8 +148,8 @@ def int8_mm(
 def int8_blocks_mm(
     x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: str = "auto"
 ) -> torch.Tensor:
-    """(M, K) fp32 or bf16 times int8 q (N, K) with one fp32 scale per block of B input
-    columns, d (N, K/B) for B = 16 or 32, transposed -> (M, N) fp32: sum_b d[n, b] *
+    """(M, K) fp32 or bf16 times int8 q (N, K) with one fp16 or fp32 scale per block of B
+    input columns, d (N, K/B) for B = 16 or 32, transposed -> (M, N) fp32: sum_b d[n, b] *
     (q[n, b] . x[r, b]), the activations as they are (bf16 widened exactly)."""
     if ops.int8_blocks_mm is None:
         require()

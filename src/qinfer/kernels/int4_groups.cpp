@@ -122,8 +122,10 @@ struct ActF4Storage {
   }
 };
 
+// scales S: fp16 or fp32 (matmul.h, `Int4Packed`)
+template <typename S>
 struct Int4GroupsF32 {
-  QINFER_MATMUL_KERNEL(Int4Packed, ActF4)
+  QINFER_MATMUL_KERNEL(Int4Packed<S>, ActF4)
 };
 
 // A tile's R rows of the activations (from row r0), copied into locals as Q8Rows are.
@@ -146,25 +148,25 @@ QINFER_VNNI inline __m512i group_vnni(const uint8_t* qs, int64_t g, int64_t nb) 
   if (left >= 4) return _mm512_loadu_si512(qs + g * 64);
   return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * left)) - 1), qs + g * 64);
 }
-QINFER_VNNI inline __m512 group_scales_vnni(const float* d, int64_t g, int64_t nb) {
+template <typename S>
+QINFER_VNNI inline __m512 group_scales_vnni(const S* d, int64_t g, int64_t nb) {
   const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t left = std::min<int64_t>(4, nb - 4 * g);
-  const __m128 four = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << left) - 1), d + g * 4);
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(scales4(d + g * 4, nb - 4 * g)));
 }
 
+template <typename S>
 template <int R, int C>
-QINFER_VNNI void Int4GroupsF32::tile_vnni(const Int4Packed& w, int64_t n0, const ActF4& a,
-                                          int64_t r0, float* out, int64_t ldo) {
+QINFER_VNNI void Int4GroupsF32<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const ActF4& a,
+                                             int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
   constexpr int64_t ahead = kGroupsAhead<R>;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const auto [xp, sx] = F4Rows<R>(a, r0);
   __m512 tot[C][R];
   clear(tot);
-  prefetch_scales<C>(d, nb);
-  prefetch_scales<C>(m, nb);
+  prefetch_scales<C, S>(d, nb);
+  prefetch_scales<C, S>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
     __m512i v[C];
     #pragma GCC unroll 8
@@ -203,8 +205,7 @@ QINFER_VNNI void Int4GroupsF32::tile_vnni(const Int4Packed& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) mt[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbs; b += 16) {
-      const __m512 mv = _mm512_maskz_loadu_ps(
-          static_cast<__mmask16>(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1), m[c] + b);
+      const __m512 mv = scales16(m[c] + b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) mt[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(sx[i] + b), mt[i]);
     }
@@ -220,19 +221,20 @@ QINFER_AVX2 inline __m256i first_lanes_avx2(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), lane);
 }
 
+template <typename S>
 template <int R, int C>
-QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const ActF4& a,
-                                          int64_t r0, float* out, int64_t ldo) {
+QINFER_AVX2 void Int4GroupsF32<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const ActF4& a,
+                                             int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
   constexpr int64_t ahead = kGroupsAhead<R>;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const auto [xp, sx] = F4Rows<R>(a, r0);
   __m256 tot[C][R];
   clear(tot);
-  prefetch_scales<C>(d, nb);
-  prefetch_scales<C>(m, nb);
+  prefetch_scales<C, S>(d, nb);
+  prefetch_scales<C, S>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
@@ -243,8 +245,7 @@ QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const
         const int* src = reinterpret_cast<const int*>(qs[c] + g * 64 + h * 32);
         const __m256i v = left >= 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
                                     : _mm256_maskload_epi32(src, first_lanes_avx2(4 * left));
-        const __m128 two = _mm_maskload_ps(
-            d[c] + 4 * g + 2 * h, _mm256_castsi256_si128(first_lanes_avx2(std::min<int64_t>(left, 2))));
+        const __m128 two = scales4(d[c] + 4 * g + 2 * h, std::min<int64_t>(left, 2));
         const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
         __m256 a0[R], a1[R];
         #pragma GCC unroll 8
@@ -270,7 +271,7 @@ QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) mt[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbs; b += 8) {
-      const __m256 mv = _mm256_maskload_ps(m[c] + b, first_lanes_avx2(nb - b));
+      const __m256 mv = scales8(m[c] + b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) mt[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[i] + b), mt[i]);
     }
@@ -280,12 +281,13 @@ QINFER_AVX2 void Int4GroupsF32::tile_avx2(const Int4Packed& w, int64_t n0, const
   }
 }
 
-void Int4GroupsF32::dot_scalar(const Int4Packed& w, int64_t n, const ActF4& a, int64_t r,
-                               float* out, int64_t ldo) {
+template <typename S>
+void Int4GroupsF32<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const ActF4& a, int64_t r,
+                                  float* out, int64_t ldo) {
   const int64_t nb = w.nb, K = nb * kBlock;
   const uint8_t* qs = w.qs + n * nb * 16;
-  const float* d = w.d + n * nb;
-  const float* m = w.m + n * nb;
+  const S* d = w.d + n * nb;
+  const S* m = w.m + n * nb;
   const float* x = a.x + r * K;
   const float* sx = a.row_sx(r);
   float tot = 0.0f;
@@ -295,10 +297,10 @@ void Int4GroupsF32::dot_scalar(const Int4Packed& w, int64_t n, const ActF4& a, i
       const int q = j < 16 ? qs[b * 16 + j] & 15 : qs[b * 16 + j - 16] >> 4;
       t = std::fma(static_cast<float>(q), x[b * kBlock + j], t);
     }
-    tot = std::fma(t, d[b], tot);
+    tot = std::fma(t, widen(d[b]), tot);
   }
   float mt = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) mt = std::fma(m[b], sx[b], mt);
+  for (int64_t b = 0; b < nb; ++b) mt = std::fma(widen(m[b]), sx[b], mt);
   out[r * ldo + n] = tot + mt;
 }
 
@@ -317,8 +319,11 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
   at::Tensor x32;
   static thread_local ActF4Storage storage;
   const ActF4 a = storage.make(fp32_activations(x_in, x32).x, M, K, path != Isa::Scalar);
-  const Int4Packed w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K / kBlock};
-  matmul<Int4GroupsF32>(path, w, N, M, a, out.data_ptr<float>());
+  with_scales(d, [&](auto tag) {
+    using S = decltype(tag);
+    const Int4Packed<S> w{qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.data_ptr<S>(), K / kBlock};
+    matmul<Int4GroupsF32<S>>(path, w, N, M, a, out.data_ptr<float>());
+  });
   storage.trim();
   return out;
 }

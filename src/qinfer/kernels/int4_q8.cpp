@@ -6,7 +6,7 @@
 //   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds
 //             element j in its low nibble and element j + 16 in its high nibble (llama.cpp's
 //             Q4 layout), so one 16-byte load unpacks into the block's 32 values in order.
-//             d, m (N, K/32) fp32: w = d * q + m.
+//             d, m (N, K/32) fp16 or fp32 (matmul.h, `Int4Packed`): w = d * q + m.
 //   activations (made per call, never seen by Python): per row, per pair of blocks p
 //             (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair has:
 //             [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per pair:
@@ -47,19 +47,21 @@
 namespace qinfer_kernels {
 namespace {
 
-// int4 pairs x the activations in the pairs' order (`Act`, q8.h)
+// int4 pairs x the activations in the pairs' order (`Act`, q8.h), scales S (`Int4Packed`)
+template <typename S>
 struct Int4Q8 {
-  QINFER_MATMUL_KERNEL(Int4Packed, Act)
+  QINFER_MATMUL_KERNEL(Int4Packed<S>, Act)
 };
 
+template <typename S>
 template <int R, int C>
-QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
-                                   float* out, int64_t ldo) {
+QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const Act& a,
+                                      int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, np = a.np, full = nb / 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // lanes 0-3 and 8-11 hold block 2p (low and high halves), 4-7 and 12-15 block 2p + 1
   const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
   __m512 acc[C][R];
   clear(acc);
@@ -78,10 +80,10 @@ QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a
       _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
       if (p < full) {
         packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
-        d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d[c] + 2 * p)));
+        d2 = scales4(d[c] + 2 * p, 2);
       } else {  // an odd last block: read only its own bytes (the next row may not exist)
         packed = _mm256_maskz_loadu_epi8(0xFFFF, qs[c] + p * 32);
-        d2 = _mm_load_ss(d[c] + 2 * p);
+        d2 = scales4(d[c] + 2 * p, 1);
       }
       // [2p lo | 2p+1 lo | 2p hi | 2p+1 hi] nibbles, 0..15 each: the u8 operand of dpbusd
       const __m512i wq = _mm512_and_si512(
@@ -98,13 +100,12 @@ QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a
   }
   // the offsets: sum over blocks of m * (dx * sum(qx)), 16 blocks a step
   for (int64_t b = 0; b < nb; b += 16) {
-    const __mmask16 k = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
     __m512 sv[R];
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) sv[i] = _mm512_loadu_ps(s[i] + b);
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 m16 = _mm512_maskz_loadu_ps(k, m[c] + b);
+      const __m512 m16 = scales16(m[c] + b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(m16, sv[i], acc[c][i]);
     }
@@ -115,14 +116,15 @@ QINFER_VNNI void Int4Q8::tile_vnni(const Int4Packed& w, int64_t n0, const Act& a
     for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
 }
 
+template <typename S>
 template <int R, int C>
-QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a, int64_t r0,
-                                   float* out, int64_t ldo) {
+QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const Act& a,
+                                      int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, np = a.np, full = nb / 2;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pair_lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const auto [qs, d, m] = Int4Columns<C>(w, n0);
+  const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
   __m256 acc[C][R];
   clear(acc);
@@ -134,12 +136,12 @@ QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a
       _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
       if (p < full) {
         packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
-        d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d[c] + 2 * p)));
+        d2 = scales4(d[c] + 2 * p, 2);
       } else {
         packed = _mm256_inserti128_si256(
             _mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + p * 32)),
             0);
-        d2 = _mm_load_ss(d[c] + 2 * p);
+        d2 = scales4(d[c] + 2 * p, 1);
       }
       const __m256i lo = _mm256_and_si256(packed, low4);                        // [2p lo | 2p+1 lo]
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // [2p hi | 2p+1 hi]
@@ -160,12 +162,9 @@ QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a
     }
   }
   for (int64_t b = 0; b < nb; b += 8) {
-    const int64_t left = std::min<int64_t>(8, nb - b);
-    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 m8 = _mm256_maskload_ps(m[c] + b, k);
+      const __m256 m8 = scales8(m[c] + b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         acc[c][i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s[i] + b), acc[c][i]);
@@ -179,12 +178,13 @@ QINFER_AVX2 void Int4Q8::tile_avx2(const Int4Packed& w, int64_t n0, const Act& a
 }
 
 // The reference path: one output at a time, block by block.
-void Int4Q8::dot_scalar(const Int4Packed& w, int64_t n, const Act& a, int64_t r, float* out,
-                        int64_t ldo) {
+template <typename S>
+void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Act& a, int64_t r,
+                           float* out, int64_t ldo) {
   const int64_t nb = w.nb;
   const uint8_t* qs = w.qs + n * nb * 16;
-  const float* d = w.d + n * nb;
-  const float* m = w.m + n * nb;
+  const S* d = w.d + n * nb;
+  const S* m = w.m + n * nb;
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
   const float* s = a.row_s(r);
@@ -195,9 +195,9 @@ void Int4Q8::dot_scalar(const Int4Packed& w, int64_t n, const Act& a, int64_t r,
     const int8_t* hi = qx + qx_pos(b, 16);
     int32_t dot = 0;
     for (int j = 0; j < 16; ++j) dot += (wb[j] & 15) * lo[j] + (wb[j] >> 4) * hi[j];
-    acc += static_cast<float>(dot) * (d[b] * dx8[(b >> 1) * 8 + (b & 1) * 4]);
+    acc += static_cast<float>(dot) * (widen(d[b]) * dx8[(b >> 1) * 8 + (b & 1) * 4]);
   }
-  for (int64_t b = 0; b < nb; ++b) acc += m[b] * s[b];
+  for (int64_t b = 0; b < nb; ++b) acc += widen(m[b]) * s[b];
   out[r * ldo + n] = acc;
 }
 
@@ -253,8 +253,11 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
   static thread_local ActStorage storage;
   Act a = storage.make(M, K);
   quantize(x, a, path);
-  const Int4Packed w{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), nb};
-  matmul<Int4Q8>(path, w, N, M, a, out.data_ptr<float>());
+  with_scales(d, [&](auto tag) {
+    using S = decltype(tag);
+    const Int4Packed<S> w{qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.data_ptr<S>(), nb};
+    matmul<Int4Q8<S>>(path, w, N, M, a, out.data_ptr<float>());
+  });
   return out;
 }
 

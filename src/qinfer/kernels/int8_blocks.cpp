@@ -1,4 +1,4 @@
-// int8 weights with one fp32 scale per block of 16 or 32 (GGUF's Q8_0, Q5_0 and Q6_K values)
+// int8 weights with one scale per block of 16 or 32 (GGUF's Q8_0, Q5_0 and Q6_K values)
 // x fp32 activations in fp32: the op int8_blocks_mm. docs/KERNELS.md says what it computes.
 
 #include <ATen/Parallel.h>
@@ -23,8 +23,8 @@ namespace qinfer_kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// int8 weights with one fp32 scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
-// Q6_K values, kept exactly) times fp32 activations (bf16 ones widened exactly): neither
+// int8 weights with one scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
+// Q6_K values, kept exactly; the scales fp16 or fp32: matmul.h, `Int4Packed`) times fp32 activations (bf16 ones widened exactly): neither
 // operand is rounded, so the result is x @ W.T up to fp32 summation. Per output (r, n), on
 // every path (lanes L: 16 AVX512, 8 AVX2, 1 scalar):
 //   acc (lanes) = 0
@@ -33,22 +33,23 @@ namespace {
 //   out = horizontal sum of acc (a fixed tree of adds)
 // ---------------------------------------------------------------------------------------
 
+template <typename S>
 struct WeightsF {
   const int8_t* q;  // (N, K)
-  const float* d;   // (N, K/B)
+  const S* d;       // (N, K/B)
   int64_t nb;       // K / 32 (the grain's measure of K, as the other kinds')
   int64_t B;        // 16 or 32
 };
 
 // A tile's row pointers into the weight (its C columns' q and d) and the activations (its R
 // rows), copied into locals once (see the note above the int4 tiles).
-template <int R, int C>
+template <int R, int C, typename S>
 struct TileRows {
   int64_t blocks;
   const int8_t* q[C];
-  const float* d[C];
+  const S* d[C];
   const float* x[R];
-  TileRows(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0) {
+  TileRows(const WeightsF<S>& w, int64_t n0, const ActF& a, int64_t r0) {
     const int64_t K = w.nb * kBlock;
     blocks = K / w.B;
     for (int c = 0; c < C; ++c) {
@@ -59,16 +60,18 @@ struct TileRows {
   }
 };
 
+template <typename S>
 struct Int8BlocksF32 {
-  QINFER_MATMUL_KERNEL(WeightsF, ActF)
+  QINFER_MATMUL_KERNEL(WeightsF<S>, ActF)
 };
 
+template <typename S>
 template <int R, int C>
-QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
-                                          float* out, int64_t ldo) {
+QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, const ActF& a,
+                                             int64_t r0, float* out, int64_t ldo) {
   const int64_t B = w.B;
-  TileRows<R, C> p(w, n0, a, r0);
-  prefetch_scales<C>(p.d, p.blocks);
+  TileRows<R, C, S> p(w, n0, a, r0);
+  prefetch_scales<C, S>(p.d, p.blocks);
   __m512 acc[C][R];
   clear(acc);
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -89,7 +92,7 @@ QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const A
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 dv = _mm512_set1_ps(p.d[c][b]);
+      const __m512 dv = splat16(p.d[c] + b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -100,12 +103,13 @@ QINFER_VNNI void Int8BlocksF32::tile_vnni(const WeightsF& w, int64_t n0, const A
     for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
 }
 
+template <typename S>
 template <int R, int C>
-QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const ActF& a, int64_t r0,
-                                          float* out, int64_t ldo) {
+QINFER_AVX2 void Int8BlocksF32<S>::tile_avx2(const WeightsF<S>& w, int64_t n0, const ActF& a,
+                                             int64_t r0, float* out, int64_t ldo) {
   const int64_t B = w.B;
-  TileRows<R, C> p(w, n0, a, r0);
-  prefetch_scales<C>(p.d, p.blocks);
+  TileRows<R, C, S> p(w, n0, a, r0);
+  prefetch_scales<C, S>(p.d, p.blocks);
   __m256 acc[C][R];
   clear(acc);
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -124,7 +128,7 @@ QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const A
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 dv = _mm256_set1_ps(p.d[c][b]);
+      const __m256 dv = splat8(p.d[c] + b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -135,17 +139,18 @@ QINFER_AVX2 void Int8BlocksF32::tile_avx2(const WeightsF& w, int64_t n0, const A
     for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
 }
 
-void Int8BlocksF32::dot_scalar(const WeightsF& w, int64_t n, const ActF& a, int64_t r, float* out,
-                               int64_t ldo) {
+template <typename S>
+void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a, int64_t r,
+                                  float* out, int64_t ldo) {
   const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
   const int8_t* q = w.q + n * K;
-  const float* d = w.d + n * blocks;
+  const S* d = w.d + n * blocks;
   const float* x = a.x + r * K;
   float acc = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
     float t = 0.0f;
     for (int64_t k = b * B; k < (b + 1) * B; ++k) t += static_cast<float>(q[k]) * x[k];
-    acc += t * d[b];
+    acc += t * widen(d[b]);
   }
   out[r * ldo + n] = acc;
 }
@@ -164,15 +169,19 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
               "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
               shape_str(d_in));
   const int64_t B = K / d_in.size(1);
-  check_tensor("int8_blocks_mm", "d", d_in, at::kFloat, N, K / B,
+  check_scales("int8_blocks_mm", "d", d_in, N, K / B,
                "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
   const Isa path = resolve_path("int8_blocks_mm", path_name_in, kDotPaths);
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   at::Tensor x32;
-  const WeightsF w{q.data_ptr<int8_t>(), d.data_ptr<float>(), K / kBlock, B};
-  matmul<Int8BlocksF32>(path, w, N, M, fp32_activations(x_in, x32), out.data_ptr<float>());
+  const ActF a = fp32_activations(x_in, x32);
+  with_scales(d, [&](auto tag) {
+    using S = decltype(tag);
+    const WeightsF<S> w{q.data_ptr<int8_t>(), d.data_ptr<S>(), K / kBlock, B};
+    matmul<Int8BlocksF32<S>>(path, w, N, M, a, out.data_ptr<float>());
+  });
   return out;
 }
 

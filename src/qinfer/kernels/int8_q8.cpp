@@ -38,41 +38,43 @@ namespace {
 // The integer dots are exact and every output takes the same steps at any row count.
 // ---------------------------------------------------------------------------------------
 
+// scales S: fp16 or fp32 (matmul.h, `Int4Packed`)
+template <typename S>
 struct Weights8 {
-  const int8_t* q;     // (N, K)
-  const float* scale;  // (N,) rows, or (N, K/B) blocks
+  const int8_t* q;  // (N, K)
+  const S* scale;   // (N,) rows, or (N, K/B) blocks
   int64_t nb;
 };
 
-template <int B>
+template <int B, typename S>
 struct Int8Q8 {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
   static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
-  QINFER_MATMUL_KERNEL(Weights8, Act)
+  QINFER_MATMUL_KERNEL(Weights8<S>, Act)
 };
 
-template <int B>
+template <int B, typename S>
 template <int R, int C>
-QINFER_VNNI void Int8Q8<B>::tile_vnni(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
-                                      float* out, int64_t ldo) {
-  constexpr int64_t S = kScales;
+QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const Act& a,
+                                         int64_t r0, float* out, int64_t ldo) {
+  constexpr int64_t L = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   // a pair's 64 bytes are block 2p (lanes 0-7) then 2p + 1 (lanes 8-15); dx8 holds their
   // scales four times each
   const __m512i pair_lanes = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-  // the pair's 2 S weight scales to the lanes of their 32 / S bytes
-  const __m512i scale_lanes = S == 2
+  // the pair's 2 L weight scales to the lanes of their 32 / L bytes
+  const __m512i scale_lanes = L == 2
       ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
       : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
   const int8_t* q[C];
-  const float* d[C];
+  const S* d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     q[c] = w.q + (n0 + c) * K;
-    d[c] = w.scale + (n0 + c) * w.nb * S;
+    d[c] = w.scale + (n0 + c) * w.nb * L;
   }
-  if constexpr (S > 0) prefetch_scales<C>(d, w.nb * S);
+  if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m512 acc[C][R];
   clear(acc);
@@ -94,16 +96,15 @@ QINFER_VNNI void Int8Q8<B>::tile_vnni(const Weights8& w, int64_t n0, const Act& 
       const __m512i magnitude = _mm512_abs_epi8(wq);
       const __mmask64 negative = _mm512_movepi8_mask(wq);
       [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
-      if constexpr (S > 0) {
-        const __mmask8 mine = p < full ? (1 << (2 * S)) - 1 : (1 << S) - 1;
+      if constexpr (L > 0) {
         ws = _mm512_permutexvar_ps(
-            scale_lanes, _mm512_castps128_ps512(_mm_maskz_loadu_ps(mine, d[c] + p * 2 * S)));
+            scale_lanes, _mm512_castps128_ps512(scales4(d[c] + p * 2 * L, p < full ? 2 * L : L)));
       }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m512i signed_x = _mm512_mask_sub_epi8(x[i], negative, zero, x[i]);
         const __m512i dot = _mm512_dpbusd_epi32(zero, magnitude, signed_x);
-        const __m512 scale = S > 0 ? _mm512_mul_ps(dx[i], ws) : dx[i];
+        const __m512 scale = L > 0 ? _mm512_mul_ps(dx[i], ws) : dx[i];
         acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][i]);
       }
     }
@@ -113,25 +114,25 @@ QINFER_VNNI void Int8Q8<B>::tile_vnni(const Weights8& w, int64_t n0, const Act& 
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = _mm512_reduce_add_ps(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = S > 0 ? sum : sum * w.scale[n0 + c];
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
     }
 }
 
-template <int B>
+template <int B, typename S>
 template <int R, int C>
-QINFER_AVX2 void Int8Q8<B>::tile_avx2(const Weights8& w, int64_t n0, const Act& a, int64_t r0,
-                                      float* out, int64_t ldo) {
-  constexpr int64_t S = kScales;
+QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const Act& a,
+                                         int64_t r0, float* out, int64_t ldo) {
+  constexpr int64_t L = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q[C];
-  const float* d[C];
+  const S* d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     q[c] = w.q + (n0 + c) * K;
-    d[c] = w.scale + (n0 + c) * w.nb * S;
+    d[c] = w.scale + (n0 + c) * w.nb * L;
   }
-  if constexpr (S > 0) prefetch_scales<C>(d, w.nb * S);
+  if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
   __m256 acc[C][R];
   clear(acc);
@@ -144,12 +145,12 @@ QINFER_AVX2 void Int8Q8<B>::tile_avx2(const Weights8& w, int64_t n0, const Act& 
       wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64));
       wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64 + 32))
                        : _mm256_setzero_si256();
-      if constexpr (S > 0) {
+      if constexpr (L > 0) {
         #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const float* dh = d[c] + (2 * p + h) * S;
+          const S* dh = d[c] + (2 * p + h) * L;
           const bool mine = h == 0 || p < full;
-          const float lo = mine ? dh[0] : 0.0f, hi = mine ? dh[S - 1] : 0.0f;
+          const float lo = mine ? widen_f16c(dh[0]) : 0.0f, hi = mine ? widen_f16c(dh[L - 1]) : 0.0f;
           ws[h] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
         }
       }
@@ -163,7 +164,7 @@ QINFER_AVX2 void Int8Q8<B>::tile_avx2(const Weights8& w, int64_t n0, const Act& 
               _mm256_maddubs_epi16(_mm256_abs_epi8(wq[h]), _mm256_sign_epi8(x, wq[h]));
           const __m256i dot = _mm256_madd_epi16(s16, ones);
           const __m256 dxh = _mm256_broadcast_ss(dx8[i] + p * 8 + 4 * h);
-          const __m256 scale = S > 0 ? _mm256_mul_ps(dxh, ws[h]) : dxh;
+          const __m256 scale = L > 0 ? _mm256_mul_ps(dxh, ws[h]) : dxh;
           acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][i]);
         }
       }
@@ -174,30 +175,30 @@ QINFER_AVX2 void Int8Q8<B>::tile_avx2(const Weights8& w, int64_t n0, const Act& 
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = hsum_avx2(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = S > 0 ? sum : sum * w.scale[n0 + c];
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
     }
 }
 
-template <int B>
-void Int8Q8<B>::dot_scalar(const Weights8& w, int64_t n, const Act& a, int64_t r, float* out,
-                           int64_t ldo) {
-  constexpr int64_t S = kScales, L = B == 0 ? kBlock : B;  // elements per weight scale
+template <int B, typename S>
+void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int64_t r,
+                              float* out, int64_t ldo) {
+  constexpr int64_t L = kScales, E = B == 0 ? kBlock : B;  // elements per weight scale
   const int64_t K = w.nb * kBlock;
   const int8_t* q = w.q + n * K;
-  const float* d = w.scale + n * w.nb * S;
+  const S* d = w.scale + n * w.nb * L;
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
   float acc = 0.0f;
   for (int64_t b = 0; b < w.nb; ++b) {
     const float dx = dx8[(b >> 1) * 8 + (b & 1) * 4];
-    for (int64_t part = 0; part < kBlock / L; ++part) {
+    for (int64_t part = 0; part < kBlock / E; ++part) {
       int32_t dot = 0;
-      for (int64_t j = part * L; j < (part + 1) * L; ++j)
+      for (int64_t j = part * E; j < (part + 1) * E; ++j)
         dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
-      acc += static_cast<float>(dot) * (S > 0 ? dx * d[b * S + part] : dx);
+      acc += static_cast<float>(dot) * (L > 0 ? dx * widen(d[b * L + part]) : dx);
     }
   }
-  out[r * ldo + n] = S > 0 ? acc : acc * w.scale[n];
+  out[r * ldo + n] = L > 0 ? acc : acc * widen(w.scale[n]);
 }
 
 }  // namespace
@@ -209,7 +210,8 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
   check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
-  TORCH_CHECK(scales_in.scalar_type() == at::kFloat, "int8_mm: scales must be torch.float32, got ",
+  TORCH_CHECK(scales_in.scalar_type() == at::kHalf || scales_in.scalar_type() == at::kFloat,
+              "int8_mm: scales must be torch.float16 or torch.float32, got ",
               dtype_name(scales_in.scalar_type()));
   // (N,): one scale per row; (N, K/B): one per block of B = 32 or 16 input columns
   const int64_t B = scales_in.dim() == 2 && scales_in.size(0) == N && scales_in.size(1) > 0 &&
@@ -227,14 +229,17 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   static thread_local ActStorage storage;
   Act a = storage.make(M, K);
   quantize<true>(x, a, path);
-  const Weights8 w{q.data_ptr<int8_t>(), sc.data_ptr<float>(), K / kBlock};
-  if (B == 32) {
-    matmul<Int8Q8<32>>(path, w, N, M, a, out.data_ptr<float>());
-  } else if (B == 16) {
-    matmul<Int8Q8<16>>(path, w, N, M, a, out.data_ptr<float>());
-  } else {
-    matmul<Int8Q8<0>>(path, w, N, M, a, out.data_ptr<float>());
-  }
+  with_scales(sc, [&](auto tag) {
+    using S = decltype(tag);
+    const Weights8<S> w{q.data_ptr<int8_t>(), sc.data_ptr<S>(), K / kBlock};
+    if (B == 32) {
+      matmul<Int8Q8<32, S>>(path, w, N, M, a, out.data_ptr<float>());
+    } else if (B == 16) {
+      matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
+    } else {
+      matmul<Int8Q8<0, S>>(path, w, N, M, a, out.data_ptr<float>());
+    }
+  });
   return out;
 }
 

@@ -18,20 +18,23 @@ namespace qinfer_kernels {
 
 enum class Isa { Scalar, Avx2, Avx512, Vnni };
 
-#define QINFER_AVX2 __attribute__((target("avx2,fma")))
+#define QINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QINFER_AVX512 __attribute__((target("avx512f,fma")))
-#define QINFER_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define QINFER_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
 // Whether this CPU runs `isa`'s instructions (the target attributes' lists above).
 inline bool supports(Isa isa) {
   switch (isa) {
-    case Isa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case Isa::Avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
     case Isa::Vnni:
       return supports(Isa::Avx512) && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
     default: return true;
   }
 }
@@ -48,9 +51,9 @@ inline const char* isa_name(Isa isa) {
 // What a path's error message says it needs.
 inline const char* isa_needs(Isa isa) {
   switch (isa) {
-    case Isa::Avx2: return "AVX2 and FMA";
+    case Isa::Avx2: return "AVX2, FMA and F16C";
     case Isa::Avx512: return "AVX512F and FMA";
-    case Isa::Vnni: return "AVX512 F/BW/VL/DQ and VNNI";
+    case Isa::Vnni: return "AVX512 F/BW/VL/DQ, VNNI and F16C";
     default: return "nothing";
   }
 }

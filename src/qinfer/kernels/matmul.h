@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "isa.h"
@@ -21,24 +23,119 @@ namespace qinfer_kernels {
 
 constexpr int64_t kBlock = 32;  // input columns per weight / activation block
 
+// A weight's per-block scales (and the int4 groups' offsets m), S: at::Half, as GGUF files
+// hold Q4_0's, Q4_1's, Q8_0's and Q5_0's (read as they are: a decode step reads 2 bytes a
+// scale, a Q4_0 block 18 bytes as in the file, not 24), or float, where fp16 would round
+// them (Q4_K's and Q6_K's products d * sc). Either widens exactly to the same fp32 value, so
+// every output is the same bits whichever a weight holds (the Python side picks fp16 where
+// it is exact: `kernels.fp16_if_exact`).
+template <typename S>
+constexpr bool kHalf = std::is_same_v<S, at::Half>;
+
+// One scale as fp32, exactly (c10's portable half -> float: no F16C needed on the scalar path).
+QINFER_INLINE float widen(float s) { return s; }
+QINFER_INLINE float widen(at::Half s) { return static_cast<float>(s); }
+
+// The same in the vector paths' functions, by F16C's one instruction (c10's conversion is a
+// dozen integer ones).
+QINFER_AVX2 QINFER_INLINE float widen_f16c(float s) { return s; }
+QINFER_AVX2 QINFER_INLINE float widen_f16c(at::Half s) { return _cvtsh_ss(s.x); }
+
+// One scale in every lane: for fp16, a broadcast of its bits and one conversion (the int8
+// blocks' fp32 tiles take one per block and column).
+template <typename S>
+QINFER_AVX2 QINFER_INLINE __m256 splat8(const S* p) {
+  if constexpr (kHalf<S>) return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(p->x)));
+  else return _mm256_broadcast_ss(p);
+}
+template <typename S>
+QINFER_VNNI QINFER_INLINE __m512 splat16(const S* p) {
+  if constexpr (kHalf<S>) return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(p->x)));
+  else return _mm512_set1_ps(*p);
+}
+
+// The vector loads of scales read exactly n of them (n <= 0: none), the rest of the lanes
+// zero: a column's last scales may end the tensor. No copy through the stack (a store then a
+// wider load of it stalls on store forwarding: an fp32 int4_mm row ran 2.4x slower so).
+//
+// count (0..8) fp16 values from p as 8 16-bit lanes: dword masked loads of their pairs, an
+// odd last one broadcast into its lane.
+QINFER_AVX2 QINFER_INLINE __m128i halves(const at::Half* p, int64_t count) {
+  if (count >= 8) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (count == 4) return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (count == 2) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return _mm_cvtsi32_si128(pair);
+  }
+  const __m128i pairs = _mm_maskload_epi32(
+      reinterpret_cast<const int*>(p),
+      _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(count / 2)), _mm_setr_epi32(0, 1, 2, 3)));
+  if (count % 2 == 0) return pairs;
+  const __m128i last = _mm_cmpeq_epi16(_mm_set1_epi16(static_cast<int16_t>(count - 1)),
+                                       _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm_or_si128(pairs, _mm_and_si128(_mm_set1_epi16(static_cast<int16_t>(p[count - 1].x)), last));
+}
+
+// the first count (..8) of 8 dword lanes
+QINFER_AVX2 QINFER_INLINE __m256i first_dwords(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// n (..4) into 4 lanes
+template <typename S>
+QINFER_AVX2 QINFER_INLINE __m128 scales4(const S* p, int64_t n) {
+  const int64_t count = std::clamp<int64_t>(n, 0, 4);
+  if constexpr (kHalf<S>) {
+    return _mm_cvtph_ps(halves(p, count));
+  } else {
+    if (count == 4) return _mm_loadu_ps(p);
+    if (count == 2) return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+    if (count == 1) return _mm_load_ss(p);
+    return _mm_maskload_ps(p, _mm256_castsi256_si128(first_dwords(count)));
+  }
+}
+
+// n (..8) into 8 lanes
+template <typename S>
+QINFER_AVX2 QINFER_INLINE __m256 scales8(const S* p, int64_t n) {
+  const int64_t count = std::clamp<int64_t>(n, 0, 8);
+  if constexpr (kHalf<S>) {
+    return _mm256_cvtph_ps(halves(p, count));
+  } else {
+    if (count == 8) return _mm256_loadu_ps(p);
+    return _mm256_maskload_ps(p, first_dwords(count));
+  }
+}
+
+// n (..16) into 16 lanes (masked loads: AVX512BW's for fp16)
+template <typename S>
+QINFER_VNNI QINFER_INLINE __m512 scales16(const S* p, int64_t n) {
+  const __mmask16 k = n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (kHalf<S>) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+  else return _mm512_maskz_loadu_ps(k, p);
+}
+
 // An int4 weight as pack_int4 lays it out (int4_q8.cpp): per block of 32 input columns of
 // output row n, 16 bytes; byte j holds element j in its low nibble and element j + 16 in
-// its high one (llama.cpp's Q4 layout). w = d * q + m.
+// its high one (llama.cpp's Q4 layout). w = d * q + m, d and m fp16 or fp32 (S, above).
+template <typename S>
 struct Int4Packed {
   const uint8_t* qs;  // (N, K/2)
-  const float* d;     // (N, nb)
-  const float* m;     // (N, nb)
+  const S* d;         // (N, nb)
+  const S* m;         // (N, nb)
   int64_t nb;
 };
 
 // A tile's C columns of an int4 weight (from column n0): their nibbles and scales, for the
-// tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C>(w, n0)`, see below).
-template <int C>
+// tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C, S>(w, n0)`, see below).
+template <int C, typename S>
 struct Int4Columns {
   const uint8_t* qs[C];
-  const float* d[C];
-  const float* m[C];
-  QINFER_INLINE Int4Columns(const Int4Packed& w, int64_t n0) {
+  const S* d[C];
+  const S* m[C];
+  QINFER_INLINE Int4Columns(const Int4Packed<S>& w, int64_t n0) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       qs[c] = w.qs + (n0 + c) * w.nb * 16;
@@ -71,19 +168,19 @@ constexpr int64_t kPrefetch = 512;
 // column's blocks or after them: the hardware's prefetcher missed them often enough that
 // the AVX2 int4 tile ran 20% slower from memory than from cache. So each tile fetches the
 // scales of the column at least 256 bytes (and two columns) past its last one, `count`
-// floats a column: the tiles of a task step go through consecutive columns, so each
+// scales a column: the tiles of a task step go through consecutive columns, so each
 // column's scales are fetched a few tiles ahead of it (every other column's, where a tile
 // holds two columns: those tiles are the prefill's, which reuse the columns anyway).
 // Qwen3-0.6B's int4 shapes at one row, one thread, weights from memory: AVX2 41-48 -> 27
 // ms, VNNI 30-33 -> 28-31 (2 threads 19-23 -> 17-20).
-template <int C>
-inline void prefetch_scales(const float* const* scales, int64_t count) {
+template <int C, typename S>
+inline void prefetch_scales(const S* const* scales, int64_t count) {
   const int64_t ahead = std::max<int64_t>(2, (64 + count - 1) / count);  // columns
   // addresses as integers: the column may lie past the weight's end (a prefetch of it
   // never faults, but a pointer there would be undefined)
   const uintptr_t start = reinterpret_cast<uintptr_t>(scales[C - 1]) +
-                          static_cast<uintptr_t>(ahead * count) * sizeof(float);
-  const uintptr_t end = start + static_cast<uintptr_t>(count) * sizeof(float);
+                          static_cast<uintptr_t>(ahead * count) * sizeof(S);
+  const uintptr_t end = start + static_cast<uintptr_t>(count) * sizeof(S);
   for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
 }
@@ -128,6 +225,26 @@ inline void check_x(const char* op, const at::Tensor& x) {
               ": x's K must be a positive multiple of 32, got shape ", shape_str(x));
 }
 
+// A weight's scales (`Int4Packed` says why either): torch.float16 or torch.float32, (rows, cols).
+inline void check_scales(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                         int64_t cols, const std::string& layout) {
+  const at::ScalarType dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kFloat, op, ": ", name,
+              " must be torch.float16 or torch.float32, got ", dtype_name(dtype));
+  check_tensor(op, name, t, dtype, rows, cols, layout);
+}
+
+// f(S{}) with S the scales' element type (at::Half or float): the kernels' template argument,
+// e.g. `with_scales(d, [&](auto s) { using S = decltype(s); ... })`.
+template <typename F>
+void with_scales(const at::Tensor& scales, F&& f) {
+  if (scales.scalar_type() == at::kHalf) {
+    f(at::Half{});
+  } else {
+    f(float{});
+  }
+}
+
 // qs, d and m of an int4 weight in `Int4Packed`'s layout, checked against x (M, K) for `op`;
 // returns the weight's N.
 inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
@@ -137,8 +254,8 @@ inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor&
   const int64_t N = qs.size(0);
   const std::string k = "x's K = " + std::to_string(K);
   check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
-  check_tensor(op, "d", d, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
-  check_tensor(op, "m", m, at::kFloat, N, nb, "(N, K/32) for " + k + " and qs's N");
+  check_scales(op, "d", d, N, nb, "(N, K/32) for " + k + " and qs's N");
+  check_tensor(op, "m", m, d.scalar_type(), N, nb, "(N, K/32) for " + k + " and qs's N, as d");
   return N;
 }
 

@@ -77,17 +77,27 @@ def int4_kernel_supports(shape: tuple[int, int], group_size: int) -> str | None:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int4Groups:
-    """Asymmetric int4 per group: the group's min maps to q = 0 and its max to q = 15."""
+    """Asymmetric int4 per group: the group's min maps to q = 0 and its max to q = 15. The
+    scale and the min are rounded to fp16 first, as llama.cpp's Q4_1 stores them, and q is
+    rounded against those: the kernels hold them in 2 bytes each (`kernels.fp16_if_exact`)
+    and multiply the very weight that was stored."""
     reason = int4_kernel_supports(tuple(weight.shape), group_size)
     if reason is not None:
         raise WeightsError(f"cannot quantize {name}: {reason}")
     N, K = weight.shape
     w = weight.float().reshape(N, K // group_size, group_size)
     low, high = w.amin(dim=-1), w.amax(dim=-1)  # (N, groups)
-    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    # the smallest fp16 (subnormal) step, so that a constant group's scale stays nonzero
+    scales = _fp16_rounded(((high - low) / 15).clamp(min=2.0**-24))
+    low = _fp16_rounded(low)
     q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15)
     # w ~= q * scale + low = (q - 8) * scale + (low + 8 * scale)
     return Int4Groups(q.to(torch.uint8).reshape(N, K), scales, low + 8 * scales)
+
+
+def _fp16_rounded(t: torch.Tensor) -> torch.Tensor:
+    """t (fp32) rounded to fp16's values, where they reach (past fp16's range, as it is)."""
+    return torch.where(t.abs() <= torch.finfo(torch.float16).max, t.half().float(), t)
 
 
 class Int4Linear(QuantizedLinear):

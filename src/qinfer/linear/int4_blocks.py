@@ -2,7 +2,8 @@
 
 The weight is `Int4Linear`'s, W = (q - 8) * scale + zero per group of 32 input columns
 (GGUF's Q4_0, Q4_1 and Q4_K exactly), held as `kernels.pack_int4` packs it: the nibbles
-(N, K / 2) and, per group, d = scale and m = zero - 8 * scale in fp32 (w = d q + m).
+(N, K / 2) and, per group, d = scale and m = zero - 8 * scale (w = d q + m), in fp16 where
+that is exact (Q4_0's and Q4_1's: the file's own bytes) and fp32 otherwise (Q4_K's).
 
 Why not torch's int4 kernel (`Int4Linear`, where this one cannot be built): it holds the
 scales and zeros in the activations' dtype, so a bf16 model's weights move (SmolLM2 Q4_1's
@@ -34,7 +35,7 @@ from qinfer.linear.paths import QuantizedLinear, scratch
 
 class Int4BlockLinear(QuantizedLinear):
     """int4 groups of 32 packed by `kernels.pack_int4`, bias (N,) or None, computing in
-    `dtype` (the activations' and the output's; the weight and the sums stay fp32)."""
+    `dtype` (the activations' and the output's; the weight is exact, the sums fp32)."""
 
     group_size = kernels.BLOCK
 
@@ -42,8 +43,8 @@ class Int4BlockLinear(QuantizedLinear):
         super().__init__()
         packed = kernels.pack_int4(stored)
         self.register_buffer("qs", packed.qs)  # (N, K / 2) uint8
-        self.register_buffer("d", packed.d)  # (N, K / 32) fp32
-        self.register_buffer("m", packed.m)  # (N, K / 32) fp32
+        self.register_buffer("d", packed.d)  # (N, K / 32) fp16 or fp32
+        self.register_buffer("m", packed.m)  # (N, K / 32), d's dtype
         self.register_buffer("bias", bias)
         self.packed = packed  # the same tensors, as the kernels take them (CPU only: never moved)
         self.out_features, self.in_features = packed.shape
@@ -96,8 +97,9 @@ class Int4BlockLinear(QuantizedLinear):
         once to bf16), into the shared buffer."""
         rows, k = stop - start, self.in_features
         w = scratch(rows * k, torch.float32, self.device).view(rows, -1, self.group_size)
-        torch.mul(self._q(self.qs[start:stop]), self.d[start:stop, :, None], out=w)
-        w.add_(self.m[start:stop, :, None])
+        # fp32 scales: q * an fp16 d in fp16 would round the product
+        torch.mul(self._q(self.qs[start:stop]), self.d[start:stop, :, None].float(), out=w)
+        w.add_(self.m[start:stop, :, None].float())
         if dtype != torch.float32:
             return scratch(rows * k, dtype, self.device).view(rows, k).copy_(w.view(rows, k))
         return w.view(rows, k)
@@ -105,7 +107,8 @@ class Int4BlockLinear(QuantizedLinear):
     def groups(self) -> Int4Groups:
         """The weight as `Int4Groups` (zero = m + 8 d, rounded once to fp32)."""
         q = self._q(self.qs).flatten(-2)
-        return Int4Groups(q, self.d.clone(), (self.m.double() + 8 * self.d.double()).float())
+        d = self.d.float()
+        return Int4Groups(q, d, (self.m.double() + 8 * d.double()).float())
 
     def _exact(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32: d q + m rounded once, each weight's fp32 value."""

@@ -43,7 +43,7 @@ BLOCK_SIZES = (32, 16)
 @dataclass
 class Int8Blocks:
     """A weight as int8 blocks: q (N, K) int8, scales (N, K / B) fp32 (B = K / scales'
-    columns, one of BLOCK_SIZES)."""
+    columns, one of BLOCK_SIZES); the layer holds them in fp16 where that is exact."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -69,14 +69,16 @@ class Int8Blocks:
 def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
     """q (..., K) int8 and scales (..., K / B) -> (..., K) q * scale in `dtype` (into `out`)."""
     blocks = q.unflatten(-1, (scales.shape[-1], -1))  # (..., K / B, B)
-    product = torch.mul(blocks, scales[..., None]).flatten(-2)  # fp32 (..., K)
+    # fp32 scales: q * an fp16 scale in fp16 would round the product
+    product = torch.mul(blocks, scales.float()[..., None]).flatten(-2)  # fp32 (..., K)
     if out is None:
         return product.to(dtype)
     return out.view(q.shape).copy_(product)
 
 
 class Int8BlockLinear(QuantizedLinear):
-    """int8 weight (N, K), scales (N, K / B) fp32, bias (N,) or None, computing in `dtype`."""
+    """int8 weight (N, K), scales (N, K / B) fp16 where that is exact (Q8_0's and Q5_0's: the
+    file's bytes) else fp32 (Q6_K's d * sc), bias (N,) or None, computing in `dtype`."""
 
     def __init__(self, stored: Int8Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -91,7 +93,8 @@ class Int8BlockLinear(QuantizedLinear):
                 f"{stored.q.shape[1]} (weight {tuple(stored.q.shape)})"
             )
         self.register_buffer("q", stored.q.contiguous())
-        self.register_buffer("scales", stored.scales.float().contiguous())
+        (scales,) = kernels.fp16_if_exact(stored.scales.float().contiguous())
+        self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = self.q.shape
         self.compute_dtype = dtype

@@ -57,6 +57,7 @@ from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.models import Family, GGUFHeader, family_of_gguf
 from qinfer.models.base import HFConfig
 from qinfer.weights.base import ALL, Quantize, Weights
+from qinfer.weights.gguf_deltanet import DeltaNetTensors, gathered
 from qinfer.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
 from qinfer.weights.gguf_quants import (
     BLOCK_DEQUANTIZERS,
@@ -85,6 +86,11 @@ EXPERT_NAMES = {
 # (llama-vocab.cpp): Gemma's chat turns end with <end_of_turn>.
 END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: Any per-layer tensor: a family may map a whole name (`blk.N.ssm_a`, which has no suffix).
+LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+#: Norms the converter stores as they are where it adds 1 to the others (the DeltaNet's
+#: gated norm: `Qwen3NextModel.modify_tensors`).
+UNCENTRED_NORMS = (".linear_attn.norm.weight",)
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
 # Block types kept quantized: int4 groups and int8 blocks as they are, the others
@@ -94,10 +100,14 @@ KEPT_TYPES = (*INT4_GROUPS, *INT8_BLOCKS, *INT8_ROW_TYPES)
 
 
 def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
-    """Our name for a llama.cpp tensor name, with `layer_names` the family's per-layer names,
-    or None for a tensor we do not use."""
+    """Our name for a llama.cpp tensor name, with `layer_names` the family's per-layer names
+    (a kind, `attn_q`, whose suffix is kept, or a whole name, `ssm_a` or `ssm_dt.bias`), or
+    None for a tensor we do not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    whole = LAYER_NAME.fullmatch(gguf_name)
+    if whole is not None and whole.group(2) in layer_names:
+        return f"model.layers.{whole.group(1)}.{layer_names[whole.group(2)]}"
     match = LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in layer_names:
         return None
@@ -147,6 +157,9 @@ def open_gguf(
         keep,
         permuted_head_dim=config.head_dim if family.gguf_qk_permuted else None,
         norm_offset=config.wiring.norm_weight_offset,
+        deltanet=None
+        if config.deltanet is None
+        else DeltaNetTensors(config.deltanet, family.gguf_value_heads_tiled),
     )
     return config, weights
 
@@ -300,12 +313,14 @@ class GGUFWeights(Weights):
         keep_types: tuple[GGMLQuantizationType, ...] = (),
         permuted_head_dim: int | None = None,
         norm_offset: float = 0.0,
+        deltanet: DeltaNetTensors | None = None,
     ) -> None:
         """tensors: our name -> where it lies in the file. keep_types: the block types
         `_stored` gives quantized (int4 groups, int8 blocks or int8 rows, see the module's
         docstring); every other tensor is dequantized. permuted_head_dim: the head size of
         q/k rows stored permuted for interleaved RoPE (None: not permuted); norm_offset:
-        what the file adds to every norm weight (taken back off)."""
+        what the file adds to every norm weight but UNCENTRED_NORMS (taken back off);
+        deltanet: how the converter stored a hybrid model's DeltaNet tensors (undone)."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
         self.keep_types = keep_types
@@ -319,6 +334,7 @@ class GGUFWeights(Weights):
         self._tensors = dict(tensors)
         self._head_dim = permuted_head_dim
         self._norm_offset = norm_offset
+        self._deltanet = deltanet
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -327,20 +343,48 @@ class GGUFWeights(Weights):
         return str(self.path)
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        return self._tensors[name].weight_shape
+        shape = self._tensors[name].weight_shape
+        return shape if self._deltanet is None else self._deltanet.shape(name, shape)
 
     def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
         stored = self._tensors[name]
         data, within = self._blocks(stored, rows, columns)
         weight = self._unpermuted(name, self._decode(stored, dequantize, data)[..., within])
-        if self._norm_offset and name.endswith("norm.weight"):
+        if self._deltanet is not None:
+            weight = self._deltanet.value(
+                name, gathered(weight, *self._gathers(name, rows, columns))
+            )
+        if (
+            self._norm_offset
+            and name.endswith("norm.weight")
+            and not name.endswith(UNCENTRED_NORMS)
+        ):
             return weight - self._norm_offset
         return weight
+
+    def _gathers(
+        self, name: str, rows: slice, columns: slice
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The row and column gathers that undo the converter's order of DeltaNet tensor
+        `name` (`gguf_deltanet`), which only a whole tensor takes."""
+        assert self._deltanet is not None
+        row_index, column_index = self._deltanet.rows(name), self._deltanet.columns(name)
+        if (row_index is not None or column_index is not None) and (rows, columns) != (ALL, ALL):
+            raise WeightsError(f"tensor {name!r} in {self.path} is read whole or not at all")
+        return row_index, column_index
 
     def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
         stored = self._tensors[name]
         if stored.tensor_type not in self.keep_types:
             return self._read(name, rows, columns)
+        weight = self._kept(name, stored, rows, columns)
+        if self._deltanet is None:
+            return weight
+        ours = gathered(weight, *self._gathers(name, rows, columns))
+        return self._read(name) if ours is None else ours  # None: it would split blocks
+
+    def _kept(self, name: str, stored: TensorInfo, rows: slice, columns: slice) -> StoredWeight:
+        """A tensor of a kept block type as int4 groups, int8 blocks or int8 rows."""
         if stored.tensor_type in INT4_GROUPS:
             data, within = self._blocks(stored, rows, columns)
             groups = self._block_columns(name, self._decode(stored, int4_groups, data), within)

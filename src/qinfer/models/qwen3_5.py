@@ -52,6 +52,8 @@ from qinfer.models.qwen2_5_vl import mrope_config, vl_gguf_fields, vl_text_confi
 #: What transformers assumes where a Qwen3.5 text config leaves fields out.
 DEFAULTS: dict[str, Any] = {"max_position_embeddings": 32768, "head_dim": 256}
 PARTIAL_ROTARY_FACTOR = 0.25
+#: The M-RoPE sections llama.cpp's converter writes where a checkpoint gives none.
+CONVERTER_SECTIONS = [11, 11, 10]
 #: llama.cpp's names of a hybrid layer's tensors (`weights.gguf.hf_tensor_name`): the norm
 #: before the MLP is `post_attention_norm`; the DeltaNet's, some of them whole names.
 GGUF_HYBRID_LAYER_NAMES = {
@@ -157,9 +159,16 @@ def gguf_hybrid_fields(header: GGUFHeader) -> dict[str, Any]:
 
 
 def gguf_fields(header: GGUFHeader) -> dict[str, Any]:
-    """A qwen35 file's fields: the hybrid layers and the M-RoPE sections, as a text config."""
-    sections = vl_gguf_fields(header)["rope_parameters"]
-    return {**gguf_hybrid_fields(header), "rope_parameters": sections, "model_type": "qwen3_5_text"}
+    """A qwen35 file's fields: the hybrid layers and the M-RoPE sections, as a text config.
+
+    The converter writes the released sections (CONVERTER_SECTIONS) for a checkpoint that
+    gives none; where they do not fit the file's rotary dimensions (a small test model), they
+    are read as that checkpoint was: no sections, the same rotation for text."""
+    rope = vl_gguf_fields(header)["rope_parameters"]
+    rotary_pairs = int(header.get("rope.dimension_count", 0)) // 2
+    if rope["mrope_section"] == CONVERTER_SECTIONS and sum(CONVERTER_SECTIONS) != rotary_pairs:
+        rope = {}
+    return {**gguf_hybrid_fields(header), "rope_parameters": rope, "model_type": "qwen3_5_text"}
 
 
 FAMILY = Family(

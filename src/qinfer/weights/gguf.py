@@ -14,8 +14,11 @@ conventions onto ours:
   of its slice of the file;
 - q/k rows of the families whose converter permutes them for llama.cpp's interleaved
   RoPE (llama, `Family.gguf_qk_permuted`), back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
-- Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
-  w of a Hugging Face checkpoint (our norms add the 1: `Wiring.norm_weight_offset`);
+- Gemma's and Qwen3.5's norm weights, which the converter stores as the whole scale 1 + w,
+  back to the w of a Hugging Face checkpoint (our norms add the 1:
+  `Wiring.norm_weight_offset`);
+- a hybrid model's Gated DeltaNet tensors back to the Hugging Face layout
+  (`weights.gguf_deltanet`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0, Q5_0 and
   Q6_K int8 blocks of 32 or 16 exactly, `gguf_quants.int8_blocks`); the other block types
@@ -340,7 +343,9 @@ class GGUFWeights(Weights):
         return list(self._tensors)
 
     def where(self, name: str) -> str:
-        return str(self.path)
+        """The file, and llama.cpp's name of the tensor where it holds one by our `name`."""
+        stored = self._tensors.get(name)
+        return str(self.path) if stored is None else f"{self.path} (as {stored.name})"
 
     def _shape(self, name: str) -> tuple[int, ...]:
         shape = self._tensors[name].weight_shape
@@ -370,7 +375,10 @@ class GGUFWeights(Weights):
         assert self._deltanet is not None
         row_index, column_index = self._deltanet.rows(name), self._deltanet.columns(name)
         if (row_index is not None or column_index is not None) and (rows, columns) != (ALL, ALL):
-            raise WeightsError(f"tensor {name!r} in {self.path} is read whole or not at all")
+            raise WeightsError(
+                f"tensor {name!r} in {self.path} cannot be read in parts (split between "
+                "tensor-parallel ranks): its value heads are stored out of order"
+            )
         return row_index, column_index
 
     def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:

@@ -16,7 +16,7 @@ What the converter does, and what undoes it here:
 The gathers need whole tensors: the DeltaNet is never split between tensor-parallel ranks
 (`GatedDeltaNet.place`). A quantized weight keeps its blocks: rows move with their scales,
 and `out_proj`'s columns move by whole blocks where a value head is a whole number of them
-(the released models' heads of 128); elsewhere it is dequantized (`columns_by_block`).
+(the released models' heads of 128); elsewhere it is dequantized (`gathered`).
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def test_a_missing_deltanet_tensor_is_one_line_error(files, tmp_path):
     path = patched(files.gguf["f32"], tmp_path / "missing.gguf", name, b"blk.0.ssm_convXd.weight")
     with pytest.raises(WeightsError, match=r"linear_attn\.conv1d\.weight' not found") as error:
         load(path)
-    assert "\n" not in str(error.value) and "missing.gguf" in str(error.value)
+    assert "\n" not in str(error.value) and f"missing.gguf (as {name})" in str(error.value)
 
 
 def test_a_mis_shaped_deltanet_tensor_is_one_line_error(files, tmp_path):

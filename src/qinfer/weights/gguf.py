@@ -118,6 +118,25 @@ def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None
     return f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
 
 
+def gguf_tensor_name(name: str, layer_names: Mapping[str, str]) -> str | None:
+    """llama.cpp's name of our tensor `name` (`hf_tensor_name`'s inverse; the family's later
+    names win, as they override the shared ones), or None where it has none."""
+    ours = {v: k for k, v in GLOBAL_NAMES.items()}
+    if name in ours:
+        return ours[name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    for kind, mapped in reversed(layer_names.items()):
+        if rest == mapped:  # a whole name
+            return f"blk.{layer}.{kind}"
+        stem, _, suffix = rest.rpartition(".")
+        if stem == mapped and suffix in ("weight", "bias"):
+            return f"blk.{layer}.{kind}.{suffix}"
+    return None
+
+
 def open_gguf(
     path: str | Path,
     dtype_for: Callable[[ModelConfig, bool, bool], torch.dtype],
@@ -160,6 +179,7 @@ def open_gguf(
         keep,
         permuted_head_dim=config.head_dim if family.gguf_qk_permuted else None,
         norm_offset=config.wiring.norm_weight_offset,
+        layer_names=family.gguf_layer_names,
         deltanet=None
         if config.deltanet is None
         else DeltaNetTensors(config.deltanet, family.gguf_value_heads_tiled),
@@ -316,6 +336,7 @@ class GGUFWeights(Weights):
         keep_types: tuple[GGMLQuantizationType, ...] = (),
         permuted_head_dim: int | None = None,
         norm_offset: float = 0.0,
+        layer_names: Mapping[str, str] | None = None,
         deltanet: DeltaNetTensors | None = None,
     ) -> None:
         """tensors: our name -> where it lies in the file. keep_types: the block types
@@ -323,6 +344,7 @@ class GGUFWeights(Weights):
         docstring); every other tensor is dequantized. permuted_head_dim: the head size of
         q/k rows stored permuted for interleaved RoPE (None: not permuted); norm_offset:
         what the file adds to every norm weight but UNCENTRED_NORMS (taken back off);
+        layer_names: the family's llama.cpp names, to name a tensor the file lacks;
         deltanet: how the converter stored a hybrid model's DeltaNet tensors (undone)."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
@@ -338,6 +360,7 @@ class GGUFWeights(Weights):
         self._head_dim = permuted_head_dim
         self._norm_offset = norm_offset
         self._deltanet = deltanet
+        self._layer_names = layer_names or {}
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -345,7 +368,8 @@ class GGUFWeights(Weights):
     def where(self, name: str) -> str:
         """The file, and llama.cpp's name of the tensor where it holds one by our `name`."""
         stored = self._tensors.get(name)
-        return str(self.path) if stored is None else f"{self.path} (as {stored.name})"
+        theirs = gguf_tensor_name(name, self._layer_names) if stored is None else stored.name
+        return str(self.path) if theirs is None else f"{self.path} (as {theirs})"
 
     def _shape(self, name: str) -> tuple[int, ...]:
         shape = self._tensors[name].weight_shape

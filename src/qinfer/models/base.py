@@ -256,6 +256,8 @@ class Family:
         beyond the shared ones `weights.gguf` reads.
     gguf_layer_names: llama.cpp's layer tensor names -> ours.
     gguf_qk_permuted: llama.cpp's converter permuted q/k rows for its interleaved RoPE.
+    gguf_value_heads_tiled: the converter stored the Gated DeltaNet's value heads tiled
+        (`weights.gguf_deltanet`).
     fused_tensors: tensors of its checkpoints that stack projections read apart.
     """
 
@@ -266,4 +268,5 @@ class Family:
     gguf_fields: Callable[[GGUFHeader], dict[str, Any]] = _no_fields
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: dict(GGUF_LAYER_NAMES))
     gguf_qk_permuted: bool = False
+    gguf_value_heads_tiled: bool = False
     fused_tensors: Callable[[ModelConfig], tuple[FusedTensor, ...]] = _no_fused

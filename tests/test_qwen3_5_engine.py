@@ -7,8 +7,10 @@ engine's paged path, in float32: a state slot per running sequence beside the KV
   its prompt in one chunk or in several (its state carried across chunks), and when a
   tiny pool preempts it (its state recomputed from its first token);
 - abort and finish give the slot back; the slots bound the running sequences; a budget
-  that holds no sequence's state, one too small for the snapshots asked for, and
-  speculative decoding, are one-line errors;
+  that holds no sequence's state, one too small for the snapshots asked for, and a hybrid
+  draft model, are one-line errors;
+- speculative decoding (n-gram, a draft model) gives the tokens of none: a verification
+  that rejects a proposal sets the state back to its checkpoint;
 - the prefix cache keeps state snapshots: a second wave of prompts sharing a 96-token
   prefix with the first starts from the snapshot there (the cached tokens reported are the
   tokens skipped), with preemption too, and every token equals a run without the cache and
@@ -151,11 +153,57 @@ def test_a_budget_without_room_for_one_state_is_one_error():
         LLM(model, kv_cache_memory=per_slot)
 
 
-def test_speculative_decoding_is_refused():
+def speculated(model, ids, speculative) -> tuple[list[list[int]], list[tuple[int, int]], LLM]:
+    """Greedy tokens of `ids` with speculative decoding, the (proposed, accepted) count of
+    every verification, and the engine."""
+    llm = LLM(model, **SMALL, speculative=speculative)
+    counted = llm.engine.speculator.verified
+    verifications = []
+
+    def verified(seq, proposed, accepted):
+        verifications.append((proposed, accepted))
+        counted(seq, proposed, accepted)
+
+    llm.engine.speculator.verified = verified
+    outs = llm.generate(ids, LONG, use_tqdm=False)
+    return [out.token_ids for out in outs], verifications, llm
+
+
+#: long enough for the random model's greedy text to repeat itself (n-gram proposals hit)
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_speculative_decoding_gives_the_tokens_of_none():
+    """n-gram proposals, some verifications keeping all, some part, some none of them (the
+    state set back to before the proposals, the kept ones run again), and a draft model's
+    (a Qwen3 of the same vocabulary): every token is the engine's without speculation. The
+    state pool holds a checkpoint row per slot."""
     model = random_model("qwen3_5", **HYBRID["qwen3_5"])
-    with pytest.raises(QinferError, match="engine argument speculative") as error:
-        LLM(model, speculative={"method": "ngram", "num_speculative_tokens": 2})
-    assert "\n" not in str(error.value)
+    ids = [[5, 6, 7, 8] * 7] + prompts([9, 40])
+    llm = LLM(model, **SMALL)
+    alone = [out.token_ids for out in llm.generate(ids, LONG, use_tqdm=False)]
+    tokens, verifications, llm = speculated(
+        model, ids, {"method": "ngram", "num_speculative_tokens": 3}
+    )
+    assert tokens == alone
+    assert any(0 < kept < proposed for proposed, kept in verifications)  # run again
+    assert any(0 == kept < proposed for proposed, kept in verifications)  # set back only
+    assert any(kept == proposed for proposed, kept in verifications)  # kept as it ran
+    states = llm.engine.executor.runner.states
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    assert states.nbytes == (2 * states.slots + states.snapshots) * per_slot
+    draft = {"method": "draft", "model": random_model("qwen3"), "num_speculative_tokens": 3}
+    tokens, verifications, _ = speculated(model, ids, draft)
+    assert tokens == alone and verifications
+
+
+def test_a_hybrid_draft_model_is_one_error():
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    draft = {"method": "draft", "model": model, "num_speculative_tokens": 2}
+    with pytest.raises(
+        QinferError, match="speculative model: model_type .* keeps a recurrent state"
+    ):
+        LLM(model, speculative=draft)
 
 
 #: the prefix-cache tests' engine: blocks of 16, chunks of 32, two sequences at a time

@@ -56,9 +56,8 @@ what it skipped. Blocks beyond the last snapshot are recomputed (their twins reg
 
 Snapshots are taken where the scheduler makes a prompt's prefill chunk end
 (`cut_at_snapshot`: the chunk is cut short there, a row reserved, and the runner copies
-the state in after the step), at two points of a prompt (of all its tokens, for a
-recomputed one): the end of its last full block, for a prompt sent again or continued (a
-chat's next turn); and where its K/V hit ended at admission when the snapshots had less
+the state in after the step), at two points of a prompt: the end of its last full block,
+for a prompt sent again or continued (a chat's next turn); and where its K/V hit ended at admission when the snapshots had less
 (`Sequence.shared_prefix_end`): the point where it diverged from a prompt seen before, so
 where the next prompts that share that prefix (a system prompt) will diverge too. A block
 boundary every N blocks would find such points only by luck, at N times the snapshots.
@@ -455,7 +454,8 @@ class BlockManager:
         if self.snapshots is None:
             return n
         start, size = seq.num_computed_tokens, self.block_size
-        last = (seq.num_tokens - 1) // size * size  # the last block boundary a hit can use
+        # its prompt's last block boundary that a hit can use (no point in generated text)
+        last = min(seq.num_tokens - 1, seq.num_prompt_tokens) // size * size
         points = [p for p in (seq.shared_prefix_end, last) if p > start]
         if not points or start + n < min(points):
             return n
@@ -514,6 +514,7 @@ class BlockManager:
             self.snapshots.release(seq.snapshot_row)
         seq.snapshot_row = seq.snapshot_source = None
         seq.shared_prefix_end = 0
+        seq.state_rollback = False  # recomputed or restored from a snapshot instead
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_key = None

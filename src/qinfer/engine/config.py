@@ -152,18 +152,11 @@ class EngineConfig:
         """This config as the engine runs a model of `config`. A hybrid model (Gated
         DeltaNet layers: a recurrent state per sequence, `qinfer.attention.state_pool`)
         needs what is not built yet for some settings: static decode and CUDA graphs would
-        need a state slot per padding row; each is switched off with one logged line.
-        Speculative decoding would need the state rolled back to the last accepted token:
-        refused, naming it. (Its prefix cache keeps state snapshots beside the blocks:
-        `engine.block_manager`.)"""
+        need a state slot per padding row; each is switched off with one logged line. (Its
+        prefix cache keeps state snapshots beside the blocks, `engine.block_manager`;
+        speculative decoding rolls the state back, `attention.state_pool`.)"""
         if config.deltanet is None:
             return self
-        if self.speculative is not None:
-            raise QinferError(
-                f"engine argument speculative: model_type {config.model_type!r} keeps a "
-                "recurrent state (Gated DeltaNet), which speculative decoding cannot roll "
-                "back yet"
-            )
         off = ["static_decode"] if self.static_decode else []
         off += ["cuda_graphs"] if self.cuda_graphs else []
         for name in off:

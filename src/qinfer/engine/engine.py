@@ -414,7 +414,12 @@ class Engine:
                 seq = request.seq
                 if not seq.is_finished:  # (a finished one's blocks are freed)
                     seq.proposed = []
-                    self.scheduler.advance(seq, n)
+                    if n < len(proposed) and self.block_manager.state_slots:
+                        # a hybrid model's state ran past the last accepted token: the next
+                        # step sets it back to before the proposals and runs the n again
+                        seq.state_rollback = True
+                    else:
+                        self.scheduler.advance(seq, n)
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 

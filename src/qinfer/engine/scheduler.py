@@ -102,6 +102,7 @@ class Scheduler:
         cache, its window spaces' blocks that no later query reads released, and its
         images' embeddings dropped once every image token ran."""
         seq.num_computed_tokens += n
+        seq.state_rollback = False  # the step that ran did it
         self.block_manager.register_computed(seq)
         if seq.images is not None:
             seq.images.ran(seq.num_computed_tokens)

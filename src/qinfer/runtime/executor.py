@@ -166,5 +166,6 @@ def pool_layout(
     spaces = BlockSpaces.of(model.config, whole_space_0=drafted)
     slots = state_slots(model, config, channel)
     snapshots = state_snapshots(model, config, slots)
-    blocks = kv_pool_blocks(model, config, spaces, channel, slots + snapshots)
+    checkpoints = slots if config.num_speculative_tokens else 0  # a row per slot
+    blocks = kv_pool_blocks(model, config, spaces, channel, slots + snapshots + checkpoints)
     return spaces, blocks, (slots, snapshots)

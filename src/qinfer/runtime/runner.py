@@ -60,15 +60,17 @@ def state_slots(
     """Slots of the recurrent-state pool (`StatePool`: a hybrid model's Gated DeltaNet
     layers), a running sequence's each: 0 for a model without such layers; max_num_seqs
     beside num_kv_blocks; else as many as half the budget (`pool_budget`) holds, at most
-    max_num_seqs (the KV blocks get the rest: `kv_pool_blocks`). A budget whose half holds
-    no sequence's state is one error naming kv_cache_memory. With a channel, the fewest
-    any rank holds."""
+    max_num_seqs (the KV blocks get the rest: `kv_pool_blocks`). With speculative
+    decoding a slot counts twice (its checkpoint row). A budget whose half holds no
+    sequence's state is one error naming kv_cache_memory. With a channel, the fewest any
+    rank holds."""
     if model.config.deltanet is None:
         return 0
     budget = pool_budget(model, config)
     slots = config.max_num_seqs
     if budget is not None:
         per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+        per_slot *= 1 + bool(config.num_speculative_tokens)
         slots = min(slots, budget // 2 // per_slot)
         if slots < 1:
             raise QinferError(
@@ -81,7 +83,8 @@ def state_slots(
 def state_snapshots(model: Transformer, config: RuntimeConfig, slots: int) -> int:
     """Snapshot rows of the recurrent-state pool (a hybrid model's prefix cache,
     `StatePool`): 0 for a model without Gated DeltaNet layers; config.state_snapshots when
-    set (one error naming it when the budget holds those rows and the `slots` no more);
+    set (one error naming it when the budget holds those rows and the `slots` (and their
+    checkpoint rows, with speculative decoding) no more);
     else max_num_seqs beside num_kv_blocks, or as many as a quarter of the budget holds, at
     most max_num_seqs. (Under tensor parallelism there is none: the DeltaNet layers are
     not split.)"""
@@ -89,13 +92,14 @@ def state_snapshots(model: Transformer, config: RuntimeConfig, slots: int) -> in
         return 0
     budget = pool_budget(model, config)
     per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    running = slots * (1 + bool(config.num_speculative_tokens))  # and their checkpoints
     if config.state_snapshots is not None:
         rows = config.state_snapshots
-        if budget is not None and (slots + rows) * per_slot >= budget:
+        if budget is not None and (running + rows) * per_slot >= budget:
             raise QinferError(
                 f"state_snapshots={rows}: kv_cache_memory of {budget} bytes does not hold "
-                f"{slots} state slots, {rows} snapshots ({per_slot} bytes each) and KV blocks: "
-                "lower state_snapshots or raise kv_cache_memory"
+                f"{running} running states, {rows} snapshots ({per_slot} bytes each) and KV "
+                "blocks: lower state_snapshots or raise kv_cache_memory"
             )
         return rows
     if budget is None:
@@ -233,8 +237,9 @@ class ModelRunner:
                 raise QinferError(
                     "static_decode and cuda_graphs do not run hybrid (Gated DeltaNet) models yet"
                 )
+            checkpoints = bool(config.num_speculative_tokens)  # verifications roll back
             self.states = StatePool(
-                model.config, state_slots, model.dtype, model.device, state_snapshots
+                model.config, state_slots, model.dtype, model.device, state_snapshots, checkpoints
             )
         self.backend = choose_backend(
             config.attention_backend,
@@ -341,15 +346,17 @@ class ModelRunner:
     def _states(self, step: ScheduledStep) -> StepStates:
         """The step's slots in the recurrent-state pool; a sequence whose step starts at
         position 0 (new, or recomputed after a preemption) starts from a zero state, one
-        that starts from a prefix-cache hit from its snapshot (`ScheduledStep.state_restores`)."""
+        that starts from a prefix-cache hit from its snapshot (`ScheduledStep.state_restores`),
+        one whose proposals were rejected from its checkpoint (`state_rollbacks`)."""
         if step.state_slots is None:
             raise QinferError("a step of a hybrid model needs its sequences' state_slots")
         for slot, computed in zip(step.state_slots, step.num_computed, strict=True):
             if computed == 0:
                 self.states.reset(slot)
+        self.states.rollback(step.state_rollbacks)
         self.states.copy(step.state_restores)
         slots = torch.tensor(step.state_slots, dtype=torch.long, device=self.model.device)
-        return StepStates(self.states, slots)
+        return StepStates(self.states, slots, step.num_proposed)
 
     def _images(self, step: ScheduledStep, starts: list[int]) -> dict:
         """The `ForwardBatch` fields of a step with images: positions (3, T), each

@@ -49,8 +49,12 @@ class ScheduledStep:
     row, slot) pairs, copied before the forward (sequences that start from a prefix-cache
     hit); state_saves: (slot, snapshot row) pairs, copied after it (sequences whose step
     ends where the prefix cache keeps a snapshot): rows of the same pool
-    (`StatePool.copy`). Like images, they stay on rank 0's runner (the DeltaNet layers are
-    not split over ranks). adapters[b]: the LoRA
+    (`StatePool.copy`). num_proposed[b]: how many of sequence b's new tokens are proposals
+    to verify (None: no sequence has any), a hybrid model's state before them kept in the
+    slot's checkpoint row; state_rollbacks: slots whose state is set back to that
+    checkpoint before the forward (a verification that rejected a proposal). Like images,
+    the state copies stay on rank 0's runner (the DeltaNet layers are not split over
+    ranks). adapters[b]: the LoRA
     adapter slot sequence b runs through (None: the base model); adapters None: no
     sequence has one."""
 
@@ -63,6 +67,8 @@ class ScheduledStep:
     adapters: list[int | None] | None = None
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    num_proposed: list[int] | None = None
+    state_rollbacks: list[int] = field(default_factory=list)
 
     def logits_rows(self) -> tuple[list[int], list[range]]:
         """Its rows of logits, as `logits_rows` places them."""

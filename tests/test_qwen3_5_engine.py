@@ -156,7 +156,7 @@ def test_a_budget_without_room_for_one_state_is_one_error():
 def speculated(model, ids, speculative) -> tuple[list[list[int]], list[tuple[int, int]], LLM]:
     """Greedy tokens of `ids` with speculative decoding, the (proposed, accepted) count of
     every verification, and the engine."""
-    llm = LLM(model, **SMALL, speculative=speculative)
+    llm = LLM(model, **SMALL, num_kv_blocks=96, speculative=speculative)
     counted = llm.engine.speculator.verified
     verifications = []
 
@@ -180,7 +180,7 @@ def test_speculative_decoding_gives_the_tokens_of_none():
     state pool holds a checkpoint row per slot."""
     model = random_model("qwen3_5", **HYBRID["qwen3_5"])
     ids = [[5, 6, 7, 8] * 7] + prompts([9, 40])
-    llm = LLM(model, **SMALL)
+    llm = LLM(model, **SMALL, num_kv_blocks=96)
     alone = [out.token_ids for out in llm.generate(ids, LONG, use_tqdm=False)]
     tokens, verifications, llm = speculated(
         model, ids, {"method": "ngram", "num_speculative_tokens": 3}
@@ -207,7 +207,7 @@ def test_a_hybrid_draft_model_is_one_error():
 
 
 #: the prefix-cache tests' engine: blocks of 16, chunks of 32, two sequences at a time
-CACHED = dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=2)
+CACHED = dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=2, num_kv_blocks=64)
 SHARED = 96  # the prefix both waves share: six blocks
 
 

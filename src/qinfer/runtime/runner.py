@@ -84,10 +84,9 @@ def state_snapshots(model: Transformer, config: RuntimeConfig, slots: int) -> in
     """Snapshot rows of the recurrent-state pool (a hybrid model's prefix cache,
     `StatePool`): 0 for a model without Gated DeltaNet layers; config.state_snapshots when
     set (one error naming it when the budget holds those rows and the `slots` (and their
-    checkpoint rows, with speculative decoding) no more);
-    else max_num_seqs beside num_kv_blocks, or as many as a quarter of the budget holds, at
-    most max_num_seqs. (Under tensor parallelism there is none: the DeltaNet layers are
-    not split.)"""
+    checkpoint rows, with speculative decoding) no more); else max_num_seqs beside
+    num_kv_blocks, or as many as a quarter of the budget holds, at most max_num_seqs. (No
+    channel: the DeltaNet layers run in one process only.)"""
     if model.config.deltanet is None:
         return 0
     budget = pool_budget(model, config)

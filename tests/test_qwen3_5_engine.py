@@ -10,7 +10,8 @@ engine's paged path, in float32: a state slot per running sequence beside the KV
   that holds no sequence's state, one too small for the snapshots asked for, and a hybrid
   draft model, are one-line errors;
 - speculative decoding (n-gram, a draft model) gives the tokens of none: a verification
-  that rejects a proposal sets the state back to its checkpoint;
+  that rejects a proposal sets the state back to its checkpoint; also beside prefix-cache
+  hits and preemption;
 - the prefix cache keeps state snapshots: a second wave of prompts sharing a 96-token
   prefix with the first starts from the snapshot there (the cached tokens reported are the
   tokens skipped), with preemption too, and every token equals a run without the cache and
@@ -197,6 +198,20 @@ def test_speculative_decoding_gives_the_tokens_of_none():
     assert tokens == alone and verifications
 
 
+def test_speculation_beside_the_prefix_cache_and_preemption():
+    """The waves with n-gram proposals over a pool of 16 blocks: hits, preemptions, kept
+    proposals, and the tokens of the engine without either."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain, none, _ = run_waves(model, params, enable_prefix_caching=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    tokens, cached, llm = run_waves(model, params, num_kv_blocks=16, speculative=ngram)
+    stats = llm.engine.stats()
+    assert stats.preemptions_total > 0 and stats.spec_accepted_tokens_total > 0
+    assert none == [0] * 8 and cached[2:] == [SHARED] * 6
+    assert tokens == plain
+
+
 def test_a_hybrid_draft_model_is_one_error():
     model = random_model("qwen3_5", **HYBRID["qwen3_5"])
     draft = {"method": "draft", "model": model, "num_speculative_tokens": 2}
@@ -222,11 +237,11 @@ def waves() -> tuple[list[list[int]], list[list[int]]]:
     )
 
 
-def run_waves(model, **engine_args) -> tuple[list[list[int]], list[int], LLM]:
+def run_waves(model, params=GREEDY, **engine_args) -> tuple[list[list[int]], list[int], LLM]:
     """Both waves through one engine, the second once the first finished: every prompt's
     greedy tokens, the prompt tokens each found cached, and the engine."""
     llm = LLM(model, **{**CACHED, **engine_args})
-    outs = [out for wave in waves() for out in llm.generate(wave, GREEDY, use_tqdm=False)]
+    outs = [out for wave in waves() for out in llm.generate(wave, params, use_tqdm=False)]
     return [out.token_ids for out in outs], [out.num_cached_tokens for out in outs], llm
 
 

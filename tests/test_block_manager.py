@@ -5,6 +5,7 @@ import pytest
 from qinfer.engine import block_manager
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.sequence import Sequence
+from qinfer.engine.state_snapshots import StateSnapshots
 
 BLOCK = 4
 
@@ -118,3 +119,54 @@ def test_flush_forgets_free_prefixes_and_keeps_the_held_ones():
     assert manager.allocate_prefix(Sequence("d", [7] * 9)) == 8  # still held: still found
     manager.free(held)
     assert manager.flush_prefix_cache().dropped_blocks == 0  # "d" holds them now
+
+
+def test_a_hybrid_hit_ends_where_a_state_snapshot_is():
+    """A model with a recurrent state (one slot, two snapshot rows after it): a prompt's
+    chunk ends at its last full block, whose state is saved; a prompt sharing it starts
+    from that snapshot; one that shares only a block before it finds no state there, so it
+    starts from nothing and its chunk ends where it diverged."""
+    manager = BlockManager(num_blocks=16, block_size=BLOCK, state_slots=1, state_snapshots=2)
+    first = Sequence("a", list(range(10)))
+    assert manager.allocate_prefix(first) == 0
+    assert manager.cut_at_snapshot(first, 10) == 8  # its last full block ends at 8
+    assert first.snapshot_row == 1  # the first row after the slot
+    manager.grow(first, 8)
+    first.num_computed_tokens = 8
+    manager.register_computed(first)  # the step ran: row 1 holds the state at 8
+    assert first.snapshot_row is None and len(manager.snapshots) == 1
+    manager.free(first)
+
+    again = Sequence("b", list(range(10)) + [99])
+    assert manager.allocate_prefix(again) == 8
+    assert again.snapshot_source == 1 and again.state_slot == 0
+    assert manager.cut_at_snapshot(again, 3) == 3  # no point past 8 before its end
+    manager.free(again)
+
+    diverging = Sequence("c", list(range(6)) + [50] * 6)
+    assert manager.allocate_prefix(diverging) == 0  # block 0 is cached, its state is not
+    assert diverging.snapshot_source is None and diverging.shared_prefix_end == BLOCK
+    assert manager.cut_at_snapshot(diverging, 12) == BLOCK
+    manager.free(diverging)  # the step did not run: its row is free again
+    assert diverging.snapshot_row is None and manager.snapshots.reserve(shared=False) == 2
+
+
+def test_state_snapshots_keep_shared_prefixes_over_prompt_ends():
+    """Two rows: a prompt's end takes a free or tentative row, never a shared one; a hit
+    makes a tentative snapshot shared; the same prefix saved twice keeps one row."""
+    snapshots = StateSnapshots(range(4, 6))
+    end = snapshots.reserve(shared=False)
+    snapshots.bind(end, 10, shared=False)
+    system = snapshots.reserve(shared=True)
+    snapshots.bind(system, 11, shared=True)
+    assert (end, system) == (4, 5)
+    assert snapshots.reserve(shared=False) == end and not snapshots.holds(10)
+    assert snapshots.reserve(shared=False) is None  # the shared row is kept
+    snapshots.bind(end, 11, shared=False)  # 11 is held already: the row is free again
+    assert len(snapshots) == 1
+    row = snapshots.reserve(shared=False)
+    snapshots.bind(row, 12, shared=False)
+    assert snapshots.find(12) == row  # a hit: 12 is shared now
+    assert snapshots.reserve(shared=False) is None
+    assert snapshots.reserve(shared=True) == system  # the least recently used shared one
+    assert snapshots.forget() == 1 and snapshots.reserve(shared=False) == row

@@ -7,11 +7,17 @@ engine's paged path, in float32: a state slot per running sequence beside the KV
   its prompt in one chunk or in several (its state carried across chunks), and when a
   tiny pool preempts it (its state recomputed from its first token);
 - abort and finish give the slot back; the slots bound the running sequences; a budget
-  that holds no sequence's state, and speculative decoding, are one-line errors; the
-  prefix cache is switched off with one logged line.
+  that holds no sequence's state, one too small for the snapshots asked for, and a hybrid
+  draft model, are one-line errors;
+- speculative decoding (n-gram, a draft model) gives the tokens of none: a verification
+  that rejects a proposal sets the state back to its checkpoint; also beside prefix-cache
+  hits and preemption;
+- the prefix cache keeps state snapshots: a second wave of prompts sharing a 96-token
+  prefix with the first starts from the snapshot there (the cached tokens reported are the
+  tokens skipped), with preemption too, and every token equals a run without the cache and
+  transformers'; a prompt that diverges from a cached one where no snapshot is leaves one
+  there for the next; a tight snapshot budget gives fewer hits, the same tokens.
 """
-
-import logging
 
 import pytest
 import torch
@@ -148,15 +154,171 @@ def test_a_budget_without_room_for_one_state_is_one_error():
         LLM(model, kv_cache_memory=per_slot)
 
 
-def test_speculative_decoding_is_refused_and_prefix_caching_switched_off(caplog):
+def speculated(model, ids, speculative) -> tuple[list[list[int]], list[tuple[int, int]], LLM]:
+    """Greedy tokens of `ids` with speculative decoding, the (proposed, accepted) count of
+    every verification, and the engine."""
+    llm = LLM(model, **SMALL, num_kv_blocks=96, speculative=speculative)
+    counted = llm.engine.speculator.verified
+    verifications = []
+
+    def verified(seq, proposed, accepted):
+        verifications.append((proposed, accepted))
+        counted(seq, proposed, accepted)
+
+    llm.engine.speculator.verified = verified
+    outs = llm.generate(ids, LONG, use_tqdm=False)
+    return [out.token_ids for out in outs], verifications, llm
+
+
+#: long enough for the random model's greedy text to repeat itself (n-gram proposals hit)
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_speculative_decoding_gives_the_tokens_of_none():
+    """n-gram proposals, some verifications keeping all, some part, some none of them (the
+    state set back to before the proposals, the kept ones run again), and a draft model's
+    (a Qwen3 of the same vocabulary): every token is the engine's without speculation. The
+    state pool holds a checkpoint row per slot."""
     model = random_model("qwen3_5", **HYBRID["qwen3_5"])
-    with pytest.raises(QinferError, match="engine argument speculative") as error:
-        LLM(model, speculative={"method": "ngram", "num_speculative_tokens": 2})
+    ids = [[5, 6, 7, 8] * 7] + prompts([9, 40])
+    llm = LLM(model, **SMALL, num_kv_blocks=96)
+    alone = [out.token_ids for out in llm.generate(ids, LONG, use_tqdm=False)]
+    tokens, verifications, llm = speculated(
+        model, ids, {"method": "ngram", "num_speculative_tokens": 3}
+    )
+    assert tokens == alone
+    assert any(0 < kept < proposed for proposed, kept in verifications)  # run again
+    assert any(0 == kept < proposed for proposed, kept in verifications)  # set back only
+    assert any(kept == proposed for proposed, kept in verifications)  # kept as it ran
+    states = llm.engine.executor.runner.states
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    assert states.nbytes == (2 * states.slots + states.snapshots) * per_slot
+    draft = {"method": "draft", "model": random_model("qwen3"), "num_speculative_tokens": 3}
+    tokens, verifications, _ = speculated(model, ids, draft)
+    assert tokens == alone and verifications
+
+
+def test_speculation_beside_the_prefix_cache_and_preemption():
+    """The waves with n-gram proposals over a pool of 16 blocks: hits, preemptions, kept
+    proposals, and the tokens of the engine without either."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain, none, _ = run_waves(model, params, enable_prefix_caching=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    tokens, cached, llm = run_waves(model, params, num_kv_blocks=16, speculative=ngram)
+    stats = llm.engine.stats()
+    assert stats.preemptions_total > 0 and stats.spec_accepted_tokens_total > 0
+    assert none == [0] * 8 and cached[2:] == [SHARED] * 6
+    assert tokens == plain
+
+
+def test_a_hybrid_draft_model_is_one_error():
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    draft = {"method": "draft", "model": model, "num_speculative_tokens": 2}
+    with pytest.raises(
+        QinferError, match="speculative model: model_type .* keeps a recurrent state"
+    ):
+        LLM(model, speculative=draft)
+
+
+#: the prefix-cache tests' engine: blocks of 16, chunks of 32, two sequences at a time
+CACHED = dict(block_size=16, max_num_batched_tokens=32, max_num_seqs=2, num_kv_blocks=64)
+SHARED = 96  # the prefix both waves share: six blocks
+
+
+def waves() -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of four prompts: the same 96 tokens, then each its own tail (the first
+    wave's first prompt's last full block ends past 96, so no prompt's end is there)."""
+    shared = random_tokens(1, SHARED, seed=5)[0].tolist()
+    tails = [[25, 19, 30, 22], [21, 28, 17, 33]]
+    return tuple(
+        [shared + random_tokens(1, n, seed=seed + i)[0].tolist() for i, n in enumerate(lengths)]
+        for seed, lengths in zip((20, 40), tails, strict=True)
+    )
+
+
+def run_waves(model, params=GREEDY, **engine_args) -> tuple[list[list[int]], list[int], LLM]:
+    """Both waves through one engine, the second once the first finished: every prompt's
+    greedy tokens, the prompt tokens each found cached, and the engine."""
+    llm = LLM(model, **{**CACHED, **engine_args})
+    outs = [out for wave in waves() for out in llm.generate(wave, params, use_tqdm=False)]
+    return [out.token_ids for out in outs], [out.num_cached_tokens for out in outs], llm
+
+
+def test_a_second_wave_starts_from_the_shared_prefix_state(pair):
+    """A pool of 14 blocks preempts a sequence of the first wave; the second prompt of the
+    first wave leaves a snapshot where it diverges from the first (96), the later ones
+    start there: 96 tokens cached for each, and every prompt's tokens are those of the
+    engine without the cache and transformers' greedy."""
+    reference, model = pair
+    tokens, cached, llm = run_waves(model, num_kv_blocks=14)
+    assert llm.engine.stats().preemptions_total > 0
+    assert cached == [0, 0] + [SHARED] * 6
+    uncached, none, _ = run_waves(model, num_kv_blocks=14, enable_prefix_caching=False)
+    assert none == [0] * 8
+    assert tokens == uncached
+    reference.generation_config.eos_token_id = None  # as ignore_eos
+    for prompt, ours in zip([p for wave in waves() for p in wave], tokens, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        assert ours == out[0, len(prompt) :].tolist()
+
+
+def test_the_cached_tokens_reported_are_the_tokens_skipped():
+    """Without preemption, the prompt tokens the engine ran are the prompts' tokens less
+    those reported cached."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    _, cached, llm = run_waves(model)
+    stats = llm.engine.stats()
+    assert stats.preemptions_total == 0 and sum(cached) > 0
+    assert stats.prompt_tokens_total - stats.prompt_tokens_computed_total == sum(cached)
+    assert stats.prefix_cache_hits == sum(cached)
+
+
+def test_a_prompt_diverging_from_a_cached_one_leaves_a_snapshot_there():
+    """One prompt at a time: the first caches its blocks (and its state at its last full
+    block, 112); the second finds the 96 shared tokens' blocks but no state there, so it
+    recomputes them and snapshots the state at 96; the third starts from it."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    first, _ = waves()
+    llm = LLM(model, **{**CACHED, "max_num_seqs": 1, "state_snapshots": 8})
+    cached = [llm.generate([p], GREEDY, use_tqdm=False)[0].num_cached_tokens for p in first]
+    assert cached == [0, 0, SHARED, SHARED]
+    manager = llm.engine.block_manager
+    assert len(manager.snapshots) == 1 + 4  # 96, and each prompt's last full block
+    manager.flush_prefix_cache()
+    assert len(manager.snapshots) == 0
+    assert llm.generate([first[2]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_tight_snapshot_budget_gives_fewer_hits_and_the_same_tokens():
+    """The waves, then the first prompt again. Sixteen rows keep its end's state (its last
+    full block, 112); one row keeps only the state at 96 (shared by every prompt: a
+    prompt's end never takes its row); no row finds nothing. The tokens are the same."""
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    repeat = waves()[0][0]
+    results = {}
+    for rows in (16, 1, 0):
+        tokens, cached, llm = run_waves(model, state_snapshots=rows)
+        (out,) = llm.generate([repeat], GREEDY, use_tqdm=False)
+        assert llm.engine.executor.state_snapshots == rows
+        results[rows] = tokens + [out.token_ids], cached + [out.num_cached_tokens]
+    assert results[16][1] == [0, 0] + [SHARED] * 6 + [112]
+    assert results[1][1] == [0, 0] + [SHARED] * 6 + [SHARED]
+    assert results[0][1] == [0] * 9
+    assert results[16][0] == results[1][0] == results[0][0]
+
+
+def test_snapshots_too_many_for_the_budget_is_one_error():
+    model = random_model("qwen3_5", **HYBRID["qwen3_5"])
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    with pytest.raises(QinferError, match="state_snapshots=8: kv_cache_memory of") as error:
+        LLM(model, max_num_seqs=2, kv_cache_memory=10 * per_slot, state_snapshots=8)
     assert "\n" not in str(error.value)
-    with caplog.at_level(logging.WARNING, logger="qinfer.engine"):
-        engine = LLM(model).engine
-    assert not engine.config.enable_prefix_caching
-    assert [r.getMessage() for r in caplog.records if "enable_prefix_caching" in r.getMessage()]
+    with pytest.raises(QinferError, match="engine argument state_snapshots must be"):
+        LLM(model, state_snapshots=-1)
 
 
 def test_the_step_channel_carries_the_state_slots():

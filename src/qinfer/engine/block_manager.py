@@ -42,6 +42,33 @@ gives a sequence one of its `state_slots` when it is admitted (`allocate_prefix`
 it back with its blocks (`free`: finished, aborted or preempted; a preempted sequence is
 recomputed from its first token, so its state need not be kept). A sequence is admitted
 only while a slot is free (`can_admit`).
+
+State snapshots (a hybrid model's prefix cache). The K/V of a cached prefix are not enough
+for a hybrid model: its DeltaNet layers need their state after exactly those tokens, which
+no block holds (the state is the whole history folded into a fixed size). So the cache
+also keeps snapshots, each a copy of one sequence's state (every DeltaNet layer's conv
+window and fp32 matrix) at a block boundary, in a snapshot row of the runner's state pool
+(`attention.state_pool`), indexed by the content id of the prefix's last block
+(`engine.state_snapshots`). A hit is then the longest registered chain of blocks whose
+last block has a snapshot: the sequence takes those blocks and its slot gets a copy of the
+snapshot before its first step (`Sequence.snapshot_source`); what it reports cached is
+what it skipped. Blocks beyond the last snapshot are recomputed (their twins registered).
+
+Snapshots are taken where the scheduler makes a prompt's prefill chunk end
+(`cut_at_snapshot`: the chunk is cut short there, a row reserved, and the runner copies
+the state in after the step), at two points of a prompt: the end of its last full block,
+for a prompt sent again or continued (a chat's next turn); and where its K/V hit ended at admission when the snapshots had less
+(`Sequence.shared_prefix_end`): the point where it diverged from a prompt seen before, so
+where the next prompts that share that prefix (a system prompt) will diverge too. A block
+boundary every N blocks would find such points only by luck, at N times the snapshots.
+
+Memory: a snapshot is a state slot's worth (Qwen3.5-0.8B: 18.6 MiB, as much as ~100 KV
+blocks of 16 tokens of its attention layers; `StatePool`'s docstring), so snapshots are
+few: `EngineConfig.state_snapshots` rows (by default at most a quarter of the pool's
+budget and at most max_num_seqs), a prompt's end never taking the row of a prefix that
+served a hit or where prompts diverged, least recently used first (`StateSnapshots`). A
+snapshot outlives its blocks only until its row is taken (a hit needs both); a flush
+forgets them all. The disk tier keeps none: a hybrid model's engine has no disk tier.
 """
 
 from __future__ import annotations
@@ -54,6 +81,7 @@ from qinfer.attention.block_spaces import NULL_BLOCK, first_block
 from qinfer.core.errors import CacheError
 from qinfer.engine.disk_cache import DiskCache
 from qinfer.engine.sequence import Sequence
+from qinfer.engine.state_snapshots import StateSnapshots
 
 
 def block_hash(parent_hash: int | None, key: tuple[int | bytes, ...]) -> int:
@@ -211,7 +239,8 @@ class BlockManager:
     space s is `seq.tables[s]`. The pool statistics (num_blocks, num_free_blocks,
     num_cached_free_blocks) are space 0's, the one that bounds the context held.
     state_slots: the recurrent-state pool's slots, one per running sequence (0: the model
-    keeps no such state).
+    keeps no such state); state_snapshots: its snapshot rows, numbered after the slots
+    (rows of a hybrid model's prefix cache: none without prefix caching).
     """
 
     def __init__(
@@ -222,6 +251,7 @@ class BlockManager:
         windows: tuple[int | None, ...] = (None,),
         state_slots: int = 0,
         disk: DiskCache | None = None,
+        state_snapshots: int = 0,
     ) -> None:
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(counts) != len(windows):
@@ -234,6 +264,11 @@ class BlockManager:
         self._content_ids = itertools.count()
         self.state_slots = state_slots
         self._free_slots = list(range(state_slots - 1, -1, -1))  # popped: slot 0 first
+        # a hybrid model's prefix cache: which snapshot rows hold which prefix's state
+        # (None: the model keeps no state, or the cache is off)
+        self.snapshots = None
+        if state_slots and enable_prefix_caching:
+            self.snapshots = StateSnapshots(range(state_slots, state_slots + state_snapshots))
         # the disk tier (`qinfer.engine.disk_cache`; None: memory only): the engine gives
         # one only for models whose every space keeps whole histories
         self.disk = disk
@@ -262,8 +297,10 @@ class BlockManager:
         return not self.state_slots or bool(self._free_slots)
 
     def flush_prefix_cache(self) -> CacheFlush:
-        """Forget every cached prefix no sequence holds, in every space, and the disk
-        tier's files of this model (`/flush_cache`)."""
+        """Forget every cached prefix no sequence holds, in every space, every state
+        snapshot, and the disk tier's files of this model (`/flush_cache`)."""
+        if self.snapshots is not None:
+            self.snapshots.forget()
         dropped = [pool.forget_free() for pool in self.pools]
         on_disk = 0 if self.disk is None else self.disk.forget()
         return CacheFlush(dropped[0], self.pools[0].num_cached_held_blocks, on_disk)
@@ -321,6 +358,10 @@ class BlockManager:
         ]
         n = self._longest_hit(held)
         size = self.block_size
+        if self.snapshots is not None and n:  # its state starts from the snapshot there
+            seq.snapshot_source = self.snapshots.find(hits[n - 1].content_id)
+        if self.snapshots is not None and len(hits) > n:  # snapshot where it diverges
+            seq.shared_prefix_end = len(hits) * size
         spaces = zip(self.pools, self.windows, self._tables(seq), held, strict=True)
         for pool, window, table, blocks in spaces:
             first = first_block(n * size, window, size)  # the next step reads from here
@@ -384,7 +425,8 @@ class BlockManager:
 
     def _longest_hit(self, held: list[list[Block | None]]) -> int:
         """The most leading blocks of a prefix hit (held: each space's blocks of its indices)
-        for which every space holds the blocks that a step from the hit's end reads."""
+        for which every space holds the blocks that a step from the hit's end reads, and,
+        for a model that keeps a recurrent state, a snapshot holds the state there."""
         n, size = len(held[0]), self.block_size
         while n:
             missing = [
@@ -393,10 +435,33 @@ class BlockManager:
                 for j in range(first_block(n * size, window, size), n)
                 if blocks[j] is None
             ]
-            if not missing:
+            if missing:
+                n = max(missing)  # a shorter hit must end before the block that is missing
+            elif self.state_slots and not (
+                self.snapshots is not None and self.snapshots.holds(held[0][n - 1].content_id)
+            ):
+                n -= 1  # no state to start from there
+            else:
                 return n
-            n = max(missing)  # a shorter hit must end before the block that is missing
         return 0
+
+    def cut_at_snapshot(self, seq: Sequence, n: int) -> int:
+        """The tokens of `seq`'s next step, n of them asked for, cut so that the step ends
+        at the sequence's next snapshot point if it would pass it (a hybrid model's prefix
+        cache, the module's docstring); a snapshot row is then reserved for the state
+        after the step (`Sequence.snapshot_row`). n itself without a snapshot to take or a
+        row to take it in."""
+        if self.snapshots is None:
+            return n
+        start, size = seq.num_computed_tokens, self.block_size
+        # its prompt's last block boundary that a hit can use (no point in generated text)
+        last = min(seq.num_tokens - 1, seq.num_prompt_tokens) // size * size
+        points = [p for p in (seq.shared_prefix_end, last) if p > start]
+        if not points or start + n < min(points):
+            return n
+        point = min(points)
+        seq.snapshot_row = self.snapshots.reserve(shared=point == seq.shared_prefix_end)
+        return n if seq.snapshot_row is None else point - start
 
     def register_computed(self, seq: Sequence) -> None:
         """Register every full block of `seq` whose K/V are now computed, in every space,
@@ -404,6 +469,12 @@ class BlockManager:
         a step)."""
         if self.enable_prefix_caching:
             self._register(seq)
+        if self.snapshots is not None:  # the step restored and saved what it had to
+            seq.snapshot_source = None
+            if seq.snapshot_row is not None:  # the state after the prefix's last block
+                shared = seq.num_computed_tokens == seq.shared_prefix_end
+                self.snapshots.bind(seq.snapshot_row, seq.last_block_key[1], shared)
+                seq.snapshot_row = None
         for space in self._window_spaces:
             pool, table = self.pools[space], seq.tables[space]
             end = first_block(seq.num_computed_tokens, self.windows[space], self.block_size)
@@ -439,6 +510,11 @@ class BlockManager:
         if seq.state_slot is not None:
             self._free_slots.append(seq.state_slot)
             seq.state_slot = None
+        if seq.snapshot_row is not None:  # reserved for a step that did not run
+            self.snapshots.release(seq.snapshot_row)
+        seq.snapshot_row = seq.snapshot_source = None
+        seq.shared_prefix_end = 0
+        seq.state_rollback = False  # recomputed or restored from a snapshot instead
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_key = None

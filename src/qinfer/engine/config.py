@@ -51,7 +51,12 @@ class EngineConfig:
         device memory on GPU, `runtime.config.DEFAULT_CPU_KV_MEMORY` on CPU.
     num_kv_blocks: exact pool size in blocks; overrides kv_cache_memory.
     max_model_len: longest sequence (prompt + output); default the model's context.
-    enable_prefix_caching: reuse the K/V of full blocks shared by several prompts.
+    enable_prefix_caching: reuse the K/V of full blocks shared by several prompts (and, for
+        a hybrid model, the snapshots of its recurrent state: `engine.block_manager`).
+    state_snapshots: a hybrid model's prefix cache: how many recurrent-state snapshots it
+        keeps (rows of `attention.state_pool.StatePool`, out of kv_cache_memory); None: as
+        many as a quarter of the budget holds, at most max_num_seqs (max_num_seqs beside
+        num_kv_blocks); 0: none, so that no prompt of a hybrid model finds a cached prefix.
     max_waiting_requests: requests allowed to wait; more are refused as overloaded.
     attention_backend: how the runner keeps K/V and attends (`qinfer.attention.backend`):
         auto (by device), paged (the CPU's) or gathered (one sdpa call over gathered blocks).
@@ -79,6 +84,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    state_snapshots: int | None = None
     max_waiting_requests: int = 1024
     attention_backend: str = RuntimeConfig.attention_backend
     static_decode: bool = RuntimeConfig.static_decode
@@ -102,6 +108,11 @@ class EngineConfig:
                 raise QinferError(
                     f"engine argument {name} must be a positive integer, got {value!r}"
                 )
+        snapshots = self.state_snapshots
+        if snapshots is not None and (not isinstance(snapshots, int) or snapshots < 0):
+            raise QinferError(
+                f"engine argument state_snapshots must be a non-negative integer, got {snapshots!r}"
+            )
         check_attention_backend(self.attention_backend)
         try:
             size = parse_byte_size(self.prompt_cache_size)
@@ -131,25 +142,22 @@ class EngineConfig:
         shared = {name: getattr(self, name) for name in SHARED}
         drafted = self.speculative is not None and self.speculative.method == "draft"
         return RuntimeConfig(
-            **shared, num_speculative_tokens=self.num_speculative_tokens, whole_space_0=drafted
+            **shared,
+            num_speculative_tokens=self.num_speculative_tokens,
+            whole_space_0=drafted,
+            state_snapshots=self.state_snapshots if self.enable_prefix_caching else 0,
         )
 
     def for_model(self, config: ModelConfig) -> EngineConfig:
         """This config as the engine runs a model of `config`. A hybrid model (Gated
         DeltaNet layers: a recurrent state per sequence, `qinfer.attention.state_pool`)
-        needs what is not built yet for some settings: the prefix cache would need a state
-        snapshot per cached block, static decode and CUDA graphs a state slot per padding
-        row; each is switched off with one logged line. Speculative decoding would need
-        the state rolled back to the last accepted token: refused, naming it."""
+        needs what is not built yet for some settings: static decode and CUDA graphs would
+        need a state slot per padding row; each is switched off with one logged line. (Its
+        prefix cache keeps state snapshots beside the blocks, `engine.block_manager`;
+        speculative decoding rolls the state back, `attention.state_pool`.)"""
         if config.deltanet is None:
             return self
-        if self.speculative is not None:
-            raise QinferError(
-                f"engine argument speculative: model_type {config.model_type!r} keeps a "
-                "recurrent state (Gated DeltaNet), which speculative decoding cannot roll "
-                "back yet"
-            )
-        off = [name for name in ("enable_prefix_caching", "static_decode") if getattr(self, name)]
+        off = ["static_decode"] if self.static_decode else []
         off += ["cuda_graphs"] if self.cuda_graphs else []
         for name in off:
             log.warning(
@@ -159,7 +167,7 @@ class EngineConfig:
                 config.model_type,
                 name,
             )
-        return replace(self, enable_prefix_caching=False, static_decode=False, cuda_graphs=False)
+        return replace(self, static_decode=False, cuda_graphs=False)
 
     @classmethod
     def from_kwargs(cls, **engine_args) -> EngineConfig:

@@ -89,6 +89,7 @@ class Engine:
             windows,
             state_slots=self.executor.state_slots,
             disk=self.disk_cache,
+            state_snapshots=self.executor.state_snapshots,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.speculator = None
@@ -132,9 +133,8 @@ class Engine:
         if config.prompt_cache_dir is None:
             return None
         why = None
-        # (a hybrid's prefix caching is off too: `EngineConfig.for_model`; the layers say why)
         if LINEAR_ATTENTION in self.model.config.layer_types:
-            why = "linear-attention layers (their states are not kept in blocks)"
+            why = "linear-attention layers (their state snapshots are kept in memory only)"
         elif not config.enable_prefix_caching:
             why = "prefix caching is off"
         elif executor.parallel.tensor > 1:
@@ -414,7 +414,12 @@ class Engine:
                 seq = request.seq
                 if not seq.is_finished:  # (a finished one's blocks are freed)
                     seq.proposed = []
-                    self.scheduler.advance(seq, n)
+                    if n < len(proposed) and self.block_manager.state_slots:
+                        # a hybrid model's state ran past the last accepted token: the next
+                        # step sets it back to before the proposals and runs the n again
+                        seq.state_rollback = True
+                    else:
+                        self.scheduler.advance(seq, n)
                 self.speculator.verified(seq, len(proposed), n)
         return len(requests) + sum(kept)
 

@@ -7,7 +7,9 @@ block left for a running sequence, the newest running sequence is preempted: its
 are freed (their full blocks stay in the prefix cache) and it goes back to the front of
 the waiting queue, to be recomputed later. Then waiting sequences are admitted, oldest
 first, while the step has tokens and sequences to spare and the pool has blocks; a long
-prompt is admitted with a first chunk and continues in later steps (chunked prefill).
+prompt is admitted with a first chunk and continues in later steps (chunked prefill). A
+hybrid model's prompt chunk ends early where the prefix cache snapshots its state
+(`BlockManager.cut_at_snapshot`).
 
 The oldest running sequence is never preempted by another, so every step makes progress.
 """
@@ -53,7 +55,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._fit_proposals(seq, budget)
+            n = self.block_manager.cut_at_snapshot(seq, self._fit_proposals(seq, budget))
             while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
                 self._preempt(self.running.pop())
                 preempted = True
@@ -75,7 +77,7 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             cached = self.block_manager.allocate_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.block_manager.cut_at_snapshot(seq, min(seq.num_uncomputed_tokens, budget))
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)
                 break
@@ -100,6 +102,7 @@ class Scheduler:
         cache, its window spaces' blocks that no later query reads released, and its
         images' embeddings dropped once every image token ran."""
         seq.num_computed_tokens += n
+        seq.state_rollback = False  # the step that ran did it
         self.block_manager.register_computed(seq)
         if seq.images is not None:
             seq.images.ran(seq.num_computed_tokens)

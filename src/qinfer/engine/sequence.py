@@ -36,7 +36,13 @@ class Sequence:
     where their tokens are, their M-RoPE positions, their cache keys and their embeddings.
 
     `state_slot`: a hybrid model's, its slot in the runner's recurrent-state pool while it
-    runs (the block manager's to give and take; None otherwise).
+    runs (the block manager's to give and take; None otherwise). Its prefix cache
+    (`engine.block_manager`): `snapshot_source`, the snapshot row its state starts from
+    (a hit, until its first step ran); `snapshot_row`, the row reserved for its state after
+    the step being scheduled; `shared_prefix_end`, where its K/V hit ended at admission
+    when beyond the snapshots (a point to snapshot; 0: none). `state_rollback`: its next
+    step sets its state back to the checkpoint before its last proposals (some were
+    rejected: `qinfer.engine.speculative`).
     `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Resident`) names its
     slot, which its rows run through, and its key, which keys its blocks in the prefix
     cache: an adapter's K/V never serve the base model or another adapter.
@@ -68,6 +74,10 @@ class Sequence:
         self.proposed: list[int] = []  # guessed next tokens, to verify in the next step
         self.num_draft_computed = 0  # leading tokens with K/V in a draft model's pool
         self.state_slot: int | None = None
+        self.snapshot_source: int | None = None
+        self.snapshot_row: int | None = None
+        self.shared_prefix_end = 0
+        self.state_rollback = False
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +133,8 @@ def scheduled_step(
     leaves more of its prompt for later steps, or a pooling sequence); its tables in each
     of the model's block spaces, a window space's from the first block the step reads;
     the positions and image embeddings of its sequences with images (encoded already);
-    the state slots of a hybrid model's sequences.
+    the state slots of a hybrid model's sequences, the snapshots the step restores and
+    saves (`engine.block_manager`), its proposals and rollbacks.
     Token ids are not checked: the engine checked every prompt when it came in, sampled
     ids come from the logits, and proposed ids from the vocabulary."""
     tables = [
@@ -138,6 +149,9 @@ def scheduled_step(
         for seq, n in zip(seqs, num_new, strict=True)
     ]
     slots = [seq.state_slot for seq in seqs]
+    restores = [(s.snapshot_source, s.state_slot) for s in seqs if s.snapshot_source is not None]
+    saves = [(s.state_slot, s.snapshot_row) for s in seqs if s.snapshot_row is not None]
+    proposed = [len(seq.proposed) for seq in seqs]
     adapters = [None if seq.adapter is None else seq.adapter.slot for seq in seqs]
     return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
@@ -147,6 +161,10 @@ def scheduled_step(
         images if any(image is not None for image in images) else None,
         state_slots=None if None in slots else slots,
         adapters=adapters if any(slot is not None for slot in adapters) else None,
+        state_restores=restores,
+        state_saves=saves,
+        num_proposed=proposed if any(proposed) else None,
+        state_rollbacks=[seq.state_slot for seq in seqs if seq.state_rollback],
     )
 
 

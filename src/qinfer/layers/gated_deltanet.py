@@ -12,7 +12,9 @@ per-sequence state, as transformers' `Qwen3_5GatedDeltaNet`.
 A step's sequences take their conv windows and states from the state pool's slots
 (`qinfer.attention.state_pool`, `ForwardBatch.states`) and write them back. Sequences of
 one length (a decode step, the reference path's rectangular rows) run together; a step of
-mixed lengths runs its sequences one by one.
+mixed lengths runs its sequences one by one. A sequence that verifies proposed tokens
+(speculative decoding) runs its own tokens, keeps the state in its checkpoint row, then
+runs the proposals; both token by token (the recurrent form, as its decode steps would).
 """
 
 from __future__ import annotations
@@ -113,22 +115,26 @@ class GatedDeltaNet(Module, Placed):
         T = x.shape[0]
         qkv, z, b, a = self._project(x)  # (T, C), (T, Hv, dv), (T, Hv), (T, Hv)
         lengths = [end - start for start, end in pairwise(query_starts)]
-        if len(set(lengths)) == 1:  # one length L: the S sequences as (S, L, ...) at once
+        if len(set(lengths)) == 1 and not any(states.proposed or ()):
+            # one length L: the S sequences as (S, L, ...) at once
             S, L = len(lengths), lengths[0]
             o = self._mix(qkv.view(S, L, -1), b.view(S, L, -1), a.view(S, L, -1), states)
-        else:  # mixed lengths (a chunked prompt beside decodes): one sequence at a time
-            o = torch.cat(
-                [
-                    self._mix(
-                        qkv[None, start:end],
-                        b[None, start:end],
-                        a[None, start:end],
-                        StepStates(states.pool, states.slots[s : s + 1]),
+        else:  # mixed lengths (a chunked prompt beside decodes), proposals: one at a time
+            proposed = states.proposed or [0] * len(lengths)
+            parts = []
+            for s, (start, end) in enumerate(pairwise(query_starts)):
+                one = StepStates(states.pool, states.slots[s : s + 1])
+                k = proposed[s]
+                # a verification: its own tokens, the state kept, then its proposals
+                cuts = [start, end - k, end] if k else [start, end]
+                for i, (first, last) in enumerate(pairwise(cuts)):
+                    if i:
+                        states.pool.keep(self.layer, one.slots)
+                    part = slice(first, last)
+                    parts.append(
+                        self._mix(qkv[None, part], b[None, part], a[None, part], one, bool(k))
                     )
-                    for s, (start, end) in enumerate(pairwise(query_starts))
-                ],
-                dim=1,
-            )
+            o = torch.cat(parts, dim=1)
         # o (S, L, Hv, dv) fp32 -> (T, Hv, dv): RMSNorm over each head, gated by silu(z)
         o = self.norm(o.reshape(T, *z.shape[1:])) * F.silu(z.float())
         return linear(o.reshape(T, -1).to(x.dtype), self.out_proj)
@@ -152,11 +158,18 @@ class GatedDeltaNet(Module, Placed):
         return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
 
     def _mix(
-        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, states: StepStates
+        self,
+        qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        states: StepStates,
+        recurrent: bool = False,
     ) -> torch.Tensor:
         """S sequences of L tokens each: qkv (S, L, C), b, a (S, L, Hv); states: their S
-        slots. Conv and delta rule from the slots' states, which are written back. Returns
-        the rule's output (S, L, Hv, dv) fp32."""
+        slots. Conv and delta rule from the slots' states, which are written back; the
+        rule token by token for one token or when `recurrent` (a verification, computed
+        as its decode steps would), else chunked. Returns the rule's output (S, L, Hv, dv)
+        fp32."""
         s, slots = self.shapes, states.slots
         S, L, _ = qkv.shape
         conv_windows = states.pool.conv[self.layer]  # (slots, C, K - 1)
@@ -173,10 +186,10 @@ class GatedDeltaNet(Module, Placed):
         v = v.reshape(S, L, s.num_value_heads, s.value_head_dim)
         beta = b.float().sigmoid()  # (S, L, Hv)
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
-        recurrent = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
-        if L == 1:  # decode
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent[slots])
+        matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
+        if L == 1 or recurrent:  # decode, verification
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, matrices[slots])
         else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, recurrent[slots], self.chunk_size)
-        recurrent.index_copy_(0, slots, state)
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, matrices[slots], self.chunk_size)
+        matrices.index_copy_(0, slots, state)
         return o

@@ -20,7 +20,8 @@ class RuntimeConfig:
     num_speculative_tokens: the most tokens proposed per sequence and step (what a
     window space must hold beyond a step's). whole_space_0: a draft model reads block
     space 0's tables for its own pool, so space 0 keeps whole histories.
-    attention_backend, static_decode, cuda_graphs: as `EngineConfig`'s."""
+    attention_backend, static_decode, cuda_graphs, state_snapshots: as `EngineConfig`'s
+    (state_snapshots 0 when the engine keeps no prefix cache)."""
 
     block_size: int = 16
     max_num_seqs: int = 32
@@ -33,3 +34,4 @@ class RuntimeConfig:
     attention_backend: str = "auto"
     static_decode: bool = False
     cuda_graphs: bool | None = None
+    state_snapshots: int | None = None

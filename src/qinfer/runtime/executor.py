@@ -28,7 +28,13 @@ from qinfer.core.errors import QinferError
 from qinfer.model.transformer import Transformer
 from qinfer.runtime.config import RuntimeConfig
 from qinfer.runtime.distributed import TensorParallelGroup
-from qinfer.runtime.runner import ModelRunner, StepOutput, kv_pool_blocks, state_slots
+from qinfer.runtime.runner import (
+    ModelRunner,
+    StepOutput,
+    kv_pool_blocks,
+    state_slots,
+    state_snapshots,
+)
 from qinfer.runtime.step import ScheduledStep
 from qinfer.runtime.step_channel import StepChannel
 
@@ -78,8 +84,8 @@ class Executor:
         self.group = group
         self.parallel = ParallelConfig(tensor=1 if group is None else group.parallel.world_size)
         self._channel = None if group is None else StepChannel(group)
-        self.spaces, blocks, slots = pool_layout(model, config, self._channel)
-        self.runner = ModelRunner(model, config, blocks, self.spaces, slots)
+        self.spaces, blocks, rows = pool_layout(model, config, self._channel)
+        self.runner = ModelRunner(model, config, blocks, self.spaces, *rows)
 
     @property
     def model(self) -> Transformer:
@@ -96,6 +102,12 @@ class Executor:
         """Slots of the recurrent-state pool (0: the model has no Gated DeltaNet layer)."""
         states = self.runner.states
         return 0 if states is None else states.slots
+
+    @property
+    def state_snapshots(self) -> int:
+        """Snapshot rows of the recurrent-state pool (a hybrid model's prefix cache)."""
+        states = self.runner.states
+        return 0 if states is None else states.snapshots
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -133,17 +145,18 @@ def follow(model: Transformer, config: RuntimeConfig, group: TensorParallelGroup
     """A worker rank: size the same pools as every rank, then run rank 0's steps, in its
     order, until it stops."""
     channel = StepChannel(group)
-    spaces, blocks, slots = pool_layout(model, config, channel)
-    runner = ModelRunner(model, config, blocks, spaces, slots)
+    spaces, blocks, rows = pool_layout(model, config, channel)
+    runner = ModelRunner(model, config, blocks, spaces, *rows)
     while (step := channel.receive()) is not None:
         runner.forward(step)
 
 
 def pool_layout(
     model: Transformer, config: RuntimeConfig, channel: StepChannel | None
-) -> tuple[BlockSpaces, list[int], int]:
-    """The model's block spaces, each one's blocks (`kv_pool_blocks`) and the slots of its
-    recurrent-state pool (`state_slots`, out of the same budget). A draft model
+) -> tuple[BlockSpaces, list[int], tuple[int, int]]:
+    """The model's block spaces, each one's blocks (`kv_pool_blocks`) and the slots and
+    snapshot rows of its recurrent-state pool (`state_slots`, `state_snapshots`, out of the
+    same budget). A draft model
     reads space 0's tables for its own pool, so with one, space 0 keeps whole histories.
     Under tensor parallelism every rank takes rank 0's word for that (a worker's config has
     no speculative settings: the draft model is rank 0's)."""
@@ -152,4 +165,7 @@ def pool_layout(
         drafted = bool(channel.rank_0(int(drafted)))
     spaces = BlockSpaces.of(model.config, whole_space_0=drafted)
     slots = state_slots(model, config, channel)
-    return spaces, kv_pool_blocks(model, config, spaces, channel, slots), slots
+    snapshots = state_snapshots(model, config, slots)
+    checkpoints = slots if config.num_speculative_tokens else 0  # a row per slot
+    blocks = kv_pool_blocks(model, config, spaces, channel, slots + snapshots + checkpoints)
+    return spaces, blocks, (slots, snapshots)

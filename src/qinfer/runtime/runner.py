@@ -60,15 +60,17 @@ def state_slots(
     """Slots of the recurrent-state pool (`StatePool`: a hybrid model's Gated DeltaNet
     layers), a running sequence's each: 0 for a model without such layers; max_num_seqs
     beside num_kv_blocks; else as many as half the budget (`pool_budget`) holds, at most
-    max_num_seqs (the KV blocks get the rest: `kv_pool_blocks`). A budget whose half holds
-    no sequence's state is one error naming kv_cache_memory. With a channel, the fewest
-    any rank holds."""
+    max_num_seqs (the KV blocks get the rest: `kv_pool_blocks`). With speculative
+    decoding a slot counts twice (its checkpoint row). A budget whose half holds no
+    sequence's state is one error naming kv_cache_memory. With a channel, the fewest any
+    rank holds."""
     if model.config.deltanet is None:
         return 0
     budget = pool_budget(model, config)
     slots = config.max_num_seqs
     if budget is not None:
         per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+        per_slot *= 1 + bool(config.num_speculative_tokens)
         slots = min(slots, budget // 2 // per_slot)
         if slots < 1:
             raise QinferError(
@@ -76,6 +78,32 @@ def state_slots(
                 f"({per_slot} bytes each, in at most half of it): raise kv_cache_memory"
             )
     return slots if channel is None else channel.min(slots)
+
+
+def state_snapshots(model: Transformer, config: RuntimeConfig, slots: int) -> int:
+    """Snapshot rows of the recurrent-state pool (a hybrid model's prefix cache,
+    `StatePool`): 0 for a model without Gated DeltaNet layers; config.state_snapshots when
+    set (one error naming it when the budget holds those rows and the `slots` (and their
+    checkpoint rows, with speculative decoding) no more); else max_num_seqs beside
+    num_kv_blocks, or as many as a quarter of the budget holds, at most max_num_seqs. (No
+    channel: the DeltaNet layers run in one process only.)"""
+    if model.config.deltanet is None:
+        return 0
+    budget = pool_budget(model, config)
+    per_slot = StatePool.bytes_per_slot(model.config, model.dtype)
+    running = slots * (1 + bool(config.num_speculative_tokens))  # and their checkpoints
+    if config.state_snapshots is not None:
+        rows = config.state_snapshots
+        if budget is not None and (running + rows) * per_slot >= budget:
+            raise QinferError(
+                f"state_snapshots={rows}: kv_cache_memory of {budget} bytes does not hold "
+                f"{running} running states, {rows} snapshots ({per_slot} bytes each) and KV "
+                "blocks: lower state_snapshots or raise kv_cache_memory"
+            )
+        return rows
+    if budget is None:
+        return config.max_num_seqs
+    return min(config.max_num_seqs, budget // 4 // per_slot)
 
 
 def kv_pool_blocks(
@@ -87,8 +115,8 @@ def kv_pool_blocks(
 ) -> list[int]:
     """How many blocks each block space's pool gets (`spaces`).
 
-    One space: num_kv_blocks, else the byte budget (`pool_budget`, less `states` slots of
-    the recurrent-state pool: `state_slots`) divided by a block's size (a block holds
+    One space: num_kv_blocks, else the byte budget (`pool_budget`, less `states` rows of
+    the recurrent-state pool: `state_slots` and `state_snapshots`) divided by a block's size (a block holds
     this rank's KV heads, stored as `model.kv_format` says: an int8 pool gets about 1.8x
     the blocks of a bf16 one). A window space besides space 0 (sliding layers beside
     full-attention ones): `whole` = num_kv_blocks, or the budget divided by a block of
@@ -181,9 +209,10 @@ class StepOutput:
 
 class ModelRunner:
     """One rank's model over its own KV pools, num_blocks[s] blocks in block space s of
-    `spaces`, and a recurrent-state pool of `state_slots` slots for a hybrid model's Gated
-    DeltaNet layers (`StatePool`; None without them): `forward` runs a step, attending
-    through the backend config.attention_backend names (`choose_backend`)."""
+    `spaces`, and a recurrent-state pool of `state_slots` slots and `state_snapshots`
+    snapshot rows for a hybrid model's Gated DeltaNet layers (`StatePool`; None without
+    them): `forward` runs a step, attending through the backend config.attention_backend
+    names (`choose_backend`)."""
 
     def __init__(
         self,
@@ -192,6 +221,7 @@ class ModelRunner:
         num_blocks: list[int],
         spaces: BlockSpaces,
         state_slots: int = 0,
+        state_snapshots: int = 0,
     ) -> None:
         self.model = model
         self.block_size = config.block_size
@@ -206,7 +236,10 @@ class ModelRunner:
                 raise QinferError(
                     "static_decode and cuda_graphs do not run hybrid (Gated DeltaNet) models yet"
                 )
-            self.states = StatePool(model.config, state_slots, model.dtype, model.device)
+            checkpoints = bool(config.num_speculative_tokens)  # verifications roll back
+            self.states = StatePool(
+                model.config, state_slots, model.dtype, model.device, state_snapshots, checkpoints
+            )
         self.backend = choose_backend(
             config.attention_backend,
             model.device,
@@ -260,7 +293,9 @@ class ModelRunner:
         its new tokens whose final-normed hidden states it needs. Pooling is rank 0's alone
         (the hidden states are whole on every rank). With static_decode, a decode step runs
         padded to its bucket (`qinfer.runtime.static_decode`); the padding's logits are
-        dropped; with CUDA graphs its bucket's graph is replayed (`qinfer.runtime.cuda_graphs`)."""
+        dropped; with CUDA graphs its bucket's graph is replayed (`qinfer.runtime.cuda_graphs`).
+        A hybrid model's states that the step saves (`ScheduledStep.state_saves`) are copied
+        once it ran."""
         num_seqs = len(step.new_tokens)
         hidden_rows = hidden_rows or [None] * num_seqs
         widths = None
@@ -274,6 +309,8 @@ class ModelRunner:
                 return StepOutput(self._replayed(step, widths)[:num_seqs], [None] * num_seqs)
         batch = self.forward_batch(step, widths)
         hidden = self.model.forward(batch)  # (T, hidden)
+        if step.state_saves:
+            self.states.copy(step.state_saves)
         logits = self.model.compute_logits(batch.logits_rows(hidden))  # (R, V)
         pooled: list[torch.Tensor | None] = []
         for start, rows in zip(batch.query_starts[:num_seqs], hidden_rows, strict=True):
@@ -307,14 +344,18 @@ class ModelRunner:
 
     def _states(self, step: ScheduledStep) -> StepStates:
         """The step's slots in the recurrent-state pool; a sequence whose step starts at
-        position 0 (new, or recomputed after a preemption) starts from a zero state."""
+        position 0 (new, or recomputed after a preemption) starts from a zero state, one
+        that starts from a prefix-cache hit from its snapshot (`ScheduledStep.state_restores`),
+        one whose proposals were rejected from its checkpoint (`state_rollbacks`)."""
         if step.state_slots is None:
             raise QinferError("a step of a hybrid model needs its sequences' state_slots")
         for slot, computed in zip(step.state_slots, step.num_computed, strict=True):
             if computed == 0:
                 self.states.reset(slot)
+        self.states.rollback(step.state_rollbacks)
+        self.states.copy(step.state_restores)
         slots = torch.tensor(step.state_slots, dtype=torch.long, device=self.model.device)
-        return StepStates(self.states, slots)
+        return StepStates(self.states, slots, step.num_proposed)
 
     def _images(self, step: ScheduledStep, starts: list[int]) -> dict:
         """The `ForwardBatch` fields of a step with images: positions (3, T), each

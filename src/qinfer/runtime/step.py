@@ -11,7 +11,7 @@ worker from the two int64 tensors of `qinfer.runtime.step_channel`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +45,16 @@ class ScheduledStep:
     on rank 0's runner: `step_channel` carries none. state_slots[b]: sequence b's slot in
     the runner's recurrent-state pool (a hybrid model's Gated DeltaNet layers,
     `qinfer.attention.state_pool`; a sequence whose step starts at position 0 starts from
-    a zero state there); None for a model without such layers. adapters[b]: the LoRA
+    a zero state there); None for a model without such layers. state_restores: (snapshot
+    row, slot) pairs, copied before the forward (sequences that start from a prefix-cache
+    hit); state_saves: (slot, snapshot row) pairs, copied after it (sequences whose step
+    ends where the prefix cache keeps a snapshot): rows of the same pool
+    (`StatePool.copy`). num_proposed[b]: how many of sequence b's new tokens are proposals
+    to verify (None: no sequence has any), a hybrid model's state before them kept in the
+    slot's checkpoint row; state_rollbacks: slots whose state is set back to that
+    checkpoint before the forward (a verification that rejected a proposal). Like images,
+    the state copies stay on rank 0's runner (the DeltaNet layers are not split over
+    ranks). adapters[b]: the LoRA
     adapter slot sequence b runs through (None: the base model); adapters None: no
     sequence has one."""
 
@@ -56,6 +65,10 @@ class ScheduledStep:
     images: list[StepImages | None] | None = None
     state_slots: list[int] | None = None
     adapters: list[int | None] | None = None
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    num_proposed: list[int] | None = None
+    state_rollbacks: list[int] = field(default_factory=list)
 
     def logits_rows(self) -> tuple[list[int], list[range]]:
         """Its rows of logits, as `logits_rows` places them."""

@@ -17,5 +17,9 @@ speculator.py   the engine's side: who proposes, how many (adaptive k), and the 
 What a rejected proposal wrote is undone by counting: its K/V slots lie past
 `num_computed_tokens` (overwritten by the next step), its blocks are hashed for the prefix
 cache only once computed, and the request's state (penalties, grammar, detokenizer, stop
-strings, max_tokens, logprobs) only ever sees accepted tokens.
+strings, max_tokens, logprobs) only ever sees accepted tokens. A hybrid model's recurrent
+state (Gated DeltaNet) cannot be undone by counting: the verification keeps the state
+before the proposals in a checkpoint row (`attention.state_pool`), and when one is
+rejected the next step sets the state back to it and runs the accepted ones again
+(`Sequence.state_rollback`), at most k tokens more in a step that runs k + 1 already.
 """

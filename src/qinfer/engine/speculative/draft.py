@@ -50,6 +50,11 @@ class DraftModel:
                 f"speculative model has a vocabulary of {draft.config.vocab_size} tokens, "
                 f"the target {target.config.vocab_size}: a draft must share the target's"
             )
+        if draft.config.deltanet is not None:
+            raise QinferError(
+                f"speculative model: model_type {draft.config.model_type!r} keeps a recurrent "
+                "state (Gated DeltaNet), which a draft model cannot keep yet: choose a draft without linear attention"
+            )
         if draft.device != target.device:
             raise QinferError(
                 f"speculative model is on {draft.device}, the target on {target.device}: "

@@ -106,7 +106,7 @@ class Speculator:
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Record that `accepted` of the `proposed` tokens of seq's step were kept (its
-        num_computed_tokens already counts them)."""
+        num_computed_tokens already counts them, unless a hybrid model runs them again)."""
         self.counts.verifications += 1
         self.counts.proposed += proposed
         self.counts.accepted += accepted

@@ -4,7 +4,7 @@ Responses API (whole and streamed), and the `anthropic` client's tool runner ove
 Messages API.
 
 On the planted Qwen3 with its tool loop (tests/planted_qwen3.py), every SDK runs the same
-two-tool loop: the model calls get_weather, gets its result, calls get_time, gets its
+two-tool loop (LangGraph and the Agents SDK on the planted Qwen3.5 too, its calls in XML): the model calls get_weather, gets its result, calls get_time, gets its
 result, and answers `LOOP_ANSWER`; the model only takes each step once the previous
 result is in the conversation it is sent, so the transcript shows that each SDK fed the
 results back and that the server parsed, named and matched every call. On the embedded
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import anthropic
 import openai
 import pytest
+import torch
 from agents import (
     Agent,
     ItemHelpers,
@@ -45,7 +46,9 @@ from planted_qwen3 import (
     build_planted_qwen3,
 )
 from servers import serving
+from transformers import AutoModelForCausalLM
 
+import qinfer
 from qinfer.server.app import served_name
 
 QUESTION = "What is the weather in Paris, and what time is it there?"
@@ -88,11 +91,20 @@ class Tools:
 EXPECTED_CALLS = [(name, arguments["city"]) for name, arguments in LOOP_CALLS]
 
 
+#: The planted families the LangGraph and Agents SDK loops run on (indirect `planted`).
+FAMILIES = pytest.mark.parametrize("planted", ["qwen3", "qwen3_5"], indirect=True)
+
+
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    """(base URL, model name) of `qinfer serve` on the planted Qwen3 with its tool loop."""
+def planted(request, tmp_path_factory):
+    """(base URL, model name) of `qinfer serve` on the planted Qwen3 (or the family a test
+    names) with its tool loop."""
+    family = getattr(request, "param", "qwen3")
     folder = build_planted_qwen3(
-        tmp_path_factory.mktemp("agent-loop"), tool_loop=True, max_position_embeddings=4096
+        tmp_path_factory.mktemp(f"agent-loop-{family}"),
+        tool_loop=True,
+        family=family,
+        max_position_embeddings=4096,
     )
     with serving(
         *("--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096")
@@ -121,6 +133,7 @@ def langgraph_run(served, tools: Tools, max_turns: int, **llm_fields) -> list:
     return out["messages"]
 
 
+@FAMILIES
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
 def test_langgraph_react_agent_runs_two_tools_to_an_answer(planted, streaming):
     tools = Tools()
@@ -180,6 +193,7 @@ def agents_run(served, tools: Tools, max_turns: int, stream: bool, **settings):
     return asyncio.run(streamed())
 
 
+@FAMILIES
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_openai_agents_sdk_runs_two_tools_to_an_answer(planted, stream):
     tools = Tools()
@@ -275,3 +289,38 @@ def test_anthropic_tool_runner_on_smollm2_ends_by_itself(smollm2):
     replies, _ = anthropic_run(smollm2, Tools(), SMOKE_TURNS, max_tokens=64)
     assert 1 <= len(replies) <= SMOKE_TURNS
     assert replies[-1].stop_reason in ("end_turn", "max_tokens")
+
+
+# --- the planted Qwen3.5 itself ---------------------------------------------------------
+
+
+def test_planted_qwen3_5_calls_alike_in_transformers_and_qinfer(tmp_path):
+    """Offered the tools, with get_weather's result in, the planted Qwen3.5 (DeltaNet layers
+    and all) greedily writes its get_time call in XML, in transformers and qinfer alike."""
+    folder = build_planted_qwen3(
+        tmp_path, tool_loop=True, family="qwen3_5", max_position_embeddings=2048
+    )
+    tokenizer = qinfer.load_tokenizer(folder)
+    tools = [
+        {"type": "function", "function": {"name": name, "description": description}}
+        for name, description in (WEATHER_TOOL, TIME_TOOL)
+    ]
+    call = {"id": "c0", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = LOOP_CALLS[0][1]
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c0", "content": LOOP_RESULTS[0]},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    params = qinfer.SamplingParams(temperature=0, max_tokens=12)
+    ours = qinfer.generate(qinfer.load_model(folder, dtype=torch.float32), tokenizer, ids, params)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert ours.token_ids == out[0, len(ids) :].tolist()
+    name, arguments = LOOP_CALLS[1]
+    expected = f"{PLANTED_REASONING}</think>\n\n<tool_call>\n<function={name}>\n"
+    expected += f"<parameter=city>\n{arguments['city']}\n</parameter>\n</function>\n</tool_call>"
+    assert tokenizer.decode(ours.token_ids) == expected + "<|im_end|>"

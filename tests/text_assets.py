@@ -288,10 +288,13 @@ QWEN3_5_CHAT_TEMPLATE = (Path(__file__).parent / "qwen3_5_chat_template.jinja").
 )
 
 
-def save_qwen3_5_tokenizer(folder: Path) -> tokenizers.Tokenizer:
-    """Write a Qwen3.5 tokenizer folder: `train_tokenizer` with ChatML's special tokens
-    and Qwen's added ones, Qwen3.5's chat template, its EOS and pad tokens."""
-    backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
+def save_qwen3_5_tokenizer(
+    folder: Path, backend: tokenizers.Tokenizer | None = None
+) -> tokenizers.Tokenizer:
+    """Write a Qwen3.5 tokenizer folder: `backend` (default: `train_tokenizer` with
+    ChatML's special tokens and Qwen's added ones), Qwen3.5's chat template, its EOS and
+    pad tokens. Returns the backend."""
+    backend = backend or train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
     save_tokenizer_folder(
         folder,
         backend,

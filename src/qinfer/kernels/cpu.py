@@ -16,7 +16,7 @@ from qinfer.kernels import build, registry
 
 #: The dot products' paths (int4_mm, int8_mm, int8_blocks_mm, int4_groups_mm,
 #: quantize_q8_1), slowest first.
-DOT_PATHS = ("scalar", "avx2", "vnni")
+DOT_PATHS = ("scalar", "avx2", "vnni", "amx")
 #: add_rms_norm's and heads_rms_norm's paths, slowest first.
 NORM_PATHS = ("scalar", "avx2", "avx512")
 
@@ -37,7 +37,8 @@ def _isas() -> frozenset[str]:
 
 
 def paths() -> tuple[str, ...]:
-    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni")."""
+    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni", "amx": VNNI's
+    bits, on AMX-INT8 tiles where a kernel has them)."""
     return tuple(p for p in DOT_PATHS if p in _isas())
 
 

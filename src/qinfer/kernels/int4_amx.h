@@ -13,9 +13,11 @@ namespace qinfer_kernels {
 // bits). A tile holds 16 rows: below that it multiplies padding, and the tiles' per-block
 // epilogue outweighs what they save (bench/int4_dot_kernel.py, docs/BENCHMARKS.md).
 constexpr int64_t kAmxRows = 16;
+// Rows of activations the tiles read at a time (2 tiles of 16).
+constexpr int64_t kAmxSpan = 32;
 
 // out (M, N) = w (N, K) x a (M, K)^T, a in the row's own order (q8.h's Natural) with rows up
-// to M rounded up to 16 allocated (read, their outputs unused). Needs supports(Isa::Amx).
+// to M rounded up to kAmxSpan allocated (read, their outputs unused). Needs supports(Isa::Amx).
 template <typename S>
 void int4_mm_amx(const Int4Packed<S>& w, int64_t N, int64_t M, const Act& a, float* out);
 

@@ -344,8 +344,8 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
   const bool amx = path == Isa::Amx && M >= kAmxRows;
   static thread_local ActStorage storage;
   static thread_local Regrouped regrouped;
-  // AMX's tiles load 16 rows at a time: rows up to the next 16 exist (their outputs unused)
-  Int4Act act{storage.make(amx ? (M + 15) / 16 * 16 : M, K)};
+  // AMX's tiles load kAmxSpan rows at a time: rows up to the next such exist (outputs unused)
+  Int4Act act{storage.make(amx ? (M + kAmxSpan - 1) / kAmxSpan * kAmxSpan : M, K)};
   if (vector == Isa::Vnni) {
     quantize<true>(x, act.q8, vector);
     if (!amx) regrouped.make(act, M);

@@ -177,7 +177,9 @@ def test_paths_agree_to_rounding(built) -> None:
     assert torch.equal(kernels.int4_mm(x, packed), results[-1])  # auto: the last path
 
 
-@pytest.mark.parametrize(("cap", "expected"), [("avx2", "avx2"), ("default", "scalar"), ("", None)])
+@pytest.mark.parametrize(
+    ("cap", "expected"), [("avx2", "avx2"), ("default", "scalar"), ("avx512", "vnni"), ("", None)]
+)
 def test_auto_follows_torchs_cap_on_its_own_kernels(built, monkeypatch, cap, expected) -> None:
     """ATEN_CPU_CAPABILITY emulates a smaller CPU for torch's kernels, and so for these:
     an emulated AVX2 machine rounds as a real one does."""

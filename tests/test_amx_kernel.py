@@ -1,4 +1,4 @@
-"""int4_mm's "amx" path (AMX-INT8 tiles from 16 rows, VNNI's tiles below): the same bits as
+"""int4_mm's "amx" path (AMX-INT8 tiles from 64 rows, VNNI's tiles below): the same bits as
 the VNNI path and as each row's one-row call, on Q4_0-, Q4_1- and Q4_K-shaped int4 groups,
 so that "auto" stays batch invariant across the switch between them. Skipped, with the
 reason, where the CPU has no AMX-INT8 or Linux refuses this process the tiles.
@@ -13,9 +13,9 @@ from qinfer import kernels
 from qinfer.linear import quantize_int4
 from qinfer.linear.int4 import Int4Groups
 
-#: Row counts: VNNI's tiles (1..9), the first AMX call (16), a remainder of the tiles' 32-row
-#: steps (33) and a prompt (512).
-ROW_COUNTS = (*range(1, 10), 16, 33, 512)
+#: Row counts: VNNI's tiles (1..9, 16, 33), the first AMX call (64), a remainder of the tiles'
+#: 32-row steps (65) and a prompt (512).
+ROW_COUNTS = (*range(1, 10), 16, 33, 64, 65, 512)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_amx_whatever_the_threads(amx) -> None:
 def test_auto_takes_amx(amx) -> None:
     assert kernels.auto_path() == "amx"
     packed = kernels.pack_int4(groups("Q4_0", 33, 64))
-    x = torch.randn(20, 64)
+    x = torch.randn(70, 64)
     assert torch.equal(kernels.int4_mm(x, packed), kernels.int4_mm(x, packed, "amx"))
 
 

@@ -5,15 +5,15 @@
 // The VNNI tile keeps, per output, 16 fp32 lanes; lane l takes the blocks b = l, l + 16, ...
 // in that order: acc_l = fma(float(dot_b), d_b * dx_b, acc_l), then acc_l = fma(m_b, s_b,
 // acc_l) for the same blocks, and the output is _mm512_reduce_add_ps's tree over the lanes.
-// Here a tile of 16 rows x 16 columns computes one block's dot products at a time (TDPBSUD:
-// the activations' signed bytes times the nibbles as unsigned bytes), so the loops run lane by
-// lane, each lane's blocks in order, with the 16 rows' accumulators in registers as vectors
-// over the 16 columns; then the lanes are summed in the reduction's tree.
+// Here a step of 32 rows x 32 columns (2 x 2 tiles of 16 x 16) computes one block's dot
+// products at a time (TDPBSUD: the activations' signed bytes times the nibbles as unsigned
+// bytes, K = the block's 32), so the loops run lane by lane, each lane's blocks in order, the
+// accumulators being vectors over 16 columns; then the lanes are summed in the same tree.
 //
-// Layouts: A (a tile of 16 rows x 32 bytes): one block of 16 rows of qx, read in place.
-// B (8 rows x 64 bytes, VNNI-4): row k, dword n: elements 4k..4k+3 of column n's block,
-// unpacked from the nibbles once per 16 columns for all blocks into a buffer of the thread's
-// (nb * 512 bytes), with the columns' d and m widened to fp32 and transposed (nb x 16).
+// Layouts, made per call: A (16 rows x 32 bytes), one block of 16 rows, contiguous
+// (`TileActs`); B (8 rows x 64 bytes, VNNI-4): row k, dword n: elements 4k..4k+3 of column
+// n's block, unpacked from the nibbles once per 32 columns for all blocks into a buffer of the
+// thread's, with the columns' d and m widened to fp32 side by side (`Columns`).
 
 #include "int4_amx.h"
 

@@ -10,9 +10,11 @@
 namespace qinfer_kernels {
 
 // Rows from which int4_mm's "amx" path multiplies on tiles (fewer take VNNI's tiles, the same
-// bits). A tile holds 16 rows: below that it multiplies padding, and the tiles' per-block
-// epilogue outweighs what they save (bench/int4_dot_kernel.py, docs/BENCHMARKS.md).
-constexpr int64_t kAmxRows = 16;
+// bits). Measured (bench/int4_paths.py, Qwen3-0.6B's qkv 4096 x 1024 and down 1024 x 3072, 1
+// thread, an AMX Xeon, shared): AMX / VNNI time 1.9x at 16 rows and 1.3x at 24 (a step
+// multiplies 32 rows, padding included), 1.0x at 32, 0.96x and 0.83x at 64, 0.65x and 0.78x at
+// 512. Ties go to VNNI (no tile state to save at each switch of threads).
+constexpr int64_t kAmxRows = 64;
 // Rows of activations the tiles read at a time (2 tiles of 16).
 constexpr int64_t kAmxSpan = 32;
 

@@ -7,23 +7,29 @@
 //             element j in its low nibble and element j + 16 in its high nibble (llama.cpp's
 //             Q4 layout), so one 16-byte load unpacks into the block's 32 values in order.
 //             d, m (N, K/32) fp16 or fp32 (matmul.h, `Int4Packed`): w = d * q + m.
-//   activations (made per call, never seen by Python): per row, per pair of blocks p
-//             (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair has:
-//             [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per pair:
-//             dx of block 2p four times, then of 2p + 1 four times: the scales of the int32
-//             lanes a dot product of the pair leaves); s (per block, padded to a multiple of
-//             16 with zeros): dx * sum(qx), which carries the weights' offset m.
+//   activations (made per call, never seen by Python): AVX2 and scalar, per row, per pair
+//             of blocks p (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair
+//             has: [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per
+//             pair: dx of block 2p four times, then of 2p + 1 four times: the scales of the
+//             int32 lanes a dot product of the pair leaves). VNNI (and AMX): the row's own
+//             order, regrouped for the VNNI tiles (`Int4Act`). s (per block, padded to a
+//             multiple of 16 with zeros): dx * sum(qx), which carries the weights' offset m.
 //
-// Per output (r, n), on every path, in this order (fp32, no contraction: -ffp-contract=off):
-//   acc (lanes) = 0
-//   for each block pair p (each block on the scalar path):
-//       acc += float(int32 lanes of q . qx) * (d lanes * dx lanes)
-//   for each chunk of blocks (16 for VNNI, 8 for AVX2, 1 for scalar): acc += m * s
+// Per output (r, n), in this order (fp32, no contraction: -ffp-contract=off):
+//   AVX2 and scalar:
+//     acc (lanes) = 0
+//     for each block pair p (each block on the scalar path):
+//         acc += float(int32 lanes of q . qx) * (d lanes * dx lanes)
+//     for each chunk of blocks (8 for AVX2, 1 for scalar): acc += m * s
+//   VNNI and AMX (16 lanes, lane l holding blocks l, l + 16, ...):
+//     for each block b: acc[b % 16] = fma(float(q . qx of block b, exact), d * dx, acc[b % 16])
+//     for each block b: acc[b % 16] = fma(m, s, acc[b % 16])
 //   out = horizontal sum of acc (a fixed tree of adds)
-// The lanes differ between paths (16 for AVX512-VNNI, 8 for AVX2, 1 for scalar), so the paths
-// round differently, but each output depends only on its own row of x and column of w: not
-// on M, on which rows share a tile, on the thread count or on the split of N. That is the
-// batch-invariance qinfer requires (a row's result must not change with the batch it is in).
+// The lanes differ between paths (16 for AVX512-VNNI and AMX, 8 for AVX2, 1 for scalar), so
+// those paths round differently (VNNI's and AMX's alike), but each output depends only on its
+// own row of x and column of w: not on M, on which rows share a tile, on the thread count or on
+// the split of N. That is the batch-invariance qinfer requires (a row's result must not change
+// with the batch it is in).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -64,6 +64,7 @@ class Settings:
     engine_seqs: int = 32
     repeats: int = 3
     seed: int = 0
+    prefill_only: bool = False  # the prefill alone (no decodes, engine, memory)
     load_kwargs: dict = field(
         default_factory=dict
     )  # dtype= / quantize= / kv_cache_dtype= / exact= for load_model
@@ -201,6 +202,8 @@ def draw_prompts(s: Settings, vocab_size: int, seed: int) -> tuple[list[int], li
 def measure(engine: Qinfer | LlamaCpp, s: Settings, seed: int, n: int, batching: bool) -> dict:
     """Tokens/s of each measurement on fresh prompts; with `batching`, qinfer's engine too."""
     long, rows = draw_prompts(s, engine.vocab_size, seed)
+    if s.prefill_only:
+        return {"prefill_tok_s": s.prefill_tokens / engine.prefill_seconds(long)}
     b = s.batch_size
     figures = {
         "prefill_tok_s": s.prefill_tokens / engine.prefill_seconds(long),
@@ -259,20 +262,21 @@ def run(s: Settings) -> dict:
             figures = measure(engine, s, s.seed + r, s.decode_tokens, batching=True)
             for key, value in figures.items():
                 best[engine.name][key] = max(value, best[engine.name].get(key, 0.0))
-    spawn = multiprocessing.get_context("spawn")
-    for engine in engines:  # each engine's memory, alone in a fresh process
-        with ProcessPoolExecutor(1, mp_context=spawn) as process:
-            peak = process.submit(peak_memory_mb, type(engine), s).result()
-        best[engine.name]["peak_memory_mb"] = peak
-    from qinfer.bench.model import weight_bytes_per_step
+    if not s.prefill_only:
+        spawn = multiprocessing.get_context("spawn")
+        for engine in engines:  # each engine's memory, alone in a fresh process
+            with ProcessPoolExecutor(1, mp_context=spawn) as process:
+                peak = process.submit(peak_memory_mb, type(engine), s).result()
+            best[engine.name]["peak_memory_mb"] = peak
+        from qinfer.bench.model import weight_bytes_per_step
 
-    step_bytes = {
-        "qinfer": weight_bytes_per_step(engines[0].model),
-        "llama.cpp": gguf_bytes_per_token(s.model),
-    }
-    for name, nbytes in step_bytes.items():
-        best[name]["weight_mb_per_step"] = nbytes / 1e6
-        best[name]["weight_gb_s"] = nbytes * best[name]["decode_b1_tok_s"] / 1e9
+        step_bytes = {
+            "qinfer": weight_bytes_per_step(engines[0].model),
+            "llama.cpp": gguf_bytes_per_token(s.model),
+        }
+        for name, nbytes in step_bytes.items():
+            best[name]["weight_mb_per_step"] = nbytes / 1e6
+            best[name]["weight_gb_s"] = nbytes * best[name]["decode_b1_tok_s"] / 1e9
     settings = {k: v for k, v in asdict(s).items() if k != "model"}
     return {
         "model": s.model,
@@ -291,8 +295,11 @@ def run(s: Settings) -> dict:
 def table_rows(s: dict) -> list[tuple[str, str, str]]:
     """(label, qinfer's figure, the llama.cpp figure it is set against), per table row."""
     b = s["batch_size"]
+    prefill = (f"prefill tok/s ({s['prefill_tokens']} tokens)", "prefill_tok_s", "prefill_tok_s")
+    if s.get("prefill_only"):
+        return [prefill]
     return [
-        (f"prefill tok/s ({s['prefill_tokens']} tokens)", "prefill_tok_s", "prefill_tok_s"),
+        prefill,
         ("decode tok/s (batch 1)", "decode_b1_tok_s", "decode_b1_tok_s"),
         (f"decode tok/s (batch {b})", "decode_batch_tok_s", "decode_batch_tok_s"),
         (
@@ -337,6 +344,9 @@ def main() -> None:
     parser.add_argument(
         "--exact", action="store_true", help="qinfer's reference mode (fp32 activations)"
     )
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="time the 512-token prefill alone"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
@@ -358,6 +368,7 @@ def main() -> None:
         threads=args.threads,
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
+        prefill_only=args.prefill_only,
         load_kwargs={k: v for k, v in given.items() if v is not None},
     )
     report = run(settings) | {"llama_cpp_python": llama_cpp.__version__}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from qinfer import kernels
 from qinfer.linear import quantize_int4
 
-ALL_PATHS = ("scalar", "avx2", "vnni")
+ALL_PATHS = ("scalar", "avx2", "vnni", "amx")
 # (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
 # a multiple of 16 (the kernel's column tiles of 16, 4 and 2 all get a tail)
 SHAPES = [(40, 32), (77, 576), (33, 96), (50, 1536), (19, 288)]
@@ -177,7 +177,9 @@ def test_paths_agree_to_rounding(built) -> None:
     assert torch.equal(kernels.int4_mm(x, packed), results[-1])  # auto: the last path
 
 
-@pytest.mark.parametrize(("cap", "expected"), [("avx2", "avx2"), ("default", "scalar"), ("", None)])
+@pytest.mark.parametrize(
+    ("cap", "expected"), [("avx2", "avx2"), ("default", "scalar"), ("avx512", "vnni"), ("", None)]
+)
 def test_auto_follows_torchs_cap_on_its_own_kernels(built, monkeypatch, cap, expected) -> None:
     """ATEN_CPU_CAPABILITY emulates a smaller CPU for torch's kernels, and so for these:
     an emulated AVX2 machine rounds as a real one does."""
@@ -256,7 +258,7 @@ def test_bad_inputs_name_the_tensor(built) -> None:
         lambda: op(x, qs, d.bfloat16(), m)
     )
     assert "m must be torch.float16, got torch.float32" in _error(lambda: op(x, qs, d, m.float()))
-    assert "path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
+    assert "path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
         lambda: kernels.int4_mm(x, packed, "fast")
     )
     pack = torch.ops.qinfer.pack_int4
@@ -375,6 +377,6 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
     assert "int8_mm: scales must be torch.float16 or torch.float32, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )
-    assert "int8_mm: path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
+    assert "int8_mm: path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
         lambda: kernels.int8_mm(x, q, scales, "fast")
     )

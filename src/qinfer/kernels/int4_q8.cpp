@@ -7,23 +7,29 @@
 //             element j in its low nibble and element j + 16 in its high nibble (llama.cpp's
 //             Q4 layout), so one 16-byte load unpacks into the block's 32 values in order.
 //             d, m (N, K/32) fp16 or fp32 (matmul.h, `Int4Packed`): w = d * q + m.
-//   activations (made per call, never seen by Python): per row, per pair of blocks p
-//             (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair has:
-//             [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per pair:
-//             dx of block 2p four times, then of 2p + 1 four times: the scales of the int32
-//             lanes a dot product of the pair leaves); s (per block, padded to a multiple of
-//             16 with zeros): dx * sum(qx), which carries the weights' offset m.
+//   activations (made per call, never seen by Python): AVX2 and scalar, per row, per pair
+//             of blocks p (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair
+//             has: [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per
+//             pair: dx of block 2p four times, then of 2p + 1 four times: the scales of the
+//             int32 lanes a dot product of the pair leaves). VNNI (and AMX): the row's own
+//             order, regrouped for the VNNI tiles (`Int4Act`). s (per block, padded to a
+//             multiple of 16 with zeros): dx * sum(qx), which carries the weights' offset m.
 //
-// Per output (r, n), on every path, in this order (fp32, no contraction: -ffp-contract=off):
-//   acc (lanes) = 0
-//   for each block pair p (each block on the scalar path):
-//       acc += float(int32 lanes of q . qx) * (d lanes * dx lanes)
-//   for each chunk of blocks (16 for VNNI, 8 for AVX2, 1 for scalar): acc += m * s
+// Per output (r, n), in this order (fp32, no contraction: -ffp-contract=off):
+//   AVX2 and scalar:
+//     acc (lanes) = 0
+//     for each block pair p (each block on the scalar path):
+//         acc += float(int32 lanes of q . qx) * (d lanes * dx lanes)
+//     for each chunk of blocks (8 for AVX2, 1 for scalar): acc += m * s
+//   VNNI and AMX (16 lanes, lane l holding blocks l, l + 16, ...):
+//     for each block b: acc[b % 16] = fma(float(q . qx of block b, exact), d * dx, acc[b % 16])
+//     for each block b: acc[b % 16] = fma(m, s, acc[b % 16])
 //   out = horizontal sum of acc (a fixed tree of adds)
-// The lanes differ between paths (16 for AVX512-VNNI, 8 for AVX2, 1 for scalar), so the paths
-// round differently, but each output depends only on its own row of x and column of w: not
-// on M, on which rows share a tile, on the thread count or on the split of N. That is the
-// batch-invariance qinfer requires (a row's result must not change with the batch it is in).
+// The lanes differ between paths (16 for AVX512-VNNI and AMX, 8 for AVX2, 1 for scalar), so
+// those paths round differently (VNNI's and AMX's alike), but each output depends only on its
+// own row of x and column of w: not on M, on which rows share a tile, on the thread count or on
+// the split of N. That is the batch-invariance qinfer requires (a row's result must not change
+// with the batch it is in).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int4_amx.h"
 #include "matmul.h"
 #include "ops.h"
 #include "q8.h"
@@ -47,54 +54,108 @@
 namespace qinfer_kernels {
 namespace {
 
-// int4 pairs x the activations in the pairs' order (`Act`, q8.h), scales S (`Int4Packed`)
-template <typename S>
-struct Int4Q8 {
-  QINFER_MATMUL_KERNEL(Int4Packed<S>, Act)
+// The activations as the int4 kernels read them: q8 in the pairs' order (AVX2, scalar) or
+// the row's own (VNNI, AMX; q8.h); for the VNNI tiles also regrouped (`regroup`): per row,
+// per group g of 16 blocks, 512 bytes, dword k (elements 4k..4k+3) of block 16g + l at
+// [k * 64 + l * 4] (zeros past nb), and dx per block (M, ng * 16), zeros past nb.
+struct Int4Act {
+  Act q8;
+  int64_t ng = 0;             // groups of 16 blocks per row
+  const int8_t* qg = nullptr;  // (M, ng * 512)
+  const float* dxn = nullptr;  // (M, ng * 16)
 };
 
+// int4 pairs x int8 activations, scales S (`Int4Packed`)
+template <typename S>
+struct Int4Q8 {
+  QINFER_MATMUL_KERNEL(Int4Packed<S>, Int4Act)
+};
+
+// The VNNI tile, per group of 16 blocks: each column's 256 bytes are transposed so that lane
+// l of register q holds dword q of block 16g + l (its low nibbles: elements 4q..4q+3, its high
+// ones: 16 + 4q..), and 8 dpbusd into one int32 register leave each block's exact dot product
+// in its lane; then acc += float(dot) * (d * dx), lane by lane (int4_amx.cpp repeats this).
 template <typename S>
 template <int R, int C>
-QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const Act& a,
+QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const Int4Act& act,
                                       int64_t r0, float* out, int64_t ldo) {
-  const int64_t nb = w.nb, np = a.np, full = nb / 2;
+  const int64_t nb = w.nb, ng = act.ng;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // lanes 0-3 and 8-11 hold block 2p (low and high halves), 4-7 and 12-15 block 2p + 1
-  const __m512i pair_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  // the transpose of 4 registers of 4 blocks x 4 dwords (lane 4j + q: block j, dword q) into
+  // 4 of 16 blocks (lane l: block l): dwords 0, 1 then 2, 3 of two registers' blocks side by
+  // side, then block lanes of four
+  const __m512i dwords01 =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 16, 20, 24, 28, 17, 21, 25, 29);
+  const __m512i dwords23 =
+      _mm512_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15, 18, 22, 26, 30, 19, 23, 27, 31);
+  const __m512i first =
+      _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i second =
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
-  const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
+  const int8_t* qg[R];
+  const float* dxn[R];
+  const float* s[R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    qg[i] = act.qg + (r0 + i) * ng * 512;
+    dxn[i] = act.dxn + (r0 + i) * ng * 16;
+    s[i] = act.q8.row_s(r0 + i);
+  }
   __m512 acc[C][R];
   clear(acc);
-  for (int64_t p = 0; p < np; ++p) {
-    __m512i x[R];
-    __m512 dx[R];
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      x[i] = _mm512_loadu_si512(qx[i] + p * 64);
-      dx[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(dx8[i] + p * 8));
-    }
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t left = nb - 16 * g;  // the group's blocks in the weight, 1..16 in the last
+    __m512i t[C][4];
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      __m256i packed;
-      __m128 d2;
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
-      if (p < full) {
-        packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
-        d2 = scales4(d[c] + 2 * p, 2);
-      } else {  // an odd last block: read only its own bytes (the next row may not exist)
-        packed = _mm256_maskz_loadu_epi8(0xFFFF, qs[c] + p * 32);
-        d2 = scales4(d[c] + 2 * p, 1);
+      __m512i p[4];
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* src = qs[c] + g * 256 + 64 * i;
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch), _MM_HINT_T0);
+        if (left >= 16) {
+          p[i] = _mm512_loadu_si512(src);
+        } else {  // read only the column's own blocks (the next column may not exist)
+          const int64_t blocks = std::clamp<int64_t>(left - 4 * i, 0, 4);
+          p[i] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * blocks)) - 1), src);
+        }
       }
-      // [2p lo | 2p+1 lo | 2p hi | 2p+1 hi] nibbles, 0..15 each: the u8 operand of dpbusd
-      const __m512i wq = _mm512_and_si512(
-          _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1),
-          low4);
-      const __m512 d16 = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(d2));
+      const __m512i a0 = _mm512_permutex2var_epi32(p[0], dwords01, p[1]);
+      const __m512i a1 = _mm512_permutex2var_epi32(p[0], dwords23, p[1]);
+      const __m512i b0 = _mm512_permutex2var_epi32(p[2], dwords01, p[3]);
+      const __m512i b1 = _mm512_permutex2var_epi32(p[2], dwords23, p[3]);
+      t[c][0] = _mm512_permutex2var_epi32(a0, first, b0);
+      t[c][1] = _mm512_permutex2var_epi32(a0, second, b0);
+      t[c][2] = _mm512_permutex2var_epi32(a1, first, b1);
+      t[c][3] = _mm512_permutex2var_epi32(a1, second, b1);
+    }
+    __m512i dot[C][R];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      __m512i wk[C];
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)  // the u8 operand: elements 4k..4k+3 of each block
+        wk[c] = _mm512_and_si512(k < 4 ? t[c][k] : _mm512_srli_epi16(t[c][k - 4], 4), low4);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, x[i]);
+        const __m512i x = _mm512_loadu_si512(qg[i] + g * 512 + k * 64);
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) dot[c][i] = _mm512_dpbusd_epi32(dot[c][i], wk[c], x);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_loadu_ps(dxn[i] + g * 16);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512 d16 = scales16(d[c] + g * 16, left);
         acc[c][i] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d16, dx[i]), acc[c][i]);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c][i]), _mm512_mul_ps(d16, dx), acc[c][i]);
       }
     }
   }
@@ -118,8 +179,9 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
 
 template <typename S>
 template <int R, int C>
-QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const Act& a,
+QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const Int4Act& act,
                                       int64_t r0, float* out, int64_t ldo) {
+  const Act& a = act.q8;
   const int64_t nb = w.nb, np = a.np, full = nb / 2;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -179,8 +241,9 @@ QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const 
 
 // The reference path: one output at a time, block by block.
 template <typename S>
-void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Act& a, int64_t r,
+void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Int4Act& act, int64_t r,
                            float* out, int64_t ldo) {
+  const Act& a = act.q8;
   const int64_t nb = w.nb;
   const uint8_t* qs = w.qs + n * nb * 16;
   const S* d = w.d + n * nb;
@@ -200,6 +263,38 @@ void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Act& a, int6
   for (int64_t b = 0; b < nb; ++b) acc += widen(m[b]) * s[b];
   out[r * ldo + n] = acc;
 }
+
+// The VNNI tiles' activations (`Int4Act`) from the row's own order: a transpose of each
+// row's groups of 16 blocks x 8 dwords, kept between calls as `ActStorage` is.
+struct Regrouped {
+  std::vector<int8_t> qg;
+  std::vector<float> dxn;
+  void make(Int4Act& act, int64_t M) {
+    const Act& a = act.q8;
+    const int64_t ng = (a.nb + 15) / 16;
+    qg.resize(static_cast<size_t>(M * ng * 512));
+    dxn.resize(static_cast<size_t>(M * ng * 16));
+    int8_t* qgp = qg.data();
+    float* dxp = dxn.data();
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / (a.nb * kBlock)), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int8_t* qx = a.row_qx(r);
+        for (int64_t b = 0; b < ng * 16; ++b) {
+          const bool in = b < a.nb;
+          dxp[r * ng * 16 + b] = in ? a.row_dx8(r)[(b >> 1) * 8 + (b & 1) * 4] : 0.0f;
+          for (int64_t k = 0; k < 8; ++k) {
+            int8_t* dst = qgp + r * ng * 512 + (b >> 4) * 512 + k * 64 + (b & 15) * 4;
+            if (in) std::memcpy(dst, qx + qx_pos<true>(b, 4 * k), 4);
+            else std::memset(dst, 0, 4);
+          }
+        }
+      }
+    });
+    act.ng = ng;
+    act.qg = qgp;
+    act.dxn = dxp;
+  }
+};
 
 }  // namespace
 
@@ -250,13 +345,27 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
                    m = m_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
+  // VNNI and AMX read the row's own order (AMX's tiles load it as it is), the others the pairs'
+  const Isa vector = vector_isa(path);
+  const bool amx = path == Isa::Amx && M >= kAmxRows;
   static thread_local ActStorage storage;
-  Act a = storage.make(M, K);
-  quantize(x, a, path);
+  static thread_local Regrouped regrouped;
+  // AMX's tiles load kAmxSpan rows at a time: rows up to the next such exist (outputs unused)
+  Int4Act act{storage.make(amx ? (M + kAmxSpan - 1) / kAmxSpan * kAmxSpan : M, K)};
+  if (vector == Isa::Vnni) {
+    quantize<true>(x, act.q8, vector);
+    if (!amx) regrouped.make(act, M);
+  } else {
+    quantize(x, act.q8, vector);
+  }
   with_scales(d, [&](auto tag) {
     using S = decltype(tag);
     const Int4Packed<S> w{qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.data_ptr<S>(), nb};
-    matmul<Int4Q8<S>>(path, w, N, M, a, out.data_ptr<float>());
+    if (amx) {
+      int4_mm_amx(w, N, M, act.q8, out.data_ptr<float>());
+    } else {
+      matmul<Int4Q8<S>>(vector, w, N, M, act, out.data_ptr<float>());
+    }
   });
   return out;
 }

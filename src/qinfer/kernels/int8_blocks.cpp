@@ -171,7 +171,7 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
   const int64_t B = K / d_in.size(1);
   check_scales("int8_blocks_mm", "d", d_in, N, K / B,
                "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
-  const Isa path = resolve_path("int8_blocks_mm", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("int8_blocks_mm", path_name_in, kDotPaths));
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;

@@ -222,7 +222,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               "int8_mm: scales must have shape (", N, ",) per row, or (", N, ", ", K / 32,
               ") or (", N, ", ", K / 16, ") per block of 32 or 16, for q's N and x's K = ", K,
               ", got ", shape_str(scales_in));
-  const Isa path = resolve_path("int8_mm", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
   const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;

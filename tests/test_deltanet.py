@@ -87,12 +87,13 @@ def test_conv_window_rolls_across_pieces():
     whole = torch.nn.functional.silu(
         torch.nn.functional.conv1d(x, weight.unsqueeze(1), padding=K - 1, groups=C)[..., :L]
     )
-    window, outs = torch.zeros(B, C, K - 1), []
+    window, outs = torch.zeros(B, K - 1, C), []
+    tokens = x.transpose(1, 2)  # (B, L, C): token-major, as the layer holds them
     for start, end in ((0, 1), (1, 3), (3, 9), (9, 12)):
-        out, window = causal_conv1d(x[..., start:end], weight, window)
+        out, window = causal_conv1d(tokens[:, start:end], weight, window)
         outs.append(out)
-    assert max_diff(torch.cat(outs, dim=-1), whole) < 1e-6
-    assert torch.equal(window, x[..., L - (K - 1) :])
+    assert max_diff(torch.cat(outs, dim=1), whole.transpose(1, 2)) < 1e-6
+    assert torch.equal(window, tokens[:, L - (K - 1) :])
 
 
 def test_state_pool_slots():
@@ -101,7 +102,7 @@ def test_state_pool_slots():
     config = tiny_config("qwen3_5", **HYBRID["qwen3_5"])
     pool = StatePool(config, 2)
     assert sorted(pool.conv) == [0, 2] and pool.recurrent[0].shape == (2, 4, 16, 16)
-    assert pool.conv[0].shape == (2, 2 * 32 + 64, 3)
+    assert pool.conv[0].shape == (2, 3, 2 * 32 + 64)
     first = pool.allocate()
     pool.recurrent[0][first] = 1.0
     pool.free(first)

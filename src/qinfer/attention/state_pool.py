@@ -5,7 +5,7 @@ A DeltaNet layer's state does not grow with the sequence: per sequence it is the
 window (the last K - 1 inputs of q/k/v, (C, K - 1)) and the delta rule's matrix
 (Hv, d_k, d_v), fp32. So the pool is a slot per running sequence, not blocks:
 
-    conv[layer]       (slots, C, K - 1)        compute dtype
+    conv[layer]       (slots, K - 1, C)        compute dtype
     recurrent[layer]  (slots, Hv, d_k, d_v)    fp32
 
 A sequence takes a slot (`allocate`, zeroed: a new sequence's state) and keeps it until it
@@ -44,7 +44,7 @@ class StatePool:
             raise QinferError(f"a state pool needs at least one slot, got slots={slots}")
         self.slots = slots
         layers = [i for i in range(config.num_hidden_layers) if config.linear(i)]
-        window = (slots, shapes.conv_dim, shapes.conv_kernel - 1)
+        window = (slots, shapes.conv_kernel - 1, shapes.conv_dim)
         matrix = (slots, shapes.num_value_heads, shapes.key_head_dim, shapes.value_head_dim)
         self.conv = {i: torch.zeros(window, dtype=dtype, device=device) for i in layers}
         self.recurrent = {

@@ -159,12 +159,12 @@ class GatedDeltaNet(Module, Placed):
         the rule's output (S, L, Hv, dv) fp32."""
         s, slots = self.shapes, states.slots
         S, L, _ = qkv.shape
-        conv_windows = states.pool.conv[self.layer]  # (slots, C, K - 1)
+        conv_windows = states.pool.conv[self.layer]  # (slots, K - 1, C)
         mixed, window = causal_conv1d(
-            qkv.transpose(1, 2), self.conv.value.squeeze(1), conv_windows[slots]
-        )  # (S, C, L), (S, C, K - 1)
+            qkv, self.conv.value.squeeze(1), conv_windows[slots]
+        )  # (S, L, C), (S, K - 1, C)
         conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
-        q, k, v = mixed.transpose(1, 2).split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         # (S, L, Hk, dk) each, normalised; value head h reads key head h // r
         q, k = (l2_normalize(x.reshape(S, L, s.num_key_heads, s.key_head_dim)) for x in (q, k))
         r = s.num_value_heads // s.num_key_heads

@@ -68,8 +68,9 @@ def recurrent_gated_delta_rule(
     """The rule token by token.
 
     q, k (B, L, H, Dk), L2-normalised; v (B, L, H, Dv); g, beta (B, L, H); state
-    (B, H, Dk, Dv) fp32, the state before these tokens (not written). Returns (o (B, L, H,
-    Dv) fp32, the state after them (B, H, Dk, Dv) fp32).
+    (B, H, Dk, Dv) fp32 contiguous, the state before these tokens, overwritten with the
+    state after them (the caller's own copy: a layer gathers its sequences' slots anyway).
+    Returns (o (B, L, H, Dv) fp32, state).
 
     A token reads the state once and writes it once, in place (decode is bound by the
     state's bytes: 1 MiB a layer for Qwen3.5-0.8B): with a = exp(g_t) and S the state
@@ -82,7 +83,7 @@ def recurrent_gated_delta_rule(
     q = q.float() * Dk**-0.5
     k, v, beta = k.float(), v.float(), beta.float()
     decay = g.float().exp()  # (B, L, H)
-    S = state.to(torch.float32, copy=True).view(B * H, Dk, Dv)
+    S = state.view(B * H, Dk, Dv)
     out = torch.empty(B, L, H, Dv, dtype=torch.float32, device=q.device)
     for t in range(L):
         kq = torch.stack((k[:, t], q[:, t]), dim=2).view(B * H, 2, Dk)
@@ -92,7 +93,7 @@ def recurrent_gated_delta_rule(
         qk = (q[:, t] * k[:, t]).sum(-1).reshape(B * H, 1)
         out[:, t] = (a * qS + qk * delta).view(B, H, Dv)
         S.mul_(a[:, :, None]).baddbmm_(k[:, t].reshape(B * H, Dk, 1), delta[:, None])
-    return out, S.view(B, H, Dk, Dv)
+    return out, state
 
 
 def chunked_gated_delta_rule(
@@ -105,7 +106,7 @@ def chunked_gated_delta_rule(
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule a chunk of C tokens at a time; the arguments and results of
-    `recurrent_gated_delta_rule`.
+    `recurrent_gated_delta_rule` (`state` overwritten alike).
 
     Within a chunk, with G the cumulative decay (G_i = g_1 + ... + g_i) and
     D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal), the delta rule's corrections
@@ -153,7 +154,7 @@ def chunked_gated_delta_rule(
     k_to_end = (k * (last - G).exp()[..., None]).transpose(-1, -2)  # (N, B H, Dk, C)
     chunk_decay = last.exp()[..., None]  # (N, B H, 1, 1)
 
-    S = state.to(torch.float32, copy=True).reshape(B * H, Dk, Dv)
+    S = state.view(B * H, Dk, Dv)
     out = torch.empty(N, B * H, C, Dv, dtype=torch.float32, device=q.device)
     for n in range(N):
         corrections = torch.baddbmm(U[n], W[n], S, alpha=-1)  # (B H, C, Dv)
@@ -162,4 +163,4 @@ def chunked_gated_delta_rule(
         S.mul_(chunk_decay[n]).baddbmm_(k_to_end[n], corrections)
     # (N, B H, C, Dv) -> (B, L, H, Dv), the padding dropped
     out = out.reshape(N, B, H, C, Dv).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, Dv)
-    return out[:, :L], S.view(B, H, Dk, Dv)
+    return out[:, :L], state

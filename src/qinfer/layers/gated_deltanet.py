@@ -160,8 +160,10 @@ class GatedDeltaNet(Module, Placed):
         s, slots = self.shapes, states.slots
         S, L, _ = qkv.shape
         conv_windows = states.pool.conv[self.layer]  # (slots, K - 1, C)
+        # index_select, not [slots]: a plain copy of whole rows (advanced indexing computes
+        # every element's offset: 1.8x the time for a 1 MiB state)
         mixed, window = causal_conv1d(
-            qkv, self.conv.value.squeeze(1), conv_windows[slots]
+            qkv, self.conv.value.squeeze(1), conv_windows.index_select(0, slots)
         )  # (S, L, C), (S, K - 1, C)
         conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
@@ -174,9 +176,10 @@ class GatedDeltaNet(Module, Placed):
         beta = b.float().sigmoid()  # (S, L, Hv)
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         recurrent = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
+        state = recurrent.index_select(0, slots)  # the rule's to overwrite
         if L == 1:  # decode
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent[slots])
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
         else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, recurrent[slots], self.chunk_size)
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
         recurrent.index_copy_(0, slots, state)
         return o

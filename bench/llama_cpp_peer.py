@@ -68,6 +68,9 @@ class Settings:
     load_kwargs: dict = field(
         default_factory=dict
     )  # dtype= / quantize= / kv_cache_dtype= / exact= for load_model
+    # llama.cpp's extra buffer types (its weights repacked for AMX / AVX-512 tiles); off
+    # with --no-repack: 0.3.36 built for an AMX Xeon crashes with them on qwen35 files
+    llama_extra_bufts: bool = True
 
 
 class Qinfer:
@@ -130,9 +133,9 @@ class LlamaCpp:
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load chatter
         self.lib = llama = llama_cpp
         llama.llama_backend_init()
-        self.model = llama.llama_model_load_from_file(
-            s.model.encode(), llama.llama_model_default_params()
-        )
+        model_params = llama.llama_model_default_params()
+        model_params.use_extra_bufts = s.llama_extra_bufts
+        self.model = llama.llama_model_load_from_file(s.model.encode(), model_params)
         seq_len = max(s.prefill_tokens, s.batch_prompt_tokens) + s.decode_tokens
         batch_tokens = max(s.prefill_tokens, s.batch_size * s.batch_prompt_tokens)
         params = llama.llama_context_default_params()
@@ -318,7 +321,8 @@ def format_report(report: dict) -> str:
     ours, theirs = report["qinfer"], report["llama.cpp"]
     lines = [
         f"{report['model']} ({report['gguf_mb']:.1f} MB; qinfer in {report['qinfer_dtype']}), "
-        f"{s['threads']} threads, {s['decode_tokens']} tokens per sequence, best of {s['repeats']}",
+        f"{s['threads']} threads, {s['decode_tokens']} tokens per sequence, best of {s['repeats']}"
+        + ("" if s["llama_extra_bufts"] else "; llama.cpp without repacked weights"),
         f"{'':38}{'qinfer':>10}{'llama.cpp':>11}{'qinfer/llama.cpp':>18}",
     ]
     for label, key, their_key in table_rows(s):
@@ -347,6 +351,12 @@ def main() -> None:
     parser.add_argument(
         "--prefill-only", action="store_true", help="time the 512-token prefill alone"
     )
+    parser.add_argument(
+        "--no-repack",
+        action="store_true",
+        help="llama.cpp without its repacked weights (use_extra_bufts off: they crash "
+        "llama.cpp 0.3.36 on Qwen3.5 files on an AMX Xeon)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
@@ -370,6 +380,7 @@ def main() -> None:
         repeats=args.repeats,
         prefill_only=args.prefill_only,
         load_kwargs={k: v for k, v in given.items() if v is not None},
+        llama_extra_bufts=not args.no_repack,
     )
     report = run(settings) | {"llama_cpp_python": llama_cpp.__version__}
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -38,11 +38,11 @@ def inputs(B=2, L=150, H=3, Dk=16, Dv=8, seed=0):
 def test_chunked_equals_recurrent(chunk_size):
     """Any chunk size (several chunks, a ragged last one, one chunk longer than the
     prompt) gives the token-by-token rule's outputs and final state."""
-    args = inputs()
-    out, state = chunked_gated_delta_rule(*args, chunk_size=chunk_size)
-    want_out, want_state = recurrent_gated_delta_rule(*args)
+    *args, state = inputs()
+    out, final = chunked_gated_delta_rule(*args, state.clone(), chunk_size=chunk_size)
+    want_out, want_state = recurrent_gated_delta_rule(*args, state.clone())
     assert max_diff(out, want_out) < TOLERANCE
-    assert max_diff(state, want_state) < 10 * TOLERANCE
+    assert max_diff(final, want_state) < 10 * TOLERANCE
 
 
 def test_both_forms_equal_transformers():
@@ -53,7 +53,7 @@ def test_both_forms_equal_transformers():
         (chunked_gated_delta_rule, torch_chunk_gated_delta_rule),
         (recurrent_gated_delta_rule, torch_recurrent_gated_delta_rule),
     ):
-        out, final = ours(q, k, v, g, beta, state)
+        out, final = ours(q, k, v, g, beta, state.clone())
         want_out, want_final = theirs(q, k, v, g, beta, **kwargs)
         assert max_diff(out, want_out) < TOLERANCE
         assert max_diff(final, want_final) < TOLERANCE
@@ -63,7 +63,7 @@ def test_prompt_in_pieces_equals_whole():
     """A prompt run in chunks of the rule, each from the last one's state, then decoded a
     token at a time, equals the whole at once: the state carries everything."""
     q, k, v, g, beta, state = inputs(L=90)
-    want, want_state = chunked_gated_delta_rule(q, k, v, g, beta, state)
+    want, want_state = chunked_gated_delta_rule(q, k, v, g, beta, state.clone())
     outs = []
     for start, end in ((0, 40), (40, 87)):
         part = (x[:, start:end] for x in (q, k, v, g, beta))
@@ -87,12 +87,13 @@ def test_conv_window_rolls_across_pieces():
     whole = torch.nn.functional.silu(
         torch.nn.functional.conv1d(x, weight.unsqueeze(1), padding=K - 1, groups=C)[..., :L]
     )
-    window, outs = torch.zeros(B, C, K - 1), []
+    window, outs = torch.zeros(B, K - 1, C), []
+    tokens = x.transpose(1, 2)  # (B, L, C): token-major, as the layer holds them
     for start, end in ((0, 1), (1, 3), (3, 9), (9, 12)):
-        out, window = causal_conv1d(x[..., start:end], weight, window)
+        out, window = causal_conv1d(tokens[:, start:end], weight, window)
         outs.append(out)
-    assert max_diff(torch.cat(outs, dim=-1), whole) < 1e-6
-    assert torch.equal(window, x[..., L - (K - 1) :])
+    assert max_diff(torch.cat(outs, dim=1), whole.transpose(1, 2)) < 1e-6
+    assert torch.equal(window, tokens[:, L - (K - 1) :])
 
 
 def test_state_pool_slots():
@@ -101,7 +102,7 @@ def test_state_pool_slots():
     config = tiny_config("qwen3_5", **HYBRID["qwen3_5"])
     pool = StatePool(config, 2)
     assert sorted(pool.conv) == [0, 2] and pool.recurrent[0].shape == (2, 4, 16, 16)
-    assert pool.conv[0].shape == (2, 2 * 32 + 64, 3)
+    assert pool.conv[0].shape == (2, 3, 2 * 32 + 64)
     first = pool.allocate()
     pool.recurrent[0][first] = 1.0
     pool.free(first)

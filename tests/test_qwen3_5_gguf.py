@@ -131,8 +131,8 @@ def test_q8_0_blocks_kept_equal_the_dequantized_file(files):
     """The Q8_0 file with its int8 blocks kept (the DeltaNet's rows and out_proj's columns
     moved with their scales): each DeltaNet projection computes what the same file
     dequantized to fp32 computes, on fp32 inputs. Qwen3.5's out_proj keeps its blocks;
-    Qwen3.5-MoE's (heads of 16 columns, half a block) is dequantized. (The whole model runs
-    its activations in bf16 here, as the conv kernel is an fp32 matrix: not compared.)"""
+    Qwen3.5-MoE's (heads of 16 columns, half a block) is dequantized. (The whole model on
+    the default path: tests/test_qwen3_5_gguf_quantized.py.)"""
     kept = load(files.gguf["q8_0"], dtype=None, exact=True)
     dequantized = load(files.gguf["q8_0"])
     expected_kind = Int8BlockLinear if files.family == "qwen3_5" else DenseLinear

@@ -38,14 +38,23 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(causal depthwise conv) of x over the sequence, continuing from `window`.
 
-    x (B, C, L): L new inputs per channel; weight (C, K); window (B, C, K - 1): the last
-    K - 1 inputs before these (zeros for a new sequence). Returns (out (B, C, L) in x's
-    dtype, the new window (B, C, K - 1): the last K - 1 of window and x together).
+    x (B, L, C): L new inputs of C channels; weight (C, K); window (B, K - 1, C): the last
+    K - 1 inputs before these (zeros for a new sequence). Returns (out (B, L, C) in x's
+    dtype, the new window (B, K - 1, C): the last K - 1 of window and x together).
+
+    Token-major, as the projections write it and the rule reads it: the K taps are K
+    multiply-adds over whole (B, L, C) slices, tap 0 first, each vectorised along the
+    channels. (torch's depthwise `conv1d`, groups = C, wants channel-major rows and takes
+    one channel at a time on CPU: its transposes and the conv cost several times more.)
     """
     C, K = weight.shape
-    joined = torch.cat((window.to(x.dtype), x), dim=-1)  # (B, C, K - 1 + L)
-    out = F.conv1d(joined, weight.to(x.dtype).unsqueeze(1), groups=C)  # (B, C, L)
-    return F.silu(out), joined[:, :, joined.shape[-1] - (K - 1) :]
+    L = x.shape[1]
+    joined = torch.cat((window.to(x.dtype), x), dim=1)  # (B, K - 1 + L, C)
+    taps = weight.to(x.dtype).t()  # (K, C): tap j of every channel
+    out = joined[:, :L] * taps[0]
+    for j in range(1, K):
+        out.addcmul_(joined[:, j : j + L], taps[j])
+    return F.silu(out), joined[:, joined.shape[1] - (K - 1) :]
 
 
 def recurrent_gated_delta_rule(
@@ -59,20 +68,32 @@ def recurrent_gated_delta_rule(
     """The rule token by token.
 
     q, k (B, L, H, Dk), L2-normalised; v (B, L, H, Dv); g, beta (B, L, H); state
-    (B, H, Dk, Dv) fp32, the state before these tokens (not written). Returns (o (B, L, H,
-    Dv) fp32, the state after them (B, H, Dk, Dv) fp32).
+    (B, H, Dk, Dv) fp32 contiguous, the state before these tokens, overwritten with the
+    state after them (the caller's own copy: a layer gathers its sequences' slots anyway).
+    Returns (o (B, L, H, Dv) fp32, state).
+
+    A token reads the state once and writes it once, in place (decode is bound by the
+    state's bytes: 1 MiB a layer for Qwen3.5-0.8B): with a = exp(g_t) and S the state
+    before the token, k^T S and q^T S come from one batched matmul, then
+        delta = beta (v - a k^T S),   o = a q^T S + (q . k) delta,   S <- a S + k delta^T
+    (o = q^T S_t, expanded).
     """
-    q = q.float() * q.shape[-1] ** -0.5
-    k, v, g, beta = k.float(), v.float(), g.float(), beta.float()
-    S = state.float()
-    out = []
-    for t in range(q.shape[1]):
-        S = S * g[:, t].exp()[..., None, None]  # decay: (B, H, Dk, Dv)
-        predicted = torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # S^T k: (B, H, Dv)
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]  # (B, H, Dv)
-        S = S + k[:, t, :, :, None] * delta[:, :, None, :]  # + k (x) delta
-        out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))  # S^T q: (B, H, Dv)
-    return torch.stack(out, dim=1), S
+    B, L, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q = q.float() * Dk**-0.5
+    k, v, beta = k.float(), v.float(), beta.float()
+    decay = g.float().exp()  # (B, L, H)
+    S = state.view(B * H, Dk, Dv)
+    out = torch.empty(B, L, H, Dv, dtype=torch.float32, device=q.device)
+    for t in range(L):
+        kq = torch.stack((k[:, t], q[:, t]), dim=2).view(B * H, 2, Dk)
+        kS, qS = torch.bmm(kq, S).unbind(1)  # (B H, Dv) each
+        a = decay[:, t].reshape(B * H, 1)
+        delta = (v[:, t].reshape(B * H, Dv) - a * kS) * beta[:, t].reshape(B * H, 1)
+        qk = (q[:, t] * k[:, t]).sum(-1).reshape(B * H, 1)
+        out[:, t] = (a * qS + qk * delta).view(B, H, Dv)
+        S.mul_(a[:, :, None]).baddbmm_(k[:, t].reshape(B * H, Dk, 1), delta[:, None])
+    return out, state
 
 
 def chunked_gated_delta_rule(
@@ -85,7 +106,7 @@ def chunked_gated_delta_rule(
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule a chunk of C tokens at a time; the arguments and results of
-    `recurrent_gated_delta_rule`.
+    `recurrent_gated_delta_rule` (`state` overwritten alike).
 
     Within a chunk, with G the cumulative decay (G_i = g_1 + ... + g_i) and
     D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal), the delta rule's corrections
@@ -97,38 +118,49 @@ def chunked_gated_delta_rule(
         O  = (exp(G) Q) S_0 + (Q K^T * D) V'         start state's reading + the chunk's own
         S  = exp(G_C) S_0 + (exp(G_C - G) K)^T V'    state at the chunk's end
     Padded tail tokens (g = 0, beta = 0) neither decay nor write the state.
+
+    Layout: chunk-major, (N, B H, C, D), so that a chunk's operands are contiguous; the
+    two solves are one (their right-hand sides side by side), and the per-chunk steps
+    write into their outputs (`baddbmm`), allocating nothing.
     """
     B, L, H, Dk = k.shape
     Dv = v.shape[-1]
     C = chunk_size
     pad = -L % C
-    # (B, L, H, D) -> (B, H, L + pad, D) fp32, then (B, H, N, C, D): N chunks of C tokens
-    q = q.float() * Dk**-0.5
-    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))  # (B, H, L + pad)
     N = (L + pad) // C
-    q, k, v = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v))
-    G = g.reshape(B, H, N, C).cumsum(dim=-1)  # (B, H, N, C) cumulative decay in the chunk
-    beta = beta.reshape(B, H, N, C, 1)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        """(B, L, H, ...) -> (N, B H, C, ...) fp32, the tail padded with zeros."""
+        x = F.pad(x.float(), (0, 0) * (x.dim() - 3) + (0, 0, 0, pad))  # (B, N C, H, ...)
+        x = x.reshape(B, N, C, H, *x.shape[3:]).movedim(3, 1)  # (B, H, N, C, ...)
+        return x.reshape(B * H, N, C, *x.shape[4:]).transpose(0, 1).contiguous()
+
+    q, k, v = chunked(q * Dk**-0.5), chunked(k), chunked(v)  # (N, B H, C, D)
+    beta = chunked(beta)[..., None]  # (N, B H, C, 1)
+    G = chunked(g).cumsum(dim=-1)  # (N, B H, C): cumulative decay within the chunk
     above = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     D = (G[..., :, None] - G[..., None, :]).masked_fill(above, float("-inf")).exp()  # (.., C, C)
 
-    # T = I + the strictly lower part of diag(beta) K K^T * D; solved once for every chunk.
+    # T = I + the strictly lower part of diag(beta) K K^T * D; solved once for every chunk,
+    # for U and W together.
     system = ((beta * k) @ k.transpose(-1, -2) * D).tril(-1) + torch.eye(C, device=q.device)
-    U = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(
-        system, beta * G.exp()[..., None] * k, upper=False, unitriangular=True
-    )  # U (B, H, N, C, Dv), W (B, H, N, C, Dk)
-    inner = q @ k.transpose(-1, -2) * D  # (B, H, N, C, C), lower triangle with the diagonal
-    q_decayed = q * G.exp()[..., None]  # (B, H, N, C, Dk)
-    last = G[..., -1:]  # (B, H, N, 1): the chunk's whole decay
-    k_to_end = k * (last - G).exp()[..., None]  # (B, H, N, C, Dk)
+    rhs = torch.cat((beta * v, beta * G.exp()[..., None] * k), dim=-1)
+    U, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [Dv, Dk], dim=-1
+    )  # U (N, B H, C, Dv), W (N, B H, C, Dk)
+    inner = q @ k.transpose(-1, -2) * D  # (N, B H, C, C), lower triangle with the diagonal
+    q_decayed = q * G.exp()[..., None]  # (N, B H, C, Dk)
+    last = G[..., -1:]  # (N, B H, 1): the chunk's whole decay
+    k_to_end = (k * (last - G).exp()[..., None]).transpose(-1, -2)  # (N, B H, Dk, C)
+    chunk_decay = last.exp()[..., None]  # (N, B H, 1, 1)
 
-    S = state.float()  # (B, H, Dk, Dv)
-    out = torch.empty(B, H, N, C, Dv, dtype=torch.float32, device=q.device)
+    S = state.view(B * H, Dk, Dv)
+    out = torch.empty(N, B * H, C, Dv, dtype=torch.float32, device=q.device)
     for n in range(N):
-        corrections = U[:, :, n] - W[:, :, n] @ S  # (B, H, C, Dv)
-        out[:, :, n] = q_decayed[:, :, n] @ S + inner[:, :, n] @ corrections
-        S = S * last[:, :, n, :, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ corrections
-    # (B, H, N, C, Dv) -> (B, L, H, Dv), the padding dropped
-    return out.reshape(B, H, N * C, Dv)[:, :, :L].transpose(1, 2), S
+        corrections = torch.baddbmm(U[n], W[n], S, alpha=-1)  # (B H, C, Dv)
+        torch.bmm(q_decayed[n], S, out=out[n])
+        out[n].baddbmm_(inner[n], corrections)
+        S.mul_(chunk_decay[n]).baddbmm_(k_to_end[n], corrections)
+    # (N, B H, C, Dv) -> (B, L, H, Dv), the padding dropped
+    out = out.reshape(N, B, H, C, Dv).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, Dv)
+    return out[:, :L], state

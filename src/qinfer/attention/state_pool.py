@@ -2,10 +2,10 @@
 sequence's state, beside the KV block pool of its attention layers.
 
 A DeltaNet layer's state does not grow with the sequence: per sequence it is the conv's
-window (the last K - 1 inputs of q/k/v, (C, K - 1)) and the delta rule's matrix
+window (the last K - 1 inputs of q/k/v, (K - 1, C)) and the delta rule's matrix
 (Hv, d_k, d_v), fp32. So the pool is a slot per running sequence, not blocks:
 
-    conv[layer]       (slots, C, K - 1)        compute dtype
+    conv[layer]       (slots, K - 1, C)        compute dtype
     recurrent[layer]  (slots, Hv, d_k, d_v)    fp32
 
 A sequence takes a slot (`allocate`, zeroed: a new sequence's state) and keeps it until it
@@ -70,7 +70,7 @@ class StatePool:
         self.device = torch.device(device)
         layers = [i for i in range(config.num_hidden_layers) if config.linear(i)]
         rows = slots + snapshots + slots * checkpoints
-        window = (rows, shapes.conv_dim, shapes.conv_kernel - 1)
+        window = (rows, shapes.conv_kernel - 1, shapes.conv_dim)
         matrix = (rows, shapes.num_value_heads, shapes.key_head_dim, shapes.value_head_dim)
         self.conv = {i: torch.zeros(window, dtype=dtype, device=device) for i in layers}
         self.recurrent = {

@@ -172,12 +172,14 @@ class GatedDeltaNet(Module, Placed):
         fp32."""
         s, slots = self.shapes, states.slots
         S, L, _ = qkv.shape
-        conv_windows = states.pool.conv[self.layer]  # (slots, C, K - 1)
+        conv_windows = states.pool.conv[self.layer]  # (slots, K - 1, C)
+        # index_select, not [slots]: a plain copy of whole rows (advanced indexing computes
+        # every element's offset: 1.8x the time for a 1 MiB state)
         mixed, window = causal_conv1d(
-            qkv.transpose(1, 2), self.conv.value.squeeze(1), conv_windows[slots]
-        )  # (S, C, L), (S, C, K - 1)
+            qkv, self.conv.value.squeeze(1), conv_windows.index_select(0, slots)
+        )  # (S, L, C), (S, K - 1, C)
         conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
-        q, k, v = mixed.transpose(1, 2).split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         # (S, L, Hk, dk) each, normalised; value head h reads key head h // r
         q, k = (l2_normalize(x.reshape(S, L, s.num_key_heads, s.key_head_dim)) for x in (q, k))
         r = s.num_value_heads // s.num_key_heads
@@ -187,9 +189,10 @@ class GatedDeltaNet(Module, Placed):
         beta = b.float().sigmoid()  # (S, L, Hv)
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
+        state = matrices.index_select(0, slots)  # the rule's to overwrite
         if L == 1 or recurrent:  # decode, verification
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, matrices[slots])
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
         else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, matrices[slots], self.chunk_size)
+            o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
         matrices.index_copy_(0, slots, state)
         return o

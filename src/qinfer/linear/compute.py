@@ -7,7 +7,7 @@ fast only with bf16 activations on both (30-100x slower with fp32 ones); qinfer'
 (`Int4BlockLinear`, `Int8BlockLinear`) take fp32 activations at the same speed. So:
 
 - quantized weights compute in fp32 on CPU where all of them are qinfer's exact kinds (a
-  GGUF file of Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K matrices: `weights.gguf.exact_kernels`), in
+  GGUF file whose Linears are Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K: `weights.gguf.exact_kernels`), in
   bf16 otherwise;
 - dense weights keep the checkpoint's dtype, except that a bf16/fp16 checkpoint computes
   in fp32 on a CPU without native bf16 dot products (fp16 becomes bf16 on a CPU with them:

@@ -25,8 +25,8 @@ from qinfer.core.parallel import Parallel
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.int4 import GROUP_SIZES
 from qinfer.model.transformer import Transformer
-from qinfer.weights import QUANTIZE_KINDS, Quantize, open_checkpoint
-from qinfer.weights.load import load
+from qinfer.weights import QUANTIZE_KINDS, ExactKinds, Quantize, open_checkpoint
+from qinfer.weights.load import load, quantizable_weights
 
 _DTYPES = {
     "float32": torch.float32,
@@ -143,7 +143,10 @@ def load_model(
 
     exact_default = []  # set when the dtype is fp32 because every weight is an exact kind
 
-    def dtype_for(config: ModelConfig, quantized: bool, exact: bool) -> torch.dtype:
+    def dtype_for(config: ModelConfig, quantized: bool, exact_kinds: ExactKinds) -> torch.dtype:
+        # exact kinds asked of the weights the model multiplies as Linears (a file's conv
+        # kernels, norms and routers stay float whatever its type)
+        exact = quantized and exact_kinds(quantizable_weights(Transformer(config, features)))
         chosen = resolve_dtype(dtype, config, device, quantized, exact)
         if dtype is None and exact and chosen == torch.float32:
             exact_default.append(True)

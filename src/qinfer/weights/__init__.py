@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -13,12 +13,23 @@ from qinfer.models import config_from_file, family_of
 from qinfer.weights.base import QUANTIZE_KINDS, Quantize, Weights
 from qinfer.weights.safetensors import SafetensorsWeights
 
-__all__ = ["QUANTIZE_KINDS", "Quantize", "SafetensorsWeights", "Weights", "open_checkpoint"]
+__all__ = [
+    "QUANTIZE_KINDS",
+    "ExactKinds",
+    "Quantize",
+    "SafetensorsWeights",
+    "Weights",
+    "open_checkpoint",
+]
 
-#: dtype_for(config, quantized, exact) -> the compute dtype, once the config (and its
-#: stored dtype) is known, whether the weights will be quantized and whether they are all
-#: kinds that qinfer's kernels multiply exactly by fp32 activations (`gguf.exact_kernels`).
-DtypeChoice = Callable[[ModelConfig, bool, bool], torch.dtype]
+#: exact_kinds(names) -> whether every weight `names` lists (ours: what the model built
+#: from the config multiplies as Linears, `weights.load.quantizable_weights`) is a kind that
+#: qinfer's kernels multiply exactly by fp32 activations (`gguf.exact_kernels`).
+ExactKinds = Callable[[Collection[str]], bool]
+#: dtype_for(config, quantized, exact_kinds) -> the compute dtype, once the config (and its
+#: stored dtype) is known, whether the weights will be quantized and how to ask whether the
+#: model's Linears are all of exact kinds.
+DtypeChoice = Callable[[ModelConfig, bool, ExactKinds], torch.dtype]
 
 
 def open_checkpoint(
@@ -43,7 +54,7 @@ def open_checkpoint(
         config, weights = open_gguf(path, dtype_for, device, quantize, keep_gguf_blocks)
     elif path.is_dir():
         config = config_from_file(path)
-        dtype = dtype_for(config, quantize is not None, False)
+        dtype = dtype_for(config, quantize is not None, lambda names: False)
         weights = SafetensorsWeights(path, dtype, device)
     else:
         raise QinferError(f"model path {path} is neither a checkpoint folder nor a .gguf file")

@@ -30,8 +30,9 @@ conventions onto ours:
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
 ne = [in, out] arrives as (out, in), the layout of a Hugging Face weight.
 
-By default the blocks are kept. The activations are fp32 where every matrix is an int4
-group or int8 block kind and qinfer's kernels load (`exact_kernels`: they multiply the
+By default the blocks are kept. The activations are fp32 where every matrix the model
+multiplies as a Linear (not a conv kernel, a router or a norm, which llama.cpp keeps F32) is
+an int4 group or int8 block kind and qinfer's kernels load (`exact_kernels`: they multiply the
 exact weight by fp32 activations, as fast as torch's int4 kernel in bf16), bf16 otherwise
 (torch's int kernels are fast only with bf16 activations). `dtype="float32"` asked (or
 `quantize="none"`) dequantizes every tensor to fp32 instead: exact values, the reference
@@ -43,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +150,9 @@ def open_gguf(
     keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups,
     Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows; float tensors
     are read as they are, and `quantize` then applies to them. dtype_for is told whether
-    the weights are quantized and whether every matrix is then one that qinfer's exact
-    kernels multiply in fp32 (`exact_kernels`). Blocks are never re-rounded
+    the weights are quantized and asks, of the weights the model multiplies as Linears,
+    whether each is then one that qinfer's exact kernels multiply in fp32
+    (`exact_kernels`). Blocks are never re-rounded
     to a kind as wide as theirs or wider: `quantize="int8"` keeps them all;
     `quantize="int4"` keeps the int4 groups and the int8 blocks (which `weights.base` takes
     to int4 groups from their exact values, but for a table embedding lookups read) and
@@ -159,21 +161,26 @@ def open_gguf(
     path = Path(path)
     file = read_gguf(path)
     config = config_from_gguf(file, path)
+    family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
+    tensors = _text_tensors(file, family)
     kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
     # `quantize` keeps what is exact and takes the rest to int4 groups of its size
     requantized_exact = quantize is None or quantize.kind == "int8" or quantize.group_size == 32
-    exact = kept and requantized_exact and exact_kernels(file, device)
-    dtype = dtype_for(config, kept or quantize is not None, exact)
+
+    def exact_kinds(names: Collection[str]) -> bool:
+        linears = _stored_tensors(names, tensors, config, family)
+        return kept and requantized_exact and exact_kernels(linears, device)
+
+    dtype = dtype_for(config, kept or quantize is not None, exact_kinds)
     int4 = quantize is not None and quantize.kind == "int4"
     keep = () if not kept else (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
-    family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
     # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows);
     # the converter stores a Gemma norm's whole scale (1 + w), our norms add the offset
     # themselves (Wiring.norm_weight_offset), so it is taken back off, as transformers'
     # GGUF loader does.
     weights = GGUFWeights(
         file,
-        _text_tensors(file, family),
+        tensors,
         dtype,
         device,
         keep,
@@ -187,16 +194,33 @@ def open_gguf(
     return config, weights
 
 
-def exact_kernels(file: GGUFFile, device: torch.device) -> bool:
-    """Whether every matrix of the file, its blocks kept, is one that qinfer's compiled
-    kernels multiply exactly by fp32 activations (int4 groups: `Int4BlockLinear`; int8
-    blocks: `Int8BlockLinear`) on `device`: a CPU where the kernels load (building them if
-    need be). The other kinds (int8 rows, float matrices) are fast only in bf16."""
+def exact_kernels(linears: Collection[TensorInfo], device: torch.device) -> bool:
+    """Whether every tensor of `linears` (those a model multiplies as Linears,
+    `_stored_tensors`), its blocks kept, is one that qinfer's compiled kernels multiply
+    exactly by fp32 activations (int4 groups: `Int4BlockLinear`; int8 blocks:
+    `Int8BlockLinear`) on `device`: a CPU where the kernels load (building them if need
+    be). The other kinds (int8 rows, float matrices) are fast only in bf16. The file's other
+    matrices (a DeltaNet's conv kernel, a router: llama.cpp keeps them F32) do not count."""
     exact = (*INT4_GROUPS, *INT8_BLOCKS)
-    matrices = [t for t in file.tensors if len(t.shape) > 1]
-    if torch.device(device).type != "cpu" or not all(t.tensor_type in exact for t in matrices):
+    if torch.device(device).type != "cpu" or not all(t.tensor_type in exact for t in linears):
         return False
     return kernels.available() is None
+
+
+def _stored_tensors(
+    names: Collection[str], tensors: Mapping[str, TensorInfo], config: ModelConfig, family: Family
+) -> list[TensorInfo]:
+    """The file's tensors behind our weight `names`: a part of a fused tensor
+    (`Family.fused_tensors`) is the fused one; a name the file lacks has none (the load names
+    it)."""
+    fused = {
+        f"model.layers.{layer}.{part}.weight": f"model.layers.{layer}.{f.stored}.weight"
+        for f in family.fused_tensors(config)
+        for part, _ in f.parts
+        for layer in range(config.num_hidden_layers)
+    }
+    stored = {fused.get(name, name) for name in names}
+    return [tensors[name] for name in sorted(stored) if name in tensors]
 
 
 def config_from_gguf(file: GGUFFile, path: Path) -> ModelConfig:

@@ -112,6 +112,19 @@ def init_random(
     return model
 
 
+def quantizable_weights(model: nn.Module) -> set[str]:
+    """The checkpoint names (`prefix.weight`) of every weight `load` reads as a Linear that
+    keeps a quantized kind where the checkpoint has one: each slot's sources, but the
+    `dense` ones (a router, read dense by `checkpoint.tensor`). What else the checkpoint holds
+    (norms, a conv kernel, decays: `TensorSlot`s) is never multiplied as a Linear."""
+    names = set()
+    for module in model.modules():
+        if isinstance(module, LinearSlot | GroupedSlot):
+            sources = module.sources if isinstance(module, GroupedSlot) else [module.source]
+            names |= {f"{n}.weight" for s in sources if not s.dense for n in s.names}
+    return names
+
+
 def _place(model: nn.Module, parallel: Parallel, dtype: torch.dtype, device: torch.device) -> None:
     """Every `Placed` module takes on its rank's part, dtype and device (parents first)."""
     for module in model.modules():

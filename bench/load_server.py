@@ -62,9 +62,12 @@ class RequestTiming:
     error: str | None = None
 
 
-async def stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestTiming:
+async def stream_one(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> RequestTiming:
     timing = RequestTiming()
     body = {
+        "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -110,10 +113,12 @@ async def run_level(
         base_url=url, headers=headers, timeout=timeout, limits=limits
     ) as client:
         gate = asyncio.Semaphore(concurrency)
+        # the served model's name: a router in front (SMG) routes by it
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
         async def limited(i: int) -> RequestTiming:
             async with gate:
-                return await stream_one(client, PROMPTS[i % len(PROMPTS)], max_tokens)
+                return await stream_one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)
 
         start = time.perf_counter()
         timings = await asyncio.gather(*(limited(i) for i in range(requests)))

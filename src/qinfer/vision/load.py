@@ -16,7 +16,6 @@ import torch
 
 from qinfer.core.checkpoint import read_json_object
 from qinfer.core.errors import ConfigError
-from qinfer.linear.choose import choose_paths
 from qinfer.model.transformer import Transformer
 from qinfer.vision.image import ImageSettings
 from qinfer.vision.mmproj import load_projector
@@ -75,12 +74,9 @@ def load_vision(
     those of a vision-language checkpoint folder, else (None, None): a text-only model, or
     a GGUF vision-language text model without its projector, which refuses images."""
     if mmproj is not None:
-        tower, settings = load_projector(
-            mmproj, path, model.config, model.dtype, model.device, keep_blocks
+        return load_projector(
+            mmproj, path, model.config, model.dtype, model.device, keep_blocks, model.features
         )
-        # its kept blocks take the text model's arithmetic (exact: fp32 activations)
-        choose_paths(tower, exact=model.features.exact)
-        return tower, settings
     if model.config.image_token_id is None or not Path(path).is_dir() or not has_vision_tower(path):
         return None, None
     return load_vision_encoder(path, model.dtype, model.device), load_image_settings(path)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from qinfer.core.errors import ConfigError, WeightsError
+from qinfer.core.features import Features
 from qinfer.core.model_config import ModelConfig
 from qinfer.vision.image import ImageSettings
 from qinfer.vision.parts import split_qkv
@@ -172,12 +173,14 @@ def load_projector(
     dtype: torch.dtype,
     device: torch.device | str,
     keep_blocks: bool = False,
+    features: Features | None = None,
 ) -> tuple[Qwen2_5_VisionEncoder | Qwen3_VisionEncoder, ImageSettings]:
     """The vision tower (in `dtype` on `device`) and image settings of the projector file
     `mmproj`, for the text model `config` loaded from the GGUF file `model_path`.
 
     keep_blocks: keep its quantized blocks as the text model keeps its own (see
-    `weights.gguf.open_gguf`); otherwise every tensor is dequantized. One ConfigError names
+    `weights.gguf.open_gguf`); otherwise every tensor is dequantized. features: the text
+    model's, whose arithmetic the kept blocks follow (`weights.load.load`). One ConfigError names
     the file and what is wrong: not a projector file, a projector type qinfer does not
     read, a model that is not that projector's text model (or not a GGUF file), a
     projection width other than the text model's hidden size, DeepStack counts that differ.
@@ -218,7 +221,7 @@ def load_projector(
     )
     if "attn_qkv" in projector.block_names:
         split_qkv(weights, PREFIX, vision.depth, vision.hidden_size)
-    return load(projector.encoder_class(vision, PREFIX), weights), settings
+    return load(projector.encoder_class(vision, PREFIX), weights, features=features), settings
 
 
 def check_projector(

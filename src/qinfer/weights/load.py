@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from qinfer.core.errors import QinferError
+from qinfer.core.features import Features
 from qinfer.core.parallel import SINGLE, Parallel
 from qinfer.linear import DenseLinear, Linear, RowParallelLinear
 from qinfer.linear.choose import choose_paths
@@ -38,6 +39,7 @@ def load(
     checkpoint: Weights,
     parallel: Parallel | None = None,
     quantize: Quantize | None = None,
+    features: Features | None = None,
 ) -> nn.Module:
     """Fill a built `model` from `checkpoint` (in its dtype, on its device); returns model.
 
@@ -47,7 +49,9 @@ def load(
     quantize: weight-only quantization of the dense weights (None: they stay dense; a
         GGUF reader's kept blocks stay as they are).
     Quantized Linears on CPU then take the paths of `qinfer.linear.choose.choose_paths`'s
-    rule (nothing is timed), for the model's `Features` (batch_invariant, exact).
+    rule (nothing is timed), for `features` (batch_invariant, exact): by default the
+    model's own; a part loaded beside a model (a projector's vision tower) passes that
+    model's, so that its kept blocks compute as the model's do.
     """
     parallel = parallel or SINGLE
     _place(model, parallel, checkpoint.dtype, checkpoint.device)
@@ -72,7 +76,7 @@ def load(
 
     _fill(model, read, fill, "loading weights")
     # each quantized Linear's decode and prefill path, by rule
-    features = getattr(model, "features", None)
+    features = features or getattr(model, "features", None)
     choose_paths(
         model,
         same_at_any_rows=features is not None and features.batch_invariant,

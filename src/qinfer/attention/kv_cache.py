@@ -24,7 +24,7 @@ The caches of one model (`Transformer.make_cache`) share a `StepMasks`, so that 
 built once per step for all the layers of one window rather than once per layer.
 
 A cache given a `KVFormat` (`qinfer.attention.kv_quant`) stores K/V in it: a quantized one keeps
-int8 or fp8 elements in `keys`/`values` and N fp32 scales per (row, head, position), one
+int8 or fp8 elements in `keys`/`values` and N fp16 scales per (row, head, position), one
 per block of 32 elements, in `key_scales`/`value_scales` (B, Hkv, positions, N), quantizes
 each step's entries as it writes them, and returns the history dequantized to the
 entries' dtype. The entries of the step itself come back as stored too, so a sequence fed
@@ -143,7 +143,7 @@ class _Cache:
         self.keys = k.new_zeros(B, H, positions, D, dtype=dtype)
         self.values = k.new_zeros(B, H, positions, D, dtype=dtype)
         N = fmt.scales_per_vector(D) if scaled else 0
-        scales = lambda: k.new_zeros(B, H, positions, N, dtype=torch.float32)  # noqa: E731
+        scales = lambda: k.new_zeros(B, H, positions, N, dtype=fmt.scale_dtype)  # noqa: E731
         self.key_scales, self.value_scales = (scales(), scales()) if scaled else (None, None)
         new = [self.keys, self.values, self.key_scales, self.value_scales]
         for before, after in zip(old, new, strict=True):

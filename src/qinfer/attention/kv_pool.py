@@ -8,9 +8,9 @@ two pools, each with its own blocks). Each layer's keys and values are laid out 
 attention backend that reads them declares (`KVLayout`, `qinfer.attention.backend`);
 `store_kv` writes a step's K/V into either layout.
 
-A quantized pool (`qinfer.attention.kv_quant`: int8 or fp8) holds N = D / 32 (or 1) fp32 scales per (layer,
-head, slot) beside the elements of keys and values: a block then takes D + 4 * N bytes per
-token, head and layer for K and for V, against 2 * D in bf16.
+A quantized pool (`qinfer.attention.kv_quant`: int8 or fp8) holds N = D / 32 (or 1) fp16
+scales per (layer, head, slot) beside the elements of keys and values: a block then takes
+D + 2 * N bytes per token, head and layer for K and for V, against 2 * D in bf16.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class KVLayout(Enum):
 class LayerKV:
     """One layer's part of the pool, as views: keys and values in the pool's layout and
     format ((Hkv, slots, D) or (slots, Hkv, D), `KVLayout`) and, when that is quantized,
-    their scales fp32 ((Hkv, slots, N) or (slots, Hkv, N), `KVFormat.scales_per_vector`;
+    their scales fp16 ((Hkv, slots, N) or (slots, Hkv, N), `KVFormat.scales_per_vector`;
     else None)."""
 
     keys: torch.Tensor
@@ -92,7 +92,7 @@ class KVPool:
     num_kv_heads: Hkv, the KV heads this rank holds (default: the config's, all of them;
     under tensor parallelism, `Parallel.attention_heads`). num_layers: the layers it holds
     (default: every layer of the config). fmt: the storage, a dtype or a `KVFormat`; a
-    quantized one adds key_scales and value_scales, fp32, shaped as keys with N scales in
+    quantized one adds key_scales and value_scales, fp16, shaped as keys with N scales in
     place of D (None otherwise). layout: as the backend that reads the pool declares (`KVLayout`).
     """
 
@@ -120,8 +120,8 @@ class KVPool:
         key_scales = value_scales = [None] * shape[0]
         if self.format.quantized:  # (layers, Hkv, slots, N) or (layers, slots, Hkv, N)
             scales = (*shape[:3], self.format.scales_per_vector(config.head_dim))
-            self.key_scales = torch.zeros(scales, device=device)
-            self.value_scales = torch.zeros(scales, device=device)
+            self.key_scales = torch.zeros(scales, dtype=self.format.scale_dtype, device=device)
+            self.value_scales = torch.zeros_like(self.key_scales)
             key_scales, value_scales = self.key_scales.unbind(0), self.value_scales.unbind(0)
         # Each layer's views, made once: a step's layers index no tensor.
         self.layers = [

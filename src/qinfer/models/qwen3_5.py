@@ -34,6 +34,7 @@ from qinfer.core.errors import ConfigError
 from qinfer.core.model_config import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
+    SPLIT_PROJECTIONS,
     DeltaNetConfig,
     ModelConfig,
     RopeConfig,
@@ -81,10 +82,13 @@ def hybrid_rope(cfg: HFConfig) -> RopeConfig:
     return mrope_config(cfg, tuple(section), interleaved=True)
 
 
-def hybrid_fields(cfg: HFConfig, rope: RopeConfig, grouped_projections: bool) -> dict[str, Any]:
+def hybrid_fields(
+    cfg: HFConfig, rope: RopeConfig, projections: tuple[str, ...] = SPLIT_PROJECTIONS
+) -> dict[str, Any]:
     """The ModelConfig fields every hybrid family reads alike: the layer kinds, the
-    DeltaNet's shapes, the gated attention's wiring and zero-centred norms, `rope` with its
-    partial rotary factor (0.25 where the config gives none)."""
+    DeltaNet's shapes (its input projections as the checkpoint stores them: `projections`),
+    the gated attention's wiring and zero-centred norms, `rope` with its partial rotary
+    factor (0.25 where the config gives none)."""
     layers = cfg.number("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -98,7 +102,7 @@ def hybrid_fields(cfg: HFConfig, rope: RopeConfig, grouped_projections: bool) ->
         key_head_dim=cfg.number("linear_key_head_dim", 128),
         value_head_dim=cfg.number("linear_value_head_dim", 128),
         conv_kernel=cfg.number("linear_conv_kernel_dim", 4),
-        grouped_projections=grouped_projections,
+        projections=projections,
     )
     if not _partial_rotary_given(cfg):
         rope = dataclasses.replace(rope, partial_rotary_factor=PARTIAL_ROTARY_FACTOR)
@@ -117,7 +121,7 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     if cfg.model_type != "qwen3_5_text":
         cfg = vl_text_config(cfg, "qwen3_5_text", DEFAULTS)
     cfg = HFConfig({**DEFAULTS, **cfg.values})
-    return ModelConfig(**shared_fields(cfg, **hybrid_fields(cfg, hybrid_rope(cfg), False)))
+    return ModelConfig(**shared_fields(cfg, **hybrid_fields(cfg, hybrid_rope(cfg))))
 
 
 def gguf_hybrid_fields(header: GGUFHeader) -> dict[str, Any]:

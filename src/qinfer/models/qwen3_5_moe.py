@@ -36,7 +36,7 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     values.setdefault("intermediate_size", values.get("moe_intermediate_size"))
     cfg = HFConfig(values)
     moe = dataclasses.replace(read_experts(cfg), norm_topk_prob=True)
-    hybrid = hybrid_fields(cfg, hybrid_rope(cfg), False)
+    hybrid = hybrid_fields(cfg, hybrid_rope(cfg))
     return ModelConfig(**shared_fields(cfg, **hybrid, moe=moe))
 
 

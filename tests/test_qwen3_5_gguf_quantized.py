@@ -1,5 +1,7 @@
 """A quantized Qwen3.5 GGUF on the default path: int8 activations on every Linear, fp32
-elsewhere, drifting from the fp32 dequantized file no further than llama.cpp does.
+elsewhere, drifting from the fp32 dequantized file no further than llama.cpp does; and the
+K-quant files llama.cpp's users run (Q4_K_M, Q5_K_M, Q6_K) loading and drifting within a
+stated share of llama.cpp's.
 
 The files: llama.cpp's converter writes the random checkpoint as F32 and Q8_0 (its Q8_0 keeps
 the DeltaNet's conv kernels F32), and llama.cpp's `llama_model_quantize` takes the F32 file to
@@ -86,13 +88,18 @@ def files(tmp_path_factory) -> dict[str, Path]:
     if llama_cpp is None:
         del paths["q4_0"]
         return paths
+    llama_quantize(paths["f32"], paths["q4_0"], LLAMA_FTYPE_Q4_0)
+    return paths
+
+
+def llama_quantize(source: Path, target: Path, ftype: int) -> None:
+    """llama.cpp's `llama_model_quantize` of the F32 file `source` to file type `ftype`."""
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = LLAMA_FTYPE_Q4_0, 2
+    params.ftype, params.nthread = ftype, 2
     failed = llama_cpp.llama_model_quantize(
-        str(paths["f32"]).encode(), str(paths["q4_0"]).encode(), ctypes.byref(params)
+        str(source).encode(), str(target).encode(), ctypes.byref(params)
     )
     assert failed == 0
-    return paths
 
 
 def qinfer_scorer(model: qinfer.Transformer):
@@ -175,3 +182,71 @@ def test_quantized_file_runs_int8_activations_within_llama_cpps_drift(files, out
         print(f"{outtype} exact={model.features.exact}: qinfer {ours}\nllama.cpp {theirs}")
         assert 0 < ours.kl <= share * theirs.kl, (ours, theirs)
         assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)
+
+
+#: A Qwen3.5 whose matrices are 256 columns wide (hidden 256; DeltaNet heads, attention
+#: heads and the FFN a multiple of 256 wide): llama.cpp quantizes a matrix to a K-quant only
+#: where its rows are whole super-blocks of 256, and falls back to older types elsewhere.
+K_SHAPES = dict(
+    HYBRID["qwen3_5"],
+    hidden_size=256,
+    intermediate_size=512,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[4, 2, 2],
+        mrope_interleaved=True,
+    ),
+)
+#: llama.cpp's file type (llama_ftype) of each K-quant file, the block types it then holds
+#: (Q4_K_M and Q5_K_M keep some matrices Q6_K), and the bound on the default path's KL as a
+#: share of llama.cpp's on the same file and ids. Measured on the 2-core Xeon (AMX),
+#: 2026-12-06, mean KL(fp32 || engine) / top-1, qinfer then llama.cpp: Q4_K_M 0.0066 / 82.5%,
+#: 0.0075 / 82.0% (int4 groups, int8 activations); Q6_K 0.0039 / 85.2%, 0.0079 / 82.5% (int8
+#: blocks of 16); Q5_K_M 0.0142 / 77.8%, 0.0089 / 81.0%: an open gap, not a target: Q5_K is
+#: re-rounded to int8 rows (`weights.gguf`), which only bf16 activations multiply fast
+#: (`--exact` keeps fp32 activations but not the stored values: 0.0101 / 81.5%).
+K_QUANTS = {
+    "q4_k_m": (15, {"Q4_K", "Q6_K"}, 1.1),
+    "q5_k_m": (17, {"Q5_K", "Q6_K"}, 2.0),
+    "q6_k": (18, {"Q6_K"}, 1.1),
+}
+
+
+@pytest.fixture(scope="module")
+def k_quant_files(tmp_path_factory) -> dict[str, Path]:
+    """The 256-wide random Qwen3.5's F32 file and llama.cpp's K-quant files of it."""
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python (qinfer[peer]) writes the K-quant files: not installed")
+    root = tmp_path_factory.mktemp("qwen3_5_k_quants")
+    build_chat_checkpoint(root / "hf", "qwen3_5", **K_SHAPES)
+    add_a_merge(root / "hf")
+    paths = {outtype: root / f"{outtype}.gguf" for outtype in ("f32", *K_QUANTS)}
+    convert(root / "hf", ["--no-mtp", "--outtype", "f32", "--outfile", str(paths["f32"])])
+    for outtype, (ftype, _, _) in K_QUANTS.items():
+        llama_quantize(paths["f32"], paths[outtype], ftype)
+    return paths
+
+
+@pytest.mark.parametrize("outtype", K_QUANTS)
+def test_a_k_quant_file_loads_and_drifts_within_its_share_of_llama_cpps(k_quant_files, outtype):
+    """A K-quant file holds the K-quant blocks it is named for (the matrices are wide
+    enough), loads by default and runs: its KL from the fp32 dequantized file within
+    K_QUANTS' share of llama.cpp's on the same file and ids, top-1 within TOP1_SLACK."""
+    from qinfer.weights.gguf_file import read_gguf
+
+    _, kinds, share = K_QUANTS[outtype]
+    path = k_quant_files[outtype]
+    stored = {t.tensor_type.name for t in read_gguf(path).tensors if len(t.shape) > 1}
+    assert stored - {"F32"} == kinds, stored
+    reference = qinfer_scorer(qinfer.load_model(path, device="cpu", dtype="float32"))
+    ids = random_tokens(1, CONTEXT * CHUNKS, seed=3, vocab=CHAT_VOCAB_SIZE)[0].tolist()
+    theirs = score(llama_cpp_scorer(path), ids, CONTEXT, reference)
+    ours = score(qinfer_scorer(qinfer.load_model(path, device="cpu")), ids, CONTEXT, reference)
+    print(f"{outtype}: qinfer {ours}\nllama.cpp {theirs}")
+    assert 0 < ours.kl <= share * theirs.kl, (ours, theirs)
+    assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)

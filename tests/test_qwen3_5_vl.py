@@ -29,9 +29,14 @@ from qinfer.vision import ImagePrompt, VisionLanguageModel, preprocess_images
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-4  # fp32 logits of order 1 to 10, as tests/test_qwen3_5.py
-#: Qwen3.5's text model (tests/checkpoints.py's: DeltaNet, gated attention, interleaved M-RoPE
-#: sections 2 / 1 / 1 of its 4 rotary frequencies) with the vision tokens in its vocabulary.
-TEXT = dict(TINY, **HYBRID["qwen3_5"], vocab_size=VOCAB)
+ROPE = HYBRID["qwen3_5"]["rope_parameters"]
+#: Qwen3.5's and Qwen3.5-MoE's text models (tests/checkpoints.py's: DeltaNet, gated attention,
+#: experts; interleaved M-RoPE sections 2 / 1 / 1 of the 4 rotary frequencies) with the
+#: vision tokens in their vocabulary.
+TEXT = {
+    family: {**TINY, **HYBRID[family], "vocab_size": VOCAB, "rope_parameters": ROPE}
+    for family in ("qwen3_5", "qwen3_5_moe")
+}
 #: Qwen3-VL's tiny tower without its DeepStack blocks.
 TOWER = {k: v for k, v in VISION["qwen3-vl"].items() if k != "deepstack_visual_indexes"}
 #: 112 x 84 pixels, resized to the released minimum of 65536: 16 x 16 patches, 64 tokens.
@@ -55,15 +60,22 @@ class Files:
     reference: torch.nn.Module
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> Files:
+@pytest.fixture(scope="module", params=sorted(TEXT))
+def files(request, tmp_path_factory) -> Files:
     import transformers
 
-    root = tmp_path_factory.mktemp("qwen3_5_vl")
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
     folder = root / "hf"
-    config = transformers.Qwen3_5Config(text_config=TEXT, vision_config=TOWER, **SPECIAL)
+    if family == "qwen3_5":
+        config_class = transformers.Qwen3_5Config
+        model_class = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        config_class = transformers.Qwen3_5MoeConfig
+        model_class = transformers.Qwen3_5MoeForConditionalGeneration
+    config = config_class(text_config=TEXT[family], vision_config=TOWER, **SPECIAL)
     torch.manual_seed(0)
-    reference = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    reference = model_class(config).eval()
     spread_weights(reference, gain=0.5)  # as tests/checkpoints.py spreads a hybrid model's
     reference.save_pretrained(folder)
     preprocessor = {**PREPROCESSOR["qwen3-vl"], **RELEASED_BUDGET["qwen3-vl"]}

@@ -1,7 +1,8 @@
 """A quantized Qwen3.5 GGUF on the default path: int8 activations on every Linear, fp32
 elsewhere, drifting from the fp32 dequantized file no further than llama.cpp does; and the
 K-quant files llama.cpp's users run (Q4_K_M, Q5_K_M, Q6_K) loading and drifting within a
-stated share of llama.cpp's.
+stated share of llama.cpp's; Qwen3.5-MoE's and Qwen3-Next's files from llama.cpp's quantizer
+(which writes their shared expert's gate 1-D) likewise.
 
 The files: llama.cpp's converter writes the random checkpoint as F32 and Q8_0 (its Q8_0 keeps
 the DeltaNet's conv kernels F32), and llama.cpp's `llama_model_quantize` takes the F32 file to
@@ -40,8 +41,8 @@ try:  # the peer, where installed (qinfer[peer]): scored live, and it writes the
 except ImportError:
     llama_cpp = None
 
-#: llama.cpp's file type (llama_ftype) MOSTLY_Q4_0.
-LLAMA_FTYPE_Q4_0 = 2
+#: llama.cpp's file types (llama_ftype) MOSTLY_Q4_0 and MOSTLY_Q8_0.
+LLAMA_FTYPE_Q4_0, LLAMA_FTYPE_Q8_0 = 2, 7
 #: tests/checkpoints.py's Qwen3.5 with key and value heads of 32: llama.cpp takes them to be
 #: of one size, and value heads of a whole block keep out_proj's blocks (`gguf_deltanet`).
 SHAPES = dict(HYBRID["qwen3_5"], linear_key_head_dim=32, linear_value_head_dim=32)
@@ -249,4 +250,50 @@ def test_a_k_quant_file_loads_and_drifts_within_its_share_of_llama_cpps(k_quant_
     ours = score(qinfer_scorer(qinfer.load_model(path, device="cpu")), ids, CONTEXT, reference)
     print(f"{outtype}: qinfer {ours}\nllama.cpp {theirs}")
     assert 0 < ours.kl <= share * theirs.kl, (ours, theirs)
+    assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)
+
+
+#: The MoE hybrids with their shared expert 64 wide: every matrix a whole number of blocks
+#: of 32, so llama.cpp's quantizer leaves none in F16 (which would take the model to bf16).
+MOE_SHAPES = {
+    family: dict(
+        HYBRID[family],
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        shared_expert_intermediate_size=64,
+    )
+    for family in ("qwen3_5_moe", "qwen3_next")
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_SHAPES))
+def moe_q8_0(request, tmp_path_factory) -> Path:
+    """A MoE hybrid's F32 file as llama.cpp's quantizer takes it to Q8_0."""
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python (qinfer[peer]) writes the quantized file: not installed")
+    root = tmp_path_factory.mktemp(request.param)
+    build_chat_checkpoint(root / "hf", request.param, **MOE_SHAPES[request.param])
+    add_a_merge(root / "hf")
+    f32, q8_0 = root / "f32.gguf", root / "q8_0.gguf"
+    convert(root / "hf", ["--no-mtp", "--outtype", "f32", "--outfile", str(f32)])
+    llama_quantize(f32, q8_0, LLAMA_FTYPE_Q8_0)
+    return q8_0
+
+
+def test_a_moe_file_from_llama_cpps_quantizer_loads_within_its_drift(moe_q8_0):
+    """The quantizer writes the shared expert's gate (1, hidden) as (hidden,) (a GGUF's
+    trailing dims of 1 are not significant): read as (1, hidden), the file loads on the
+    int8-activation path and drifts within KL_SHARE of llama.cpp on the same file and ids."""
+    from qinfer.weights.gguf_file import read_gguf
+
+    gates = [t for t in read_gguf(moe_q8_0).tensors if "ffn_gate_inp_shexp" in t.name]
+    assert gates and all(len(t.shape) == 1 for t in gates)
+    fast = qinfer.load_model(moe_q8_0, device="cpu")
+    assert fast.dtype == torch.float32
+    reference = qinfer_scorer(qinfer.load_model(moe_q8_0, device="cpu", dtype="float32"))
+    ids = random_tokens(1, CONTEXT * CHUNKS, seed=3, vocab=CHAT_VOCAB_SIZE)[0].tolist()
+    theirs = score(llama_cpp_scorer(moe_q8_0), ids, CONTEXT, reference)
+    ours = score(qinfer_scorer(fast), ids, CONTEXT, reference)
+    print(f"qinfer {ours}\nllama.cpp {theirs}")
+    assert 0 < ours.kl <= KL_SHARE["q8_0"] * theirs.kl, (ours, theirs)
     assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)

@@ -57,9 +57,14 @@ format: setup-test
 	$(BIN)/ruff check --fix src tests bench
 	$(BIN)/ruff format src tests bench
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each a module at a time on one torch
+# thread (tests/conftest.py): one per core of the 2-core machine the suite is sized for.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 # The inner loop: every module but those marked slow (under 3 minutes on 2 cores).
 test-fast: lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"

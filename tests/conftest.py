@@ -8,16 +8,35 @@ stays per module.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from checkpoints import WINDOWED, build_chat_checkpoint, load_pair
 from gguf_files import smollm2_path
 from servers import serving
 from text_assets import save_llama3_tokenizer, save_qwen3_tokenizer, tokenizer_pair
 
 from qinfer import kernels
+
+
+def pytest_configure(config):
+    """`make test` runs the suite on two workers (pytest-xdist, a module per worker at a
+    time), one per core: each worker and the servers and processes its tests start then
+    run one torch thread, so that two workers never share a core between four threads (an
+    OpenMP pool that waits on a busy core spins). A test that compares thread counts names
+    them (tests/threads.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules marked slow first, each kept whole and in its order: the two workers
+    then end on the short modules together instead of one on a long module alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -196,10 +196,16 @@ def plant_tool_loop(
 
 
 def build_planted_qwen3(
-    folder: Path, tool_loop: bool = False, family: str = "qwen3", **overrides
+    folder: Path,
+    tool_loop: bool = False,
+    family: str = "qwen3",
+    call_in_think: bool = False,
+    **overrides,
 ) -> Path:
     """Save the planted `family` (module docstring; "qwen3" or "qwen3_5") with its
     tokenizer and chat template to `folder`; tool_loop: plant the tool loop too;
+    call_in_think: the planted reasoning makes the loop's first call before it closes
+    (`The answer<tool_call>CALL</tool_call></think>`, as Qwen3.5 sometimes does);
     `overrides` shape its config (max_position_embeddings for long prompts)."""
     planted = PLANTED[family]
     backend = train_tokenizer(CHATML_SPECIAL, QWEN3_ADDED)
@@ -207,7 +213,7 @@ def build_planted_qwen3(
     backend.add_tokens([tokenizers.AddedToken("\n\n", special=False, normalized=False)])
     calls = [planted.call_text(name, args) for name, args in LOOP_CALLS]
     loop_texts = [WEATHER_TOOL[1], *LOOP_RESULTS, *calls, LOOP_ANSWER]
-    if tool_loop:  # each one token: the cues the head finds, and whole calls
+    if tool_loop or call_in_think:  # each one token: the cues the head finds, whole calls
         backend.add_tokens(
             [tokenizers.AddedToken(text, special=False, normalized=False) for text in loop_texts]
         )
@@ -226,7 +232,9 @@ def build_planted_qwen3(
     def ids(text: str) -> list[int]:
         return backend.encode(text, add_special_tokens=False).ids
 
-    think = ids(f"{'' if planted.prompt_opens_think else '<think>'}{PLANTED_REASONING}</think>")
+    in_think = f"<tool_call>{calls[0]}</tool_call>" if call_in_think else ""
+    opened = "" if planted.prompt_opens_think else "<think>"
+    think = ids(f"{opened}{PLANTED_REASONING}{in_think}</think>")
     path = [*ids("\n"), *think, *ids(f"\n\n{PLANTED_ANSWER}"), im_end]
     plant_path(model, path, planted.embed_scale)
     if tool_loop:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from threads import torch_threads
 
 from qinfer import kernels
 from qinfer.linear import quantize_int4
@@ -64,14 +65,11 @@ def test_amx_gives_vnnis_and_the_one_row_bits(amx, kind, n, k) -> None:
 def test_amx_whatever_the_threads(amx) -> None:
     packed = kernels.pack_int4(groups("Q4_1", 100, 256))
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         single = kernels.int4_mm(x, packed, "amx")
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single, kernels.int4_mm(x, packed, "amx"))
-    assert torch.equal(single, kernels.int4_mm(x, packed, "vnni"))
+    with torch_threads(2):
+        assert torch.equal(single, kernels.int4_mm(x, packed, "amx"))
+        assert torch.equal(single, kernels.int4_mm(x, packed, "vnni"))
 
 
 def test_auto_takes_amx(amx) -> None:

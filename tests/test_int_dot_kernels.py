@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from threads import torch_threads
 
 from qinfer import kernels
 from qinfer.linear import quantize_int4
@@ -206,15 +207,11 @@ def test_a_row_is_the_same_in_any_batch(path, n, k) -> None:
     packed = kernels.pack_int4(groups)
     x = activations(ROW_COUNTS[-1], k, torch.float32)
     alone = torch.cat([kernels.int4_mm(x[i : i + 1], packed, path) for i in range(len(x))])
-    for m in ROW_COUNTS:
-        assert torch.equal(kernels.int4_mm(x[:m], packed, path), alone[:m]), f"M = {m}"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = kernels.int4_mm(x, packed, path)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single, alone)
+    with torch_threads(2):
+        for m in ROW_COUNTS:
+            assert torch.equal(kernels.int4_mm(x[:m], packed, path), alone[:m]), f"M = {m}"
+    with torch_threads(1):
+        assert torch.equal(kernels.int4_mm(x, packed, path), alone)
 
 
 def test_empty_batch(built) -> None:
@@ -339,15 +336,11 @@ def test_int8_row_is_the_same_in_any_batch(path, n, k, block) -> None:
     q, scales, _ = int8_weight(n, k, block)
     x = activations(ROW_COUNTS[-1], k, torch.float32)
     alone = torch.cat([kernels.int8_mm(x[i : i + 1], q, scales, path) for i in range(len(x))])
-    for m in ROW_COUNTS:
-        assert torch.equal(kernels.int8_mm(x[:m], q, scales, path), alone[:m]), f"M = {m}"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = kernels.int8_mm(x, q, scales, path)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single, alone)
+    with torch_threads(2):
+        for m in ROW_COUNTS:
+            assert torch.equal(kernels.int8_mm(x[:m], q, scales, path), alone[:m]), f"M = {m}"
+    with torch_threads(1):
+        assert torch.equal(kernels.int8_mm(x, q, scales, path), alone)
 
 
 @pytest.mark.parametrize("block", SCALE_BLOCKS)

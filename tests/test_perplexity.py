@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from checkpoints import load_pair, random_model, random_tokens, reference_logits
+from checkpoints import HYBRID, load_pair, random_model, random_tokens, reference_logits
 
 from qinfer.analysis.perplexity import perplexity
 from qinfer.core.errors import QinferError
@@ -55,6 +55,24 @@ def test_kl_is_the_divergence_of_the_models_distribution_from_the_base(pair):
     assert result.kl == pytest.approx(per_token.mean().item(), rel=1e-4)
     assert result.kl_max == pytest.approx(per_token.max().item(), rel=1e-4)
     assert result.top1 == (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_model_is_scored_from_its_own_recurrent_state(family):
+    # Linear-attention layers read their sequence's state from the forward's cache; the
+    # scorer's forward gives them one, as the model's own call does.
+    model = random_model(family, **HYBRID[family])
+    ids = random_tokens(1, 2 * CONTEXT, seed=6)[0].tolist()
+    nll, scored = 0.0, 0
+    for c in range(2):
+        chunk = torch.tensor([ids[c * CONTEXT : (c + 1) * CONTEXT]])
+        log_probs = torch.log_softmax(model(chunk)[0], -1)
+        for i in range(CONTEXT // 2, CONTEXT - 1):
+            nll -= log_probs[i, chunk[0, i + 1]].item()
+            scored += 1
+    result = perplexity(model, ids, CONTEXT)
+    assert result.scored == scored
+    assert result.nll == pytest.approx(nll / scored, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +31,7 @@ from checkpoints import CHAT_VOCAB_SIZE, HYBRID, build_chat_checkpoint, int4_kin
 from test_vl_gguf import convert
 
 import qinfer
-from qinfer.analysis.perplexity import score
+from qinfer.analysis.perplexity import score, scored_log_probs
 from qinfer.linear import Int8BlockLinear
 from qinfer.linear.paths import INT8_DOT, QuantizedLinear
 
@@ -103,18 +104,6 @@ def llama_quantize(source: Path, target: Path, ftype: int) -> None:
     assert failed == 0
 
 
-def qinfer_scorer(model: qinfer.Transformer):
-    """A chunk's next-token log-probs (CONTEXT / 2 - 1, V) from one forward of `model`."""
-
-    def scorer(chunk: torch.Tensor) -> torch.Tensor:
-        n = len(chunk)
-        with torch.no_grad():
-            logits = model(chunk[None])[0, n // 2 : n - 1].float()
-        return torch.log_softmax(logits, dim=-1)
-
-    return scorer
-
-
 def llama_cpp_scorer(path: Path):
     """The same from llama.cpp on the file, through its C API. Without its extra buffer
     types (`use_extra_bufts`: weights repacked for its AMX / AVX-512 tiles), which crash
@@ -170,7 +159,7 @@ def test_quantized_file_runs_int8_activations_within_llama_cpps_drift(files, out
     assert len(linears) == 4 * 4  # in_proj/out_proj or wqkv/wo, gate_up, down per layer
     assert all(m.chosen == {"decode": INT8_DOT, "prefill": INT8_DOT} for m in linears)
 
-    reference = qinfer_scorer(qinfer.load_model(path, device="cpu", dtype="float32"))
+    reference = partial(scored_log_probs, qinfer.load_model(path, device="cpu", dtype="float32"))
     ids = random_tokens(1, CONTEXT * CHUNKS, seed=3, vocab=CHAT_VOCAB_SIZE)[0].tolist()
     if llama_cpp is None:
         kl, top1 = LLAMA_CPP[outtype]
@@ -179,7 +168,7 @@ def test_quantized_file_runs_int8_activations_within_llama_cpps_drift(files, out
         theirs = score(llama_cpp_scorer(path), ids, CONTEXT, reference)
     exact = qinfer.load_model(path, device="cpu", exact=True)
     for model, share in ((fast, KL_SHARE[outtype]), (exact, 1.0)):
-        ours = score(qinfer_scorer(model), ids, CONTEXT, reference)
+        ours = score(partial(scored_log_probs, model), ids, CONTEXT, reference)
         print(f"{outtype} exact={model.features.exact}: qinfer {ours}\nllama.cpp {theirs}")
         assert 0 < ours.kl <= share * theirs.kl, (ours, theirs)
         assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)

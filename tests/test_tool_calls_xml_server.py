@@ -8,8 +8,8 @@ The server runs a random Qwen3.5 with Qwen3.5's chat template
 them: a reply's text comes from a test's own `guided_grammar`, a forced call from the
 tool-call grammar, and the budget's effect is seen with `</think>` and the end of text
 banned (`logit_bias`), so that only the budget can close the block and the answer must
-follow. Calls written inside `<think>`: tests/test_tool_calls_xml.py (a Choice fed the
-engine's outputs).
+follow. A call written inside `<think>` comes from a planted Qwen3.5 (tests/planted_qwen3.py)
+that writes one there; tests/test_tool_calls_xml.py feeds a Choice such outputs directly.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 from checkpoints import HYBRID, build_checkpoint
+from planted_qwen3 import LOOP_CALLS, PLANTED_ANSWER, PLANTED_REASONING, build_planted_qwen3
 from servers import serving
 from test_tool_calls_server import forcing_grammar
 from text_assets import save_qwen3_5_tokenizer
@@ -226,3 +227,52 @@ def test_a_forced_call_cut_by_max_tokens_is_reported_cut(served):
     assert content == "" and finish == "length" and len(calls) == 1
     name, arguments = calls[0]
     assert name == "get_weather" and arguments == ""  # its first parameter is not whole
+
+
+@pytest.fixture(scope="module")
+def thinks_a_call(tmp_path_factory):
+    """URL of `qinfer serve` on the planted Qwen3.5 that writes its get_weather call inside
+    `<think>` (tests/planted_qwen3.py), then closes the block and answers."""
+    folder = build_planted_qwen3(
+        tmp_path_factory.mktemp("think-call"),
+        family="qwen3_5",
+        call_in_think=True,
+        max_position_embeddings=4096,
+    )
+    args = ["--model", str(folder), "--served-model-name", "tiny", "--max-model-len", "4096"]
+    with serving(*args) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_written_inside_think_reaches_the_client_as_a_call(thinks_a_call, stream):
+    """The call is not left in `reasoning_content` (vLLM's bug #39056): whole and streamed,
+    it comes back as a tool call, the reasoning around it as reasoning."""
+    client = openai.OpenAI(base_url=f"{thinks_a_call}/v1", api_key="none", max_retries=0)
+    reasoning, content, calls, finish, _ = chat(
+        client, stream, tools=TOOLS, temperature=0, max_tokens=40
+    )
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == [LOOP_CALLS[0]]
+    assert (reasoning.strip(), content.strip(), finish) == (
+        PLANTED_REASONING, PLANTED_ANSWER, "tool_calls"
+    )  # fmt: skip
+
+
+def test_a_call_written_inside_think_reaches_the_responses_and_messages_apis(thinks_a_call):
+    client = openai.OpenAI(base_url=f"{thinks_a_call}/v1", api_key="none", max_retries=0)
+    weather = {"type": "function", "name": "get_weather", **{
+        k: v for k, v in TOOLS[0]["function"].items() if k != "name"}}  # fmt: skip
+    response = client.responses.create(
+        model="tiny", input=USER[0]["content"], tools=[weather], temperature=0,
+        max_output_tokens=40,
+    )  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == LOOP_CALLS[0]
+    claude = anthropic.Anthropic(base_url=thinks_a_call, api_key="none", max_retries=0)
+    schema = TOOLS[0]["function"]["parameters"]
+    message = claude.messages.create(
+        model="tiny", max_tokens=40, messages=USER, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "input_schema": schema}],
+    )  # fmt: skip
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert (use.name, use.input) == LOOP_CALLS[0] and message.stop_reason == "tool_use"

@@ -24,10 +24,7 @@ from functools import partial
 
 import torch
 
-from qinfer.attention.reference import ReferenceAttention
-from qinfer.attention.sdpa import sdpa_for
 from qinfer.core.errors import QinferError
-from qinfer.core.forward_batch import ForwardBatch
 from qinfer.model.transformer import Transformer
 
 
@@ -129,10 +126,7 @@ def scored_log_probs(model: Transformer, chunk: torch.Tensor) -> torch.Tensor:
     at positions context / 2 .. context - 2, from one forward over the whole chunk."""
     n = len(chunk)
     tokens = chunk.to(model.device)[None]  # (1, n)
-    attention = ReferenceAttention(
-        model.make_cache(1, max_length=n), 1, n, "causal", sdpa_for(model.features)
-    )
-    batch = ForwardBatch.from_rows(tokens, 0, attention)
+    batch = model.rows_batch(tokens, 0, model.make_cache(1, max_length=n))
     rows = torch.arange(n // 2, n - 1, device=model.device)
     logits = model.compute_logits(model.forward(batch)[rows])
     return torch.log_softmax(logits, dim=-1).cpu()

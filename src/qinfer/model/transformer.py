@@ -324,14 +324,28 @@ class Transformer(Module, Placed):
         `__call__`.
         Returns fp32 logits (B, L, vocab), or (B, 1, vocab) with last_only.
         """
+        batch = self.rows_batch(tokens, offsets, cache, mask, last_only, adapters)
+        logits = self.compute_logits(batch.logits_rows(self.forward(batch)))
+        return logits.view(tokens.shape[0], -1, logits.shape[-1])
+
+    def rows_batch(
+        self,
+        tokens: torch.Tensor,
+        offsets: int | torch.Tensor,
+        cache: list,
+        mask: Mask = None,
+        last_only: bool = False,
+        adapters: list[int | None] | None = None,
+    ) -> ForwardBatch:
+        """The `ForwardBatch` of B rows of L tokens (B, L) over contiguous caches from
+        `make_cache`: the reference attention backend, and row b's recurrent state in slot b
+        of the caches' `StatePool` (linear-attention layers)."""
         B, L = tokens.shape
         mask = "causal" if mask is None else mask
         attention = ReferenceAttention(cache, B, L, mask, sdpa_for(self.features))
         pool = next((c for c in cache if isinstance(c, StatePool)), None)
         states = None if pool is None else StepStates(pool, torch.arange(B, device=self.device))
-        batch = ForwardBatch.from_rows(tokens, offsets, attention, last_only, states, adapters)
-        logits = self.compute_logits(batch.logits_rows(self.forward(batch)))
-        return logits.view(B, -1, logits.shape[-1])
+        return ForwardBatch.from_rows(tokens, offsets, attention, last_only, states, adapters)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

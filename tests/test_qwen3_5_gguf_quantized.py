@@ -233,10 +233,12 @@ def test_a_k_quant_file_loads_and_drifts_within_its_share_of_llama_cpps(k_quant_
     path = k_quant_files[outtype]
     stored = {t.tensor_type.name for t in read_gguf(path).tensors if len(t.shape) > 1}
     assert stored - {"F32"} == kinds, stored
-    reference = qinfer_scorer(qinfer.load_model(path, device="cpu", dtype="float32"))
+    reference = partial(scored_log_probs, qinfer.load_model(path, device="cpu", dtype="float32"))
     ids = random_tokens(1, CONTEXT * CHUNKS, seed=3, vocab=CHAT_VOCAB_SIZE)[0].tolist()
     theirs = score(llama_cpp_scorer(path), ids, CONTEXT, reference)
-    ours = score(qinfer_scorer(qinfer.load_model(path, device="cpu")), ids, CONTEXT, reference)
+    ours = score(
+        partial(scored_log_probs, qinfer.load_model(path, device="cpu")), ids, CONTEXT, reference
+    )
     print(f"{outtype}: qinfer {ours}\nllama.cpp {theirs}")
     assert 0 < ours.kl <= share * theirs.kl, (ours, theirs)
     assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)
@@ -279,10 +281,12 @@ def test_a_moe_file_from_llama_cpps_quantizer_loads_within_its_drift(moe_q8_0):
     assert gates and all(len(t.shape) == 1 for t in gates)
     fast = qinfer.load_model(moe_q8_0, device="cpu")
     assert fast.dtype == torch.float32
-    reference = qinfer_scorer(qinfer.load_model(moe_q8_0, device="cpu", dtype="float32"))
+    reference = partial(
+        scored_log_probs, qinfer.load_model(moe_q8_0, device="cpu", dtype="float32")
+    )
     ids = random_tokens(1, CONTEXT * CHUNKS, seed=3, vocab=CHAT_VOCAB_SIZE)[0].tolist()
     theirs = score(llama_cpp_scorer(moe_q8_0), ids, CONTEXT, reference)
-    ours = score(qinfer_scorer(fast), ids, CONTEXT, reference)
+    ours = score(partial(scored_log_probs, fast), ids, CONTEXT, reference)
     print(f"qinfer {ours}\nllama.cpp {theirs}")
     assert 0 < ours.kl <= KL_SHARE["q8_0"] * theirs.kl, (ours, theirs)
     assert ours.top1 >= theirs.top1 - TOP1_SLACK, (ours, theirs)

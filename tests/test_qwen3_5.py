@@ -15,7 +15,7 @@ from checkpoints import HYBRID, load_pair, max_diff, random_model, random_tokens
 from qinfer.attention.deltanet import CHUNK_SIZE
 from qinfer.attention.state_pool import StatePool, StepStates
 from qinfer.core.errors import ConfigError, QinferError
-from qinfer.core.model_config import LINEAR_ATTENTION
+from qinfer.core.model_config import GROUPED_PROJECTIONS, LINEAR_ATTENTION, SPLIT_PROJECTIONS
 from qinfer.layers.gated_deltanet import GatedDeltaNet
 from qinfer.models import config_from_hf
 
@@ -36,7 +36,8 @@ def test_config_reads_the_hybrid_fields(pair):
     config = model.config
     assert config.layer_types == tuple(reference.config.layer_types)
     assert (config.deltanet.num_key_heads, config.deltanet.num_value_heads) == (2, 4)
-    assert config.deltanet.grouped_projections == (config.model_type == "qwen3_next")
+    grouped = config.model_type == "qwen3_next"
+    assert config.deltanet.projections == (GROUPED_PROJECTIONS if grouped else SPLIT_PROJECTIONS)
     assert config.wiring.attention_output_gate and config.wiring.norm_weight_offset == 1.0
     assert config.rope.partial_rotary_factor == 0.25
     if config.moe is not None:

@@ -1,15 +1,21 @@
-"""Qwen3.5 and Qwen3.5-MoE from GGUF files written by llama.cpp's own converter (`qwen35`,
-`qwen35moe`; models/qwen3_5.py, weights/gguf_deltanet.py), against transformers in fp32.
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next from GGUF files written by llama.cpp's own converter
+(`qwen35`, `qwen35moe`, `qwen3next`; models/qwen3_5.py, models/qwen3_next.py,
+weights/gguf_deltanet.py), against transformers in fp32.
 
 The random checkpoints have more value heads than key heads (4 and 2), so the converter
-tiles the value heads and the loader must untile them. Qwen3.5's value heads are 32 wide:
-in its Q8_0 file `out_proj`'s columns move by whole blocks of 32; Qwen3.5-MoE's are 16 wide,
-so its `out_proj` is dequantized instead. The converter runs as tests/test_vl_gguf.py runs it.
+tiles Qwen3.5's value heads and the loader must untile them. Qwen3.5's value heads are 32
+wide: in its Q8_0 file `out_proj`'s columns move by whole blocks of 32; Qwen3.5-MoE's are 16
+wide, so its `out_proj` is dequantized instead. Qwen3-Next's value heads stay in order, but
+the converter splits its `in_proj_qkvz` (grouped by key head) into q/k/v and z, which the
+layer reads as they are (`DeltaNetConfig.projections`). The converter runs as
+tests/test_vl_gguf.py runs it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,7 @@ from qinfer.core.errors import WeightsError
 from qinfer.engine import LLM
 from qinfer.linear import DenseLinear, Int8BlockLinear
 from qinfer.models import config_from_hf
+from qinfer.models.qwen3_next import GGUF_PROJECTIONS
 from qinfer.weights.gguf_file import read_gguf
 
 pytestmark = pytest.mark.slow
@@ -35,6 +42,22 @@ PROMPT = CHUNK_SIZE + 36  # two chunks of the DeltaNet, the second ragged
 SHAPES = {
     "qwen3_5": dict(HYBRID["qwen3_5"], linear_value_head_dim=32),
     "qwen3_5_moe": HYBRID["qwen3_5_moe"],
+    "qwen3_next": HYBRID["qwen3_next"],
+}
+#: The DeltaNet's projections in a family's file, where they are not stored as in its folder.
+FILE_PROJECTIONS = {"qwen3_next": GGUF_PROJECTIONS}
+#: out_proj's kind with its Q8_0 blocks kept: dequantized where its columns, untiled, would
+#: split blocks (Qwen3.5-MoE's value heads of 16).
+Q8_OUT_PROJ = {
+    "qwen3_5": Int8BlockLinear,
+    "qwen3_5_moe": DenseLinear,
+    "qwen3_next": Int8BlockLinear,
+}
+#: A DeltaNet tensor each family's file must hold: llama.cpp's name, ours.
+NEEDED = {
+    "qwen3_5": ("blk.0.ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+    "qwen3_5_moe": ("blk.0.ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+    "qwen3_next": ("blk.0.ssm_ba.weight", "linear_attn.in_proj_ba.weight"),
 }
 OUTTYPES = ("f32", "f16", "q8_0")
 
@@ -95,10 +118,16 @@ def load(path: Path, **kwargs) -> qinfer.Transformer:
 
 def test_config_from_metadata_equals_the_folders(files):
     """The layer kinds, the DeltaNet's shapes, the gated attention and its partial rotary,
-    read from the file's qwen35 metadata alone, are the folder's config."""
+    the experts, read from the file's metadata alone, are the folder's config; the
+    DeltaNet's projections are those the file stores."""
     ours = load(files.gguf["f32"]).config
     folder = config_from_hf(json.loads((files.folder / "config.json").read_text()))
     assert ours.deltanet.num_value_heads > ours.deltanet.num_key_heads  # the reorder runs
+    stored = FILE_PROJECTIONS.get(files.family, folder.deltanet.projections)
+    assert ours.deltanet.projections == stored
+    ours = dataclasses.replace(
+        ours, deltanet=dataclasses.replace(ours.deltanet, projections=folder.deltanet.projections)
+    )
     for field in ("layer_types", "deltanet", "wiring", "rope", "moe", "head_dim"):
         assert getattr(ours, field) == getattr(folder, field), field
 
@@ -135,8 +164,7 @@ def test_q8_0_blocks_kept_equal_the_dequantized_file(files):
     the default path: tests/test_qwen3_5_gguf_quantized.py.)"""
     kept = load(files.gguf["q8_0"], dtype=None, exact=True)
     dequantized = load(files.gguf["q8_0"])
-    expected_kind = Int8BlockLinear if files.family == "qwen3_5" else DenseLinear
-    assert type(kept.layers[0].linear_attn.out_proj) is expected_kind
+    assert type(kept.layers[0].linear_attn.out_proj) is Q8_OUT_PROJ[files.family]
     assert type(kept.layers[0].linear_attn.in_proj) is Int8BlockLinear
     generator = torch.Generator().manual_seed(2)
     for i in (0, 2):  # the linear-attention layers
@@ -191,10 +219,11 @@ def patched(source: Path, target: Path, name: str, replace: bytes) -> Path:
 
 
 def test_a_missing_deltanet_tensor_is_one_line_error(files, tmp_path):
-    """blk.0.ssm_conv1d.weight renamed away: the load names the tensor it needs."""
-    name = "blk.0.ssm_conv1d.weight"
-    path = patched(files.gguf["f32"], tmp_path / "missing.gguf", name, b"blk.0.ssm_convXd.weight")
-    with pytest.raises(WeightsError, match=r"linear_attn\.conv1d\.weight' not found") as error:
+    """A DeltaNet tensor renamed away (`blk.` to `xlk.`): the load names the tensor it
+    needs, by our name and llama.cpp's."""
+    name, ours = NEEDED[files.family]
+    path = patched(files.gguf["f32"], tmp_path / "missing.gguf", name, f"x{name[1:]}".encode())
+    with pytest.raises(WeightsError, match=rf"{re.escape(ours)}' not found") as error:
         load(path)
     assert "\n" not in str(error.value) and f"missing.gguf (as {name})" in str(error.value)
 

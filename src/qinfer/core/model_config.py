@@ -86,6 +86,12 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0
 
 
+#: The Gated DeltaNet's input projections as Qwen3.5 stores them, and as Qwen3-Next does
+#: (`DeltaNetConfig.projections`).
+SPLIT_PROJECTIONS = ("qkv", "z", "b", "a")
+GROUPED_PROJECTIONS = ("qkvz", "ba")
+
+
 @dataclass(frozen=True)
 class DeltaNetConfig:
     """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next); see
@@ -96,9 +102,11 @@ class DeltaNetConfig:
         the recurrent state's heads (Hv x d_k x d_v per sequence, fp32).
     conv_kernel: the causal depthwise conv1d's width over q/k/v (4): a sequence keeps its
         last conv_kernel - 1 inputs.
-    grouped_projections: Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, whose rows are grouped
-        by key head (q, k, v, z of key head 0, then of key head 1, ...), where Qwen3.5 has
-        `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, each in head order.
+    projections: the checkpoint's input projections (`in_proj_<part>`), in the order the
+        layer fuses them: Qwen3.5's `qkv`, `z`, `b`, `a`, each in head order (SPLIT);
+        Qwen3-Next's `qkvz`, `ba`, whose rows are grouped by key head (q, k, v, z of key
+        head 0, then of key head 1, ...: GROUPED); llama.cpp's qwen3next files hold `qkv`
+        and `z` split, `ba` grouped.
     """
 
     num_key_heads: int
@@ -106,7 +114,7 @@ class DeltaNetConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int = 4
-    grouped_projections: bool = False
+    projections: tuple[str, ...] = SPLIT_PROJECTIONS
 
     def __post_init__(self) -> None:
         if self.num_value_heads % self.num_key_heads:

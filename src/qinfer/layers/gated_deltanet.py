@@ -61,9 +61,9 @@ class StoredTensor(Module, TensorSlot):
 class GatedDeltaNet(Module, Placed):
     """(T, hidden) -> (T, hidden) over the step's recurrent states.
 
-    Slots: `in_proj` (q/k/v, z, b, a fused: Qwen3.5's four projections side by side, or
-    Qwen3-Next's two grouped by key head), `out_proj`; tensors `conv` (C, 1, K), `A_log`,
-    `dt_bias` (Hv,); the gated norm's weight (d_v,), not zero-centred.
+    Slots: `in_proj` (the checkpoint's projections side by side, `DeltaNetConfig.projections`:
+    Qwen3.5's four q/k/v, z, b, a, or Qwen3-Next's two grouped by key head), `out_proj`;
+    tensors `conv` (C, 1, K), `A_log`, `dt_bias` (Hv,); the gated norm's weight (d_v,), not zero-centred.
     chunk_size: the tokens per chunk of the chunked form (`deltanet.CHUNK_SIZE`).
     """
 
@@ -75,12 +75,8 @@ class GatedDeltaNet(Module, Placed):
         self.chunk_size = CHUNK_SIZE
         H, Hv = config.hidden_size, shapes.num_value_heads
         prefix = f"{layer_prefix}.linear_attn"
-        if shapes.grouped_projections:  # Qwen3-Next: rows grouped by key head
-            names = (f"{prefix}.in_proj_qkvz", f"{prefix}.in_proj_ba")
-            outs = (shapes.conv_dim + shapes.value_dim, 2 * Hv)
-        else:
-            names = tuple(f"{prefix}.in_proj_{part}" for part in ("qkv", "z", "b", "a"))
-            outs = (shapes.conv_dim, shapes.value_dim, Hv, Hv)
+        names = tuple(f"{prefix}.in_proj_{part}" for part in shapes.projections)
+        outs = tuple(self._rows(part) for part in shapes.projections)
         self.in_proj = LinearSlot(LinearSource(names, tuple((out, H) for out in outs)))
         self.out_proj = LinearSlot(LinearSource((f"{prefix}.out_proj",), ((H, shapes.value_dim),)))
         self.conv = StoredTensor(
@@ -139,23 +135,35 @@ class GatedDeltaNet(Module, Placed):
         o = self.norm(o.reshape(T, *z.shape[1:])) * F.silu(z.float())
         return linear(o.reshape(T, -1).to(x.dtype), self.out_proj)
 
+    def _rows(self, part: str) -> int:
+        """The output rows of projection `in_proj_<part>`."""
+        s = self.shapes
+        Hv = s.num_value_heads
+        rows = {"qkv": s.conv_dim, "z": s.value_dim, "b": Hv, "a": Hv}
+        return {**rows, "qkvz": s.conv_dim + s.value_dim, "ba": 2 * Hv}[part]
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (T, hidden) -> q/k/v (T, C) (q's heads, then k's, then v's: the conv's channel
         order), z (T, Hv, dv), b and a (T, Hv)."""
         s, T = self.shapes, x.shape[0]
         Hk, Hv, dk, dv = s.num_key_heads, s.num_value_heads, s.key_head_dim, s.value_head_dim
-        projected = linear(x, self.in_proj)
-        if not s.grouped_projections:
-            qkv, z, b, a = projected.split([s.conv_dim, s.value_dim, Hv, Hv], dim=-1)
-            return qkv, z.reshape(T, Hv, dv), b, a
-        # Qwen3-Next: per key head, its q (dk), k (dk), then its r = Hv / Hk value heads'
-        # v (r dv) and z (r dv); then per key head its r b's and r a's.
         r = Hv // Hk
-        qkvz, ba = projected.split([s.conv_dim + s.value_dim, 2 * Hv], dim=-1)
-        q, k, v, z = qkvz.reshape(T, Hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = ba.reshape(T, Hk, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([part.reshape(T, -1) for part in (q, k, v)], dim=-1)  # (T, C)
-        return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
+        projected = linear(x, self.in_proj)
+        parts = dict(
+            zip(
+                s.projections,
+                projected.split([self._rows(p) for p in s.projections], -1),
+                strict=True,
+            )
+        )
+        if "qkvz" in parts:  # per key head its q (dk), k (dk), its r value heads' v, z (r dv)
+            q, k, v, z = parts.pop("qkvz").reshape(T, Hk, -1).split([dk, dk, r * dv, r * dv], -1)
+            parts["qkv"] = torch.cat([part.reshape(T, -1) for part in (q, k, v)], dim=-1)
+            parts["z"] = z
+        if "ba" in parts:  # per key head its r b's, then its r a's
+            parts["b"], parts["a"] = parts.pop("ba").reshape(T, Hk, 2 * r).split([r, r], -1)
+        b, a = (parts[name].reshape(T, Hv) for name in ("b", "a"))
+        return parts["qkv"], parts["z"].reshape(T, Hv, dv), b, a
 
     def _mix(
         self,

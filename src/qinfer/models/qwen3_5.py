@@ -13,8 +13,9 @@ as plain RoPE, and a config without sections is read as that. Every RMSNorm but 
 DeltaNet's gated one is zero-centred (scale 1 + w).
 
 The multimodal config (`qwen3_5`) keeps the text model's fields under `text_config` and its
-tensors under `model.language_model.*`; until the vision tower lands, it loads as a text
-model (no image token).
+tensors under `model.language_model.*`, its vision tower (Qwen3-VL's without DeepStack,
+`qinfer.vision`) under `model.visual.*`; its `image_token_id` marks the rows an image's
+embeddings take. A text config (`qwen3_5_text`) has no image token.
 
 GGUF (llama.cpp's `qwen35`, written by its converter's `Qwen3_5TextModel`): the DeltaNet's
 shapes are `ssm.*` metadata (`gguf_hybrid_fields`), the layer kinds
@@ -22,7 +23,9 @@ shapes are `ssm.*` metadata (`gguf_hybrid_fields`), the layer kinds
 tensors are `attn_qkv`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`, `ssm_conv1d`, `ssm_a`,
 `ssm_dt.bias`, `ssm_norm`, `ssm_out`, stored as `weights.gguf_deltanet` undoes (value heads
 tiled, A as -exp(A_log)), every norm but the DeltaNet's as 1 + w. A file with the MTP head
-(`nextn_predict_layers`) holds it as extra blocks after the model's, which are left out.
+(`nextn_predict_layers`) holds it as extra blocks after the model's, which are left out. The
+image token is found by its text in the vocabulary (`vl_gguf_fields`); the vision tower is
+llama.cpp's projector file's (`qinfer.vision.mmproj`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from qinfer.core.errors import ConfigError
 from qinfer.core.model_config import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
+    SPLIT_PROJECTIONS,
     DeltaNetConfig,
     ModelConfig,
     RopeConfig,
@@ -81,10 +85,13 @@ def hybrid_rope(cfg: HFConfig) -> RopeConfig:
     return mrope_config(cfg, tuple(section), interleaved=True)
 
 
-def hybrid_fields(cfg: HFConfig, rope: RopeConfig, grouped_projections: bool) -> dict[str, Any]:
+def hybrid_fields(
+    cfg: HFConfig, rope: RopeConfig, projections: tuple[str, ...] = SPLIT_PROJECTIONS
+) -> dict[str, Any]:
     """The ModelConfig fields every hybrid family reads alike: the layer kinds, the
-    DeltaNet's shapes, the gated attention's wiring and zero-centred norms, `rope` with its
-    partial rotary factor (0.25 where the config gives none)."""
+    DeltaNet's shapes (its input projections as the checkpoint stores them: `projections`),
+    the gated attention's wiring and zero-centred norms, `rope` with its partial rotary
+    factor (0.25 where the config gives none)."""
     layers = cfg.number("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -98,7 +105,7 @@ def hybrid_fields(cfg: HFConfig, rope: RopeConfig, grouped_projections: bool) ->
         key_head_dim=cfg.number("linear_key_head_dim", 128),
         value_head_dim=cfg.number("linear_value_head_dim", 128),
         conv_kernel=cfg.number("linear_conv_kernel_dim", 4),
-        grouped_projections=grouped_projections,
+        projections=projections,
     )
     if not _partial_rotary_given(cfg):
         rope = dataclasses.replace(rope, partial_rotary_factor=PARTIAL_ROTARY_FACTOR)
@@ -117,7 +124,14 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     if cfg.model_type != "qwen3_5_text":
         cfg = vl_text_config(cfg, "qwen3_5_text", DEFAULTS)
     cfg = HFConfig({**DEFAULTS, **cfg.values})
-    return ModelConfig(**shared_fields(cfg, **hybrid_fields(cfg, hybrid_rope(cfg), False)))
+    hybrid = hybrid_fields(cfg, hybrid_rope(cfg))
+    return ModelConfig(**shared_fields(cfg, **hybrid, image_token_id=image_token(cfg)))
+
+
+def image_token(cfg: HFConfig) -> int | None:
+    """The image token of a Qwen3.5 config with images (the multimodal config's, a qwen35
+    file's); None: a text model's."""
+    return None if cfg.get("image_token_id") is None else int(cfg.number("image_token_id"))
 
 
 def gguf_hybrid_fields(header: GGUFHeader) -> dict[str, Any]:
@@ -159,16 +173,24 @@ def gguf_hybrid_fields(header: GGUFHeader) -> dict[str, Any]:
 
 
 def gguf_fields(header: GGUFHeader) -> dict[str, Any]:
-    """A qwen35 file's fields: the hybrid layers and the M-RoPE sections, as a text config.
+    """A qwen35 file's fields: the hybrid layers, the M-RoPE sections and the image token
+    (`vl_gguf_fields`: every Qwen3.5 takes images, its tower in a projector file), as a text
+    config.
 
     The converter writes the released sections (CONVERTER_SECTIONS) for a checkpoint that
     gives none; where they do not fit the file's rotary dimensions (a small test model), they
     are read as that checkpoint was: no sections, the same rotation for text."""
-    rope = vl_gguf_fields(header)["rope_parameters"]
+    vl = vl_gguf_fields(header)
+    rope = vl["rope_parameters"]
     rotary_pairs = int(header.get("rope.dimension_count", 0)) // 2
     if rope["mrope_section"] == CONVERTER_SECTIONS and sum(CONVERTER_SECTIONS) != rotary_pairs:
         rope = {}
-    return {**gguf_hybrid_fields(header), "rope_parameters": rope, "model_type": "qwen3_5_text"}
+    return {
+        **gguf_hybrid_fields(header),
+        "rope_parameters": rope,
+        "image_token_id": vl["image_token_id"],
+        "model_type": "qwen3_5_text",
+    }
 
 
 FAMILY = Family(

@@ -23,6 +23,7 @@ from qinfer.models.qwen3_5 import (
     gguf_fields,
     hybrid_fields,
     hybrid_rope,
+    image_token,
 )
 from qinfer.models.qwen3_moe import gguf_experts, read_experts
 
@@ -36,8 +37,8 @@ def read_config(cfg: HFConfig) -> ModelConfig:
     values.setdefault("intermediate_size", values.get("moe_intermediate_size"))
     cfg = HFConfig(values)
     moe = dataclasses.replace(read_experts(cfg), norm_topk_prob=True)
-    hybrid = hybrid_fields(cfg, hybrid_rope(cfg), False)
-    return ModelConfig(**shared_fields(cfg, **hybrid, moe=moe))
+    hybrid = hybrid_fields(cfg, hybrid_rope(cfg))
+    return ModelConfig(**shared_fields(cfg, **hybrid, moe=moe, image_token_id=image_token(cfg)))
 
 
 def gguf_moe_fields(header: GGUFHeader) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Each prompt's images go through the vision tower (`encode`); their merged tokens
 place of the prompt's image tokens (one per merged patch block, in order), positioned by
 M-RoPE (`mrope_positions`). The rows run as one `ForwardBatch` whose `images` carry the
 embeddings, their rows and (Qwen3-VL) the DeepStack features, through the reference
-attention backend over contiguous caches; decode steps are the text model's own call at
+attention backend over contiguous caches (and a hybrid model's recurrent states: Qwen3.5's
+rows must be of one length); decode steps are the text model's own call at
 each row's index + delta. No engine is involved: this is the offline path tests and
 scripts take.
 """
@@ -25,6 +26,7 @@ from PIL import Image
 
 from qinfer.attention.reference import ReferenceAttention
 from qinfer.attention.sdpa import sdpa_for
+from qinfer.attention.state_pool import StatePool, StepStates
 from qinfer.core.errors import RequestError
 from qinfer.core.forward_batch import BatchImages, ForwardBatch
 from qinfer.core.model_config import ModelConfig
@@ -154,10 +156,14 @@ class VisionLanguageModel:
             if encoded is not None:
                 rows.append(b * L + pad + torch.nonzero(tokens[b, pad:] == token).flatten())
                 images.append(encoded)
+        # rows of one length need no padding (nor may a hybrid model's, whose recurrent
+        # state would take it in: `make_cache` refuses it)
+        padding = [L - len(p.token_ids) for p in prompts]
         cache = model.make_cache(
-            B, left_padding=[L - len(p.token_ids) for p in prompts], max_length=max_length or L
+            B, left_padding=padding if any(padding) else None, max_length=max_length or L
         )
         attention = ReferenceAttention(cache, B, L, "causal", sdpa_for(model.features))
+        pool = next((c for c in cache if isinstance(c, StatePool)), None)
         flat = positions.reshape(3, B * L)  # (3, B, L) -> (3, T), row by row
         # without images the three sections agree: the (T,) positions every RoPE takes
         flat = flat if images else flat[0]
@@ -168,6 +174,7 @@ class VisionLanguageModel:
             logits_indices=torch.arange(B * L, device=device),
             attention=attention,
             images=_batch_images(rows, images, device),
+            states=None if pool is None else StepStates(pool, torch.arange(B, device=device)),
         )
         with torch.inference_mode():
             logits = model.compute_logits(model.forward(batch))

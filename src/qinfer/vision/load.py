@@ -21,7 +21,7 @@ from qinfer.vision.image import ImageSettings
 from qinfer.vision.mmproj import load_projector
 from qinfer.vision.parts import split_qkv
 from qinfer.vision.qwen2_5_vl import Qwen2_5_VisionEncoder, VisionConfig
-from qinfer.vision.qwen3_vl import Qwen3_VisionEncoder, Qwen3VisionConfig
+from qinfer.vision.qwen3_vl import Qwen3_5VisionConfig, Qwen3_VisionEncoder, Qwen3VisionConfig
 from qinfer.weights.load import load
 from qinfer.weights.safetensors import SafetensorsWeights
 
@@ -29,9 +29,11 @@ from qinfer.weights.safetensors import SafetensorsWeights
 ENCODERS = {
     "qwen2_5_vl": (VisionConfig, Qwen2_5_VisionEncoder),
     "qwen3_vl": (Qwen3VisionConfig, Qwen3_VisionEncoder),
+    "qwen3_5": (Qwen3_5VisionConfig, Qwen3_VisionEncoder),
+    "qwen3_5_moe": (Qwen3_5VisionConfig, Qwen3_VisionEncoder),
 }
 
-#: Where checkpoints keep the tower (Qwen2.5-VL's original layout, Qwen3-VL's).
+#: Where checkpoints keep the tower (Qwen2.5-VL's original layout, Qwen3-VL's and Qwen3.5's).
 PREFIXES = ("visual", "model.visual")
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -85,7 +87,8 @@ def load_vision(
 def has_vision_tower(folder: str | Path) -> bool:
     """Whether the folder's config.json is a vision-language model's (a model_type of
     ENCODERS with a vision_config), not the text model of one saved on its own
-    (`qwen2_5_vl_text`, `qwen3_vl_text`), whose config still names an image token."""
+    (`qwen2_5_vl_text`, `qwen3_vl_text`), whose config still names an image token, nor a
+    Qwen3.5 checkpoint saved without its tower (a `qwen3_5` ForCausalLM's)."""
     cfg = read_json_object(Path(folder) / "config.json", ConfigError)
     return cfg.get("model_type") in ENCODERS and isinstance(cfg.get("vision_config"), dict)
 

@@ -1,5 +1,6 @@
 """llama.cpp's projector files (`--mmproj`): the vision tower and image settings of a Qwen-VL
-GGUF text model (architecture `qwen2vl` or `qwen3vl`), which llama.cpp keeps in a file apart.
+or Qwen3.5 GGUF text model (architecture `qwen2vl`, `qwen3vl`, `qwen35` or `qwen35moe`),
+which llama.cpp keeps in a file apart.
 
     encoder, settings = load_projector("mmproj.gguf", "model.gguf", model.config, dtype, device)
 
@@ -68,7 +69,7 @@ PATCH_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
 class Projector:
     """One llama.cpp projector type qinfer reads.
 
-    family: the family's name, for errors; text_model_type: the `model_type` of the text
+    family: the family's name, for errors; text_model_types: the `model_type`s of the text
     models it serves; config_class / encoder_class: the tower's; vision_fields: the
     vision_config fields its metadata gives beyond the shared ones; block_names / names:
     llama.cpp's tensor names (per block, `v.blk.i.<name>`; whole-file) -> the folder's,
@@ -78,7 +79,7 @@ class Projector:
     """
 
     family: str
-    text_model_type: str
+    text_model_types: tuple[str, ...]
     config_class: type[VisionConfig] | type[Qwen3VisionConfig]
     encoder_class: type[Qwen2_5_VisionEncoder] | type[Qwen3_VisionEncoder]
     vision_fields: Callable[[GGUFFile], dict[str, Any]]
@@ -117,7 +118,7 @@ _BLOCK = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2"}
 PROJECTORS: dict[str, Projector] = {
     "qwen2.5vl_merger": Projector(
         family="Qwen2.5-VL",
-        text_model_type="qwen2_5_vl_text",
+        text_model_types=("qwen2_5_vl_text",),
         config_class=VisionConfig,
         encoder_class=Qwen2_5_VisionEncoder,
         vision_fields=_qwen2_5_fields,
@@ -136,8 +137,8 @@ PROJECTORS: dict[str, Projector] = {
         ffn_may_be_swapped=True,
     ),
     "qwen3vl_merger": Projector(
-        family="Qwen3-VL",
-        text_model_type="qwen3_vl_text",
+        family="Qwen3-VL / Qwen3.5",  # Qwen3.5's tower: Qwen3-VL's without DeepStack
+        text_model_types=("qwen3_vl_text", "qwen3_5_text", "qwen3_5_moe_text"),
         config_class=Qwen3VisionConfig,
         encoder_class=Qwen3_VisionEncoder,
         vision_fields=_qwen3_fields,
@@ -279,7 +280,7 @@ def _check_pair(
             f"--mmproj {path} gives images to a vision-language model, but {model_path} is "
             f"a text-only model (model_type {config.model_type!r})"
         )
-    if config.model_type != projector.text_model_type:
+    if config.model_type not in projector.text_model_types:
         raise ConfigError(
             f"{path} is a {projector.family} projector; {model_path} is not a "
             f"{projector.family} text model (model_type {config.model_type!r})"

@@ -1,5 +1,6 @@
 """Qwen3-VL's vision encoder: image patches -> one embedding per merged token, plus the
-DeepStack features the language model adds to its first layers' hidden states.
+DeepStack features the language model adds to its first layers' hidden states. Qwen3.5's
+tower is the same without DeepStack (`Qwen3_5VisionConfig`).
 
     patches (N, C * T * P * P)
       -> patch embed (Conv3d with bias, as one matmul)                     (N, hidden)
@@ -109,6 +110,21 @@ class Qwen3VisionConfig:
             rope_theta=rope_theta(vision, hidden, heads),
             hidden_act=act,
         )
+
+
+@dataclass(frozen=True)
+class Qwen3_5VisionConfig(Qwen3VisionConfig):
+    """The `vision_config` of a Qwen3.5 config.json: Qwen3-VL's tower without DeepStack
+    (transformers' `Qwen3_5VisionModel` drops its mergers; a `deepstack_visual_indexes`
+    the config may still carry is not read)."""
+
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> Qwen3_5VisionConfig:
+        vision = dict(vision_section(cfg))
+        vision.pop("deepstack_visual_indexes", None)
+        return super().from_hf({**cfg, "vision_config": vision})
 
 
 @dataclass(frozen=True)

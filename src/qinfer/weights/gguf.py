@@ -395,6 +395,18 @@ class GGUFWeights(Weights):
         theirs = gguf_tensor_name(name, self._layer_names) if stored is None else stored.name
         return str(self.path) if theirs is None else f"{self.path} (as {theirs})"
 
+    def _checked_shape(self, name: str, expected: tuple[int, ...] | None) -> tuple[int, ...]:
+        """As `Weights._checked_shape`; a GGUF tensor's dims of 1 at the end of its ne (numpy's
+        leading dims) are not significant, and llama.cpp's quantizer drops them (the shared
+        expert's gate (1, hidden) becomes (hidden,)): a tensor stored without the leading 1s
+        of `expected` is read with them, the same bytes."""
+        stored = self._tensors.get(name)
+        if stored is not None and expected is not None:
+            ones = (1,) * (len(expected) - len(stored.shape))
+            if ones and tuple(expected) == ones + stored.weight_shape:
+                self._tensors[name] = dataclasses.replace(stored, shape=ones + stored.shape)
+        return super()._checked_shape(name, expected)
+
     def _shape(self, name: str) -> tuple[int, ...]:
         shape = self._tensors[name].weight_shape
         return shape if self._deltanet is None else self._deltanet.shape(name, shape)

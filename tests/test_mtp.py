@@ -12,6 +12,7 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
   nothing here);
 - llama.cpp's converter writes the head as nextn tensors: the GGUF file's head computes the
   folder's logits, and its greedy tokens are the same on and off;
+- `qinfer generate --speculative-method mtp` prints the text it prints without;
 - a checkpoint without the head, a model loaded without it, and a mixture-of-experts
   model asked for it are one-line errors.
 """
@@ -20,12 +21,19 @@ import copy
 
 import pytest
 import torch
-from checkpoints import HYBRID, build_checkpoint, random_tokens, tiny_config
+from checkpoints import (
+    HYBRID,
+    build_chat_checkpoint,
+    build_checkpoint,
+    random_tokens,
+    tiny_config,
+)
 from safetensors.torch import load_file
 from test_qwen3_5_gguf import add_mtp_head
 from test_vl_gguf import convert
 
 import qinfer
+from qinfer.cli import main
 from qinfer.core.errors import QinferError
 from qinfer.engine import LLM
 from qinfer.model.mtp_head import MtpHead
@@ -43,9 +51,10 @@ PROMPTS = [random_tokens(1, n, seed=3 + i)[0].tolist() for i, n in enumerate([3,
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A random Qwen3.5 checkpoint with an MTP head, and transformers' model of it."""
+    """A random Qwen3.5 checkpoint (with a tokenizer) with an MTP head, and transformers'
+    model of it."""
     path = tmp_path_factory.mktemp("qwen3_5_mtp")
-    reference = build_checkpoint(path, "qwen3_5", **HYBRID["qwen3_5"])
+    reference = build_chat_checkpoint(path, "qwen3_5", **HYBRID["qwen3_5"])
     add_mtp_head(path)
     return path, reference
 
@@ -174,6 +183,16 @@ def test_a_gguf_file_with_nextn_tensors_drafts_as_the_folder(folder, tmp_path):
     plain, _ = greedy(ours, PROMPTS[:2], num_kv_blocks=96)
     tokens, llm = greedy(ours, PROMPTS[:2], num_kv_blocks=96, speculative=MTP)
     assert tokens == plain and llm.engine.stats().spec_proposed_tokens_total > 0
+
+
+def test_cli_generate_with_the_head_prints_the_same_text(folder, capsys):
+    """`qinfer generate --speculative-method mtp` loads the head from the checkpoint's path."""
+    args = ["generate", "abcabc", "--model", str(folder[0]), "--dtype", "float32"]
+    args += ["--max-tokens", "16", "--no-chat", "--temperature", "0"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert main([*args, "--speculative-method", "mtp", "--num-speculative-tokens", "2"]) == 0
+    assert capsys.readouterr().out == want
 
 
 def test_no_head_is_one_error(folder, tmp_path):

@@ -13,8 +13,8 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
 - llama.cpp's converter writes the head as nextn tensors: the GGUF file's head computes the
   folder's logits, and its greedy tokens are the same on and off;
 - `qinfer generate --speculative-method mtp` prints the text it prints without;
-- a checkpoint without the head, a model loaded without it, and a mixture-of-experts
-  model asked for it are one-line errors.
+- Qwen3.5-MoE's head (its layer's MLP the experts') drafts as the dense one;
+- a checkpoint without the head and a model loaded without it are one-line errors.
 """
 
 import copy
@@ -26,7 +26,6 @@ from checkpoints import (
     build_chat_checkpoint,
     build_checkpoint,
     random_tokens,
-    tiny_config,
 )
 from safetensors.torch import load_file
 from test_qwen3_5_gguf import add_mtp_head
@@ -36,7 +35,7 @@ import qinfer
 from qinfer.cli import main
 from qinfer.core.errors import QinferError
 from qinfer.engine import LLM
-from qinfer.model.mtp_head import MtpHead
+from qinfer.layers.moe import SparseMoE
 from qinfer.request.sampling import SamplingParams
 from qinfer.runtime.step import ScheduledStep
 
@@ -196,8 +195,8 @@ def test_cli_generate_with_the_head_prints_the_same_text(folder, capsys):
 
 
 def test_no_head_is_one_error(folder, tmp_path):
-    """A checkpoint without `mtp.*` tensors, a model loaded without its head, and a
-    mixture-of-experts config: each refused in one line naming what is missing."""
+    """A checkpoint without `mtp.*` tensors and a model loaded without its head: each
+    refused in one line naming what is missing."""
     build_checkpoint(tmp_path, "qwen3_5", **HYBRID["qwen3_5"])
     with pytest.raises(QinferError, match=r"holds no MTP head \(no tensor 'mtp.fc.weight'") as e:
         load(tmp_path)
@@ -205,5 +204,14 @@ def test_no_head_is_one_error(folder, tmp_path):
     model = qinfer.load_model(folder[0], dtype=torch.float32, device="cpu")
     with pytest.raises(QinferError, match="needs the model's MTP head"):
         LLM(model, speculative=MTP)
-    with pytest.raises(QinferError, match="mixture-of-experts MTP layer"):
-        MtpHead(tiny_config("qwen3_5_moe", **HYBRID["qwen3_5_moe"]))
+
+
+def test_a_mixture_of_experts_head_drafts_too(tmp_path):
+    """Qwen3.5-MoE's head: its layer's MLP is the experts' (a copy of layer 1's here)."""
+    build_checkpoint(tmp_path, "qwen3_5_moe", **HYBRID["qwen3_5_moe"])
+    add_mtp_head(tmp_path)
+    model = load(tmp_path)
+    assert isinstance(model.mtp.layers[0].mlp, SparseMoE)
+    plain, _ = greedy(model, PROMPTS[:2], num_kv_blocks=96)
+    tokens, llm = greedy(model, PROMPTS[:2], num_kv_blocks=96, speculative=MTP)
+    assert tokens == plain and llm.engine.stats().spec_proposed_tokens_total > 0

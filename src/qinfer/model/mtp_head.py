@@ -45,12 +45,8 @@ FC = "mtp.fc"
 
 
 def mtp_config(config: ModelConfig) -> ModelConfig:
-    """The target's config cut to the head's one full-attention layer (no DeltaNet)."""
-    if config.moe is not None:
-        raise QinferError(
-            f"speculative method 'mtp': model_type {config.model_type!r} has a mixture-of-"
-            "experts MTP layer, which qinfer does not run yet (dense Qwen3.5 only)"
-        )
+    """The target's config cut to the head's one full-attention layer (no DeltaNet; a
+    mixture of experts' MLP where the target's layers have one, Qwen3.5-MoE's)."""
     return dataclasses.replace(
         config, num_hidden_layers=1, layer_types=(FULL_ATTENTION,), deltanet=None
     )

@@ -354,13 +354,11 @@ def _text_tensors(file: GGUFFile, family: Family, num_layers: int) -> dict[str, 
     tensors: dict[str, TensorInfo] = {}
     for stored in file.tensors:
         experts = _expert_tensors(stored)
-        name = _mtp_name(
-            stored.name, hf_tensor_name(stored.name, family.gguf_layer_names), num_layers
-        )
-        if experts:
-            tensors.update(experts)
-        elif name is not None:
-            tensors[name] = stored
+        name = hf_tensor_name(stored.name, family.gguf_layer_names)
+        for ours, info in (experts or {name: stored}).items():
+            ours = _mtp_name(stored.name, ours, num_layers)
+            if ours is not None:
+                tensors[ours] = info
     return tensors
 
 

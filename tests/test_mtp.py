@@ -41,7 +41,7 @@ from qinfer.runtime.step import ScheduledStep
 
 #: small blocks, chunks of 16 tokens
 SMALL = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 pytestmark = pytest.mark.slow
 

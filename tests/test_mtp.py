@@ -9,7 +9,8 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
 - greedy tokens through `LLM.generate` are the same with the head proposing and without,
   for a batch of prompts in chunks and with a pool small enough to preempt; proposals are
   made and counted where /metrics reads them (random weights keep few: acceptance says
-  nothing here);
+  nothing here); with its guesses replaced by mostly right ones, every decode step
+  proposes, each after the hybrid state's rollback too, and the tokens are the same;
 - llama.cpp's converter writes the head as nextn tensors: the GGUF file's head computes the
   folder's logits, and its greedy tokens are the same on and off;
 - `qinfer generate --speculative-method mtp` prints the text it prints without;
@@ -162,6 +163,38 @@ def test_greedy_tokens_equal_with_and_without_the_head(folder):
     tokens, llm = greedy(model, PROMPTS, num_kv_blocks=30, speculative=MTP)
     assert tokens == plain
     assert llm.engine.stats().preemptions_total > 0
+
+
+def test_kept_guesses_keep_the_heads_rows_in_step(folder):
+    """The head's guesses (random weights: all rejected) replaced after it ran by the plain
+    run's next tokens, all but the last right: verifications keep some, the hybrid state
+    rolls back and runs them again, the head catches up from the rows of those kept, and
+    the tokens are the plain run's."""
+    model = load(folder[0])
+    plain, _ = greedy(model, PROMPTS, num_kv_blocks=96)
+    llm = LLM(model, **SMALL, num_kv_blocks=96, speculative=MTP)
+    draft, kept = llm.engine.speculator.draft, []
+    propose, verified = draft.propose, llm.engine.speculator.verified
+
+    def planted(seqs, ks):
+        guesses = propose(seqs, ks)  # the head runs (its K/V, its rows spent)
+        for seq, own in zip(seqs, guesses, strict=True):
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            done = seq.num_tokens - seq.num_prompt_tokens
+            right = plain[PROMPTS.index(prompt)][done : done + len(own)]
+            own[:] = right[:-1] + [(right[-1] + 1) % 256] if len(own) > 1 else right
+        return guesses
+
+    def counted(seq, proposed, accepted):
+        kept.append((proposed, accepted))
+        verified(seq, proposed, accepted)
+
+    draft.propose, llm.engine.speculator.verified = planted, counted
+    tokens = [out.token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert tokens == plain
+    # every step with room for a guess proposed, each time after a rollback: per request
+    # of 16 tokens, the prompt's, 4 verifications of 3 (2 kept), 1 of 2 (1 kept), the last
+    assert sorted(kept) == sorted(([(3, 2)] * 4 + [(2, 1)]) * len(PROMPTS))
 
 
 def test_a_gguf_file_with_nextn_tensors_drafts_as_the_folder(folder, tmp_path):

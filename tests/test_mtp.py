@@ -15,10 +15,12 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
   folder's logits, and its greedy tokens are the same on and off;
 - `qinfer generate --speculative-method mtp` prints the text it prints without;
 - Qwen3.5-MoE's head (its layer's MLP the experts') drafts as the dense one;
-- a checkpoint without the head and a model loaded without it are one-line errors.
+- a head saved as `model.mtp.*` loads as `mtp.*`; a checkpoint without the head and a
+  model loaded without it are one-line errors.
 """
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from checkpoints import (
     build_checkpoint,
     random_tokens,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_qwen3_5_gguf import add_mtp_head
 from test_vl_gguf import convert
 
@@ -225,6 +227,17 @@ def test_cli_generate_with_the_head_prints_the_same_text(folder, capsys):
     want = capsys.readouterr().out
     assert main([*args, "--speculative-method", "mtp", "--num-speculative-tokens", "2"]) == 0
     assert capsys.readouterr().out == want
+
+
+def test_a_head_saved_under_the_model_loads_the_same(folder, tmp_path):
+    """`model.mtp.*` (a head saved inside the model's prefix) reads as `mtp.*`."""
+    path, _ = folder
+    tensors = load_file(path / "model.safetensors")
+    moved = {("model." if k.startswith("mtp.") else "") + k: v for k, v in tensors.items()}
+    save_file(moved, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    head = load(tmp_path).mtp
+    assert torch.equal(head.fc.weight, load(path).mtp.fc.weight)
 
 
 def test_no_head_is_one_error(folder, tmp_path):

@@ -19,7 +19,8 @@ final-normed hidden rows of each sampling sequence's new tokens (`ModelRunner.fo
 hidden rows) and hands them to `took`; they are held per sequence from the first position
 the head has not run (`Sequence.num_draft_computed`) until the next proposal consumes them:
 a prompt's rows (hidden x 4 bytes each) until its first decode step, then the 1 + accepted
-rows of each verification. Rows computed by a verification whose proposals were partly
+rows of each verification (a step that hands rows over runs as it is: no static-decode
+padding, no CUDA graph replay). Rows computed by a verification whose proposals were partly
 rejected are kept for the accepted tokens: a hybrid model runs those again after its state
 rollback, and their first values serve the head as well. A sequence lacking rows (a
 prefix-cache hit's cached positions, whose K/V in the head's pool are whatever wrote

@@ -3,6 +3,7 @@ real-size hybrid model of the CPU speed work (both engines load it).
 
     python bench/make_qwen3_5_gguf.py /tmp/qwen3.5-0.8b-q4_0.gguf
     python bench/llama_cpp_peer.py --model /tmp/qwen3.5-0.8b-q4_0.gguf
+    python bench/make_qwen3_5_gguf.py --mtp /tmp/qwen3.5-0.8b-mtp-q4_0.gguf  # with nextn tensors
 
 Three steps, each the tool a user's file went through: transformers saves a random
 `Qwen3_5ForCausalLM` of Qwen3.5-0.8B's shapes (bf16, weights N(0, 0.02), norms near their
@@ -15,6 +16,12 @@ Shapes (Qwen3.5-0.8B's config.json, as issue 50 lists them): 24 layers, three Ga
 DeltaNet layers then one gated full-attention layer; hidden 1024; attention 8 query / 2 KV
 heads of 256, a quarter of each rotated (M-RoPE sections 11/11/10, theta 1e7); DeltaNet 16
 key and 16 value heads of 128, conv kernel 4; FFN 3584; vocabulary 248,320, tied.
+
+With `--mtp` the checkpoint also gets the MTP head every released Qwen3.5 carries (`mtp.*`,
+`mtp_num_hidden_layers: 1`: a copy of its last full-attention layer, a random fc of
+N(0, 0.02) and fresh norms), which the converter writes as nextn tensors (`--speculative-method
+mtp`); its proposals are random guesses, so the file measures the head's cost, not its
+acceptance.
 
 The tokenizer is a byte-level BPE of 256 byte tokens, one merge and ChatML's special tokens; the
 converter pads the vocabulary to 248,320 entries, as it does for a released checkpoint
@@ -103,11 +110,44 @@ def save_checkpoint(folder: Path, seed: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(special))
 
 
-def convert(folder: Path, out: Path) -> None:
-    """`folder` as a BF16 GGUF `out`, written by llama.cpp's converter."""
+def add_mtp_head(folder: Path, seed: int) -> None:
+    """Give the saved checkpoint in `folder` an MTP head (see the module docstring), as one
+    more safetensors part listed in its index (when it has one)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    last = max(i for i, kind in enumerate(QWEN3_5_0P8B["layer_types"]) if kind == "full_attention")
+    index = folder / "model.safetensors.index.json"
+    parts = sorted(folder.glob("model*.safetensors"))
+    head: dict[str, torch.Tensor] = {}
+    for part in parts:
+        with safe_open(part, "pt") as stored:
+            for name in stored.keys():
+                if name.startswith(f"model.layers.{last}."):
+                    head[f"mtp.layers.0.{name.split('.', 3)[3]}"] = stored.get_tensor(name).clone()
+    hidden = QWEN3_5_0P8B["hidden_size"]
+    generator = torch.Generator().manual_seed(seed)
+    fc = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    head["mtp.fc.weight"] = fc.to(torch.bfloat16)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{norm}.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)  # 1 + w = 1
+    save_file(head, folder / "model-mtp.safetensors", metadata={"format": "pt"})
+    if index.exists():
+        listed = json.loads(index.read_text())
+        listed["weight_map"] |= dict.fromkeys(head, "model-mtp.safetensors")
+        index.write_text(json.dumps(listed))
+    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+
+
+def convert(folder: Path, out: Path, mtp: bool) -> None:
+    """`folder` as a BF16 GGUF `out`, written by llama.cpp's converter (with the MTP head's
+    nextn tensors, or without)."""
     if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
         raise SystemExit(f"llama.cpp's converter is not in {CONVERTER}: run make setup-test")
-    args = [str(folder), "--no-mtp", "--outtype", "bf16", "--outfile", str(out)]
+    args = [str(folder), *([] if mtp else ["--no-mtp"]), "--outtype", "bf16"]
+    args += ["--outfile", str(out)]
     done = subprocess.run(
         [sys.executable, "-c", RUN_CONVERTER, str(CONVERTER), *args],
         capture_output=True,
@@ -134,6 +174,7 @@ def main() -> None:
     parser.add_argument("path", type=Path, help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mtp", action="store_true", help="keep an MTP head (nextn tensors)")
     args = parser.parse_args()
     start = time.perf_counter()
     # the BF16 file beside the target, kept until the quantization succeeds: a failed one
@@ -142,8 +183,10 @@ def main() -> None:
     if not bf16.exists():
         with tempfile.TemporaryDirectory(dir=args.path.parent) as folder:
             save_checkpoint(Path(folder), args.seed)
+            if args.mtp:
+                add_mtp_head(Path(folder), args.seed)
             print(f"saved the checkpoint ({time.perf_counter() - start:.0f} s)", flush=True)
-            convert(Path(folder), bf16)
+            convert(Path(folder), bf16, args.mtp)
         print(f"converted it ({time.perf_counter() - start:.0f} s)", flush=True)
     quantize(bf16, args.path, args.threads)
     bf16.unlink()

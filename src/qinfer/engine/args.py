@@ -231,11 +231,12 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
         "--speculative-method",
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "mtp"],
         default=None,
         help="propose tokens for the model to verify: ngram (prompt lookup: copy what "
-        "followed the last tokens earlier on) or draft (a draft model; default with "
-        "--speculative-model)",
+        "followed the last tokens earlier on), draft (a draft model; default with "
+        "--speculative-model) or mtp (the checkpoint's own multi-token-prediction head: "
+        "Qwen3.5 / Qwen3.6)",
     )
     group.add_argument(
         "--speculative-model",
@@ -314,12 +315,12 @@ def speculative_arguments(args: argparse.Namespace) -> dict | None:
     if method is None:
         if args.num_speculative_tokens is not None:
             raise QinferError(
-                "--num-speculative-tokens needs --speculative-method (ngram or draft)"
+                "--num-speculative-tokens needs --speculative-method (ngram, draft or mtp)"
             )
         return None
     if method == "draft" and args.speculative_model is None:
         raise QinferError("--speculative-method draft needs --speculative-model")
-    if method == "ngram" and args.speculative_model is not None:
+    if method != "draft" and args.speculative_model is not None:
         raise QinferError("--speculative-model needs --speculative-method draft")
     settings: dict = {"method": method}
     if args.speculative_model is not None:

@@ -133,13 +133,18 @@ def build_engine(
     path = resolve_model(None if model_or_path is None else str(model_or_path))
     tokenizer = _tokenizer(tokenizer, path)
     default_params = SamplingParams.from_generation_config(path)
+    mtp = config.speculative is not None and config.speculative.method == "mtp"
     if size == 1:
         if mmproj is not None:  # a wrong projector fails before the text model loads
             check_projector(mmproj, path)
-        model = load_model(path, **load_args)
+        model = load_model(path, **load_args, mtp=mtp)
         keep = keeps_gguf_blocks(load.dtype, load.quantize)
         vision = VisionLanguageModel(model, *load_vision(path, model, mmproj, keep))
         return Engine(model, tokenizer, config, default_params, vision=vision)
+    if mtp:  # its head would need whole weights beside rank 0's part
+        raise QinferError(
+            "speculative method 'mtp' runs in one process: use tensor_parallel_size 1"
+        )
     # The workers run the target's steps only: a draft model is rank 0's.
     worker = partial(follow_engine, path, load, dataclasses.replace(config, speculative=None))
     group = init_tensor_parallel(size, load.device, worker)

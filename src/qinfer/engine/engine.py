@@ -293,11 +293,15 @@ class Engine:
         if not seqs:
             return []
         scheduled_requests = [self.requests[seq.request_id] for seq in seqs]
-        # hidden_rows: the rows whose final-normed hidden states each task needs (None: none)
+        # hidden_rows: the rows whose final-normed hidden states each task needs (None:
+        # none); every row of a sampling sequence when an MTP head drafts from them
+        drafts = self.speculator is not None and self.speculator.needs_hidden
         hidden_rows = [
-            request.task.hidden_rows(request.seq.num_computed_tokens, n) or None
+            request.task.hidden_rows(request.seq.num_computed_tokens, n)
+            or (list(range(n)) if drafts and request.task.samples else None)
             for request, n in zip(scheduled_requests, num_new, strict=True)
         ]
+        firsts_run = [seq.num_computed_tokens for seq in seqs]  # each one's first position
         # how many rows of logits each sequence needs (`Request.num_logits`)
         num_logits = [
             request.num_logits(n) for request, n in zip(scheduled_requests, num_new, strict=True)
@@ -330,12 +334,14 @@ class Engine:
                     firsts.append(span.stop - 1 - len(seq.proposed))
                 else:
                     outputs.append(self._prompt_ran(request, result.logits[own]))
-        if not requests:
-            return outputs
-        generated = self._sample(requests, firsts, result.logits)
-        outputs += [request.output() for request in requests]
-        self._throughput.add(generated)
-        self._counts["generated"] += generated
+        if requests:
+            generated = self._sample(requests, firsts, result.logits)
+            outputs += [request.output() for request in requests]
+            self._throughput.add(generated)
+            self._counts["generated"] += generated
+        if drafts:  # the rows of the tokens now the sequences' own
+            for seq, first, rows in zip(seqs, firsts_run, result.hidden, strict=True):
+                self.speculator.took(seq, first, rows)
         return outputs
 
     def _encode_images(self, seqs: list[Sequence], num_new: list[int]) -> None:

@@ -24,6 +24,7 @@ from qinfer.core.model_config import ModelConfig
 from qinfer.core.parallel import Parallel
 from qinfer.linear.compute import compute_dtype
 from qinfer.linear.int4 import GROUP_SIZES
+from qinfer.model.mtp_head import load_mtp_head
 from qinfer.model.transformer import Transformer
 from qinfer.weights import QUANTIZE_KINDS, ExactKinds, Quantize, open_checkpoint
 from qinfer.weights.load import load, quantizable_weights
@@ -111,6 +112,7 @@ def load_model(
     kv_cache_dtype: str | None = None,
     batch_invariant: bool | None = None,
     exact: bool | None = None,
+    mtp: bool = False,
 ) -> Transformer:
     """Load a checkpoint: a Hugging Face folder (config.json + safetensors) or a .gguf file.
 
@@ -129,6 +131,8 @@ def load_model(
     batch_invariant: `Features.batch_invariant` (given, it replaces the one of `features`).
     exact: `Features.exact`, fp32 (or bf16) activations into quantized weights, the reference
         mode (given, it replaces the one of `features`); by default int8 activations.
+    mtp: also load the checkpoint's multi-token-prediction head as `model.mtp`
+        (`qinfer.model.mtp_head`; one error naming the tensor a checkpoint without one lacks).
     """
     if kv_cache_dtype is not None:  # checked before anything loads
         features = dataclasses.replace(features or Features(), kv_cache_dtype=kv_cache_dtype)
@@ -160,6 +164,8 @@ def load_model(
     with _returning_freed_memory():
         config, weights = open_checkpoint(path, dtype_for, device, scheme, keep_blocks)
         model = load(Transformer(config, features), weights, parallel, scheme)
+        if mtp:
+            model.mtp = load_mtp_head(config, weights, model.features, scheme, path)
     if exact_default:
         # fp32 activations over a GGUF file's blocks: K/V in bf16, half the bytes (llama.cpp
         # keeps f16 ones); greedy text then leaves the fp32 cache's only at near-ties

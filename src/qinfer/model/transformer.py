@@ -54,6 +54,8 @@ class Block(Module):
     added to it in fp32 (`set_dtype`), as llama.cpp keeps its activations.
 
     layer: the layer's index; its MLP is a mixture of experts where the config says so.
+    prefix: its tensors' prefix in the checkpoint (default `model.layers.<layer>`; the MTP
+    head's layer is `mtp.layers.0`, `qinfer.model.mtp_head`).
     With `config.wiring.sandwich_norms` (Gemma) the outputs of attention and MLP are normed too,
     before their residual add: four norms per block, named as in the checkpoint
     (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
@@ -61,9 +63,11 @@ class Block(Module):
     `post_attention_layernorm` (Llama's name for it).
     """
 
-    def __init__(self, layer: int, config: ModelConfig, features: Features):
+    def __init__(
+        self, layer: int, config: ModelConfig, features: Features, prefix: str | None = None
+    ):
         super().__init__()
-        prefix, H = f"model.layers.{layer}", config.hidden_size
+        prefix, H = prefix or f"model.layers.{layer}", config.hidden_size
 
         def norm(name: str) -> RMSNorm:
             return rms_norm(f"{prefix}.{name}.weight", H, config)
@@ -172,6 +176,9 @@ class Transformer(Module, Placed):
             if config.tie_word_embeddings
             else LinearSlot(LinearSource(("lm_head",), ((V, H),), shard=vocab))
         )
+        # the checkpoint's multi-token-prediction head, where loaded (`load_model(mtp=True)`,
+        # `qinfer.model.mtp_head`): a speculative draft
+        self.mtp = None
 
     @classmethod
     def random(

@@ -23,9 +23,10 @@ shapes are `ssm.*` metadata (`gguf_hybrid_fields`), the layer kinds
 tensors are `attn_qkv`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`, `ssm_conv1d`, `ssm_a`,
 `ssm_dt.bias`, `ssm_norm`, `ssm_out`, stored as `weights.gguf_deltanet` undoes (value heads
 tiled, A as -exp(A_log)), every norm but the DeltaNet's as 1 + w. A file with the MTP head
-(`nextn_predict_layers`) holds it as extra blocks after the model's, which are left out. The
-image token is found by its text in the vocabulary (`vl_gguf_fields`); the vision tower is
-llama.cpp's projector file's (`qinfer.vision.mmproj`).
+(`nextn_predict_layers`) holds it as extra blocks after the model's: not the model's layers,
+they load as its `mtp.*` tensors (`qinfer.weights.gguf`, `qinfer.model.mtp_head`) when asked.
+The image token is found by its text in the vocabulary (`vl_gguf_fields`); the vision tower
+is llama.cpp's projector file's (`qinfer.vision.mmproj`).
 """
 
 from __future__ import annotations

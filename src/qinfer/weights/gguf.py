@@ -95,6 +95,19 @@ LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 #: Norms the converter stores as they are where it adds 1 to the others (the DeltaNet's
 #: gated norm: `Qwen3NextModel.modify_tensors`).
 UNCENTRED_NORMS = (".linear_attn.norm.weight",)
+#: The MTP head's (`qinfer.model.mtp_head`): llama.cpp's converter writes it as blocks past
+#: the model's, `blk.<L>.nextn.<kind>.weight` for its own tensors (ours by kind) and that
+#: block's attention and FFN under the usual names (ours: `mtp.layers.<n>.*`).
+NEXTN_TENSOR = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.weight")
+NEXTN_NAMES = {
+    "eh_proj": "mtp.fc.weight",
+    "enorm": "mtp.pre_fc_norm_embedding.weight",
+    "hnorm": "mtp.pre_fc_norm_hidden.weight",
+    "shared_head_norm": "mtp.norm.weight",
+}
+#: Norms the converter centres (its names, enorm and hnorm, end in "norm") that ours do not
+#: name so.
+CENTRED_MTP_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 # Llama 3.1+ files store their RoPE scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS = "rope_freqs.weight"
 # Block types kept quantized: int4 groups and int8 blocks as they are, the others
@@ -162,7 +175,7 @@ def open_gguf(
     file = read_gguf(path)
     config = config_from_gguf(file, path)
     family = family_of_gguf(file.metadata.get("general.architecture"), file.path)
-    tensors = _text_tensors(file, family)
+    tensors = _text_tensors(file, family, config.num_hidden_layers)
     kept = keep_blocks and any(t.tensor_type in KEPT_TYPES for t in file.tensors)
     # `quantize` keeps what is exact and takes the rest to int4 groups of its size
     requantized_exact = quantize is None or quantize.kind == "int8" or quantize.group_size == 32
@@ -334,18 +347,31 @@ def _with_llama3_rope(config: ModelConfig, file: GGUFFile, path: Path) -> ModelC
     return dataclasses.replace(config, rope=llama3)
 
 
-def _text_tensors(file: GGUFFile, family: Family) -> dict[str, TensorInfo]:
+def _text_tensors(file: GGUFFile, family: Family, num_layers: int) -> dict[str, TensorInfo]:
     """A text model's tensors under our names (the family's), stacked experts one per
-    expert; the tensors we do not use are left out."""
+    expert, the blocks from `num_layers` on as the MTP head's (`NEXTN_NAMES`); the tensors
+    we do not use are left out."""
     tensors: dict[str, TensorInfo] = {}
     for stored in file.tensors:
         experts = _expert_tensors(stored)
         name = hf_tensor_name(stored.name, family.gguf_layer_names)
-        if experts:
-            tensors.update(experts)
-        elif name is not None:
-            tensors[name] = stored
+        for ours, info in (experts or {name: stored}).items():
+            ours = _mtp_name(stored.name, ours, num_layers)
+            if ours is not None:
+                tensors[ours] = info
     return tensors
+
+
+def _mtp_name(gguf_name: str, name: str | None, num_layers: int) -> str | None:
+    """Our name of an MTP head's tensor (`NEXTN_NAMES`), else `name` (its name as a layer's,
+    or None)."""
+    nextn = NEXTN_TENSOR.fullmatch(gguf_name)
+    if nextn is not None:
+        return NEXTN_NAMES.get(nextn.group(2)) if int(nextn.group(1)) == num_layers else None
+    layer = None if name is None else re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if layer is None or int(layer.group(1)) < num_layers:
+        return name
+    return f"mtp.layers.{int(layer.group(1)) - num_layers}.{layer.group(2)}"
 
 
 class GGUFWeights(Weights):
@@ -421,7 +447,7 @@ class GGUFWeights(Weights):
             )
         if (
             self._norm_offset
-            and name.endswith("norm.weight")
+            and (name.endswith("norm.weight") or name in CENTRED_MTP_NORMS)
             and not name.endswith(UNCENTRED_NORMS)
         ):
             return weight - self._norm_offset

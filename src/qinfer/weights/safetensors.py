@@ -14,11 +14,13 @@ from qinfer.weights.base import ALL, Weights
 INDEX_FILE = "model.safetensors.index.json"
 #: Where a multimodal checkpoint (Gemma 3 with its vision tower) keeps its text model,
 #: by the transformers version that saved it: read under the text model's own names
-#: (`model.layers.0...`); the vision tower's tensors are never read.
+#: (`model.layers.0...`); the vision tower's tensors are never read. A Qwen3.5 MTP head
+#: saved under the model (`model.mtp.*`, as llama.cpp's converter also reads it) is `mtp.*`.
 TEXT_MODEL_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
+    "model.mtp.": "mtp.",
 }
 
 

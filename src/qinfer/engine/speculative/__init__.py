@@ -9,9 +9,10 @@ distribution what it would be without speculation). One step then yields from 1 
 tokens, for the price of a forward over k + 1 rows, which on a CPU or GPU costs little
 more than one row.
 
-config.py       `SpeculativeConfig`: method, k, the draft model, n-gram sizes
+config.py       `SpeculativeConfig`: method (ngram, draft, mtp), k, the draft model, n-gram sizes
 ngram.py        prompt lookup: propose what followed the last n tokens earlier on
 draft.py        a draft model with its own KV pool over the target's block tables
+mtp.py          the checkpoint's own MTP head as the draft, its K/V pool beside the target's
 speculator.py   the engine's side: who proposes, how many (adaptive k), and the counters
 
 What a rejected proposal wrote is undone by counting: its K/V slots lie past

@@ -12,14 +12,15 @@ from qinfer.core.errors import QinferError
 if TYPE_CHECKING:
     from qinfer.model.transformer import Transformer
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine proposes tokens to verify.
 
-    method: "ngram" (prompt lookup: no extra model) or "draft" (a draft model).
+    method: "ngram" (prompt lookup: no extra model), "draft" (a draft model) or "mtp"
+        (the checkpoint's own multi-token-prediction head: Qwen3.5 / Qwen3.6).
     num_speculative_tokens: the most tokens proposed per sequence and step (k); the
         engine lowers it per sequence while its proposals are rejected (adaptive k).
     model: the draft model ("draft" only): a checkpoint path, or a loaded `Transformer`

@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.sequence import Sequence
 from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.engine.speculative.draft import DraftModel
+from qinfer.engine.speculative.mtp import MtpDraft
 from qinfer.engine.speculative.ngram import propose_ngram
 from qinfer.model.loading import load_model
 from qinfer.model.transformer import Transformer
@@ -60,16 +63,19 @@ class Speculator:
     """Proposes tokens for an engine's decoding sequences (`SpeculativeConfig`).
 
     target: the engine's model; num_blocks, block_size: its KV pool's of block space 0 (a
-    draft model's pool mirrors it). The draft checkpoint, when the config names a path, is loaded here on
-    the target's device.
+    draft model's pool, and the MTP head's, mirror it). The draft checkpoint, when the config
+    names a path, is loaded here on the target's device; method "mtp" drafts with
+    `target.mtp`, which needs each step's hidden rows (`needs_hidden`, `took`).
     """
 
     def __init__(
         self, config: SpeculativeConfig, target: Transformer, num_blocks: int, block_size: int
     ) -> None:
         self.config = config
-        self.draft: DraftModel | None = None
-        if config.method == "draft":
+        self.draft: DraftModel | MtpDraft | None = None
+        if config.method == "mtp":
+            self.draft = MtpDraft(target, num_blocks, block_size)
+        elif config.method == "draft":
             draft = config.model
             if not isinstance(draft, Transformer):
                 draft = load_model(
@@ -83,7 +89,8 @@ class Speculator:
         """Fill `proposed` of each (sequence, room) given: a decoding sequence (one
         uncomputed token) that may still generate `room` tokens. A proposal never exceeds
         room - 1 (the verification adds one token of its own), and a draft model's needs
-        blocks the pool has free (speculation never preempts)."""
+        blocks the pool has free (speculation never preempts); the MTP head proposes for a
+        sequence once it holds its hidden rows (`MtpDraft.ready`)."""
         chosen: list[tuple[Sequence, int]] = []
         for seq, room in seqs:
             length = self._lengths.setdefault(
@@ -96,6 +103,8 @@ class Speculator:
                 seq.proposed = propose_ngram(
                     seq.token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max
                 )
+            elif isinstance(self.draft, MtpDraft) and not self.draft.ready(seq):
+                continue
             elif block_manager.can_grow(seq, seq.num_tokens + k):
                 block_manager.grow(seq, seq.num_tokens + k)
                 chosen.append((seq, k))
@@ -114,5 +123,18 @@ class Speculator:
         if length is not None:
             length.update(proposed, accepted)
 
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether each step's sampling sequences hand their hidden rows to `took`."""
+        return isinstance(self.draft, MtpDraft)
+
+    def took(self, seq: Sequence, first: int, rows: torch.Tensor | None) -> None:
+        """seq's step ran its new tokens from position `first`, their final-normed hidden
+        states `rows` (n, hidden), its sampling done (`MtpDraft.took`)."""
+        if isinstance(self.draft, MtpDraft):
+            self.draft.took(seq, first, rows)
+
     def finished(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
+        if isinstance(self.draft, MtpDraft):
+            self.draft.finished(request_id)

@@ -13,7 +13,8 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
   proposes, each after the hybrid state's rollback too, and the tokens are the same;
 - llama.cpp's converter writes the head as nextn tensors: the GGUF file's head computes the
   folder's logits, and its greedy tokens are the same on and off;
-- `qinfer generate --speculative-method mtp` prints the text it prints without;
+- `qinfer generate --speculative-method mtp` prints the text it prints without, and
+  `qinfer serve` with it answers the same and counts the proposals in /metrics;
 - Qwen3.5-MoE's head (its layer's MLP the experts') drafts as the dense one;
 - a head saved as `model.mtp.*` loads as `mtp.*`; a checkpoint without the head and a
   model loaded without it are one-line errors.
@@ -22,6 +23,7 @@ On a random Qwen3.5 checkpoint given random `mtp.*` tensors (tests/test_qwen3_5_
 import copy
 import shutil
 
+import httpx
 import pytest
 import torch
 from checkpoints import (
@@ -31,6 +33,7 @@ from checkpoints import (
     random_tokens,
 )
 from safetensors.torch import load_file, save_file
+from servers import metric_values, serving
 from test_qwen3_5_gguf import add_mtp_head
 from test_vl_gguf import convert
 
@@ -227,6 +230,22 @@ def test_cli_generate_with_the_head_prints_the_same_text(folder, capsys):
     want = capsys.readouterr().out
     assert main([*args, "--speculative-method", "mtp", "--num-speculative-tokens", "2"]) == 0
     assert capsys.readouterr().out == want
+
+
+def test_the_server_drafts_with_the_head_and_counts_it_in_metrics(folder):
+    """`qinfer serve --speculative-method mtp`: the completion's text is the one without
+    the head, and /metrics counts the head's proposals."""
+    body = {"model": "m", "prompt": "abcabc", "max_tokens": 16, "temperature": 0}
+    args = ["--model", str(folder[0]), "--dtype", "float32", "--served-model-name", "m"]
+    texts, values = [], None
+    for extra in ([], ["--speculative-method", "mtp", "--num-speculative-tokens", "2"]):
+        with serving(*args, *extra) as server:
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            texts.append(reply["choices"][0]["text"])
+            with httpx.Client(base_url=server.url) as http:
+                values = metric_values(http)
+    assert texts[0] == texts[1]
+    assert values["qinfer_spec_decode_proposed_tokens_total"] > 0
 
 
 def test_a_head_saved_under_the_model_loads_the_same(folder, tmp_path):

@@ -107,7 +107,7 @@ def test_refusals(qwen3, tmp_path):
     save_lora_adapter(other, tmp_path / "other_adapter", ATTENTION, r=4)
     with pytest.raises(AdapterError, match="another base model"):
         adapters.load("other", tmp_path / "other_adapter")
-    with pytest.raises(AdapterError, match="not a folder with adapter_config.json"):
+    with pytest.raises(AdapterError, match="neither a folder with adapter_config.json"):
         adapters.load("x", tmp_path / "nowhere")
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         adapters.load("x", folder)

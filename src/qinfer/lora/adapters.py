@@ -90,7 +90,11 @@ class Adapters:
                 f"cannot load LoRA adapter {name!r}: max_loras={self.max_loras} adapters are "
                 "loaded; unload one first"
             )
-        adapter = source if isinstance(source, LoraAdapter) else read_adapter(source)
+        adapter = (
+            source
+            if isinstance(source, LoraAdapter)
+            else read_adapter(source, self.model.config.head_dim)
+        )
         if adapter.rank > self.max_lora_rank:
             raise AdapterError(
                 f"LoRA adapter {name!r}: rank {adapter.rank} is above max_lora_rank "
@@ -133,8 +137,9 @@ class Adapters:
                 )
             if a.shape[1] != target.inputs or b.shape[0] != target.out:
                 raise AdapterError(
-                    f"LoRA adapter {name!r}: {module} is {b.shape[0]} x {a.shape[1]} in the "
-                    f"adapter, {target.out} x {target.inputs} in the model (another base model?)"
+                    f"LoRA adapter {name!r} ({adapter.path}): {module} is {b.shape[0]} x "
+                    f"{a.shape[1]} in the adapter, {target.out} x {target.inputs} in the model "
+                    "(another base model?)"
                 )
             parts.setdefault((target.owner, target.attr), []).append((target, a, b))
         placed = {}

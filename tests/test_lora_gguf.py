@@ -1,0 +1,77 @@
+"""llama.cpp's GGUF LoRA adapters (`qinfer.lora.gguf_adapter`): the file llama.cpp's own
+convert_lora_to_gguf.py writes from a PEFT folder gives the PEFT folder's logits (fp32) and
+transformers + peft's merged model's; a GGUF file that is not an adapter, and an adapter
+for another base, are refused in one line naming the file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import ALL, build_checkpoint, max_diff, random_tokens, save_lora_adapter
+from gguf_files import run_llama_cpp_converter
+from text_assets import save_qwen3_tokenizer
+
+import qinfer
+from qinfer.core.errors import AdapterError
+from qinfer.lora import Adapters
+
+pytest.importorskip("peft")
+
+#: fp32 logits of order 1: the two adapters' pairs are the same numbers (F32 in the file),
+#: summed in the same order; measured 0 difference.
+SAME_ADAPTER = 1e-5
+#: against transformers + peft's merged weights (another order of sums): as test_lora.py.
+MERGED = 1e-4
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A random Qwen3 checkpoint, a PEFT adapter over it (every projection, B non-zero), the
+    adapter as convert_lora_to_gguf.py writes it (F32), and transformers + peft merged."""
+    root = tmp_path_factory.mktemp("gguf-lora")
+    vocab = save_qwen3_tokenizer(root / "base").get_vocab_size()  # the converter reads it
+    reference = build_checkpoint(root / "base", "qwen3", vocab_size=vocab)
+    merged = save_lora_adapter(reference, root / "peft", ALL, r=8, alpha=24, seed=5)
+    adapter = root / "adapter.gguf"
+    run_llama_cpp_converter(
+        "convert_lora_to_gguf.py",
+        *("--base", str(root / "base"), "--outtype", "f32", "--outfile", str(adapter)),
+        str(root / "peft"),
+    )
+    return root, adapter, merged
+
+
+def test_gguf_adapter_equals_peft_folder(converted):
+    root, adapter, merged = converted
+    model = qinfer.load_model(root / "base", dtype=torch.float32, device="cpu")
+    adapters = Adapters(model)
+    from_gguf = adapters.load("gguf", adapter).slot
+    from_peft = adapters.load("peft", root / "peft").slot
+    tokens = random_tokens(2, 12, seed=4)
+    with torch.no_grad():
+        expected = merged(tokens).logits.float()
+    through_gguf = model(tokens, adapters=[from_gguf] * 2)
+    assert max_diff(through_gguf, model(tokens, adapters=[from_peft] * 2)) < SAME_ADAPTER
+    assert max_diff(through_gguf, expected) < MERGED
+    assert max_diff(through_gguf, model(tokens)) > 1e-2  # the adapter changes the logits
+
+
+def test_gguf_adapter_refusals(converted, tmp_path):
+    root, adapter, _ = converted
+    build_checkpoint(tmp_path / "other", "qwen3", hidden_size=32, head_dim=16)
+    model = qinfer.load_model(tmp_path / "other", dtype=torch.float32, device="cpu")
+    adapters = Adapters(model)
+    with pytest.raises(AdapterError, match=rf"\({adapter}\): .* \(another base model\?\)"):
+        adapters.load("other", adapter)
+    base_file = tmp_path / "base.gguf"
+    run_llama_cpp_converter(
+        "convert_hf_to_gguf.py",
+        *(str(root / "base"), "--outtype", "f32", "--outfile", str(base_file)),
+    )
+    with pytest.raises(AdapterError, match=rf"{base_file}: general.type 'model'.*not a LoRA"):
+        adapters.load("model", base_file)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(AdapterError, match=rf"{junk} is not a readable GGUF file"):
+        adapters.load("junk", junk)
+    assert adapters.names() == []

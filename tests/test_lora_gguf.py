@@ -17,6 +17,9 @@ from qinfer.lora import Adapters
 
 pytest.importorskip("peft")
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 #: fp32 logits of order 1: the two adapters' pairs are the same numbers (F32 in the file),
 #: summed in the same order; measured 0 difference.
 SAME_ADAPTER = 1e-5
@@ -45,8 +48,9 @@ def test_gguf_adapter_equals_peft_folder(converted):
     root, adapter, merged = converted
     model = qinfer.load_model(root / "base", dtype=torch.float32, device="cpu")
     adapters = Adapters(model)
-    from_gguf = adapters.load("gguf", adapter).slot
-    from_peft = adapters.load("peft", root / "peft").slot
+    adapters.load("gguf", adapter)
+    adapters.load("peft", root / "peft")
+    from_gguf, from_peft = adapters.resident["gguf"], adapters.resident["peft"]
     tokens = random_tokens(2, 12, seed=4)
     with torch.no_grad():
         expected = merged(tokens).logits.float()

@@ -15,9 +15,9 @@ until a slot frees; qinfer's does not wait by adapter).
 Making one resident puts its A/B pairs beside the projections it targets: the first adapter
 turns a projection into a `qinfer.linear.lora.LoraLinear` around the same base Linear; a
 model that never loads one runs exactly as before. PEFT names the checkpoint's projections
-(`model.layers.0.self_attn.q_proj`); qinfer fuses q/k/v and gate/up, so each part's pair
-lands at the fused projection's rows of that part (`LinearSource.names` and shapes, kept by
-the loader). Attention's q/k/v/o and the dense MLP's gate/up/down take adapters; experts,
+(`model.layers.0.self_attn.q_proj`); qinfer fuses q/k/v and gate/up, so a pair lands on
+its part of the fused projection, its rows of the output (`LinearSource.names` and
+shapes, kept by the loader). Attention's q/k/v/o and the dense MLP's gate/up/down take adapters; experts,
 routers and linear-attention projections are refused, as is tensor parallelism.
 """
 
@@ -35,25 +35,27 @@ from qinfer.core.errors import AdapterError, AdapterSlotsBusyError
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.linear import Linear
-from qinfer.linear.lora import LoraLinear
+from qinfer.linear.lora import LoraLinear, Pairs
 from qinfer.lora.adapter import LoraAdapter, read_adapter
 
 
 @dataclass(frozen=True)
 class Target:
     """Where a checkpoint projection lives in the model: `owner.attr` is the (fused)
-    Linear, rows offset .. offset + out of its output are this projection's."""
+    Linear, whose outputs are `parts` (each part's rows, in order); this projection is part
+    `part`, out x inputs."""
 
     owner: nn.Module
     attr: str
-    offset: int
+    part: int
+    parts: tuple[int, ...]
     out: int
     inputs: int
 
 
-#: A resident adapter's pairs: each (fused) projection (owner, attr) -> (A (sum r, in),
-#: B (out, sum r)), in the adapters' dtype on the model's device.
-Placed = dict[tuple[nn.Module, str], tuple[torch.Tensor, torch.Tensor]]
+#: A resident adapter's pairs: each (fused) projection (owner, attr) -> its parts' pairs
+#: (`qinfer.linear.lora.Pairs`), in the adapters' dtype on the model's device.
+Placed = dict[tuple[nn.Module, str], Pairs]
 
 
 @dataclass(frozen=True)
@@ -166,12 +168,14 @@ class Adapters:
         return slot
 
     def _place(self, name: str, slot: int, placed: Placed) -> None:
-        for (owner, attr), (a, b) in placed.items():
+        for (owner, attr), pairs in placed.items():
             projection = getattr(owner, attr)
             if not isinstance(projection, LoraLinear):
-                projection = LoraLinear(projection, self.model.features.batch_invariant)
+                parts = tuple(out for out, _ in projection.source.shapes)
+                batch_invariant = self.model.features.batch_invariant
+                projection = LoraLinear(projection, parts, batch_invariant)
                 setattr(owner, attr, projection)
-            projection.add(slot, a, b)
+            projection.add(slot, pairs)
         self.resident[name] = slot
 
     def _evict(self, name: str) -> None:
@@ -181,9 +185,9 @@ class Adapters:
                 module.remove(slot)
 
     def _placed(self, name: str, adapter: LoraAdapter) -> Placed:
-        """Each targeted (fused) projection's pair: the parts' A stacked (sum r, in) and
-        their B block-diagonal (out, sum r), in the model's dtype on its device."""
-        parts: dict[tuple[nn.Module, str], list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
+        """Each targeted (fused) projection's pairs, one per part it targets."""
+        placed: Placed = {}
+        dtype, device = adapter_dtype(self.model.dtype, self.model.device), self.model.device
         for module, (a, b) in adapter.modules.items():
             target = self.targets.get(module)
             if target is None:
@@ -197,19 +201,8 @@ class Adapters:
                     f"{a.shape[1]} in the adapter, {target.out} x {target.inputs} in the model "
                     "(another base model?)"
                 )
-            parts.setdefault((target.owner, target.attr), []).append((target, a, b))
-        placed = {}
-        dtype, device = adapter_dtype(self.model.dtype, self.model.device), self.model.device
-        for (owner, attr), found in parts.items():
-            rank = sum(a.shape[0] for _, a, _ in found)
-            stacked_b = torch.zeros(getattr(owner, attr).out_features, rank)
-            column = 0
-            for target, a, b in found:
-                rows = slice(target.offset, target.offset + target.out)
-                stacked_b[rows, column : column + a.shape[0]] = b
-                column += a.shape[0]
-            stacked_a = torch.cat([a for _, a, _ in found])
-            placed[owner, attr] = (stacked_a.to(device, dtype), stacked_b.to(device, dtype))
+            pairs = placed.setdefault((target.owner, target.attr), [None] * len(target.parts))
+            pairs[target.part] = (a.to(device, dtype), b.to(device, dtype))
         return placed
 
 
@@ -230,8 +223,9 @@ def _targets(model: nn.Module) -> dict[str, Target]:
             linear = child.base if isinstance(child, LoraLinear) else child
             if not isinstance(linear, Linear) or linear.source is None:
                 continue
-            offset = 0
-            for name, (out, inputs) in zip(linear.source.names, linear.source.shapes, strict=True):
-                targets[name] = Target(owner, attr, offset, out, inputs)
-                offset += out
+            parts = tuple(out for out, _ in linear.source.shapes)
+            for part, (name, (out, inputs)) in enumerate(
+                zip(linear.source.names, linear.source.shapes, strict=True)
+            ):
+                targets[name] = Target(owner, attr, part, parts, out, inputs)
     return targets

@@ -75,7 +75,7 @@ def main() -> None:
     adapters = Adapters(model, max_loras=args.adapters, max_lora_rank=args.rank)
     for i in range(args.adapters):
         adapters.load(f"a{i}", random_adapter(adapters, args.rank, seed=i))
-    slots = [b % args.adapters for b in range(args.batch)]
+    slots = [adapters.resident[f"a{b % args.adapters}"] for b in range(args.batch)]
     base, mixed = [], []
     with torch.inference_mode():
         for _ in range(args.repeats):  # each round one of each, back to back

@@ -1,6 +1,6 @@
 """llama.cpp's GGUF LoRA adapters (`qinfer.lora.gguf_adapter`): the file llama.cpp's own
 convert_lora_to_gguf.py writes from a PEFT folder gives the PEFT folder's logits (fp32) and
-transformers + peft's merged model's; a GGUF file that is not an adapter, and an adapter
+transformers + peft's merged model's, through the model and through the engine; a GGUF file that is not an adapter, and an adapter
 for another base, are refused in one line naming the file."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from text_assets import save_qwen3_tokenizer
 
 import qinfer
 from qinfer.core.errors import AdapterError
+from qinfer.engine import LLM
 from qinfer.lora import Adapters
+from qinfer.request.sampling import SamplingParams
 
 pytest.importorskip("peft")
 
@@ -79,3 +81,19 @@ def test_gguf_adapter_refusals(converted, tmp_path):
     with pytest.raises(AdapterError, match=rf"{junk} is not a readable GGUF file"):
         adapters.load("junk", junk)
     assert adapters.names() == []
+
+
+def test_gguf_adapter_through_the_engine(converted):
+    """`lora_modules` takes the GGUF file as it takes the folder: greedy tokens through
+    either are transformers + peft's merged model's."""
+    root, adapter, merged = converted
+    modules = {"gguf": str(adapter), "peft": str(root / "peft")}
+    llm = LLM(root / "base", dtype=torch.float32, lora_modules=modules)
+    prompt = random_tokens(1, 9, seed=6)[0].tolist()
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    outputs = llm.generate([prompt] * 2, greedy, use_tqdm=False, lora=["gguf", "peft"])
+    with torch.no_grad():
+        expected = merged.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+        )[0, len(prompt) :].tolist()
+    assert [output.token_ids for output in outputs] == [expected, expected]

@@ -62,6 +62,29 @@ def test_gguf_adapter_equals_peft_folder(converted):
     assert max_diff(through_gguf, model(tokens)) > 1e-2  # the adapter changes the logits
 
 
+def test_llama_adapter_q_k_rows_put_back(tmp_path):
+    """A llama-architecture file stores q/k's B rows permuted for interleaved RoPE, as its
+    base weights: read back in the checkpoint's order, it equals the PEFT folder."""
+    reference = build_checkpoint(tmp_path / "base", "llama")
+    merged = save_lora_adapter(reference, tmp_path / "peft", ALL, r=8, seed=2)
+    adapter = tmp_path / "adapter.gguf"
+    run_llama_cpp_converter(
+        "convert_lora_to_gguf.py",
+        *("--base", str(tmp_path / "base"), "--outtype", "f32", "--outfile", str(adapter)),
+        str(tmp_path / "peft"),
+    )
+    model = qinfer.load_model(tmp_path / "base", dtype=torch.float32, device="cpu")
+    adapters = Adapters(model)
+    adapters.load("gguf", adapter)
+    adapters.load("peft", tmp_path / "peft")
+    tokens = random_tokens(2, 12, seed=4)
+    through_gguf = model(tokens, adapters=[adapters.resident["gguf"]] * 2)
+    through_peft = model(tokens, adapters=[adapters.resident["peft"]] * 2)
+    assert max_diff(through_gguf, through_peft) < SAME_ADAPTER
+    with torch.no_grad():
+        assert max_diff(through_gguf, merged(tokens).logits.float()) < MERGED
+
+
 def test_gguf_adapter_refusals(converted, tmp_path):
     root, adapter, _ = converted
     build_checkpoint(tmp_path / "other", "qwen3", hidden_size=32, head_dim=16)

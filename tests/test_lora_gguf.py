@@ -99,6 +99,17 @@ def test_gguf_adapter_refusals(converted, tmp_path):
     )
     with pytest.raises(AdapterError, match=rf"{base_file}: general.type 'model'.*not a LoRA"):
         adapters.load("model", base_file)
+    lora_a = {"blk.0.attn_q.weight.lora_a": (8, 64)}
+    for i, (tensors, alpha, refusal) in enumerate(
+        (
+            (lora_a, 16.0, "model.layers.0.self_attn.q_proj has no lora_b"),
+            (lora_a, None, "adapter.lora.alpha is missing"),
+            ({"blk.0.attn_q.weight.delta": (8, 64)}, 16.0, "'blk.0.attn_q.weight.delta' is not"),
+        )
+    ):
+        made = write_adapter(tmp_path / f"made{i}.gguf", tensors, alpha)
+        with pytest.raises(AdapterError, match=rf"{made}: .*{refusal}"):
+            adapters.load("made", made)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(AdapterError, match=rf"{junk} is not a readable GGUF file"):
@@ -120,3 +131,22 @@ def test_gguf_adapter_through_the_engine(converted):
             torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
         )[0, len(prompt) :].tolist()
     assert [output.token_ids for output in outputs] == [expected, expected]
+
+
+def write_adapter(path, tensors: dict[str, tuple[int, ...]], alpha: float | None):
+    """A GGUF adapter file as convert_lora_to_gguf.py lays one out: `tensors` (name ->
+    shape, random F32), adapter.lora.alpha unless None."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    if alpha is not None:
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for name, shape in tensors.items():
+        writer.add_tensor(name, torch.randn(shape).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -7,7 +7,9 @@ PIP := $(BIN)/python -m pip install -c constraints.txt
 PROMPT ?= What is the capital of France?
 CONVERTER := $(VENV)/llama-cpp-converter
 LLAMA_CPP_PYTHON := 0.3.36
-CONVERTED := $(CONVERTER)/.done-$(LLAMA_CPP_PYTHON)
+# The stamp names the version and what is extracted (-lora: convert_lora_to_gguf.py, added
+# after 0.3.36's first stamp), so a venv with an older extraction extracts again.
+CONVERTED := $(CONVERTER)/.done-$(LLAMA_CPP_PYTHON)-lora
 
 .PHONY: setup setup-test run test test-fast lint format
 
@@ -25,20 +27,21 @@ $(VENV)/.setup-test: $(VENV)/.setup $(CONVERTED)
 	$(PIP) -e '.[test]'
 	touch $@
 
-# llama.cpp's own GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py/), the oracle of
-# tests/test_vl_gguf.py, from the llama-cpp-python source package (which vendors llama.cpp;
-# ~76 MB, fetched once per venv and version): only those pieces are kept. Only that package
-# comes as source (pip builds its metadata; scikit-build-core and cmake come as wheels). It is
-# unpacked beside CONVERTER and moved into place whole; the stamp, last, names the version.
+# llama.cpp's own GGUF converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/,
+# gguf-py/), the oracles of tests/test_vl_gguf.py and tests/test_lora_gguf.py, from the
+# llama-cpp-python source package (which vendors llama.cpp; ~76 MB, fetched once per venv and
+# version): only those pieces are kept. Only that package comes as source (pip builds its
+# metadata; scikit-build-core and cmake come as wheels). It is unpacked beside CONVERTER and
+# moved into place whole; the stamp, last, names the version.
 $(CONVERTED): | $(BIN)/python
 	rm -rf $(CONVERTER) $(CONVERTER).part && mkdir -p $(CONVERTER).part/sdist
 	$(BIN)/python -m pip download -q --no-deps --no-binary llama-cpp-python \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(CONVERTER).part/sdist \
-		|| { echo "make: pip could not download llama-cpp-python==$(LLAMA_CPP_PYTHON)'s source package (llama.cpp's converter, for tests/test_vl_gguf.py)" >&2; exit 1; }
+		|| { echo "make: pip could not download llama-cpp-python==$(LLAMA_CPP_PYTHON)'s source package (llama.cpp's converters, for tests/test_vl_gguf.py and tests/test_lora_gguf.py)" >&2; exit 1; }
 	tar -xzf $(CONVERTER).part/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz \
 		-C $(CONVERTER).part --strip-components=3 \
 		$(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/, \
-		convert_hf_to_gguf.py conversion gguf-py) \
+		convert_hf_to_gguf.py convert_lora_to_gguf.py conversion gguf-py) \
 		|| { echo "make: llama.cpp's converter is not where expected in llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz" >&2; exit 1; }
 	rm -rf $(CONVERTER).part/sdist && mv $(CONVERTER).part $(CONVERTER)
 	touch $@

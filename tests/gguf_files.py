@@ -14,6 +14,8 @@ import functools
 import importlib.util
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,41 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+#: llama.cpp's converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/,
+#: gguf-py/), where `make setup-test` puts them (Makefile: CONVERTER), or the folder
+#: QINFER_LLAMA_CPP_CONVERTER names (one extracted by hand from llama-cpp-python's sdist).
+LLAMA_CPP_CONVERTER = Path(
+    os.environ.get("QINFER_LLAMA_CPP_CONVERTER", Path(sys.prefix) / "llama-cpp-converter")
+)
+
+
+#: Runs llama.cpp's script argv[1] of the converter folder argv[2] with the arguments that
+#: follow, its gguf-py first on the path; tests' tokenizers are trained, not a released
+#: one's, so convert_hf_to_gguf.py is told their pre-tokenizer is Qwen2's.
+RUN_LLAMA_CPP = """
+import runpy, sys
+script, root = sys.argv[1], sys.argv[2]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(root + "/" + script, run_name="__main__")
+"""
+
+
+def run_llama_cpp_converter(script: str, *args: str) -> None:
+    """Run llama.cpp's `script` (in LLAMA_CPP_CONVERTER) with `args` in a process of its
+    own; skipped where the converter is absent."""
+    if not (LLAMA_CPP_CONVERTER / script).is_file():
+        pytest.skip(f"llama.cpp's {script} is not in {LLAMA_CPP_CONVERTER} (make setup-test)")
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_LLAMA_CPP, script, str(LLAMA_CPP_CONVERTER), *args],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -28,6 +28,9 @@ from qinfer.request.sampling import SamplingParams
 
 pytest.importorskip("peft")
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
@@ -52,7 +55,8 @@ def test_peft_adapter_equals_merged_model(tmp_path, family, targets, rslora):
     merged = save_lora_adapter(reference, tmp_path / "adapter", targets, rslora=rslora)
     model = qinfer.load_model(tmp_path / "base", dtype=torch.float32, device="cpu")
     adapters = Adapters(model)
-    slot = adapters.load("mine", tmp_path / "adapter").slot
+    adapters.load("mine", tmp_path / "adapter")
+    slot = adapters.resident["mine"]
     tokens = random_tokens(2, 12)
     with torch.no_grad():
         expected = merged(tokens).logits.float()
@@ -77,7 +81,8 @@ def test_mixed_batch_rows_as_if_alone(qwen3, tmp_path):
     slots = []
     for i, targets in enumerate((ALL, ATTENTION, ["gate_proj", "down_proj"])):
         save_lora_adapter(reference, tmp_path / f"a{i}", targets, r=4 + 4 * i, seed=i)
-        slots.append(adapters.load(f"a{i}", tmp_path / f"a{i}").slot)
+        adapters.load(f"a{i}", tmp_path / f"a{i}")
+        slots.append(adapters.resident[f"a{i}"])
     rows = [slots[0], None, slots[1], slots[2]]
     mixed = logits(model, tokens, rows)
     for b, slot in enumerate(rows):
@@ -107,7 +112,7 @@ def test_refusals(qwen3, tmp_path):
     save_lora_adapter(other, tmp_path / "other_adapter", ATTENTION, r=4)
     with pytest.raises(AdapterError, match="another base model"):
         adapters.load("other", tmp_path / "other_adapter")
-    with pytest.raises(AdapterError, match="not a folder with adapter_config.json"):
+    with pytest.raises(AdapterError, match="neither a folder with adapter_config.json"):
         adapters.load("x", tmp_path / "nowhere")
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         adapters.load("x", folder)
@@ -124,8 +129,9 @@ def test_refusals(qwen3, tmp_path):
     adapters.load("ok", tmp_path / "ok")
     with pytest.raises(AdapterError, match="already loaded"):
         adapters.load("ok", tmp_path / "ok")
-    with pytest.raises(AdapterError, match="max_loras=1"):
-        adapters.load("ok2", tmp_path / "ok")
+    with pytest.raises(AdapterError, match="all max_loras=1 resident adapters .* in use"):
+        adapters.load("ok2", tmp_path / "ok", in_use={adapters.resident["ok"]})
+    assert adapters.names() == ["ok"]
     assert not any(isinstance(m, LoraLinear) for m in model.layers[0].mlp.modules())
 
 
@@ -189,6 +195,40 @@ def test_engine_load_unload(served, tmp_path):
     llm.unload_lora("late")
     with pytest.raises(AdapterError, match="'late' is not loaded"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="late")
+
+
+def test_lru_eviction_past_max_loras(qwen3, served):
+    """max_loras=2 over three adapters: a load past the bound evicts the least recently
+    used resident one, a request naming an evicted one makes it resident again (evicting
+    the next), each giving the tokens of an engine that holds all three resident; a batch
+    naming three adapters is refused in one line when the third finds both slots in use,
+    and the engine serves on."""
+    served_llm, _ = served
+    paths = {name: served_llm.engine.adapters.get(name).path for name in ("a0", "a1", "a2")}
+    llm = LLM(
+        qwen3[1],
+        dtype=torch.float32,
+        batch_invariant=True,
+        lora_modules={"a0": paths["a0"], "a1": paths["a1"]},
+        max_loras=2,
+        block_size=4,
+    )
+    adapters = llm.engine.adapters
+    prompt = random_tokens(1, 9, seed=50)[0].tolist()
+
+    def tokens(engine_llm, name):
+        return engine_llm.generate([prompt], GREEDY, use_tqdm=False, lora=name)[0].token_ids
+
+    assert tokens(llm, "a0") == tokens(served_llm, "a0")  # a0 used last: a1 is the LRU
+    llm.load_lora("a2", paths["a2"])
+    assert list(adapters.resident) == ["a0", "a2"] and adapters.names() == ["a0", "a1", "a2"]
+    assert tokens(llm, "a1") == tokens(served_llm, "a1")  # back in a0's slot
+    assert list(adapters.resident) == ["a2", "a1"]
+    assert tokens(llm, "a0") == tokens(served_llm, "a0")
+    with pytest.raises(AdapterError, match="'a2' resident: all max_loras=2 .* in use"):
+        llm.generate([prompt] * 3, GREEDY, use_tqdm=False, lora=["a0", "a1", "a2"])
+    assert not llm.engine.requests  # the two admitted were aborted, their slots free
+    assert tokens(llm, "a2") == tokens(served_llm, "a2")
 
 
 def test_generate_and_chat_take_an_adapter(tmp_path, capsys, monkeypatch):

@@ -20,6 +20,9 @@ from qinfer.server.app import ServerSettings, create_app
 
 pytest.importorskip("peft")
 
+#: `make test-fast` leaves this module out: it takes more than ~10 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-qwen3"
 PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
 
@@ -128,3 +131,34 @@ def test_load_and_unload_while_another_request_streams(http, adapters, expected)
     assert "already loaded" in assert_error(
         http.post("/v1/load_lora_adapter", json=duplicate), 400, "lora_path"
     )
+
+
+def test_one_slot_evicts_or_answers_503_while_in_use(qwen3_chat_folder, adapters, expected):
+    """--max-loras 1 with a0 and a1 loaded: a request for the evicted adapter makes it
+    resident again (the other evicted), and gives LLM.generate's text; while a request
+    streams through a0, a request for a1 and a load of a third adapter answer 503 in one
+    line, and once it ends both go through."""
+    engine = AsyncEngine(
+        qwen3_chat_folder, dtype="float32", batch_invariant=True, lora_modules=adapters, max_loras=1
+    )
+    settings = ServerSettings(model_name=MODEL, allow_runtime_lora=True)
+    with serving(app=create_app(engine, engine.tokenizer, settings)) as running:
+        with httpx.Client(base_url=running.url, timeout=120) as http:
+            for name in ("a0", "a1", "a0"):  # a1 evicted when a0 asked for: in turn
+                answer = complete(http, name)
+                assert answer.json()["choices"][0]["text"] == expected[name], name
+            body = {"model": "a0", "prompt": PROMPT, "max_tokens": 480, "temperature": 0}
+            third = {"lora_name": "a2", "lora_path": adapters["a1"]}
+            with http.stream(
+                "POST", "/v1/completions", json={**body, "ignore_eos": True, "stream": True}
+            ) as streaming:
+                lines = streaming.iter_lines()
+                assert next(line for line in lines if line).startswith("data: ")  # running
+                busy = assert_error(complete(http, "a1"), 503, None)
+                assert "'a1' resident: all max_loras=1" in busy
+                loading = http.post("/v1/load_lora_adapter", json=third)
+                assert "'a2' resident" in assert_error(loading, 503, None)
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+            assert complete(http, "a1").json()["choices"][0]["text"] == expected["a1"]
+            assert http.post("/v1/load_lora_adapter", json=third).status_code == 200
+            assert http.get("/v1/models").status_code == 200

@@ -26,7 +26,7 @@ import openai
 import pytest
 import torch
 from checkpoints import build_checkpoint
-from gguf_files import write_gguf_model
+from gguf_files import LLAMA_CPP_CONVERTER, write_gguf_model
 from servers import serving
 from test_server_vision import MAX_TOKENS, MODEL, chat_image, data_url, png
 from test_vl_engine import SPECIAL, VL_TEMPLATE, VOCAB, image_prompt, save_vl_tokenizer
@@ -57,8 +57,7 @@ from qinfer.weights.gguf_file import read_gguf
 #: models, servers as processes or many generations).
 pytestmark = pytest.mark.slow
 
-#: Where `make setup-test` puts llama.cpp's converter.
-CONVERTER = Path(sys.prefix) / "llama-cpp-converter"
+CONVERTER = LLAMA_CPP_CONVERTER
 
 #: Runs convert_hf_to_gguf.py (in argv[1]) once per job of argv[2] (a JSON list of
 #: argument lists), in one process.

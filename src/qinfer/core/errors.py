@@ -47,3 +47,8 @@ class RequestError(QinferError):
 
 class EngineOverloadedError(QinferError):
     """The engine's waiting queue is full; try again later (HTTP 503)."""
+
+
+class AdapterSlotsBusyError(AdapterError, EngineOverloadedError):
+    """Every resident LoRA adapter is in use by unfinished requests, so another cannot be
+    made resident; try again when one ends (HTTP 503)."""

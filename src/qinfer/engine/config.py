@@ -67,9 +67,10 @@ class EngineConfig:
         it implies static_decode); None: on with a CUDA device, False: eager everywhere.
     speculative: speculative decoding (`qinfer.engine.speculative.SpeculativeConfig`, or a mapping
         of its settings); None: off.
-    lora_modules: LoRA adapters loaded at start, name -> PEFT folder (`qinfer.lora`); a
+    lora_modules: LoRA adapters loaded at start, name -> PEFT folder or GGUF adapter file; a
         request names one (`Engine.make_request`'s lora), more load at run time.
-    max_loras: adapters resident at once; max_lora_rank: the largest rank one may have.
+    max_loras: adapters resident at once (more may be loaded: the least recently used one
+        not in use is evicted, `qinfer.lora.adapters`); max_lora_rank: the largest rank.
     prompt_cache_dir: a folder for the prefix cache's disk tier (`qinfer.engine.disk_cache`:
         full blocks of finished prompts, read back by a restarted engine or another
         process); None: memory only. prompt_cache_size: the most bytes it holds (an int, or

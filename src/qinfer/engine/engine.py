@@ -225,19 +225,20 @@ class Engine:
         return Request(seq, prompt if isinstance(prompt, str) else None, state, task)
 
     def load_lora(self, name: str, path: str) -> None:
-        """Load the LoRA adapter at `path` (a PEFT folder) under `name`, for requests
-        from now on (`qinfer.lora.Adapters`: at most config.max_loras)."""
+        """Load the LoRA adapter at `path` (a PEFT folder or a GGUF adapter file) under
+        `name`, for requests from now on, resident at once (`qinfer.lora.Adapters`: at most
+        config.max_loras resident, the least recently used one not in use evicted)."""
         if self.adapters is None:
             self.adapters = Adapters(self.model, self.config.max_loras, self.config.max_lora_rank)
-        self.adapters.load(name, path)
+        self.adapters.load(name, path, self._adapter_slots_in_use())
 
     def unload_lora(self, name: str) -> None:
         """Drop adapter `name`: refused while a request runs through it."""
         if self.adapters is None:
             raise AdapterError(f"LoRA adapter {name!r} is not loaded (loaded: none)")
-        slot = self.adapters.get(name).slot
+        key = self.adapters.get(name).key
         users = sum(
-            request.seq.adapter is not None and request.seq.adapter.slot == slot
+            request.seq.adapter is not None and request.seq.adapter.key == key
             for request in self.requests.values()
         )
         if users:
@@ -247,11 +248,23 @@ class Engine:
             )
         self.adapters.unload(name)
 
+    def _adapter_slots_in_use(self) -> set[int]:
+        """The adapter slots unfinished requests run through (none may be evicted)."""
+        return {
+            request.seq.adapter_slot
+            for request in self.requests.values()
+            if request.seq.adapter_slot is not None
+        }
+
     def add(self, request: Request) -> None:
-        """Queue a request made by `make_request`."""
-        request_id = request.seq.request_id
+        """Queue a request made by `make_request`; its adapter made resident (an
+        `AdapterError` when every resident adapter is in use: `qinfer.lora.Adapters`)."""
+        seq = request.seq
+        request_id = seq.request_id
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        if seq.adapter is not None:
+            seq.adapter_slot = self.adapters.acquire(seq.adapter, self._adapter_slots_in_use())
         self.requests[request_id] = request
         self.scheduler.add(request.seq)
         self._counts["prompt"] += request.seq.num_prompt_tokens

@@ -7,7 +7,7 @@ import enum
 
 from qinfer.attention.block_spaces import BlockSpaces, first_block
 from qinfer.engine.images import SequenceImages
-from qinfer.lora.adapters import Resident
+from qinfer.lora.adapters import Loaded
 from qinfer.runtime.step import ScheduledStep
 
 
@@ -43,9 +43,10 @@ class Sequence:
     when beyond the snapshots (a point to snapshot; 0: none). `state_rollback`: its next
     step sets its state back to the checkpoint before its last proposals (some were
     rejected: `qinfer.engine.speculative`).
-    `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Resident`) names its
-    slot, which its rows run through, and its key, which keys its blocks in the prefix
-    cache: an adapter's K/V never serve the base model or another adapter.
+    `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Loaded`) names its
+    key, which keys its blocks in the prefix cache: an adapter's K/V never serve the base
+    model or another adapter; `adapter_slot`, the slot its rows run through, is the
+    engine's to set once the adapter is resident (`Engine.add`), and holds while it runs.
     """
 
     def __init__(
@@ -54,11 +55,12 @@ class Sequence:
         prompt_token_ids: list[int],
         uses_prefix_cache: bool = True,
         images: SequenceImages | None = None,
-        adapter: Resident | None = None,
+        adapter: Loaded | None = None,
     ) -> None:
         self.request_id = request_id
         self.images = images
         self.adapter = adapter
+        self.adapter_slot: int | None = None
         # False: starts from no cached block (a pooling that needs every prompt row)
         self.uses_prefix_cache = uses_prefix_cache
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -152,7 +154,7 @@ def scheduled_step(
     restores = [(s.snapshot_source, s.state_slot) for s in seqs if s.snapshot_source is not None]
     saves = [(s.state_slot, s.snapshot_row) for s in seqs if s.snapshot_row is not None]
     proposed = [len(seq.proposed) for seq in seqs]
-    adapters = [None if seq.adapter is None else seq.adapter.slot for seq in seqs]
+    adapters = [seq.adapter_slot for seq in seqs]
     return ScheduledStep(
         [seq.new_tokens(n) for seq, n in zip(seqs, num_new, strict=True)],
         [seq.num_computed_tokens for seq in seqs],

@@ -2,23 +2,22 @@
 rows of adapter i, the base alone for every other row.
 
 Several adapters live in one module, each in a slot (`qinfer.lora.adapters` numbers them),
-packed side by side: A (C, in), every slot's rank rows stacked, and B^T (C, out), each slot
-owning its C columns of the rank (`column_slots` (C,)). A step's adapter rows
-(`qinfer.core.forward_batch.AdapterRows`) take five ops per projection whatever the mix of
-adapters: the rows gathered, one shrink GEMM (n, in) x (in, C), each row's columns of
-other slots zeroed, one expand GEMM (n, C) x (C, out), the result added to those rows.
-The zeroed columns add exact zeros, so a row's output is its own adapter's alone, and the
-same whatever else its step holds; the shrink does C / r_i times the one adapter's work,
-small beside the base's (C << out). Kernel launches, not FLOPs, are what LoRA costs at
-decode (docs/BENCHMARKS.md, "LoRA adapters at decode"): one GEMM pair per adapter present,
-punica's segmented form, costs five ops per adapter instead of five in all.
+packed side by side. A fused projection (q/k/v, gate/up) has parts, each its own rows of
+the output; an adapter holds a pair per part it targets. The packing is part-major: A
+(C, in) stacks part 0's A of every slot, then part 1's, ...; `column_slots` (C,) names each
+column's slot; part p owns the column range `part_columns[p]` and its B^T (C_p, out_p). A
+step's adapter rows (`qinfer.core.forward_batch.AdapterRows`) take, per projection: the
+rows gathered, one shrink GEMM (n, in) x (in, C), each row's columns of other slots zeroed,
+one expand GEMM per part (n, C_p) x (C_p, out_p), the result added to those rows. The
+zeroed columns add exact zeros, so a row's output is its own adapter's alone, and the same
+whatever else its step holds; the shrink does C / r_i times the one adapter's work, small
+beside the base's (C << out). At decode what LoRA costs is the adapters' bytes read each
+step and the ops launched (docs/BENCHMARKS.md, "LoRA adapters at decode"): hence one B per
+part (a block-diagonal B over a fused projection's parts would read its zeros too) and no
+gather or scatter when every row of the step has an adapter.
 
 The base's kernel runs first on every row (whatever its kind: dense, int8, int4, GGUF
 blocks); rows of no adapter are its output untouched, bit for bit.
-
-A fused projection (q/k/v, gate/up) holds each part's adapter in its slot's columns: the
-parts' A stacked, and B block-diagonal, part p's B at its output rows and its own rank's
-columns (`qinfer.lora.adapters`).
 """
 
 from __future__ import annotations
@@ -29,11 +28,16 @@ from qinfer.core.forward_batch import AdapterRows
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import linear_in_fixed_chunks
 
+#: One slot's adapter on one projection: per part, (A (r, in), B (out_p, r), scale folded
+#: into B), or None for a part it does not target.
+Pairs = list[tuple[torch.Tensor, torch.Tensor] | None]
+
 
 class LoraLinear(Linear):
-    """`base` with the adapters of `slots`: slot -> (A (r, in), B (out, r), scale folded
-    into B), on the base's device in the adapters' dtype (`qinfer.lora.adapters.adapter_dtype`):
-    the rows are cast to it and the product back to the base's.
+    """`base` with the adapters of `slots`: slot -> Pairs, on the base's device in the
+    adapters' dtype (`qinfer.lora.adapters.adapter_dtype`): the rows are cast to it and
+    the product back to the base's. parts (kept as part_rows): each part's output rows, in
+    order (one part for an unfused projection).
 
     fixed_rows: multiply in fixed-size chunks (`qinfer.linear.dense`), as a batch-invariant
     model's dense Linears do: an adapter's rows then come out the same in any batch.
@@ -41,19 +45,25 @@ class LoraLinear(Linear):
 
     takes_adapters = True
 
-    def __init__(self, base: Linear, fixed_rows: bool = False) -> None:
+    def __init__(self, base: Linear, parts: tuple[int, ...], fixed_rows: bool = False) -> None:
         super().__init__()
-        self.base = base
+        if sum(parts) != base.out_features:
+            raise ValueError(f"parts {parts} do not sum to out_features {base.out_features}")
+        self.base, self.part_rows = base, parts
         self.out_features, self.in_features = base.out_features, base.in_features
         self.bias = base.bias
         self.fixed_rows = fixed_rows
-        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name in ("a", "b_t", "column_slots"):  # buffers, as every Linear's tensors
+        self.slots: dict[int, Pairs] = {}
+        self.part_columns: list[tuple[int, int]] = []
+        self.b_t: list[torch.Tensor | None] = []  # per part (C_p, out_p), None where C_p = 0
+        for name in ("a", "column_slots"):  # buffers, as every Linear's tensors
             self.register_buffer(name, None)
 
-    def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Hold adapter `slot`: a (r, in) and b (out, r), scale folded into b."""
-        self.slots[slot] = (a, b)
+    def add(self, slot: int, pairs: Pairs) -> None:
+        """Hold adapter `slot`: its pair for each part (None where it targets none)."""
+        if len(pairs) != len(self.part_rows):
+            raise ValueError(f"{len(pairs)} pairs for {len(self.part_rows)} parts")
+        self.slots[slot] = pairs
         self._pack()
 
     def remove(self, slot: int) -> None:
@@ -62,23 +72,38 @@ class LoraLinear(Linear):
             self._pack()
 
     def _pack(self) -> None:
-        """The slots side by side: a (C, in), b_t (C, out) contiguous (the expand reads it
-        row-major: on the CPU several times faster than over (out, C)), column_slots (C,)."""
+        """The slots part-major: a (C, in), column_slots (C,), each part's columns and its
+        B^T (C_p, out_p) contiguous (the expand reads it row-major: on the CPU several
+        times faster than over (out_p, C_p)); each slot's pairs then views of them."""
+        self.part_columns, self.b_t = [], []
         if not self.slots:
-            self.a = self.b_t = self.column_slots = None
+            self.a = self.column_slots = None
             return
-        pairs = sorted(self.slots.items())
-        self.a = torch.cat([a for _, (a, _) in pairs])
-        self.b_t = torch.cat([b.t() for _, (_, b) in pairs]).contiguous()
-        self.column_slots = torch.cat(
-            [torch.full((a.shape[0],), slot, device=a.device) for slot, (a, _) in pairs]
-        )
-        # each slot's pair as views of the packed tensors: held once
-        start = 0
-        for slot, (a, _) in pairs:
-            end = start + a.shape[0]
-            self.slots[slot] = (self.a[start:end], self.b_t[start:end].t())
+        ordered = sorted(self.slots.items())
+        a_rows, columns, start = [], [], 0
+        for p in range(len(self.part_rows)):
+            held = [(slot, pairs[p]) for slot, pairs in ordered if pairs[p] is not None]
+            a_rows += [a for _, (a, _) in held]
+            columns += [torch.full((a.shape[0],), slot, device=a.device) for slot, (a, _) in held]
+            end = start + sum(a.shape[0] for _, (a, _) in held)
+            self.part_columns.append((start, end))
+            self.b_t.append(torch.cat([b.t() for _, (_, b) in held]).contiguous() if held else None)
             start = end
+        self.a, self.column_slots = torch.cat(a_rows), torch.cat(columns)
+        # each slot's pairs as views of the packed tensors: held once
+        views: dict[int, Pairs] = {slot: [] for slot, _ in ordered}
+        for p, (part_start, _) in enumerate(self.part_columns):
+            offset = 0  # columns of the part before this slot's
+            for slot, pairs in ordered:
+                pair = pairs[p]
+                if pair is None:
+                    views[slot].append(None)
+                    continue
+                rank = pair[0].shape[0]
+                a = self.a[part_start + offset : part_start + offset + rank]
+                views[slot].append((a, self.b_t[p][offset : offset + rank].t()))
+                offset += rank
+        self.slots = views
 
     def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
         """x (T, in) -> (T, out): the base on every row, then each adapter row's product
@@ -86,12 +111,21 @@ class LoraLinear(Linear):
         y = self.base(x)
         if adapters is None or self.a is None:
             return y
-        rows = x.index_select(0, adapters.rows).to(self.a.dtype)  # (n, in)
-        shrunk = self._mm(rows, self.a)  # (n, C)
+        every_row = adapters.rows.shape[0] == x.shape[0]  # rows ascending: then 0 .. T-1
+        rows = x if every_row else x.index_select(0, adapters.rows)
+        shrunk = self._mm(rows.to(self.a.dtype), self.a)  # (n, C)
         # each row keeps its own slot's columns: (n, 1) == (C,) -> (n, C)
         shrunk = shrunk * (adapters.slots[:, None] == self.column_slots)
-        delta = self._mm(shrunk, self.b_t.t())  # (n, out)
-        return y.index_add_(0, adapters.rows, delta.to(y.dtype))
+        deltas = [
+            shrunk.new_zeros(shrunk.shape[0], out)
+            if b_t is None
+            else self._mm(shrunk[:, start:end], b_t.t())
+            for out, (start, end), b_t in zip(
+                self.part_rows, self.part_columns, self.b_t, strict=True
+            )
+        ]
+        delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1)).to(y.dtype)
+        return y.add_(delta) if every_row else y.index_add_(0, adapters.rows, delta)
 
     def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (n, k) @ weight (m, k)^T -> (n, m), in fixed chunks where asked."""
@@ -104,5 +138,5 @@ class LoraLinear(Linear):
 
     @property
     def nbytes(self) -> int:
-        packed = 0 if self.a is None else self.a.nbytes + self.b_t.nbytes
-        return self.base.nbytes + packed
+        packed = 0 if self.a is None else self.a.nbytes
+        return self.base.nbytes + packed + sum(b.nbytes for b in self.b_t if b is not None)

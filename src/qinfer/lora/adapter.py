@@ -1,4 +1,5 @@
-"""One LoRA adapter as read from disk: for each checkpoint projection it targets
+"""One LoRA adapter as read from disk (a PEFT folder, or a llama.cpp GGUF adapter:
+`qinfer.lora.gguf_adapter`): for each checkpoint projection it targets
 (`model.layers.0.self_attn.q_proj`), A (r, in) and B (out, r) with its scale folded into B.
 
 PEFT's folder (`adapter_config.json` + `adapter_model.safetensors`, what `peft`'s
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from qinfer.core.errors import AdapterError
+from qinfer.lora.gguf_adapter import read_gguf_adapter
 
 #: PEFT's tensor names: [base_model.model.]<module>.lora_A|lora_B[.<adapter name>].weight
 _PEFT_TENSOR = re.compile(
@@ -40,11 +42,18 @@ class LoraAdapter:
         return max(a.shape[0] for a, _ in self.modules.values())
 
 
-def read_adapter(path: str | Path) -> LoraAdapter:
-    """The adapter at `path`: a PEFT folder (adapter_config.json beside the weights)."""
+def read_adapter(path: str | Path, head_dim: int | None = None) -> LoraAdapter:
+    """The adapter at `path`: a PEFT folder (adapter_config.json beside the weights) or a
+    llama.cpp GGUF adapter file (`qinfer.lora.gguf_adapter`; head_dim: the model's, which
+    a llama-architecture file needs)."""
     path = Path(path)
+    if path.is_file():
+        return LoraAdapter(str(path), read_gguf_adapter(path, head_dim))
     if not path.is_dir():
-        raise AdapterError(f"lora_path {str(path)!r} is not a folder with adapter_config.json")
+        raise AdapterError(
+            f"lora_path {str(path)!r} is neither a folder with adapter_config.json nor a "
+            "GGUF adapter file"
+        )
     return read_peft(path)
 
 

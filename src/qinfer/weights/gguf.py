@@ -187,7 +187,7 @@ def open_gguf(
     dtype = dtype_for(config, kept or quantize is not None, exact_kinds)
     int4 = quantize is not None and quantize.kind == "int4"
     keep = () if not kept else (*INT4_GROUPS, *INT8_BLOCKS) if int4 else KEPT_TYPES
-    # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see _unpermute_rows);
+    # llama.cpp stores llama's q/k rows permuted for interleaved RoPE (see unpermute_rows);
     # the converter stores a Gemma norm's whole scale (1 + w), our norms add the offset
     # themselves (Wiring.norm_weight_offset), so it is taken back off, as transformers'
     # GGUF loader does.
@@ -544,7 +544,7 @@ class GGUFWeights(Weights):
         """q/k rows (and their scales) of a llama file back in rotate-half order; whole
         heads, so a tensor-parallel rank's rows unpermute alone."""
         if self._head_dim is not None and name.split(".")[-2] in ("q_proj", "k_proj"):
-            return _unpermute_rows(rows, self._head_dim)
+            return unpermute_rows(rows, self._head_dim)
         return rows
 
 
@@ -565,7 +565,7 @@ def _expert_tensors(stored: TensorInfo) -> dict[str, TensorInfo]:
     }
 
 
-def _unpermute_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+def unpermute_rows(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Undo llama.cpp's `LlamaModel.permute` of a q/k projection (out, ...) or its bias.
 
     The converter reorders each head's D rows from rotate-half pairs (i, i + D/2) to

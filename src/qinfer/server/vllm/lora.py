@@ -3,8 +3,9 @@
 (`ServerSettings.allow_runtime_lora`). A loaded adapter is a model requests name in
 `model` (`ModelServer.check_model`) and `GET /v1/models` lists; loading and unloading
 happen between two engine steps, so the requests running meanwhile go on. Refusals name
-the adapter in one line: 400 for a bad adapter or a full set (`--max-loras`), 404 for
-unloading one that is not loaded."""
+the adapter in one line: 400 for a bad adapter, 503 where it would be resident past
+`--max-loras` while every resident one serves a request (else the least recently used is
+evicted: `qinfer.lora.adapters`), 404 for unloading one that is not loaded."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
-from qinfer.core.errors import AdapterError
+from qinfer.core.errors import AdapterError, AdapterSlotsBusyError
 from qinfer.server.errors import APIError
 from qinfer.server.openapi import documented
 from qinfer.server.routing import Access, read_body
@@ -63,6 +64,8 @@ def router(server: ModelServer, access: Access) -> APIRouter:
             )
         try:
             await server.engine.load_lora(body.lora_name, body.lora_path)
+        except AdapterSlotsBusyError:
+            raise  # a 503: every resident adapter serves a request; another load may go
         except AdapterError as error:
             raise APIError(400, str(error), param="lora_path", code="invalid_value") from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
-from qinfer.core.errors import AdapterError, QinferError, RequestError
+from qinfer.core.errors import AdapterError, AdapterSlotsBusyError, QinferError, RequestError
 from qinfer.core.model_config import LINEAR_ATTENTION
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
@@ -91,7 +91,7 @@ class Engine:
             disk=self.disk_cache,
             state_snapshots=self.executor.state_snapshots,
         )
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self._adapter_ready)
         self.speculator = None
         if self.config.speculative is not None:  # a draft model's pool mirrors space 0's
             self.speculator = Speculator(
@@ -256,15 +256,25 @@ class Engine:
             if request.seq.adapter_slot is not None
         }
 
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether seq may run: no adapter, or its adapter resident in a slot (made so now,
+        evicting the least recently used one no unfinished request holds); False while
+        every slot is held (the scheduler keeps it waiting: `qinfer.lora.Adapters`)."""
+        if seq.adapter is None or seq.adapter_slot is not None:
+            return True
+        try:
+            seq.adapter_slot = self.adapters.acquire(seq.adapter, self._adapter_slots_in_use())
+        except AdapterSlotsBusyError:
+            return False
+        return True
+
     def add(self, request: Request) -> None:
-        """Queue a request made by `make_request`; its adapter made resident (an
-        `AdapterError` when every resident adapter is in use: `qinfer.lora.Adapters`)."""
+        """Queue a request made by `make_request` (its adapter is made resident when the
+        scheduler admits it)."""
         seq = request.seq
         request_id = seq.request_id
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        if seq.adapter is not None:
-            seq.adapter_slot = self.adapters.acquire(seq.adapter, self._adapter_slots_in_use())
         self.requests[request_id] = request
         self.scheduler.add(request.seq)
         self._counts["prompt"] += request.seq.num_prompt_tokens

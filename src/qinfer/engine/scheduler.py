@@ -9,7 +9,9 @@ the waiting queue, to be recomputed later. Then waiting sequences are admitted, 
 first, while the step has tokens and sequences to spare and the pool has blocks; a long
 prompt is admitted with a first chunk and continues in later steps (chunked prefill). A
 hybrid model's prompt chunk ends early where the prefix cache snapshots its state
-(`BlockManager.cut_at_snapshot`).
+(`BlockManager.cut_at_snapshot`). A sequence whose LoRA adapter cannot be made resident
+yet (every `max_loras` slot held by unfinished requests) waits at the head of the queue
+until one frees, as vLLM's scheduler holds such a request back.
 
 The oldest running sequence is never preempted by another, so every step makes progress.
 """
@@ -17,6 +19,7 @@ The oldest running sequence is never preempted by another, so every step makes p
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
@@ -26,7 +29,15 @@ from qinfer.engine.sequence import Sequence, SequenceStatus
 class Scheduler:
     """Picks each step's batch under max_num_seqs and max_num_batched_tokens."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        adapter_ready: Callable[[Sequence], bool] = lambda seq: True,
+    ) -> None:
+        """adapter_ready(seq): whether seq's LoRA adapter (if any) is resident, made so
+        now if a slot can be had; the engine's (`Engine._adapter_ready`)."""
+        self.adapter_ready = adapter_ready
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -76,6 +87,8 @@ class Scheduler:
             and self.block_manager.can_admit()  # a state slot, when the model keeps state
         ):
             seq = self.waiting[0]
+            if not self.adapter_ready(seq):
+                break
             cached = self.block_manager.allocate_prefix(seq)
             n = self.block_manager.cut_at_snapshot(seq, min(seq.num_uncomputed_tokens, budget))
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):

@@ -5,12 +5,12 @@ model's projections, each in a slot that a step's rows name
 Loaded and resident, as vLLM's --max-cpu-loras and --max-loras: every loaded adapter stays
 in host memory as read (fp32) until it is unloaded (no bound: vLLM's max_cpu_loras has no
 counterpart); at most max_loras are resident, placed in the projections' slots where rows
-can run through them. A request (or a load) that needs an adapter made resident past the
-bound evicts the least recently used resident adapter that no unfinished request runs
-through (its pairs leave the projections; it stays loaded, and its prefix-cache key with
-it); when every resident adapter is in use, it is refused in one line
-(`AdapterSlotsBusyError`, a server's 503: vLLM's scheduler instead holds the request back
-until a slot frees; qinfer's does not wait by adapter).
+can run through them. A request admitted (or a load) that needs an adapter made resident
+past the bound evicts the least recently used resident adapter that no unfinished request
+runs through (its pairs leave the projections; it stays loaded, and its prefix-cache key
+with it). When every resident adapter is in use, a request waits in the scheduler's queue
+until a slot frees (as vLLM's does), and a load is refused in one line
+(`AdapterSlotsBusyError`, a server's 503).
 
 Making one resident puts its A/B pairs beside the projections it targets: the first adapter
 turns a projection into a `qinfer.linear.lora.LoraLinear` around the same base Linear; a

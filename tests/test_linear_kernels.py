@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from checkpoints import int4_kind
 from gguf_files import synthetic_tensor
 from linear_layers import activations, assert_matches_dequantized, int8_blocks_of, weight
 
+import qinfer
 from qinfer import kernels
 from qinfer.core.errors import WeightsError
 from qinfer.linear import (
@@ -34,8 +34,9 @@ from qinfer.linear import (
     make_linear,
     quantize_int4,
     quantize_int8,
+    quantize_int8_blocks,
 )
-from qinfer.weights.gguf import INT8_ROW_TYPES, open_gguf
+from qinfer.weights.gguf import REROUNDED_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, INT8_BLOCKS, int4_groups, int8_blocks
 
 # ------------------------------------------------------------- GGUF blocks kept as int4
@@ -270,11 +271,31 @@ def test_parts_of_different_kinds_run_side_by_side():
     torch.testing.assert_close(fused(x).float(), expected, rtol=0, atol=1e-2)
 
 
-@pytest.mark.parametrize("qtype", sorted(INT8_ROW_TYPES))
-def test_the_other_gguf_blocks_become_int8_rows_within_half_a_row_step(qtype):
+@pytest.mark.parametrize("qtype", sorted(REROUNDED_TYPES))
+def test_the_other_gguf_blocks_become_int8_blocks_within_half_a_block_step(qtype):
+    """Q5_1, Q2_K, Q3_K, Q5_K re-rounded as the loader does: int8 blocks of 32 (the
+    kernels' kind), each value within half of its block's step (max|w| / 127)."""
     data = synthetic_tensor(qtype, rows=8, columns=256)
     exact = torch.from_numpy(gguf.quants.dequantize(data, qtype))
-    rows = quantize_int8(exact)
-    # Half a step, up to fp32 rounding (Q6_K values can sit exactly on a half step).
-    assert ((rows.dequantize() - exact).abs() <= rows.scales[:, None] / 2 * (1 + 1e-5)).all()
-    assert np.array_equal(rows.q.shape, exact.shape)
+    blocks = quantize_int8_blocks(exact)
+    assert blocks.block_size == 32 and blocks.q.shape == exact.shape
+    step = exact.view(8, 8, 32).abs().amax(-1) / 127  # (rows, blocks)
+    error = (blocks.dequantize() - exact).view(8, 8, 32).abs()
+    assert (error <= step[..., None] / 2 * (1 + 1e-5)).all()  # up to fp32 rounding
+
+
+def test_a_q5_1_file_loads_its_projections_as_int8_blocks(tmp_path):
+    """The loader's way for those types: a Q5_1 file's projections become `Int8BlockLinear`
+    (on the kernels' paths, as Q8_0's), within half a block step of the file's values."""
+    from checkpoints import build_checkpoint
+    from gguf_files import write_gguf_model
+
+    reference = build_checkpoint(tmp_path / "hf", "qwen3")
+    path = write_gguf_model(reference, tmp_path / "m.gguf", "qwen3", gguf.GGMLQuantizationType.Q5_1)
+    kept = qinfer.load_model(path, device="cpu").layers[0].mlp.down
+    exact = qinfer.load_model(path, device="cpu", dtype="float32").layers[0].mlp.down
+    assert isinstance(kept, Int8BlockLinear)
+    want = exact.dequantize()
+    step = want.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 127
+    error = (kept.dequantize() - want).unflatten(-1, (-1, 32)).abs()
+    assert (error <= step / 2 * (1 + 1e-5)).all()

@@ -17,7 +17,7 @@ from qinfer.linear.dense import DenseLinear
 from qinfer.linear.int4 import Int4Linear, int4_kernel_supports, quantize_int4
 from qinfer.linear.int4_blocks import Int4BlockLinear
 from qinfer.linear.int8 import Int8Linear, quantize_int8
-from qinfer.linear.int8_blocks import Int8BlockLinear
+from qinfer.linear.int8_blocks import Int8BlockLinear, quantize_int8_blocks
 from qinfer.linear.parallel import RowParallelLinear, VocabParallelLinear
 
 __all__ = [
@@ -39,4 +39,5 @@ __all__ = [
     "make_linear",
     "quantize_int4",
     "quantize_int8",
+    "quantize_int8_blocks",
 ]

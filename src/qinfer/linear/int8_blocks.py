@@ -66,6 +66,16 @@ class Int8Blocks:
         return _widened(self.q, self.scales, torch.float32)
 
 
+def quantize_int8_blocks(weight: torch.Tensor, block: int = 32) -> Int8Blocks:
+    """weight (N, K) -> int8 blocks of `block` columns, each its own symmetric scale
+    (max|w| / 127, fp32): `quantize_int8` with every block as a row."""
+    N, K = weight.shape
+    if K % block:
+        raise WeightsError(f"a weight of {K} columns does not split into int8 blocks of {block}")
+    rows = quantize_int8(weight.reshape(-1, block))
+    return Int8Blocks(rows.q.view(N, K), rows.scales.view(N, K // block))
+
+
 def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
     """q (..., K) int8 and scales (..., K / B) -> (..., K) q * scale in `dtype` (into `out`)."""
     blocks = q.unflatten(-1, (scales.shape[-1], -1))  # (..., K / B, B)

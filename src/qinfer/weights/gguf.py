@@ -22,9 +22,10 @@ conventions onto ours:
 - quantized blocks: kept in their bits where a kernel can use them as they are (Q4_0,
   Q4_1 and Q4_K are int4 groups of 32 exactly, `gguf_quants.int4_groups`; Q8_0, Q5_0 and
   Q6_K int8 blocks of 32 or 16 exactly, `gguf_quants.int8_blocks`); the other block types
-  (Q5_1, Q2_K, Q3_K, Q5_K) become int8 per output channel, re-rounded: half the bytes a
-  decode step reads of a dequantized bf16 weight, within half a row step of the stored
-  values. With `dtype="float32"` asked every tensor is dequantized to fp32 by
+  (Q5_1, Q2_K, Q3_K, Q5_K) become int8 blocks of 32, re-rounded (each value within half of
+  its block's step of 1/127 of the block's largest: far finer than their own 2-5 bits), so
+  that they run on the same kernels, and the model on the same activations, as the kept
+  kinds. With `dtype="float32"` asked every tensor is dequantized to fp32 by
   `gguf_quants.dequantize` instead, one tensor at a time when the model asks for it.
 
 The reader already gives tensors in numpy (row-major) order: a GGUF tensor of dims
@@ -56,7 +57,7 @@ from qinfer import kernels
 from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.core.model_config import ModelConfig, RopeConfig
 from qinfer.core.rope_scaling import rope_frequencies
-from qinfer.linear import Int4Groups, Int8Blocks, Int8Rows, StoredWeight, quantize_int8
+from qinfer.linear import Int4Groups, Int8Blocks, StoredWeight, quantize_int8_blocks
 from qinfer.linear.int8 import CHUNK_ROWS
 from qinfer.models import Family, GGUFHeader, family_of_gguf
 from qinfer.models.base import HFConfig
@@ -112,8 +113,8 @@ CENTRED_MTP_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden
 ROPE_FREQS = "rope_freqs.weight"
 # Block types kept quantized: int4 groups and int8 blocks as they are, the others
 # re-rounded to int8 rows.
-INT8_ROW_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in (*INT4_GROUPS, *INT8_BLOCKS))
-KEPT_TYPES = (*INT4_GROUPS, *INT8_BLOCKS, *INT8_ROW_TYPES)
+REROUNDED_TYPES = tuple(t for t in BLOCK_DEQUANTIZERS if t not in (*INT4_GROUPS, *INT8_BLOCKS))
+KEPT_TYPES = (*INT4_GROUPS, *INT8_BLOCKS, *REROUNDED_TYPES)
 
 
 def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
@@ -161,7 +162,8 @@ def open_gguf(
     """The config and (lazily read) weights of a `.gguf` file.
 
     keep_blocks: keep block-quantized tensors quantized, Q4_0/Q4_1/Q4_K as int4 groups,
-    Q8_0/Q5_0/Q6_K as int8 blocks and the other block types as int8 rows; float tensors
+    Q8_0/Q5_0/Q6_K as int8 blocks, the other block types re-rounded to int8 blocks of 32;
+    float tensors
     are read as they are, and `quantize` then applies to them. dtype_for is told whether
     the weights are quantized and asks, of the weights the model multiplies as Linears,
     whether each is then one that qinfer's exact kernels multiply in fp32
@@ -211,11 +213,11 @@ def exact_kernels(linears: Collection[TensorInfo], device: torch.device) -> bool
     """Whether every tensor of `linears` (those a model multiplies as Linears,
     `_stored_tensors`), its blocks kept, is one that qinfer's compiled kernels multiply
     exactly by fp32 activations (int4 groups: `Int4BlockLinear`; int8 blocks:
-    `Int8BlockLinear`) on `device`: a CPU where the kernels load (building them if need
-    be). The other kinds (int8 rows, float matrices) are fast only in bf16. The file's other
-    matrices (a DeltaNet's conv kernel, a router: llama.cpp keeps them F32) do not count."""
-    exact = (*INT4_GROUPS, *INT8_BLOCKS)
-    if torch.device(device).type != "cpu" or not all(t.tensor_type in exact for t in linears):
+    `Int8BlockLinear`; the re-rounded block types are int8 blocks too) on `device`: a CPU
+    where the kernels load (building them if need be). Float matrices are fast only in
+    bf16. The file's other matrices (a DeltaNet's conv kernel, a router: llama.cpp keeps
+    them F32) do not count."""
+    if torch.device(device).type != "cpu" or not all(t.tensor_type in KEPT_TYPES for t in linears):
         return False
     return kernels.available() is None
 
@@ -478,7 +480,7 @@ class GGUFWeights(Weights):
         return self._read(name) if ours is None else ours  # None: it would split blocks
 
     def _kept(self, name: str, stored: TensorInfo, rows: slice, columns: slice) -> StoredWeight:
-        """A tensor of a kept block type as int4 groups, int8 blocks or int8 rows."""
+        """A tensor of a kept block type as int4 groups or int8 blocks."""
         if stored.tensor_type in INT4_GROUPS:
             data, within = self._blocks(stored, rows, columns)
             groups = self._block_columns(name, self._decode(stored, int4_groups, data), within)
@@ -492,15 +494,15 @@ class GGUFWeights(Weights):
             return Int8Blocks(
                 self._unpermuted(name, blocks.q), self._unpermuted(name, blocks.scales)
             )
-        # Per-block scales -> one per row; dequantized a chunk of rows at a time, so a
+        # Re-rounded to int8 blocks of 32; dequantized a chunk of rows at a time, so a
         # large embedding never exists in fp32 whole.
         data, within = self._blocks(stored, rows, columns)
         chunks = [
-            quantize_int8(dequantize(chunk, stored.tensor_type, self.device)[:, within])
+            quantize_int8_blocks(dequantize(chunk, stored.tensor_type, self.device)[:, within])
             for chunk in np.array_split(data, max(1, len(data) // CHUNK_ROWS))
         ]
         q = self._unpermuted(name, torch.cat([c.q for c in chunks]))
-        return Int8Rows(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
+        return Int8Blocks(q, self._unpermuted(name, torch.cat([c.scales for c in chunks])))
 
     def _blocks(self, stored: TensorInfo, rows: slice, columns: slice) -> tuple[np.ndarray, slice]:
         """The stored data of `rows`, in the whole blocks that cover `columns`, and where

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Tokens per chunk of the chunked form. Provisional: transformers' (and the FLA kernels')
-#: 64, kept until the chunk size is measured on our CPUs (issue 50); any size gives the
-#: same values to fp32 rounding.
-CHUNK_SIZE = 64
+#: Tokens per chunk of the chunked form: 32, measured fastest at Qwen3.5-0.8B's shapes on
+#: our CPUs (docs/BENCHMARKS.md, bench/deltanet_times.py; transformers and the FLA kernels
+#: take 64). Any size gives the same values to fp32 rounding; longer chunks also reach
+#: exp(G) in fp32's denormals sooner (G sums a chunk's decays), which multiply slowly.
+CHUNK_SIZE = 32
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

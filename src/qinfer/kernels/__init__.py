@@ -1,6 +1,7 @@
 """qinfer's compiled CPU kernels, the ops' Python wrappers: int4 and int8 weights times int8
 activations, int8 blocks and int4 groups times fp32 activations, a block's residual add +
-RMSNorm, decode attention over the paged KV pool, and RoPE. What each computes, to the bit,
+RMSNorm, decode attention over the paged KV pool, RoPE, and the gated delta rule's
+recurrent (decode) form. What each computes, to the bit,
 and why: docs/KERNELS.md.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
@@ -20,6 +21,8 @@ and why: docs/KERNELS.md.
                                    # one new token per sequence: k, v stored in the pool,
                                    #   q (G, Hq, D) attends its sequence's keys -> (G, Hq, D)
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
+    o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
+                                   #   token: state (B, H, Dk, Dv) fp32 updated in place
 
 The library is built on first use (`build`: `available()` says why it cannot be, `buildable()`
 whether it can be expected to); the paths each op has on this CPU and the one "auto" takes
@@ -55,6 +58,7 @@ __all__ = [
     "build_directory",
     "buildable",
     "fp16_if_exact",
+    "gated_delta_recurrent",
     "heads_rms_norm",
     "in_use",
     "int4_groups_mm",
@@ -256,3 +260,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if ops.rope is None:
         require()
     return ops.rope(x, cos, sin)
+
+
+def gated_delta_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule token by token, `deltanet.recurrent_gated_delta_rule`'s
+    arguments: q, k (B, L, H, Dk) L2-normalised (q not yet scaled by Dk^-0.5), v
+    (B, L, H, Dv), g, beta (B, L, H), all fp32; state (B, H, Dk, Dv) fp32 contiguous,
+    overwritten with the state after the L tokens. Returns out (B, L, H, Dv) fp32, each
+    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    if ops.gated_delta_recurrent is None:
+        require()
+    return ops.gated_delta_recurrent(q, k, v, g, beta, state)

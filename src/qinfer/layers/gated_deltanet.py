@@ -6,7 +6,8 @@ per-sequence state, as transformers' `Qwen3_5GatedDeltaNet`.
       -> causal depthwise conv1d over q/k/v (kernel K, SiLU), continuing the sequence's window
       -> q, k L2-normalised per head; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
       -> the gated delta rule over the sequence's fp32 state (`qinfer.attention.deltanet`):
-         chunked for prompts, recurrent for decode
+         chunked for prompts, recurrent for decode (on the CPU, where the kernels are in use,
+         the compiled `kernels.gated_delta_recurrent`)
       -> RMSNorm over each value head, times silu(z) -> out_proj -> (T, hidden)
 
 A step's sequences take their conv windows and states from the state pool's slots
@@ -24,6 +25,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.attention.deltanet import (
     CHUNK_SIZE,
     causal_conv1d,
@@ -199,8 +201,25 @@ class GatedDeltaNet(Module, Placed):
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
         state = matrices.index_select(0, slots)  # the rule's to overwrite
         if L == 1 or recurrent:  # decode, verification
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            o, state = token_by_token(q, k, v, g, beta, state)
         else:
             o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
         matrices.index_copy_(0, slots, state)
         return o
+
+
+def token_by_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's recurrent form, `recurrent_gated_delta_rule`'s arguments and results: the
+    compiled op (each sequence alone in its sums: the same bits in any batch) for CPU
+    tensors without autograd where the kernels are in use, else the torch form
+    (`QINFER_CPU_KERNELS=off` selects it)."""
+    if state.device.type == "cpu" and not q.requires_grad and kernels.in_use():
+        return kernels.gated_delta_recurrent(q, k, v.float(), g, beta.float(), state), state
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state)

@@ -1,6 +1,7 @@
 """The gated delta rule's forms timed at Qwen3.5-0.8B's shapes (16 value heads, d_k = d_v =
 128, fp32 state): the chunked form over a prompt at several chunk sizes, and one decode step
-of the recurrent form for 1 and 8 sequences.
+of the recurrent form for 1 and 8 sequences, as torch's ops and (where the kernels build)
+as the compiled op `kernels.gated_delta_recurrent`.
 
     python bench/deltanet_times.py [--prompt 512] [--rounds 5] [--threads 1]
 
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from qinfer import kernels
 from qinfer.attention.deltanet import (
     chunked_gated_delta_rule,
     l2_normalize,
@@ -59,6 +61,11 @@ def cases(prompt: int) -> dict[str, tuple[Callable[[], object], int]]:
             lambda step=step, s=state_b: recurrent_gated_delta_rule(*step, s.clone()),
             STEP_CALLS,
         )
+        if kernels.available() is None:
+            out[f"recurrent step, {B} seq, kernel"] = (
+                lambda step=step, s=state_b: kernels.gated_delta_recurrent(*step, s.clone()),
+                STEP_CALLS,
+            )
     return out
 
 

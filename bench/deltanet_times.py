@@ -1,7 +1,7 @@
 """The gated delta rule's forms timed at Qwen3.5-0.8B's shapes (16 value heads, d_k = d_v =
 128, fp32 state): the chunked form over a prompt at several chunk sizes, and one decode step
-of the recurrent form for 1 and 8 sequences, as torch's ops and (where the kernels build)
-as the compiled op `kernels.gated_delta_recurrent`.
+of the recurrent form for 1 and 8 sequences, each as torch's ops and (where the kernels build)
+as the compiled op (`kernels.gated_delta_chunked`, `kernels.gated_delta_recurrent`).
 
     python bench/deltanet_times.py [--prompt 512] [--rounds 5] [--threads 1]
 
@@ -50,18 +50,24 @@ def cases(prompt: int) -> dict[str, tuple[Callable[[], object], int]]:
     """Name -> (a call of one form, each on its own copy of the start state; calls per timing)."""
     out: dict[str, tuple[Callable[[], object], int]] = {}
     *args, state = rule_inputs(1, prompt)
+    compiled = kernels.available() is None
     for C in CHUNK_SIZES:
         out[f"chunked {prompt} tokens, C={C}"] = (
             lambda C=C: chunked_gated_delta_rule(*args, state.clone(), chunk_size=C),
             1,
         )
+        if compiled:
+            out[f"chunked {prompt} tokens, C={C}, kernel"] = (
+                lambda C=C: kernels.gated_delta_chunked(*args, state.clone(), C),
+                1,
+            )
     for B in DECODE_BATCHES:
         *step, state_b = rule_inputs(B, 1)
         out[f"recurrent step, {B} seq"] = (
             lambda step=step, s=state_b: recurrent_gated_delta_rule(*step, s.clone()),
             STEP_CALLS,
         )
-        if kernels.available() is None:
+        if compiled:
             out[f"recurrent step, {B} seq, kernel"] = (
                 lambda step=step, s=state_b: kernels.gated_delta_recurrent(*step, s.clone()),
                 STEP_CALLS,

@@ -1,7 +1,7 @@
 """qinfer's compiled CPU kernels, the ops' Python wrappers: int4 and int8 weights times int8
 activations, int8 blocks and int4 groups times fp32 activations, a block's residual add +
 RMSNorm, decode attention over the paged KV pool, RoPE, and the gated delta rule's
-recurrent (decode) form. What each computes, to the bit,
+two forms (recurrent for decode, chunked for prompts). What each computes, to the bit,
 and why: docs/KERNELS.md.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
@@ -23,6 +23,7 @@ and why: docs/KERNELS.md.
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
                                    #   token: state (B, H, Dk, Dv) fp32 updated in place
+    o = gated_delta_chunked(q, k, v, g, beta, state, C)  # the same, C tokens at a time
 
 The library is built on first use (`build`: `available()` says why it cannot be, `buildable()`
 whether it can be expected to); the paths each op has on this CPU and the one "auto" takes
@@ -58,6 +59,7 @@ __all__ = [
     "build_directory",
     "buildable",
     "fp16_if_exact",
+    "gated_delta_chunked",
     "gated_delta_recurrent",
     "heads_rms_norm",
     "in_use",
@@ -278,3 +280,20 @@ def gated_delta_recurrent(
     if ops.gated_delta_recurrent is None:
         require()
     return ops.gated_delta_recurrent(q, k, v, g, beta, state)
+
+
+def gated_delta_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The gated delta rule `chunk_size` tokens at a time (`deltanet.chunked_gated_delta_rule`'s
+    steps), `gated_delta_recurrent`'s arguments and result; within fp32 rounding of it, each
+    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    if ops.gated_delta_chunked is None:
+        require()
+    return ops.gated_delta_chunked(q, k, v, g, beta, state, chunk_size)

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common.h"
+#include "gated_delta.h"
 #include "isa.h"
 #include "ops.h"
 
@@ -84,43 +85,21 @@ QINFER_DELTA_LOOPS(LoopsScalar, )
 QINFER_DELTA_LOOPS(LoopsAvx2, QINFER_AVX2)
 QINFER_DELTA_LOOPS(LoopsAvx512, QINFER_AVX512)
 
-// (B, L, H, D) fp32 on the CPU with its last dimension contiguous.
-void check_heads(const char* name, const at::Tensor& t, int64_t B, int64_t L, int64_t H) {
-  TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == L && t.size(2) == H &&
-                  t.scalar_type() == at::kFloat && t.is_cpu() && t.stride(3) == 1,
-              "gated_delta_recurrent: ", name, " must be (", B, ", ", L, ", ", H,
-              ", D) fp32 on the CPU with its last dimension contiguous, got ", shape_str(t), " ",
-              t.scalar_type());
-}
-
-void check_gates(const char* name, const at::Tensor& t, int64_t B, int64_t L, int64_t H) {
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == L && t.size(2) == H &&
-                  t.scalar_type() == at::kFloat && t.is_cpu(),
-              "gated_delta_recurrent: ", name, " must be (", B, ", ", L, ", ", H,
-              ") fp32 on the CPU, got ", shape_str(t), " ", t.scalar_type());
-}
-
 template <typename Loops>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
          const at::Tensor& beta, const at::Tensor& state, const at::Tensor& out) {
-  const int64_t B = k.size(0), L = k.size(1), H = k.size(2), Dk = k.size(3), Dv = v.size(3);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dk)));  // Dk^-0.5
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float *sp = state.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t L = k.size(1), H = k.size(2), Dk = k.size(3), Dv = v.size(3);
+  const float scale = query_scale(Dk);
+  float* sp = state.data_ptr<float>();
+  at::parallel_for(0, k.size(0) * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * Dv);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
+      const DeltaHead x = delta_head(q, k, v, g, beta, out, task / H, task % H);
       float* S = sp + task * Dk * Dv;
-      for (int64_t t = 0; t < L; ++t) {
-        const float a = std::exp(gp[b * g.stride(0) + t * g.stride(1) + h * g.stride(2)]);
-        const float w = bp[b * beta.stride(0) + t * beta.stride(1) + h * beta.stride(2)];
-        Loops::token(S, Dk, Dv, qp + b * q.stride(0) + t * q.stride(1) + h * q.stride(2),
-                     kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2),
-                     vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2), a, w, scale,
-                     op + ((b * L + t) * H + h) * Dv, scratch.data(), scratch.data() + Dv);
-      }
+      for (int64_t t = 0; t < L; ++t)
+        Loops::token(S, Dk, Dv, x.q + t * x.q_step, x.k + t * x.k_step, x.v + t * x.v_step,
+                     std::exp(x.g[t * x.g_step]), x.beta[t * x.beta_step], scale,
+                     x.out + t * x.out_step, scratch.data(), scratch.data() + Dv);
     }
   });
 }
@@ -130,23 +109,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& state) {
-  TORCH_CHECK(k.dim() == 4, "gated_delta_recurrent: k must be (B, L, H, Dk), got ",
-              shape_str(k));
-  const int64_t B = k.size(0), L = k.size(1), H = k.size(2), Dk = k.size(3);
-  check_heads("q", q, B, L, H);
-  check_heads("k", k, B, L, H);
-  check_heads("v", v, B, L, H);
-  TORCH_CHECK(q.size(3) == Dk, "gated_delta_recurrent: q's last dimension must be k's ", Dk,
-              ", got ", shape_str(q));
-  check_gates("g", g, B, L, H);
-  check_gates("beta", beta, B, L, H);
-  const int64_t Dv = v.size(3);
-  TORCH_CHECK(state.dim() == 4 && state.size(0) == B && state.size(1) == H &&
-                  state.size(2) == Dk && state.size(3) == Dv &&
-                  state.scalar_type() == at::kFloat && state.is_contiguous() && state.is_cpu(),
-              "gated_delta_recurrent: state must be contiguous (", B, ", ", H, ", ", Dk, ", ",
-              Dv, ") fp32 on the CPU, got ", shape_str(state), " ", state.scalar_type());
-  at::Tensor out = at::empty({B, L, H, Dv}, v.options());
+  check_delta_rule("gated_delta_recurrent", q, k, v, g, beta, state);
+  at::Tensor out = at::empty({k.size(0), k.size(1), k.size(2), v.size(3)}, v.options());
   switch (best(kVectorPaths)) {
     case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, out); break;
     case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, out); break;

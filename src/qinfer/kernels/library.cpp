@@ -45,6 +45,8 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state) -> Tensor");
+  lib.def("gated_delta_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+          "Tensor(a!) state, int chunk_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
@@ -58,4 +60,5 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("paged_decode_attention", &paged_decode_attention);
   lib.impl("rope", &rope);
   lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
+  lib.impl("gated_delta_chunked", &gated_delta_chunked);
 }

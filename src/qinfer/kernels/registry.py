@@ -86,6 +86,7 @@ FAKE_KERNELS = {
     "paged_decode_attention": _like,
     "rope": _like,
     "gated_delta_recurrent": _delta_out,
+    "gated_delta_chunked": _delta_out,
 }
 
 #: The ops' default overloads, bound once the library is loaded (None before): torch.ops'

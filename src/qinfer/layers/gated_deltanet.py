@@ -7,7 +7,7 @@ per-sequence state, as transformers' `Qwen3_5GatedDeltaNet`.
       -> q, k L2-normalised per head; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
       -> the gated delta rule over the sequence's fp32 state (`qinfer.attention.deltanet`):
          chunked for prompts, recurrent for decode (on the CPU, where the kernels are in use,
-         the compiled `kernels.gated_delta_recurrent`)
+         the compiled `kernels.gated_delta_chunked` / `gated_delta_recurrent`)
       -> RMSNorm over each value head, times silu(z) -> out_proj -> (T, hidden)
 
 A step's sequences take their conv windows and states from the state pool's slots
@@ -200,26 +200,30 @@ class GatedDeltaNet(Module, Placed):
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
         state = matrices.index_select(0, slots)  # the rule's to overwrite
-        if L == 1 or recurrent:  # decode, verification
-            o, state = token_by_token(q, k, v, g, beta, state)
-        else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
+        chunk_size = None if L == 1 or recurrent else self.chunk_size  # decode, verification
+        o, state = gated_delta_rule(q, k, v, g, beta, state, chunk_size)
         matrices.index_copy_(0, slots, state)
         return o
 
 
-def token_by_token(
+def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule's recurrent form, `recurrent_gated_delta_rule`'s arguments and results: the
-    compiled op (each sequence alone in its sums: the same bits in any batch) for CPU
-    tensors without autograd where the kernels are in use, else the torch form
-    (`QINFER_CPU_KERNELS=off` selects it)."""
+    """The rule token by token (`chunk_size` None) or `chunk_size` tokens at a time, the torch
+    forms' arguments and results: the compiled ops (each sequence alone in its sums: the same
+    bits in any batch) for CPU tensors without autograd where the kernels are in use, else
+    the torch forms (`QINFER_CPU_KERNELS=off` selects them)."""
     if state.device.type == "cpu" and not q.requires_grad and kernels.in_use():
-        return kernels.gated_delta_recurrent(q, k, v.float(), g, beta.float(), state), state
-    return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        v, beta = v.float(), beta.float()
+        if chunk_size is None:
+            return kernels.gated_delta_recurrent(q, k, v, g, beta, state), state
+        return kernels.gated_delta_chunked(q, k, v, g, beta, state, chunk_size), state
+    if chunk_size is None:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)

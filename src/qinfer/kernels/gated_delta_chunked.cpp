@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -61,11 +62,63 @@ QINFER_INLINE void axpy(float* __restrict__ y, float a, const float* __restrict_
   for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
 }
 
+// 16 fp32 lanes as GCC's vector extension: each operation is the scalar one lane by lane,
+// whatever registers a path keeps them in (one AVX-512, two AVX2, four SSE).
+typedef float F16 __attribute__((vector_size(64)));
+
+QINFER_INLINE F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Rows x (16 Vecs) of C += A B, held in registers over the whole sum (m = 0, 1, ... in
+// order): C at (ldc), A (Rows, K) at (lda), B (K, 16 Vecs) at (ldb).
+template <int Rows, int Vecs>
+QINFER_INLINE void tile(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
+                        int64_t ldb, int64_t K) {
+  F16 acc[Rows][Vecs];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Vecs; ++c) acc[r][c] = load16(C + r * ldc + 16 * c);
+  for (int64_t m = 0; m < K; ++m) {
+    F16 b[Vecs];
+    for (int c = 0; c < Vecs; ++c) b[c] = load16(B + m * ldb + 16 * c);
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < Vecs; ++c) acc[r][c] += A[r * lda + m] * b[c];
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Vecs; ++c) std::memcpy(C + r * ldc + 16 * c, &acc[r][c], sizeof(F16));
+}
+
+// The columns of Rows rows of C += A B: tiles of 64 columns, then of 16, then one at a time;
+// each element's sum in the same order (m = 0, 1, ...) whichever piece computes it.
+template <int Rows>
+QINFER_INLINE void rows(float* C, int64_t ldc, const float* A, int64_t lda, const float* B,
+                        int64_t ldb, int64_t K, int64_t N) {
+  int64_t j = 0;
+  for (; j + 64 <= N; j += 64) tile<Rows, 4>(C + j, ldc, A, lda, B + j, ldb, K);
+  for (; j + 16 <= N; j += 16) tile<Rows, 1>(C + j, ldc, A, lda, B + j, ldb, K);
+  for (; j < N; ++j)
+    for (int r = 0; r < Rows; ++r)
+      for (int64_t m = 0; m < K; ++m) C[r * ldc + j] += A[r * lda + m] * B[m * ldb + j];
+}
+
+// C (R, N) += A (R, K) B (K, N), row-major at the given leading dimensions; every element
+// C[r, j] + A[r, 0] B[0, j] + A[r, 1] B[1, j] + ..., in that order.
+QINFER_INLINE void multiply_add(float* C, int64_t ldc, const float* A, int64_t lda,
+                                const float* B, int64_t ldb, int64_t R, int64_t K, int64_t N) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) rows<4>(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
+  for (; r < R; ++r) rows<1>(C + r * ldc, ldc, A + r * lda, lda, B, ldb, K, N);
+}
+
 // A task's working rows for chunks of up to C tokens.
 struct Scratch {
-  std::vector<float> G, E, A, P, X, V, Q;  // (C) x2, (C, C) x2, (C, Dv + Dk), (C, Dv), (C, Dk)
+  // G, E (C); A, P (C, C); X (C, Dv + Dk); V (C, Dv); Q, M (C, Dk); T (Dk, C)
+  std::vector<float> G, E, A, P, X, V, Q, M, T;
   Scratch(int64_t C, int64_t Dk, int64_t Dv)
-      : G(C), E(C), A(C * C), P(C * C), X(C * (Dv + Dk)), V(C * Dv), Q(C * Dk) {}
+      : G(C), E(C), A(C * C), P(C * C), X(C * (Dv + Dk)), V(C * Dv), Q(C * Dk), M(C * Dk),
+        T(Dk * C) {}
 };
 
 // One chunk of n tokens of one (sequence, head), from token t0; S (Dk, Dv) updated in place.
@@ -73,7 +126,7 @@ QINFER_INLINE void delta_chunk(const DeltaHead& x, int64_t t0, int64_t n, float*
                                int64_t Dk, int64_t Dv, float scale, Scratch& w) {
   const int64_t C = static_cast<int64_t>(w.G.size()), width = Dv + Dk;
   float *G = w.G.data(), *E = w.E.data(), *A = w.A.data(), *P = w.P.data();
-  float *X = w.X.data(), *V = w.V.data(), *Q = w.Q.data();
+  float *X = w.X.data(), *V = w.V.data(), *Q = w.Q.data(), *M = w.M.data(), *T = w.T.data();
   auto k = [&](int64_t i) { return x.k + (t0 + i) * x.k_step; };
   float cumulative = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
@@ -98,29 +151,29 @@ QINFER_INLINE void delta_chunk(const DeltaHead& x, int64_t t0, int64_t n, float*
     for (int64_t m = 0; m < Dk; ++m) xi[Dv + m] = decayed * k(i)[m];
     for (int64_t j = 0; j < i; ++j) axpy(xi, -A[i * C + j], X + j * width, width);
   }
-  // V'_i = U_i - W_i S and out_i = (q'_i exp(G_i)) S, each S row read once for every i
+  // V' = U - W S (M = -W), then out = (Q' diag(exp(G))) S + P V' (M = Q' scaled, P's upper
+  // triangle zero)
+  float* out = x.out + t0 * x.out_step;
   for (int64_t i = 0; i < n; ++i) {
     std::copy(X + i * width, X + i * width + Dv, V + i * Dv);
-    std::fill(x.out + (t0 + i) * x.out_step, x.out + (t0 + i) * x.out_step + Dv, 0.0f);
+    for (int64_t m = 0; m < Dk; ++m) M[i * Dk + m] = -X[i * width + Dv + m];
   }
-  for (int64_t m = 0; m < Dk; ++m) {
-    const float* row = S + m * Dv;
-    for (int64_t i = 0; i < n; ++i) {
-      axpy(V + i * Dv, -X[i * width + Dv + m], row, Dv);
-      axpy(x.out + (t0 + i) * x.out_step, Q[i * Dk + m] * E[i], row, Dv);
-    }
+  multiply_add(V, Dv, M, Dk, S, Dv, n, Dk, Dv);
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill(out + i * x.out_step, out + i * x.out_step + Dv, 0.0f);
+    for (int64_t m = 0; m < Dk; ++m) M[i * Dk + m] = Q[i * Dk + m] * E[i];
+    std::fill(P + i * C + i + 1, P + i * C + n, 0.0f);
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j <= i; ++j)
-      axpy(x.out + (t0 + i) * x.out_step, P[i * C + j], V + j * Dv, Dv);
-  // S <- exp(G_last) S + sum_i (k_i exp(G_last - G_i)) V'_i
+  multiply_add(out, x.out_step, M, Dk, S, Dv, n, Dk, Dv);
+  multiply_add(out, x.out_step, P, C, V, Dv, n, n, Dv);
+  // S <- exp(G_last) S + T V', T[m, i] = k_i[m] exp(G_last - G_i)
   const float last = G[n - 1], whole = E[n - 1];
-  for (int64_t i = 0; i < n; ++i) G[i] = std::exp(last - G[i]);  // G now the decays to the end
-  for (int64_t m = 0; m < Dk; ++m) {
-    float* row = S + m * Dv;
-    for (int64_t j = 0; j < Dv; ++j) row[j] = whole * row[j];
-    for (int64_t i = 0; i < n; ++i) axpy(row, k(i)[m] * G[i], V + i * Dv, Dv);
+  for (int64_t i = 0; i < n; ++i) {
+    const float to_end = std::exp(last - G[i]);
+    for (int64_t m = 0; m < Dk; ++m) T[m * C + i] = k(i)[m] * to_end;
   }
+  for (int64_t e = 0; e < Dk * Dv; ++e) S[e] = whole * S[e];
+  multiply_add(S, Dv, T, C, V, Dv, Dk, n, Dv);
 }
 
 // The chunk loop, compiled once for each path of isa.h's vector ladder from the one source

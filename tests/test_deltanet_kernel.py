@@ -18,7 +18,11 @@ from checkpoints import max_diff
 from test_deltanet import inputs
 
 from qinfer import kernels
-from qinfer.attention.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from qinfer.attention.deltanet import (
+    CHUNK_SIZE,
+    chunked_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from qinfer.layers import gated_deltanet
 
 TOLERANCE = 1e-5
@@ -128,17 +132,23 @@ def test_bad_inputs_refused(form):
         kernels.gated_delta_chunked(q, k, v, g, beta, state, 0)
 
 
-@pytest.mark.parametrize("chunk_size", [None, 16])
+@pytest.mark.parametrize(("chunked", "chunk_size"), [(False, None), (True, 8), (True, None)])
 @pytest.mark.parametrize("compiled", [True, False])
-def test_layer_picks_form(monkeypatch, compiled, chunk_size):
+def test_layer_picks_form(monkeypatch, compiled, chunked, chunk_size):
     """The layer's rule is the compiled op where the kernels are in use and the torch form
-    where they are not (QINFER_CPU_KERNELS=off), bit for bit, token by token (None) or
-    chunked."""
+    where they are not (QINFER_CPU_KERNELS=off), bit for bit: token by token, chunked at the
+    size given, or at each form's own (`GATED_DELTA_CHUNK`, `CHUNK_SIZE`)."""
     monkeypatch.setattr(kernels, "in_use", lambda: compiled)
-    *args, state = inputs(B=2, L=20, H=3, Dk=16, Dv=8, seed=3)
-    got, got_state = gated_deltanet.gated_delta_rule(*args, state.clone(), chunk_size)
-    form = FORMS["recurrent" if chunk_size is None else "chunked"][0 if compiled else 1]
+    *args, state = inputs(B=2, L=40, H=3, Dk=16, Dv=8, seed=3)
+    got, got_state = gated_deltanet.gated_delta_rule(*args, state.clone(), chunked, chunk_size)
     want_state = state.clone()
+    if not chunked:
+        form = kernels.gated_delta_recurrent if compiled else recurrent_gated_delta_rule
+    elif compiled:
+        size = chunk_size or kernels.GATED_DELTA_CHUNK
+        form = functools.partial(kernels.gated_delta_chunked, chunk_size=size)
+    else:
+        form = functools.partial(chunked_gated_delta_rule, chunk_size=chunk_size or CHUNK_SIZE)
     want = form(*args, want_state)
     if not compiled:
         want, want_state = want

@@ -45,10 +45,16 @@ from qinfer.kernels.build import available, build_directory, buildable, on_x86, 
 from qinfer.kernels.cpu import SWITCH, auto_path, in_use, norm_auto_path, norm_paths, paths
 from qinfer.kernels.registry import BLOCK, CONSTANT_MARK, REFUSED_DEVICES, ops, refusal
 
+#: Tokens per chunk of `gated_delta_chunked`: 16, measured fastest at Qwen3.5-0.8B's shapes
+#: (8 the same, 24 and 32 slower: docs/BENCHMARKS.md); torch's form wants 32
+#: (`deltanet.CHUNK_SIZE`), its matmuls being cheaper per element the longer the chunk.
+GATED_DELTA_CHUNK = 16
+
 __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK",
     "CONSTANT_MARK",
+    "GATED_DELTA_CHUNK",
     "REFUSED_DEVICES",
     "SWITCH",
     "Int4Groups",

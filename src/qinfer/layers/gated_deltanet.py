@@ -66,7 +66,8 @@ class GatedDeltaNet(Module, Placed):
     Slots: `in_proj` (the checkpoint's projections side by side, `DeltaNetConfig.projections`:
     Qwen3.5's four q/k/v, z, b, a, or Qwen3-Next's two grouped by key head), `out_proj`;
     tensors `conv` (C, 1, K), `A_log`, `dt_bias` (Hv,); the gated norm's weight (d_v,), not zero-centred.
-    chunk_size: the tokens per chunk of the chunked form (`deltanet.CHUNK_SIZE`).
+    chunk_size: the tokens per chunk of the chunked form; None (the default): each form's
+    measured best (`deltanet.CHUNK_SIZE` for torch's, `kernels.GATED_DELTA_CHUNK` compiled).
     """
 
     def __init__(self, layer_prefix: str, config: ModelConfig, *, layer: int) -> None:
@@ -74,7 +75,7 @@ class GatedDeltaNet(Module, Placed):
         shapes = config.deltanet
         self.layer = layer
         self.shapes = shapes
-        self.chunk_size = CHUNK_SIZE
+        self.chunk_size: int | None = None
         H, Hv = config.hidden_size, shapes.num_value_heads
         prefix = f"{layer_prefix}.linear_attn"
         names = tuple(f"{prefix}.in_proj_{part}" for part in shapes.projections)
@@ -200,8 +201,8 @@ class GatedDeltaNet(Module, Placed):
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
         state = matrices.index_select(0, slots)  # the rule's to overwrite
-        chunk_size = None if L == 1 or recurrent else self.chunk_size  # decode, verification
-        o, state = gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+        chunked = L > 1 and not recurrent  # not decode, not a verification
+        o, state = gated_delta_rule(q, k, v, g, beta, state, chunked, self.chunk_size)
         matrices.index_copy_(0, slots, state)
         return o
 
@@ -213,17 +214,19 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int | None,
+    chunked: bool,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule token by token (`chunk_size` None) or `chunk_size` tokens at a time, the torch
-    forms' arguments and results: the compiled ops (each sequence alone in its sums: the same
-    bits in any batch) for CPU tensors without autograd where the kernels are in use, else
-    the torch forms (`QINFER_CPU_KERNELS=off` selects them)."""
+    """The rule token by token or (`chunked`) `chunk_size` tokens at a time (None: the form's
+    measured best), the torch forms' arguments and results: the compiled ops (each sequence
+    alone in its sums: the same bits in any batch) for CPU tensors without autograd where the
+    kernels are in use, else the torch forms (`QINFER_CPU_KERNELS=off` selects them)."""
     if state.device.type == "cpu" and not q.requires_grad and kernels.in_use():
         v, beta = v.float(), beta.float()
-        if chunk_size is None:
+        if not chunked:
             return kernels.gated_delta_recurrent(q, k, v, g, beta, state), state
-        return kernels.gated_delta_chunked(q, k, v, g, beta, state, chunk_size), state
-    if chunk_size is None:
+        size = kernels.GATED_DELTA_CHUNK if chunk_size is None else chunk_size
+        return kernels.gated_delta_chunked(q, k, v, g, beta, state, size), state
+    if not chunked:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size)
+    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size or CHUNK_SIZE)

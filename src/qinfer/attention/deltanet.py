@@ -10,7 +10,10 @@ Two forms compute it: `recurrent_gated_delta_rule`, token by token (decode), and
 `chunked_gated_delta_rule`, which turns each chunk of C tokens into a few (C x C) and
 (C x d) matmuls and carries S from chunk to chunk (prompts). They agree to fp32 rounding,
 and each agrees with transformers' `torch_recurrent_gated_delta_rule` /
-`torch_chunk_gated_delta_rule` (tests/test_deltanet.py).
+`torch_chunk_gated_delta_rule` (tests/test_deltanet.py). Their compiled CPU twins,
+`kernels.gated_delta_recurrent` and `kernels.gated_delta_chunked`, are what the layer runs
+where the kernels are in use (`layers.gated_deltanet.gated_delta_rule`); these stay the
+reference and the path with `QINFER_CPU_KERNELS=off`.
 
 `causal_conv1d` is the short causal depthwise convolution before the rule, with the rolling
 window of the last K - 1 inputs a sequence keeps between steps.

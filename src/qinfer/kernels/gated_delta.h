@@ -14,8 +14,8 @@
 
 namespace qinfer_kernels {
 
-// One (sequence, head)'s inputs: token t's q, k, v rows at q + t * qkv_step (and k's, v's),
-// its g and beta at g[t * gate_step] (...); out's rows at out + t * out_step.
+// One (sequence, head)'s inputs: token t's q row at q + t * q_step (k's, v's alike), its g
+// at g[t * g_step] (beta's alike); its output row at out + t * out_step.
 struct DeltaHead {
   const float *q, *k, *v, *g, *beta;
   int64_t q_step, k_step, v_step, g_step, beta_step;
@@ -65,9 +65,9 @@ inline DeltaHead delta_head(const at::Tensor& q, const at::Tensor& k, const at::
   auto at = [&](const at::Tensor& t) {
     return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(2);
   };
-  return {at(q),         at(k),         at(v),           at(g),
-          at(beta),      q.stride(1),   k.stride(1),     v.stride(1),
-          g.stride(1),   beta.stride(1), at(out),        out.stride(1)};
+  return {at(q),       at(k),       at(v),       at(g),          at(beta),
+          q.stride(1), k.stride(1), v.stride(1), g.stride(1),    beta.stride(1),
+          at(out),     out.stride(1)};
 }
 
 }  // namespace qinfer_kernels

@@ -3,7 +3,7 @@ does (which inputs it writes), and its fake kernel (`kernels.registry.FAKE_KERNE
 shapes and dtypes the real one returns, so that `torch.compile` and `torch.export` can
 trace a graph through it (`torch.library.opcheck`, which runs the real kernel beside each
 check). The ops' arithmetic is tested in test_int_dot_kernels.py, test_rms_norm_kernel.py
-and test_paged_decode_kernel.py.
+test_paged_decode_kernel.py and test_deltanet_kernel.py.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def samples() -> dict[str, tuple]:
     q8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=gen)
     heads = torch.randn(3, 4, 64, generator=gen)
     c = case(torch.float32, torch.bfloat16, sliding=True)
+    # the gated delta rule: 2 sequences of 5 tokens, 3 heads of 16
+    rule = (*(torch.randn(2, 5, 3, 16, generator=gen) for _ in range(3)), -torch.rand(2, 5, 3))
+    rule += (torch.rand(2, 5, 3), torch.randn(2, 3, 16, 16, generator=gen))
     return {
         "int4_mm": (x, *int4, "auto"),
         "int4_groups_mm": (x.bfloat16(), *int4, "auto"),
@@ -48,6 +51,8 @@ def samples() -> dict[str, tuple]:
         "add_rms_norm": (x.clone(), x.bfloat16(), torch.rand(64), 1e-6, torch.bfloat16, "auto"),
         "heads_rms_norm": (heads, torch.rand(64), torch.rand(64), 2, 1e-6, torch.float32, "auto"),
         "rope": (heads, torch.rand(3, 32, generator=gen), torch.rand(3, 32, generator=gen)),
+        "gated_delta_recurrent": rule,
+        "gated_delta_chunked": (*rule, 2),
         "paged_decode_attention": (
             *(c["q"], c["k"], c["v"], c["keys"], c["values"], c["slots"], c["positions"]),
             *(c["tables"], c["totals"], c["key_starts"], BLOCK, 20, 0.125),

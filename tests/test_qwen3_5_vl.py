@@ -28,7 +28,11 @@ from qinfer.vision import ImagePrompt, VisionLanguageModel, preprocess_images
 
 pytestmark = pytest.mark.slow
 
-TOLERANCE = 1e-4  # fp32 logits of order 1 to 10, as tests/test_qwen3_5.py
+#: fp32 logits of order 1 to 10. The DeltaNet's chunks round differently from transformers'
+#: 64-token ones: measured 2026-12-06, the largest difference is 1.9e-5 (dense) and 5.4e-5
+#: (MoE) at chunks of 64, 3.5e-5 and 1.5e-4 with the compiled form's 16, 1.6e-4 (MoE) with
+#: torch's 32: the MoE model amplifies the rule's rounding, hence 3e-4, not 1e-4.
+TOLERANCE = 3e-4
 ROPE = HYBRID["qwen3_5"]["rope_parameters"]
 #: Qwen3.5's and Qwen3.5-MoE's text models (tests/checkpoints.py's: DeltaNet, gated attention,
 #: experts; interleaved M-RoPE sections 2 / 1 / 1 of the 4 rotary frequencies) with the

@@ -10,7 +10,10 @@ Two forms compute it: `recurrent_gated_delta_rule`, token by token (decode), and
 `chunked_gated_delta_rule`, which turns each chunk of C tokens into a few (C x C) and
 (C x d) matmuls and carries S from chunk to chunk (prompts). They agree to fp32 rounding,
 and each agrees with transformers' `torch_recurrent_gated_delta_rule` /
-`torch_chunk_gated_delta_rule` (tests/test_deltanet.py).
+`torch_chunk_gated_delta_rule` (tests/test_deltanet.py). Their compiled CPU twins,
+`kernels.gated_delta_recurrent` and `kernels.gated_delta_chunked`, are what the layer runs
+where the kernels are in use (`layers.gated_deltanet.gated_delta_rule`); these stay the
+reference and the path with `QINFER_CPU_KERNELS=off`.
 
 `causal_conv1d` is the short causal depthwise convolution before the rule, with the rolling
 window of the last K - 1 inputs a sequence keeps between steps.
@@ -21,10 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Tokens per chunk of the chunked form. Provisional: transformers' (and the FLA kernels')
-#: 64, kept until the chunk size is measured on our CPUs (issue 50); any size gives the
-#: same values to fp32 rounding.
-CHUNK_SIZE = 64
+#: Tokens per chunk of the chunked form: 32, measured fastest at Qwen3.5-0.8B's shapes on
+#: our CPUs (docs/BENCHMARKS.md, bench/deltanet_times.py; transformers and the FLA kernels
+#: take 64). Any size gives the same values to fp32 rounding; longer chunks also reach
+#: exp(G) in fp32's denormals sooner (G sums a chunk's decays), which multiply slowly.
+CHUNK_SIZE = 32
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """qinfer's compiled CPU kernels, the ops' Python wrappers: int4 and int8 weights times int8
 activations, int8 blocks and int4 groups times fp32 activations, a block's residual add +
-RMSNorm, decode attention over the paged KV pool, and RoPE. What each computes, to the bit,
+RMSNorm, decode attention over the paged KV pool, RoPE, and the gated delta rule's
+two forms (recurrent for decode, chunked for prompts). What each computes, to the bit,
 and why: docs/KERNELS.md.
 
     packed = pack_int4(groups)     # Int4Groups of 32 (q (N, K) 0..15, scales, zeros (N, K/32))
@@ -20,6 +21,9 @@ and why: docs/KERNELS.md.
                                    # one new token per sequence: k, v stored in the pool,
                                    #   q (G, Hq, D) attends its sequence's keys -> (G, Hq, D)
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
+    o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
+                                   #   token: state (B, H, Dk, Dv) fp32 updated in place
+    o = gated_delta_chunked(q, k, v, g, beta, state, C)  # the same, C tokens at a time
 
 The library is built on first use (`build`: `available()` says why it cannot be, `buildable()`
 whether it can be expected to); the paths each op has on this CPU and the one "auto" takes
@@ -41,10 +45,16 @@ from qinfer.kernels.build import available, build_directory, buildable, on_x86, 
 from qinfer.kernels.cpu import SWITCH, auto_path, in_use, norm_auto_path, norm_paths, paths
 from qinfer.kernels.registry import BLOCK, CONSTANT_MARK, REFUSED_DEVICES, ops, refusal
 
+#: Tokens per chunk of `gated_delta_chunked`: 16, measured fastest at Qwen3.5-0.8B's shapes
+#: (8 the same, 24 and 32 slower: docs/BENCHMARKS.md); torch's form wants 32
+#: (`deltanet.CHUNK_SIZE`), its matmuls being cheaper per element the longer the chunk.
+GATED_DELTA_CHUNK = 16
+
 __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK",
     "CONSTANT_MARK",
+    "GATED_DELTA_CHUNK",
     "REFUSED_DEVICES",
     "SWITCH",
     "Int4Groups",
@@ -55,6 +65,8 @@ __all__ = [
     "build_directory",
     "buildable",
     "fp16_if_exact",
+    "gated_delta_chunked",
+    "gated_delta_recurrent",
     "heads_rms_norm",
     "in_use",
     "int4_groups_mm",
@@ -256,3 +268,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if ops.rope is None:
         require()
     return ops.rope(x, cos, sin)
+
+
+def gated_delta_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule token by token, `deltanet.recurrent_gated_delta_rule`'s
+    arguments: q, k (B, L, H, Dk) L2-normalised (q not yet scaled by Dk^-0.5), v
+    (B, L, H, Dv), g, beta (B, L, H), all fp32; state (B, H, Dk, Dv) fp32 contiguous,
+    overwritten with the state after the L tokens. Returns out (B, L, H, Dv) fp32, each
+    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    if ops.gated_delta_recurrent is None:
+        require()
+    return ops.gated_delta_recurrent(q, k, v, g, beta, state)
+
+
+def gated_delta_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The gated delta rule `chunk_size` tokens at a time (`deltanet.chunked_gated_delta_rule`'s
+    steps), `gated_delta_recurrent`'s arguments and result; within fp32 rounding of it, each
+    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    if ops.gated_delta_chunked is None:
+        require()
+    return ops.gated_delta_chunked(q, k, v, g, beta, state, chunk_size)

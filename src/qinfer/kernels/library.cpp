@@ -43,6 +43,10 @@ TORCH_LIBRARY(qinfer, lib) {
           "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
           "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+          "Tensor(a!) state) -> Tensor");
+  lib.def("gated_delta_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+          "Tensor(a!) state, int chunk_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
@@ -55,4 +59,6 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("heads_rms_norm", &heads_rms_norm);
   lib.impl("paged_decode_attention", &paged_decode_attention);
   lib.impl("rope", &rope);
+  lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
+  lib.impl("gated_delta_chunked", &gated_delta_chunked);
 }

@@ -42,6 +42,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
                                   int64_t block_size, int64_t window, double scale);
+// gated_delta.cpp
+at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const at::Tensor& beta,
+                                 const at::Tensor& state);
+// gated_delta_chunked.cpp
+at::Tensor gated_delta_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta,
+                               const at::Tensor& state, int64_t chunk_size);
 // rope.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

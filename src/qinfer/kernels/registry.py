@@ -70,6 +70,10 @@ def _like(x: torch.Tensor, *_: object) -> torch.Tensor:  # attention's q, RoPE's
     return x.new_empty(x.shape)
 
 
+def _delta_out(q, k, v: torch.Tensor, *_: object) -> torch.Tensor:  # noqa: ANN001
+    return v.new_empty(v.shape, dtype=torch.float32)  # (B, L, H, Dv)
+
+
 #: Each op that takes tensors -> its fake kernel.
 FAKE_KERNELS = {
     "int4_mm": _rows_by_columns,
@@ -81,6 +85,8 @@ FAKE_KERNELS = {
     "heads_rms_norm": _heads_normed,
     "paged_decode_attention": _like,
     "rope": _like,
+    "gated_delta_recurrent": _delta_out,
+    "gated_delta_chunked": _delta_out,
 }
 
 #: The ops' default overloads, bound once the library is loaded (None before): torch.ops'

@@ -6,7 +6,8 @@ per-sequence state, as transformers' `Qwen3_5GatedDeltaNet`.
       -> causal depthwise conv1d over q/k/v (kernel K, SiLU), continuing the sequence's window
       -> q, k L2-normalised per head; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
       -> the gated delta rule over the sequence's fp32 state (`qinfer.attention.deltanet`):
-         chunked for prompts, recurrent for decode
+         chunked for prompts, recurrent for decode (on the CPU, where the kernels are in use,
+         the compiled `kernels.gated_delta_chunked` / `gated_delta_recurrent`)
       -> RMSNorm over each value head, times silu(z) -> out_proj -> (T, hidden)
 
 A step's sequences take their conv windows and states from the state pool's slots
@@ -24,6 +25,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.attention.deltanet import (
     CHUNK_SIZE,
     causal_conv1d,
@@ -64,7 +66,8 @@ class GatedDeltaNet(Module, Placed):
     Slots: `in_proj` (the checkpoint's projections side by side, `DeltaNetConfig.projections`:
     Qwen3.5's four q/k/v, z, b, a, or Qwen3-Next's two grouped by key head), `out_proj`;
     tensors `conv` (C, 1, K), `A_log`, `dt_bias` (Hv,); the gated norm's weight (d_v,), not zero-centred.
-    chunk_size: the tokens per chunk of the chunked form (`deltanet.CHUNK_SIZE`).
+    chunk_size: the tokens per chunk of the chunked form; None (the default): each form's
+    measured best (`deltanet.CHUNK_SIZE` for torch's, `kernels.GATED_DELTA_CHUNK` compiled).
     """
 
     def __init__(self, layer_prefix: str, config: ModelConfig, *, layer: int) -> None:
@@ -72,7 +75,7 @@ class GatedDeltaNet(Module, Placed):
         shapes = config.deltanet
         self.layer = layer
         self.shapes = shapes
-        self.chunk_size = CHUNK_SIZE
+        self.chunk_size: int | None = None
         H, Hv = config.hidden_size, shapes.num_value_heads
         prefix = f"{layer_prefix}.linear_attn"
         names = tuple(f"{prefix}.in_proj_{part}" for part in shapes.projections)
@@ -198,9 +201,32 @@ class GatedDeltaNet(Module, Placed):
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
         state = matrices.index_select(0, slots)  # the rule's to overwrite
-        if L == 1 or recurrent:  # decode, verification
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
-        else:
-            o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
+        chunked = L > 1 and not recurrent  # not decode, not a verification
+        o, state = gated_delta_rule(q, k, v, g, beta, state, chunked, self.chunk_size)
         matrices.index_copy_(0, slots, state)
         return o
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunked: bool,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token or (`chunked`) `chunk_size` tokens at a time (None: the form's
+    measured best), the torch forms' arguments and results: the compiled ops (each sequence
+    alone in its sums: the same bits in any batch) for CPU tensors without autograd where the
+    kernels are in use, else the torch forms (`QINFER_CPU_KERNELS=off` selects them)."""
+    if state.device.type == "cpu" and not q.requires_grad and kernels.in_use():
+        v, beta = v.float(), beta.float()
+        if not chunked:
+            return kernels.gated_delta_recurrent(q, k, v, g, beta, state), state
+        size = kernels.GATED_DELTA_CHUNK if chunk_size is None else chunk_size
+        return kernels.gated_delta_chunked(q, k, v, g, beta, state, size), state
+    if not chunked:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size or CHUNK_SIZE)

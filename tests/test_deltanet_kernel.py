@@ -1,0 +1,156 @@
+"""qinfer.kernels.gated_delta_recurrent and gated_delta_chunked, the compiled forms of the
+gated delta rule: within fp32 rounding of the torch forms (`recurrent_gated_delta_rule`,
+`chunked_gated_delta_rule`) and of each other, each sequence the same bits alone as in any
+batch and on any thread count, strided inputs read as contiguous ones, bad inputs refused
+in one line, and the layer's choice between compiled and torch forms.
+
+Tolerance: the ops sum in other orders than torch's bmm and solve; outputs and state entries
+are of order 1, so 1e-5 is some 100 fp32 units.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from checkpoints import max_diff
+from test_deltanet import inputs
+
+from qinfer import kernels
+from qinfer.attention.deltanet import (
+    CHUNK_SIZE,
+    chunked_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from qinfer.layers import gated_deltanet
+
+TOLERANCE = 1e-5
+
+#: Each compiled form (chunked at 16 tokens a chunk) beside its torch twin.
+FORMS = {
+    "recurrent": (kernels.gated_delta_recurrent, recurrent_gated_delta_rule),
+    "chunked": (
+        functools.partial(kernels.gated_delta_chunked, chunk_size=16),
+        functools.partial(chunked_gated_delta_rule, chunk_size=16),
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    reason = kernels.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(B=3, L=1, H=4, Dk=32, Dv=24),  # decode, Dv not a multiple of 16
+        dict(B=2, L=39, H=3, Dk=20, Dv=8),  # several chunks, the last ragged; Dk not of 16
+        dict(B=1, L=20, H=16, Dk=128, Dv=128),  # Qwen3.5-0.8B's heads
+    ],
+)
+def test_matches_torch_form(form, shape):
+    """Outputs and the final state within fp32 rounding of the torch form."""
+    compiled, torch_form = FORMS[form]
+    *args, state = inputs(**shape)
+    want, want_state = torch_form(*args, state.clone())
+    got_state = state.clone()
+    got = compiled(*args, got_state)
+    assert max_diff(got, want) < TOLERANCE
+    assert max_diff(got_state, want_state) < TOLERANCE
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 32, 100])
+def test_chunked_equals_recurrent(chunk_size):
+    """Any chunk size (one token, ragged, one chunk longer than the prompt) gives the
+    compiled recurrent form's outputs and state."""
+    *args, state = inputs(B=2, L=45, H=2, Dk=16, Dv=16, seed=4)
+    want_state, got_state = state.clone(), state.clone()
+    want = kernels.gated_delta_recurrent(*args, want_state)
+    got = kernels.gated_delta_chunked(*args, got_state, chunk_size)
+    assert max_diff(got, want) < TOLERANCE
+    assert max_diff(got_state, want_state) < TOLERANCE
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_sequence_alone_equals_in_batch(form):
+    """A sequence's output and state are the same bits alone, in a batch of 5 and on 1 or 2
+    threads: each (sequence, head) is one task with one order of sums."""
+    compiled, _ = FORMS[form]
+    *args, state = inputs(B=5, L=19, H=4, Dk=32, Dv=32, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch_state = state.clone()
+        batch = compiled(*args, batch_state)
+        torch.set_num_threads(1)
+        for b in range(5):
+            alone_state = state[b : b + 1].clone()
+            alone = compiled(*(x[b : b + 1] for x in args), alone_state)
+            assert torch.equal(alone, batch[b : b + 1])
+            assert torch.equal(alone_state, batch_state[b : b + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_strided_inputs(form):
+    """q, k, v as slices of wider rows (as the layer's conv output splits them) and g, beta
+    transposed views give the contiguous inputs' bits."""
+    compiled, _ = FORMS[form]
+    q, k, v, g, beta, state = inputs(B=2, L=18, H=3, Dk=16, Dv=8, seed=2)
+    qs, ks, vs = torch.cat((q, k, v), dim=-1).split([16, 16, 8], dim=-1)
+    gt, bt = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (g, beta))
+    assert not vs.is_contiguous() and not gt.is_contiguous()
+    want_state, got_state = state.clone(), state.clone()
+    want = compiled(q, k, v, g, beta, want_state)
+    got = compiled(qs, ks, vs, gt, bt, got_state)
+    assert torch.equal(got, want)
+    assert torch.equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_bad_inputs_refused(form):
+    compiled, _ = FORMS[form]
+    q, k, v, g, beta, state = inputs(B=2, L=1, H=3, Dk=16, Dv=8)
+    cases = [
+        ((q.double(), k, v, g, beta, state), "q must be"),
+        ((q, k, v, g[:, :, :2], beta, state), "g must be"),
+        ((q, k, v, g, beta, state.transpose(2, 3)), "state must be contiguous"),
+        ((q[..., :8], k, v, g, beta, state), "q's last dimension"),
+        ((q, k, v[..., ::2], g, beta, state[..., :4]), "v must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message) as error:
+            compiled(*args)
+        assert "\n" not in str(error.value).strip()
+    with pytest.raises(RuntimeError, match="chunk_size must be positive"):
+        kernels.gated_delta_chunked(q, k, v, g, beta, state, 0)
+
+
+@pytest.mark.parametrize(("chunked", "chunk_size"), [(False, None), (True, 8), (True, None)])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_layer_picks_form(monkeypatch, compiled, chunked, chunk_size):
+    """The layer's rule is the compiled op where the kernels are in use and the torch form
+    where they are not (QINFER_CPU_KERNELS=off), bit for bit: token by token, chunked at the
+    size given, or at each form's own (`GATED_DELTA_CHUNK`, `CHUNK_SIZE`)."""
+    monkeypatch.setattr(kernels, "in_use", lambda: compiled)
+    *args, state = inputs(B=2, L=40, H=3, Dk=16, Dv=8, seed=3)
+    got, got_state = gated_deltanet.gated_delta_rule(*args, state.clone(), chunked, chunk_size)
+    want_state = state.clone()
+    if not chunked:
+        form = kernels.gated_delta_recurrent if compiled else recurrent_gated_delta_rule
+    elif compiled:
+        size = chunk_size or kernels.GATED_DELTA_CHUNK
+        form = functools.partial(kernels.gated_delta_chunked, chunk_size=size)
+    else:
+        form = functools.partial(chunked_gated_delta_rule, chunk_size=chunk_size or CHUNK_SIZE)
+    want = form(*args, want_state)
+    if not compiled:
+        want, want_state = want
+    assert torch.equal(got, want)
+    assert torch.equal(got_state, want_state)

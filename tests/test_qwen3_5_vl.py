@@ -28,11 +28,12 @@ from qinfer.vision import ImagePrompt, VisionLanguageModel, preprocess_images
 
 pytestmark = pytest.mark.slow
 
-#: fp32 logits of order 1 to 10. The DeltaNet's chunks round differently from transformers'
-#: 64-token ones: measured 2026-12-06, the largest difference is 1.9e-5 (dense) and 5.4e-5
-#: (MoE) at chunks of 64, 3.5e-5 and 1.5e-4 with the compiled form's 16, 1.6e-4 (MoE) with
-#: torch's 32: the MoE model amplifies the rule's rounding, hence 3e-4, not 1e-4.
-TOLERANCE = 3e-4
+#: fp32 logits of order 1 to 10, per family. The DeltaNet's chunks round differently from
+#: transformers' 64-token ones: measured 2026-12-06, the largest difference is 1.9e-5
+#: (dense) and 5.4e-5 (MoE) at chunks of 64, 3.5e-5 and 1.5e-4 with the compiled form's 16,
+#: 1.6e-4 (MoE) with torch's 32: this random MoE with an image amplifies the rule's fp32
+#: rounding past 1e-4, the dense model does not.
+TOLERANCE = {"qwen3_5": 1e-4, "qwen3_5_moe": 3e-4}
 ROPE = HYBRID["qwen3_5"]["rope_parameters"]
 #: Qwen3.5's and Qwen3.5-MoE's text models (tests/checkpoints.py's: DeltaNet, gated attention,
 #: experts; interleaved M-RoPE sections 2 / 1 / 1 of the 4 rotary frequencies) with the
@@ -62,6 +63,7 @@ class Files:
     text: Path
     mmproj: Path
     reference: torch.nn.Module
+    family: str
 
 
 @pytest.fixture(scope="module", params=sorted(TEXT))
@@ -91,7 +93,7 @@ def files(request, tmp_path_factory) -> Files:
         ["--no-mtp", "--outtype", "f32", "--outfile", str(text)],
         ["--mmproj", "--outtype", "f32", "--outfile", str(mmproj)],
     )
-    return Files(folder, text, mmproj, reference)
+    return Files(folder, text, mmproj, reference, family)
 
 
 @pytest.fixture(scope="module", params=["folder", "gguf"])
@@ -131,7 +133,7 @@ def test_logits_with_an_image_equal_transformers(files, vl):
     with torch.no_grad():
         expected = files.reference(**reference_inputs(vl, p)).logits.float()
     assert expected.abs().max() > 1
-    assert max_diff(ours, expected) < TOLERANCE
+    assert max_diff(ours, expected) < TOLERANCE[files.family]
 
 
 def test_greedy_tokens_through_the_engine_equal_transformers(files, vl):

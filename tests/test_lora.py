@@ -20,7 +20,7 @@ from checkpoints import (
 )
 
 import qinfer
-from qinfer.core.errors import AdapterError
+from qinfer.core.errors import AdapterError, QinferError
 from qinfer.engine import LLM
 from qinfer.linear.lora import LoraLinear
 from qinfer.lora import Adapters
@@ -133,6 +133,8 @@ def test_refusals(qwen3, tmp_path):
         adapters.load("ok2", tmp_path / "ok", in_use={adapters.resident["ok"]})
     assert adapters.names() == ["ok"]
     assert not any(isinstance(m, LoraLinear) for m in model.layers[0].mlp.modules())
+    with pytest.raises(QinferError, match="lora_modules: LoRA adapters run in one process"):
+        LLM(folder, tensor_parallel_size=2, lora_modules={"ok": str(tmp_path / "ok")})
 
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)

@@ -145,6 +145,10 @@ def build_engine(
         raise QinferError(
             "speculative method 'mtp' runs in one process: use tensor_parallel_size 1"
         )
+    if config.lora_modules:  # adapters are not sharded as their base layers are
+        raise QinferError(
+            "lora_modules: LoRA adapters run in one process: use tensor_parallel_size 1"
+        )
     # The workers run the target's steps only: a draft model is rank 0's.
     worker = partial(follow_engine, path, load, dataclasses.replace(config, speculative=None))
     group = init_tensor_parallel(size, load.device, worker)

@@ -130,6 +130,12 @@ def test_bad_inputs_refused(form):
         assert "\n" not in str(error.value).strip()
     with pytest.raises(RuntimeError, match="chunk_size must be positive"):
         kernels.gated_delta_chunked(q, k, v, g, beta, state, 0)
+    with pytest.raises(RuntimeError, match="slot 5 of sequence 1 is outside the state's 2 rows"):
+        kernels.gated_delta_recurrent(q, k, v, g, beta, state, torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="slots must be contiguous"):
+        kernels.gated_delta_chunked(
+            q, k, v, g, beta, state, 8, torch.tensor([0, 1], dtype=torch.int32)
+        )
 
 
 @pytest.mark.parametrize(("chunked", "chunk_size"), [(False, None), (True, 8), (True, None)])
@@ -140,7 +146,14 @@ def test_layer_picks_form(monkeypatch, compiled, chunked, chunk_size):
     size given, or at each form's own (`GATED_DELTA_CHUNK`, `CHUNK_SIZE`)."""
     monkeypatch.setattr(kernels, "in_use", lambda: compiled)
     *args, state = inputs(B=2, L=40, H=3, Dk=16, Dv=8, seed=3)
-    got, got_state = gated_deltanet.gated_delta_rule(*args, state.clone(), chunked, chunk_size)
+    # the two sequences' states in rows 2 and 0 of a pool of 4, rows 1 and 3 another's
+    pool = torch.randn(4, *state.shape[1:], generator=torch.Generator().manual_seed(9))
+    slots = torch.tensor([2, 0])
+    pool[slots] = state
+    untouched = pool[[1, 3]].clone()
+    got = gated_deltanet.gated_delta_rule(*args, pool, slots, chunked, chunk_size)
+    got_state = pool[slots]
+    assert torch.equal(pool[[1, 3]], untouched)
     want_state = state.clone()
     if not chunked:
         form = kernels.gated_delta_recurrent if compiled else recurrent_gated_delta_rule

@@ -277,15 +277,17 @@ def gated_delta_recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule token by token, `deltanet.recurrent_gated_delta_rule`'s
     arguments: q, k (B, L, H, Dk) L2-normalised (q not yet scaled by Dk^-0.5), v
     (B, L, H, Dv), g, beta (B, L, H), all fp32; state (B, H, Dk, Dv) fp32 contiguous,
-    overwritten with the state after the L tokens. Returns out (B, L, H, Dv) fp32, each
-    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    overwritten with the state after the L tokens; or, with slots (B,) int64, a pool
+    (P, H, Dk, Dv) whose row slots[b] is sequence b's, updated where it lies. Returns out
+    (B, L, H, Dv) fp32, each (sequence, head) alone in its sums (docs/KERNELS.md)."""
     if ops.gated_delta_recurrent is None:
         require()
-    return ops.gated_delta_recurrent(q, k, v, g, beta, state)
+    return ops.gated_delta_recurrent(q, k, v, g, beta, state, slots)
 
 
 def gated_delta_chunked(
@@ -296,10 +298,11 @@ def gated_delta_chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_size: int,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gated delta rule `chunk_size` tokens at a time (`deltanet.chunked_gated_delta_rule`'s
-    steps), `gated_delta_recurrent`'s arguments and result; within fp32 rounding of it, each
-    (sequence, head) alone in its sums (docs/KERNELS.md)."""
+    steps), `gated_delta_recurrent`'s arguments (slots too) and result; within fp32 rounding
+    of it, each (sequence, head) alone in its sums (docs/KERNELS.md)."""
     if ops.gated_delta_chunked is None:
         require()
-    return ops.gated_delta_chunked(q, k, v, g, beta, state, chunk_size)
+    return ops.gated_delta_chunked(q, k, v, g, beta, state, chunk_size, slots)

@@ -87,7 +87,8 @@ QINFER_DELTA_LOOPS(LoopsAvx512, QINFER_AVX512)
 
 template <typename Loops>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-         const at::Tensor& beta, const at::Tensor& state, const at::Tensor& out) {
+         const at::Tensor& beta, const at::Tensor& state, const std::vector<int64_t>& rows,
+         const at::Tensor& out) {
   const int64_t L = k.size(1), H = k.size(2), Dk = k.size(3), Dv = v.size(3);
   const float scale = query_scale(Dk);
   float* sp = state.data_ptr<float>();
@@ -95,7 +96,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     std::vector<float> scratch(2 * Dv);
     for (int64_t task = begin; task < end; ++task) {
       const DeltaHead x = delta_head(q, k, v, g, beta, out, task / H, task % H);
-      float* S = sp + task * Dk * Dv;
+      float* S = sp + (rows[task / H] * H + task % H) * Dk * Dv;
       for (int64_t t = 0; t < L; ++t)
         Loops::token(S, Dk, Dv, x.q + t * x.q_step, x.k + t * x.k_step, x.v + t * x.v_step,
                      std::exp(x.g[t * x.g_step]), x.beta[t * x.beta_step], scale,
@@ -108,13 +109,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,
-                                 const at::Tensor& state) {
-  check_delta_rule("gated_delta_recurrent", q, k, v, g, beta, state);
+                                 const at::Tensor& state,
+                                 const c10::optional<at::Tensor>& slots) {
+  const auto rows = check_delta_rule("gated_delta_recurrent", q, k, v, g, beta, state, slots);
   at::Tensor out = at::empty({k.size(0), k.size(1), k.size(2), v.size(3)}, v.options());
   switch (best(kVectorPaths)) {
-    case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, out); break;
-    case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, out); break;
-    default: run<LoopsScalar>(q, k, v, g, beta, state, out);
+    case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, rows, out); break;
+    case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, rows, out); break;
+    default: run<LoopsScalar>(q, k, v, g, beta, state, rows, out);
   }
   return out;
 }

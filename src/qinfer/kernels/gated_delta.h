@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -30,10 +32,14 @@ inline float query_scale(int64_t Dk) {
 
 // The rule's arguments, checked (one line per refusal): q, k (B, L, H, Dk), v (B, L, H, Dv)
 // fp32 with the last dimension contiguous; g, beta (B, L, H) fp32; state (B, H, Dk, Dv) fp32
-// contiguous; all on the CPU.
-inline void check_delta_rule(const char* op, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                             const at::Tensor& state) {
+// contiguous, or with slots (B,) int64 a pool (P, H, Dk, Dv) of which sequence b's is row
+// slots[b] (read and written there in place: no gather or scatter of the pool's rows); all
+// on the CPU. Returns each sequence's row of state.
+inline std::vector<int64_t> check_delta_rule(const char* op, const at::Tensor& q,
+                                             const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& g, const at::Tensor& beta,
+                                             const at::Tensor& state,
+                                             const c10::optional<at::Tensor>& slots) {
   TORCH_CHECK(k.dim() == 4, op, ": k must be (B, L, H, Dk), got ", shape_str(k));
   const int64_t B = k.size(0), L = k.size(1), H = k.size(2), Dk = k.size(3);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k},
@@ -51,11 +57,29 @@ inline void check_delta_rule(const char* op, const at::Tensor& q, const at::Tens
                 op, ": ", name, " must be (", B, ", ", L, ", ", H, ") fp32 on the CPU, got ",
                 shape_str(*t), " ", t->scalar_type());
   const int64_t Dv = v.size(3);
-  TORCH_CHECK(state.dim() == 4 && state.size(0) == B && state.size(1) == H &&
+  const int64_t P = slots.has_value() ? state.size(0) : B;
+  TORCH_CHECK(state.dim() == 4 && state.size(0) == P && state.size(1) == H &&
                   state.size(2) == Dk && state.size(3) == Dv &&
                   state.scalar_type() == at::kFloat && state.is_contiguous() && state.is_cpu(),
-              op, ": state must be contiguous (", B, ", ", H, ", ", Dk, ", ", Dv,
-              ") fp32 on the CPU, got ", shape_str(state), " ", state.scalar_type());
+              op, ": state must be contiguous (", slots.has_value() ? "P" : std::to_string(B),
+              ", ", H, ", ", Dk, ", ", Dv, ") fp32 on the CPU, got ", shape_str(state), " ",
+              state.scalar_type());
+  std::vector<int64_t> rows(B);
+  for (int64_t b = 0; b < B; ++b) rows[b] = b;
+  if (slots.has_value()) {
+    const at::Tensor& s = *slots;
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == B && s.scalar_type() == at::kLong && s.is_cpu() &&
+                    s.is_contiguous(),
+                op, ": slots must be contiguous (", B, ",) int64 on the CPU, got ",
+                shape_str(s), " ", s.scalar_type());
+    const int64_t* slot = s.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      rows[b] = slot[b];
+      TORCH_CHECK(0 <= rows[b] && rows[b] < P, op, ": slot ", rows[b], " of sequence ", b,
+                  " is outside the state's ", P, " rows");
+    }
+  }
+  return rows;
 }
 
 // Sequence b, head h's rows of the checked arguments and of out (B, L, H, Dv) contiguous.

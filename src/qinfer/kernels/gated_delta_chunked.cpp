@@ -192,7 +192,8 @@ QINFER_CHUNK_LOOPS(LoopsAvx512, QINFER_AVX512)
 
 template <typename Loops>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-         const at::Tensor& beta, const at::Tensor& state, int64_t C, const at::Tensor& out) {
+         const at::Tensor& beta, const at::Tensor& state, const std::vector<int64_t>& rows,
+         int64_t C, const at::Tensor& out) {
   const int64_t L = k.size(1), H = k.size(2), Dk = k.size(3), Dv = v.size(3);
   const float scale = query_scale(Dk);
   float* sp = state.data_ptr<float>();
@@ -200,7 +201,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     Scratch w(C, Dk, Dv);
     for (int64_t task = begin; task < end; ++task)
       Loops::head(delta_head(q, k, v, g, beta, out, task / H, task % H), L, C,
-                  sp + task * Dk * Dv, Dk, Dv, scale, w);
+                  sp + (rows[task / H] * H + task % H) * Dk * Dv, Dk, Dv, scale, w);
   });
 }
 
@@ -208,16 +209,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 at::Tensor gated_delta_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta,
-                               const at::Tensor& state, int64_t chunk_size) {
-  check_delta_rule("gated_delta_chunked", q, k, v, g, beta, state);
+                               const at::Tensor& state, int64_t chunk_size,
+                               const c10::optional<at::Tensor>& slots) {
+  const auto rows = check_delta_rule("gated_delta_chunked", q, k, v, g, beta, state, slots);
   TORCH_CHECK(chunk_size > 0, "gated_delta_chunked: chunk_size must be positive, got ",
               chunk_size);
   const int64_t C = std::min(chunk_size, std::max<int64_t>(k.size(1), 1));
   at::Tensor out = at::empty({k.size(0), k.size(1), k.size(2), v.size(3)}, v.options());
   switch (best(kVectorPaths)) {
-    case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, C, out); break;
-    case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, C, out); break;
-    default: run<LoopsScalar>(q, k, v, g, beta, state, C, out);
+    case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, rows, C, out); break;
+    case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, rows, C, out); break;
+    default: run<LoopsScalar>(q, k, v, g, beta, state, rows, C, out);
   }
   return out;
 }

@@ -44,9 +44,9 @@ TORCH_LIBRARY(qinfer, lib) {
           "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
-          "Tensor(a!) state) -> Tensor");
+          "Tensor(a!) state, Tensor? slots=None) -> Tensor");
   lib.def("gated_delta_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
-          "Tensor(a!) state, int chunk_size) -> Tensor");
+          "Tensor(a!) state, int chunk_size, Tensor? slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {

@@ -45,11 +45,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
 // gated_delta.cpp
 at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,
-                                 const at::Tensor& state);
+                                 const at::Tensor& state,
+                                 const c10::optional<at::Tensor>& slots);
 // gated_delta_chunked.cpp
 at::Tensor gated_delta_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta,
-                               const at::Tensor& state, int64_t chunk_size);
+                               const at::Tensor& state, int64_t chunk_size,
+                               const c10::optional<at::Tensor>& slots);
 // rope.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

@@ -200,11 +200,8 @@ class GatedDeltaNet(Module, Placed):
         beta = b.float().sigmoid()  # (S, L, Hv)
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
-        state = matrices.index_select(0, slots)  # the rule's to overwrite
         chunked = L > 1 and not recurrent  # not decode, not a verification
-        o, state = gated_delta_rule(q, k, v, g, beta, state, chunked, self.chunk_size)
-        matrices.index_copy_(0, slots, state)
-        return o
+        return gated_delta_rule(q, k, v, g, beta, matrices, slots, chunked, self.chunk_size)
 
 
 def gated_delta_rule(
@@ -213,20 +210,31 @@ def gated_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
     chunked: bool,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The rule token by token or (`chunked`) `chunk_size` tokens at a time (None: the form's
-    measured best), the torch forms' arguments and results: the compiled ops (each sequence
-    alone in its sums: the same bits in any batch) for CPU tensors without autograd where the
-    kernels are in use, else the torch forms (`QINFER_CPU_KERNELS=off` selects them)."""
-    if state.device.type == "cpu" and not q.requires_grad and kernels.in_use():
+    measured best) over the states in rows `slots` (S,) of `pool` (P, Hv, dk, dv) fp32,
+    which it updates; the torch forms' other arguments, their output. The compiled ops (each
+    sequence alone in its sums: the same bits in any batch) for CPU tensors without autograd
+    where the kernels are in use read and write the rows in place; the torch forms
+    (`QINFER_CPU_KERNELS=off` selects them) work on a gathered copy, written back (a
+    sequence's state is 1 MiB at Qwen3.5-0.8B's shapes: the copies were most of a 32-sequence
+    decode step's DeltaNet time)."""
+    if pool.device.type == "cpu" and not q.requires_grad and kernels.in_use():
         v, beta = v.float(), beta.float()
         if not chunked:
-            return kernels.gated_delta_recurrent(q, k, v, g, beta, state), state
+            return kernels.gated_delta_recurrent(q, k, v, g, beta, pool, slots)
         size = kernels.GATED_DELTA_CHUNK if chunk_size is None else chunk_size
-        return kernels.gated_delta_chunked(q, k, v, g, beta, state, size), state
+        return kernels.gated_delta_chunked(q, k, v, g, beta, pool, size, slots)
+    # index_select, not [slots]: a plain copy of whole rows (advanced indexing computes
+    # every element's offset: 1.8x the time for a 1 MiB state)
+    state = pool.index_select(0, slots)  # the rule's to overwrite
     if not chunked:
-        return recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    return chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size or CHUNK_SIZE)
+        o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    else:
+        o, state = chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size or CHUNK_SIZE)
+    pool.index_copy_(0, slots, state)
+    return o

@@ -9,6 +9,8 @@ them), `/tokenize`, and the pool's configured size.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,8 +27,8 @@ SYSTEM = "You are a terse assistant who answers in one line. " * 6
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_chat_folder):
-    engine = AsyncEngine(
+def engine(qwen3_chat_folder):
+    return AsyncEngine(
         qwen3_chat_folder,
         dtype="float32",
         num_kv_blocks=BLOCKS,
@@ -34,6 +36,10 @@ def server(qwen3_chat_folder):
         max_num_seqs=MAX_SEQS,
         max_model_len=500,  # under the checkpoint's 512
     )
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     app = create_app(engine, engine.tokenizer, ServerSettings(model_name=MODEL, api_key=KEY))
     with serving(app=app) as running:
         yield running
@@ -134,9 +140,15 @@ def test_flush_cache_forgets_the_cached_prefixes(http):
     assert wait_until_idle(http)["qinfer_prefix_cache_hits_total"] == hits
 
 
-def test_flush_cache_with_a_request_running_keeps_its_blocks_and_the_request(http):
+def test_flush_cache_with_a_request_running_keeps_its_blocks_and_the_request(
+    http, engine, monkeypatch
+):
     chat(http, "warm the cache")
     wait_until_idle(http)
+    # Each step a little slower, so that the request is still running when the flush comes
+    # (the tiny model's 60 tokens could otherwise all be out before it).
+    step = engine.engine.step
+    monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.02) or step())
     body = {
         "model": MODEL,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "go"}],

@@ -271,8 +271,7 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request` (its adapter is made resident when the
         scheduler admits it)."""
-        seq = request.seq
-        request_id = seq.request_id
+        request_id = request.seq.request_id
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         self.requests[request_id] = request

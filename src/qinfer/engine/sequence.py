@@ -46,7 +46,8 @@ class Sequence:
     `adapter` (a request with a LoRA adapter: `qinfer.lora.adapters.Loaded`) names its
     key, which keys its blocks in the prefix cache: an adapter's K/V never serve the base
     model or another adapter; `adapter_slot`, the slot its rows run through, is the
-    engine's to set once the adapter is resident (`Engine.add`), and holds while it runs.
+    engine's to set when the scheduler admits it and the adapter is made resident
+    (`Engine._adapter_ready`), and holds until it finishes.
     """
 
     def __init__(

@@ -96,7 +96,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     std::vector<float> scratch(2 * Dv);
     for (int64_t task = begin; task < end; ++task) {
       const DeltaHead x = delta_head(q, k, v, g, beta, out, task / H, task % H);
-      float* S = sp + (rows[task / H] * H + task % H) * Dk * Dv;
+      float* S = head_state(sp, rows, task, H, Dk, Dv);
       for (int64_t t = 0; t < L; ++t)
         Loops::token(S, Dk, Dv, x.q + t * x.q_step, x.k + t * x.k_step, x.v + t * x.v_step,
                      std::exp(x.g[t * x.g_step]), x.beta[t * x.beta_step], scale,

@@ -94,4 +94,11 @@ inline DeltaHead delta_head(const at::Tensor& q, const at::Tensor& k, const at::
           at(out),     out.stride(1)};
 }
 
+// Task's (sequence task / H, head task % H) state (Dk, Dv) in `state`'s data, its sequence's
+// row being rows[task / H] (check_delta_rule's).
+inline float* head_state(float* state, const std::vector<int64_t>& rows, int64_t task,
+                         int64_t H, int64_t Dk, int64_t Dv) {
+  return state + (rows[task / H] * H + task % H) * Dk * Dv;
+}
+
 }  // namespace qinfer_kernels

@@ -201,7 +201,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     Scratch w(C, Dk, Dv);
     for (int64_t task = begin; task < end; ++task)
       Loops::head(delta_head(q, k, v, g, beta, out, task / H, task % H), L, C,
-                  sp + (rows[task / H] * H + task % H) * Dk * Dv, Dk, Dv, scale, w);
+                  head_state(sp, rows, task, H, Dk, Dv), Dk, Dv, scale, w);
   });
 }
 

@@ -79,7 +79,8 @@ class GatedDeltaNet(Module, Placed):
         H, Hv = config.hidden_size, shapes.num_value_heads
         prefix = f"{layer_prefix}.linear_attn"
         names = tuple(f"{prefix}.in_proj_{part}" for part in shapes.projections)
-        outs = tuple(self._rows(part) for part in shapes.projections)
+        # each projection's output rows, the split of the fused output each step
+        self._outs = outs = [self._rows(part) for part in shapes.projections]
         self.in_proj = LinearSlot(LinearSource(names, tuple((out, H) for out in outs)))
         self.out_proj = LinearSlot(LinearSource((f"{prefix}.out_proj",), ((H, shapes.value_dim),)))
         self.conv = StoredTensor(
@@ -155,7 +156,7 @@ class GatedDeltaNet(Module, Placed):
         parts = dict(
             zip(
                 s.projections,
-                projected.split([self._rows(p) for p in s.projections], -1),
+                projected.split(self._outs, -1),
                 strict=True,
             )
         )

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from qinfer.core.errors import AdapterError
 from qinfer.lora.gguf_adapter import read_gguf_adapter
+from qinfer.lora.pairs import scaled_pairs
 
 #: PEFT's tensor names: [base_model.model.]<module>.lora_A|lora_B[.<adapter name>].weight
 _PEFT_TENSOR = re.compile(
@@ -77,22 +78,12 @@ def read_peft(folder: Path) -> LoraAdapter:
         if found is None:
             raise AdapterError(f"{weights_file}: tensor {name!r} is not a LoRA A or B weight")
         pairs.setdefault(found["module"], {})[found["ab"]] = tensor.float()
-    if not pairs:
-        raise AdapterError(f"{weights_file}: holds no LoRA tensors")
-    modules = {}
-    for module, ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            missing = ({"A", "B"} - set(ab)).pop()
-            raise AdapterError(f"{weights_file}: {module} has no lora_{missing} tensor")
-        a, b = ab["A"], ab["B"]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise AdapterError(
-                f"{weights_file}: {module}'s lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)} are not (r, in) and (out, r)"
-            )
-        r = a.shape[0]
-        scale = alpha / (math.sqrt(r) if rslora else r)
-        modules[module] = (a, b * scale)
+    modules = scaled_pairs(
+        str(weights_file),
+        pairs,
+        ("lora_A", "lora_B"),
+        lambda r: alpha / (math.sqrt(r) if rslora else r),
+    )
     return LoraAdapter(str(folder), modules)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qinfer.core.errors import AdapterError, ConfigError, WeightsError
+from qinfer.lora.pairs import scaled_pairs
 from qinfer.models import family_of_gguf
 from qinfer.weights.gguf import hf_tensor_name, unpermute_rows
 from qinfer.weights.gguf_file import read_gguf
@@ -66,21 +67,11 @@ def read_gguf_adapter(
             )
         tensor = dequantize(file.read(stored), stored.tensor_type)
         pairs.setdefault(module.removesuffix(".weight"), {})[HALVES[half]] = tensor
-    if not pairs:
-        raise AdapterError(f"{path}: holds no LoRA tensors")
-    modules = {}
-    for module, ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            missing = ({"A", "B"} - set(ab)).pop().lower()
-            raise AdapterError(f"{path}: {module} has no lora_{missing} tensor")
-        a, b = ab["A"], ab["B"]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise AdapterError(
-                f"{path}: {module}'s lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} "
-                "are not (r, in) and (out, r)"
-            )
-        if permuted and module.endswith(("q_proj", "k_proj")):
-            b = unpermute_rows(b, head_dim)
-        scale = alpha / a.shape[0] if alpha else 1.0
-        modules[module] = (a, b * scale)
+    modules = scaled_pairs(
+        str(path), pairs, ("lora_a", "lora_b"), lambda r: alpha / r if alpha else 1.0
+    )
+    if permuted:
+        for module in [m for m in modules if m.endswith(("q_proj", "k_proj"))]:
+            a, b = modules[module]
+            modules[module] = (a, unpermute_rows(b, head_dim))
     return modules

@@ -41,7 +41,7 @@ def time_int4(layers: int, shapes: list[tuple[int, int]], rows: int, rounds: int
     step = 0.0
     for N, K in shapes:
         packed = kernels.pack_int4(quantize_int4(torch.randn(N, K), 32))
-        nbytes = packed.qs.nbytes + packed.d.nbytes + packed.m.nbytes
+        nbytes = packed.nbytes
         copies = [
             kernels.PackedInt4(packed.qs.clone(), packed.d.clone(), packed.m.clone())
             for _ in range(max(2, int(COLD_BYTES // nbytes)))

@@ -71,8 +71,7 @@ class Ours:
 
     @property
     def nbytes(self) -> int:
-        p = self.packed
-        return p.qs.nbytes + p.d.nbytes + p.m.nbytes
+        return self.packed.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed

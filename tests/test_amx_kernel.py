@@ -50,6 +50,7 @@ def groups(kind: str, n: int, k: int) -> Int4Groups:
 def test_amx_gives_vnnis_and_the_one_row_bits(amx, kind, n, k) -> None:
     packed = kernels.pack_int4(groups(kind, n, k))
     assert (packed.d.dtype == torch.float32) == (kind == "Q4_K")
+    assert (packed.m is None) == (kind == "Q4_0")  # m = -8 d made in the tiles' columns
     x = torch.randn(ROW_COUNTS[-1], k, generator=torch.Generator().manual_seed(4))
     x[:, ::37] *= 30  # outlier columns
     alone = torch.cat([kernels.int4_mm(x[i : i + 1], packed, "vnni") for i in range(len(x))])
@@ -91,5 +92,5 @@ def kernels_weight(packed: kernels.PackedInt4) -> torch.Tensor:
     """(N, K) float64: d * q + m from the packed nibbles."""
     qs = packed.qs.view(packed.qs.shape[0], -1, 16)
     q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(qs.shape[0], -1).double()
-    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.m))
+    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.offsets()))
     return d * q + m

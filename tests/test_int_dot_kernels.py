@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from threads import torch_threads
 
 from qinfer import kernels
-from qinfer.linear import quantize_int4
+from qinfer.linear import Int4Groups, quantize_int4
 
 ALL_PATHS = ("scalar", "avx2", "vnni", "amx")
 # (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
@@ -56,8 +56,23 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tens
 
 def kernel_weight(packed: kernels.PackedInt4, q: torch.Tensor) -> torch.Tensor:
     """(N, K) float64: d * q + m, the weight the kernel multiplies by."""
-    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.m))
+    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.offsets()))
     return d * q.double() + m
+
+
+def symmetric_weight(n: int, k: int) -> Int4Groups:
+    """`weight`'s q and fp16 scales with zeros 0, as GGUF's Q4_0 loads; among the scales
+    +0, -0 (m = 0 - 8 d is +0 for both) and 10000, whose 8 d is past fp16's range."""
+    g = weight(n, k)
+    g.scales[0, 0], g.scales[-1, -1], g.scales[n // 2, 0] = 0.0, -0.0, 10000.0
+    return Int4Groups(g.q, g.scales, torch.zeros_like(g.zeros))
+
+
+def held_m(groups: Int4Groups) -> kernels.PackedInt4:
+    """The weight as pack_int4 packed it before symmetric weights dropped m: d and m = zero -
+    8 scale, both fp16 where both are exact (a d past 8188: both fp32)."""
+    qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
+    return kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m))
 
 
 def test_pack_layout(built) -> None:
@@ -82,6 +97,22 @@ def test_pack_keeps_fp32_where_fp16_would_round(built) -> None:
     assert packed.d.dtype == packed.m.dtype == torch.float32
     assert torch.equal(packed.d, groups.scales)
     assert torch.equal(packed.m, groups.zeros - 8 * groups.scales)
+
+
+def test_pack_holds_no_m_for_a_symmetric_weight(built) -> None:
+    """Zeros +0 (Q4_0's): m is 0 - 8 d bit for bit, not held; d fp16 even where 8 d is past
+    fp16 (which held both in fp32 before). Any other m (a zero of -0 on a d of 0) is held."""
+    groups = symmetric_weight(24, 96)
+    packed = kernels.pack_int4(groups)
+    assert packed.m is None and packed.d.dtype == torch.float16
+    assert torch.equal(packed.d.float(), groups.scales)
+    assert packed.nbytes == 24 * 3 * (16 + 2)  # a block: 16 bytes of nibbles, an fp16 d
+    assert held_m(groups).nbytes == 24 * 3 * (16 + 4 + 4)
+    offsets = packed.offsets()
+    assert torch.equal(offsets.view(torch.int32), held_m(groups).m.view(torch.int32))
+    assert not torch.signbit(offsets[-1, -1])  # d = -0: m = +0, as held
+    groups.zeros[0, 0] = -0.0  # on d = +0: m = -0, not 0 - 8 d's +0
+    assert kernels.pack_int4(groups).m is not None
 
 
 # (N, K) with an odd block count (a half pair, a last group of fewer than 4 blocks), every
@@ -197,6 +228,19 @@ def test_auto_follows_torchs_cap_on_its_own_kernels(built, monkeypatch, cap, exp
 #: Row counts a multi-row call is checked at: every count up to 33 (row tiles of 4 and
 #: their remainders, column tiles that change with them) and a prompt's 512.
 ROW_COUNTS = (*range(1, 34), 512)
+
+
+@pytest.mark.parametrize(("n", "k"), HALF_SHAPES)
+def test_a_symmetric_weight_gives_the_bits_of_its_held_m(path, n, k) -> None:
+    """Both ops on every path, at 1..9, 16, 33 and 512 rows: m = 0 - 8 d computed in the
+    kernels gives the bits of the same weight with m held (what Q4_0 read before)."""
+    groups = symmetric_weight(n, k)
+    packed, held = kernels.pack_int4(groups), held_m(groups)
+    x = activations(512, k, torch.float32)
+    for op in (kernels.int4_mm, kernels.int4_groups_mm):
+        for rows in (*range(1, 10), 16, 33, 512):
+            got, want = op(x[:rows], packed, path), op(x[:rows], held, path)
+            assert torch.equal(got, want), (op.__name__, rows)
 
 
 @pytest.mark.parametrize(("n", "k"), [(77, 576), (19, 32), (50, 96)])

@@ -69,6 +69,16 @@ def test_each_op_traces_as_it_runs(name):
     assert set(results.values()) == {"SUCCESS"}, results
 
 
+@pytest.mark.parametrize("name", ["int4_mm", "int4_groups_mm"])
+def test_int4_ops_trace_without_m(name):
+    """A symmetric weight's m left out (None: Q4_0's, m = -8 d in the kernels) traces as it
+    runs too."""
+    x, qs, d, _, path = samples()[name]
+    op = getattr(torch.ops.qinfer, name).default
+    results = torch.library.opcheck(op, (x, qs, d, None, path))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
 def test_a_graph_of_the_ops_compiles_to_the_eager_result():
     """A decode-like chain (residual add + RMSNorm -> int4 matmul -> RoPE) through
     torch.compile, whole (fullgraph): the same values as eager, the residual updated in

@@ -131,6 +131,7 @@ def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k
     groups = quantize_int4(weight(201, k), 32)  # odd: a last column of its own in 2-col tiles
     w = Int4BlockLinear(groups, None, dtype)
     assert w.d.dtype == torch.float16 and torch.equal(w.d.float(), groups.scales)
+    assert w.m is not None  # quantize_int4's min/max groups are not symmetric: m held
     exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
         32, 1
     ) + groups.zeros.double().repeat_interleave(32, 1)
@@ -149,6 +150,38 @@ def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k
     assert torch.equal(w.groups().q, groups.q)
     for path in ("fp32_tiles", "int8_dot"):
         torch.testing.assert_close(w.run_path(path, x).double(), expected, rtol=0.02, atol=0.05)
+
+
+def test_a_q4_0_layer_holds_no_m_and_keeps_every_bit(int8_dot_built, monkeypatch):
+    """Q4_0 holds d and the nibbles only (18 bytes a block, as the file; 20 with m held):
+    every path at 1..9, 16, 33 and 512 rows, the rows, the dequantized weight (the file's,
+    bit for bit) and the groups are those of the same layer with its m = -8 d held."""
+    data = synthetic_tensor(gguf.GGMLQuantizationType.Q4_0, rows=67, columns=288)
+    groups = int4_groups(data, gguf.GGMLQuantizationType.Q4_0)
+    qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
+    held = kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m))
+    layers = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = Int4BlockLinear(groups, None, dtype)
+        with monkeypatch.context() as patch:  # the layer as it was: m held
+            patch.setattr(kernels, "pack_int4", lambda _: held)
+            layers[dtype] = w, Int4BlockLinear(groups, None, dtype)
+    w, old = layers[torch.float32]
+    assert w.m is None and old.m.dtype == torch.float16
+    assert (w.nbytes, old.nbytes) == (67 * 9 * 18, 67 * 9 * 20)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_0))
+    assert torch.equal(w.dequantize(), reference) and torch.equal(old.dequantize(), reference)
+    ids = torch.tensor([[0, 66], [31, 5]])
+    assert torch.equal(w.rows(ids), old.rows(ids))
+    new_groups, old_groups = w.groups(), old.groups()
+    for field in ("q", "scales", "zeros"):
+        assert torch.equal(getattr(new_groups, field), getattr(old_groups, field)), field
+    for dtype, (w, old) in layers.items():
+        x = activations(512, 288, dtype)
+        for path in w.paths():
+            for rows in (*range(1, 10), 16, 33, 512):
+                got, want = w.run_path(path, x[:rows]), old.run_path(path, x[:rows])
+                assert torch.equal(got, want), (dtype, path, rows)
 
 
 def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):

@@ -30,7 +30,8 @@ whether it can be expected to); the paths each op has on this CPU and the one "a
 are `cpu`'s (`paths`, `auto_path`, `norm_paths`, `norm_auto_path`), and `in_use()` says
 whether the layers take the kernels (`QINFER_CPU_KERNELS` off: the pure-torch path). The
 weights' scales (and int4 offsets m) are fp16 or fp32, widened exactly in the kernels:
-`fp16_if_exact` keeps a GGUF's fp16 scales at the file's size. The ops' registration with torch (fake kernels for `torch.compile`, refusals of other devices'
+`fp16_if_exact` keeps a GGUF's fp16 scales at the file's size, and a symmetric int4 weight
+(Q4_0's) holds no m at all (`pack_int4`). The ops' registration with torch (fake kernels for `torch.compile`, refusals of other devices'
 tensors) is `registry`'s.
 """
 
@@ -82,6 +83,7 @@ __all__ = [
     "quantize_q8_1",
     "refusal",
     "rope",
+    "symmetric_offsets",
 ]
 
 #: The activation dtypes the kernels take (fp16 is not one).
@@ -113,11 +115,21 @@ def fp16_if_exact(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
 @dataclass(frozen=True)
 class PackedInt4:
     """A weight for `int4_mm`: qs (N, K/2) uint8, d and m (N, K/32) both fp16 or both fp32
-    (w = d q + m)."""
+    (w = d q + m); m None for a symmetric weight, m = 0 - 8 d (computed in fp32 by the
+    kernels, the value it would hold)."""
 
     qs: torch.Tensor
     d: torch.Tensor
-    m: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a multiply reads of the weight: qs, d and m where held."""
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+    def offsets(self) -> torch.Tensor:
+        """m (N, K/32) in fp32, as the kernels read it (0 - 8 d where it is not held)."""
+        return symmetric_offsets(self.d) if self.m is None else self.m.float()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -125,15 +137,25 @@ class PackedInt4:
         return (self.qs.shape[0], 2 * self.qs.shape[1])
 
 
+def symmetric_offsets(d: torch.Tensor) -> torch.Tensor:
+    """A symmetric int4 weight's m = 0 - 8 d in fp32 (d fp16 or fp32): exact, and +0 where d
+    is ±0, as `pack_int4` computes zero - 8 scale for a zero of +0 (and the kernels m)."""
+    return 0 - 8 * d.float()
+
+
 def pack_int4(groups: Int4Groups) -> PackedInt4:
     """The kernel's layout of int4 groups of 32 (docs/KERNELS.md), d and m in fp16 where
-    that is exact (`fp16_if_exact`)."""
+    that is exact (`fp16_if_exact`). A symmetric weight, every m 0 - 8 d to the bit (zeros
+    +0: GGUF's Q4_0; `quantize_int4`'s min/max groups are not), holds no m: a decode step
+    reads 18 bytes a block, the file's, not 20, and every output has the same bits."""
     require()
     if groups.group_size != BLOCK:
         raise ValueError(
             f"pack_int4: the kernel takes int4 groups of {BLOCK}, got groups of {groups.group_size}"
         )
     qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
+    if torch.equal(m.view(torch.int32), symmetric_offsets(d).view(torch.int32)):
+        return PackedInt4(qs, *fp16_if_exact(d), None)
     return PackedInt4(qs, *fp16_if_exact(d, m))
 
 

@@ -13,7 +13,8 @@
 // Layouts, made per call: A (16 rows x 32 bytes), one block of 16 rows, contiguous
 // (`TileActs`); B (8 rows x 64 bytes, VNNI-4): row k, dword n: elements 4k..4k+3 of column
 // n's block, unpacked from the nibbles once per 32 columns for all blocks into a buffer of the
-// thread's, with the columns' d and m widened to fp32 side by side (`Columns`).
+// thread's, with the columns' d and m widened to fp32 side by side (`Columns`; a symmetric
+// weight's m made there, `offset`).
 
 #include "int4_amx.h"
 
@@ -83,7 +84,7 @@ QINFER_AMX void unpack_columns(const Int4Packed<S>& w, int64_t n0, int64_t nc, C
     for (int j = 0; j < kSpan; ++j) {
       const bool in = j < nc;
       cols.d[blk * kSpan + j] = in ? widen(w.d[(n0 + j) * nb + blk]) : 0.0f;
-      cols.m[blk * kSpan + j] = in ? widen(w.m[(n0 + j) * nb + blk]) : 0.0f;
+      cols.m[blk * kSpan + j] = in ? offset(w.m_of(n0 + j), w.d + (n0 + j) * nb, blk) : 0.0f;
     }
 }
 

@@ -166,7 +166,7 @@ QINFER_VNNI void Int4GroupsF32<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0,
   __m512 tot[C][R];
   clear(tot);
   prefetch_scales<C, S>(d, nb);
-  prefetch_scales<C, S>(m, nb);
+  if (m[0]) prefetch_scales<C, S>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
     __m512i v[C];
     #pragma GCC unroll 8
@@ -205,7 +205,7 @@ QINFER_VNNI void Int4GroupsF32<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0,
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) mt[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbs; b += 16) {
-      const __m512 mv = scales16(m[c] + b, nb - b);
+      const __m512 mv = offsets16(m[c], d[c], b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) mt[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(sx[i] + b), mt[i]);
     }
@@ -234,7 +234,7 @@ QINFER_AVX2 void Int4GroupsF32<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0,
   __m256 tot[C][R];
   clear(tot);
   prefetch_scales<C, S>(d, nb);
-  prefetch_scales<C, S>(m, nb);
+  if (m[0]) prefetch_scales<C, S>(m, nb);
   for (int64_t g = 0; g < ng; ++g) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
@@ -271,7 +271,7 @@ QINFER_AVX2 void Int4GroupsF32<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0,
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) mt[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbs; b += 8) {
-      const __m256 mv = scales8(m[c] + b, nb - b);
+      const __m256 mv = offsets8(m[c], d[c], b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) mt[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[i] + b), mt[i]);
     }
@@ -287,7 +287,7 @@ void Int4GroupsF32<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const ActF4
   const int64_t nb = w.nb, K = nb * kBlock;
   const uint8_t* qs = w.qs + n * nb * 16;
   const S* d = w.d + n * nb;
-  const S* m = w.m + n * nb;
+  const S* m = w.m_of(n);
   const float* x = a.x + r * K;
   const float* sx = a.row_sx(r);
   float tot = 0.0f;
@@ -300,20 +300,21 @@ void Int4GroupsF32<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const ActF4
     tot = std::fma(t, widen(d[b]), tot);
   }
   float mt = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) mt = std::fma(widen(m[b]), sx[b], mt);
+  for (int64_t b = 0; b < nb; ++b) mt = std::fma(offset(m, d, b), sx[b], mt);
   out[r * ldo + n] = tot + mt;
 }
 
 }  // namespace
 
 at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
-                          const at::Tensor& d_in, const at::Tensor& m_in,
+                          const at::Tensor& d_in, const c10::optional<at::Tensor>& m_in,
                           const std::string& path_name_in) {
   check_x("int4_groups_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t N = check_int4("int4_groups_mm", x_in, qs_in, d_in, m_in);
   const Isa path = vector_isa(resolve_path("int4_groups_mm", path_name_in, kDotPaths));
-  const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
+  const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous(),
+                   m = m_in ? m_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   at::Tensor x32;
@@ -321,7 +322,7 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
   const ActF4 a = storage.make(fp32_activations(x_in, x32).x, M, K, path != Isa::Scalar);
   with_scales(d, [&](auto tag) {
     using S = decltype(tag);
-    const Int4Packed<S> w{qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.data_ptr<S>(), K / kBlock};
+    const Int4Packed<S> w = int4_packed<S>(qs, d, m);
     matmul<Int4GroupsF32<S>>(path, w, N, M, a, out.data_ptr<float>());
   });
   storage.trim();

@@ -6,7 +6,8 @@
 //   weights   qs (N, K/2) uint8: per block of 32 input columns, 16 bytes; byte j holds
 //             element j in its low nibble and element j + 16 in its high nibble (llama.cpp's
 //             Q4 layout), so one 16-byte load unpacks into the block's 32 values in order.
-//             d, m (N, K/32) fp16 or fp32 (matmul.h, `Int4Packed`): w = d * q + m.
+//             d, m (N, K/32) fp16 or fp32 (matmul.h, `Int4Packed`): w = d * q + m; m
+//             none where every block's is 0 - 8 d (Q4_0's), computed in the kernels.
 //   activations (made per call, never seen by Python): AVX2 and scalar, per row, per pair
 //             of blocks p (blocks 2p, 2p + 1), 64 int8 in the order the unpacked weight pair
 //             has: [2p: 0..15 | 2p+1: 0..15 | 2p: 16..31 | 2p+1: 16..31]; dx8 (8 fp32 per
@@ -166,7 +167,7 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
     for (int i = 0; i < R; ++i) sv[i] = _mm512_loadu_ps(s[i] + b);
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 m16 = scales16(m[c] + b, nb - b);
+      const __m512 m16 = offsets16(m[c], d[c], b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(m16, sv[i], acc[c][i]);
     }
@@ -226,7 +227,7 @@ QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const 
   for (int64_t b = 0; b < nb; b += 8) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 m8 = scales8(m[c] + b, nb - b);
+      const __m256 m8 = offsets8(m[c], d[c], b, nb - b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         acc[c][i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(s[i] + b), acc[c][i]);
@@ -247,7 +248,7 @@ void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Int4Act& act
   const int64_t nb = w.nb;
   const uint8_t* qs = w.qs + n * nb * 16;
   const S* d = w.d + n * nb;
-  const S* m = w.m + n * nb;
+  const S* m = w.m_of(n);
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
   const float* s = a.row_s(r);
@@ -260,7 +261,7 @@ void Int4Q8<S>::dot_scalar(const Int4Packed<S>& w, int64_t n, const Int4Act& act
     for (int j = 0; j < 16; ++j) dot += (wb[j] & 15) * lo[j] + (wb[j] >> 4) * hi[j];
     acc += static_cast<float>(dot) * (widen(d[b]) * dx8[(b >> 1) * 8 + (b & 1) * 4]);
   }
-  for (int64_t b = 0; b < nb; ++b) acc += widen(m[b]) * s[b];
+  for (int64_t b = 0; b < nb; ++b) acc += offset(m, d, b) * s[b];
   out[r * ldo + n] = acc;
 }
 
@@ -336,13 +337,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
 }
 
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
-                   const at::Tensor& m_in, const std::string& path_name_in) {
+                   const c10::optional<at::Tensor>& m_in, const std::string& path_name_in) {
   check_x("int4_mm", x_in);
-  const int64_t M = x_in.size(0), K = x_in.size(1), nb = K / kBlock;
+  const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t N = check_int4("int4_mm", x_in, qs_in, d_in, m_in);
   const Isa path = resolve_path("int4_mm", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous(),
-                   m = m_in.contiguous();
+                   m = m_in ? m_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   // VNNI and AMX read the row's own order (AMX's tiles load it as it is), the others the pairs'
@@ -360,7 +361,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
   }
   with_scales(d, [&](auto tag) {
     using S = decltype(tag);
-    const Int4Packed<S> w{qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.data_ptr<S>(), nb};
+    const Int4Packed<S> w = int4_packed<S>(qs, d, m);
     if (amx) {
       int4_mm_amx(w, N, M, act.q8, out.data_ptr<float>());
     } else {

@@ -120,13 +120,36 @@ QINFER_VNNI QINFER_INLINE __m512 scales16(const S* p, int64_t n) {
 // An int4 weight as pack_int4 lays it out (int4_q8.cpp): per block of 32 input columns of
 // output row n, 16 bytes; byte j holds element j in its low nibble and element j + 16 in
 // its high one (llama.cpp's Q4 layout). w = d * q + m, d and m fp16 or fp32 (S, above).
+// m null: a symmetric weight (Q4_0's: zero 0), m = 0 - 8 d computed in fp32 (`offset`), so a
+// decode step reads Q4_0's 18 bytes a block, not 20.
 template <typename S>
 struct Int4Packed {
   const uint8_t* qs;  // (N, K/2)
   const S* d;         // (N, nb)
-  const S* m;         // (N, nb)
+  const S* m;         // (N, nb), or null
   int64_t nb;
+  const S* m_of(int64_t n) const { return m ? m + n * nb : nullptr; }  // column n's (or null)
 };
+
+// Block b's offset of a column (m, d: the column's; m null: symmetric) in fp32: m widened, or
+// 0 - 8 d, what pack_int4 computes for a zero of +0 (8 d is exact; 0 - keeps m +0 where d is
+// ±0), so a symmetric weight gives the bits of the same weight with its m held.
+template <typename S>
+QINFER_INLINE float offset(const S* m, const S* d, int64_t b) {
+  return m ? widen(m[b]) : 0.0f - 8.0f * widen(d[b]);
+}
+// The same for n (..8 or ..16) blocks from b, as `scales8` / `scales16` load them: 0 - 8 d
+// is one fused -(8 d) + 0, exact.
+template <typename S>
+QINFER_AVX2 QINFER_INLINE __m256 offsets8(const S* m, const S* d, int64_t b, int64_t n) {
+  if (m) return scales8(m + b, n);
+  return _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scales8(d + b, n), _mm256_setzero_ps());
+}
+template <typename S>
+QINFER_VNNI QINFER_INLINE __m512 offsets16(const S* m, const S* d, int64_t b, int64_t n) {
+  if (m) return scales16(m + b, n);
+  return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scales16(d + b, n), _mm512_setzero_ps());
+}
 
 // A tile's C columns of an int4 weight (from column n0): their nibbles and scales, for the
 // tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C, S>(w, n0)`, see below).
@@ -134,13 +157,13 @@ template <int C, typename S>
 struct Int4Columns {
   const uint8_t* qs[C];
   const S* d[C];
-  const S* m[C];
+  const S* m[C];  // null: symmetric
   QINFER_INLINE Int4Columns(const Int4Packed<S>& w, int64_t n0) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       qs[c] = w.qs + (n0 + c) * w.nb * 16;
       d[c] = w.d + (n0 + c) * w.nb;
-      m[c] = w.m + (n0 + c) * w.nb;
+      m[c] = w.m_of(n0 + c);
     }
   }
 };
@@ -245,18 +268,25 @@ void with_scales(const at::Tensor& scales, F&& f) {
   }
 }
 
-// qs, d and m of an int4 weight in `Int4Packed`'s layout, checked against x (M, K) for `op`;
-// returns the weight's N.
+// qs, d and m (none: symmetric) of an int4 weight in `Int4Packed`'s layout, checked against
+// x (M, K) for `op`; returns the weight's N.
 inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
-                   const at::Tensor& d, const at::Tensor& m) {
+                   const at::Tensor& d, const c10::optional<at::Tensor>& m) {
   const int64_t K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_str(qs));
   const int64_t N = qs.size(0);
   const std::string k = "x's K = " + std::to_string(K);
   check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
   check_scales(op, "d", d, N, nb, "(N, K/32) for " + k + " and qs's N");
-  check_tensor(op, "m", m, d.scalar_type(), N, nb, "(N, K/32) for " + k + " and qs's N, as d");
+  if (m) check_tensor(op, "m", *m, d.scalar_type(), N, nb, "(N, K/32) for " + k + " and qs's N, as d");
   return N;
+}
+
+// An int4 weight's tensors (checked by check_int4, contiguous) as the kernels read them.
+template <typename S>
+Int4Packed<S> int4_packed(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  return {qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.defined() ? m.data_ptr<S>() : nullptr,
+          d.size(1)};
 }
 
 // x (M, K) as the fp32 kernels read it, held in `holder`: fp32 as it is (contiguous), bf16

@@ -3,7 +3,9 @@
 The weight is `Int4Linear`'s, W = (q - 8) * scale + zero per group of 32 input columns
 (GGUF's Q4_0, Q4_1 and Q4_K exactly), held as `kernels.pack_int4` packs it: the nibbles
 (N, K / 2) and, per group, d = scale and m = zero - 8 * scale (w = d q + m), in fp16 where
-that is exact (Q4_0's and Q4_1's: the file's own bytes) and fp32 otherwise (Q4_K's).
+that is exact (Q4_0's and Q4_1's: the file's own bytes) and fp32 otherwise (Q4_K's). A
+symmetric weight (Q4_0's, zero 0) holds no m: m = 0 - 8 d is computed where it is used
+(the kernels, `_offsets`), so it is held in the file's 18 bytes a block, not 20.
 
 Why not torch's int4 kernel (`Int4Linear`, where this one cannot be built): it holds the
 scales and zeros in the activations' dtype, so a bf16 model's weights move (SmolLM2 Q4_1's
@@ -44,7 +46,7 @@ class Int4BlockLinear(QuantizedLinear):
         packed = kernels.pack_int4(stored)
         self.register_buffer("qs", packed.qs)  # (N, K / 2) uint8
         self.register_buffer("d", packed.d)  # (N, K / 32) fp16 or fp32
-        self.register_buffer("m", packed.m)  # (N, K / 32), d's dtype
+        self.register_buffer("m", packed.m)  # (N, K / 32), d's dtype; None: symmetric
         self.register_buffer("bias", bias)
         self.packed = packed  # the same tensors, as the kernels take them (CPU only: never moved)
         self.out_features, self.in_features = packed.shape
@@ -99,7 +101,7 @@ class Int4BlockLinear(QuantizedLinear):
         w = scratch(rows * k, torch.float32, self.device).view(rows, -1, self.group_size)
         # fp32 scales: q * an fp16 d in fp16 would round the product
         torch.mul(self._q(self.qs[start:stop]), self.d[start:stop, :, None].float(), out=w)
-        w.add_(self.m[start:stop, :, None].float())
+        w.add_(self._offsets(slice(start, stop))[..., None])
         if dtype != torch.float32:
             return scratch(rows * k, dtype, self.device).view(rows, k).copy_(w.view(rows, k))
         return w.view(rows, k)
@@ -108,23 +110,30 @@ class Int4BlockLinear(QuantizedLinear):
         """The weight as `Int4Groups` (zero = m + 8 d, rounded once to fp32)."""
         q = self._q(self.qs).flatten(-2)
         d = self.d.float()
-        return Int4Groups(q, d, (self.m.double() + 8 * d.double()).float())
+        return Int4Groups(q, d, (self._offsets(slice(None)).double() + 8 * d.double()).float())
 
-    def _exact(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """(..., K) fp32: d q + m rounded once, each weight's fp32 value."""
-        w = self._q(qs).double() * d.double()[..., None] + m.double()[..., None]
+    def _offsets(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """m of `rows` in fp32 (..., K / 32): held, or 0 - 8 d, as the kernels compute it."""
+        if self.m is None:
+            return kernels.symmetric_offsets(self.d[rows])
+        return self.m[rows].float()
+
+    def _exact(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """(..., K) fp32: `rows`' d q + m rounded once, each weight's fp32 value."""
+        d, m = self.d[rows].double(), self._offsets(rows).double()
+        w = self._q(self.qs[rows]).double() * d[..., None] + m[..., None]
         return w.float().flatten(-2)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32, the weights' fp32 values (d q + m rounded once)."""
-        return self._exact(self.qs[ids], self.d[ids], self.m[ids])
+        return self._exact(ids)
 
     def has_rows(self) -> bool:
         return True
 
     def dequantize(self) -> torch.Tensor:
-        return self._exact(self.qs, self.d, self.m)
+        return self._exact(slice(None))
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.m.nbytes + self._bias_nbytes()
+        return self.packed.nbytes + self._bias_nbytes()

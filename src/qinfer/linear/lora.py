@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from qinfer import kernels
 from qinfer.core.forward_batch import AdapterRows
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import linear_in_fixed_chunks
@@ -53,6 +54,7 @@ class LoraLinear(Linear):
         self.out_features, self.in_features = base.out_features, base.in_features
         self.bias = base.bias
         self.fixed_rows = fixed_rows
+        self.on_kernel = False  # whether the adapter rows run as `kernels.lora_add` (_pack)
         self.slots: dict[int, Pairs] = {}
         self.part_columns: list[tuple[int, int]] = []
         self.b_t: list[torch.Tensor | None] = []  # per part (C_p, out_p), None where C_p = 0
@@ -90,6 +92,7 @@ class LoraLinear(Linear):
             self.b_t.append(torch.cat([b.t() for _, (_, b) in held]).contiguous() if held else None)
             start = end
         self.a, self.column_slots = torch.cat(a_rows), torch.cat(columns)
+        self.on_kernel = self.a.device.type == "cpu" and kernels.in_use()
         # each slot's pairs as views of the packed tensors: held once
         views: dict[int, Pairs] = {slot: [] for slot, _ in ordered}
         for p, (part_start, _) in enumerate(self.part_columns):
@@ -107,10 +110,27 @@ class LoraLinear(Linear):
 
     def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
         """x (T, in) -> (T, out): the base on every row, then each adapter row's product
-        added to it."""
+        added to it (on the CPU by the kernels' one op where they run)."""
         y = self.base(x)
         if adapters is None or self.a is None:
             return y
+        if self.on_kernel and x.dtype in kernels.ACTIVATION_DTYPES:
+            kernels.lora_add(
+                y,
+                x,
+                adapters.rows,
+                adapters.slots,
+                self.a,
+                self.column_slots,
+                self.b_t,
+                self.part_rows,
+            )
+            return y
+        return self.add_products(y, x, adapters)
+
+    def add_products(self, y: torch.Tensor, x: torch.Tensor, adapters: AdapterRows) -> torch.Tensor:
+        """y (T, out) += each adapter row's product, in torch's ops (CUDA, or the CPU
+        without the kernels)."""
         every_row = adapters.rows.shape[0] == x.shape[0]  # rows ascending: then 0 .. T-1
         rows = x if every_row else x.index_select(0, adapters.rows)
         shrunk = self._mm(rows.to(self.a.dtype), self.a)  # (n, C)

@@ -5,16 +5,23 @@ Several adapters live in one module, each in a slot (`qinfer.lora.adapters` numb
 packed side by side. A fused projection (q/k/v, gate/up) has parts, each its own rows of
 the output; an adapter holds a pair per part it targets. The packing is part-major: A
 (C, in) stacks part 0's A of every slot, then part 1's, ...; `column_slots` (C,) names each
-column's slot; part p owns the column range `part_columns[p]` and its B^T (C_p, out_p). A
-step's adapter rows (`qinfer.core.forward_batch.AdapterRows`) take, per projection: the
-rows gathered, one shrink GEMM (n, in) x (in, C), each row's columns of other slots zeroed,
-one expand GEMM per part (n, C_p) x (C_p, out_p), the result added to those rows. The
-zeroed columns add exact zeros, so a row's output is its own adapter's alone, and the same
-whatever else its step holds; the shrink does C / r_i times the one adapter's work, small
-beside the base's (C << out). At decode what LoRA costs is the adapters' bytes read each
-step and the ops launched (docs/BENCHMARKS.md, "LoRA adapters at decode"): hence one B per
-part (a block-diagonal B over a fused projection's parts would read its zeros too) and no
-gather or scatter when every row of the step has an adapter.
+column's slot; part p owns the column range `part_columns[p]` and its B^T (C_p, out_p).
+
+On the CPU, where the kernels run (`qinfer.kernels.in_use`), a step's adapter rows
+(`qinfer.core.forward_batch.AdapterRows`) take one op per projection, `kernels.lora_add`:
+each row's shrink over its own slot's columns of A, then its expand by each part's B^T
+rows of that slot, added to y in place, every sum in a fixed order per row (the same bits
+in any batch, at any thread count), a slot's rows together so that each adapter's A and B
+are read once a step (docs/KERNELS.md). At decode what LoRA costs is then mostly the
+adapters' bytes (docs/BENCHMARKS.md, "LoRA adapters at decode"): hence one B per part (a
+block-diagonal B over a fused projection's parts would read its zeros too).
+
+Elsewhere (CUDA, or the kernels off), torch's ops (`add_products`): the rows gathered, one
+shrink GEMM (n, in) x (in, C), each row's columns of other slots zeroed, one expand GEMM
+per part (n, C_p) x (C_p, out_p), the result added to those rows (no gather or scatter when
+every row of the step has an adapter). The zeroed columns add exact zeros, so a row's
+output is its own adapter's alone, and the same whatever else its step holds; the shrink
+does C / r_i times the one adapter's work, small beside the base's (C << out).
 
 The base's kernel runs first on every row (whatever its kind: dense, int8, int4, GGUF
 blocks); rows of no adapter are its output untouched, bit for bit.

@@ -21,8 +21,8 @@
 //   shrink: L lanes (16 AVX-512, 8 AVX2, 1 scalar), chunk c of the in % L-less body into
 //     accumulator c % 4 by fma, the in % L tail in one scalar fma chain; then
 //     (a0 + a1) + (a2 + a3), a fixed tree over the lanes, plus the tail
-//   expand: per output, acc = fma(h[j], b[j, o], acc) over j in J ascending (the same bits
-//     on every path), then y + acc (bf16 y: widened, added, rounded once, half to even)
+//   expand: per output, acc = fma(h[j], b[j, o], acc) from 0 over j in J ascending (the
+//     same bits on every path), then y + acc (bf16 y: widened, added, rounded once, half to even)
 // A row's result depends on that row, its slot's weights and the path only: never on the
 // other rows, their slots or the thread count (qinfer's batch invariance). Threads split
 // the shrink by (slot, column) and the expand by tiles of output columns, each output
@@ -48,7 +48,7 @@ namespace qinfer_kernels {
 namespace {
 
 constexpr int kRowTile = 4;   // rows of one slot sharing each load of A in the shrink
-constexpr int64_t kTile = 64;  // output columns of one expand task
+constexpr int64_t kTile = 512;  // output columns of one expand task (2 KiB of fp32 B^T a row)
 
 // One operand element as fp32: fp32 as it is, bf16 (its bits as uint16_t) widened exactly.
 QINFER_INLINE float widen_any(float v) { return v; }
@@ -63,11 +63,6 @@ QINFER_AVX512 QINFER_INLINE __m512 load16(const float* p) { return _mm512_loadu_
 QINFER_AVX512 QINFER_INLINE __m512 load16(const uint16_t* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-template <typename V>
-QINFER_INLINE void clear4(V (&s)[4]) {
-  for (V& v : s) v = V{};
 }
 
 // The in % L tail of R rows' dot products with one column of A, one scalar fma chain each.
@@ -151,82 +146,42 @@ void dots(Isa path, const W* a, const X* const* x, int64_t K, float* const* h) {
   }
 }
 
-// acc[o] = sum_j h[j] b[j * ldb + o] for o < width (<= kTile), j < rank ascending, one fma
-// chain per output: the same bits on every path (the lanes are outputs, not terms).
+// acc[o] = fma(h, b[o], acc[o]) for o < width: one term of the expand for `width` outputs
+// (the same bits on every path: the lanes are outputs, not terms).
 template <typename W>
-QINFER_INLINE void expand_tail(const float* h, const W* b, int64_t ldb, int64_t rank,
-                               int64_t from, int64_t width, float* acc) {
-  for (int64_t o = from; o < width; ++o) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < rank; ++j) s = std::fma(h[j], widen_any(b[j * ldb + o]), s);
-    acc[o] = s;
-  }
+QINFER_INLINE void axpy_tail(float h, const W* b, int64_t from, int64_t width, float* acc) {
+  for (int64_t o = from; o < width; ++o) acc[o] = std::fma(h, widen_any(b[o]), acc[o]);
 }
 
 template <typename W>
-void expand_scalar(const float* h, const W* b, int64_t ldb, int64_t rank, int64_t width,
-                   float* acc) {
-  expand_tail(h, b, ldb, rank, 0, width, acc);
+void axpy_scalar(float h, const W* b, int64_t width, float* acc) {
+  axpy_tail(h, b, 0, width, acc);
 }
 
 template <typename W>
-QINFER_AVX2 void expand_avx2(const float* h, const W* b, int64_t ldb, int64_t rank,
-                             int64_t width, float* acc) {
+QINFER_AVX2 void axpy_avx2(float h, const W* b, int64_t width, float* acc) {
+  const __m256 hv = _mm256_set1_ps(h);
   const int64_t body = width - width % 8;
-  int64_t o = 0;
-  for (; o + 32 <= body; o += 32) {  // 4 vectors: 4 independent chains
-    __m256 s[4];
-    clear4(s);
-    for (int64_t j = 0; j < rank; ++j) {
-      const __m256 hj = _mm256_set1_ps(h[j]);
-      #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) s[u] = _mm256_fmadd_ps(hj, load8(b + j * ldb + o + 8 * u), s[u]);
-    }
-    #pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + o + 8 * u, s[u]);
-  }
-  for (; o < body; o += 8) {
-    __m256 s = _mm256_setzero_ps();
-    for (int64_t j = 0; j < rank; ++j)
-      s = _mm256_fmadd_ps(_mm256_set1_ps(h[j]), load8(b + j * ldb + o), s);
-    _mm256_storeu_ps(acc + o, s);
-  }
-  expand_tail(h, b, ldb, rank, body, width, acc);
+  for (int64_t o = 0; o < body; o += 8)
+    _mm256_storeu_ps(acc + o, _mm256_fmadd_ps(hv, load8(b + o), _mm256_loadu_ps(acc + o)));
+  axpy_tail(h, b, body, width, acc);
 }
 
 template <typename W>
-QINFER_AVX512 void expand_avx512(const float* h, const W* b, int64_t ldb, int64_t rank,
-                                 int64_t width, float* acc) {
+QINFER_AVX512 void axpy_avx512(float h, const W* b, int64_t width, float* acc) {
+  const __m512 hv = _mm512_set1_ps(h);
   const int64_t body = width - width % 16;
-  int64_t o = 0;
-  for (; o + 64 <= body; o += 64) {  // 4 vectors: 4 independent chains
-    __m512 s[4];
-    clear4(s);
-    for (int64_t j = 0; j < rank; ++j) {
-      const __m512 hj = _mm512_set1_ps(h[j]);
-      #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-        s[u] = _mm512_fmadd_ps(hj, load16(b + j * ldb + o + 16 * u), s[u]);
-    }
-    #pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + o + 16 * u, s[u]);
-  }
-  for (; o < body; o += 16) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t j = 0; j < rank; ++j)
-      s = _mm512_fmadd_ps(_mm512_set1_ps(h[j]), load16(b + j * ldb + o), s);
-    _mm512_storeu_ps(acc + o, s);
-  }
-  expand_tail(h, b, ldb, rank, body, width, acc);
+  for (int64_t o = 0; o < body; o += 16)
+    _mm512_storeu_ps(acc + o, _mm512_fmadd_ps(hv, load16(b + o), _mm512_loadu_ps(acc + o)));
+  axpy_tail(h, b, body, width, acc);
 }
 
 template <typename W>
-void expand(Isa path, const float* h, const W* b, int64_t ldb, int64_t rank, int64_t width,
-            float* acc) {
+void axpy(Isa path, float h, const W* b, int64_t width, float* acc) {
   switch (path) {
-    case Isa::Avx512: expand_avx512(h, b, ldb, rank, width, acc); break;
-    case Isa::Avx2: expand_avx2(h, b, ldb, rank, width, acc); break;
-    default: expand_scalar(h, b, ldb, rank, width, acc);
+    case Isa::Avx512: axpy_avx512(h, b, width, acc); break;
+    case Isa::Avx2: axpy_avx2(h, b, width, acc); break;
+    default: axpy_scalar(h, b, width, acc);
   }
 }
 
@@ -314,13 +269,14 @@ void lora_add_typed(Isa path, Y* y, int64_t ldy, const X* x, int64_t ldx, int64_
       }
     }
   });
-  // expand: one task per tile of kTile outputs of a part, every row of every group
+  // expand: one task per tile of kTile outputs of a part, every row of every group; per
+  // row of B^T (contiguous: kTile outputs a read), each of up to kRowTile rows' term added
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (part, first output of the part)
   for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); ++p)
     if (b_t[p] != nullptr)
       for (int64_t o = 0; o < parts[p]; o += kTile) tiles.emplace_back(p, o);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 4, [&](int64_t t0, int64_t t1) {
-    float acc[kTile];
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    float acc[kRowTile][kTile];
     for (int64_t t = t0; t < t1; ++t) {
       const auto [p, o] = tiles[t];
       const int64_t width = std::min(kTile, parts[p] - o);
@@ -328,11 +284,17 @@ void lora_add_typed(Isa path, Y* y, int64_t ldy, const X* x, int64_t ldx, int64_
       for (int64_t q = 0; q < p; ++q) offset += parts[q];
       for (const Group& g : groups) {
         const auto [first, end] = g.columns[p];
-        if (first == end) continue;
-        const W* b = b_t[p] + (first - part_starts[p]) * parts[p] + o;
-        for (int64_t i : g.members) {
-          expand(path, h.data() + i * C + first, b, parts[p], end - first, width, acc);
-          add_to(y + rows[i] * ldy + offset + o, acc, width);
+        const int64_t count = static_cast<int64_t>(g.members.size());
+        for (int64_t m = 0; m < count && first < end; m += kRowTile) {
+          const int64_t R = std::min<int64_t>(kRowTile, count - m);
+          for (int64_t i = 0; i < R; ++i) std::fill_n(acc[i], width, 0.0f);
+          for (int64_t j = first; j < end; ++j) {
+            const W* b = b_t[p] + (j - part_starts[p]) * parts[p] + o;
+            for (int64_t i = 0; i < R; ++i)
+              axpy(path, h[g.members[m + i] * C + j], b, width, acc[i]);
+          }
+          for (int64_t i = 0; i < R; ++i)
+            add_to(y + rows[g.members[m + i]] * ldy + offset + o, acc[i], width);
         }
       }
     }

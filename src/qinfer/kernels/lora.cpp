@@ -50,6 +50,15 @@ namespace {
 constexpr int kRowTile = 4;   // rows of one slot sharing each load of A in the shrink
 constexpr int64_t kTile = 512;  // output columns of one expand task (2 KiB of fp32 B^T a row)
 
+// Elements of A read ahead of the shrink's loads (past a column's end: the next column's,
+// which the next task reads), and the expand's next row of B^T fetched while this one is
+// used: DRAM streams each adapter once a step, in short runs the hardware prefetcher
+// would only learn late.
+constexpr int64_t kAhead = 512;
+QINFER_INLINE void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+
 // One operand element as fp32: fp32 as it is, bf16 (its bits as uint16_t) widened exactly.
 QINFER_INLINE float widen_any(float v) { return v; }
 QINFER_INLINE float widen_any(uint16_t v) { return widen_bf16(v); }
@@ -96,6 +105,7 @@ QINFER_AVX2 void dots_avx2(const W* a, const X* const* x, int64_t K, float* cons
     #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       if (k + 8 * u >= body) break;
+      prefetch(a + k + 8 * u + kAhead);
       const __m256 w = load8(a + k + 8 * u);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i)
@@ -121,6 +131,7 @@ QINFER_AVX512 void dots_avx512(const W* a, const X* const* x, int64_t K, float* 
     #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       if (k + 16 * u >= body) break;
+      prefetch(a + k + 16 * u + kAhead);
       const __m512 w = load16(a + k + 16 * u);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i)
@@ -290,6 +301,7 @@ void lora_add_typed(Isa path, Y* y, int64_t ldy, const X* x, int64_t ldx, int64_
           for (int64_t i = 0; i < R; ++i) std::fill_n(acc[i], width, 0.0f);
           for (int64_t j = first; j < end; ++j) {
             const W* b = b_t[p] + (j - part_starts[p]) * parts[p] + o;
+            for (int64_t e = 0; e < width; e += 64 / sizeof(W)) prefetch(b + parts[p] + e);
             for (int64_t i = 0; i < R; ++i)
               axpy(path, h[g.members[m + i] * C + j], b, width, acc[i]);
           }

@@ -24,10 +24,11 @@
 //   expand: per output, acc = fma(h[j], b[j, o], acc) from 0 over j in J ascending (the
 //     same bits on every path), then y + acc (bf16 y: widened, added, rounded once, half to even)
 // A row's result depends on that row, its slot's weights and the path only: never on the
-// other rows, their slots or the thread count (qinfer's batch invariance). Threads split
-// the shrink by (slot, column) and the expand by tiles of output columns, each output
-// computed whole by one thread. Rows of one slot are computed together, so that a step
-// reads each adapter's A and B once (at decode LoRA costs the bytes of its weights).
+// other rows, their slots or the thread count (qinfer's batch invariance). A task is a
+// slot's rows, up to kChunk of them: their shrink, then their expand, so that a step reads
+// each adapter's A and B once (at decode LoRA costs the bytes of its weights) and the op
+// takes one parallel region (on a loaded machine each region may wait a time slice for
+// its threads). Threads take whole tasks.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +49,7 @@ namespace qinfer_kernels {
 namespace {
 
 constexpr int kRowTile = 4;   // rows of one slot sharing each load of A in the shrink
+constexpr int64_t kChunk = 64;  // rows of one slot in one task (a prompt's many rows split)
 constexpr int64_t kTile = 512;  // output columns of one expand task (2 KiB of fp32 B^T a row)
 
 // Elements of A read ahead of the shrink's loads (past a column's end: the next column's,
@@ -249,64 +251,56 @@ void lora_add_typed(Isa path, Y* y, int64_t ldy, const X* x, int64_t ldx, int64_
                     const W* a, const std::vector<const W*>& b_t,
                     const std::vector<int64_t>& parts, const std::vector<int64_t>& part_starts,
                     int64_t n) {
-  // shrink: h (n, C), row i's own slot's columns written; one task per (group, column)
+  // one task per slot's rows, kChunk at a time: its shrink, then its expand. Tasks write
+  // disjoint rows of h (n, C) and y, and a slot's A and B are read once for its rows
   std::vector<float> h(static_cast<size_t>(n * C));
-  std::vector<std::pair<int64_t, int64_t>> columns;  // (group, column of a)
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, its first member)
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
-    for (const auto& [first, end] : groups[g].columns)
-      for (int64_t c = first; c < end; ++c) columns.emplace_back(g, c);
-  const int64_t work = std::max<int64_t>(1, K * n / static_cast<int64_t>(groups.size()));
-  at::parallel_for(0, static_cast<int64_t>(columns.size()), std::max<int64_t>(1, 32768 / work),
-                   [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const auto [g, c] = columns[t];
-      const std::vector<int64_t>& members = groups[g].members;
-      const int64_t count = static_cast<int64_t>(members.size());
-      for (int64_t m = 0; m < count; m += kRowTile) {
-        const X* xs[kRowTile];
-        float* hs[kRowTile];
-        const int64_t R = std::min<int64_t>(kRowTile, count - m);
-        for (int64_t i = 0; i < R; ++i) {
-          xs[i] = x + rows[members[m + i]] * ldx;
-          hs[i] = h.data() + members[m + i] * C + c;
-        }
-        const W* ac = a + c * K;
-        switch (R) {
-          case 4: dots<4>(path, ac, xs, K, hs); break;
-          case 3: dots<3>(path, ac, xs, K, hs); break;
-          case 2: dots<2>(path, ac, xs, K, hs); break;
-          default: dots<1>(path, ac, xs, K, hs);
-        }
-      }
-    }
-  });
-  // expand: one task per tile of kTile outputs of a part, every row of every group; per
-  // row of B^T (contiguous: kTile outputs a read), each of up to kRowTile rows' term added
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (part, first output of the part)
-  for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); ++p)
-    if (b_t[p] != nullptr)
-      for (int64_t o = 0; o < parts[p]; o += kTile) tiles.emplace_back(p, o);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t m = 0; m < static_cast<int64_t>(groups[g].members.size()); m += kChunk)
+      tasks.emplace_back(g, m);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     float acc[kRowTile][kTile];
     for (int64_t t = t0; t < t1; ++t) {
-      const auto [p, o] = tiles[t];
-      const int64_t width = std::min(kTile, parts[p] - o);
-      int64_t offset = 0;  // the part's first output in y
-      for (int64_t q = 0; q < p; ++q) offset += parts[q];
-      for (const Group& g : groups) {
-        const auto [first, end] = g.columns[p];
-        const int64_t count = static_cast<int64_t>(g.members.size());
-        for (int64_t m = 0; m < count && first < end; m += kRowTile) {
-          const int64_t R = std::min<int64_t>(kRowTile, count - m);
-          for (int64_t i = 0; i < R; ++i) std::fill_n(acc[i], width, 0.0f);
-          for (int64_t j = first; j < end; ++j) {
-            const W* b = b_t[p] + (j - part_starts[p]) * parts[p] + o;
-            for (int64_t e = 0; e < width; e += 64 / sizeof(W)) prefetch(b + parts[p] + e);
-            for (int64_t i = 0; i < R; ++i)
-              axpy(path, h[g.members[m + i] * C + j], b, width, acc[i]);
+      const Group& g = groups[tasks[t].first];
+      const int64_t m0 = tasks[t].second;
+      const int64_t m1 = std::min<int64_t>(m0 + kChunk, static_cast<int64_t>(g.members.size()));
+      for (const auto& [first, end] : g.columns)  // shrink: h[i, c] = x[rows[i]] . a[c]
+        for (int64_t c = first; c < end; ++c)
+          for (int64_t m = m0; m < m1; m += kRowTile) {
+            const X* xs[kRowTile];
+            float* hs[kRowTile];
+            const int64_t R = std::min<int64_t>(kRowTile, m1 - m);
+            for (int64_t i = 0; i < R; ++i) {
+              xs[i] = x + rows[g.members[m + i]] * ldx;
+              hs[i] = h.data() + g.members[m + i] * C + c;
+            }
+            const W* ac = a + c * K;
+            switch (R) {
+              case 4: dots<4>(path, ac, xs, K, hs); break;
+              case 3: dots<3>(path, ac, xs, K, hs); break;
+              case 2: dots<2>(path, ac, xs, K, hs); break;
+              default: dots<1>(path, ac, xs, K, hs);
+            }
           }
-          for (int64_t i = 0; i < R; ++i)
-            add_to(y + rows[g.members[m + i]] * ldy + offset + o, acc[i], width);
+      // expand: per tile of kTile outputs of a part, per row of B^T (contiguous: kTile
+      // outputs a read), each of up to kRowTile rows' term added
+      int64_t offset = 0;  // part p's first output in y
+      for (int64_t p = 0; p < static_cast<int64_t>(parts.size()); offset += parts[p], ++p) {
+        const auto [first, end] = g.columns[p];
+        for (int64_t o = 0; o < parts[p] && first < end; o += kTile) {
+          const int64_t width = std::min(kTile, parts[p] - o);
+          for (int64_t m = m0; m < m1; m += kRowTile) {
+            const int64_t R = std::min<int64_t>(kRowTile, m1 - m);
+            for (int64_t i = 0; i < R; ++i) std::fill_n(acc[i], width, 0.0f);
+            for (int64_t j = first; j < end; ++j) {
+              const W* b = b_t[p] + (j - part_starts[p]) * parts[p] + o;
+              for (int64_t e = 0; e < width; e += 64 / sizeof(W)) prefetch(b + parts[p] + e);
+              for (int64_t i = 0; i < R; ++i)
+                axpy(path, h[g.members[m + i] * C + j], b, width, acc[i]);
+            }
+            for (int64_t i = 0; i < R; ++i)
+              add_to(y + rows[g.members[m + i]] * ldy + offset + o, acc[i], width);
+          }
         }
       }
     }

@@ -3,7 +3,7 @@ does (which inputs it writes), and its fake kernel (`kernels.registry.FAKE_KERNE
 shapes and dtypes the real one returns, so that `torch.compile` and `torch.export` can
 trace a graph through it (`torch.library.opcheck`, which runs the real kernel beside each
 check). The ops' arithmetic is tested in test_int_dot_kernels.py, test_rms_norm_kernel.py
-test_paged_decode_kernel.py and test_deltanet_kernel.py.
+test_paged_decode_kernel.py, test_deltanet_kernel.py and test_lora_kernel.py.
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def samples() -> dict[str, tuple]:
         "add_rms_norm": (x.clone(), x.bfloat16(), torch.rand(64), 1e-6, torch.bfloat16, "auto"),
         "heads_rms_norm": (heads, torch.rand(64), torch.rand(64), 2, 1e-6, torch.float32, "auto"),
         "rope": (heads, torch.rand(3, 32, generator=gen), torch.rand(3, 32, generator=gen)),
+        # LoRA: 2 slots of rank 2 on the first of two parts of 4 and 4 outputs
+        "lora_add": (
+            *(torch.randn(3, 8, generator=gen), x, torch.tensor([0, 2]), torch.tensor([1, 0])),
+            *(torch.randn(4, 64, generator=gen), torch.tensor([0, 0, 1, 1])),
+            *([torch.randn(4, 4, generator=gen), None], [4, 4], "auto"),
+        ),
         "gated_delta_recurrent": rule,
         "gated_delta_chunked": (*rule, 2),
         "paged_decode_attention": (

@@ -21,6 +21,8 @@ and why: docs/KERNELS.md.
                                    # one new token per sequence: k, v stored in the pool,
                                    #   q (G, Hq, D) attends its sequence's keys -> (G, Hq, D)
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
+    lora_add(y, x, rows, slots, a, column_slots, b_t, parts)  # LoRA: each adapter row's
+                                   #   (x A_slot^T) B_slot^T added to y in place, per part
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
                                    #   token: state (B, H, Dk, Dv) fp32 updated in place
     o = gated_delta_chunked(q, k, v, g, beta, state, C)  # the same, C tokens at a time
@@ -74,6 +76,7 @@ __all__ = [
     "int4_mm",
     "int8_blocks_mm",
     "int8_mm",
+    "lora_add",
     "norm_auto_path",
     "norm_paths",
     "on_x86",
@@ -290,6 +293,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if ops.rope is None:
         require()
     return ops.rope(x, cos, sin)
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    column_slots: torch.Tensor,
+    b_t: list[torch.Tensor | None],
+    parts: list[int],
+    path: str = "auto",
+) -> None:
+    """LoRA's adapter rows of a projection (`qinfer.linear.lora.LoraLinear`'s packing), in
+    place: for each rows[i] of y (T, out) fp32 or bf16 and x (T, in) fp32 or bf16, with
+    slot slots[i] (rows, slots (n,) int64), and each part p (its out_p: parts[p]), adds
+    (x[r] . a[J]) @ b_t[p][J - part start] to y[r, part p's outputs], J the columns of part
+    p that column_slots (C,) gives slot s; a (C, in) and b_t[p] (C_p, out_p) (None: C_p = 0)
+    fp32 or bf16, widened exactly; fp32 sums in a fixed order per row (docs/KERNELS.md).
+    Other rows of y are not touched."""
+    if ops.lora_add is None:
+        require()
+    ops.lora_add(
+        y, x, rows, slots, a, column_slots, b_t, parts, norm_auto_path() if path == "auto" else path
+    )
 
 
 def gated_delta_recurrent(

@@ -17,10 +17,10 @@ from qinfer.kernels import build, registry
 #: The dot products' paths (int4_mm, int8_mm, int8_blocks_mm, int4_groups_mm,
 #: quantize_q8_1), slowest first.
 DOT_PATHS = ("scalar", "avx2", "vnni", "amx")
-#: add_rms_norm's and heads_rms_norm's paths, slowest first.
+#: add_rms_norm's, heads_rms_norm's and lora_add's paths, slowest first.
 NORM_PATHS = ("scalar", "avx2", "avx512")
 
-#: Set to "off" (or "0"), the layers' own ops (RMSNorm, RoPE, decode attention) run as
+#: Set to "off" (or "0"), the layers' own ops (RMSNorm, RoPE, decode attention, LoRA) run as
 #: torch's where the kernels would: the pure-torch path, to compare or to fall back to.
 #: The linear layers' paths have their own switch (`QINFER_LINEAR_PATH`).
 SWITCH = "QINFER_CPU_KERNELS"

@@ -42,6 +42,8 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
           "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
+  lib.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor slots, Tensor a, "
+          "Tensor column_slots, Tensor?[] b_t, int[] parts, str path='auto') -> ()");
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state, Tensor? slots=None) -> Tensor");
@@ -58,6 +60,7 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("add_rms_norm", &add_rms_norm);
   lib.impl("heads_rms_norm", &heads_rms_norm);
   lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("lora_add", &lora_add);
   lib.impl("rope", &rope);
   lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
   lib.impl("gated_delta_chunked", &gated_delta_chunked);

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace qinfer_kernels {
 
@@ -52,6 +53,11 @@ at::Tensor gated_delta_chunked(const at::Tensor& q, const at::Tensor& k, const a
                                const at::Tensor& g, const at::Tensor& beta,
                                const at::Tensor& state, int64_t chunk_size,
                                const c10::optional<at::Tensor>& slots);
+// lora.cpp
+void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+              const at::Tensor& slots, const at::Tensor& a, const at::Tensor& column_slots,
+              const std::vector<c10::optional<at::Tensor>>& b_t, at::IntArrayRef parts,
+              const std::string& path);
 // rope.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

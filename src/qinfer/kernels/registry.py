@@ -74,6 +74,10 @@ def _delta_out(q, k, v: torch.Tensor, *_: object) -> torch.Tensor:  # noqa: ANN0
     return v.new_empty(v.shape, dtype=torch.float32)  # (B, L, H, Dv)
 
 
+def _in_place(*_: object) -> None:  # lora_add: y updated, nothing returned
+    return None
+
+
 #: Each op that takes tensors -> its fake kernel.
 FAKE_KERNELS = {
     "int4_mm": _rows_by_columns,
@@ -85,6 +89,7 @@ FAKE_KERNELS = {
     "heads_rms_norm": _heads_normed,
     "paged_decode_attention": _like,
     "rope": _like,
+    "lora_add": _in_place,
     "gated_delta_recurrent": _delta_out,
     "gated_delta_chunked": _delta_out,
 }

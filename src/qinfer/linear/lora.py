@@ -5,16 +5,23 @@ Several adapters live in one module, each in a slot (`qinfer.lora.adapters` numb
 packed side by side. A fused projection (q/k/v, gate/up) has parts, each its own rows of
 the output; an adapter holds a pair per part it targets. The packing is part-major: A
 (C, in) stacks part 0's A of every slot, then part 1's, ...; `column_slots` (C,) names each
-column's slot; part p owns the column range `part_columns[p]` and its B^T (C_p, out_p). A
-step's adapter rows (`qinfer.core.forward_batch.AdapterRows`) take, per projection: the
-rows gathered, one shrink GEMM (n, in) x (in, C), each row's columns of other slots zeroed,
-one expand GEMM per part (n, C_p) x (C_p, out_p), the result added to those rows. The
-zeroed columns add exact zeros, so a row's output is its own adapter's alone, and the same
-whatever else its step holds; the shrink does C / r_i times the one adapter's work, small
-beside the base's (C << out). At decode what LoRA costs is the adapters' bytes read each
-step and the ops launched (docs/BENCHMARKS.md, "LoRA adapters at decode"): hence one B per
-part (a block-diagonal B over a fused projection's parts would read its zeros too) and no
-gather or scatter when every row of the step has an adapter.
+column's slot; part p owns the column range `part_columns[p]` and its B^T (C_p, out_p).
+
+On the CPU, where the kernels run (`qinfer.kernels.in_use`), a step's adapter rows
+(`qinfer.core.forward_batch.AdapterRows`) take one op per projection, `kernels.lora_add`:
+each row's shrink over its own slot's columns of A, then its expand by each part's B^T
+rows of that slot, added to y in place, every sum in a fixed order per row (the same bits
+in any batch, at any thread count), a slot's rows together so that each adapter's A and B
+are read once a step (docs/KERNELS.md). At decode what LoRA costs is then mostly the
+adapters' bytes (docs/BENCHMARKS.md, "LoRA adapters at decode"): hence one B per part (a
+block-diagonal B over a fused projection's parts would read its zeros too).
+
+Elsewhere (CUDA, or the kernels off), torch's ops (`add_products`): the rows gathered, one
+shrink GEMM (n, in) x (in, C), each row's columns of other slots zeroed, one expand GEMM
+per part (n, C_p) x (C_p, out_p), the result added to those rows (no gather or scatter when
+every row of the step has an adapter). The zeroed columns add exact zeros, so a row's
+output is its own adapter's alone, and the same whatever else its step holds; the shrink
+does C / r_i times the one adapter's work, small beside the base's (C << out).
 
 The base's kernel runs first on every row (whatever its kind: dense, int8, int4, GGUF
 blocks); rows of no adapter are its output untouched, bit for bit.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from qinfer import kernels
 from qinfer.core.forward_batch import AdapterRows
 from qinfer.linear.base import Linear
 from qinfer.linear.dense import linear_in_fixed_chunks
@@ -53,6 +61,7 @@ class LoraLinear(Linear):
         self.out_features, self.in_features = base.out_features, base.in_features
         self.bias = base.bias
         self.fixed_rows = fixed_rows
+        self.on_kernel = False  # whether the adapter rows run as `kernels.lora_add` (_pack)
         self.slots: dict[int, Pairs] = {}
         self.part_columns: list[tuple[int, int]] = []
         self.b_t: list[torch.Tensor | None] = []  # per part (C_p, out_p), None where C_p = 0
@@ -90,6 +99,7 @@ class LoraLinear(Linear):
             self.b_t.append(torch.cat([b.t() for _, (_, b) in held]).contiguous() if held else None)
             start = end
         self.a, self.column_slots = torch.cat(a_rows), torch.cat(columns)
+        self.on_kernel = self.a.device.type == "cpu" and kernels.in_use()
         # each slot's pairs as views of the packed tensors: held once
         views: dict[int, Pairs] = {slot: [] for slot, _ in ordered}
         for p, (part_start, _) in enumerate(self.part_columns):
@@ -107,10 +117,27 @@ class LoraLinear(Linear):
 
     def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
         """x (T, in) -> (T, out): the base on every row, then each adapter row's product
-        added to it."""
+        added to it (on the CPU by the kernels' one op where they run)."""
         y = self.base(x)
         if adapters is None or self.a is None:
             return y
+        if self.on_kernel and x.dtype in kernels.ACTIVATION_DTYPES:
+            kernels.lora_add(
+                y,
+                x,
+                adapters.rows,
+                adapters.slots,
+                self.a,
+                self.column_slots,
+                self.b_t,
+                self.part_rows,
+            )
+            return y
+        return self.add_products(y, x, adapters)
+
+    def add_products(self, y: torch.Tensor, x: torch.Tensor, adapters: AdapterRows) -> torch.Tensor:
+        """y (T, out) += each adapter row's product, in torch's ops (CUDA, or the CPU
+        without the kernels)."""
         every_row = adapters.rows.shape[0] == x.shape[0]  # rows ascending: then 0 .. T-1
         rows = x if every_row else x.index_select(0, adapters.rows)
         shrunk = self._mm(rows.to(self.a.dtype), self.a)  # (n, C)

@@ -76,7 +76,17 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
   prefetch_scales<C, S>(p.d, p.blocks);
   __m512 acc[C][R];
   clear(acc);
+  // int8 sub-scales: a super-block's 16 block scales, formed at its first block (one load and
+  // multiply a column per 16 blocks) and stored here for each block's broadcast load, as
+  // fp32 scales are read (a scalar product per block ran the head's shape 12-23% slower)
+  [[maybe_unused]] alignas(64) float d16[C][kSubScales];
   for (int64_t b = 0; b < p.blocks; ++b) {
+    if constexpr (kSub<S>) {
+      if (b % kSubScales == 0) {
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm512_store_ps(d16[c], sub_scales16(p.d[c], b));
+      }
+    }
     __m512 t[C][R];
     clear(t);
     for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
@@ -94,7 +104,12 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 dv = splat16(p.d[c], b);
+      __m512 dv;
+      if constexpr (kSub<S>) {
+        dv = _mm512_set1_ps(d16[c][b % kSubScales]);
+      } else {
+        dv = splat16(p.d[c].d + b);
+      }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
     }

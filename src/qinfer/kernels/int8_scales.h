@@ -60,11 +60,6 @@ QINFER_AVX2 QINFER_INLINE __m256 splat8(const BlockScales<S>& s, int64_t b) {
   if constexpr (kSub<S>) return _mm256_set1_ps(block_scale_f16c(s, b));
   else return splat8(s.d + b);
 }
-template <typename S>
-QINFER_VNNI QINFER_INLINE __m512 splat16(const BlockScales<S>& s, int64_t b) {
-  if constexpr (kSub<S>) return _mm512_set1_ps(block_scale_f16c(s, b));
-  else return splat16(s.d + b);
-}
 
 // Blocks b.. b + n - 1's scales (n <= 4, reading exactly n: the last may end the tensor)
 // into 4 lanes, the rest zero. For int8 sub-scales b is a multiple of 4, so the n share
@@ -79,6 +74,14 @@ QINFER_AVX2 QINFER_INLINE __m128 scales4(const BlockScales<S>& s, int64_t b, int
   } else {
     return scales4(s.d + b, n);
   }
+}
+
+// The 16 block scales of the super-block that starts at block b (a multiple of 16; K is a
+// multiple of 256, so all 16 exist).
+QINFER_VNNI QINFER_INLINE __m512 sub_scales16(const BlockScales<int8_t>& s, int64_t b) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + b));
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  return _mm512_mul_ps(sc, _mm512_set1_ps(_cvtsh_ss(s.super[b / kSubScales].x)));
 }
 
 // prefetch_scales (matmul.h) for a tile's C columns of `blocks` scales each, and their

@@ -411,7 +411,8 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
         lambda: kernels.int8_mm(x, q, scales[:8])
     )
     assert f"{per}, got (16, 8)" in _error(lambda: kernels.int8_mm(x, q, torch.ones(16, 8)))
-    assert "int8_mm: scales must be torch.float16 or torch.float32, got torch.bfloat16" in _error(
+    kinds = "torch.float16, torch.float32 or (with d_super) torch.int8"
+    assert f"int8_mm: scales must be {kinds}, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )
     assert "int8_mm: path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(

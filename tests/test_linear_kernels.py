@@ -63,9 +63,10 @@ def test_int8_blocks_of_gguf_blocks_dequantize_bit_identically(qtype):
     assert blocks.block_size == (16 if qtype == gguf.GGMLQuantizationType.Q6_K else 32)
     assert torch.equal(blocks.dequantize(), reference)
     layer = Int8BlockLinear(blocks, None, torch.float32)
-    # the file's fp16 scales stay fp16 (Q8_0, Q5_0); Q6_K's d * sc are no fp16 values
-    wide = qtype == gguf.GGMLQuantizationType.Q6_K
-    assert layer.scales.dtype == (torch.float32 if wide else torch.float16)
+    # the file's scales as they are: fp16 (Q8_0, Q5_0), int8 sub-scales per 16 (Q6_K, with
+    # an fp16 super-scale per 256)
+    sub = qtype == gguf.GGMLQuantizationType.Q6_K
+    assert layer.scales.dtype == (torch.int8 if sub else torch.float16)
     assert torch.equal(layer.dequantize(), reference)
     ids = torch.tensor([[5, 0, 31]])
     assert torch.equal(layer.rows(ids), reference[ids])

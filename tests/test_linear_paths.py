@@ -77,7 +77,7 @@ def dot_kernel_output(w, x: torch.Tensor) -> torch.Tensor:
     if isinstance(w, Int8Linear):
         return kernels.int8_mm(x, w.q, w.scales.float())
     if isinstance(w, Int8BlockLinear):
-        return kernels.int8_mm(x, w.q, w.scales)
+        return kernels.int8_mm(x, w.q, w.scales, d_super=w.super_scales)
     return kernels.int4_mm(x, kernels.pack_int4(w.groups()))
 
 

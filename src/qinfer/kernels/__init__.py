@@ -10,6 +10,8 @@ and why: docs/KERNELS.md.
                                    #   of 32 or 16 (N, K/B): ~ x @ (q * s).T
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
+                                   # both: d_super= (N, K/256) fp16 with int8 d (N, K/16),
+                                   #   Q6_K's scales as stored: block b's is d_super * d[b]
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
                                    #   x @ W.T, W = d q + m, per block d (q . x) + m sum(x)
     y = add_rms_norm(h, x, w, eps, dtype)  # h (T, H) fp32 += x (in place; x None: as it is),
@@ -108,8 +110,9 @@ class Int4Groups(Protocol):
 def fp16_if_exact(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A weight's fp32 scales (and offsets) as the kernels read them: all in fp16 where every
     one is an fp16 value (GGUF's Q4_0, Q4_1, Q8_0 and Q5_0 hold fp16 scales: a decode step then
-    reads the file's bytes, a Q4_0 block 18 of them, not 24), else all as they are (Q4_K's and
-    Q6_K's scales d * sc are not). Either gives the same bits: the kernels widen fp16 exactly."""
+    reads the file's bytes, a Q4_0 block 18 of them, not 24), else all as they are (Q4_K's
+    scales d * sc are not; Q6_K's go as stored, `d_super`). Either gives the same bits: the
+    kernels widen fp16 exactly."""
     narrowed = tuple(s.half() for s in scales)
     exact = all(torch.equal(n.float(), s) for n, s in zip(narrowed, scales, strict=True))
     return narrowed if exact else scales
@@ -170,27 +173,37 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
 
 
 def int8_mm(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, path: str = "auto"
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    path: str = "auto",
+    d_super: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(M, K) fp32 or bf16 times int8 q (N, K) with fp16 or fp32 scales, one per row (N,) or
     one per block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
     sum_b dx[r, b] (q[n, b] . qx[r, b]), or sum_b dx[r, b] * scales[n, b] (q[n, b] . qx[r, b])
     per block, the activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's
-    q8_0 dot)."""
+    q8_0 dot). Q6_K's scales as the file holds them: int8 sub-scales (N, K/16) and d_super
+    (N, K/256) fp16, a block's scale their product (exact in fp32)."""
     if ops.int8_mm is None:
         require()
-    return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path)
+    return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path, d_super)
 
 
 def int8_blocks_mm(
-    x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, path: str = "auto"
+    x: torch.Tensor,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    path: str = "auto",
+    d_super: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(M, K) fp32 or bf16 times int8 q (N, K) with one fp16 or fp32 scale per block of B
     input columns, d (N, K/B) for B = 16 or 32, transposed -> (M, N) fp32: sum_b d[n, b] *
-    (q[n, b] . x[r, b]), the activations as they are (bf16 widened exactly)."""
+    (q[n, b] . x[r, b]), the activations as they are (bf16 widened exactly). Q6_K's scales
+    as stored: d int8 (N, K/16) and d_super (N, K/256) fp16, block b's d_super * d[b]."""
     if ops.int8_blocks_mm is None:
         require()
-    return ops.int8_blocks_mm(x, q, d, auto_path() if path == "auto" else path)
+    return ops.int8_blocks_mm(x, q, d, auto_path() if path == "auto" else path, d_super)
 
 
 def int4_groups_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:

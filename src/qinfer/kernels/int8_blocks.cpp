@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_scales.h"
 #include "matmul.h"
 #include "ops.h"
 
@@ -24,9 +25,10 @@ namespace {
 
 // ---------------------------------------------------------------------------------------
 // int8 weights with one scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
-// Q6_K values, kept exactly; the scales fp16 or fp32: matmul.h, `Int4Packed`) times fp32 activations (bf16 ones widened exactly): neither
-// operand is rounded, so the result is x @ W.T up to fp32 summation. Per output (r, n), on
-// every path (lanes L: 16 AVX512, 8 AVX2, 1 scalar):
+// Q6_K values, kept exactly; the scales fp16, fp32 or Q6_K's int8 x fp16: int8_scales.h)
+// times fp32 activations (bf16 ones widened exactly): neither operand is rounded, so the
+// result is x @ W.T up to fp32 summation. Per output (r, n), on every path (lanes L: 16
+// AVX512, 8 AVX2, 1 scalar):
 //   acc (lanes) = 0
 //   for each block b:  t (lanes) = 0; t = fma(float(q chunk), x chunk, t) for its B / L chunks
 //                      acc = fma(t, d[n, b], acc)
@@ -35,10 +37,10 @@ namespace {
 
 template <typename S>
 struct WeightsF {
-  const int8_t* q;  // (N, K)
-  const S* d;       // (N, K/B)
-  int64_t nb;       // K / 32 (the grain's measure of K, as the other kinds')
-  int64_t B;        // 16 or 32
+  const int8_t* q;      // (N, K)
+  BlockScales<S> d;     // (N, K/B)
+  int64_t nb;           // K / 32 (the grain's measure of K, as the other kinds')
+  int64_t B;            // 16 or 32
 };
 
 // A tile's row pointers into the weight (its C columns' q and d) and the activations (its R
@@ -47,14 +49,14 @@ template <int R, int C, typename S>
 struct TileRows {
   int64_t blocks;
   const int8_t* q[C];
-  const S* d[C];
+  BlockScales<S> d[C];
   const float* x[R];
   TileRows(const WeightsF<S>& w, int64_t n0, const ActF& a, int64_t r0) {
     const int64_t K = w.nb * kBlock;
     blocks = K / w.B;
     for (int c = 0; c < C; ++c) {
       q[c] = w.q + (n0 + c) * K;
-      d[c] = w.d + (n0 + c) * blocks;
+      d[c] = w.d.column(n0 + c, blocks);
     }
     for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
   }
@@ -74,7 +76,17 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
   prefetch_scales<C, S>(p.d, p.blocks);
   __m512 acc[C][R];
   clear(acc);
+  // int8 sub-scales: a super-block's 16 block scales, formed at its first block (one load and
+  // multiply a column per 16 blocks) and stored here for each block's broadcast load, as
+  // fp32 scales are read (a scalar product per block ran the head's shape 12-23% slower)
+  [[maybe_unused]] alignas(64) float d16[C][kSubScales];
   for (int64_t b = 0; b < p.blocks; ++b) {
+    if constexpr (kSub<S>) {
+      if (b % kSubScales == 0) {
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm512_store_ps(d16[c], sub_scales16(p.d[c], b));
+      }
+    }
     __m512 t[C][R];
     clear(t);
     for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
@@ -92,7 +104,12 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 dv = splat16(p.d[c] + b);
+      __m512 dv;
+      if constexpr (kSub<S>) {
+        dv = _mm512_set1_ps(d16[c][b % kSubScales]);
+      } else {
+        dv = splat16(p.d[c].d + b);
+      }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -128,7 +145,7 @@ QINFER_AVX2 void Int8BlocksF32<S>::tile_avx2(const WeightsF<S>& w, int64_t n0, c
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256 dv = splat8(p.d[c] + b);
+      const __m256 dv = splat8(p.d[c], b);
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
     }
@@ -144,13 +161,13 @@ void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a
                                   float* out, int64_t ldo) {
   const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
   const int8_t* q = w.q + n * K;
-  const S* d = w.d + n * blocks;
+  const BlockScales<S> d = w.d.column(n, blocks);
   const float* x = a.x + r * K;
   float acc = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) {
     float t = 0.0f;
     for (int64_t k = b * B; k < (b + 1) * B; ++k) t += static_cast<float>(q[k]) * x[k];
-    acc += t * widen(d[b]);
+    acc += t * block_scale(d, b);
   }
   out[r * ldo + n] = acc;
 }
@@ -158,7 +175,8 @@ void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a
 }  // namespace
 
 at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,
-                          const std::string& path_name_in) {
+                          const std::string& path_name_in,
+                          const c10::optional<at::Tensor>& d_super_in) {
   check_x("int8_blocks_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
@@ -169,17 +187,23 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
               "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
               shape_str(d_in));
   const int64_t B = K / d_in.size(1);
-  check_scales("int8_blocks_mm", "d", d_in, N, K / B,
-               "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
+  if (d_in.scalar_type() == at::kChar) {
+    check_tensor("int8_blocks_mm", "d", d_in, at::kChar, N, K / B, "(N, K/16) for " + k);
+  } else {
+    check_scales("int8_blocks_mm", "d", d_in, N, K / B,
+                 "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
+  }
+  const at::Tensor d_super = checked_super_scales("int8_blocks_mm", d_in, d_super_in, N, K);
   const Isa path = vector_isa(resolve_path("int8_blocks_mm", path_name_in, kDotPaths));
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
   at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   at::Tensor x32;
   const ActF a = fp32_activations(x_in, x32);
-  with_scales(d, [&](auto tag) {
+  with_block_scales(d, [&](auto tag) {
     using S = decltype(tag);
-    const WeightsF<S> w{q.data_ptr<int8_t>(), d.data_ptr<S>(), K / kBlock, B};
+    const BlockScales<S> scales{d.data_ptr<S>(), super_data(d_super)};
+    const WeightsF<S> w{q.data_ptr<int8_t>(), scales, K / kBlock, B};
     matmul<Int8BlocksF32<S>>(path, w, N, M, a, out.data_ptr<float>());
   });
   return out;

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_scales.h"
 #include "matmul.h"
 #include "ops.h"
 #include "q8.h"
@@ -38,17 +39,18 @@ namespace {
 // The integer dots are exact and every output takes the same steps at any row count.
 // ---------------------------------------------------------------------------------------
 
-// scales S: fp16 or fp32 (matmul.h, `Int4Packed`)
+// scales S: fp16 or fp32, or for blocks Q6_K's int8 sub-scales (int8_scales.h)
 template <typename S>
 struct Weights8 {
-  const int8_t* q;  // (N, K)
-  const S* scale;   // (N,) rows, or (N, K/B) blocks
+  const int8_t* q;        // (N, K)
+  BlockScales<S> scale;   // (N,) rows, or (N, K/B) blocks
   int64_t nb;
 };
 
 template <int B, typename S>
 struct Int8Q8 {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
+  static_assert(!kSub<S> || B == kSubBlock, "int8 sub-scales are per block of 16");
   static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
   QINFER_MATMUL_KERNEL(Weights8<S>, Act)
 };
@@ -68,11 +70,11 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
       : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
   const int8_t* q[C];
-  const S* d[C];
+  BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     q[c] = w.q + (n0 + c) * K;
-    d[c] = w.scale + (n0 + c) * w.nb * L;
+    d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
@@ -98,7 +100,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
       [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
       if constexpr (L > 0) {
         ws = _mm512_permutexvar_ps(
-            scale_lanes, _mm512_castps128_ps512(scales4(d[c] + p * 2 * L, p < full ? 2 * L : L)));
+            scale_lanes, _mm512_castps128_ps512(scales4(d[c], p * 2 * L, p < full ? 2 * L : L)));
       }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
@@ -114,7 +116,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = _mm512_reduce_add_ps(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * block_scale_f16c(w.scale, n0 + c);
     }
 }
 
@@ -126,11 +128,11 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q[C];
-  const S* d[C];
+  BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     q[c] = w.q + (n0 + c) * K;
-    d[c] = w.scale + (n0 + c) * w.nb * L;
+    d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
   [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
@@ -148,9 +150,10 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
       if constexpr (L > 0) {
         #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const S* dh = d[c] + (2 * p + h) * L;
+          const int64_t b = (2 * p + h) * L;  // the first of the block's L scales
           const bool mine = h == 0 || p < full;
-          const float lo = mine ? widen_f16c(dh[0]) : 0.0f, hi = mine ? widen_f16c(dh[L - 1]) : 0.0f;
+          const float lo = mine ? block_scale_f16c(d[c], b) : 0.0f,
+                      hi = mine ? block_scale_f16c(d[c], b + L - 1) : 0.0f;
           ws[h] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
         }
       }
@@ -175,7 +178,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float sum = hsum_avx2(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * widen_f16c(w.scale[n0 + c]);
+      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * block_scale_f16c(w.scale, n0 + c);
     }
 }
 
@@ -185,7 +188,7 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
   constexpr int64_t L = kScales, E = B == 0 ? kBlock : B;  // elements per weight scale
   const int64_t K = w.nb * kBlock;
   const int8_t* q = w.q + n * K;
-  const S* d = w.scale + n * w.nb * L;
+  const BlockScales<S> d = w.scale.column(n, w.nb * L);
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
   float acc = 0.0f;
@@ -195,24 +198,25 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
       int32_t dot = 0;
       for (int64_t j = part * E; j < (part + 1) * E; ++j)
         dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
-      acc += static_cast<float>(dot) * (L > 0 ? dx * widen(d[b * L + part]) : dx);
+      acc += static_cast<float>(dot) * (L > 0 ? dx * block_scale(d, b * L + part) : dx);
     }
   }
-  out[r * ldo + n] = L > 0 ? acc : acc * widen(w.scale[n]);
+  out[r * ldo + n] = L > 0 ? acc : acc * block_scale(w.scale, n);
 }
 
 }  // namespace
 
 at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in,
-                   const std::string& path_name_in) {
+                   const std::string& path_name_in, const c10::optional<at::Tensor>& d_super_in) {
   check_x("int8_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
   check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
-  TORCH_CHECK(scales_in.scalar_type() == at::kHalf || scales_in.scalar_type() == at::kFloat,
-              "int8_mm: scales must be torch.float16 or torch.float32, got ",
-              dtype_name(scales_in.scalar_type()));
+  const at::ScalarType kind = scales_in.scalar_type();
+  TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || kind == at::kChar,
+              "int8_mm: scales must be torch.float16, torch.float32 or (with d_super) torch.int8, "
+              "got ", dtype_name(kind));
   // (N,): one scale per row; (N, K/B): one per block of B = 32 or 16 input columns
   const int64_t B = scales_in.dim() == 2 && scales_in.size(0) == N && scales_in.size(1) > 0 &&
                             K % scales_in.size(1) == 0
@@ -222,6 +226,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               "int8_mm: scales must have shape (", N, ",) per row, or (", N, ", ", K / 32,
               ") or (", N, ", ", K / 16, ") per block of 32 or 16, for q's N and x's K = ", K,
               ", got ", shape_str(scales_in));
+  const at::Tensor d_super = checked_super_scales("int8_mm", scales_in, d_super_in, N, K);
   const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
   const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -229,10 +234,13 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   static thread_local ActStorage storage;
   Act a = storage.make(M, K);
   quantize<true>(x, a, path);
-  with_scales(sc, [&](auto tag) {
+  with_block_scales(sc, [&](auto tag) {
     using S = decltype(tag);
-    const Weights8<S> w{q.data_ptr<int8_t>(), sc.data_ptr<S>(), K / kBlock};
-    if (B == 32) {
+    const BlockScales<S> scales{sc.data_ptr<S>(), super_data(d_super)};
+    const Weights8<S> w{q.data_ptr<int8_t>(), scales, K / kBlock};
+    if constexpr (kSub<S>) {  // B = 16: checked_super_scales
+      matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
+    } else if (B == 32) {
       matmul<Int8Q8<32, S>>(path, w, N, M, a, out.data_ptr<float>());
     } else if (B == 16) {
       matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());

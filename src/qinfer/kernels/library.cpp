@@ -32,8 +32,10 @@ TORCH_LIBRARY(qinfer, lib) {
           &pack_int4);
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");
   lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
-  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto') -> Tensor");
-  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto') -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto', Tensor? d_super=None) "
+          "-> Tensor");
+  lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto', "
+          "Tensor? d_super=None) -> Tensor");
   lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
   lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
           "str path='auto') -> Tensor");

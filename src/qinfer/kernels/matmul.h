@@ -26,9 +26,9 @@ constexpr int64_t kBlock = 32;  // input columns per weight / activation block
 // A weight's per-block scales (and the int4 groups' offsets m), S: at::Half, as GGUF files
 // hold Q4_0's, Q4_1's, Q8_0's and Q5_0's (read as they are: a decode step reads 2 bytes a
 // scale, a Q4_0 block 18 bytes as in the file, not 24), or float, where fp16 would round
-// them (Q4_K's and Q6_K's products d * sc). Either widens exactly to the same fp32 value, so
-// every output is the same bits whichever a weight holds (the Python side picks fp16 where
-// it is exact: `kernels.fp16_if_exact`).
+// them (Q4_K's products d * sc; int8_scales.h keeps Q6_K's as stored). Either widens
+// exactly to the same fp32 value, so every output is the same bits whichever a weight holds
+// (the Python side picks fp16 where it is exact: `kernels.fp16_if_exact`).
 template <typename S>
 constexpr bool kHalf = std::is_same_v<S, at::Half>;
 

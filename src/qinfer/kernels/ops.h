@@ -20,10 +20,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
                    const c10::optional<at::Tensor>& m, const std::string& path);
 // int8_q8.cpp
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                   const std::string& path);
+                   const std::string& path, const c10::optional<at::Tensor>& d_super);
 // int8_blocks.cpp
 at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
-                          const std::string& path);
+                          const std::string& path, const c10::optional<at::Tensor>& d_super);
 // int4_groups.cpp
 at::Tensor int4_groups_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                           const c10::optional<at::Tensor>& m, const std::string& path);

@@ -56,8 +56,11 @@ def make_linear(
             return Int4BlockLinear(groups, bias, dtype)
         return Int4Linear(groups, bias, dtype)
     if isinstance(first, Int8Blocks):
-        fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
-        return Int8BlockLinear(Int8Blocks(*fields), bias, dtype)
+        if any(p.super_scales is None for p in parts):  # Q6_K's super-scales only stack alike
+            parts = [p.flattened() for p in parts]
+        fields = zip(*((p.q, p.scales, p.super_scales) for p in parts), strict=True)
+        blocks = Int8Blocks(*(None if f[0] is None else _stacked(list(f), device) for f in fields))
+        return Int8BlockLinear(blocks, bias, dtype)
     if isinstance(first, Int8Rows):
         fields = (_stacked([getattr(p, f) for p in parts], device) for f in ("q", "scales"))
         return Int8Linear(Int8Rows(*fields), bias, dtype)

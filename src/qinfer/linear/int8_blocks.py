@@ -2,7 +2,11 @@
 
 This holds GGUF's symmetric block types exactly (`qinfer.weights.gguf_quants.int8_blocks`):
 Q8_0 (q in -127..127, an fp16 scale per 32), Q5_0 (q in -16..15, per 32) and Q6_K (q in
--32..31, a scale d * sc per 16). Re-rounded to one scale per row (`Int8Linear`), as they
+-32..31, a scale d * sc per 16). Each keeps the file's scales: Q8_0's and Q5_0's fp16, Q6_K's
+int8 sub-scales sc (N, K/16) with its fp16 super-scales d (N, K/256), which the kernels
+multiply as they read a block (exact in fp32). A Q6_K weight is so 8.56 bits a weight, not
+the 10 of an fp32 scale per 16: on Qwen3.5-0.8B's Q6_K head, 46 MB less read per decode
+step, every output the same bits (docs/KERNELS.md). Re-rounded to one scale per row (`Int8Linear`), as they
 were, a block's values move by up to half a row's step, and on Gemma 3 270M Q4_K_M (whose
 projections are mostly Q5_0, its embedding Q8_0) that was most of the default path's drift
 from fp32: KL 0.0068, against 0.0005 with these blocks read dense (docs/BENCHMARKS.md).
@@ -38,15 +42,21 @@ from qinfer.linear.paths import KERNEL, QuantizedLinear, scratch
 
 #: Block sizes the kernel takes.
 BLOCK_SIZES = (32, 16)
+#: Q6_K's sub-scales per super-scale: 16 blocks of 16, 256 input columns.
+SUB_SCALES = 16
+SUPER_BLOCK = SUB_SCALES * 16
 
 
 @dataclass
 class Int8Blocks:
     """A weight as int8 blocks: q (N, K) int8, scales (N, K / B) fp32 (B = K / scales'
-    columns, one of BLOCK_SIZES); the layer holds them in fp16 where that is exact."""
+    columns, one of BLOCK_SIZES), the layer holding them in fp16 where that is exact; or, with
+    super_scales (N, K / 256) fp16, Q6_K's as stored: scales the int8 sub-scales (N, K / 16),
+    a block's scale super_scales * scales (`block_scales`)."""
 
     q: torch.Tensor
     scales: torch.Tensor
+    super_scales: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,14 +66,28 @@ class Int8Blocks:
     def block_size(self) -> int:
         return self.q.shape[1] // self.scales.shape[1]
 
+    def block_scales(self) -> torch.Tensor:
+        """(N, K / B) fp32, each block's scale (exact: an fp16 times an int8)."""
+        return _block_scales(self.scales, self.super_scales)
+
+    def flattened(self) -> Int8Blocks:
+        """The same weight with one fp32 scale per block (no super-scales)."""
+        return self if self.super_scales is None else Int8Blocks(self.q, self.block_scales())
+
     def columns(self, start: int, stop: int) -> Int8Blocks:
-        """Input columns start:stop, which begin and end on block boundaries."""
+        """Input columns start:stop, which begin and end on block boundaries (off Q6_K's
+        super-blocks, the scales flattened)."""
+        if self.super_scales is not None and (start % SUPER_BLOCK or stop % SUPER_BLOCK):
+            return self.flattened().columns(start, stop)
         b = self.block_size
-        return Int8Blocks(self.q[:, start:stop], self.scales[:, start // b : stop // b])
+        supers = self.super_scales
+        if supers is not None:
+            supers = supers[:, start // SUPER_BLOCK : stop // SUPER_BLOCK]
+        return Int8Blocks(self.q[:, start:stop], self.scales[:, start // b : stop // b], supers)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32, exact (an int8 times an fp32 scale of GGUF's fp16 or fp16 * int8)."""
-        return _widened(self.q, self.scales, torch.float32)
+        return _widened(self.q, self.block_scales(), torch.float32)
 
 
 def quantize_int8_blocks(weight: torch.Tensor, block: int = 32) -> Int8Blocks:
@@ -76,8 +100,17 @@ def quantize_int8_blocks(weight: torch.Tensor, block: int = 32) -> Int8Blocks:
     return Int8Blocks(rows.q.view(N, K), rows.scales.view(N, K // block))
 
 
+def _block_scales(scales: torch.Tensor, super_scales: torch.Tensor | None) -> torch.Tensor:
+    """(..., K / B) fp32: scales as they are, or int8 sub-scales times their fp16 super-scale
+    (..., K / 256), exact (11 significant bits times 7)."""
+    if super_scales is None:
+        return scales.float()
+    return scales.float() * super_scales.float().repeat_interleave(SUB_SCALES, -1)
+
+
 def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
-    """q (..., K) int8 and scales (..., K / B) -> (..., K) q * scale in `dtype` (into `out`)."""
+    """q (..., K) int8 and fp32 scales (..., K / B) -> (..., K) q * scale in `dtype` (into
+    `out`)."""
     blocks = q.unflatten(-1, (scales.shape[-1], -1))  # (..., K / B, B)
     # fp32 scales: q * an fp16 scale in fp16 would round the product
     product = torch.mul(blocks, scales.float()[..., None]).flatten(-2)  # fp32 (..., K)
@@ -88,7 +121,8 @@ def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None
 
 class Int8BlockLinear(QuantizedLinear):
     """int8 weight (N, K), scales (N, K / B) fp16 where that is exact (Q8_0's and Q5_0's: the
-    file's bytes) else fp32 (Q6_K's d * sc), bias (N,) or None, computing in `dtype`."""
+    file's bytes) else fp32, or Q6_K's int8 sub-scales with super_scales (N, K / 256) fp16
+    (the file's), bias (N,) or None, computing in `dtype`."""
 
     def __init__(self, stored: Int8Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -102,9 +136,19 @@ class Int8BlockLinear(QuantizedLinear):
                 f"int8 blocks need a multiple of {kernels.BLOCK} input columns, got "
                 f"{stored.q.shape[1]} (weight {tuple(stored.q.shape)})"
             )
+        supers = stored.super_scales
+        if supers is not None and (stored.block_size != 16 or stored.q.shape[1] % SUPER_BLOCK):
+            raise WeightsError(
+                f"int8 sub-scales need blocks of 16 and a multiple of {SUPER_BLOCK} input "
+                f"columns (weight {tuple(stored.q.shape)}, blocks of {stored.block_size})"
+            )
         self.register_buffer("q", stored.q.contiguous())
-        (scales,) = kernels.fp16_if_exact(stored.scales.float().contiguous())
+        if supers is None:
+            (scales,) = kernels.fp16_if_exact(stored.scales.float().contiguous())
+        else:
+            scales, supers = stored.scales.contiguous(), supers.contiguous()
         self.register_buffer("scales", scales)
+        self.register_buffer("super_scales", supers)
         self.register_buffer("bias", bias)
         self.out_features, self.in_features = self.q.shape
         self.compute_dtype = dtype
@@ -126,11 +170,11 @@ class Int8BlockLinear(QuantizedLinear):
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device.type != "cpu":
-            return F.linear(flat, _widened(self.q, self.scales, flat.dtype))
+            return F.linear(flat, _widened(self.q, self._scales(), flat.dtype))
         if _kernel_missing() is None:
             # the kernel takes fp32 and bf16 activations; fp16 ones are widened for it
             x = flat if flat.dtype in kernels.ACTIVATION_DTYPES else flat.float()
-            y = kernels.int8_blocks_mm(x, self.q, self.scales)  # fp32
+            y = kernels.int8_blocks_mm(x, self.q, self.scales, d_super=self.super_scales)
             return y if flat.dtype == torch.float32 else y.to(flat.dtype)
         if self._row_copy is None:  # no compiled kernel here: torch's on a row copy
             self._row_copy = self._rounded_to_rows()
@@ -142,16 +186,27 @@ class Int8BlockLinear(QuantizedLinear):
 
     def _dot_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`kernels.int8_mm` on q and the block scales as they are."""
-        return functools.partial(kernels.int8_mm, q=self.q, scales=self.scales)
+        return functools.partial(
+            kernels.int8_mm, q=self.q, scales=self.scales, d_super=self.super_scales
+        )
+
+    def _scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        """(rows, K / B) fp32, the block scales of `rows`."""
+        supers = None if self.super_scales is None else self.super_scales[rows]
+        return _block_scales(self.scales[rows], supers)
 
     def _rounded_to_rows(self) -> Int8Rows:
         """The weight re-rounded to one scale per row, CHUNK_ROWS rows at a time (a 262k-row
         table never exists in fp32 whole)."""
         chunks = [
-            quantize_int8(_widened(q, scales, torch.float32))
-            for q, scales in zip(
-                self.q.split(CHUNK_ROWS), self.scales.split(CHUNK_ROWS), strict=True
+            quantize_int8(
+                _widened(
+                    self.q[r : r + CHUNK_ROWS],
+                    self._scales(slice(r, r + CHUNK_ROWS)),
+                    torch.float32,
+                )
             )
+            for r in range(0, self.out_features, CHUNK_ROWS)
         ]
         return Int8Rows(torch.cat([c.q for c in chunks]), torch.cat([c.scales for c in chunks]))
 
@@ -169,21 +224,24 @@ class Int8BlockLinear(QuantizedLinear):
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         out = scratch((stop - start) * self.in_features, dtype, self.q.device)
-        return _widened(self.q[start:stop], self.scales[start:stop], dtype, out)
+        return _widened(self.q[start:stop], self._scales(slice(start, stop)), dtype, out)
 
     def dequantize(self) -> torch.Tensor:
-        return _widened(self.q, self.scales, torch.float32)
+        return _widened(self.q, self._scales(), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32, exact as `dequantize`."""
-        return _widened(F.embedding(ids, self.q), F.embedding(ids, self.scales), torch.float32)
+        supers = None if self.super_scales is None else F.embedding(ids, self.super_scales)
+        scales = _block_scales(F.embedding(ids, self.scales), supers)
+        return _widened(F.embedding(ids, self.q), scales, torch.float32)
 
     def has_rows(self) -> bool:
         return True
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes + self._bias_nbytes()
+        supers = 0 if self.super_scales is None else self.super_scales.nbytes
+        return self.q.nbytes + self.scales.nbytes + supers + self._bias_nbytes()
 
 
 _warned = False

@@ -491,9 +491,8 @@ class GGUFWeights(Weights):
         if stored.tensor_type in INT8_BLOCKS:
             data, within = self._blocks(stored, rows, columns)
             blocks = self._block_columns(name, self._decode(stored, int8_blocks, data), within)
-            return Int8Blocks(
-                self._unpermuted(name, blocks.q), self._unpermuted(name, blocks.scales)
-            )
+            fields = (blocks.q, blocks.scales, blocks.super_scales)
+            return Int8Blocks(*(None if t is None else self._unpermuted(name, t) for t in fields))
         # Re-rounded to int8 blocks of 32; dequantized a chunk of rows at a time, so a
         # large embedding never exists in fp32 whole.
         data, within = self._blocks(stored, rows, columns)

@@ -27,6 +27,7 @@ import torch
 
 from qinfer.core.model_config import DeltaNetConfig
 from qinfer.linear import Int4Groups, Int8Blocks, StoredWeight
+from qinfer.linear.int8_blocks import SUPER_BLOCK
 
 #: The DeltaNet's tensors under our names, relative to `model.layers.N.linear_attn.`.
 QKV, Z, B, A = "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"
@@ -96,21 +97,29 @@ def gathered(
     if isinstance(weight, torch.Tensor):
         weight = weight if rows is None else weight[rows]
         return weight if columns is None else weight[:, columns]
+    if isinstance(weight, Int8Blocks) and columns is not None:
+        if weight.super_scales is not None and _blocks_of(columns, SUPER_BLOCK) is None:
+            weight = weight.flattened()  # it would split Q6_K's super-blocks
     fields = {f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)}
+    fields = {key: value for key, value in fields.items() if value is not None}
     if rows is not None:  # every field's rows: q, and the scales (and zeros) of its blocks
         fields = {key: value[rows] for key, value in fields.items()}
     if columns is not None:
+        K = weight.q.shape[1]
         fields["q"] = fields["q"][:, columns]
         if isinstance(weight, Int4Groups | Int8Blocks):  # scales per block: blocks move whole
-            blocks = _blocks_of(columns, weight.q.shape[1] // weight.scales.shape[1])
-            if blocks is None:
-                return None
-            fields |= {k: v[:, blocks] for k, v in fields.items() if k != "q"}
+            for key in [k for k in fields if k != "q"]:
+                blocks = _blocks_of(columns, K // fields[key].shape[1])
+                if blocks is None:
+                    return None
+                fields[key] = fields[key][:, blocks]
     return type(weight)(**fields)
 
 
 def _blocks_of(columns: torch.Tensor, block: int) -> torch.Tensor | None:
     """The gather of whole blocks of `block` columns that `columns` is (None: it splits one)."""
+    if len(columns) % block:
+        return None
     starts = columns.reshape(-1, block)
     aligned = not (starts[:, 0] % block).any()
     if not aligned or not torch.equal(starts, starts[:, :1] + torch.arange(block)):

@@ -159,20 +159,21 @@ def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales)[..., None] * q - (dmin * mins)[..., None]).reshape(n, QK_K)
 
 
-def int8_blocks_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_blocks_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Sub-block j of 16: w = (d * scale[j]) * (q - 32): q - 32 (n, 256) int8 in -32..31,
-    d * scale (n, 16) fp32 (exact: an fp16 times an int8)."""
+    the sub-scales (n, 16) int8 and d (n, 1) fp16 as stored (`Int8Blocks.super_scales`)."""
     n = blocks.shape[0]
     low = _unpack(blocks[:, :128], 64, 4).reshape(n, 8, 32)
     high = _unpack(blocks[:, 128:192], 32, 2)  # (n, 8, 32)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)  # (n, 16)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, QK_K)
-    return q, _f16(blocks[:, 208:210]) * scales
+    return q, scales, blocks[:, 208:210].contiguous().view(torch.float16)
 
 
 def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    q, scales = int8_blocks_q6_k(blocks)
+    q, scales, d = int8_blocks_q6_k(blocks)
+    scales = d.float() * scales.float()  # (n, 16), exact: an fp16 times an int8
     return (scales[..., None] * q.view(n, 16, 16).float()).reshape(n, QK_K)
 
 
@@ -221,7 +222,8 @@ INT4_GROUPS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Ten
     Q.Q4_1: int4_groups_q4_1,
     Q.Q4_K: int4_groups_q4_k,
 }
-#: Block types whose values are int8 with one scale per block: (q, scales) per block.
+#: Block types whose values are int8 with one scale per block: (q, scales) per block, Q6_K's
+#: (q, sub-scales, super-scale).
 INT8_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
     Q.Q8_0: int8_blocks_q8_0,
     Q.Q5_0: int8_blocks_q5_0,
@@ -276,10 +278,10 @@ def int8_blocks(
     data: np.ndarray, qtype: GGMLQuantizationType, device: torch.device | str = "cpu"
 ) -> Int8Blocks:
     """A 2-D Q8_0 / Q5_0 / Q6_K tensor (rows, row_bytes) as int8 blocks (of 32, or 16 for
-    Q6_K), with no rounding: `Int8Blocks.dequantize()` equals `dequantize(data, qtype)` bit
-    for bit."""
+    Q6_K with its scales as stored), with no rounding: `Int8Blocks.dequantize()` equals
+    `dequantize(data, qtype)` bit for bit."""
     raw = _blocks(data, device)
     rows, row_bytes = raw.shape
     _, type_size = GGML_QUANT_SIZES[qtype]
-    q, scales = INT8_BLOCKS[qtype](raw.reshape(-1, type_size))
-    return Int8Blocks(q.reshape(rows, -1), scales.reshape(rows, -1))
+    fields = INT8_BLOCKS[qtype](raw.reshape(-1, type_size))
+    return Int8Blocks(*(f.reshape(rows, -1) for f in fields))

@@ -5,9 +5,11 @@ model in the same run, alternating rounds:
 
     python bench/lora_batch.py [--model M] [--batch 8] [--adapters 4] [--rank 16]
                                [--steps 16] [--repeats 3] [--threads 2]
+                               [--lora-dtype auto|float32|bfloat16]
 
 --model: a checkpoint (default: random weights shaped like Qwen3-0.6B, built in memory, in
-the CPU's compute dtype). Printed as JSON: best decode step ms of each, their ratio, the
+the CPU's compute dtype). --lora-dtype: what the adapters are held in (the engine's
+lora_dtype; auto is fp32 on the CPU). Printed as JSON: best decode step ms of each, their ratio, the
 median of each round's own ratio (steadier on a shared machine), the adapters' bytes, and
 the CPU.
 """
@@ -22,6 +24,7 @@ import time
 import torch
 
 from qinfer import load_model
+from qinfer.core.features import LORA_DTYPES
 from qinfer.linear.compute import cpu_flags
 from qinfer.linear.lora import LoraLinear
 from qinfer.lora import Adapters, LoraAdapter
@@ -69,10 +72,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = random_model() if args.model is None else load_model(args.model)
-    adapters = Adapters(model, max_loras=args.adapters, max_lora_rank=args.rank)
+    adapters = Adapters(model, args.adapters, args.rank, args.lora_dtype)
     for i in range(args.adapters):
         adapters.load(f"a{i}", random_adapter(adapters, args.rank, seed=i))
     slots = [adapters.resident[f"a{b % args.adapters}"] for b in range(args.batch)]
@@ -95,6 +99,7 @@ def main() -> None:
                 "adapters": args.adapters,
                 "rank": args.rank,
                 "dtype": str(model.dtype),
+                "lora_dtype": str(adapters.dtype),
                 "base_step_ms": round(min(base), 2),
                 "mixed_step_ms": round(min(mixed), 2),
                 "ratio": round(min(mixed) / min(base), 3),

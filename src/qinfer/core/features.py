@@ -18,6 +18,17 @@ def check_kv_cache_dtype(name: str) -> None:
         )
 
 
+#: What LoRA adapters may be held in (an engine's lora_dtype, `--lora-dtype` as vLLM's);
+#: `qinfer.lora.adapters.adapter_dtype` says what each means.
+LORA_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def check_lora_dtype(name: str) -> None:
+    """Refuse a name that is not one of LORA_DTYPES, in one line."""
+    if name not in LORA_DTYPES:
+        raise QinferError(f"unknown lora_dtype {name!r}; use one of {', '.join(LORA_DTYPES)}")
+
+
 #: The names an engine's attention_backend (and `--attention-backend`) accepts;
 #: `qinfer.attention.backend.choose_backend` says what each is.
 ATTENTION_BACKENDS = ("auto", "paged", "gathered")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from qinfer.core.errors import QinferError
-from qinfer.core.features import check_attention_backend
+from qinfer.core.features import check_attention_backend, check_lora_dtype
 from qinfer.core.model_config import ModelConfig
 from qinfer.engine.speculative.config import SpeculativeConfig
 from qinfer.runtime.config import RuntimeConfig
@@ -70,7 +70,9 @@ class EngineConfig:
     lora_modules: LoRA adapters loaded at start, name -> PEFT folder or GGUF adapter file; a
         request names one (`Engine.make_request`'s lora), more load at run time.
     max_loras: adapters resident at once (more may be loaded: the least recently used one
-        not in use is evicted, `qinfer.lora.adapters`); max_lora_rank: the largest rank.
+        not in use is evicted, `qinfer.lora.adapters`); max_lora_rank: the largest rank;
+        lora_dtype: what they are held in (`qinfer.lora.adapters.adapter_dtype`: auto,
+        float32 or bfloat16).
     prompt_cache_dir: a folder for the prefix cache's disk tier (`qinfer.engine.disk_cache`:
         full blocks of finished prompts, read back by a restarted engine or another
         process); None: memory only. prompt_cache_size: the most bytes it holds (an int, or
@@ -94,6 +96,7 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 4
     max_lora_rank: int = 64
+    lora_dtype: str = "auto"
     prompt_cache_dir: str | Path | None = None
     prompt_cache_size: int | str = DEFAULT_PROMPT_CACHE_SIZE
 
@@ -115,6 +118,7 @@ class EngineConfig:
                 f"engine argument state_snapshots must be a non-negative integer, got {snapshots!r}"
             )
         check_attention_backend(self.attention_backend)
+        check_lora_dtype(self.lora_dtype)
         try:
             size = parse_byte_size(self.prompt_cache_size)
         except ValueError as error:

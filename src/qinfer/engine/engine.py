@@ -229,7 +229,10 @@ class Engine:
         `name`, for requests from now on, resident at once (`qinfer.lora.Adapters`: at most
         config.max_loras resident, the least recently used one not in use evicted)."""
         if self.adapters is None:
-            self.adapters = Adapters(self.model, self.config.max_loras, self.config.max_lora_rank)
+            config = self.config
+            self.adapters = Adapters(
+                self.model, config.max_loras, config.max_lora_rank, config.lora_dtype
+            )
         self.adapters.load(name, path, self._adapter_slots_in_use())
 
     def unload_lora(self, name: str) -> None:

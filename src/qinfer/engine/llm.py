@@ -41,8 +41,8 @@ class LLM:
         device, quantize, group_size, kv_cache_dtype, batch_invariant, exact,
         tensor_parallel_size, mmproj) may be given as keywords instead. `close()` or this process's exit stops
         tensor-parallel workers.
-    The other keywords: `qinfer.engine.EngineConfig`'s (lora_modules, max_loras and
-    max_lora_rank among them: LoRA adapters).
+    The other keywords: `qinfer.engine.EngineConfig`'s (lora_modules, max_loras,
+    max_lora_rank and lora_dtype among them: LoRA adapters).
     """
 
     def __init__(

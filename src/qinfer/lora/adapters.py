@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from qinfer.core.errors import AdapterError, AdapterSlotsBusyError
+from qinfer.core.features import check_lora_dtype
 from qinfer.layers.attention import Attention
 from qinfer.layers.mlp import MLP
 from qinfer.linear import Linear
@@ -71,16 +72,24 @@ class Loaded:
 
 class Adapters:
     """The adapters of `model`: any number loaded, at most max_loras resident, each of rank
-    <= max_lora_rank."""
+    <= max_lora_rank, held in `lora_dtype` (`qinfer.core.features.LORA_DTYPES`, `adapter_dtype`)."""
 
-    def __init__(self, model: nn.Module, max_loras: int = 4, max_lora_rank: int = 64) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        lora_dtype: str = "auto",
+    ) -> None:
         if model.parallel.world_size > 1:
             raise AdapterError("LoRA adapters are not supported under tensor parallelism")
         if max_loras < 1 or max_lora_rank < 1:
             raise AdapterError(
                 f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1"
             )
+        check_lora_dtype(lora_dtype)
         self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.dtype = adapter_dtype(model.dtype, model.device, lora_dtype)
         self.targets = _targets(model)
         self.loaded: dict[str, tuple[Loaded, LoraAdapter]] = {}
         # name -> slot, least recently used first
@@ -187,7 +196,7 @@ class Adapters:
     def _placed(self, name: str, adapter: LoraAdapter) -> Placed:
         """Each targeted (fused) projection's pairs, one per part it targets."""
         placed: Placed = {}
-        dtype, device = adapter_dtype(self.model.dtype, self.model.device), self.model.device
+        dtype, device = self.dtype, self.model.device
         for module, (a, b) in adapter.modules.items():
             target = self.targets.get(module)
             if target is None:
@@ -206,10 +215,16 @@ class Adapters:
         return placed
 
 
-def adapter_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype adapters compute in: the model's, but fp32 on the CPU, whose GEMMs of a
-    LoRA's thin shapes ((n, in) x (in, r), r ~ 16) run several times faster in fp32 than
-    in bf16 (docs/BENCHMARKS.md, "LoRA adapters at decode")."""
+def adapter_dtype(
+    dtype: torch.dtype, device: torch.device, lora_dtype: str = "auto"
+) -> torch.dtype:
+    """The dtype adapters are held in. auto: the model's, but fp32 on the CPU, so that an
+    adapter read from fp32 (PEFT's default) or fp16 is never rounded. bfloat16 halves the
+    bytes a decode step reads for them, which is most of what they cost there
+    (docs/BENCHMARKS.md, "LoRA adapters at decode"), for one rounding of each weight (B
+    with its scale folded in); the CPU's op widens it exactly and sums in fp32."""
+    if lora_dtype != "auto":
+        return getattr(torch, lora_dtype)
     return torch.float32 if device.type == "cpu" else dtype
 
 

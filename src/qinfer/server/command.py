@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qinfer.core.errors import QinferError
-from qinfer.core.features import ATTENTION_BACKENDS
+from qinfer.core.features import ATTENTION_BACKENDS, LORA_DTYPES
 from qinfer.engine.args import (
     add_mmproj_argument,
     add_model_arguments,
@@ -61,6 +61,12 @@ ENGINE_FLAGS = [
     ),
     ("--max-loras", "max_loras", bounded(int, 1), "LoRA adapters resident at once (default 4)"),
     ("--max-lora-rank", "max_lora_rank", bounded(int, 1), "largest LoRA rank (default 64)"),
+    (
+        "--lora-dtype",
+        "lora_dtype",
+        one_of(LORA_DTYPES),
+        "what adapters are held in: auto (fp32 on the CPU), float32 or bfloat16",
+    ),
 ]
 
 

@@ -36,6 +36,19 @@ QINFER_INLINE float widen_bf16(uint16_t b) {
   return f;
 }
 
+// 8 / 16 consecutive fp32 values as fp32 lanes, or bf16 ones (their bits as uint16_t)
+// widened exactly.
+QINFER_AVX2 QINFER_INLINE __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+QINFER_AVX2 QINFER_INLINE __m256 load8_f32(const uint16_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+QINFER_AVX512 QINFER_INLINE __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+QINFER_AVX512 QINFER_INLINE __m512 load16_f32(const uint16_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 // torch's float -> bfloat16 (c10::detail::round_to_nearest_even): NaN to 0x7FC0.
 inline uint16_t round_bf16(float f) {
   if (std::isnan(f)) return 0x7FC0;

@@ -65,17 +65,6 @@ QINFER_INLINE void prefetch(const void* p) {
 QINFER_INLINE float widen_any(float v) { return v; }
 QINFER_INLINE float widen_any(uint16_t v) { return widen_bf16(v); }
 
-QINFER_AVX2 QINFER_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-QINFER_AVX2 QINFER_INLINE __m256 load8(const uint16_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-}
-QINFER_AVX512 QINFER_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-QINFER_AVX512 QINFER_INLINE __m512 load16(const uint16_t* p) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 // The in % L tail of R rows' dot products with one column of A, one scalar fma chain each.
 template <int R, typename X, typename W>
 QINFER_INLINE void tail_dots(const W* a, const X* const* x, int64_t from, int64_t K,
@@ -108,10 +97,10 @@ QINFER_AVX2 void dots_avx2(const W* a, const X* const* x, int64_t K, float* cons
     for (int u = 0; u < 4; ++u) {
       if (k + 8 * u >= body) break;
       prefetch(a + k + 8 * u + kAhead);
-      const __m256 w = load8(a + k + 8 * u);
+      const __m256 w = load8_f32(a + k + 8 * u);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i)
-        acc[i][u] = _mm256_fmadd_ps(load8(x[i] + k + 8 * u), w, acc[i][u]);
+        acc[i][u] = _mm256_fmadd_ps(load8_f32(x[i] + k + 8 * u), w, acc[i][u]);
     }
   }
   float tail[R];
@@ -134,10 +123,10 @@ QINFER_AVX512 void dots_avx512(const W* a, const X* const* x, int64_t K, float* 
     for (int u = 0; u < 4; ++u) {
       if (k + 16 * u >= body) break;
       prefetch(a + k + 16 * u + kAhead);
-      const __m512 w = load16(a + k + 16 * u);
+      const __m512 w = load16_f32(a + k + 16 * u);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i)
-        acc[i][u] = _mm512_fmadd_ps(load16(x[i] + k + 16 * u), w, acc[i][u]);
+        acc[i][u] = _mm512_fmadd_ps(load16_f32(x[i] + k + 16 * u), w, acc[i][u]);
     }
   }
   float tail[R];
@@ -176,7 +165,7 @@ QINFER_AVX2 void axpy_avx2(float h, const W* b, int64_t width, float* acc) {
   const __m256 hv = _mm256_set1_ps(h);
   const int64_t body = width - width % 8;
   for (int64_t o = 0; o < body; o += 8)
-    _mm256_storeu_ps(acc + o, _mm256_fmadd_ps(hv, load8(b + o), _mm256_loadu_ps(acc + o)));
+    _mm256_storeu_ps(acc + o, _mm256_fmadd_ps(hv, load8_f32(b + o), _mm256_loadu_ps(acc + o)));
   axpy_tail(h, b, body, width, acc);
 }
 
@@ -185,7 +174,7 @@ QINFER_AVX512 void axpy_avx512(float h, const W* b, int64_t width, float* acc) {
   const __m512 hv = _mm512_set1_ps(h);
   const int64_t body = width - width % 16;
   for (int64_t o = 0; o < body; o += 16)
-    _mm512_storeu_ps(acc + o, _mm512_fmadd_ps(hv, load16(b + o), _mm512_loadu_ps(acc + o)));
+    _mm512_storeu_ps(acc + o, _mm512_fmadd_ps(hv, load16_f32(b + o), _mm512_loadu_ps(acc + o)));
   axpy_tail(h, b, body, width, acc);
 }
 

@@ -96,16 +96,6 @@ void quantize_row_scalar(const T* x, const Act& a, int64_t r, float* dx_out, int
   pad_row<Natural>(a, r);
 }
 
-template <typename T>
-QINFER_AVX2 inline __m256 load8_avx2(const T* x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(x);
-  } else {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-}
-
 template <bool Natural, typename T>
 QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* dx_out,
                                    int32_t* sum_out) {
@@ -115,7 +105,7 @@ QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* d
     __m256 v[4];
     __m256 mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = load8_avx2(x + b * kBlock + 8 * i);
+      v[i] = load8_f32(x + b * kBlock + 8 * i);
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -145,23 +135,13 @@ QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* d
   pad_row<Natural>(a, r);
 }
 
-template <typename T>
-QINFER_VNNI inline __m512 load16_avx512(const T* x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(x);
-  } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
 template <bool Natural, typename T>
 QINFER_VNNI void quantize_row_avx512(const T* x, const Act& a, int64_t r, float* dx_out,
                                      int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
   for (int64_t b = 0; b < a.nb; ++b) {
-    __m512 lo = load16_avx512(x + b * kBlock);
-    __m512 hi = load16_avx512(x + b * kBlock + 16);
+    __m512 lo = load16_f32(x + b * kBlock);
+    __m512 hi = load16_f32(x + b * kBlock + 16);
     float dx, id;
     block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))), &dx,
                 &id);

@@ -105,11 +105,7 @@ void row_scalar(const Row& row, int64_t H, float eps) {
 QINFER_AVX2 inline __m256 load_sum8(const Row& row, int64_t i) {
   __m256 v = _mm256_loadu_ps(row.h + i);
   if (row.xf != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(row.xf + i));
-  if (row.xb != nullptr) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.xb + i));
-    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16);
-    v = _mm256_add_ps(v, _mm256_castsi256_ps(u));
-  }
+  if (row.xb != nullptr) v = _mm256_add_ps(v, load8_f32(row.xb + i));
   return v;
 }
 
@@ -148,11 +144,7 @@ QINFER_AVX2 void row_avx2(const Row& row, int64_t H, float eps) {
 QINFER_AVX512 inline __m512 load_sum16(const Row& row, int64_t i) {
   __m512 v = _mm512_loadu_ps(row.h + i);
   if (row.xf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(row.xf + i));
-  if (row.xb != nullptr) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.xb + i));
-    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
-    v = _mm512_add_ps(v, _mm512_castsi512_ps(u));
-  }
+  if (row.xb != nullptr) v = _mm512_add_ps(v, load16_f32(row.xb + i));
   return v;
 }
 

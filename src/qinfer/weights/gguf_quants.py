@@ -171,10 +171,7 @@ def int8_blocks_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
-    q, scales, d = int8_blocks_q6_k(blocks)
-    scales = d.float() * scales.float()  # (n, 16), exact: an fp16 times an int8
-    return (scales[..., None] * q.view(n, 16, 16).float()).reshape(n, QK_K)
+    return Int8Blocks(*int8_blocks_q6_k(blocks)).dequantize()  # (n, 256), exact
 
 
 def int4_groups_q4_0(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:

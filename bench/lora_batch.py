@@ -9,9 +9,9 @@ model in the same run, alternating rounds:
 
 --model: a checkpoint (default: random weights shaped like Qwen3-0.6B, built in memory, in
 the CPU's compute dtype). --lora-dtype: what the adapters are held in (the engine's
-lora_dtype; auto is fp32 on the CPU). Printed as JSON: best decode step ms of each, their ratio, the
-median of each round's own ratio (steadier on a shared machine), the adapters' bytes, and
-the CPU.
+lora_dtype; auto is fp32 on the CPU). Printed as JSON: best decode step ms of each, their
+ratio, the median of each round's own ratio (steadier on a shared machine), the adapters'
+bytes, and the CPU.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ are `cpu`'s (`paths`, `auto_path`, `norm_paths`, `norm_auto_path`), and `in_use(
 whether the layers take the kernels (`QINFER_CPU_KERNELS` off: the pure-torch path). The
 weights' scales (and int4 offsets m) are fp16 or fp32, widened exactly in the kernels:
 `fp16_if_exact` keeps a GGUF's fp16 scales at the file's size, and a symmetric int4 weight
-(Q4_0's) holds no m at all (`pack_int4`). The ops' registration with torch (fake kernels for `torch.compile`, refusals of other devices'
-tensors) is `registry`'s.
+(Q4_0's) holds no m at all (`pack_int4`). The ops' registration with torch (fake kernels
+for `torch.compile`, refusals of other devices' tensors) is `registry`'s.
 """
 
 from __future__ import annotations

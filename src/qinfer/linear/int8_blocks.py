@@ -6,10 +6,11 @@ Q8_0 (q in -127..127, an fp16 scale per 32), Q5_0 (q in -16..15, per 32) and Q6_
 int8 sub-scales sc (N, K/16) with its fp16 super-scales d (N, K/256), which the kernels
 multiply as they read a block (exact in fp32). A Q6_K weight is so 8.56 bits a weight, not
 the 10 of an fp32 scale per 16: on Qwen3.5-0.8B's Q6_K head, 46 MB less read per decode
-step, every output the same bits (docs/KERNELS.md). Re-rounded to one scale per row (`Int8Linear`), as they
-were, a block's values move by up to half a row's step, and on Gemma 3 270M Q4_K_M (whose
-projections are mostly Q5_0, its embedding Q8_0) that was most of the default path's drift
-from fp32: KL 0.0068, against 0.0005 with these blocks read dense (docs/BENCHMARKS.md).
+step, every output the same bits (docs/KERNELS.md). Re-rounded to one scale per row
+(`Int8Linear`), as they were, a block's values move by up to half a row's step, and on Gemma
+3 270M Q4_K_M (whose projections are mostly Q5_0, its embedding Q8_0) that was most of the
+default path's drift from fp32: KL 0.0068, against 0.0005 with these blocks read dense
+(docs/BENCHMARKS.md).
 
 Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
 activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rounded but the

@@ -54,14 +54,6 @@ namespace {
 // ---------------------------------------------------------------------------------------
 
 constexpr int64_t kGroup = 4 * kBlock;  // weights per 64-byte load of a column
-// The int4 groups' one-row tiles prefetch their nibbles further ahead than kPrefetch: at 512
-// bytes a decode row's arithmetic and its reads barely overlapped. Qwen3-0.6B's shapes, one
-// row, weights from memory, alternated runs: one thread 27-30 -> 22-24 ms, two 18-21 -> 15-19
-// at 2,048 bytes (4,096 no better). Tiles of several rows spend that much longer on each
-// byte and keep kPrefetch, as do the int8 blocks' tiles (bound by their reads, and not
-// faster at 2,048).
-template <int R>
-constexpr int64_t kGroupsAhead = R == 1 ? 2048 : kPrefetch;
 
 struct ActF4 {
   const float* x;   // (M, K) as given (the scalar path's order)
@@ -159,7 +151,7 @@ template <int R, int C>
 QINFER_VNNI void Int4GroupsF32<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const ActF4& a,
                                              int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
-  constexpr int64_t ahead = kGroupsAhead<R>;
+  constexpr int64_t ahead = kPrefetchFor<R>;
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const auto [xp, sx] = F4Rows<R>(a, r0);
@@ -226,7 +218,7 @@ template <int R, int C>
 QINFER_AVX2 void Int4GroupsF32<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const ActF4& a,
                                              int64_t r0, float* out, int64_t ldo) {
   const int64_t nb = w.nb, ng = a.ng, nbs = a.nbs;
-  constexpr int64_t ahead = kGroupsAhead<R>;
+  constexpr int64_t ahead = kPrefetchFor<R>;
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const auto [qs, d, m] = Int4Columns<C, S>(w, n0);

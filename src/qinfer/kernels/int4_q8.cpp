@@ -114,7 +114,7 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
       #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const uint8_t* src = qs[c] + g * 256 + 64 * i;
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchFor<R>), _MM_HINT_T0);
         if (left >= 16) {
           p[i] = _mm512_loadu_si512(src);
         } else {  // read only the column's own blocks (the next column may not exist)
@@ -196,7 +196,7 @@ QINFER_AVX2 void Int4Q8<S>::tile_avx2(const Int4Packed<S>& w, int64_t n0, const 
     for (int c = 0; c < C; ++c) {
       __m256i packed;
       __m128 d2;
-      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qs[c] + p * 32 + kPrefetchFor<R>), _MM_HINT_T0);
       if (p < full) {
         packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[c] + p * 32));
         d2 = scales4(d[c] + 2 * p, 2);

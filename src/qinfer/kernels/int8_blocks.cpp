@@ -29,10 +29,12 @@ namespace {
 // times fp32 activations (bf16 ones widened exactly): neither operand is rounded, so the
 // result is x @ W.T up to fp32 summation. Per output (r, n), on every path (lanes L: 16
 // AVX512, 8 AVX2, 1 scalar):
-//   acc (lanes) = 0
+//   acc0, acc1 (lanes) = 0
 //   for each block b:  t (lanes) = 0; t = fma(float(q chunk), x chunk, t) for its B / L chunks
-//                      acc = fma(t, d[n, b], acc)
-//   out = horizontal sum of acc (a fixed tree of adds)
+//                      acc_(b % 2) = fma(t, d[n, b], acc_(b % 2))
+//   out = horizontal sum of acc0 + acc1 (a fixed tree of adds)
+// Two chains of blocks, not one: a Q6_K block of 16 is one fused multiply-add a lane, so one
+// row (decode, the head) waited on each add's latency; with two it is bound by its reads.
 // ---------------------------------------------------------------------------------------
 
 template <typename S>
@@ -62,6 +64,70 @@ struct TileRows {
   }
 };
 
+// Block b of a VNNI tile's columns: sum += (q . x) * d, q . x in fp32 fused multiply-adds
+// (d16: the column's sub-scales of the super-block, formed at its first block).
+template <int R, int C, typename S>
+QINFER_VNNI QINFER_INLINE void vnni_block(const TileRows<R, C, S>& p, int64_t B, int64_t b,
+                                          float (&d16)[C][kSubScales], __m512 (&sum)[C][R]) {
+  if constexpr (kSub<S>) {
+    if (b % kSubScales == 0) {
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) _mm512_store_ps(d16[c], sub_scales16(p.d[c], b));
+    }
+  }
+  __m512 t[C][R];
+  clear(t);
+  for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
+    __m512 xv[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(p.x[i] + k);
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k))));
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv, xv[i], t[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    __m512 dv;
+    if constexpr (kSub<S>) {
+      dv = _mm512_set1_ps(d16[c][b % kSubScales]);
+    } else {
+      dv = splat16(p.d[c].d + b);
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) sum[c][i] = _mm512_fmadd_ps(t[c][i], dv, sum[c][i]);
+  }
+}
+
+// The same on AVX2, 8 lanes.
+template <int R, int C, typename S>
+QINFER_AVX2 QINFER_INLINE void avx2_block(const TileRows<R, C, S>& p, int64_t B, int64_t b,
+                                          __m256 (&sum)[C][R]) {
+  __m256 t[C][R];
+  clear(t);
+  for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
+      const __m256 wv = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k))));
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+        t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x[i] + k), t[c][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const __m256 dv = splat8(p.d[c], b);
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) sum[c][i] = _mm256_fmadd_ps(t[c][i], dv, sum[c][i]);
+  }
+}
+
 template <typename S>
 struct Int8BlocksF32 {
   QINFER_MATMUL_KERNEL(WeightsF<S>, ActF)
@@ -74,50 +140,25 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
   const int64_t B = w.B;
   TileRows<R, C, S> p(w, n0, a, r0);
   prefetch_scales<C, S>(p.d, p.blocks);
-  __m512 acc[C][R];
-  clear(acc);
+  __m512 acc[2][C][R];  // even blocks, odd blocks: two chains of fused multiply-adds
+  clear(acc[0]);
+  clear(acc[1]);
   // int8 sub-scales: a super-block's 16 block scales, formed at its first block (one load and
   // multiply a column per 16 blocks) and stored here for each block's broadcast load, as
   // fp32 scales are read (a scalar product per block ran the head's shape 12-23% slower)
   [[maybe_unused]] alignas(64) float d16[C][kSubScales];
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    if constexpr (kSub<S>) {
-      if (b % kSubScales == 0) {
-        #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) _mm512_store_ps(d16[c], sub_scales16(p.d[c], b));
-      }
-    }
-    __m512 t[C][R];
-    clear(t);
-    for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
-      __m512 xv[R];
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(p.x[i] + k);
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
-        const __m512 wv = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k))));
-        #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv, xv[i], t[c][i]);
-      }
-    }
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      __m512 dv;
-      if constexpr (kSub<S>) {
-        dv = _mm512_set1_ps(d16[c][b % kSubScales]);
-      } else {
-        dv = splat16(p.d[c].d + b);
-      }
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(t[c][i], dv, acc[c][i]);
-    }
+  int64_t b = 0;
+  for (; b + 2 <= p.blocks; b += 2) {
+    vnni_block<R, C, S>(p, B, b, d16, acc[0]);
+    vnni_block<R, C, S>(p, B, b + 1, d16, acc[1]);
   }
+  if (b < p.blocks) vnni_block<R, C, S>(p, B, b, d16, acc[0]);
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = _mm512_reduce_add_ps(acc[c][i]);
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] =
+          _mm512_reduce_add_ps(_mm512_add_ps(acc[0][c][i], acc[1][c][i]));
 }
 
 template <typename S>
@@ -127,33 +168,20 @@ QINFER_AVX2 void Int8BlocksF32<S>::tile_avx2(const WeightsF<S>& w, int64_t n0, c
   const int64_t B = w.B;
   TileRows<R, C, S> p(w, n0, a, r0);
   prefetch_scales<C, S>(p.d, p.blocks);
-  __m256 acc[C][R];
-  clear(acc);
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    __m256 t[C][R];
-    clear(t);
-    for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetch), _MM_HINT_T0);
-        const __m256 wv = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k))));
-        #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i)
-          t[c][i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x[i] + k), t[c][i]);
-      }
-    }
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const __m256 dv = splat8(p.d[c], b);
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) acc[c][i] = _mm256_fmadd_ps(t[c][i], dv, acc[c][i]);
-    }
+  __m256 acc[2][C][R];  // even blocks, odd blocks (as the VNNI tile)
+  clear(acc[0]);
+  clear(acc[1]);
+  int64_t b = 0;
+  for (; b + 2 <= p.blocks; b += 2) {
+    avx2_block<R, C, S>(p, B, b, acc[0]);
+    avx2_block<R, C, S>(p, B, b + 1, acc[1]);
   }
+  if (b < p.blocks) avx2_block<R, C, S>(p, B, b, acc[0]);
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) out[(r0 + i) * ldo + n0 + c] = hsum_avx2(acc[c][i]);
+    for (int i = 0; i < R; ++i)
+      out[(r0 + i) * ldo + n0 + c] = hsum_avx2(_mm256_add_ps(acc[0][c][i], acc[1][c][i]));
 }
 
 template <typename S>
@@ -163,13 +191,13 @@ void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a
   const int8_t* q = w.q + n * K;
   const BlockScales<S> d = w.d.column(n, blocks);
   const float* x = a.x + r * K;
-  float acc = 0.0f;
+  float acc[2] = {0.0f, 0.0f};  // even blocks, odd blocks
   for (int64_t b = 0; b < blocks; ++b) {
     float t = 0.0f;
     for (int64_t k = b * B; k < (b + 1) * B; ++k) t += static_cast<float>(q[k]) * x[k];
-    acc += t * block_scale(d, b);
+    acc[b & 1] += t * block_scale(d, b);
   }
-  out[r * ldo + n] = acc;
+  out[r * ldo + n] = acc[0] + acc[1];
 }
 
 }  // namespace

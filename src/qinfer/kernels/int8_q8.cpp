@@ -91,7 +91,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetchFor<R>), _MM_HINT_T0);
       // an odd last block: read only its own 32 bytes (the next row may not exist)
       const __m512i wq = p < full ? _mm512_loadu_si512(q[c] + p * 64)
                                   : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q[c] + p * 64);
@@ -141,7 +141,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
   for (int64_t p = 0; p < np; ++p) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetchFor<R>), _MM_HINT_T0);
       __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
       [[maybe_unused]] __m256 ws[2];  // their weight scales by lane (blocks; zero past it)
       wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64));

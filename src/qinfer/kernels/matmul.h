@@ -186,6 +186,13 @@ struct ActF {
 // harmless. One row, one thread, weights from memory: 9.4-10.4 GB/s with it, 7-9.5 without
 // (SmolLM2 and Qwen3-0.6B shapes, on a shared 2-core AVX512 EPYC).
 constexpr int64_t kPrefetch = 512;
+// One-row tiles (decode) prefetch further ahead: a row spends little arithmetic on each
+// byte, so at 512 bytes its reads and its arithmetic barely overlap and a core waits on
+// memory; at 2,048 every one-row kernel reads its weights 10-40% faster from memory, with
+// one thread or two (docs/BENCHMARKS.md). Tiles of several rows spend R times as long on
+// each byte and keep kPrefetch.
+template <int R>
+constexpr int64_t kPrefetchFor = R == 1 ? 2048 : kPrefetch;
 
 // A column's scales (d, and the int4 groups' m) are a short row of their own, read at the
 // column's blocks or after them: the hardware's prefetcher missed them often enough that

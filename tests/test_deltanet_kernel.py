@@ -2,7 +2,9 @@
 gated delta rule: within fp32 rounding of the torch forms (`recurrent_gated_delta_rule`,
 `chunked_gated_delta_rule`) and of each other, each sequence the same bits alone as in any
 batch and on any thread count, strided inputs read as contiguous ones, bad inputs refused
-in one line, and the layer's choice between compiled and torch forms.
+in one line, and the layer's choice between compiled and torch forms. gated_delta_decode,
+a decode token's whole mixer (conv, norms, gates, rule) as one op: the same against the
+layer's torch steps.
 
 Tolerance: the ops sum in other orders than torch's bmm and solve; outputs and state entries
 are of order 1, so 1e-5 is some 100 fp32 units.
@@ -20,7 +22,9 @@ from test_deltanet import inputs
 from qinfer import kernels
 from qinfer.attention.deltanet import (
     CHUNK_SIZE,
+    causal_conv1d,
     chunked_gated_delta_rule,
+    l2_normalize,
     recurrent_gated_delta_rule,
 )
 from qinfer.layers import gated_deltanet
@@ -167,3 +171,110 @@ def test_layer_picks_form(monkeypatch, compiled, chunked, chunk_size):
         want, want_state = want
     assert torch.equal(got, want)
     assert torch.equal(got_state, want_state)
+
+
+# ------------------------------------------------------------------ one decode token, fused
+
+
+def decode_inputs(S=3, Hk=2, H=4, Dk=16, Dv=8, K=4, P=6, seed=0):
+    """One token's mixer inputs: qkv (S, C) as columns of a wider projection (strided rows),
+    b and a (S, H) likewise; taps (K, C); the windows and state pools (P rows), slots."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * Hk * Dk + H * Dv
+    projected = torch.randn(S, C + 2 * H + 5, generator=gen)
+    qkv, b, a, _ = projected.split([C, H, H, 5], dim=-1)
+    taps = torch.randn(K, C, generator=gen) * 0.5
+    windows = torch.randn(P, K - 1, C, generator=gen)
+    A_log, dt_bias = torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    state = torch.randn(P, H, Dk, Dv, generator=gen)
+    slots = torch.randperm(P, generator=gen)[:S]
+    return qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk
+
+
+def decode_by_torch(qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk):  # noqa: N803
+    """The layer's torch steps for one token: conv and SiLU, L2 norms, gates, the rule."""
+    S, H, Dk, Dv = qkv.shape[0], state.shape[1], state.shape[2], state.shape[3]
+    mixed, window = causal_conv1d(qkv[:, None], taps.t(), windows[slots])
+    q, k, v = mixed.split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
+    q, k = (l2_normalize(x.reshape(S, 1, Hk, Dk)).repeat_interleave(H // Hk, dim=2) for x in (q, k))
+    beta = b[:, None].sigmoid()
+    g = -A_log.exp() * torch.nn.functional.softplus(a[:, None] + dt_bias)
+    out, final = recurrent_gated_delta_rule(q, k, v.reshape(S, 1, H, Dv), g, beta, state[slots])
+    return out[:, 0], window, final
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),  # two value heads a key head, Dv not a multiple of 16
+        dict(S=1, Hk=16, H=16, Dk=128, Dv=128, P=2),  # Qwen3.5-0.8B's layer
+        dict(S=2, Hk=1, H=3, Dk=20, Dv=24, K=2),  # a two-tap conv, odd sizes
+    ],
+)
+def test_decode_matches_torch_steps(shape):
+    """Output and state within fp32 rounding of the layer's torch steps (its SiLU's exp is
+    a series within 2 ulp of torch's), the windows shifted exactly, other rows untouched."""
+    args = decode_inputs(**shape)
+    qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk = args
+    want, want_window, want_state = decode_by_torch(*args)
+    others = [row for row in range(state.shape[0]) if row not in slots.tolist()]
+    untouched = (windows[others].clone(), state[others].clone())
+    got = kernels.gated_delta_decode(*args)
+    assert got.shape == want.shape
+    assert max_diff(got, want) < TOLERANCE
+    assert max_diff(state[slots], want_state) < TOLERANCE
+    assert torch.equal(windows[slots], want_window)
+    assert torch.equal(windows[others], untouched[0]) and torch.equal(state[others], untouched[1])
+
+
+def test_decode_sequence_alone_equals_in_batch():
+    """A sequence's output, window and state are the same bits alone as in a batch of 5,
+    on 1 or 2 threads."""
+    qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk = decode_inputs(S=5, P=7, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch_windows, batch_state = windows.clone(), state.clone()
+        batch = kernels.gated_delta_decode(
+            qkv, b, a, taps, batch_windows, A_log, dt_bias, batch_state, slots, Hk
+        )
+        torch.set_num_threads(1)
+        for s in range(5):
+            alone_windows, alone_state = windows.clone(), state.clone()
+            one = slice(s, s + 1)
+            alone = kernels.gated_delta_decode(
+                qkv[one], b[one], a[one], taps, alone_windows, A_log, dt_bias, alone_state,
+                slots[one], Hk,
+            )  # fmt: skip
+            row = slots[s]
+            assert torch.equal(alone, batch[one])
+            assert torch.equal(alone_windows[row], batch_windows[row])
+            assert torch.equal(alone_state[row], batch_state[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_bad_inputs_refused():
+    args = decode_inputs()
+    qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk = args
+
+    def replaced(**changes):
+        names = ("qkv", "b", "a", "taps", "windows", "A_log", "dt_bias", "state", "slots", "Hk")
+        return [changes.get(name, value) for name, value in zip(names, args, strict=True)]
+
+    cases = [
+        (replaced(qkv=qkv[:, :-1]), "qkv must be \\(S, 96\\) .* got \\(3, 95\\)"),
+        (replaced(Hk=3), "key_heads must divide state's 4 heads"),
+        (replaced(windows=windows.bfloat16()), "windows must be fp32"),
+        (replaced(taps=taps.t()), "taps must be contiguous \\(K, 96\\)"),
+        (replaced(b=b[:, :2]), "b must be \\(3, 4\\)"),
+        (
+            replaced(slots=torch.tensor([0, 1, 9])),
+            "slot 9 of sequence 2 is outside the pools' 6 rows",
+        ),
+        (replaced(state=state.transpose(2, 3)), "state must be a contiguous pool"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message) as error:
+            kernels.gated_delta_decode(*call)
+        assert "\n" not in str(error.value).strip()

@@ -28,6 +28,9 @@ and why: docs/KERNELS.md.
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
                                    #   token: state (B, H, Dk, Dv) fp32 updated in place
     o = gated_delta_chunked(q, k, v, g, beta, state, C)  # the same, C tokens at a time
+    o = gated_delta_decode(qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk)
+                                   # a decode token's whole mixer before its norm: conv,
+                                   #   L2 norms, gates and the rule, the pools' rows updated
 
 The library is built on first use (`build`: `available()` says why it cannot be, `buildable()`
 whether it can be expected to); the paths each op has on this CPU and the one "auto" takes
@@ -71,6 +74,7 @@ __all__ = [
     "buildable",
     "fp16_if_exact",
     "gated_delta_chunked",
+    "gated_delta_decode",
     "gated_delta_recurrent",
     "heads_rms_norm",
     "in_use",
@@ -351,6 +355,30 @@ def gated_delta_recurrent(
     if ops.gated_delta_recurrent is None:
         require()
     return ops.gated_delta_recurrent(q, k, v, g, beta, state, slots)
+
+
+def gated_delta_decode(
+    qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    taps: torch.Tensor,
+    windows: torch.Tensor,
+    A_log: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    key_heads: int,
+) -> torch.Tensor:
+    """One decode token of a Gated DeltaNet's mixer per sequence, all fp32: qkv (S, C) the
+    conv's channels (q and k of `key_heads` heads of Dk, then v of H heads of Dv), b and a
+    (S, H); the causal conv with SiLU from the windows pool (P, K - 1, C) by taps (K, C)
+    (the conv's weight transposed, contiguous), q and k L2-normalised, beta = sigmoid(b), g = -exp(A_log) softplus(a +
+    dt_bias), then `gated_delta_recurrent` on the pool state (P, H, Dk, Dv); rows slots (S,)
+    of both pools are updated where they lie. Returns out (S, H, Dv), each sequence alone
+    in its sums (docs/KERNELS.md)."""
+    if ops.gated_delta_decode is None:
+        require()
+    return ops.gated_delta_decode(qkv, b, a, taps, windows, A_log, dt_bias, state, slots, key_heads)
 
 
 def gated_delta_chunked(

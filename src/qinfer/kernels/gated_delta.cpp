@@ -20,6 +20,11 @@
 // (sequence, head) is one task of at::parallel_for, alone with its state: a sequence's
 // output and state are the same bits whatever the batch it is in, whatever the thread count.
 //
+// gated_delta_decode is one decode token of the whole mixer before its norm: the causal
+// conv (with SiLU) from each sequence's window, q and k L2-normalised, beta = sigmoid(b),
+// g = -exp(A_log) softplus(a + dt_bias), then the rule above: GatedDeltaNet's ~25 torch ops
+// a layer and step (each a dispatch of a few µs) as one.
+//
 // Why: torch runs a token as ~10 ops on (B H, ...) tensors (the stacked k, q, a bmm, the
 // delta, the output, the state's decay and rank-1 update), each a dispatch of a few µs and
 // each a pass over its operands; here a token is two passes over its head's state (64 KiB at
@@ -29,8 +34,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -71,14 +79,63 @@ QINFER_INLINE void delta_token(float* __restrict__ S, int64_t Dk, int64_t Dv,
   }
 }
 
-// The token loop, compiled once for each path of isa.h's vector ladder from the one source
-// above (the same bits on each); picked once per call.
+// exp(x) from float adds, multiplies and compares only, so that the conv's loop below
+// vectorises (libm's exp is a call per element: the SiLU of Qwen3.5's 6,144 channels took
+// most of the op) and rounds alike on every path: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two
+// parts, n rounded to nearest by adding and taking away 1.5 * 2^23), exp(r) by its Taylor
+// series to r^7 (within 2 ulp of exp over that range), times 2^n built in the exponent's
+// bits; x clamped to [-87, 88], where 2^n stays a normal float.
+QINFER_INLINE float exp_series(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One decode token's conv, for channels [c0, c1) of one sequence: out[c] = SiLU(sum over
+// taps j of taps[j, c] x_j[c]), x_0..x_{K-2} the window's rows and x_{K-1} the token, summed
+// tap by tap from 0 (torch's `causal_conv1d`: a product, then one add a tap, unfused); the
+// window then shifts by one row, the token its last. taps (K, C): each tap's row over the
+// channels, so that every load is along c.
+QINFER_INLINE void conv_token(const float* __restrict__ x, const float* __restrict__ taps,
+                              int64_t K, float* __restrict__ window, int64_t C, int64_t c0,
+                              int64_t c1, float* __restrict__ out) {
+  for (int64_t c = c0; c < c1; ++c) out[c] = window[c] * taps[c];
+  for (int64_t j = 1; j < K - 1; ++j)
+    for (int64_t c = c0; c < c1; ++c) out[c] = out[c] + window[j * C + c] * taps[j * C + c];
+  for (int64_t c = c0; c < c1; ++c) {
+    const float sum = out[c] + x[c] * taps[(K - 1) * C + c];
+    out[c] = sum / (1.0f + exp_series(-sum));
+  }
+  for (int64_t j = 0; j + 1 < K - 1; ++j)
+    std::memcpy(window + j * C + c0, window + (j + 1) * C + c0, (c1 - c0) * sizeof(float));
+  std::memcpy(window + (K - 2) * C + c0, x + c0, (c1 - c0) * sizeof(float));
+}
+
+// The token loop and the conv, compiled once for each path of isa.h's vector ladder from the
+// one source above (the same bits on each); picked once per call.
 #define QINFER_DELTA_LOOPS(NAME, TARGET)                                                    \
   struct NAME {                                                                             \
     TARGET static void token(float* S, int64_t Dk, int64_t Dv, const float* q,              \
                              const float* k, const float* v, float a, float beta,           \
                              float scale, float* out, float* kS, float* qS) {               \
       delta_token(S, Dk, Dv, q, k, v, a, beta, scale, out, kS, qS);                         \
+    }                                                                                       \
+    TARGET static void conv(const float* x, const float* taps, int64_t K, float* window,    \
+                            int64_t C, int64_t c0, int64_t c1, float* out) {                \
+      conv_token(x, taps, K, window, C, c0, c1, out);                                       \
     }                                                                                       \
   };
 QINFER_DELTA_LOOPS(LoopsScalar, )
@@ -105,6 +162,62 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
+// x (D) / sqrt(sum(x^2) + 1e-6) into out, the sum in order (`deltanet.l2_normalize`).
+inline void l2_normalized(const float* x, int64_t D, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < D; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
+  for (int64_t i = 0; i < D; ++i) out[i] = x[i] * inv;
+}
+
+// torch's softplus (beta 1, threshold 20): x past 20, else log1p(exp(x)).
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+template <typename Loops>
+void run_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
+                const at::Tensor& taps, const at::Tensor& windows,
+                const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& state,
+                const std::vector<int64_t>& rows, int64_t Hk, const at::Tensor& mixed,
+                const at::Tensor& out) {
+  const int64_t S = qkv.size(0), C = qkv.size(1), K = taps.size(0);
+  const int64_t H = state.size(1), Dk = state.size(2), Dv = state.size(3), r = H / Hk;
+  const float scale = query_scale(Dk);
+  float* mp = mixed.data_ptr<float>();
+  float* wp = windows.data_ptr<float>();
+  // the conv, in chunks of 256 channels a task: each channel's window read and written by
+  // its own task only
+  constexpr int64_t kChannels = 256;
+  const int64_t chunks = (C + kChannels - 1) / kChannels;
+  at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / chunks, c0 = task % chunks * kChannels;
+      Loops::conv(qkv.data_ptr<float>() + s * qkv.stride(0),
+                        taps.data_ptr<float>(), K, wp + rows[s] * (K - 1) * C, C, c0,
+                        std::min(C, c0 + kChannels), mp + s * C);
+    }
+  });
+  // the rule, one (sequence, value head) a task; value head h reads key head h / r
+  float* sp = state.data_ptr<float>();
+  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * Dv + 2 * Dk);
+    float *kS = scratch.data(), *qS = kS + Dv, *qn = qS + Dv, *kn = qn + Dk;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / H, h = task % H;
+      const float* row = mp + s * C;
+      l2_normalized(row + (h / r) * Dk, Dk, qn);
+      l2_normalized(row + Hk * Dk + (h / r) * Dk, Dk, kn);
+      const float* v = row + 2 * Hk * Dk + h * Dv;
+      const float bh = b.data_ptr<float>()[s * b.stride(0) + h * b.stride(1)];
+      const float ah = a.data_ptr<float>()[s * a.stride(0) + h * a.stride(1)];
+      const float beta = 1.0f / (1.0f + std::exp(-bh));
+      const float g = -std::exp(A_log.data_ptr<float>()[h]) *
+                      softplus(ah + dt_bias.data_ptr<float>()[h]);
+      Loops::token(head_state(sp, rows, task, H, Dk, Dv), Dk, Dv, qn, kn, v, std::exp(g), beta,
+                   scale, out.data_ptr<float>() + task * Dv, kS, qS);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -117,6 +230,76 @@ at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const
     case Isa::Avx512: run<LoopsAvx512>(q, k, v, g, beta, state, rows, out); break;
     case Isa::Avx2: run<LoopsAvx2>(q, k, v, g, beta, state, rows, out); break;
     default: run<LoopsScalar>(q, k, v, g, beta, state, rows, out);
+  }
+  return out;
+}
+
+}  // namespace qinfer_kernels
+
+namespace qinfer_kernels {
+
+at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
+                              const at::Tensor& taps, const at::Tensor& windows,
+                              const at::Tensor& A_log, const at::Tensor& dt_bias,
+                              const at::Tensor& state, const at::Tensor& slots,
+                              int64_t key_heads) {
+  const char* op = "gated_delta_decode";
+  auto fp32_cpu = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_cpu(), op, ": ", name,
+                " must be fp32 on the CPU, got ", t.scalar_type(), " on ", t.device().str());
+  };
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"qkv", &qkv}, {"b", &b},
+                         {"a", &a}, {"taps", &taps}, {"windows", &windows},
+                         {"A_log", &A_log}, {"dt_bias", &dt_bias}, {"state", &state}})
+    fp32_cpu(name, *t);
+  TORCH_CHECK(state.dim() == 4 && state.is_contiguous(), op,
+              ": state must be a contiguous pool (P, H, Dk, Dv), got ", shape_str(state));
+  const int64_t P = state.size(0), H = state.size(1), Dk = state.size(2), Dv = state.size(3);
+  TORCH_CHECK(key_heads > 0 && H % key_heads == 0, op, ": key_heads must divide state's ", H,
+              " heads, got ", key_heads);
+  const int64_t C = 2 * key_heads * Dk + H * Dv;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == C && qkv.stride(1) == 1, op,
+              ": qkv must be (S, ", C, ") (q, k of ", key_heads, " heads of ", Dk,
+              ", v of state's ", H, " of ", Dv, ") with rows contiguous, got ", shape_str(qkv));
+  const int64_t S = qkv.size(0);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"b", &b}, {"a", &a}})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == S && t->size(1) == H, op, ": ", name,
+                " must be (", S, ", ", H, "), got ", shape_str(*t));
+  TORCH_CHECK(taps.dim() == 2 && taps.size(1) == C && taps.size(0) >= 2 && taps.is_contiguous(),
+              op, ": taps must be contiguous (K, ", C, ") with K >= 2, got ", shape_str(taps));
+  const int64_t K = taps.size(0);
+  TORCH_CHECK(windows.dim() == 3 && windows.size(0) == P && windows.size(1) == K - 1 &&
+                  windows.size(2) == C && windows.is_contiguous(),
+              op, ": windows must be a contiguous pool (", P, ", ", K - 1, ", ", C,
+              "), got ", shape_str(windows));
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"A_log", &A_log},
+                         {"dt_bias", &dt_bias}})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == H && t->is_contiguous(), op, ": ", name,
+                " must be contiguous (", H, ",), got ", shape_str(*t));
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == S && slots.scalar_type() == at::kLong &&
+                  slots.is_cpu() && slots.is_contiguous(),
+              op, ": slots must be contiguous (", S, ",) int64 on the CPU, got ",
+              shape_str(slots), " ", slots.scalar_type());
+  std::vector<int64_t> rows(S);
+  for (int64_t s = 0; s < S; ++s) {
+    rows[s] = slots.data_ptr<int64_t>()[s];
+    TORCH_CHECK(0 <= rows[s] && rows[s] < P, op, ": slot ", rows[s], " of sequence ", s,
+                " is outside the pools' ", P, " rows");
+  }
+  at::Tensor mixed = at::empty({S, C}, qkv.options());
+  at::Tensor out = at::empty({S, H, Dv}, qkv.options());
+  switch (best(kVectorPaths)) {
+    case Isa::Avx512:
+      run_decode<LoopsAvx512>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+                              key_heads, mixed, out);
+      break;
+    case Isa::Avx2:
+      run_decode<LoopsAvx2>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+                            key_heads, mixed, out);
+      break;
+    default:
+      run_decode<LoopsScalar>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+                              key_heads, mixed, out);
   }
   return out;
 }

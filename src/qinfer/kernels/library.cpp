@@ -49,6 +49,9 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state, Tensor? slots=None) -> Tensor");
+  lib.def("gated_delta_decode(Tensor qkv, Tensor b, Tensor a, Tensor taps, "
+          "Tensor(a!) windows, Tensor A_log, Tensor dt_bias, Tensor(b!) state, Tensor slots, "
+          "int key_heads) -> Tensor");
   lib.def("gated_delta_chunked(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state, int chunk_size, Tensor? slots=None) -> Tensor");
 }
@@ -65,5 +68,6 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("lora_add", &lora_add);
   lib.impl("rope", &rope);
   lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
+  lib.impl("gated_delta_decode", &gated_delta_decode);
   lib.impl("gated_delta_chunked", &gated_delta_chunked);
 }

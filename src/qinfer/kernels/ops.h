@@ -48,6 +48,11 @@ at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const
                                  const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& state,
                                  const c10::optional<at::Tensor>& slots);
+at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
+                              const at::Tensor& taps, const at::Tensor& windows,
+                              const at::Tensor& A_log, const at::Tensor& dt_bias,
+                              const at::Tensor& state, const at::Tensor& slots,
+                              int64_t key_heads);
 // gated_delta_chunked.cpp
 at::Tensor gated_delta_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta,

@@ -74,6 +74,10 @@ def _delta_out(q, k, v: torch.Tensor, *_: object) -> torch.Tensor:  # noqa: ANN0
     return v.new_empty(v.shape, dtype=torch.float32)  # (B, L, H, Dv)
 
 
+def _delta_decoded(qkv, b, a, taps, windows, A_log, dt_bias, state, *_: object):  # noqa: ANN001, ANN202, N803
+    return qkv.new_empty((qkv.shape[0], state.shape[1], state.shape[3]))  # (S, H, Dv)
+
+
 def _in_place(*_: object) -> None:  # lora_add: y updated, nothing returned
     return None
 
@@ -92,6 +96,7 @@ FAKE_KERNELS = {
     "lora_add": _in_place,
     "gated_delta_recurrent": _delta_out,
     "gated_delta_chunked": _delta_out,
+    "gated_delta_decode": _delta_decoded,
 }
 
 #: The ops' default overloads, bound once the library is loaded (None before): torch.ops'

@@ -76,6 +76,8 @@ class GatedDeltaNet(Module, Placed):
         self.layer = layer
         self.shapes = shapes
         self.chunk_size: int | None = None
+        self._taps_of: torch.Tensor | None = None  # the weight `_taps` was made from
+        self._taps_cache: torch.Tensor | None = None
         H, Hv = config.hidden_size, shapes.num_value_heads
         prefix = f"{layer_prefix}.linear_attn"
         names = tuple(f"{prefix}.in_proj_{part}" for part in shapes.projections)
@@ -185,6 +187,23 @@ class GatedDeltaNet(Module, Placed):
         s, slots = self.shapes, states.slots
         S, L, _ = qkv.shape
         conv_windows = states.pool.conv[self.layer]  # (slots, K - 1, C)
+        matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
+        if L == 1 and not recurrent and self._decodes_compiled(qkv, conv_windows):
+            # a decode token: the whole mixer before the norm as one op (conv, norms,
+            # gates and the rule: some 25 torch ops a layer otherwise)
+            o = kernels.gated_delta_decode(
+                qkv[:, 0],
+                b[:, 0],
+                a[:, 0],
+                self._taps(),
+                conv_windows,
+                self.A_log.value,
+                self.dt_bias.value,
+                matrices,
+                slots,
+                s.num_key_heads,
+            )
+            return o[:, None]  # (S, 1, Hv, dv)
         # index_select, not [slots]: a plain copy of whole rows (advanced indexing computes
         # every element's offset: 1.8x the time for a 1 MiB state)
         mixed, window = causal_conv1d(
@@ -200,9 +219,27 @@ class GatedDeltaNet(Module, Placed):
         v = v.reshape(S, L, s.num_value_heads, s.value_head_dim)
         beta = b.float().sigmoid()  # (S, L, Hv)
         g = -self.A_log.value.float().exp() * F.softplus(a.float() + self.dt_bias.value.float())
-        matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
         chunked = L > 1 and not recurrent  # not decode, not a verification
         return gated_delta_rule(q, k, v, g, beta, matrices, slots, chunked, self.chunk_size)
+
+    def _taps(self) -> torch.Tensor:
+        """The conv's weight (C, 1, K) as taps (K, C), contiguous (the decode op reads each
+        tap along the channels), made once from the weight the layer holds."""
+        weight = self.conv.value
+        if self._taps_of is not weight:
+            self._taps_cache = weight.squeeze(1).t().contiguous()
+            self._taps_of = weight
+        return self._taps_cache
+
+    def _decodes_compiled(self, qkv: torch.Tensor, windows: torch.Tensor) -> bool:
+        """Whether a decode token takes `kernels.gated_delta_decode`: CPU tensors without
+        autograd where the kernels are in use, the activations, weights and windows fp32."""
+        return (
+            qkv.dtype == windows.dtype == self.conv.value.dtype == torch.float32
+            and qkv.device.type == "cpu"
+            and not qkv.requires_grad
+            and kernels.in_use()
+        )
 
 
 def gated_delta_rule(

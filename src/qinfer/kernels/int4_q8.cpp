@@ -72,6 +72,42 @@ struct Int4Q8 {
   QINFER_MATMUL_KERNEL(Int4Packed<S>, Int4Act)
 };
 
+// A last group of at most kTailBlocks blocks (a K of 576 leaves 2, of 640 4): each block's
+// exact dot product on its own, its 16 bytes unpacked into the 32 values in order times the
+// row's own 32 int8 (one 256-bit dpbusd and a sum of its 8 lanes), into lane l of dot as the
+// transposed group puts it: the same integers, so the same bits, for an eighth of a whole
+// group's work where only two of its 16 blocks exist.
+constexpr int64_t kTailBlocks = 4;
+
+template <int R, int C>
+QINFER_VNNI QINFER_INLINE void tail_dots(const uint8_t* const (&qs)[C], int64_t g, int64_t left,
+                                         const int8_t* const (&qx)[R], __m512i (&dot)[C][R]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
+  for (int64_t l = 0; l < left; ++l) {
+    const int64_t b = 16 * g + l;
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[c] + b * 16));
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4),
+                                         _mm_and_si128(packed, low4));  // values 0..31
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[i] + b * 32));
+        const __m256i d8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+        __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(d8), _mm256_extracti128_si256(d8, 1));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0x4E));
+        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0xB1));
+        dot[c][i] = _mm512_mask_set1_epi32(dot[c][i], static_cast<__mmask16>(1u << l),
+                                           _mm_cvtsi128_si32(d4));
+      }
+    }
+  }
+}
+
 // The VNNI tile, per group of 16 blocks: each column's 256 bytes are transposed so that lane
 // l of register q holds dword q of block 16g + l (its low nibbles: elements 4q..4q+3, its high
 // ones: 16 + 4q..), and 8 dpbusd into one int32 register leave each block's exact dot product
@@ -95,11 +131,13 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
       _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const auto [qs, d, m] = Int4Columns<C, S>(w, n0);
   const int8_t* qg[R];
+  const int8_t* qx[R];  // the row's own order, for the last group's few blocks
   const float* dxn[R];
   const float* s[R];
   #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     qg[i] = act.qg + (r0 + i) * ng * 512;
+    qx[i] = act.q8.row_qx(r0 + i);
     dxn[i] = act.dxn + (r0 + i) * ng * 16;
     s[i] = act.q8.row_s(r0 + i);
   }
@@ -107,46 +145,50 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
   clear(acc);
   for (int64_t g = 0; g < ng; ++g) {
     const int64_t left = nb - 16 * g;  // the group's blocks in the weight, 1..16 in the last
-    __m512i t[C][4];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      __m512i p[4];
-      #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const uint8_t* src = qs[c] + g * 256 + 64 * i;
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchFor<R>), _MM_HINT_T0);
-        if (left >= 16) {
-          p[i] = _mm512_loadu_si512(src);
-        } else {  // read only the column's own blocks (the next column may not exist)
-          const int64_t blocks = std::clamp<int64_t>(left - 4 * i, 0, 4);
-          p[i] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * blocks)) - 1), src);
-        }
-      }
-      const __m512i a0 = _mm512_permutex2var_epi32(p[0], dwords01, p[1]);
-      const __m512i a1 = _mm512_permutex2var_epi32(p[0], dwords23, p[1]);
-      const __m512i b0 = _mm512_permutex2var_epi32(p[2], dwords01, p[3]);
-      const __m512i b1 = _mm512_permutex2var_epi32(p[2], dwords23, p[3]);
-      t[c][0] = _mm512_permutex2var_epi32(a0, first, b0);
-      t[c][1] = _mm512_permutex2var_epi32(a0, second, b0);
-      t[c][2] = _mm512_permutex2var_epi32(a1, first, b1);
-      t[c][3] = _mm512_permutex2var_epi32(a1, second, b1);
-    }
     __m512i dot[C][R];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
+    if (left <= kTailBlocks) {
+      tail_dots<R, C>(qs, g, left, qx, dot);
+    } else {
+      __m512i t[C][4];
       #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
-    #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-      __m512i wk[C];
+      for (int c = 0; c < C; ++c) {
+        __m512i p[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* src = qs[c] + g * 256 + 64 * i;
+          _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchFor<R>), _MM_HINT_T0);
+          if (left >= 16) {
+            p[i] = _mm512_loadu_si512(src);
+          } else {  // read only the column's own blocks (the next column may not exist)
+            const int64_t blocks = std::clamp<int64_t>(left - 4 * i, 0, 4);
+            p[i] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * blocks)) - 1), src);
+          }
+        }
+        const __m512i a0 = _mm512_permutex2var_epi32(p[0], dwords01, p[1]);
+        const __m512i a1 = _mm512_permutex2var_epi32(p[0], dwords23, p[1]);
+        const __m512i b0 = _mm512_permutex2var_epi32(p[2], dwords01, p[3]);
+        const __m512i b1 = _mm512_permutex2var_epi32(p[2], dwords23, p[3]);
+        t[c][0] = _mm512_permutex2var_epi32(a0, first, b0);
+        t[c][1] = _mm512_permutex2var_epi32(a0, second, b0);
+        t[c][2] = _mm512_permutex2var_epi32(a1, first, b1);
+        t[c][3] = _mm512_permutex2var_epi32(a1, second, b1);
+      }
       #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c)  // the u8 operand: elements 4k..4k+3 of each block
-        wk[c] = _mm512_and_si512(k < 4 ? t[c][k] : _mm512_srli_epi16(t[c][k - 4], 4), low4);
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m512i x = _mm512_loadu_si512(qg[i] + g * 512 + k * 64);
+      for (int c = 0; c < C; ++c)
         #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) dot[c][i] = _mm512_dpbusd_epi32(dot[c][i], wk[c], x);
+        for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        __m512i wk[C];
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)  // the u8 operand: elements 4k..4k+3 of each block
+          wk[c] = _mm512_and_si512(k < 4 ? t[c][k] : _mm512_srli_epi16(t[c][k - 4], 4), low4);
+        #pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m512i x = _mm512_loadu_si512(qg[i] + g * 512 + k * 64);
+          #pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) dot[c][i] = _mm512_dpbusd_epi32(dot[c][i], wk[c], x);
+        }
       }
     }
     #pragma GCC unroll 8

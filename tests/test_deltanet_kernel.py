@@ -278,3 +278,56 @@ def test_decode_bad_inputs_refused():
         with pytest.raises(RuntimeError, match=message) as error:
             kernels.gated_delta_decode(*call)
         assert "\n" not in str(error.value).strip()
+
+
+# ------------------------------------------------------------------ the conv, compiled
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 40])  # fewer tokens than the window, and more
+@pytest.mark.parametrize("K", [4, 2])
+def test_conv_matches_torch_form(L, K):
+    """`causal_conv1d` compiled: its outputs within a few fp32 units of the torch form's
+    (the SiLU's exp a series within 2 ulp of torch's), each window replaced by the torch
+    form's bit for bit, the pool's other rows untouched; x read by its strides."""
+    gen = torch.Generator().manual_seed(L + K)
+    S, C, P = 3, 200, 5
+    x = torch.randn(S, L, C + 7, generator=gen)[..., 3 : 3 + C]  # strided rows
+    taps = torch.randn(K, C, generator=gen)
+    windows = torch.randn(P, K - 1, C, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    want, want_windows = causal_conv1d(x, taps.t(), windows[slots])
+    untouched = windows[[1, 3]].clone()
+    got = kernels.causal_conv1d(x, taps, windows, slots)
+    assert max_diff(got, want) < 1e-6 * (1 + want.abs().max().item())
+    assert torch.equal(windows[slots], want_windows)
+    assert torch.equal(windows[[1, 3]], untouched)
+
+
+def test_conv_sequence_alone_equals_in_batch():
+    gen = torch.Generator().manual_seed(5)
+    x, taps = torch.randn(4, 9, 300, generator=gen), torch.randn(4, 300, generator=gen)
+    windows = torch.randn(4, 3, 300, generator=gen)
+    slots = torch.tensor([2, 3, 0, 1])
+    batch_windows = windows.clone()
+    batch = kernels.causal_conv1d(x, taps, batch_windows, slots)
+    for s in range(4):
+        alone_windows = windows.clone()
+        alone = kernels.causal_conv1d(x[s : s + 1], taps, alone_windows, slots[s : s + 1])
+        assert torch.equal(alone, batch[s : s + 1])
+        assert torch.equal(alone_windows[slots[s]], batch_windows[slots[s]])
+
+
+def test_conv_bad_inputs_refused():
+    x, taps, windows = torch.randn(2, 5, 64), torch.randn(4, 64), torch.zeros(3, 3, 64)
+    slots = torch.tensor([0, 2])
+    cases = [
+        ((x.double(), taps, windows, slots), "x must be fp32"),
+        ((x[..., :32], taps, windows, slots), "x must be \\(S, L, 64\\)"),
+        ((x, taps.t(), windows, slots), "taps must be contiguous \\(K, C\\)"),
+        ((x, taps, windows[:, :2], slots), "windows must be a contiguous pool \\(P, 3, 64\\)"),
+        ((x, taps, windows, torch.tensor([0, 3])), "slot 3 of sequence 1 is outside the pool's"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message) as error:
+            kernels.causal_conv1d(*args)
+        assert "\n" not in str(error.value).strip()

@@ -28,6 +28,8 @@ and why: docs/KERNELS.md.
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
                                    #   token: state (B, H, Dk, Dv) fp32 updated in place
     o = gated_delta_chunked(q, k, v, g, beta, state, C)  # the same, C tokens at a time
+    y = causal_conv1d(x, taps, windows, slots)  # the DeltaNet's conv + SiLU over x (S, L, C)
+                                   #   from each sequence's window, the windows updated
     o = gated_delta_decode(qkv, b, a, taps, windows, A_log, dt_bias, state, slots, Hk)
                                    # a decode token's whole mixer before its norm: conv,
                                    #   L2 norms, gates and the rule, the pools' rows updated
@@ -72,6 +74,7 @@ __all__ = [
     "available",
     "build_directory",
     "buildable",
+    "causal_conv1d",
     "fp16_if_exact",
     "gated_delta_chunked",
     "gated_delta_decode",
@@ -355,6 +358,18 @@ def gated_delta_recurrent(
     if ops.gated_delta_recurrent is None:
         require()
     return ops.gated_delta_recurrent(q, k, v, g, beta, state, slots)
+
+
+def causal_conv1d(
+    x: torch.Tensor, taps: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """`deltanet.causal_conv1d` compiled, all fp32: x (S, L, C) (channels contiguous), taps
+    (K, C) (the conv's weight transposed, contiguous), the windows pool (P, K - 1, C) whose
+    row slots[s] (slots (S,) int64) is sequence s's window, replaced by its last K - 1
+    inputs. Returns SiLU(conv) (S, L, C), each sequence alone in its sums (docs/KERNELS.md)."""
+    if ops.causal_conv1d is None:
+        require()
+    return ops.causal_conv1d(x, taps, windows, slots)
 
 
 def gated_delta_decode(

@@ -1,5 +1,5 @@
 // What the kernel sources share: bf16 <-> fp32 as torch converts them, an AVX2 register's
-// sum, and a tensor's shape as the error messages print it.
+// sum, a tensor's shape as the error messages print it, and a pool's checked slots.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "isa.h"
 
@@ -69,6 +70,24 @@ inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
   return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+// slots (S,) int64, contiguous, on the CPU, each a row of a pool of P rows, checked for
+// `op` (one line per refusal; `pools` names the pool in it); returns them.
+inline std::vector<int64_t> checked_slots(const char* op, const at::Tensor& slots, int64_t S,
+                                          int64_t P, const char* pools = "pool's") {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == S && slots.scalar_type() == at::kLong &&
+                  slots.is_cpu() && slots.is_contiguous(),
+              op, ": slots must be contiguous (", S, ",) int64 on the CPU, got ",
+              shape_str(slots), " ", slots.scalar_type());
+  std::vector<int64_t> rows(S);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    rows[s] = slot[s];
+    TORCH_CHECK(0 <= rows[s] && rows[s] < P, op, ": slot ", rows[s], " of sequence ", s,
+                " is outside the ", pools, " ", P, " rows");
+  }
+  return rows;
 }
 
 }  // namespace qinfer_kernels

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "causal_conv.h"
 #include "common.h"
 #include "gated_delta.h"
 #include "isa.h"
@@ -79,63 +80,14 @@ QINFER_INLINE void delta_token(float* __restrict__ S, int64_t Dk, int64_t Dv,
   }
 }
 
-// exp(x) from float adds, multiplies and compares only, so that the conv's loop below
-// vectorises (libm's exp is a call per element: the SiLU of Qwen3.5's 6,144 channels took
-// most of the op) and rounds alike on every path: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two
-// parts, n rounded to nearest by adding and taking away 1.5 * 2^23), exp(r) by its Taylor
-// series to r^7 (within 2 ulp of exp over that range), times 2^n built in the exponent's
-// bits; x clamped to [-87, 88], where 2^n stays a normal float.
-QINFER_INLINE float exp_series(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// One decode token's conv, for channels [c0, c1) of one sequence: out[c] = SiLU(sum over
-// taps j of taps[j, c] x_j[c]), x_0..x_{K-2} the window's rows and x_{K-1} the token, summed
-// tap by tap from 0 (torch's `causal_conv1d`: a product, then one add a tap, unfused); the
-// window then shifts by one row, the token its last. taps (K, C): each tap's row over the
-// channels, so that every load is along c.
-QINFER_INLINE void conv_token(const float* __restrict__ x, const float* __restrict__ taps,
-                              int64_t K, float* __restrict__ window, int64_t C, int64_t c0,
-                              int64_t c1, float* __restrict__ out) {
-  for (int64_t c = c0; c < c1; ++c) out[c] = window[c] * taps[c];
-  for (int64_t j = 1; j < K - 1; ++j)
-    for (int64_t c = c0; c < c1; ++c) out[c] = out[c] + window[j * C + c] * taps[j * C + c];
-  for (int64_t c = c0; c < c1; ++c) {
-    const float sum = out[c] + x[c] * taps[(K - 1) * C + c];
-    out[c] = sum / (1.0f + exp_series(-sum));
-  }
-  for (int64_t j = 0; j + 1 < K - 1; ++j)
-    std::memcpy(window + j * C + c0, window + (j + 1) * C + c0, (c1 - c0) * sizeof(float));
-  std::memcpy(window + (K - 2) * C + c0, x + c0, (c1 - c0) * sizeof(float));
-}
-
-// The token loop and the conv, compiled once for each path of isa.h's vector ladder from the
-// one source above (the same bits on each); picked once per call.
+// The token loop, compiled once for each path of isa.h's vector ladder from the one source
+// above (the same bits on each); picked once per call.
 #define QINFER_DELTA_LOOPS(NAME, TARGET)                                                    \
   struct NAME {                                                                             \
     TARGET static void token(float* S, int64_t Dk, int64_t Dv, const float* q,              \
                              const float* k, const float* v, float a, float beta,           \
                              float scale, float* out, float* kS, float* qS) {               \
       delta_token(S, Dk, Dv, q, k, v, a, beta, scale, out, kS, qS);                         \
-    }                                                                                       \
-    TARGET static void conv(const float* x, const float* taps, int64_t K, float* window,    \
-                            int64_t C, int64_t c0, int64_t c1, float* out) {                \
-      conv_token(x, taps, K, window, C, c0, c1, out);                                       \
     }                                                                                       \
   };
 QINFER_DELTA_LOOPS(LoopsScalar, )
@@ -174,7 +126,7 @@ inline void l2_normalized(const float* x, int64_t D, float* out) {
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 template <typename Loops>
-void run_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
+void run_decode(Isa path, const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
                 const at::Tensor& taps, const at::Tensor& windows,
                 const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& state,
                 const std::vector<int64_t>& rows, int64_t Hk, const at::Tensor& mixed,
@@ -183,19 +135,8 @@ void run_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
   const int64_t H = state.size(1), Dk = state.size(2), Dv = state.size(3), r = H / Hk;
   const float scale = query_scale(Dk);
   float* mp = mixed.data_ptr<float>();
-  float* wp = windows.data_ptr<float>();
-  // the conv, in chunks of 256 channels a task: each channel's window read and written by
-  // its own task only
-  constexpr int64_t kChannels = 256;
-  const int64_t chunks = (C + kChannels - 1) / kChannels;
-  at::parallel_for(0, S * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / chunks, c0 = task % chunks * kChannels;
-      Loops::conv(qkv.data_ptr<float>() + s * qkv.stride(0),
-                        taps.data_ptr<float>(), K, wp + rows[s] * (K - 1) * C, C, c0,
-                        std::min(C, c0 + kChannels), mp + s * C);
-    }
-  });
+  causal_conv_silu(path, qkv.data_ptr<float>(), qkv.stride(0), C, S, 1, taps.data_ptr<float>(),
+                   K, windows.data_ptr<float>(), rows, C, mp);
   // the rule, one (sequence, value head) a task; value head h reads key head h / r
   float* sp = state.data_ptr<float>();
   at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
@@ -276,29 +217,21 @@ at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const 
                          {"dt_bias", &dt_bias}})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == H && t->is_contiguous(), op, ": ", name,
                 " must be contiguous (", H, ",), got ", shape_str(*t));
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == S && slots.scalar_type() == at::kLong &&
-                  slots.is_cpu() && slots.is_contiguous(),
-              op, ": slots must be contiguous (", S, ",) int64 on the CPU, got ",
-              shape_str(slots), " ", slots.scalar_type());
-  std::vector<int64_t> rows(S);
-  for (int64_t s = 0; s < S; ++s) {
-    rows[s] = slots.data_ptr<int64_t>()[s];
-    TORCH_CHECK(0 <= rows[s] && rows[s] < P, op, ": slot ", rows[s], " of sequence ", s,
-                " is outside the pools' ", P, " rows");
-  }
+  const std::vector<int64_t> rows = checked_slots(op, slots, S, P, "pools'");
   at::Tensor mixed = at::empty({S, C}, qkv.options());
   at::Tensor out = at::empty({S, H, Dv}, qkv.options());
-  switch (best(kVectorPaths)) {
+  const Isa path = best(kVectorPaths);
+  switch (path) {
     case Isa::Avx512:
-      run_decode<LoopsAvx512>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+      run_decode<LoopsAvx512>(path, qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
                               key_heads, mixed, out);
       break;
     case Isa::Avx2:
-      run_decode<LoopsAvx2>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+      run_decode<LoopsAvx2>(path, qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
                             key_heads, mixed, out);
       break;
     default:
-      run_decode<LoopsScalar>(qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
+      run_decode<LoopsScalar>(path, qkv, b, a, taps, windows, A_log, dt_bias, state, rows,
                               key_heads, mixed, out);
   }
   return out;

@@ -64,21 +64,9 @@ inline std::vector<int64_t> check_delta_rule(const char* op, const at::Tensor& q
               op, ": state must be contiguous (", slots.has_value() ? "P" : std::to_string(B),
               ", ", H, ", ", Dk, ", ", Dv, ") fp32 on the CPU, got ", shape_str(state), " ",
               state.scalar_type());
+  if (slots.has_value()) return checked_slots(op, *slots, B, P, "state's");
   std::vector<int64_t> rows(B);
   for (int64_t b = 0; b < B; ++b) rows[b] = b;
-  if (slots.has_value()) {
-    const at::Tensor& s = *slots;
-    TORCH_CHECK(s.dim() == 1 && s.size(0) == B && s.scalar_type() == at::kLong && s.is_cpu() &&
-                    s.is_contiguous(),
-                op, ": slots must be contiguous (", B, ",) int64 on the CPU, got ",
-                shape_str(s), " ", s.scalar_type());
-    const int64_t* slot = s.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      rows[b] = slot[b];
-      TORCH_CHECK(0 <= rows[b] && rows[b] < P, op, ": slot ", rows[b], " of sequence ", b,
-                  " is outside the state's ", P, " rows");
-    }
-  }
   return rows;
 }
 

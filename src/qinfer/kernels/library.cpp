@@ -49,6 +49,7 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state, Tensor? slots=None) -> Tensor");
+  lib.def("causal_conv1d(Tensor x, Tensor taps, Tensor(a!) windows, Tensor slots) -> Tensor");
   lib.def("gated_delta_decode(Tensor qkv, Tensor b, Tensor a, Tensor taps, "
           "Tensor(a!) windows, Tensor A_log, Tensor dt_bias, Tensor(b!) state, Tensor slots, "
           "int key_heads) -> Tensor");
@@ -68,6 +69,7 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("lora_add", &lora_add);
   lib.impl("rope", &rope);
   lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
+  lib.impl("causal_conv1d", &causal_conv1d);
   lib.impl("gated_delta_decode", &gated_delta_decode);
   lib.impl("gated_delta_chunked", &gated_delta_chunked);
 }

@@ -43,6 +43,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
                                   int64_t block_size, int64_t window, double scale);
+// causal_conv.cpp
+at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& taps, const at::Tensor& windows,
+                         const at::Tensor& slots);
 // gated_delta.cpp
 at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& g, const at::Tensor& beta,

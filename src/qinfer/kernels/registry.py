@@ -66,7 +66,7 @@ def _heads_normed(h, w1, w2, first, eps, dtype: torch.dtype, path="auto") -> tor
     return h.new_empty(h.shape, dtype=dtype)
 
 
-def _like(x: torch.Tensor, *_: object) -> torch.Tensor:  # attention's q, RoPE's x
+def _like(x: torch.Tensor, *_: object) -> torch.Tensor:  # attention's q, RoPE's x, the conv's
     return x.new_empty(x.shape)
 
 
@@ -97,6 +97,7 @@ FAKE_KERNELS = {
     "gated_delta_recurrent": _delta_out,
     "gated_delta_chunked": _delta_out,
     "gated_delta_decode": _delta_decoded,
+    "causal_conv1d": _like,
 }
 
 #: The ops' default overloads, bound once the library is loaded (None before): torch.ops'

@@ -188,7 +188,8 @@ class GatedDeltaNet(Module, Placed):
         S, L, _ = qkv.shape
         conv_windows = states.pool.conv[self.layer]  # (slots, K - 1, C)
         matrices = states.pool.recurrent[self.layer]  # (slots, Hv, dk, dv) fp32
-        if L == 1 and not recurrent and self._decodes_compiled(qkv, conv_windows):
+        compiled = self._compiled_mixer(qkv, conv_windows)
+        if L == 1 and not recurrent and compiled:
             # a decode token: the whole mixer before the norm as one op (conv, norms,
             # gates and the rule: some 25 torch ops a layer otherwise)
             o = kernels.gated_delta_decode(
@@ -204,12 +205,15 @@ class GatedDeltaNet(Module, Placed):
                 s.num_key_heads,
             )
             return o[:, None]  # (S, 1, Hv, dv)
-        # index_select, not [slots]: a plain copy of whole rows (advanced indexing computes
-        # every element's offset: 1.8x the time for a 1 MiB state)
-        mixed, window = causal_conv1d(
-            qkv, self.conv.value.squeeze(1), conv_windows.index_select(0, slots)
-        )  # (S, L, C), (S, K - 1, C)
-        conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
+        if compiled:  # one pass, the windows updated where they lie
+            mixed = kernels.causal_conv1d(qkv, self._taps(), conv_windows, slots)  # (S, L, C)
+        else:
+            # index_select, not [slots]: a plain copy of whole rows (advanced indexing
+            # computes every element's offset: 1.8x the time for a 1 MiB state)
+            mixed, window = causal_conv1d(
+                qkv, self.conv.value.squeeze(1), conv_windows.index_select(0, slots)
+            )  # (S, L, C), (S, K - 1, C)
+            conv_windows.index_copy_(0, slots, window.to(conv_windows.dtype))
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         # (S, L, Hk, dk) each, normalised; value head h reads key head h // r
         q, k = (l2_normalize(x.reshape(S, L, s.num_key_heads, s.key_head_dim)) for x in (q, k))
@@ -231,9 +235,10 @@ class GatedDeltaNet(Module, Placed):
             self._taps_of = weight
         return self._taps_cache
 
-    def _decodes_compiled(self, qkv: torch.Tensor, windows: torch.Tensor) -> bool:
-        """Whether a decode token takes `kernels.gated_delta_decode`: CPU tensors without
-        autograd where the kernels are in use, the activations, weights and windows fp32."""
+    def _compiled_mixer(self, qkv: torch.Tensor, windows: torch.Tensor) -> bool:
+        """Whether the conv takes `kernels.causal_conv1d` and a decode token
+        `kernels.gated_delta_decode`: CPU tensors without autograd where the kernels are in
+        use, the activations, weights and windows fp32."""
         return (
             qkv.dtype == windows.dtype == self.conv.value.dtype == torch.float32
             and qkv.device.type == "cpu"

@@ -322,8 +322,14 @@ def test_conv_bad_inputs_refused():
     slots = torch.tensor([0, 2])
     cases = [
         ((x.double(), taps, windows, slots), "x must be fp32"),
-        ((x[..., :32], taps, windows, slots), "x must be \\(S, L, 64\\)"),
-        ((x, taps.t(), windows, slots), "taps must be contiguous \\(K, C\\)"),
+        ((x[..., :32], taps, windows, slots), "x must be \\(S, L, 64\\) for taps' 64 channels"),
+        ((x, taps.t(), windows, slots), "x must be \\(S, L, 4\\)"),
+        ((x, taps[:, :, None], windows, slots), "taps must be \\(K, C\\)"),
+        ((x, taps.t().contiguous().t(), windows, slots), "taps must be contiguous \\(K, 64\\)"),
+        (
+            (x[..., ::2], taps, windows, slots),
+            "each token's contiguous, got \\(2, 5, 32\\)",
+        ),
         ((x, taps, windows[:, :2], slots), "windows must be a contiguous pool \\(P, 3, 64\\)"),
         ((x, taps, windows, torch.tensor([0, 3])), "slot 3 of sequence 1 is outside the pool's"),
     ]

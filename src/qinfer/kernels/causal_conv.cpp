@@ -119,6 +119,17 @@ void run(const float* x, int64_t x_seq, int64_t x_row, int64_t S, int64_t L, con
 
 }  // namespace
 
+int64_t check_conv(const char* op, const at::Tensor& taps, const at::Tensor& windows, int64_t C) {
+  TORCH_CHECK(taps.dim() == 2 && taps.size(0) >= 2 && taps.size(1) == C && taps.is_contiguous(),
+              op, ": taps must be contiguous (K, ", C, ") with K >= 2, got ", shape_str(taps));
+  const int64_t K = taps.size(0);
+  TORCH_CHECK(windows.dim() == 3 && windows.size(1) == K - 1 && windows.size(2) == C &&
+                  windows.is_contiguous(),
+              op, ": windows must be a contiguous pool (P, ", K - 1, ", ", C, "), got ",
+              shape_str(windows));
+  return K;
+}
+
 void causal_conv_silu(Isa path, const float* x, int64_t x_seq, int64_t x_row, int64_t S,
                       int64_t L, const float* taps, int64_t K, float* windows,
                       const std::vector<int64_t>& rows, int64_t C, float* out) {
@@ -136,16 +147,12 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& taps, const at::
                          {"windows", &windows}})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_cpu(), op, ": ", name,
                 " must be fp32 on the CPU, got ", t->scalar_type(), " on ", t->device().str());
-  TORCH_CHECK(taps.dim() == 2 && taps.size(0) >= 2 && taps.is_contiguous(), op,
-              ": taps must be contiguous (K, C) with K >= 2, got ", shape_str(taps));
-  const int64_t K = taps.size(0), C = taps.size(1);
+  TORCH_CHECK(taps.dim() == 2, op, ": taps must be (K, C), got ", shape_str(taps));
+  const int64_t C = taps.size(1);
   TORCH_CHECK(x.dim() == 3 && x.size(2) == C && x.stride(2) == 1, op, ": x must be (S, L, ", C,
-              ") for taps' C with its channels contiguous, got ", shape_str(x));
+              ") for taps' ", C, " channels, each token's contiguous, got ", shape_str(x));
   const int64_t S = x.size(0), L = x.size(1);
-  TORCH_CHECK(windows.dim() == 3 && windows.size(1) == K - 1 && windows.size(2) == C &&
-                  windows.is_contiguous(),
-              op, ": windows must be a contiguous pool (P, ", K - 1, ", ", C, "), got ",
-              shape_str(windows));
+  const int64_t K = check_conv(op, taps, windows, C);
   const std::vector<int64_t> rows = checked_slots(op, slots, S, windows.size(0));
   at::Tensor out = at::empty({S, L, C}, x.options());
   if (S * L * C == 0) return out;

@@ -3,12 +3,18 @@
 // (gated_delta.cpp).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <vector>
 
 #include "isa.h"
 
 namespace qinfer_kernels {
+
+// taps (K, C) and the windows pool (P, K - 1, C), fp32 checked by the caller, checked for
+// `op` (one line per refusal: contiguous, K >= 2, the shapes agree); returns K.
+int64_t check_conv(const char* op, const at::Tensor& taps, const at::Tensor& windows, int64_t C);
 
 // S sequences of L tokens: sequence s's token t reads its C channels at x + s * x_seq +
 // t * x_row; taps (K, C); the windows pool (P, K - 1, C), sequence s's at row rows[s],

@@ -34,11 +34,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <string>
+#include <utility>
 #include <vector>
 
 #include "causal_conv.h"
@@ -175,10 +173,6 @@ at::Tensor gated_delta_recurrent(const at::Tensor& q, const at::Tensor& k, const
   return out;
 }
 
-}  // namespace qinfer_kernels
-
-namespace qinfer_kernels {
-
 at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const at::Tensor& a,
                               const at::Tensor& taps, const at::Tensor& windows,
                               const at::Tensor& A_log, const at::Tensor& dt_bias,
@@ -206,13 +200,9 @@ at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const 
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"b", &b}, {"a", &a}})
     TORCH_CHECK(t->dim() == 2 && t->size(0) == S && t->size(1) == H, op, ": ", name,
                 " must be (", S, ", ", H, "), got ", shape_str(*t));
-  TORCH_CHECK(taps.dim() == 2 && taps.size(1) == C && taps.size(0) >= 2 && taps.is_contiguous(),
-              op, ": taps must be contiguous (K, ", C, ") with K >= 2, got ", shape_str(taps));
-  const int64_t K = taps.size(0);
-  TORCH_CHECK(windows.dim() == 3 && windows.size(0) == P && windows.size(1) == K - 1 &&
-                  windows.size(2) == C && windows.is_contiguous(),
-              op, ": windows must be a contiguous pool (", P, ", ", K - 1, ", ", C,
-              "), got ", shape_str(windows));
+  check_conv(op, taps, windows, C);
+  TORCH_CHECK(windows.size(0) == P, op, ": windows must have the state's ", P, " rows, got ",
+              shape_str(windows));
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"A_log", &A_log},
                          {"dt_bias", &dt_bias}})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == H && t->is_contiguous(), op, ": ", name,

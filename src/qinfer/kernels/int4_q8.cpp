@@ -108,6 +108,24 @@ QINFER_VNNI QINFER_INLINE void tail_dots(const uint8_t* const (&qs)[C], int64_t 
   }
 }
 
+// A group's exact dots into the accumulators: acc += float(dot) * (d * dx), lane by lane
+// (left: the group's blocks, its d read only for them).
+template <int R, int C, typename S>
+QINFER_VNNI QINFER_INLINE void scale_group(const __m512i (&dot)[C][R], const float* const (&dxn)[R],
+                                           const S* const (&d)[C], int64_t g, int64_t left,
+                                           __m512 (&acc)[C][R]) {
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const __m512 dx = _mm512_loadu_ps(dxn[i] + g * 16);
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 d16 = scales16(d[c] + g * 16, left);
+      acc[c][i] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c][i]), _mm512_mul_ps(d16, dx), acc[c][i]);
+    }
+  }
+}
+
 // The VNNI tile, per group of 16 blocks: each column's 256 bytes are transposed so that lane
 // l of register q holds dword q of block 16g + l (its low nibbles: elements 4q..4q+3, its high
 // ones: 16 + 4q..), and 8 dpbusd into one int32 register leave each block's exact dot product
@@ -143,64 +161,60 @@ QINFER_VNNI void Int4Q8<S>::tile_vnni(const Int4Packed<S>& w, int64_t n0, const 
   }
   __m512 acc[C][R];
   clear(acc);
-  for (int64_t g = 0; g < ng; ++g) {
+  // the groups, each whole or (the last) masked, but a last one of at most kTailBlocks
+  // blocks, which tail_dots takes block by block
+  const int64_t tail = nb % 16 != 0 && nb % 16 <= kTailBlocks ? nb % 16 : 0;
+  const int64_t groups = tail ? ng - 1 : ng;
+  for (int64_t g = 0; g < groups; ++g) {
     const int64_t left = nb - 16 * g;  // the group's blocks in the weight, 1..16 in the last
-    __m512i dot[C][R];
-    if (left <= kTailBlocks) {
-      tail_dots<R, C>(qs, g, left, qx, dot);
-    } else {
-      __m512i t[C][4];
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        __m512i p[4];
-        #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const uint8_t* src = qs[c] + g * 256 + 64 * i;
-          _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchFor<R>), _MM_HINT_T0);
-          if (left >= 16) {
-            p[i] = _mm512_loadu_si512(src);
-          } else {  // read only the column's own blocks (the next column may not exist)
-            const int64_t blocks = std::clamp<int64_t>(left - 4 * i, 0, 4);
-            p[i] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * blocks)) - 1), src);
-          }
-        }
-        const __m512i a0 = _mm512_permutex2var_epi32(p[0], dwords01, p[1]);
-        const __m512i a1 = _mm512_permutex2var_epi32(p[0], dwords23, p[1]);
-        const __m512i b0 = _mm512_permutex2var_epi32(p[2], dwords01, p[3]);
-        const __m512i b1 = _mm512_permutex2var_epi32(p[2], dwords23, p[3]);
-        t[c][0] = _mm512_permutex2var_epi32(a0, first, b0);
-        t[c][1] = _mm512_permutex2var_epi32(a0, second, b0);
-        t[c][2] = _mm512_permutex2var_epi32(a1, first, b1);
-        t[c][3] = _mm512_permutex2var_epi32(a1, second, b1);
-      }
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c)
-        #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
-      #pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) {
-        __m512i wk[C];
-        #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c)  // the u8 operand: elements 4k..4k+3 of each block
-          wk[c] = _mm512_and_si512(k < 4 ? t[c][k] : _mm512_srli_epi16(t[c][k - 4], 4), low4);
-        #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-          const __m512i x = _mm512_loadu_si512(qg[i] + g * 512 + k * 64);
-          #pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) dot[c][i] = _mm512_dpbusd_epi32(dot[c][i], wk[c], x);
-        }
-      }
-    }
+    __m512i t[C][4];
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m512 dx = _mm512_loadu_ps(dxn[i] + g * 16);
+    for (int c = 0; c < C; ++c) {
+      __m512i p[4];
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* src = qs[c] + g * 256 + 64 * i;
+        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchFor<R>), _MM_HINT_T0);
+        if (left >= 16) {
+          p[i] = _mm512_loadu_si512(src);
+        } else {  // read only the column's own blocks (the next column may not exist)
+          const int64_t blocks = std::clamp<int64_t>(left - 4 * i, 0, 4);
+          p[i] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * blocks)) - 1), src);
+        }
+      }
+      const __m512i a0 = _mm512_permutex2var_epi32(p[0], dwords01, p[1]);
+      const __m512i a1 = _mm512_permutex2var_epi32(p[0], dwords23, p[1]);
+      const __m512i b0 = _mm512_permutex2var_epi32(p[2], dwords01, p[3]);
+      const __m512i b1 = _mm512_permutex2var_epi32(p[2], dwords23, p[3]);
+      t[c][0] = _mm512_permutex2var_epi32(a0, first, b0);
+      t[c][1] = _mm512_permutex2var_epi32(a0, second, b0);
+      t[c][2] = _mm512_permutex2var_epi32(a1, first, b1);
+      t[c][3] = _mm512_permutex2var_epi32(a1, second, b1);
+    }
+    __m512i dot[C][R];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
       #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        const __m512 d16 = scales16(d[c] + g * 16, left);
-        acc[c][i] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c][i]), _mm512_mul_ps(d16, dx), acc[c][i]);
+      for (int i = 0; i < R; ++i) dot[c][i] = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      __m512i wk[C];
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)  // the u8 operand: elements 4k..4k+3 of each block
+        wk[c] = _mm512_and_si512(k < 4 ? t[c][k] : _mm512_srli_epi16(t[c][k - 4], 4), low4);
+      #pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512i x = _mm512_loadu_si512(qg[i] + g * 512 + k * 64);
+        #pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) dot[c][i] = _mm512_dpbusd_epi32(dot[c][i], wk[c], x);
       }
     }
+    scale_group<R, C, S>(dot, dxn, d, g, left, acc);
+  }
+  if (tail) {
+    __m512i dot[C][R];
+    tail_dots<R, C>(qs, groups, tail, qx, dot);
+    scale_group<R, C, S>(dot, dxn, d, groups, tail, acc);
   }
   // the offsets: sum over blocks of m * (dx * sum(qx)), 16 blocks a step
   for (int64_t b = 0; b < nb; b += 16) {

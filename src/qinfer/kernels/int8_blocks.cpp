@@ -209,17 +209,18 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
-  const std::string k = "x's K = " + std::to_string(K);
-  check_tensor("int8_blocks_mm", "q", q_in, at::kChar, N, K, "(N, K) for " + k);
+  const auto k = [K] { return "x's K = " + std::to_string(K); };
+  check_tensor("int8_blocks_mm", "q", q_in, at::kChar, N, K, [&] { return "(N, K) for " + k(); });
   TORCH_CHECK(d_in.dim() == 2 && (d_in.size(1) == K / 32 || d_in.size(1) == K / 16),
-              "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k, ", got ",
+              "int8_blocks_mm: d must have shape (N, K/32) or (N, K/16) for ", k(), ", got ",
               shape_str(d_in));
   const int64_t B = K / d_in.size(1);
   if (d_in.scalar_type() == at::kChar) {
-    check_tensor("int8_blocks_mm", "d", d_in, at::kChar, N, K / B, "(N, K/16) for " + k);
+    check_tensor("int8_blocks_mm", "d", d_in, at::kChar, N, K / B,
+                 [&] { return "(N, K/16) for " + k(); });
   } else {
     check_scales("int8_blocks_mm", "d", d_in, N, K / B,
-                 "(N, K/" + std::to_string(B) + ") for " + k + " and q's N");
+                 [&] { return "(N, K/" + std::to_string(B) + ") for " + k() + " and q's N"; });
   }
   const at::Tensor d_super = checked_super_scales("int8_blocks_mm", d_in, d_super_in, N, K);
   const Isa path = vector_isa(resolve_path("int8_blocks_mm", path_name_in, kDotPaths));

@@ -212,7 +212,8 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
-  check_tensor("int8_mm", "q", q_in, at::kChar, N, K, "(N, K) for x's K = " + std::to_string(K));
+  check_tensor("int8_mm", "q", q_in, at::kChar, N, K,
+               [K] { return "(N, K) for x's K = " + std::to_string(K); });
   const at::ScalarType kind = scales_in.scalar_type();
   TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || kind == at::kChar,
               "int8_mm: scales must be torch.float16, torch.float32 or (with d_super) torch.int8, "

@@ -114,7 +114,7 @@ inline at::Tensor checked_super_scales(const char* op, const at::Tensor& d,
               shape_str(d), " for K = ", K);
   TORCH_CHECK(d_super.has_value(), op, ": int8 sub-scales need d_super, (N, K/256) fp16");
   check_tensor(op, "d_super", *d_super, at::kHalf, N, K / (kSubBlock * kSubScales),
-               "(N, K/256) for x's K = " + std::to_string(K));
+               [K] { return "(N, K/256) for x's K = " + std::to_string(K); });
   return d_super->contiguous();
 }
 

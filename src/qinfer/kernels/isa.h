@@ -112,13 +112,15 @@ inline Isa best(std::initializer_list<Isa> ladder) {
 inline Isa resolve_path(const char* op, const std::string& name,
                         std::initializer_list<Isa> ladder) {
   if (name == "auto") return best(ladder);
-  std::string names = "auto";
   for (Isa isa : ladder) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(supports(isa), op, ": path '", name, "' needs ", isa_needs(isa),
                   ", which this CPU lacks");
       return isa;
     }
+  }
+  std::string names = "auto";  // the refusal's list, made only for it
+  for (Isa isa : ladder) {
     names += isa == *(ladder.end() - 1) ? std::string(" or ") : std::string(", ");
     names += isa_name(isa);
   }

@@ -236,14 +236,24 @@ inline std::string dtype_name(at::ScalarType t) {
   }
 }
 
+// A layout's words: a string, or a function making one (only called for a refusal: a decode
+// step checks some 200 weights, and building their strings each call cost ~0.5 µs a call).
+template <typename L>
+std::string describe(const L& layout) {
+  if constexpr (std::is_invocable_v<const L&>) return layout();
+  else return std::string(layout);
+}
+
 // `layout` says what the expected shape is made of, e.g. "(N, K/2) for x's K = 576".
-inline void check_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
-                  int64_t rows, int64_t cols, const std::string& layout) {
+template <typename L>
+void check_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
+                  int64_t rows, int64_t cols, const L& layout) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device().str());
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype_name(dtype), ", got ",
               dtype_name(t.scalar_type()));
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
-              " must have shape (", rows, ", ", cols, "), ", layout, ", got ", shape_str(t));
+              " must have shape (", rows, ", ", cols, "), ", describe(layout), ", got ",
+              shape_str(t));
 }
 
 inline void check_x(const char* op, const at::Tensor& x) {
@@ -256,8 +266,9 @@ inline void check_x(const char* op, const at::Tensor& x) {
 }
 
 // A weight's scales (`Int4Packed` says why either): torch.float16 or torch.float32, (rows, cols).
-inline void check_scales(const char* op, const char* name, const at::Tensor& t, int64_t rows,
-                         int64_t cols, const std::string& layout) {
+template <typename L>
+void check_scales(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                  int64_t cols, const L& layout) {
   const at::ScalarType dtype = t.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kFloat, op, ": ", name,
               " must be torch.float16 or torch.float32, got ", dtype_name(dtype));
@@ -282,10 +293,12 @@ inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor&
   const int64_t K = x.size(1), nb = K / kBlock;
   TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_str(qs));
   const int64_t N = qs.size(0);
-  const std::string k = "x's K = " + std::to_string(K);
-  check_tensor(op, "qs", qs, at::kByte, N, K / 2, "(N, K/2) for " + k);
-  check_scales(op, "d", d, N, nb, "(N, K/32) for " + k + " and qs's N");
-  if (m) check_tensor(op, "m", *m, d.scalar_type(), N, nb, "(N, K/32) for " + k + " and qs's N, as d");
+  const auto k = [K] { return "x's K = " + std::to_string(K); };
+  check_tensor(op, "qs", qs, at::kByte, N, K / 2, [&] { return "(N, K/2) for " + k(); });
+  check_scales(op, "d", d, N, nb, [&] { return "(N, K/32) for " + k() + " and qs's N"; });
+  if (m)
+    check_tensor(op, "m", *m, d.scalar_type(), N, nb,
+                 [&] { return "(N, K/32) for " + k() + " and qs's N, as d"; });
   return N;
 }
 

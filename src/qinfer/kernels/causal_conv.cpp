@@ -11,7 +11,7 @@
 // Per (sequence, token t, channel c), with the inputs x_{t-K+1}..x_t (those before the
 // prompt from the window):
 //   sum = x_{t-K+1}[c] taps[0][c]; sum = sum + x_{t-K+1+j}[c] taps[j][c] for j = 1.. K - 1
-//   out[t][c] = sum / (1 + exp_series(-sum))                                      (SiLU)
+//   out[t][c] = sum / (1 + exp_fp32(-sum))   (SiLU; common.h's exp, within 2 ulp of exp)
 // Each channel is its own lane, so the loops compiled for AVX-512, AVX2 and scalar round
 // alike; a (sequence, chunk of channels) is one task, so each sequence's bits do not depend
 // on the batch or the thread count.
@@ -38,30 +38,6 @@
 namespace qinfer_kernels {
 namespace {
 
-// exp(x) from float adds, multiplies and compares only, so that the loops below vectorise
-// (libm's exp is a call per element) and round alike on every path: x = n ln2 + r (|r| <=
-// ln2 / 2, ln2 in two parts, n rounded to nearest by adding and taking away 1.5 * 2^23),
-// exp(r) by its Taylor series to r^7 (within 2 ulp of exp over that range), times 2^n built
-// in the exponent's bits; x clamped to [-87, 88], where 2^n stays a normal float.
-QINFER_INLINE float exp_series(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // One sequence's channels [c0, c1): its L tokens (x, row stride x_row), then its window.
 QINFER_INLINE void conv_channels(const float* __restrict__ x, int64_t x_row, int64_t L,
                                  const float* __restrict__ taps, int64_t K,
@@ -79,7 +55,7 @@ QINFER_INLINE void conv_channels(const float* __restrict__ x, int64_t x_row, int
         for (int64_t c = c0; c < c1; ++c) o[c] = o[c] + src[c] * tap[c];
       }
     }
-    for (int64_t c = c0; c < c1; ++c) o[c] = o[c] / (1.0f + exp_series(-o[c]));
+    for (int64_t c = c0; c < c1; ++c) o[c] = o[c] / (1.0f + exp_fp32(-o[c]));
   }
   // the window: the last K - 1 rows of [window; x]
   const size_t bytes = static_cast<size_t>(c1 - c0) * sizeof(float);

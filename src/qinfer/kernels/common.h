@@ -1,5 +1,6 @@
 // What the kernel sources share: bf16 <-> fp32 as torch converts them, an AVX2 register's
-// sum, a tensor's shape as the error messages print it, and a pool's checked slots.
+// sum, exp in fp32 operations, a tensor's shape as the error messages print it, and a
+// pool's checked slots.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -63,6 +64,28 @@ QINFER_AVX2 inline float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) in plain fp32 operations, so that a loop of it vectorises (libm's exp is a call per
+// element) and every path computes the same bits: Cody-Waite reduction (x = k ln2 + r, ln2
+// in two parts) and a degree-6 polynomial, 2^k built in the exponent's bits; within 2 ulp
+// of exp on [-87.3, 88], x clamped to it (2^-126 at and below its bottom).
+QINFER_INLINE float exp_fp32(float x) {
+  x = x < -87.33654f ? -87.33654f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float k = std::nearbyint(x * 1.44269504f);  // round(x / ln 2)
+  const float r = (x - k * 0.693145752f) - k * 1.42860677e-06f;  // x - k ln 2
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 // "(2, 3)", "(5,)": a shape as Python prints it

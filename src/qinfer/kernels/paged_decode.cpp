@@ -177,27 +177,10 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
   }
 }
 
-// e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them), by Cody-Waite
-// reduction and a degree-6 polynomial: within 2 ulp of exp above -87.3, 2^-126 at and
-// below it. Written in plain fp32 operations so that every path computes the same bits.
+// e[j] = exp(s[j] - m) for j < n, each element alone (no sum across them): common.h's
+// exp_fp32, the same bits on every path.
 QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = std::max(s[j] - m, -87.33654f);
-    const float k = std::nearbyint(x * 1.44269504f);  // round(x / ln 2)
-    const float r = (x - k * 0.693145752f) - k * 1.42860677e-06f;  // x - k ln 2
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    // 2^k, k in [-126, 0], as an fp32 exponent field
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    s[j] = p * scale;
-  }
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_fp32(s[j] - m);
 }
 
 // The scores and the weighted sum of one block's keys for 1 to kMaxHeads query heads, K the

@@ -9,7 +9,6 @@ loader's reason where it cannot (no compiler, not x86-64, the build failed).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -419,59 +418,3 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
     assert "int8_mm: path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
         lambda: kernels.int8_mm(x, q, scales, "fast")
     )
-
-
-# ------------------------------------------------------------------ a SwiGLU's input, fused
-
-
-def exp_fp32(x: np.ndarray) -> np.ndarray:
-    """common.h's exp_fp32 step by step in float32 (numpy rounds each operation to fp32 and
-    fuses none): the kernels' SiLU exp, to the bit."""
-    x = np.clip(x.astype(np.float32), np.float32(-87.33654), np.float32(88.0))
-    k = np.rint(x * np.float32(1.44269504)).astype(np.float32)  # round half to even
-    r = (x - k * np.float32(0.693145752)) - k * np.float32(1.42860677e-06)
-    p = np.float32(1.0) / np.float32(720.0)
-    for c in (1 / 120, 1 / 24, 1 / 6, 0.5, 1.0, 1.0):
-        p = p * r + np.float32(c)
-    bits = (k.astype(np.int32) + 127) << 23
-    return p * bits.view(np.float32)
-
-
-def silu_times_up(x: torch.Tensor) -> torch.Tensor:
-    """(M, 2 K) gate then up -> (M, K) fp32 silu(gate) * up as the kernels form it."""
-    g, u = (t.float().numpy() for t in x.chunk(2, dim=-1))
-    return torch.from_numpy(g / (np.float32(1.0) + exp_fp32(-g)) * u)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("k", [576, 1536])
-def test_glu_multiplies_silu_of_gate_times_up(path, dtype, k):
-    """glu=True: x (M, 2 K), gate then up; the product is int4_mm's / int8_mm's of
-    silu(gate) * up formed in fp32 (common.h's exp), bit for bit, on every path and row
-    count; that input within a few fp32 units of torch's silu(gate) * up."""
-    packed = kernels.pack_int4(weight(45, k))
-    q = torch.randint(-127, 128, (45, k), dtype=torch.int8)
-    scales = torch.rand(45, k // 32).half() * 0.01
-    for m in (1, 3, 17):
-        x = activations(m, 2 * k, dtype) * 0.5
-        h = silu_times_up(x)
-        torch.testing.assert_close(
-            h, F.silu(x.float()[:, :k]) * x.float()[:, k:], rtol=1e-6, atol=1e-6
-        )
-        assert torch.equal(
-            kernels.int4_mm(x, packed, path, glu=True), kernels.int4_mm(h, packed, path)
-        )
-        got = kernels.int8_mm(x, q, scales, path, glu=True)
-        assert torch.equal(got, kernels.int8_mm(h, q, scales, path))
-
-
-def test_glu_refuses_a_width_not_two_blocks(built):
-    packed = kernels.pack_int4(weight(8, 64))
-    for width in (96, 130):  # 2 K with K = 48 (not a multiple of 32); odd halves
-        x = torch.randn(2, width)
-        if width % 32:
-            with pytest.raises(RuntimeError, match="x's K must be a positive multiple of 32"):
-                kernels.int4_mm(x, packed, glu=True)
-            continue
-        with pytest.raises(RuntimeError, match=r"with glu, x must be \(M, 2 K\), gate then up"):
-            kernels.int4_mm(x, packed, glu=True)

@@ -333,23 +333,3 @@ def test_a_q5_1_file_loads_its_projections_as_int8_blocks(tmp_path):
     step = want.unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True) / 127
     error = (kept.dequantize() - want).unflatten(-1, (-1, 32)).abs()
     assert (error <= step / 2 * (1 + 1e-5)).all()
-
-
-@pytest.mark.parametrize("kind", ["int4 groups", "int8 blocks"])
-def test_silu_glu_is_the_down_projections_int8_dot_call(int8_dot_built, kind):
-    """`QuantizedLinear.silu_glu` (a SwiGLU's down projection taking gate/up's output whole)
-    is the int8_dot kernel's glu call plus the bias where the call's bucket takes int8_dot,
-    and None where it takes another path or the width is not twice the layer's input."""
-    bias = torch.randn(48)
-    if kind == "int4 groups":
-        layer = Int4BlockLinear(quantize_int4(weight(48, 64), 32), bias, torch.float32)
-        fused = lambda x: kernels.int4_mm(x, layer.packed, glu=True)  # noqa: E731
-    else:
-        layer = Int8BlockLinear(int8_blocks_of(weight(48, 64), 32), bias, torch.float32)
-        fused = lambda x: kernels.int8_mm(x, layer.q, layer.scales, glu=True)  # noqa: E731
-    gate_up = activations(20, 128, torch.float32)
-    layer.use_paths("int8_dot", "kernel")
-    for rows in (1, 5):  # the decode bucket
-        assert torch.equal(layer.silu_glu(gate_up[:rows]), fused(gate_up[:rows]) + bias)
-    assert layer.silu_glu(gate_up) is None  # 20 rows: the prefill bucket, the kernel path
-    assert layer.silu_glu(gate_up[:3, :96]) is None

@@ -172,17 +172,11 @@ def pack_int4(groups: Int4Groups) -> PackedInt4:
     return PackedInt4(qs, *fp16_if_exact(d, m))
 
 
-def int4_mm(
-    x: torch.Tensor, packed: PackedInt4, path: str = "auto", glu: bool = False
-) -> torch.Tensor:
-    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32. glu:
-    x is (M, 2 K), a gated FFN's gate then up, and the product is of silu(gate) * up,
-    formed in fp32 (`exp_fp32`) before the activations' rounding to int8."""
+def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
+    """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32."""
     if ops.int4_mm is None:
         require()
-    return ops.int4_mm(
-        x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path, glu
-    )
+    return ops.int4_mm(x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path)
 
 
 def int8_mm(
@@ -191,17 +185,16 @@ def int8_mm(
     scales: torch.Tensor,
     path: str = "auto",
     d_super: torch.Tensor | None = None,
-    glu: bool = False,
 ) -> torch.Tensor:
     """(M, K) fp32 or bf16 times int8 q (N, K) with fp16 or fp32 scales, one per row (N,) or
     one per block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
     sum_b dx[r, b] (q[n, b] . qx[r, b]), or sum_b dx[r, b] * scales[n, b] (q[n, b] . qx[r, b])
     per block, the activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's
     q8_0 dot). Q6_K's scales as the file holds them: int8 sub-scales (N, K/16) and d_super
-    (N, K/256) fp16, a block's scale their product (exact in fp32). glu: as `int4_mm`'s."""
+    (N, K/256) fp16, a block's scale their product (exact in fp32)."""
     if ops.int8_mm is None:
         require()
-    return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path, d_super, glu)
+    return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path, d_super)
 
 
 def int8_blocks_mm(

@@ -392,14 +392,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,
   return {qs, d, m};
 }
 
-at::Tensor int4_mm(const at::Tensor& x_given, const at::Tensor& qs_in, const at::Tensor& d_in,
-                   const c10::optional<at::Tensor>& m_in, const std::string& path_name_in,
-                   bool glu) {
-  check_x("int4_mm", x_given);
-  const Isa path = resolve_path("int4_mm", path_name_in, kDotPaths);
-  const at::Tensor x_in = glu ? silu_times_up("int4_mm", x_given, vector_isa(path)) : x_given;
+at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
+                   const c10::optional<at::Tensor>& m_in, const std::string& path_name_in) {
+  check_x("int4_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t N = check_int4("int4_mm", x_in, qs_in, d_in, m_in);
+  const Isa path = resolve_path("int4_mm", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous(), qs = qs_in.contiguous(), d = d_in.contiguous(),
                    m = m_in ? m_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));

@@ -206,14 +206,9 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
 
 }  // namespace
 
-at::Tensor int8_mm(const at::Tensor& x_given, const at::Tensor& q_in,
-                   const at::Tensor& scales_in, const std::string& path_name_in,
-                   const c10::optional<at::Tensor>& d_super_in, bool glu) {
-  check_x("int8_mm", x_given);
-  const at::Tensor x_in =
-      glu ? silu_times_up("int8_mm", x_given,
-                          vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths)))
-          : x_given;
+at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in,
+                   const std::string& path_name_in, const c10::optional<at::Tensor>& d_super_in) {
+  check_x("int8_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);

@@ -31,10 +31,9 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("pack_int4(Tensor q, Tensor scales, Tensor zeros) -> (Tensor, Tensor, Tensor)",
           &pack_int4);
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");
-  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto', bool glu=False) "
+  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
+  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto', Tensor? d_super=None) "
           "-> Tensor");
-  lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto', Tensor? d_super=None, "
-          "bool glu=False) -> Tensor");
   lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto', "
           "Tensor? d_super=None) -> Tensor");
   lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");

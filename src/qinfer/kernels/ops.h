@@ -17,10 +17,10 @@ Tensors3 quantize_q8_1(const at::Tensor& x, const std::string& path);
 // int4_q8.cpp
 Tensors3 pack_int4(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros);
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   const c10::optional<at::Tensor>& m, const std::string& path, bool glu);
+                   const c10::optional<at::Tensor>& m, const std::string& path);
 // int8_q8.cpp
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                   const std::string& path, const c10::optional<at::Tensor>& d_super, bool glu);
+                   const std::string& path, const c10::optional<at::Tensor>& d_super);
 // int8_blocks.cpp
 at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                           const std::string& path, const c10::optional<at::Tensor>& d_super);

@@ -76,10 +76,4 @@ template <bool Natural = false>
 void quantize(const at::Tensor& x, const Act& a, Isa path, float* dx_out = nullptr,
               int32_t* sum_out = nullptr);
 
-// The gated FFN's input to its down projection, silu(gate) * up, from x (M, 2 K) fp32 or
-// bf16 (gate then up, as the fused gate/up projection writes it) -> (M, K) fp32, in fp32
-// with common.h's exp_fp32, each element alone: the same bits on every path. For the int8
-// products' glu argument: the two torch ops a layer (and a bf16 rounding of each) skipped.
-at::Tensor silu_times_up(const char* op, const at::Tensor& x, Isa path);
-
 }  // namespace qinfer_kernels

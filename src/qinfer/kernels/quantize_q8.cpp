@@ -66,7 +66,7 @@ inline void pad_row(const Act& a, int64_t r) {
 }
 
 template <typename T>
-QINFER_INLINE float load_scalar(const T* x, int64_t i) {
+inline float load_scalar(const T* x, int64_t i) {
   if constexpr (std::is_same_v<T, float>) {
     return x[i];
   } else {
@@ -179,61 +179,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Isa path, flo
 }
 
 }  // namespace
-
-namespace {
-
-// One row of silu(gate) * up, gate = x[0..K), up = x[K..2K), widened to fp32 exactly:
-// gate / (1 + exp_fp32(-gate)) * up, each element alone (the same bits on every path).
-template <typename T>
-QINFER_INLINE void glu_row(const T* __restrict__ x, int64_t K, float* __restrict__ out) {
-  for (int64_t j = 0; j < K; ++j) {
-    const float g = load_scalar(x, j), u = load_scalar(x, K + j);
-    out[j] = g / (1.0f + exp_fp32(-g)) * u;
-  }
-}
-
-#define QINFER_GLU_LOOPS(NAME, TARGET)                                                      \
-  struct NAME {                                                                             \
-    template <typename T>                                                                   \
-    TARGET static void row(const T* x, int64_t K, float* out) { glu_row(x, K, out); }       \
-  };
-QINFER_GLU_LOOPS(GluScalar, )
-QINFER_GLU_LOOPS(GluAvx2, QINFER_AVX2)
-QINFER_GLU_LOOPS(GluAvx512, QINFER_AVX512)
-
-template <typename Loops, typename T>
-void glu_rows(const T* x, int64_t M, int64_t K, float* out) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) Loops::row(x + r * 2 * K, K, out + r * K);
-  });
-}
-
-template <typename T>
-void glu_rows(Isa path, const T* x, int64_t M, int64_t K, float* out) {
-  switch (path) {
-    case Isa::Vnni: glu_rows<GluAvx512>(x, M, K, out); break;
-    case Isa::Avx2: glu_rows<GluAvx2>(x, M, K, out); break;
-    default: glu_rows<GluScalar>(x, M, K, out);
-  }
-}
-
-}  // namespace
-
-at::Tensor silu_times_up(const char* op, const at::Tensor& x_in, Isa path) {
-  const int64_t M = x_in.size(0), K = x_in.size(1) / 2;
-  TORCH_CHECK(x_in.size(1) % 2 == 0 && K % kBlock == 0, op,
-              ": with glu, x must be (M, 2 K), gate then up, K a multiple of 32, got ",
-              shape_str(x_in));
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kFloat) {
-    glu_rows(path, x.data_ptr<float>(), M, K, out.data_ptr<float>());
-  } else {
-    glu_rows(path, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
-             out.data_ptr<float>());
-  }
-  return out;
-}
 
 template <bool Natural>
 void quantize(const at::Tensor& x, const Act& a, Isa path, float* dx_out,

@@ -19,7 +19,6 @@ from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
 from qinfer.core.parallel import Parallel, Shard
 from qinfer.linear import linear
-from qinfer.linear.paths import QuantizedLinear
 from qinfer.weights.slots import LinearSlot, LinearSource
 
 #: `Wiring.hidden_act` -> the function applied to the gate.
@@ -46,20 +45,9 @@ class MLP(Module):
         self.activation = GATE_ACTIVATIONS[config.wiring.hidden_act]
 
     def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
-        """adapters: the batch's LoRA rows (`ForwardBatch.adapters`), x then (T, hidden).
-        A SwiGLU whose down projection multiplies on integer dot products (int8_dot, in one
-        process) takes gate/up's output whole: silu(gate) * up is formed in that call."""
-        gate_up = linear(x, self.gate_up, adapters)  # (*P, 2 * inter / N)
-        if (
-            self.activation is F.silu
-            and adapters is None
-            and isinstance(self.down, QuantizedLinear)
-        ):
-            fused = self.down.silu_glu(gate_up)
-            if fused is not None:
-                return fused
+        """adapters: the batch's LoRA rows (`ForwardBatch.adapters`), x then (T, hidden)."""
         # (*P, 2 * inter / N) -> (*P, inter / N)
-        gated = gate_times_up(gate_up, self.activation)
+        gated = gate_times_up(linear(x, self.gate_up, adapters), self.activation)
         # row-parallel down: the ranks' partial sums all-reduced, (*P, hidden)
         return linear(gated, self.down, adapters)
 

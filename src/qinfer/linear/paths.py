@@ -173,10 +173,9 @@ class QuantizedLinear(Linear):
             return self._int8_dot
         return functools.partial(self._tiles, dtype=_TILE_DTYPES[path])
 
-    def _int8_dot(self, flat: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    def _int8_dot(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, K) -> (M, N) through the compiled int8-activation kernel (`qinfer.kernels`),
-        bound to the weight at the first call (the build, if any, then: one line if it fails).
-        glu: flat is (M, 2 K), gate then up, multiplied as silu(gate) * up."""
+        bound to the weight at the first call (the build, if any, then: one line if it fails)."""
         if self._bound_dot is None:
             reason = kernels.available()
             if reason is not None:
@@ -184,19 +183,7 @@ class QuantizedLinear(Linear):
                     f"{type(self).__name__} {tuple(self.shape_key())} has no int8_dot path: {reason}"
                 )
             self._bound_dot = self._dot_kernel()
-        return self._bound_dot(flat, glu=glu).to(flat.dtype)
-
-    def silu_glu(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up times the weight, gate_up (..., 2 in_features) as a gated FFN's
-        fused gate/up projection writes it, in one kernel call where this call's path is
-        int8_dot (its activations rounded to int8 from the fp32 product: two torch ops and
-        their dispatches a layer fewer); None where it is another (the caller multiplies)."""
-        flat = gate_up.reshape(-1, gate_up.shape[-1])
-        bucket = "decode" if flat.shape[0] <= DECODE_MAX_ROWS else "prefill"
-        if self.chosen[bucket] != INT8_DOT or flat.shape[-1] != 2 * self.in_features:
-            return None
-        y = self._int8_dot(flat, glu=True).view(*gate_up.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return self._bound_dot(flat).to(flat.dtype)
 
     def _dot_supported(self) -> bool:
         """Whether `_dot_kernel` can bind this layer's weight (none by default)."""

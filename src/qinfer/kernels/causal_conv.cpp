@@ -27,8 +27,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
-#include <utility>
 #include <vector>
 
 #include "causal_conv.h"
@@ -119,10 +117,7 @@ void causal_conv_silu(Isa path, const float* x, int64_t x_seq, int64_t x_row, in
 at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& taps, const at::Tensor& windows,
                          const at::Tensor& slots) {
   const char* op = "causal_conv1d";
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"taps", &taps},
-                         {"windows", &windows}})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_cpu(), op, ": ", name,
-                " must be fp32 on the CPU, got ", t->scalar_type(), " on ", t->device().str());
+  check_fp32_cpu(op, {{"x", &x}, {"taps", &taps}, {"windows", &windows}});
   TORCH_CHECK(taps.dim() == 2, op, ": taps must be (K, C), got ", shape_str(taps));
   const int64_t C = taps.size(1);
   TORCH_CHECK(x.dim() == 3 && x.size(2) == C && x.stride(2) == 1, op, ": x must be (S, L, ", C,

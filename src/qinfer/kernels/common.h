@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "isa.h"
@@ -93,6 +95,14 @@ inline std::string shape_str(const at::Tensor& t) {
   std::string s = "(";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
   return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+// Each named tensor fp32 on the CPU, checked for `op` (one line naming the first that is not).
+inline void check_fp32_cpu(
+    const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  for (const auto& [name, t] : tensors)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_cpu(), op, ": ", name,
+                " must be fp32 on the CPU, got ", t->scalar_type(), " on ", t->device().str());
 }
 
 // slots (S,) int64, contiguous, on the CPU, each a row of a pool of P rows, checked for

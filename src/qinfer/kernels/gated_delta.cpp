@@ -179,14 +179,9 @@ at::Tensor gated_delta_decode(const at::Tensor& qkv, const at::Tensor& b, const 
                               const at::Tensor& state, const at::Tensor& slots,
                               int64_t key_heads) {
   const char* op = "gated_delta_decode";
-  auto fp32_cpu = [&](const char* name, const at::Tensor& t) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_cpu(), op, ": ", name,
-                " must be fp32 on the CPU, got ", t.scalar_type(), " on ", t.device().str());
-  };
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"qkv", &qkv}, {"b", &b},
-                         {"a", &a}, {"taps", &taps}, {"windows", &windows},
-                         {"A_log", &A_log}, {"dt_bias", &dt_bias}, {"state", &state}})
-    fp32_cpu(name, *t);
+  check_fp32_cpu(op, {{"qkv", &qkv}, {"b", &b}, {"a", &a}, {"taps", &taps},
+                     {"windows", &windows}, {"A_log", &A_log}, {"dt_bias", &dt_bias},
+                     {"state", &state}});
   TORCH_CHECK(state.dim() == 4 && state.is_contiguous(), op,
               ": state must be a contiguous pool (P, H, Dk, Dv), got ", shape_str(state));
   const int64_t P = state.size(0), H = state.size(1), Dk = state.size(2), Dv = state.size(3);

@@ -227,8 +227,9 @@ class GatedDeltaNet(Module, Placed):
         return gated_delta_rule(q, k, v, g, beta, matrices, slots, chunked, self.chunk_size)
 
     def _taps(self) -> torch.Tensor:
-        """The conv's weight (C, 1, K) as taps (K, C), contiguous (the decode op reads each
-        tap along the channels), made once from the weight the layer holds."""
+        """The conv's weight (C, 1, K) as taps (K, C), contiguous (the compiled conv and
+        decode ops read each tap along the channels), made once from the weight the layer
+        holds."""
         weight = self.conv.value
         if self._taps_of is not weight:
             self._taps_cache = weight.squeeze(1).t().contiguous()

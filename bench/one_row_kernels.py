@@ -42,8 +42,9 @@ def q4_0(n: int, k: int) -> kernels.PackedInt4:
 
 
 def q6_k(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (N, K) int8 in -32..31, int8 sub-scales (N, K/16), fp16 super-scales (N, K/256)."""
-    q = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    """q (N, K) in -32..31 packed (`kernels.pack_q6`), int8 sub-scales (N, K/16), fp16
+    super-scales (N, K/256)."""
+    q = kernels.pack_q6(torch.randint(-32, 32, (n, k), dtype=torch.int8))
     sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)
     return q, sub, (torch.rand(n, k // 256) * 0.01).half()
 

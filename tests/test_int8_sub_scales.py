@@ -15,6 +15,7 @@ from gguf_files import synthetic_tensor
 from linear_layers import activations
 
 from qinfer import kernels
+from qinfer.core.errors import WeightsError
 from qinfer.linear import Int8BlockLinear, Int8Blocks, make_linear
 from qinfer.weights.gguf_deltanet import gathered
 from qinfer.weights.gguf_quants import int8_blocks
@@ -38,10 +39,12 @@ def test_q6_k_keeps_the_files_scales():
     reference = torch.from_numpy(gguf.quants.dequantize(data, Q6_K))
     assert torch.equal(blocks.dequantize(), reference)
     assert torch.equal(blocks.flattened().dequantize(), reference)
-    # 8 + 8/16 + 16/256 bits a weight, against 8 + 32/16 with an fp32 scale per block
+    # 6 + 8/16 + 16/256 bits a weight, the file's 210 bytes per 256 (`data`), against 8 +
+    # 32/16 as int8 values with an fp32 scale per block
     held = Int8BlockLinear(blocks, None, torch.float32)
     wide = Int8BlockLinear(blocks.flattened(), None, torch.float32)
-    assert held.nbytes == 37 * 768 * (1 + 1 / 16 + 2 / 256)
+    assert held.nbytes == data.nbytes == 37 * 768 // 256 * 210
+    assert held.q.dtype == torch.uint8 and torch.equal(kernels.unpack_q6(held.q), blocks.q)
     assert wide.nbytes == 37 * 768 * (1 + 4 / 16)
     assert held.scales.dtype == torch.int8 and wide.scales.dtype == torch.float32
 
@@ -69,7 +72,8 @@ def test_each_isa_gives_the_bits_of_fp32_scales(int8_dot_built, op):
     x = activations(max(ROWS), 768, torch.float32)
     for path in kernels.paths():
         for m in ROWS:
-            got = op(x[:m], blocks.q, blocks.scales, path, d_super=blocks.super_scales)
+            packed = kernels.pack_q6(blocks.q)
+            got = op(x[:m], packed, blocks.scales, path, d_super=blocks.super_scales)
             assert torch.equal(got, op(x[:m], blocks.q, wide, path)), (path, m)
 
 
@@ -132,3 +136,30 @@ def test_bad_sub_scales_are_named(int8_dot_built):
         kernels.int8_mm(x, blocks.q, blocks.scales, d_super=blocks.super_scales.float())
     with pytest.raises(RuntimeError, match=r"int8 sub-scales are \(N, K/16\)"):
         kernels.int8_mm(x, blocks.q, blocks.scales[:, :8], d_super=blocks.super_scales)
+    packed = kernels.pack_q6(blocks.q)
+    for op in (kernels.int8_blocks_mm, kernels.int8_mm):
+        name = op.__name__
+        with pytest.raises(RuntimeError, match=f"{name}: q must be torch.uint8, got torch.int8"):
+            op(x, blocks.q, blocks.scales, d_super=blocks.super_scales)
+        with pytest.raises(RuntimeError, match=r"q must have shape \(4, 192\), \(N, 3K/4\), Q6_K"):
+            op(x, packed[:, :96], blocks.scales, d_super=blocks.super_scales)
+
+
+def test_the_six_bit_layout():
+    """`pack_q6` is lossless on -32..31 and lays a chunk out as q6.h says; the layer refuses
+    values a Q6_K weight cannot hold."""
+    q = torch.arange(64, dtype=torch.int8).sub(32).repeat(3, 4)  # (3, 256): every value
+    packed = kernels.pack_q6(q)
+    assert packed.shape == (3, 192) and torch.equal(kernels.unpack_q6(packed), q)
+    u = q[0, :64].to(torch.int32) + 32
+    reg = u.view(4, 16).T.flatten()  # R: byte 4 l + J holds value 16 J + l
+    chunk = packed[0, :48].to(torch.int32)
+    assert torch.equal(chunk[:32], (reg[:32] & 15) | ((reg[32:] & 15) << 4))
+    bits = sum(((reg[16 * t : 16 * t + 16] >> 4) << (2 * t)) for t in range(4))
+    assert torch.equal(chunk[32:], bits)
+    blocks = q6_k(rows=4, columns=256)
+    blocks.q[2, 5] = 40
+    with pytest.raises(
+        WeightsError, match=r"pack_q6: Q6_K's values are -32..31, got -32..40 \(weight \(4, 256\)\)"
+    ):
+        Int8BlockLinear(blocks, None, torch.float32)

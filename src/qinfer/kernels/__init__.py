@@ -11,7 +11,8 @@ and why: docs/KERNELS.md.
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), scales d (N, K/B), B = 16 or 32:
                                    #   x @ W.T, W = q * d per block, neither operand rounded
                                    # both: d_super= (N, K/256) fp16 with int8 d (N, K/16),
-                                   #   Q6_K's scales as stored: block b's is d_super * d[b]
+                                   #   Q6_K's scales as stored: block b's is d_super * d[b],
+                                   #   and q its 6-bit values, pack_q6(q) (N, 3K/4) uint8
     y = int4_groups_mm(x, packed)  # the packed int4 weight, x fp32 or bf16 as it is:
                                    #   x @ W.T, W = d q + m, per block d (q . x) + m sum(x)
     y = add_rms_norm(h, x, w, eps, dtype)  # h (T, H) fp32 += x (in place; x None: as it is),
@@ -90,12 +91,14 @@ __all__ = [
     "norm_paths",
     "on_x86",
     "pack_int4",
+    "pack_q6",
     "paged_decode_attention",
     "paths",
     "quantize_q8_1",
     "refusal",
     "rope",
     "symmetric_offsets",
+    "unpack_q6",
 ]
 
 #: The activation dtypes the kernels take (fp16 is not one).
@@ -172,6 +175,46 @@ def pack_int4(groups: Int4Groups) -> PackedInt4:
     return PackedInt4(qs, *fp16_if_exact(d, m))
 
 
+#: Q6_K's values a chunk of `pack_q6`, and the chunk's bytes.
+Q6_CHUNK, Q6_BYTES = 64, 48
+
+
+def pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in -32..31, (N, K) for K a multiple of 64 -> the kernels' 6-bit layout,
+    uint8 (N, 3K/4), the file's 6 bits a weight (q6.h): each chunk of 64 values u = q + 32,
+    in the order R that puts values l, 16 + l, 32 + l, 48 + l in a 32-bit lane, as 32 bytes of
+    low nibbles (R's byte i and i + 32) and 16 of high bits (R's i + 16 t at bits 2 t).
+    Plain torch: the layer packs at load, and the paths without the kernels unpack."""
+    N, K = q.shape
+    if q.dtype != torch.int8 or K % Q6_CHUNK:
+        raise ValueError(
+            f"pack_q6: q must be torch.int8 (N, K), K a multiple of {Q6_CHUNK}, "
+            f"got {q.dtype} {tuple(q.shape)}"
+        )
+    low, high = q.aminmax() if q.numel() else (torch.tensor(0), torch.tensor(0))
+    if low < -32 or high > 31:
+        raise ValueError(f"pack_q6: Q6_K's values are -32..31, got {int(low)}..{int(high)}")
+    out = torch.empty(N, K // Q6_CHUNK * Q6_BYTES, dtype=torch.uint8, device=q.device)
+    for r in range(0, N, 4096):  # a bounded working set: a 248k-row head packs in place
+        u = (q[r : r + 4096] + 32).view(torch.uint8).unflatten(-1, (-1, 4, 16))
+        reg = u.transpose(-1, -2).flatten(-2)  # (n, K/64, 64): R, byte 4 l + J = u[16 J + l]
+        nibbles = (reg[..., :32] & 15) | (reg[..., 32:] << 4)  # (n, K/64, 32)
+        high = (reg >> 4).unflatten(-1, (4, 16))
+        bits = sum(high[..., t, :] << (2 * t) for t in range(4))  # (n, K/64, 16)
+        out[r : r + 4096] = torch.cat([nibbles, bits], -1).flatten(1)
+    return out
+
+
+def unpack_q6(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_q6`'s inverse: uint8 (..., 3K/4) -> int8 (..., K)."""
+    chunks = packed.unflatten(-1, (-1, Q6_BYTES))  # (..., K/64, 48)
+    nibbles, bits = chunks[..., :32], chunks[..., 32:]
+    low = torch.cat([nibbles & 15, nibbles >> 4], -1)  # (..., K/64, 64) in R's order
+    high = torch.cat([(bits >> (2 * t)) & 3 for t in range(4)], -1)
+    reg = (low | (high << 4)).unflatten(-1, (16, 4))  # (..., K/64, l, J)
+    return (reg.transpose(-1, -2).to(torch.int8) - 32).flatten(-3)
+
+
 def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Tensor:
     """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32."""
     if ops.int4_mm is None:
@@ -190,8 +233,9 @@ def int8_mm(
     one per block of B = 32 or 16 input columns (N, K/B), transposed -> (M, N) fp32: scales[n] *
     sum_b dx[r, b] (q[n, b] . qx[r, b]), or sum_b dx[r, b] * scales[n, b] (q[n, b] . qx[r, b])
     per block, the activations rounded per block of 32 as `int4_mm` rounds them (llama.cpp's
-    q8_0 dot). Q6_K's scales as the file holds them: int8 sub-scales (N, K/16) and d_super
-    (N, K/256) fp16, a block's scale their product (exact in fp32)."""
+    q8_0 dot). Q6_K as the file holds it: int8 sub-scales (N, K/16) and d_super (N, K/256)
+    fp16, a block's scale their product (exact in fp32), and q its values as `pack_q6`
+    packs them."""
     if ops.int8_mm is None:
         require()
     return ops.int8_mm(x, q, scales, auto_path() if path == "auto" else path, d_super)
@@ -206,8 +250,9 @@ def int8_blocks_mm(
 ) -> torch.Tensor:
     """(M, K) fp32 or bf16 times int8 q (N, K) with one fp16 or fp32 scale per block of B
     input columns, d (N, K/B) for B = 16 or 32, transposed -> (M, N) fp32: sum_b d[n, b] *
-    (q[n, b] . x[r, b]), the activations as they are (bf16 widened exactly). Q6_K's scales
-    as stored: d int8 (N, K/16) and d_super (N, K/256) fp16, block b's d_super * d[b]."""
+    (q[n, b] . x[r, b]), the activations as they are (bf16 widened exactly). Q6_K as stored:
+    d int8 (N, K/16) and d_super (N, K/256) fp16, block b's d_super * d[b], and q
+    `pack_q6(q)`."""
     if ops.int8_blocks_mm is None:
         require()
     return ops.int8_blocks_mm(x, q, d, auto_path() if path == "auto" else path, d_super)

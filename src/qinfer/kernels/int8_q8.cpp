@@ -36,13 +36,14 @@ namespace {
 // 2^15: no saturation) serve. Per output: acc (lanes) += float(dot lanes) * scale lanes,
 // pair by pair, where a lane's scale is dx (rows) or dx * d of the weight block its 4 bytes
 // lie in (blocks); out = horizontal sum of acc (a fixed tree), times the row's scale (rows).
-// The integer dots are exact and every output takes the same steps at any row count.
+// The integer dots are exact and every output takes the same steps at any row count. Q6_K's
+// q are its 6-bit values as packed (q6.h), each pair's 64 unpacked in registers as read.
 // ---------------------------------------------------------------------------------------
 
 // scales S: fp16 or fp32, or for blocks Q6_K's int8 sub-scales (int8_scales.h)
 template <typename S>
 struct Weights8 {
-  const int8_t* q;        // (N, K)
+  const int8_t* q;        // (N, K), or with Q6_K's sub-scales its packed bytes (N, 3K/4)
   BlockScales<S> scale;   // (N,) rows, or (N, K/B) blocks
   int64_t nb;
 };
@@ -52,6 +53,8 @@ struct Int8Q8 {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
   static_assert(!kSub<S> || B == kSubBlock, "int8 sub-scales are per block of 16");
   static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
+  // a pair's weight bytes: Q6_K's 64 values packed, else 64 int8
+  static constexpr int64_t kPairBytes = kSub<S> ? kQ6Bytes : 64;
   QINFER_MATMUL_KERNEL(Weights8<S>, Act)
 };
 
@@ -73,7 +76,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
   BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * K;
+    q[c] = w.q + (n0 + c) * (kSub<S> ? q6_row_bytes(K) : K);
     d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
@@ -91,10 +94,13 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
     }
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetchFor<R>), _MM_HINT_T0);
-      // an odd last block: read only its own 32 bytes (the next row may not exist)
-      const __m512i wq = p < full ? _mm512_loadu_si512(q[c] + p * 64)
-                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q[c] + p * 64);
+      const int8_t* pair = q[c] + p * kPairBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchFor<R>), _MM_HINT_T0);
+      // an odd last block: read only its own 32 bytes (the next row may not exist); Q6_K's
+      // K is a multiple of 256
+      __m512i wq;
+      if constexpr (kSub<S>) wq = q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(pair)));
+      else wq = p < full ? _mm512_loadu_si512(pair) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, pair);
       const __m512i magnitude = _mm512_abs_epi8(wq);
       const __mmask64 negative = _mm512_movepi8_mask(wq);
       [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
@@ -131,7 +137,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
   BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * K;
+    q[c] = w.q + (n0 + c) * (kSub<S> ? q6_row_bytes(K) : K);
     d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
@@ -141,12 +147,18 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
   for (int64_t p = 0; p < np; ++p) {
     #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(q[c] + p * 64 + kPrefetchFor<R>), _MM_HINT_T0);
+      const int8_t* pair = q[c] + p * kPairBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchFor<R>), _MM_HINT_T0);
       __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
       [[maybe_unused]] __m256 ws[2];  // their weight scales by lane (blocks; zero past it)
-      wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64));
-      wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[c] + p * 64 + 32))
-                       : _mm256_setzero_si256();
+      if constexpr (kSub<S>) {
+        q6_unpack64(reinterpret_cast<const uint8_t*>(pair), wq);
+        q6_in_order(wq);
+      } else {
+        wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+        wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32))
+                         : _mm256_setzero_si256();
+      }
       if constexpr (L > 0) {
         #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
@@ -187,7 +199,7 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
                               float* out, int64_t ldo) {
   constexpr int64_t L = kScales, E = B == 0 ? kBlock : B;  // elements per weight scale
   const int64_t K = w.nb * kBlock;
-  const int8_t* q = w.q + n * K;
+  const int8_t* q = w.q + n * (kSub<S> ? q6_row_bytes(K) : K);
   const BlockScales<S> d = w.scale.column(n, w.nb * L);
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
@@ -196,8 +208,11 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
     const float dx = dx8[(b >> 1) * 8 + (b & 1) * 4];
     for (int64_t part = 0; part < kBlock / E; ++part) {
       int32_t dot = 0;
-      for (int64_t j = part * E; j < (part + 1) * E; ++j)
-        dot += q[b * kBlock + j] * qx[qx_pos<true>(b, j)];
+      for (int64_t j = part * E; j < (part + 1) * E; ++j) {
+        const int64_t k = b * kBlock + j;
+        const int8_t v = kSub<S> ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
+        dot += v * qx[qx_pos<true>(b, j)];
+      }
       acc += static_cast<float>(dot) * (L > 0 ? dx * block_scale(d, b * L + part) : dx);
     }
   }
@@ -212,8 +227,6 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
   const int64_t N = q_in.size(0);
-  check_tensor("int8_mm", "q", q_in, at::kChar, N, K,
-               [K] { return "(N, K) for x's K = " + std::to_string(K); });
   const at::ScalarType kind = scales_in.scalar_type();
   TORCH_CHECK(kind == at::kHalf || kind == at::kFloat || kind == at::kChar,
               "int8_mm: scales must be torch.float16, torch.float32 or (with d_super) torch.int8, "
@@ -228,8 +241,9 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               ") or (", N, ", ", K / 16, ") per block of 32 or 16, for q's N and x's K = ", K,
               ", got ", shape_str(scales_in));
   const at::Tensor d_super = checked_super_scales("int8_mm", scales_in, d_super_in, N, K);
+  const at::Tensor q = checked_values("int8_mm", q_in, scales_in, N, K);
   const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
-  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), sc = scales_in.contiguous();
+  const at::Tensor x = x_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   static thread_local ActStorage storage;
@@ -238,7 +252,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   with_block_scales(sc, [&](auto tag) {
     using S = decltype(tag);
     const BlockScales<S> scales{sc.data_ptr<S>(), super_data(d_super)};
-    const Weights8<S> w{q.data_ptr<int8_t>(), scales, K / kBlock};
+    const Weights8<S> w{values_data(q), scales, K / kBlock};
     if constexpr (kSub<S>) {  // B = 16: checked_super_scales
       matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
     } else if (B == 32) {

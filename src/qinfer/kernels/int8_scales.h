@@ -1,7 +1,8 @@
 // The int8 block kernels' scales (int8_q8.cpp, int8_blocks.cpp): one per block of B input
 // columns, held as S = at::Half or float (each block's scale as it is, matmul.h's
 // `Int4Packed` says why either), or S = int8_t: GGUF's Q6_K as the file holds it, an int8
-// sub-scale sc per block of 16 and an fp16 super-scale d per 16 of them (256 columns). The
+// sub-scale sc per block of 16 and an fp16 super-scale d per 16 of them (256 columns), with
+// its 6-bit values packed as q6.h says (`checked_values`). The
 // kernels form d * sc in fp32 as they read a block: exact (an 11-bit significand times a
 // 7-bit integer fits fp32's 24), so every output is the bits of an fp32 copy of the products,
 // from 8.56 bits a weight, not 10 (docs/KERNELS.md).
@@ -18,6 +19,7 @@
 #include <type_traits>
 
 #include "matmul.h"
+#include "q6.h"
 
 namespace qinfer_kernels {
 
@@ -116,6 +118,27 @@ inline at::Tensor checked_super_scales(const char* op, const at::Tensor& d,
   check_tensor(op, "d_super", *d_super, at::kHalf, N, K / (kSubBlock * kSubScales),
                [K] { return "(N, K/256) for x's K = " + std::to_string(K); });
   return d_super->contiguous();
+}
+
+// q of an int8 block weight (N rows) for x's K, checked for `op` beside its scales d: int8
+// (N, K), or beside int8 sub-scales (Q6_K's, checked first: K a multiple of 256) the 6-bit
+// values packed (q6.h) as uint8 (N, 3K/4). Returns q contiguous.
+inline at::Tensor checked_values(const char* op, const at::Tensor& q, const at::Tensor& d,
+                                 int64_t N, int64_t K) {
+  const auto k = [K] { return "x's K = " + std::to_string(K); };
+  if (d.scalar_type() == at::kChar) {
+    check_tensor(op, "q", q, at::kByte, N, q6_row_bytes(K), [&] {
+      return "(N, 3K/4), Q6_K's 6-bit values as kernels.pack_q6 packs them, for " + k();
+    });
+  } else {
+    check_tensor(op, "q", q, at::kChar, N, K, [&] { return "(N, K) for " + k(); });
+  }
+  return q.contiguous();
+}
+
+// q's bytes as the kernels' weights hold them (int8 values, or Q6_K's packed bytes).
+inline const int8_t* values_data(const at::Tensor& q) {
+  return static_cast<const int8_t*>(q.data_ptr());
 }
 
 // d_super's data, or null (fp16 or fp32 scales: none)

@@ -113,7 +113,7 @@ def rule_paths(layer: QuantizedLinear, exact: bool = False) -> dict[str, str]:
     if not bf16_matmul_is_fast(layer.device):
         return {"decode": KERNEL, "prefill": FP32_TILES if FP32_TILES in paths else KERNEL}
     int8 = isinstance(layer, (Int8Linear, Int8BlockLinear))
-    widened = int8 and layer.q.numel() <= INT8_TILED_MAX
+    widened = int8 and layer.out_features * layer.in_features <= INT8_TILED_MAX
     return {"decode": KERNEL, "prefill": BF16_TILES if widened and BF16_TILES in paths else KERNEL}
 
 

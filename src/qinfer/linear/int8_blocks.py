@@ -4,9 +4,11 @@ This holds GGUF's symmetric block types exactly (`qinfer.weights.gguf_quants.int
 Q8_0 (q in -127..127, an fp16 scale per 32), Q5_0 (q in -16..15, per 32) and Q6_K (q in
 -32..31, a scale d * sc per 16). Each keeps the file's scales: Q8_0's and Q5_0's fp16, Q6_K's
 int8 sub-scales sc (N, K/16) with its fp16 super-scales d (N, K/256), which the kernels
-multiply as they read a block (exact in fp32). A Q6_K weight is so 8.56 bits a weight, not
-the 10 of an fp32 scale per 16: on Qwen3.5-0.8B's Q6_K head, 46 MB less read per decode
-step, every output the same bits (docs/KERNELS.md). Re-rounded to one scale per row
+multiply as they read a block (exact in fp32), and Q6_K's values at their 6 bits
+(`kernels.pack_q6`), which the kernels unpack as they read them. A Q6_K weight is so the
+file's 6.56 bits a weight, not the 10 of int8 values with an fp32 scale per 16: on
+Qwen3.5-0.8B's Q6_K head, 110 MB less read per decode step, every output the same bits
+(docs/KERNELS.md). Re-rounded to one scale per row
 (`Int8Linear`), as they were, a block's values move by up to half a row's step, and on Gemma
 3 270M Q4_K_M (whose projections are mostly Q5_0, its embedding Q8_0) that was most of the
 default path's drift from fp32: KL 0.0068, against 0.0005 with these blocks read dense
@@ -109,6 +111,11 @@ def _block_scales(scales: torch.Tensor, super_scales: torch.Tensor | None) -> to
     return scales.float() * super_scales.float().repeat_interleave(SUB_SCALES, -1)
 
 
+def _values_of(q: torch.Tensor, super_scales: torch.Tensor | None) -> torch.Tensor:
+    """A layer's q as int8 values: as it is, or with super-scales Q6_K's packed ones unpacked."""
+    return q if super_scales is None else kernels.unpack_q6(q)
+
+
 def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None) -> torch.Tensor:
     """q (..., K) int8 and fp32 scales (..., K / B) -> (..., K) q * scale in `dtype` (into
     `out`)."""
@@ -123,7 +130,8 @@ def _widened(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out=None
 class Int8BlockLinear(QuantizedLinear):
     """int8 weight (N, K), scales (N, K / B) fp16 where that is exact (Q8_0's and Q5_0's: the
     file's bytes) else fp32, or Q6_K's int8 sub-scales with super_scales (N, K / 256) fp16
-    (the file's), bias (N,) or None, computing in `dtype`."""
+    (the file's) and q its 6-bit values packed (N, 3K / 4) uint8; bias (N,) or None,
+    computing in `dtype`."""
 
     def __init__(self, stored: Int8Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -143,15 +151,20 @@ class Int8BlockLinear(QuantizedLinear):
                 f"int8 sub-scales need blocks of 16 and a multiple of {SUPER_BLOCK} input "
                 f"columns (weight {tuple(stored.q.shape)}, blocks of {stored.block_size})"
             )
-        self.register_buffer("q", stored.q.contiguous())
         if supers is None:
+            self.register_buffer("q", stored.q.contiguous())
             (scales,) = kernels.fp16_if_exact(stored.scales.float().contiguous())
         else:
+            try:
+                packed = kernels.pack_q6(stored.q)
+            except ValueError as e:
+                raise WeightsError(f"{e} (weight {tuple(stored.q.shape)})") from None
+            self.register_buffer("q", packed)
             scales, supers = stored.scales.contiguous(), supers.contiguous()
         self.register_buffer("scales", scales)
         self.register_buffer("super_scales", supers)
         self.register_buffer("bias", bias)
-        self.out_features, self.in_features = self.q.shape
+        self.out_features, self.in_features = stored.q.shape
         self.compute_dtype = dtype
         self._row_copy: Int8Rows | None = None  # made only where the kernel cannot run
         self._init_paths()
@@ -171,7 +184,7 @@ class Int8BlockLinear(QuantizedLinear):
 
     def _kernel(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device.type != "cpu":
-            return F.linear(flat, _widened(self.q, self._scales(), flat.dtype))
+            return F.linear(flat, _widened(self._values(), self._scales(), flat.dtype))
         if _kernel_missing() is None:
             # the kernel takes fp32 and bf16 activations; fp16 ones are widened for it
             x = flat if flat.dtype in kernels.ACTIVATION_DTYPES else flat.float()
@@ -191,6 +204,10 @@ class Int8BlockLinear(QuantizedLinear):
             kernels.int8_mm, q=self.q, scales=self.scales, d_super=self.super_scales
         )
 
+    def _values(self, rows: slice = slice(None)) -> torch.Tensor:
+        """(rows, K) int8, the weight's values (Q6_K's unpacked)."""
+        return _values_of(self.q[rows], self.super_scales)
+
     def _scales(self, rows: slice = slice(None)) -> torch.Tensor:
         """(rows, K / B) fp32, the block scales of `rows`."""
         supers = None if self.super_scales is None else self.super_scales[rows]
@@ -202,7 +219,7 @@ class Int8BlockLinear(QuantizedLinear):
         chunks = [
             quantize_int8(
                 _widened(
-                    self.q[r : r + CHUNK_ROWS],
+                    self._values(slice(r, r + CHUNK_ROWS)),
                     self._scales(slice(r, r + CHUNK_ROWS)),
                     torch.float32,
                 )
@@ -225,16 +242,17 @@ class Int8BlockLinear(QuantizedLinear):
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         out = scratch((stop - start) * self.in_features, dtype, self.q.device)
-        return _widened(self.q[start:stop], self._scales(slice(start, stop)), dtype, out)
+        rows = slice(start, stop)
+        return _widened(self._values(rows), self._scales(rows), dtype, out)
 
     def dequantize(self) -> torch.Tensor:
-        return _widened(self.q, self._scales(), torch.float32)
+        return _widened(self._values(), self._scales(), torch.float32)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32, exact as `dequantize`."""
         supers = None if self.super_scales is None else F.embedding(ids, self.super_scales)
         scales = _block_scales(F.embedding(ids, self.scales), supers)
-        return _widened(F.embedding(ids, self.q), scales, torch.float32)
+        return _widened(_values_of(F.embedding(ids, self.q), supers), scales, torch.float32)
 
     def has_rows(self) -> bool:
         return True

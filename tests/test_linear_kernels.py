@@ -36,6 +36,7 @@ from qinfer.linear import (
     quantize_int8,
     quantize_int8_blocks,
 )
+from qinfer.weights import gguf_quants
 from qinfer.weights.gguf import REROUNDED_TYPES, open_gguf
 from qinfer.weights.gguf_quants import INT4_GROUPS, INT8_BLOCKS, int4_groups, int8_blocks
 
@@ -51,6 +52,21 @@ def test_int4_groups_of_gguf_blocks_dequantize_bit_identically(qtype):
     assert torch.equal(groups.dequantize(), reference)
     # ... and as the CPU kernel multiplies by them (fp32 activations: no rounding of scales)
     assert torch.equal(Int4Linear(groups, None, torch.float32).dequantize(), reference)
+
+
+@pytest.mark.parametrize("qtype", [*INT4_GROUPS, *INT8_BLOCKS], ids=lambda t: t.name)
+def test_a_tensor_converts_in_pieces_as_whole(qtype, monkeypatch):
+    """A large tensor's blocks convert CONVERT_BYTES of rows at a time (a bounded peak at
+    load): the fields are those of the whole, a last piece short of the others included, and
+    a read-only map is taken as it is."""
+    data = synthetic_tensor(qtype, rows=37, columns=512)
+    convert = int4_groups if qtype in INT4_GROUPS else int8_blocks
+    whole = convert(data, qtype)
+    monkeypatch.setattr(gguf_quants, "CONVERT_BYTES", data.shape[1] * 5)  # 5 rows a piece
+    data.flags.writeable = False
+    pieces = convert(data, qtype)
+    for a, b in zip(vars(whole).values(), vars(pieces).values(), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("qtype", list(INT8_BLOCKS), ids=lambda t: t.name)

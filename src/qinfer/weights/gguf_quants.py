@@ -264,11 +264,7 @@ def int4_groups(
     rounding: `Int4Groups.dequantize()` equals `dequantize(data, qtype)` bit for bit
     wherever the zero (m + 8d, 8 d sc - dmin m) is exact in fp32, which fp16 inputs of
     comparable size always are."""
-    raw = _blocks(data, device)
-    rows, row_bytes = raw.shape
-    _, type_size = GGML_QUANT_SIZES[qtype]
-    q, scales, zeros = INT4_GROUPS[qtype](raw.reshape(-1, type_size))
-    return Int4Groups(q.reshape(rows, -1), scales.reshape(rows, -1), zeros.reshape(rows, -1))
+    return Int4Groups(*_fields(data, qtype, INT4_GROUPS[qtype], device))
 
 
 def int8_blocks(
@@ -277,8 +273,34 @@ def int8_blocks(
     """A 2-D Q8_0 / Q5_0 / Q6_K tensor (rows, row_bytes) as int8 blocks (of 32, or 16 for
     Q6_K with its scales as stored), with no rounding: `Int8Blocks.dequantize()` equals
     `dequantize(data, qtype)` bit for bit."""
-    raw = _blocks(data, device)
-    rows, row_bytes = raw.shape
+    return Int8Blocks(*_fields(data, qtype, INT8_BLOCKS[qtype], device))
+
+
+#: Bytes of a tensor's data converted at a time: a conversion's temporaries are several times
+#: its input, and for a whole 248,320-row Q6_K table they added ~0.7 GB to a load's peak.
+CONVERT_BYTES = 16 << 20
+
+
+def _fields(
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    convert: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, ...]:
+    """convert's fields of a 2-D block tensor (rows, row_bytes), each (rows, -1): rows of
+    CONVERT_BYTES at a time (copied from a read-only map that much at a time too), into
+    tensors made at the first."""
+    rows, row_bytes = data.shape
     _, type_size = GGML_QUANT_SIZES[qtype]
-    fields = INT8_BLOCKS[qtype](raw.reshape(-1, type_size))
-    return Int8Blocks(*(f.reshape(rows, -1) for f in fields))
+    step = max(1, CONVERT_BYTES // max(1, row_bytes))
+    out: list[torch.Tensor] = []
+    for start in range(0, max(rows, 1), step):
+        raw = _blocks(data[start : start + step], device)
+        fields = [f.reshape(raw.shape[0], -1) for f in convert(raw.reshape(-1, type_size))]
+        if step >= rows:
+            return tuple(fields)
+        if not out:
+            out = [torch.empty(rows, f.shape[1], dtype=f.dtype, device=f.device) for f in fields]
+        for whole, part in zip(out, fields, strict=True):
+            whole[start : start + step] = part
+    return tuple(out)

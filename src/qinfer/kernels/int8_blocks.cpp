@@ -27,17 +27,20 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // int8 weights with one scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
 // Q6_K values, kept exactly; the scales fp16, fp32 or Q6_K's int8 x fp16: int8_scales.h)
-// times fp32 activations (bf16 ones widened exactly): neither operand is rounded, so the
-// result is x @ W.T up to fp32 summation. Per output (r, n), on every path (lanes L: 16
+// times fp32 activations (bf16 ones widened exactly): each weight q * d is exact in fp32 (an
+// 8-bit integer times an 18-bit significand at most), so the result is x @ W.T up to fp32
+// summation, each product rounded once. Per output (r, n), on every path (lanes L: 16
 // AVX512, 8 AVX2, 1 scalar):
 //   acc0, acc1 (lanes) = 0
-//   for each block b:  t (lanes) = 0; t = fma(float(q chunk), x chunk, t) for its B / L chunks
-//                      acc_(b % 2) = fma(t, d[n, b], acc_(b % 2))
+//   for each chunk j of L columns (k = j L, in block b = k / B):
+//       w (lanes) = float(q chunk) * d[n, b]              (exact)
+//       acc_(j % 2) = fma(w, x chunk, acc_(j % 2))
 //   out = horizontal sum of acc0 + acc1 (a fixed tree of adds)
-// Two chains of blocks, not one: a Q6_K block of 16 is one fused multiply-add a lane, so one
-// row (decode, the head) waited on each add's latency; with two it is bound by its reads.
-// Q6_K's q are its 6-bit values as packed (q6.h), each chunk of 64 (4 blocks) unpacked in
-// registers: the same integers, so the same bits as from int8 q.
+// The weight chunk is formed once for all R rows of a tile, so a tile of R rows costs R + 1
+// multiplies a chunk (a product then a per-block scaling cost 2 R: b8 heads were bound by
+// them); two chains, so that one row (decode, the head) does not wait on each fused
+// multiply-add's latency. Q6_K's q are its 6-bit values as packed (q6.h), each chunk of 64
+// (4 blocks) unpacked in registers: the same integers, so the same bits as from int8 q.
 // ---------------------------------------------------------------------------------------
 
 template <typename S>
@@ -67,165 +70,120 @@ struct TileRows {
   }
 };
 
-// One step of a tile's products: t[c][i] += w_c * x_i over the lanes at column k (VNNI: 16).
+// One chunk of a tile: acc[c][i] = fma(w_c, x_i at column k, acc[c][i]) (VNNI: 16 lanes).
 template <int R, int C>
-QINFER_VNNI QINFER_INLINE void vnni_products(const float* const (&x)[R], int64_t k,
-                                             const __m512 (&wv)[C], __m512 (&t)[C][R]) {
+QINFER_VNNI QINFER_INLINE void vnni_chunk(const float* const (&x)[R], int64_t k,
+                                          const __m512 (&w)[C], __m512 (&acc)[C][R]) {
   __m512 xv[R];
   #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(x[i] + k);
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) t[c][i] = _mm512_fmadd_ps(wv[c], xv[i], t[c][i]);
+    for (int i = 0; i < R; ++i) acc[c][i] = _mm512_fmadd_ps(w[c], xv[i], acc[c][i]);
 }
 
-// A block's end: sum[c][i] += t[c][i] * (column c's block scale).
-template <int R, int C>
-QINFER_VNNI QINFER_INLINE void vnni_scaled(const __m512 (&t)[C][R], const __m512 (&dv)[C],
-                                           __m512 (&sum)[C][R]) {
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) sum[c][i] = _mm512_fmadd_ps(t[c][i], dv[c], sum[c][i]);
-}
-
-// 16 int8 values as fp32 lanes (exact).
-QINFER_VNNI QINFER_INLINE __m512 widen16(__m128i values) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values));
-}
-
-// Block b of a VNNI tile's columns (int8 q, fp16 or fp32 scales): sum += (q . x) * d, q . x
-// in fp32 fused multiply-adds.
+// The chunk at column k of a VNNI tile's columns (int8 q, fp16 or fp32 scales, blocks of
+// 2^shift columns: a shift, not a division, in a one-row tile's inner loop) into the chain
+// acc.
 template <int R, int C, typename S>
-QINFER_VNNI QINFER_INLINE void vnni_block(const TileRows<R, C, S>& p, int64_t B, int64_t b,
-                                          __m512 (&sum)[C][R]) {
-  __m512 t[C][R];
-  clear(t);
-  for (int64_t k = b * B; k < (b + 1) * B; k += 16) {
-    __m512 wv[C];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
-      wv[c] = widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k)));
-    }
-    vnni_products<R, C>(p.x, k, wv, t);
-  }
-  __m512 dv[C];
+QINFER_VNNI QINFER_INLINE void vnni_int8_chunk(const TileRows<R, C, S>& p, int shift, int64_t k,
+                                               __m512 (&acc)[C][R]) {
+  __m512 w[C];
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) dv[c] = splat16(p.d[c].d + b);
-  vnni_scaled<R, C>(t, dv, sum);
+  for (int c = 0; c < C; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k));
+    w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), splat16(p.d[c].d + (k >> shift)));
+  }
+  vnni_chunk<R, C>(p.x, k, w, acc);
 }
 
-// Q6_K's block b + J (of 16 values: one step), its values byte J of the unpacked chunk w's
-// dwords (q6.h), its scale d16's (the super-block's sub-scales, formed at its first block).
+// Q6_K's block b + J of the unpacked chunk u: byte J of its dwords (q6.h), scaled by d16's.
 template <int J, int R, int C>
 QINFER_VNNI QINFER_INLINE void vnni_q6_block(const TileRows<R, C, int8_t>& p, int64_t b,
-                                             const __m512i (&w)[C],
+                                             const __m512i (&u)[C],
                                              const float (&d16)[C][kSubScales],
-                                             __m512 (&sum)[C][R]) {
-  __m512 t[C][R], wv[C], dv[C];
-  clear(t);
+                                             __m512 (&acc)[C][R]) {
+  __m512 w[C];
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) wv[c] = q6_block_f32<J>(w[c]);
-  vnni_products<R, C>(p.x, (b + J) * kSubBlock, wv, t);
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) dv[c] = _mm512_set1_ps(d16[c][(b + J) % kSubScales]);
-  vnni_scaled<R, C>(t, dv, sum);
+  for (int c = 0; c < C; ++c)
+    w[c] = _mm512_mul_ps(q6_block_f32<J>(u[c]), _mm512_set1_ps(d16[c][(b + J) % kSubScales]));
+  vnni_chunk<R, C>(p.x, (b + J) * kSubBlock, w, acc);
 }
 
 // Q6_K's blocks b.. b + 3 (b a multiple of 4): the columns' chunk of 64 unpacked in registers
-// (the bytes ahead fetched), its blocks taken in turn by the even and odd chains.
+// (the bytes ahead fetched); block b + J is byte J of its dwords (q6.h), scaled by d16's
+// (the super-block's sub-scales, formed at its first block).
 template <int R, int C>
 QINFER_VNNI QINFER_INLINE void vnni_q6_chunk(const TileRows<R, C, int8_t>& p, int64_t b,
                                              const float (&d16)[C][kSubScales],
                                              __m512 (&acc)[2][C][R]) {
   const int64_t at = b / 4 * kQ6Bytes;
-  __m512i w[C];
+  __m512i u[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + at + kPrefetchFor<R>), _MM_HINT_T0);
-    w[c] = q6_unpack64(reinterpret_cast<const uint8_t*>(p.q[c] + at));
+    u[c] = q6_unpack64(reinterpret_cast<const uint8_t*>(p.q[c] + at));
   }
-  vnni_q6_block<0, R, C>(p, b, w, d16, acc[0]);
-  vnni_q6_block<1, R, C>(p, b, w, d16, acc[1]);
-  vnni_q6_block<2, R, C>(p, b, w, d16, acc[0]);
-  vnni_q6_block<3, R, C>(p, b, w, d16, acc[1]);
+  vnni_q6_block<0, R, C>(p, b, u, d16, acc[0]);
+  vnni_q6_block<1, R, C>(p, b, u, d16, acc[1]);
+  vnni_q6_block<2, R, C>(p, b, u, d16, acc[0]);
+  vnni_q6_block<3, R, C>(p, b, u, d16, acc[1]);
 }
 
 // The same on AVX2, 8 lanes.
 template <int R, int C>
-QINFER_AVX2 QINFER_INLINE void avx2_products(const float* const (&x)[R], int64_t k,
-                                             const __m256 (&wv)[C], __m256 (&t)[C][R]) {
+QINFER_AVX2 QINFER_INLINE void avx2_chunk(const float* const (&x)[R], int64_t k,
+                                          const __m256 (&w)[C], __m256 (&acc)[C][R]) {
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
     #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) t[c][i] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x[i] + k), t[c][i]);
+    for (int i = 0; i < R; ++i)
+      acc[c][i] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x[i] + k), acc[c][i]);
 }
 
 template <int R, int C, typename S>
-QINFER_AVX2 QINFER_INLINE void avx2_scaled(const TileRows<R, C, S>& p, int64_t b,
-                                           const __m256 (&t)[C][R], __m256 (&sum)[C][R]) {
+QINFER_AVX2 QINFER_INLINE void avx2_int8_chunk(const TileRows<R, C, S>& p, int shift, int64_t k,
+                                               __m256 (&acc)[C][R]) {
+  __m256 w[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
-    const __m256 dv = splat8(p.d[c], b);
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) sum[c][i] = _mm256_fmadd_ps(t[c][i], dv, sum[c][i]);
+    _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k));
+    w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), splat8(p.d[c], k >> shift));
   }
+  avx2_chunk<R, C>(p.x, k, w, acc);
 }
 
-// 8 int8 values (the low 8 bytes) as fp32 lanes (exact).
-QINFER_AVX2 QINFER_INLINE __m256 widen8(__m128i values) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
-}
-
-template <int R, int C, typename S>
-QINFER_AVX2 QINFER_INLINE void avx2_block(const TileRows<R, C, S>& p, int64_t B, int64_t b,
-                                          __m256 (&sum)[C][R]) {
-  __m256 t[C][R];
-  clear(t);
-  for (int64_t k = b * B; k < (b + 1) * B; k += 8) {
-    __m256 wv[C];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
-      wv[c] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q[c] + k)));
-    }
-    avx2_products<R, C>(p.x, k, wv, t);
-  }
-  avx2_scaled<R, C, S>(p, b, t, sum);
-}
-
-// Q6_K's block b + J: its values 16 J + 8 s.. byte J of the unpacked chunk's half s.
+// Q6_K's block b + J: byte J of the dwords of half 0, then of half 1 (chunks 2 J + h).
 template <int J, int R, int C>
 QINFER_AVX2 QINFER_INLINE void avx2_q6_block(const TileRows<R, C, int8_t>& p, int64_t b,
-                                             const __m256i (&w)[C][2], __m256 (&sum)[C][R]) {
-  __m256 t[C][R];
-  clear(t);
+                                             const __m256i (&u)[C][2], __m256 (&acc)[2][C][R]) {
   #pragma GCC unroll 2
-  for (int s = 0; s < 2; ++s) {
-    __m256 wv[C];
+  for (int h = 0; h < 2; ++h) {
+    __m256 w[C];
     #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) wv[c] = q6_block_f32<J>(w[c][s]);
-    avx2_products<R, C>(p.x, (b + J) * kSubBlock + 8 * s, wv, t);
+    for (int c = 0; c < C; ++c)
+      w[c] = _mm256_mul_ps(q6_block_f32<J>(u[c][h]), splat8(p.d[c], b + J));
+    avx2_chunk<R, C>(p.x, (b + J) * kSubBlock + 8 * h, w, acc[h]);
   }
-  avx2_scaled<R, C, int8_t>(p, b + J, t, sum);
 }
 
 template <int R, int C>
 QINFER_AVX2 QINFER_INLINE void avx2_q6_chunk(const TileRows<R, C, int8_t>& p, int64_t b,
                                              __m256 (&acc)[2][C][R]) {
   const int64_t at = b / 4 * kQ6Bytes;
-  __m256i w[C][2];
+  __m256i u[C][2];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + at + kPrefetchFor<R>), _MM_HINT_T0);
-    q6_unpack64(reinterpret_cast<const uint8_t*>(p.q[c] + at), w[c]);
+    q6_unpack64(reinterpret_cast<const uint8_t*>(p.q[c] + at), u[c]);
   }
-  avx2_q6_block<0, R, C>(p, b, w, acc[0]);
-  avx2_q6_block<1, R, C>(p, b, w, acc[1]);
-  avx2_q6_block<2, R, C>(p, b, w, acc[0]);
-  avx2_q6_block<3, R, C>(p, b, w, acc[1]);
+  avx2_q6_block<0, R, C>(p, b, u, acc);
+  avx2_q6_block<1, R, C>(p, b, u, acc);
+  avx2_q6_block<2, R, C>(p, b, u, acc);
+  avx2_q6_block<3, R, C>(p, b, u, acc);
 }
 
 template <typename S>
@@ -237,16 +195,15 @@ template <typename S>
 template <int R, int C>
 QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, const ActF& a,
                                              int64_t r0, float* out, int64_t ldo) {
-  const int64_t B = w.B;
   TileRows<R, C, S> p(w, n0, a, r0);
   prefetch_scales<C, S>(p.d, p.blocks);
-  __m512 acc[2][C][R];  // even blocks, odd blocks: two chains of fused multiply-adds
+  __m512 acc[2][C][R];  // even chunks, odd chunks: two chains of fused multiply-adds
   clear(acc[0]);
   clear(acc[1]);
-  // int8 sub-scales: a super-block's 16 block scales, formed at its first block (one load and
-  // multiply a column per 16 blocks) and stored here for each block's broadcast load, as
-  // fp32 scales are read (a scalar product per block ran the head's shape 12-23% slower)
   if constexpr (kSub<S>) {  // B = 16: K / 16 blocks, a multiple of 16
+    // a super-block's 16 block scales, formed at its first block (one load and multiply a
+    // column per 16 blocks) and stored here for each block's broadcast load, as fp32 scales
+    // are read (a scalar product per block ran the head's shape 12-23% slower)
     alignas(64) float d16[C][kSubScales];
     for (int64_t b = 0; b < p.blocks; b += 4) {
       if (b % kSubScales == 0) {
@@ -256,12 +213,11 @@ QINFER_VNNI void Int8BlocksF32<S>::tile_vnni(const WeightsF<S>& w, int64_t n0, c
       vnni_q6_chunk<R, C>(p, b, d16, acc);
     }
   } else {
-    int64_t b = 0;
-    for (; b + 2 <= p.blocks; b += 2) {
-      vnni_block<R, C, S>(p, B, b, acc[0]);
-      vnni_block<R, C, S>(p, B, b + 1, acc[1]);
+    const int shift = w.B == 16 ? 4 : 5;
+    for (int64_t k = 0; k < w.nb * kBlock; k += 32) {  // chunks 2 j, 2 j + 1
+      vnni_int8_chunk<R, C, S>(p, shift, k, acc[0]);
+      vnni_int8_chunk<R, C, S>(p, shift, k + 16, acc[1]);
     }
-    if (b < p.blocks) vnni_block<R, C, S>(p, B, b, acc[0]);
   }
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
@@ -275,21 +231,19 @@ template <typename S>
 template <int R, int C>
 QINFER_AVX2 void Int8BlocksF32<S>::tile_avx2(const WeightsF<S>& w, int64_t n0, const ActF& a,
                                              int64_t r0, float* out, int64_t ldo) {
-  const int64_t B = w.B;
   TileRows<R, C, S> p(w, n0, a, r0);
   prefetch_scales<C, S>(p.d, p.blocks);
-  __m256 acc[2][C][R];  // even blocks, odd blocks (as the VNNI tile)
+  __m256 acc[2][C][R];  // even chunks, odd chunks (as the VNNI tile)
   clear(acc[0]);
   clear(acc[1]);
   if constexpr (kSub<S>) {
     for (int64_t b = 0; b < p.blocks; b += 4) avx2_q6_chunk<R, C>(p, b, acc);
   } else {
-    int64_t b = 0;
-    for (; b + 2 <= p.blocks; b += 2) {
-      avx2_block<R, C, S>(p, B, b, acc[0]);
-      avx2_block<R, C, S>(p, B, b + 1, acc[1]);
+    const int shift = w.B == 16 ? 4 : 5;
+    for (int64_t k = 0; k < w.nb * kBlock; k += 16) {  // chunks 2 j, 2 j + 1
+      avx2_int8_chunk<R, C, S>(p, shift, k, acc[0]);
+      avx2_int8_chunk<R, C, S>(p, shift, k + 8, acc[1]);
     }
-    if (b < p.blocks) avx2_block<R, C, S>(p, B, b, acc[0]);
   }
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c)
@@ -305,14 +259,10 @@ void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a
   const int8_t* q = w.q + n * (kSub<S> ? q6_row_bytes(K) : K);
   const BlockScales<S> d = w.d.column(n, blocks);
   const float* x = a.x + r * K;
-  float acc[2] = {0.0f, 0.0f};  // even blocks, odd blocks
-  for (int64_t b = 0; b < blocks; ++b) {
-    float t = 0.0f;
-    for (int64_t k = b * B; k < (b + 1) * B; ++k) {
-      const int8_t v = kSub<S> ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
-      t += static_cast<float>(v) * x[k];
-    }
-    acc[b & 1] += t * block_scale(d, b);
+  float acc[2] = {0.0f, 0.0f};  // even columns, odd columns (chunks of one)
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t v = kSub<S> ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
+    acc[k % 2] = std::fma(static_cast<float>(v) * block_scale(d, k / B), x[k], acc[k % 2]);
   }
   out[r * ldo + n] = acc[0] + acc[1];
 }

@@ -21,8 +21,8 @@ from qinfer.weights.gguf_deltanet import gathered
 from qinfer.weights.gguf_quants import int8_blocks
 
 Q6_K = gguf.GGMLQuantizationType.Q6_K
-#: row counts: a decode step, every row tile's tail (4), past DECODE_MAX_ROWS, a prefill
-ROWS = (*range(1, 10), 16, 33)
+#: row counts: a decode step, every row tile's tail (4), past DECODE_MAX_ROWS, prefills
+ROWS = (*range(1, 10), 16, 33, 512)
 
 
 def q6_k(rows: int = 37, columns: int = 768) -> Int8Blocks:

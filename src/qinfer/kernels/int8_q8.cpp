@@ -48,19 +48,21 @@ struct Weights8 {
   int64_t nb;
 };
 
-template <int B, typename S>
+// Packed: q holds Q6_K's packed values (with its sub-scales), else int8 values (any scales).
+template <int B, typename S, bool Packed = kSub<S>>
 struct Int8Q8 {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
   static_assert(!kSub<S> || B == kSubBlock, "int8 sub-scales are per block of 16");
+  static_assert(!Packed || kSub<S>, "packed values go with Q6_K's sub-scales");
   static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
   // a pair's weight bytes: Q6_K's 64 values packed, else 64 int8
-  static constexpr int64_t kPairBytes = kSub<S> ? kQ6Bytes : 64;
+  static constexpr int64_t kPairBytes = Packed ? kQ6Bytes : 64;
   QINFER_MATMUL_KERNEL(Weights8<S>, Act)
 };
 
-template <int B, typename S>
+template <int B, typename S, bool Packed>
 template <int R, int C>
-QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const Act& a,
+QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n0, const Act& a,
                                          int64_t r0, float* out, int64_t ldo) {
   constexpr int64_t L = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
@@ -76,7 +78,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
   BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * (kSub<S> ? q6_row_bytes(K) : K);
+    q[c] = w.q + (n0 + c) * (Packed ? q6_row_bytes(K) : K);
     d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
@@ -99,7 +101,7 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
       // an odd last block: read only its own 32 bytes (the next row may not exist); Q6_K's
       // K is a multiple of 256
       __m512i wq;
-      if constexpr (kSub<S>) wq = q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(pair)));
+      if constexpr (Packed) wq = q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(pair)));
       else wq = p < full ? _mm512_loadu_si512(pair) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, pair);
       const __m512i magnitude = _mm512_abs_epi8(wq);
       const __mmask64 negative = _mm512_movepi8_mask(wq);
@@ -126,9 +128,9 @@ QINFER_VNNI void Int8Q8<B, S>::tile_vnni(const Weights8<S>& w, int64_t n0, const
     }
 }
 
-template <int B, typename S>
+template <int B, typename S, bool Packed>
 template <int R, int C>
-QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const Act& a,
+QINFER_AVX2 void Int8Q8<B, S, Packed>::tile_avx2(const Weights8<S>& w, int64_t n0, const Act& a,
                                          int64_t r0, float* out, int64_t ldo) {
   constexpr int64_t L = kScales;
   const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
@@ -137,7 +139,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
   BlockScales<S> d[C];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * (kSub<S> ? q6_row_bytes(K) : K);
+    q[c] = w.q + (n0 + c) * (Packed ? q6_row_bytes(K) : K);
     d[c] = w.scale.column(n0 + c, w.nb * L);
   }
   if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
@@ -151,7 +153,7 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
       _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchFor<R>), _MM_HINT_T0);
       __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
       [[maybe_unused]] __m256 ws[2];  // their weight scales by lane (blocks; zero past it)
-      if constexpr (kSub<S>) {
+      if constexpr (Packed) {
         q6_unpack64(reinterpret_cast<const uint8_t*>(pair), wq);
         q6_in_order(wq);
       } else {
@@ -194,12 +196,12 @@ QINFER_AVX2 void Int8Q8<B, S>::tile_avx2(const Weights8<S>& w, int64_t n0, const
     }
 }
 
-template <int B, typename S>
-void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int64_t r,
+template <int B, typename S, bool Packed>
+void Int8Q8<B, S, Packed>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int64_t r,
                               float* out, int64_t ldo) {
   constexpr int64_t L = kScales, E = B == 0 ? kBlock : B;  // elements per weight scale
   const int64_t K = w.nb * kBlock;
-  const int8_t* q = w.q + n * (kSub<S> ? q6_row_bytes(K) : K);
+  const int8_t* q = w.q + n * (Packed ? q6_row_bytes(K) : K);
   const BlockScales<S> d = w.scale.column(n, w.nb * L);
   const int8_t* qx = a.row_qx(r);
   const float* dx8 = a.row_dx8(r);
@@ -210,13 +212,64 @@ void Int8Q8<B, S>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int
       int32_t dot = 0;
       for (int64_t j = part * E; j < (part + 1) * E; ++j) {
         const int64_t k = b * kBlock + j;
-        const int8_t v = kSub<S> ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
+        const int8_t v = Packed ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
         dot += v * qx[qx_pos<true>(b, j)];
       }
       acc += static_cast<float>(dot) * (L > 0 ? dx * block_scale(d, b * L + part) : dx);
     }
   }
   out[r * ldo + n] = L > 0 ? acc : acc * block_scale(w.scale, n);
+}
+
+// Rows of a packed Q6_K weight (q6.h; rows follow one another, so their chunks do) as int8
+// values in order, (rows, K) at dst.
+QINFER_VNNI void q6_rows_vnni(const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
+  for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c)
+    _mm512_storeu_si512(dst + c * kQ6Chunk, q6_in_order(q6_unpack64(src + c * kQ6Bytes)));
+}
+
+QINFER_AVX2 void q6_rows_avx2(const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
+  for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c) {
+    __m256i half[2];
+    q6_unpack64(src + c * kQ6Bytes, half);
+    q6_in_order(half);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * kQ6Chunk), half[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * kQ6Chunk + 32), half[1]);
+  }
+}
+
+void q6_rows(Isa path, const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
+  if (path == Isa::Vnni) {
+    q6_rows_vnni(src, rows, K, dst);
+  } else if (path == Isa::Avx2) {
+    q6_rows_avx2(src, rows, K, dst);
+  } else {
+    for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c)
+      for (int64_t i = 0; i < kQ6Chunk; ++i) dst[c * kQ6Chunk + i] = q6_value(src + c * kQ6Bytes, i);
+  }
+}
+
+// Q6_K times more rows than a tile holds: a slice of the weight's columns (~1 MB of values)
+// unpacked to int8 at a time, then the int8 tiles over it for every row tile, so that a
+// column's chunk is unpacked once a call, not once a row tile (which cost 8 or more rows a
+// third of their time). The same integers in the same order: the packed tiles' bits.
+template <typename S>
+void unpacked_q6_mm(Isa path, const Weights8<S>& w, int64_t N, int64_t M, const Act& a,
+                    float* out) {
+  const int64_t K = w.nb * kBlock, row_bytes = q6_row_bytes(K);
+  const int64_t slice = std::min(N, std::max<int64_t>(kCols, (int64_t{1} << 20) / K));
+  static thread_local std::vector<int8_t> values;
+  values.resize(static_cast<size_t>(slice * K));
+  int8_t* buffer = values.data();  // this thread's: the workers below write into it
+  for (int64_t c0 = 0; c0 < N; c0 += slice) {
+    const int64_t n = std::min(slice, N - c0);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(w.q) + c0 * row_bytes;
+    at::parallel_for(0, n, kCols, [&](int64_t r0, int64_t r1) {
+      q6_rows(path, src + r0 * row_bytes, r1 - r0, K, buffer + r0 * K);
+    });
+    const Weights8<S> part{buffer, w.scale.column(c0, w.nb * 2), w.nb};
+    matmul<Int8Q8<16, S, false>>(path, part, n, M, a, out + c0, N);
+  }
 }
 
 }  // namespace
@@ -254,7 +307,11 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
     const BlockScales<S> scales{sc.data_ptr<S>(), super_data(d_super)};
     const Weights8<S> w{values_data(q), scales, K / kBlock};
     if constexpr (kSub<S>) {  // B = 16: checked_super_scales
-      matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
+      if (M <= kRows) {
+        matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
+      } else {
+        unpacked_q6_mm(path, w, N, M, a, out.data_ptr<float>());
+      }
     } else if (B == 32) {
       matmul<Int8Q8<32, S>>(path, w, N, M, a, out.data_ptr<float>());
     } else if (B == 16) {

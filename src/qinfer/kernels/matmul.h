@@ -372,10 +372,12 @@ void columns(Isa path, const typename Kernel::Weights& w, int64_t n0, int64_t n1
 
 // out (M, N) = the kernel's weights w (N, K) times its activations a (M, K), transposed:
 // Kernel is one of int4_q8.cpp's, int8_q8.cpp's, int8_blocks.cpp's, int4_groups.cpp's
-// (`QINFER_MATMUL_KERNEL`).
+// (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N: a slice of a wider
+// output's columns takes that output's width).
 template <typename Kernel>
 void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,
-            const typename Kernel::Acts& a, float* out) {
+            const typename Kernel::Acts& a, float* out, int64_t ldo = -1) {
+  if (ldo < 0) ldo = N;
   const int64_t K = w.nb * kBlock;
   // enough columns per task that the pool's wake-up is paid for (it changes which thread
   // computes a column, never how)
@@ -385,15 +387,15 @@ void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,
       const int64_t n1 = std::min(c1, n0 + kCols);
       if (path == Isa::Scalar) {
         for (int64_t r = 0; r < M; ++r)
-          for (int64_t n = n0; n < n1; ++n) Kernel::dot_scalar(w, n, a, r, out, N);
+          for (int64_t n = n0; n < n1; ++n) Kernel::dot_scalar(w, n, a, r, out, ldo);
         continue;
       }
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         switch (std::min<int64_t>(kRows, M - r0)) {
-          case 4: columns<4, Kernel>(path, w, n0, n1, a, r0, out, N); break;
-          case 3: columns<3, Kernel>(path, w, n0, n1, a, r0, out, N); break;
-          case 2: columns<2, Kernel>(path, w, n0, n1, a, r0, out, N); break;
-          default: columns<1, Kernel>(path, w, n0, n1, a, r0, out, N); break;
+          case 4: columns<4, Kernel>(path, w, n0, n1, a, r0, out, ldo); break;
+          case 3: columns<3, Kernel>(path, w, n0, n1, a, r0, out, ldo); break;
+          case 2: columns<2, Kernel>(path, w, n0, n1, a, r0, out, ldo); break;
+          default: columns<1, Kernel>(path, w, n0, n1, a, r0, out, ldo); break;
         }
       }
     }

@@ -70,11 +70,24 @@ def test_each_isa_gives_the_bits_of_fp32_scales(int8_dot_built, op):
     blocks = q6_k()
     wide = blocks.flattened().scales
     x = activations(max(ROWS), 768, torch.float32)
+    packed = kernels.pack_q6(blocks.q)
     for path in kernels.paths():
         for m in ROWS:
-            packed = kernels.pack_q6(blocks.q)
             got = op(x[:m], packed, blocks.scales, path, d_super=blocks.super_scales)
             assert torch.equal(got, op(x[:m], blocks.q, wide, path)), (path, m)
+
+
+def test_int8_mm_unpacks_slices_of_a_long_weight_alike(int8_dot_built):
+    """Past a tile's rows int8_mm unpacks Q6_K's values a slice of columns at a time (~1 MB:
+    several slices at K = 4096 and 300 columns), writing each slice's outputs among the
+    others': the bits of int8 values with fp32 scales, and of the packed tiles at few rows."""
+    blocks = q6_k(rows=300, columns=4096)
+    packed, wide = kernels.pack_q6(blocks.q), blocks.flattened().scales
+    x = activations(9, 4096, torch.float32)
+    for path in kernels.paths():
+        for m in (3, 5, 9):
+            got = kernels.int8_mm(x[:m], packed, blocks.scales, path, d_super=blocks.super_scales)
+            assert torch.equal(got, kernels.int8_mm(x[:m], blocks.q, wide, path)), (path, m)
 
 
 def test_rows_and_dequantized_tiles_are_exact():
@@ -151,6 +164,14 @@ def test_the_six_bit_layout():
     q = torch.arange(64, dtype=torch.int8).sub(32).repeat(3, 4)  # (3, 256): every value
     packed = kernels.pack_q6(q)
     assert packed.shape == (3, 192) and torch.equal(kernels.unpack_q6(packed), q)
+    with pytest.raises(
+        ValueError, match=r"unpack_q6: packed must be torch.uint8 .* got torch.int8"
+    ):
+        kernels.unpack_q6(q)
+    with pytest.raises(
+        ValueError, match=r"a multiple of 48 bytes a row, got torch.uint8 \(3, 40\)"
+    ):
+        kernels.unpack_q6(packed[:, :40])
     u = q[0, :64].to(torch.int32) + 32
     reg = u.view(4, 16).T.flatten()  # R: byte 4 l + J holds value 16 J + l
     chunk = packed[0, :48].to(torch.int32)

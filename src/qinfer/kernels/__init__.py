@@ -9,7 +9,7 @@ and why: docs/KERNELS.md.
     y = int8_mm(x, q, scales)      # int8 q (N, K), scales per row (N,) or per block
                                    #   of 32 or 16 (N, K/B): ~ x @ (q * s).T
     y = int8_blocks_mm(x, q, d)    # int8 q (N, K), scales d (N, K/B), B = 16 or 32:
-                                   #   x @ W.T, W = q * d per block, neither operand rounded
+                                   #   x @ W.T, W = q * d per block (as dequantized), x as it is
                                    # both: d_super= (N, K/256) fp16 with int8 d (N, K/16),
                                    #   Q6_K's scales as stored: block b's is d_super * d[b],
                                    #   and q its 6-bit values, pack_q6(q) (N, 3K/4) uint8
@@ -207,6 +207,11 @@ def pack_q6(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_q6(packed: torch.Tensor) -> torch.Tensor:
     """`pack_q6`'s inverse: uint8 (..., 3K/4) -> int8 (..., K)."""
+    if packed.dtype != torch.uint8 or packed.dim() == 0 or packed.shape[-1] % Q6_BYTES:
+        raise ValueError(
+            f"unpack_q6: packed must be torch.uint8 (..., 3K/4), a multiple of {Q6_BYTES} "
+            f"bytes a row, got {packed.dtype} {tuple(packed.shape)}"
+        )
     chunks = packed.unflatten(-1, (-1, Q6_BYTES))  # (..., K/64, 48)
     nibbles, bits = chunks[..., :32], chunks[..., 32:]
     low = torch.cat([nibbles & 15, nibbles >> 4], -1)  # (..., K/64, 64) in R's order

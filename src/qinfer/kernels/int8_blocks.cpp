@@ -27,13 +27,14 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // int8 weights with one scale per block of B = 16 or 32 elements (GGUF's Q8_0, Q5_0 and
 // Q6_K values, kept exactly; the scales fp16, fp32 or Q6_K's int8 x fp16: int8_scales.h)
-// times fp32 activations (bf16 ones widened exactly): each weight q * d is exact in fp32 (an
-// 8-bit integer times an 18-bit significand at most), so the result is x @ W.T up to fp32
-// summation, each product rounded once. Per output (r, n), on every path (lanes L: 16
-// AVX512, 8 AVX2, 1 scalar):
+// times fp32 activations (bf16 ones widened exactly): each weight q * d is formed in fp32,
+// exact for GGUF's scales (an 8-bit integer times an fp16, or Q6_K's fp16 times an int8: 18
+// significant bits at most) and for an fp32 scale rounded as `Int8Blocks.dequantize` rounds
+// it, so the result is x @ W.T up to fp32 summation, each product rounded once. Per output
+// (r, n), on every path (lanes L: 16 AVX512, 8 AVX2, 1 scalar):
 //   acc0, acc1 (lanes) = 0
 //   for each chunk j of L columns (k = j L, in block b = k / B):
-//       w (lanes) = float(q chunk) * d[n, b]              (exact)
+//       w (lanes) = float(q chunk) * d[n, b]
 //       acc_(j % 2) = fma(w, x chunk, acc_(j % 2))
 //   out = horizontal sum of acc0 + acc1 (a fixed tree of adds)
 // The weight chunk is formed once for all R rows of a tile, so a tile of R rows costs R + 1

@@ -26,8 +26,9 @@ namespace qinfer_kernels {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// int8 weights (N, K) as stored, with one scale per output row (B = 0: `Int8Linear`) or one
-// per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's Q8_0, Q5_0, Q6_K), times
+// int8 weights (N, K) as stored (Q6_K's packed: q6.h), with one scale per output row (B = 0:
+// `Int8Linear`) or one per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's
+// Q8_0, Q5_0, Q6_K), times
 // the activations in the row's own order (`qx_pos<true>`):
 //   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
 //   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
@@ -37,7 +38,8 @@ namespace {
 // pair by pair, where a lane's scale is dx (rows) or dx * d of the weight block its 4 bytes
 // lie in (blocks); out = horizontal sum of acc (a fixed tree), times the row's scale (rows).
 // The integer dots are exact and every output takes the same steps at any row count. Q6_K's
-// q are its 6-bit values as packed (q6.h), each pair's 64 unpacked in registers as read.
+// q are its 6-bit values as packed (q6.h): up to a tile's rows each pair's 64 are unpacked in
+// registers as read, past them a slice of columns into int8 first (`unpacked_q6_mm`).
 // ---------------------------------------------------------------------------------------
 
 // scales S: fp16 or fp32, or for blocks Q6_K's int8 sub-scales (int8_scales.h)
@@ -257,7 +259,9 @@ template <typename S>
 void unpacked_q6_mm(Isa path, const Weights8<S>& w, int64_t N, int64_t M, const Act& a,
                     float* out) {
   const int64_t K = w.nb * kBlock, row_bytes = q6_row_bytes(K);
-  const int64_t slice = std::min(N, std::max<int64_t>(kCols, (int64_t{1} << 20) / K));
+  // ~1 MB of values, and at least 4 column tasks a thread (a long K would leave threads idle)
+  const int64_t wide = std::max<int64_t>(4 * kCols * at::get_num_threads(), (int64_t{1} << 20) / K);
+  const int64_t slice = std::min(N, wide);
   static thread_local std::vector<int8_t> values;
   values.resize(static_cast<size_t>(slice * K));
   int8_t* buffer = values.data();  // this thread's: the workers below write into it

@@ -5,7 +5,7 @@
 // its 6-bit values packed as q6.h says (`checked_values`). The
 // kernels form d * sc in fp32 as they read a block: exact (an 11-bit significand times a
 // 7-bit integer fits fp32's 24), so every output is the bits of an fp32 copy of the products,
-// from 8.56 bits a weight, not 10 (docs/KERNELS.md).
+// from the file's 6.56 bits a weight, not 10 (docs/KERNELS.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -15,8 +15,9 @@ default path's drift from fp32: KL 0.0068, against 0.0005 with these blocks read
 (docs/BENCHMARKS.md).
 
 Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
-activations (bf16 widened exactly) times the exact weight, fp32 out: nothing rounded but the
-sums, each row alike at any row count (the head's path too, whose logits are then fp32's).
+activations (bf16 widened exactly) times the weight as `dequantize` holds it (GGUF's exactly),
+fp32 out: each product rounded once and the sums, each row alike at any row count (the head's
+path too, whose logits are then fp32's).
 int8_dot is `kernels.int8_mm` on the same q and block scales, the activations rounded to int8
 per block of 32 (llama.cpp's q8_0 / q5_0 / q6_K dots), each row alike at any row count too.
 Where the kernels cannot be built (no compiler or ninja) it is torch's int8 kernel on a

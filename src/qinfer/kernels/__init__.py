@@ -195,13 +195,14 @@ def pack_q6(q: torch.Tensor) -> torch.Tensor:
     if low < -32 or high > 31:
         raise ValueError(f"pack_q6: Q6_K's values are -32..31, got {int(low)}..{int(high)}")
     out = torch.empty(N, K // Q6_CHUNK * Q6_BYTES, dtype=torch.uint8, device=q.device)
-    for r in range(0, N, 4096):  # a bounded working set: a 248k-row head packs in place
-        u = (q[r : r + 4096] + 32).view(torch.uint8).unflatten(-1, (-1, 4, 16))
+    step = 4096  # rows at a time: a bounded working set (a 248k-row head packs in place)
+    for r in range(0, N, step):
+        u = (q[r : r + step] + 32).view(torch.uint8).unflatten(-1, (-1, 4, 16))
         reg = u.transpose(-1, -2).flatten(-2)  # (n, K/64, 64): R, byte 4 l + J = u[16 J + l]
         nibbles = (reg[..., :32] & 15) | (reg[..., 32:] << 4)  # (n, K/64, 32)
         high = (reg >> 4).unflatten(-1, (4, 16))
         bits = sum(high[..., t, :] << (2 * t) for t in range(4))  # (n, K/64, 16)
-        out[r : r + 4096] = torch.cat([nibbles, bits], -1).flatten(1)
+        out[r : r + step] = torch.cat([nibbles, bits], -1).flatten(1)
     return out
 
 
@@ -437,10 +438,10 @@ def gated_delta_decode(
     """One decode token of a Gated DeltaNet's mixer per sequence, all fp32: qkv (S, C) the
     conv's channels (q and k of `key_heads` heads of Dk, then v of H heads of Dv), b and a
     (S, H); the causal conv with SiLU from the windows pool (P, K - 1, C) by taps (K, C)
-    (the conv's weight transposed, contiguous), q and k L2-normalised, beta = sigmoid(b), g = -exp(A_log) softplus(a +
-    dt_bias), then `gated_delta_recurrent` on the pool state (P, H, Dk, Dv); rows slots (S,)
-    of both pools are updated where they lie. Returns out (S, H, Dv), each sequence alone
-    in its sums (docs/KERNELS.md)."""
+    (the conv's weight transposed, contiguous), q and k L2-normalised, beta = sigmoid(b),
+    g = -exp(A_log) softplus(a + dt_bias), then `gated_delta_recurrent` on the pool state
+    (P, H, Dk, Dv); rows slots (S,) of both pools are updated where they lie. Returns out
+    (S, H, Dv), each sequence alone in its sums (docs/KERNELS.md)."""
     if ops.gated_delta_decode is None:
         require()
     return ops.gated_delta_decode(qkv, b, a, taps, windows, A_log, dt_bias, state, slots, key_heads)

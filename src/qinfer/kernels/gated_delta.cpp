@@ -137,6 +137,9 @@ void run_decode(Isa path, const at::Tensor& qkv, const at::Tensor& b, const at::
                    K, windows.data_ptr<float>(), rows, C, mp);
   // the rule, one (sequence, value head) a task; value head h reads key head h / r
   float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *A = A_log.data_ptr<float>(), *dt = dt_bias.data_ptr<float>();
   at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * Dv + 2 * Dk);
     float *kS = scratch.data(), *qS = kS + Dv, *qn = qS + Dv, *kn = qn + Dk;
@@ -146,13 +149,12 @@ void run_decode(Isa path, const at::Tensor& qkv, const at::Tensor& b, const at::
       l2_normalized(row + (h / r) * Dk, Dk, qn);
       l2_normalized(row + Hk * Dk + (h / r) * Dk, Dk, kn);
       const float* v = row + 2 * Hk * Dk + h * Dv;
-      const float bh = b.data_ptr<float>()[s * b.stride(0) + h * b.stride(1)];
-      const float ah = a.data_ptr<float>()[s * a.stride(0) + h * a.stride(1)];
+      const float bh = bp[s * b.stride(0) + h * b.stride(1)];
+      const float ah = ap[s * a.stride(0) + h * a.stride(1)];
       const float beta = 1.0f / (1.0f + std::exp(-bh));
-      const float g = -std::exp(A_log.data_ptr<float>()[h]) *
-                      softplus(ah + dt_bias.data_ptr<float>()[h]);
+      const float g = -std::exp(A[h]) * softplus(ah + dt[h]);
       Loops::token(head_state(sp, rows, task, H, Dk, Dv), Dk, Dv, qn, kn, v, std::exp(g), beta,
-                   scale, out.data_ptr<float>() + task * Dv, kS, qS);
+                   scale, op + task * Dv, kS, qS);
     }
   });
 }

@@ -95,7 +95,8 @@ QINFER_VNNI QINFER_INLINE void vnni_int8_chunk(const TileRows<R, C, S>& p, int s
   for (int c = 0; c < C; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(p.q[c] + k + kPrefetchFor<R>), _MM_HINT_T0);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q[c] + k));
-    w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), splat16(p.d[c].d + (k >> shift)));
+    w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                         splat16(p.d[c].d + (k >> shift)));
   }
   vnni_chunk<R, C>(p.x, k, w, acc);
 }

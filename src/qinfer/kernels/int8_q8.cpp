@@ -28,8 +28,7 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // int8 weights (N, K) as stored (Q6_K's packed: q6.h), with one scale per output row (B = 0:
 // `Int8Linear`) or one per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's
-// Q8_0, Q5_0, Q6_K), times
-// the activations in the row's own order (`qx_pos<true>`):
+// Q8_0, Q5_0, Q6_K), times the activations in the row's own order (`qx_pos<true>`):
 //   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
 //   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
 // The signed x signed products take llama.cpp's q8_0 trick: |w| (unsigned; -128's is 128)
@@ -271,7 +270,7 @@ void unpacked_q6_mm(Isa path, const Weights8<S>& w, int64_t N, int64_t M, const 
     at::parallel_for(0, n, kCols, [&](int64_t r0, int64_t r1) {
       q6_rows(path, src + r0 * row_bytes, r1 - r0, K, buffer + r0 * K);
     });
-    const Weights8<S> part{buffer, w.scale.column(c0, w.nb * 2), w.nb};
+    const Weights8<S> part{buffer, w.scale.column(c0, w.nb * Int8Q8<16, S>::kScales), w.nb};
     matmul<Int8Q8<16, S, false>>(path, part, n, M, a, out + c0, N);
   }
 }

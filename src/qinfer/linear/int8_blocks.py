@@ -8,11 +8,10 @@ multiply as they read a block (exact in fp32), and Q6_K's values at their 6 bits
 (`kernels.pack_q6`), which the kernels unpack as they read them. A Q6_K weight is so the
 file's 6.56 bits a weight, not the 10 of int8 values with an fp32 scale per 16: on
 Qwen3.5-0.8B's Q6_K head, 110 MB less read per decode step, every output the same bits
-(docs/KERNELS.md). Re-rounded to one scale per row
-(`Int8Linear`), as they were, a block's values move by up to half a row's step, and on Gemma
-3 270M Q4_K_M (whose projections are mostly Q5_0, its embedding Q8_0) that was most of the
-default path's drift from fp32: KL 0.0068, against 0.0005 with these blocks read dense
-(docs/BENCHMARKS.md).
+(docs/KERNELS.md). Re-rounded to one scale per row (`Int8Linear`), as they were, a block's
+values move by up to half a row's step, and on Gemma 3 270M Q4_K_M (whose projections are
+mostly Q5_0, its embedding Q8_0) that was most of the default path's drift from fp32: KL
+0.0068, against 0.0005 with these blocks read dense (docs/BENCHMARKS.md).
 
 Paths (`qinfer.linear.paths`): the kernel is qinfer's compiled `kernels.int8_blocks_mm`, fp32
 activations (bf16 widened exactly) times the weight as `dequantize` holds it (GGUF's exactly),

@@ -77,6 +77,21 @@ def test_each_isa_gives_the_bits_of_fp32_scales(int8_dot_built, op):
             assert torch.equal(got, op(x[:m], blocks.q, wide, path)), (path, m)
 
 
+def test_gathered_rows_of_a_q6_k_weight_give_the_whole_products_bits(int8_dot_built):
+    """The exact kernel on each row's own rows of the packed weight (ids): the whole
+    product's bits, on every path."""
+    blocks = q6_k()
+    packed = kernels.pack_q6(blocks.q)
+    x = activations(max(ROWS), 768, torch.float32)
+    ids = torch.randint(0, blocks.q.shape[0], (len(x), 11))
+    for path in kernels.paths():
+        whole = kernels.int8_blocks_mm(x, packed, blocks.scales, path, d_super=blocks.super_scales)
+        got = kernels.int8_blocks_mm(
+            x, packed, blocks.scales, path, d_super=blocks.super_scales, ids=ids
+        )
+        assert torch.equal(got, whole.gather(1, ids)), path
+
+
 def test_int8_mm_unpacks_slices_of_a_long_weight_alike(int8_dot_built):
     """Past a tile's rows int8_mm unpacks Q6_K's values a slice of columns at a time (~1 MB:
     several slices at K = 4096 and 300 columns), writing each slice's outputs among the

@@ -201,12 +201,56 @@ def test_a_q4_0_layer_holds_no_m_and_keeps_every_bit(int8_dot_built, monkeypatch
                 assert torch.equal(got, want), (dtype, path, rows)
 
 
+@pytest.mark.parametrize("block", [32, 16])
+def test_int8_blocks_kernel_on_gathered_rows_gives_the_whole_products_bits(int8_dot_built, block):
+    """ids (M, k): row r against the weight's rows ids[r] alone (the head's exact recompute of
+    its top logits), each output the bits the whole product gives it, repeats and any order
+    included, on every path and at any row count."""
+    w = Int8BlockLinear(int8_blocks_of(weight(200, 256), block), None, torch.float32)
+    x = activations(9, 256, torch.float32)
+    ids = torch.randint(0, 200, (9, 37))
+    ids[0, :3] = torch.tensor([199, 0, 199])
+    for path in kernels.paths():
+        whole = kernels.int8_blocks_mm(x, w.q, w.scales, path)  # (9, 200)
+        for rows in (1, 5, 9):
+            got = kernels.int8_blocks_mm(x[:rows], w.q, w.scales, path, ids=ids[:rows])
+            assert torch.equal(got, whole[:rows].gather(1, ids[:rows])), (path, rows)
+    none = kernels.int8_blocks_mm(x, w.q, w.scales, ids=ids[:, :0])
+    assert none.shape == (9, 0)
+
+
+def test_top_k_ids_picks_each_rows_highest_as_torch_topk(int8_dot_built):
+    """Each row's k highest columns in ascending order: torch.topk's set; of equal logits the
+    lower columns, NaN below -inf; a row's k whatever the other rows are."""
+    logits = torch.randn(6, 5000) * 4
+    got = kernels.top_k_ids(logits, 256)
+    assert torch.equal(got, logits.topk(256, dim=-1).indices.sort(-1).values)
+    for r in range(6):
+        assert torch.equal(kernels.top_k_ids(logits[r : r + 1], 256), got[r : r + 1])
+    ties = torch.zeros(3, 40)
+    ties[0, 20:] = 1.0  # twenty equal highest: the first four of them
+    ties[1, :] = float("-inf")
+    ties[1, 7] = float("nan")
+    ties[2, 30] = float("nan")
+    assert kernels.top_k_ids(ties, 4).tolist() == [[20, 21, 22, 23], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert kernels.top_k_ids(ties, 40)[0].tolist() == list(range(40))
+    for k in (0, 41):
+        with pytest.raises(RuntimeError, match=f"k must lie in 1..40 .logits' columns., got {k}"):
+            kernels.top_k_ids(ties, k)
+    with pytest.raises(RuntimeError, match="logits must be torch.float32 .R, N."):
+        kernels.top_k_ids(ties.double(), 4)
+
+
 def test_int8_blocks_kernel_names_a_bad_argument_in_one_line(int8_dot_built):
     q, d = torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2)
     with pytest.raises(RuntimeError, match=r"d must have shape \(N, K/32\) or \(N, K/16\)"):
         kernels.int8_blocks_mm(torch.zeros(1, 64), q, torch.zeros(4, 3))
     with pytest.raises(RuntimeError, match="q must be torch.int8, got torch.uint8"):
         kernels.int8_blocks_mm(torch.zeros(1, 64), q.view(torch.uint8), d)
+    with pytest.raises(RuntimeError, match=r"ids must lie in 0..3 \(q's rows\), got 4"):
+        kernels.int8_blocks_mm(torch.zeros(1, 64), q, d, ids=torch.tensor([[0, 4]]))
+    with pytest.raises(RuntimeError, match=r"ids must be torch.int64 \(M, k\) on the CPU"):
+        kernels.int8_blocks_mm(torch.zeros(2, 64), q, d, ids=torch.tensor([[0, 1]]))
     with pytest.raises(WeightsError, match="int8 blocks of 8 columns are not one of 32, 16"):
         Int8BlockLinear(Int8Blocks(q, torch.zeros(4, 8)), None, torch.float32)
     with pytest.raises(WeightsError, match="int8 blocks need a multiple of 32 input columns"):

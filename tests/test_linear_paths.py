@@ -32,6 +32,7 @@ from qinfer.linear.choose import choose_paths
 from qinfer.linear.compute import cpu_class
 from qinfer.linear.grouped import StackedDenseLinear
 from qinfer.linear.int4 import _cpu_block_rows
+from qinfer.linear.logits import EXACT_TOP_INT8
 
 # ------------------------------------------------- paths: kernel, fp32 tiles, bf16 tiles
 
@@ -342,36 +343,44 @@ def test_a_bf16_head_gives_each_row_its_top_logits_as_fp32_computes_them(kind):
 @pytest.mark.parametrize("kind", ["int8", "int8/32", "int4/32"])
 def test_an_int8_dot_head_gives_each_row_its_top_logits_as_fp32_computes_them(int8_dot_built, kind):
     """The compiled kernel takes the fp32 input and writes fp32, its activations rounded
-    to int8: the 16 highest of each row are still recomputed exactly, the rest lie within
-    the int8 rounding (half a step of each block of 32, test_int_dot_kernels' bound)."""
+    to int8: the 256 highest of each row are recomputed exactly (int8 blocks: by their exact
+    kernel, the bits of its whole product; the other kinds in fp64 sums rounded to fp32), the
+    rest lie within the int8 rounding (half a step of each block of 32, test_int_dot_kernels'
+    bound)."""
     head = head_kinds()[kind]
     head.use_head_path("int8_dot")
     x = torch.randn(5, 256) * 3
     got = head.logits(x, torch.bfloat16)
     weight = head.rows(torch.arange(1000)).double()
     exact = (x.double() @ weight.T).float()
-    top = exact.topk(8, dim=-1).indices
+    if kind == "int8/32":
+        head.use_head_path("kernel")
+        exact = head.logits(x, torch.float32)  # the exact kernel's, within fp32 sums of fp64's
+        torch.testing.assert_close(exact.double(), x.double() @ weight.T, rtol=0, atol=1e-4)
+    top = exact.topk(EXACT_TOP_INT8 - 16, dim=-1).indices  # clear of the int8 pass's choice
     assert torch.equal(got.gather(1, top), exact.gather(1, top))
     _, dx, _ = kernels.quantize_q8_1(x)
     rounding = 0.5 * dx.double().repeat_interleave(32, 1) @ weight.abs().T
     assert ((got.double() - exact.double()).abs() <= rounding + 1e-4).all()
+    assert (got != exact).sum() > 5 * 500  # the rest: the int8 pass's
 
 
 def test_a_quantized_head_keeps_its_kernel_unless_int8_dot_is_forced(monkeypatch):
-    """int8_dot is faster at the head but moves the KL divergence (rule_head_path): the rule
-    keeps torch's kernel; QINFER_LINEAR_PATH=head=int8_dot (or int8_dot for all) takes it."""
+    """int8_dot moves the logits below the recomputed top (rule_head_path): the rule keeps the
+    kind's kernel, int8 blocks' too; QINFER_LINEAR_PATH=head=int8_dot (or int8_dot for all)
+    takes it."""
     monkeypatch.setattr(kernels, "buildable", lambda: True)
-    layers = three_layers()
+    layers = torch.nn.ModuleList([*three_layers(), quantized("int8/32", 96, torch.bfloat16)])
     monkeypatch.delenv(choose.ENV, raising=False)
     choose_paths(layers)
-    assert [layer.head_path for layer in layers] == ["kernel"] * 3
+    assert [layer.head_path for layer in layers] == ["kernel"] * 4
     for forced in ("head=int8_dot", "int8_dot"):
         monkeypatch.setenv(choose.ENV, forced)
         choose_paths(layers)
-        assert [layer.head_path for layer in layers] == ["int8_dot"] * 3
+        assert [layer.head_path for layer in layers] == ["int8_dot"] * 4
     monkeypatch.setenv(choose.ENV, "bf16_tiles")  # a tile path is no head path: the rule's
     choose_paths(layers)
-    assert [layer.head_path for layer in layers] == ["kernel"] * 3
+    assert [layer.head_path for layer in layers] == ["kernel"] * 4
     monkeypatch.setenv(choose.ENV, "head=bf16_tiles")
     with pytest.raises(ConfigError, match="head: kernel or int8_dot"):
         choose_paths(layers)

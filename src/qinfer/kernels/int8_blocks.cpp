@@ -50,6 +50,9 @@ struct WeightsF {
   BlockScales<S> d;     // (N, K/B)
   int64_t nb;           // K / 32 (the grain's measure of K, as the other kinds')
   int64_t B;            // 16 or 32
+  // output column n is the weight's row ids[n] (the head's gathered top rows), or null: row n
+  const int64_t* ids = nullptr;
+  QINFER_INLINE int64_t row_of(int64_t n) const { return ids ? ids[n] : n; }
 };
 
 // A tile's row pointers into the weight (its C columns' q and d) and the activations (its R
@@ -64,8 +67,8 @@ struct TileRows {
     const int64_t K = w.nb * kBlock, row = kSub<S> ? q6_row_bytes(K) : K;
     blocks = K / w.B;
     for (int c = 0; c < C; ++c) {
-      q[c] = w.q + (n0 + c) * row;
-      d[c] = w.d.column(n0 + c, blocks);
+      q[c] = w.q + w.row_of(n0 + c) * row;
+      d[c] = w.d.column(w.row_of(n0 + c), blocks);
     }
     for (int i = 0; i < R; ++i) x[i] = a.x + (r0 + i) * K;
   }
@@ -258,8 +261,8 @@ template <typename S>
 void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a, int64_t r,
                                   float* out, int64_t ldo) {
   const int64_t K = w.nb * kBlock, B = w.B, blocks = K / B;
-  const int8_t* q = w.q + n * (kSub<S> ? q6_row_bytes(K) : K);
-  const BlockScales<S> d = w.d.column(n, blocks);
+  const int8_t* q = w.q + w.row_of(n) * (kSub<S> ? q6_row_bytes(K) : K);
+  const BlockScales<S> d = w.d.column(w.row_of(n), blocks);
   const float* x = a.x + r * K;
   float acc[2] = {0.0f, 0.0f};  // even columns, odd columns (chunks of one)
   for (int64_t k = 0; k < K; ++k) {
@@ -269,11 +272,26 @@ void Int8BlocksF32<S>::dot_scalar(const WeightsF<S>& w, int64_t n, const ActF& a
   out[r * ldo + n] = acc[0] + acc[1];
 }
 
+// ids (M, k) int64, each in 0..N-1: the weight's rows each row of x takes (contiguous).
+at::Tensor checked_ids(const at::Tensor& ids, int64_t M, int64_t N) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 2 &&
+                  ids.size(0) == M,
+              "int8_blocks_mm: ids must be torch.int64 (M, k) on the CPU for x's M = ", M,
+              ", got ", dtype_name(ids.scalar_type()), " ", shape_str(ids));
+  const at::Tensor c = ids.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < c.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < N, "int8_blocks_mm: ids must lie in 0..", N - 1,
+                " (q's rows), got ", p[i]);
+  return c;
+}
+
 }  // namespace
 
 at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& d_in,
                           const std::string& path_name_in,
-                          const c10::optional<at::Tensor>& d_super_in) {
+                          const c10::optional<at::Tensor>& d_super_in,
+                          const c10::optional<at::Tensor>& ids_in) {
   check_x("int8_blocks_mm", x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(q_in.dim() == 2, "int8_blocks_mm: q must be 2-D (N, K), got shape ", shape_str(q_in));
@@ -294,15 +312,27 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
   const at::Tensor q = checked_values("int8_blocks_mm", q_in, d_in, N, K);
   const Isa path = vector_isa(resolve_path("int8_blocks_mm", path_name_in, kDotPaths));
   const at::Tensor d = d_in.contiguous();
-  at::Tensor out = at::empty({M, N}, x_in.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out;
+  const at::Tensor ids = ids_in ? checked_ids(*ids_in, M, N) : at::Tensor();
+  const int64_t columns = ids.defined() ? ids.size(1) : N;
+  at::Tensor out = at::empty({M, columns}, x_in.options().dtype(at::kFloat));
+  if (M == 0 || columns == 0) return out;
   at::Tensor x32;
   const ActF a = fp32_activations(x_in, x32);
   with_block_scales(d, [&](auto tag) {
     using S = decltype(tag);
     const BlockScales<S> scales{d.data_ptr<S>(), super_data(d_super)};
-    const WeightsF<S> w{values_data(q), scales, K / kBlock, B};
-    matmul<Int8BlocksF32<S>>(path, w, N, M, a, out.data_ptr<float>());
+    WeightsF<S> w{values_data(q), scales, K / kBlock, B};
+    if (!ids.defined()) {
+      matmul<Int8BlocksF32<S>>(path, w, N, M, a, out.data_ptr<float>());
+      return;
+    }
+    // row r against its own rows of the weight: one row's matmul over its gathered columns
+    // (each output takes the steps it takes in the whole product, so the same bits)
+    for (int64_t r = 0; r < M; ++r) {
+      w.ids = ids.data_ptr<int64_t>() + r * columns;
+      matmul<Int8BlocksF32<S>>(path, w, columns, 1, ActF{a.x + r * K},
+                               out.data_ptr<float>() + r * columns);
+    }
   });
   return out;
 }

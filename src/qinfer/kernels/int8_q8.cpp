@@ -31,9 +31,12 @@ namespace {
 // Q8_0, Q5_0, Q6_K), times the activations in the row's own order (`qx_pos<true>`):
 //   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
 //   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
-// The signed x signed products take llama.cpp's q8_0 trick: |w| (unsigned; -128's is 128)
-// times x with w's sign, so that VNNI's u8 x s8 dpbusd and AVX2's maddubs (128 * 127 * 2 <
-// 2^15: no saturation) serve. Per output: acc (lanes) += float(dot lanes) * scale lanes,
+// The signed x signed products go through unsigned x signed instructions. VNNI's dpbusd:
+// (x + 128) . w, the activations made unsigned once for all the tile's columns (x ^ 0x80),
+// from -128 sum(w) (a dpbusd per weight pair, once for all its rows) as the accumulator, so a
+// row and column take one dpbusd a pair; (x + 128) w sums at most 255 * 128 * 4 a lane. AVX2's
+// maddubs: llama.cpp's q8_0 trick, |w| (unsigned; -128's is 128) times x with w's sign
+// (128 * 127 * 2 < 2^15: no saturation). Either is the exact integer dot. Per output: acc (lanes) += float(dot lanes) * scale lanes,
 // pair by pair, where a lane's scale is dx (rows) or dx * d of the weight block its 4 bytes
 // lie in (blocks); out = horizontal sum of acc (a fixed tree), times the row's scale (rows).
 // The integer dots are exact and every output takes the same steps at any row count. Q6_K's
@@ -74,7 +77,7 @@ QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n
   const __m512i scale_lanes = L == 2
       ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
       : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));  // +128 as u8; x ^ it
   const int8_t* q[C];
   BlockScales<S> d[C];
   #pragma GCC unroll 8
@@ -87,11 +90,11 @@ QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n
   __m512 acc[C][R];
   clear(acc);
   for (int64_t p = 0; p < np; ++p) {
-    __m512i x[R];
+    __m512i x[R];  // x + 128, unsigned
     __m512 dx[R];
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      x[i] = _mm512_loadu_si512(qx[i] + p * 64);
+      x[i] = _mm512_xor_si512(_mm512_loadu_si512(qx[i] + p * 64), bias);
       dx[i] = _mm512_permutexvar_ps(pair_lanes,
                                     _mm512_castps256_ps512(_mm256_loadu_ps(dx8[i] + p * 8)));
     }
@@ -104,8 +107,9 @@ QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n
       __m512i wq;
       if constexpr (Packed) wq = q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(pair)));
       else wq = p < full ? _mm512_loadu_si512(pair) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, pair);
-      const __m512i magnitude = _mm512_abs_epi8(wq);
-      const __mmask64 negative = _mm512_movepi8_mask(wq);
+      // -128 sum(w) per dword: (x + 128) . w plus it is x . w
+      const __m512i offset =
+          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq));
       [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
       if constexpr (L > 0) {
         ws = _mm512_permutexvar_ps(
@@ -113,8 +117,7 @@ QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n
       }
       #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        const __m512i signed_x = _mm512_mask_sub_epi8(x[i], negative, zero, x[i]);
-        const __m512i dot = _mm512_dpbusd_epi32(zero, magnitude, signed_x);
+        const __m512i dot = _mm512_dpbusd_epi32(offset, x[i], wq);
         const __m512 scale = L > 0 ? _mm512_mul_ps(dx[i], ws) : dx[i];
         acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][i]);
       }

@@ -35,7 +35,8 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto', Tensor? d_super=None) "
           "-> Tensor");
   lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto', "
-          "Tensor? d_super=None) -> Tensor");
+          "Tensor? d_super=None, Tensor? ids=None) -> Tensor");
+  lib.def("top_k_ids(Tensor logits, int k) -> Tensor");
   lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
   lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
           "str path='auto') -> Tensor");
@@ -62,6 +63,7 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("int4_mm", &int4_mm);
   lib.impl("int8_mm", &int8_mm);
   lib.impl("int8_blocks_mm", &int8_blocks_mm);
+  lib.impl("top_k_ids", &top_k_ids);
   lib.impl("int4_groups_mm", &int4_groups_mm);
   lib.impl("add_rms_norm", &add_rms_norm);
   lib.impl("heads_rms_norm", &heads_rms_norm);

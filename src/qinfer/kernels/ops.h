@@ -23,7 +23,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
                    const std::string& path, const c10::optional<at::Tensor>& d_super);
 // int8_blocks.cpp
 at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
-                          const std::string& path, const c10::optional<at::Tensor>& d_super);
+                          const std::string& path, const c10::optional<at::Tensor>& d_super,
+                          const c10::optional<at::Tensor>& ids);
+// top_k.cpp
+at::Tensor top_k_ids(const at::Tensor& logits, int64_t k);
 // int4_groups.cpp
 at::Tensor int4_groups_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                           const c10::optional<at::Tensor>& m, const std::string& path);

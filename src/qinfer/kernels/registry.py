@@ -48,6 +48,15 @@ def _rows_by_columns(x: torch.Tensor, columns: torch.Tensor, *_: object) -> torc
     return x.new_empty((x.shape[0], columns.shape[0]), dtype=torch.float32)  # (M, N)
 
 
+def _blocks_by_columns(x, q, d, path="auto", d_super=None, ids=None) -> torch.Tensor:  # noqa: ANN001
+    columns = q.shape[0] if ids is None else ids.shape[1]
+    return x.new_empty((x.shape[0], columns), dtype=torch.float32)  # (M, N) or (M, k)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int64)  # (R, k)
+
+
 def _quantized(x: torch.Tensor, path: str = "auto") -> tuple[torch.Tensor, ...]:
     M, K = x.shape
     blocks = (M, K // BLOCK)
@@ -86,7 +95,8 @@ def _in_place(*_: object) -> None:  # lora_add: y updated, nothing returned
 FAKE_KERNELS = {
     "int4_mm": _rows_by_columns,
     "int8_mm": _rows_by_columns,
-    "int8_blocks_mm": _rows_by_columns,
+    "int8_blocks_mm": _blocks_by_columns,
+    "top_k_ids": _top_k,
     "int4_groups_mm": _rows_by_columns,
     "quantize_q8_1": _quantized,
     "add_rms_norm": _add_normed,

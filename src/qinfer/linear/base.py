@@ -14,7 +14,7 @@ import torch
 from qinfer.core.errors import WeightsError
 from qinfer.core.forward_batch import AdapterRows
 from qinfer.core.module import Module
-from qinfer.linear.logits import fp32_logits
+from qinfer.linear.logits import exact_from_rows, fp32_logits
 
 
 class Linear(Module, ABC):
@@ -53,6 +53,11 @@ class Linear(Module, ABC):
     def has_rows(self) -> bool:
         """Whether `rows` works for this weight where it lives."""
         return False
+
+    def exact_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (R, in_features) fp32, ids (R, k) -> (R, k) fp32 logits of those rows of W,
+        exactly (`qinfer.linear.logits.exact_from_rows`): the top that `logits` recomputes."""
+        return exact_from_rows(self, x, ids)
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The lm_head's call: x (R, in_features) fp32 -> fp32 logits (R, out_features),

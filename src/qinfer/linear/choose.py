@@ -94,11 +94,12 @@ def forced_paths() -> dict[str, str]:
 
 def rule_head_path(layer: QuantizedLinear) -> str:
     """The lm_head's path: the kind's kernel (torch's; int8 blocks: qinfer's exact one).
-    int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`) ran 1.6-3x faster on a 49152 x 576 and a
-    151936 x 1024 head, but its int8 activations move the logits below the exactly
-    recomputed top 16 enough to show in the KL divergence to fp32 (SmolLM2 Q4_1 on real
-    text, the head then int8 rows: 0.00305 -> 0.00352, mid-document windows 0.00316 ->
-    0.00358, llama.cpp's own 0.00352; docs/BENCHMARKS.md)."""
+    int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`, each row's top EXACT_TOP_INT8 (256)
+    recomputed exactly) holds the KL bound but spends most of its margin for little speed:
+    SmolLM2 Q4_1's KL to fp32 on real text 0.00220 -> 0.00250 (the bound 0.00269), the
+    32-request engine rows 3-4% faster on Qwen3-0.6B (Q8_0 head) and Qwen3.5-0.8B (Q6_K), the
+    same at one and eight rows: `int8_mm` multiplies int8 blocks at 250-400 GOP/s against
+    the exact kernel's 240-280 GFLOP/s (docs/BENCHMARKS.md)."""
     return KERNEL
 
 

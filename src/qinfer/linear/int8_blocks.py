@@ -257,6 +257,15 @@ class Int8BlockLinear(QuantizedLinear):
     def has_rows(self) -> bool:
         return True
 
+    def exact_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 kernel on x's rows against their rows of W alone, the bits it gives
+        them in the whole product (the recompute of an int8_dot head: ~0.5 ms for 32 rows of
+        256 where fp64 sums over the gathered rows took ~40); off the CPU or without the
+        kernels, `Linear.exact_logits`."""
+        if self.device.type != "cpu" or _kernel_missing() is not None:
+            return super().exact_logits(x, ids)
+        return kernels.int8_blocks_mm(x, self.q, self.scales, d_super=self.super_scales, ids=ids)
+
     @property
     def nbytes(self) -> int:
         supers = 0 if self.super_scales is None else self.super_scales.nbytes

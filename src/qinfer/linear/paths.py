@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from qinfer import kernels
 from qinfer.core.errors import WeightsError
 from qinfer.linear.base import Linear
-from qinfer.linear.logits import fp32_logits
+from qinfer.linear.logits import EXACT_TOP_INT8, fp32_logits
 
 #: Calls with at most this many rows (of the flattened activations) take the decode choice.
 DECODE_MAX_ROWS = 16
@@ -120,9 +120,10 @@ class QuantizedLinear(Linear):
         self._any_rows, self.head_path = self._path(path), path
 
     def logits(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """As `Linear.logits`; int8_dot takes the fp32 input as it is and writes fp32."""
+        """As `Linear.logits`; int8_dot takes the fp32 input as it is and writes fp32, its
+        top EXACT_TOP_INT8 of each row recomputed."""
         if self.head_path == INT8_DOT:
-            return fp32_logits(self, x, torch.float32, exact=False)
+            return fp32_logits(self, x, torch.float32, exact=False, top=EXACT_TOP_INT8)
         return fp32_logits(self, x, dtype)
 
     @property

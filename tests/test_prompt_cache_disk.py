@@ -2,9 +2,10 @@
 prompt's K/V blocks from disk instead of computing them, and generates what the cold
 engine did; bad files (a flipped byte, a truncated file, another model's) are ignored with
 one warning each; the directory stays under its size, oldest blocks removed first; engines
-sharing a directory read each other's blocks; `qinfer serve` counts the tokens read.
+sharing a directory read each other's blocks; `qinfer serve` counts the tokens read; a
+hybrid model (Qwen3.5) reads the state after a prompt's blocks with them, or nothing.
 
-Every engine here runs a tiny random Qwen3 in float32 on blocks of 8 tokens.
+Every engine here runs a tiny random Qwen3 (or Qwen3.5) in float32 on blocks of 8 tokens.
 """
 
 import logging
@@ -212,11 +213,69 @@ def test_a_directory_that_cannot_be_written_is_refused_naming_the_flag(model, tm
         make_llm(model, blocker / "cache")
 
 
-def test_a_hybrid_model_keeps_its_prompt_cache_in_memory(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="qinfer.engine.engine"):
-        llm = make_llm(random_model("qwen3_5", **QWEN3_5), tmp_path)
-    assert llm.engine.disk_cache is None
-    assert any("linear-attention" in r.getMessage() for r in caplog.records)
+@pytest.fixture(scope="module")
+def hybrid():
+    return random_model("qwen3_5", **QWEN3_5)
+
+
+def state_file(llm: LLM, blocks: int, prompt=PROMPT):
+    """The file that would hold the state after prompt's first `blocks` blocks."""
+    disk = llm.engine.disk_cache
+    digest, _ = disk.digests(Sequence("probe", prompt), blocks, BLOCK)[-1]
+    return disk.folder / f"{digest}.kvs"
+
+
+def test_a_restarted_hybrid_engine_reads_the_prompt_and_its_state_from_disk(hybrid, tmp_path):
+    """Qwen3.5 (Gated DeltaNet + attention): the snapshot of the state after the prompt's
+    last full block is written beside that block; a restarted engine reads the 7 blocks and
+    the state, and gives the memory hit's logits, bit for bit. A flush removes it too."""
+    cold, warm = cold_then_cached(hybrid, tmp_path)
+    assert warm.num_cached_tokens == 56
+    llm = make_llm(hybrid, tmp_path)
+    assert state_file(llm, 7).exists()
+    assert not any(state_file(llm, n).exists() for n in range(1, 7))  # no snapshot there
+    restarted = run(llm)
+    stats = llm.engine.stats()
+    assert stats.prompt_tokens_from_disk_total == 56
+    assert stats.prompt_tokens_computed_total == len(PROMPT) - 56
+    assert restarted.num_cached_tokens == 56
+    assert restarted.token_ids == cold.token_ids
+    assert logprobs(restarted) == logprobs(warm)
+    longer = PROMPT + [5, 6, 7] * 10  # shares the 7 blocks, and the state after them
+    reader = make_llm(hybrid, tmp_path)
+    output = run(reader, longer)
+    reader.close()
+    assert output.num_cached_tokens == 56
+    assert output.token_ids == run(LLM(hybrid, None, block_size=BLOCK), longer).token_ids
+    llm.engine.disk_cache.flush()
+    files = list(llm.engine.disk_cache.folder.iterdir())
+    assert llm.engine.block_manager.flush_prefix_cache().dropped_disk_blocks == len(files)
+    assert {path.suffix for path in files} == {".kvb", ".kvs"}
+    assert not any(llm.engine.disk_cache.folder.iterdir())
+    llm.close()
+
+
+@pytest.mark.parametrize(("state", "why"), [(True, "checksum"), (False, "checksum")])
+def test_a_hybrid_hit_without_its_state_or_blocks_reads_nothing(
+    hybrid, tmp_path, caplog, state, why
+):
+    """A bad state file, or a bad block before it: one warning naming the file, nothing
+    read (a hybrid hit needs the state at its end, after every block), the cold tokens;
+    the run writes the file again."""
+    cold, _ = cold_then_cached(hybrid, tmp_path)
+    llm = make_llm(hybrid, tmp_path)
+    bad = state_file(llm, 7) if state else block_files(llm)[3]
+    flip_a_byte(bad)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qinfer.engine.disk_cache"):
+        output = run(llm)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and why in warnings[0], warnings
+    stats = llm.engine.stats()
+    assert stats.prompt_tokens_from_disk_total == 0 and output.num_cached_tokens == 0
+    assert output.token_ids == cold.token_ids
+    llm.close()
+    assert bad.exists()
 
 
 def test_a_restarted_server_counts_the_prompt_tokens_it_read_from_disk(qwen3_chat_folder, tmp_path):

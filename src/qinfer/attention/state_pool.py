@@ -119,6 +119,21 @@ class StatePool:
             for t in tensors.values():
                 t[slot].zero_()
 
+    def read_row(self, row: int) -> list[torch.Tensor]:
+        """Copies of `row`'s state on the CPU: every layer's conv window, then every layer's
+        matrix (a snapshot as the disk tier stores it)."""
+        tensors = [*self.conv.values(), *self.recurrent.values()]
+        return [t[row].to("cpu", copy=True) for t in tensors]
+
+    def row_shapes(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype of each of `read_row`'s tensors."""
+        return [(t.shape[1:], t.dtype) for t in (*self.conv.values(), *self.recurrent.values())]
+
+    def write_row(self, row: int, tensors: list[torch.Tensor]) -> None:
+        """Set `row`'s state to `tensors`, as `read_row` gives them."""
+        for t, value in zip((*self.conv.values(), *self.recurrent.values()), tensors, strict=True):
+            t[row].copy_(value)
+
     def checkpoint_row(self, slot: int) -> int:
         """The row where `slot`'s state before a step's proposed tokens is kept."""
         return self.slots + self.snapshots + slot

@@ -68,7 +68,8 @@ few: `EngineConfig.state_snapshots` rows (by default at most a quarter of the po
 budget and at most max_num_seqs), a prompt's end never taking the row of a prefix that
 served a hit or where prompts diverged, least recently used first (`StateSnapshots`). A
 snapshot outlives its blocks only until its row is taken (a hit needs both); a flush
-forgets them all. The disk tier keeps none: a hybrid model's engine has no disk tier.
+forgets them all. The disk tier keeps the snapshots held after a finished sequence's blocks
+beside those blocks (`save_to_disk`); a disk hit ends at the last of them it finds.
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ class BlockPool:
 class CacheFlush:
     """What `BlockManager.flush_prefix_cache` did, in space 0's blocks: prefixes forgotten
     (free blocks) and kept (blocks that running sequences hold: forgotten once freed and
-    reused, never taken from them); and the disk tier's block files removed (0 without
-    one)."""
+    reused, never taken from them); and the disk tier's files removed, blocks and a hybrid
+    model's states (0 without one)."""
 
     dropped_blocks: int
     kept_blocks: int
@@ -273,7 +274,7 @@ class BlockManager:
         # one only for models whose every space keeps whole histories
         self.disk = disk
         if disk is not None:
-            disk.block_pools = self.pools
+            disk.block_pools, disk.snapshots = self.pools, self.snapshots
 
     @property
     def num_blocks(self) -> int:
@@ -393,12 +394,30 @@ class BlockManager:
     def _read_from_disk(self, seq: Sequence) -> None:
         """Extend a sequence's prefix hit with the blocks that follow it on disk: each read
         into a fresh block of every space and registered as a computed one would be, until
-        the first block missing there, or until a space has fewer than two free blocks."""
+        the first block missing there, or until a space has fewer than two free blocks. A
+        hybrid model's hit must end where a state is: it runs to the last block with a state
+        file, that state read into the sequence's slot (its own: no other step reads it),
+        every block up to it read, or the hit stays what it was (the blocks read are given
+        back, still cached)."""
         size, first = self.block_size, seq.num_hashed_blocks
         last = (seq.num_tokens - 1) // size  # at least one token is left to compute
         if first >= last:
             return
         names = self.disk.digests(seq, last, size)
+        state = None
+        if self.state_slots:
+            # the last block with a state after it (a prompt sent again: its last, at once)
+            end = next(
+                (i for i in range(last, first, -1) if self.disk.has_state(names[i - 1][0])), 0
+            )
+            # its blocks and one for the tokens left to compute
+            if not end or any(pool.num_free_blocks < end - first + 1 for pool in self.pools):
+                return
+            last = end
+            state = self.disk.read_state(*names[last - 1])
+            if state is None:
+                return
+        before = seq.num_computed_tokens, seq.last_block_key
         for i in range(first, last):
             # this block and one for the tokens left to compute
             if any(pool.num_free_blocks < 2 for pool in self.pools):
@@ -412,7 +431,19 @@ class BlockManager:
                 kv.write_block(table[-1], part)
             seq.num_computed_tokens += size
             self._register(seq)
-            self.disk.tokens_read += size
+        read = seq.num_computed_tokens - before[0]
+        if state is None:
+            self.disk.tokens_read += read
+        elif read == (last - first) * size:
+            self.disk.states.write_row(seq.state_slot, state)
+            seq.snapshot_source = None  # the slot holds the state at the hit's new end
+            self.disk.tokens_read += read
+        else:  # short of the state's block: no state to start from past the hit
+            for pool, table in zip(self.pools, self._tables(seq), strict=True):
+                for _ in range(read // size):
+                    pool.release(table.pop())
+            seq.num_computed_tokens, seq.last_block_key = before
+            seq.num_hashed_blocks = first
 
     def save_to_disk(self, seq: Sequence) -> None:
         """Hand the disk tier every full block of `seq` registered in the prefix cache
@@ -422,6 +453,12 @@ class BlockManager:
         names = self.disk.digests(seq, seq.num_hashed_blocks, self.block_size)
         tables = self._tables(seq)
         self.disk.save([(*name, [table[i] for table in tables]) for i, name in enumerate(names)])
+        if self.snapshots is not None:  # the states held after its blocks
+            blocks = self.pools[0].blocks
+            rows = [self.snapshots.row_of(blocks[block].content_id) for block in tables[0]]
+            self.disk.save_states(
+                [(*name, row) for name, row in zip(names, rows, strict=False) if row is not None]
+            )
 
     def _longest_hit(self, held: list[list[Block | None]]) -> int:
         """The most leading blocks of a prefix hit (held: each space's blocks of its indices)

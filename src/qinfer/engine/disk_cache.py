@@ -3,6 +3,7 @@ restarted engine, or another process on the machine, reads a long prompt's K/V i
 recomputing them (`--prompt-cache-dir`, `--prompt-cache-size`).
 
     DIR/<model fingerprint>/<block digest>.kvb      one block (`qinfer.engine.block_file`)
+    DIR/<model fingerprint>/<block digest>.kvs      a hybrid model's state after that block
 
 Keys. A block's digest chains over its parent's (blake2b, 128 bits) and its key (the prefix
 cache's `Sequence.block_key`: token ids and image digests), from a root that is the model's
@@ -24,6 +25,16 @@ Reading. On an in-memory miss, the block manager asks for the next blocks of the
 payload's length and crc32 hold; otherwise it is removed with one warning (it can never
 be right for this model: its name is this model's digest).
 
+States. A hybrid model's prefix cache needs, besides a prefix's K/V, its Gated DeltaNet
+state after exactly those tokens (`engine.block_manager`, "State snapshots"). So the
+snapshots held in memory for a finished sequence's blocks are written too, each beside its
+block, in the same format (the key tagged `STATE_KEY`, so that neither kind of file passes
+for the other): every DeltaNet layer's conv window and fp32 matrix, as `StatePool.read_row`
+gives them (Qwen3.5-0.8B: 18.6 MiB, as much as ~100 of its blocks of 16 tokens). The
+writer checks the snapshot row's reservation count (`StateSnapshots.generation`) after its
+copy, as it checks a block's. A disk hit then runs to the last block whose state file is
+there, read whole with its blocks, or not at all (`BlockManager._read_from_disk`).
+
 Bounds. The writer keeps DIR (every model's files) under `max_bytes`: past it, it removes
 the least recently used files (by mtime: a read touches its file) until 90% of it.
 """
@@ -44,6 +55,7 @@ from pathlib import Path
 import torch
 
 from qinfer.attention.kv_pool import KVPool
+from qinfer.attention.state_pool import StatePool
 from qinfer.core.errors import QinferError
 from qinfer.engine.block_file import BadBlockFile, decode, encode, encode_key
 from qinfer.engine.sequence import Sequence
@@ -52,6 +64,9 @@ from qinfer.model.transformer import Transformer
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
+STATE_SUFFIX = ".kvs"
+#: Prefixes a state file's key: a state and its block share the digest, never the key.
+STATE_KEY = b"state:"
 #: Changes when the file format or what the fingerprint covers does.
 FORMAT_VERSION = b"qinfer-kv-1"
 #: Elements of each weight tensor the fingerprint samples (spread over the tensor).
@@ -86,21 +101,43 @@ class _Write:
     generations: list[int]
 
 
+@dataclass(frozen=True)
+class _StateWrite:
+    """A state to write: its block's digest and key, the snapshot row holding it and the
+    row's reservation count when the request finished."""
+
+    digest: str
+    key: bytes
+    row: int
+    generation: int
+
+
 class DiskCache:
     """The disk tier of one engine: `digests` names a sequence's blocks, `read` gives a
-    block's tensors for each pool, `save` queues blocks for the writer thread."""
+    block's tensors for each pool, `save` queues blocks for the writer thread; for a hybrid
+    model (`states`: its recurrent-state pool) `read_state` and `save_states` do the same
+    for the state after a block."""
 
     def __init__(
-        self, directory: str | Path, max_bytes: int, fingerprint: str, pools: list[KVPool]
+        self,
+        directory: str | Path,
+        max_bytes: int,
+        fingerprint: str,
+        pools: list[KVPool],
+        states: StatePool | None = None,
     ) -> None:
         self.root = Path(directory)
         self.fingerprint = fingerprint
         self.folder = self.root / fingerprint
         self.max_bytes = max_bytes
         self.pools = pools
-        # the block manager's pools (`BlockPool`), set by it: their allocation counts
+        self.states = states
+        # the block manager's pools (`BlockPool`) and snapshot index (`StateSnapshots`), set
+        # by it: their allocation and reservation counts
         self.block_pools: list = []
+        self.snapshots = None
         self.known: set[str] = set()  # digests on disk (written or read by this process)
+        self.known_states: set[str] = set()  # the same for states
         self.tokens_read = 0
         self._check_writable()
         self._warn_of_other_models()
@@ -146,42 +183,60 @@ class DiskCache:
             out.append((parent.hex(), key))
         return out
 
-    def _path(self, digest: str) -> Path:
-        return self.folder / (digest + SUFFIX)
+    def _path(self, digest: str, suffix: str = SUFFIX) -> Path:
+        return self.folder / (digest + suffix)
 
     # -- reading ----------------------------------------------------------------------
 
     def read(self, digest: str, key: bytes) -> list[list[torch.Tensor]] | None:
         """The block's tensors for each pool (`KVPool.read_block`'s), or None when no
         usable file holds it (a bad one is removed, with one warning)."""
-        path = self._path(digest)
+        shapes = [shape for pool in self.pools for shape in pool.block_shapes()]
+        tensors = self._read_file(digest, key, SUFFIX, shapes, self.known)
+        if tensors is None:
+            return None
+        parts, start = [], 0
+        for pool in self.pools:
+            n = len(pool.tensors)
+            parts.append(tensors[start : start + n])
+            start += n
+        return parts
+
+    def has_state(self, digest: str) -> bool:
+        """Whether a state file for the prefix ending at this block is there (not yet read)."""
+        return self._path(digest, STATE_SUFFIX).exists()
+
+    def read_state(self, digest: str, key: bytes) -> list[torch.Tensor] | None:
+        """The state after the block (`StatePool.read_row`'s tensors), or None as `read`."""
+        shapes = self.states.row_shapes()
+        return self._read_file(digest, STATE_KEY + key, STATE_SUFFIX, shapes, self.known_states)
+
+    def _read_file(
+        self, digest: str, key: bytes, suffix: str, shapes: list, known: set[str]
+    ) -> list[torch.Tensor] | None:
+        """A file's tensors if it is this model's `digest` holding `key`, whole, with these
+        (shape, dtype)s; else None (a bad file removed, with one warning)."""
+        path = self._path(digest, suffix)
         try:
             data = path.read_bytes()
         except OSError:  # not there (or evicted by another process meanwhile)
-            self.known.discard(digest)
+            known.discard(digest)
             return None
         try:
             tensors = decode(data, self.fingerprint, digest, key)
-            parts, start = [], 0
-            for pool in self.pools:
-                n = len(pool.tensors)
-                parts.append(tensors[start : start + n])
-                start += n
-            if start != len(tensors) or [[(t.shape, t.dtype) for t in part] for part in parts] != [
-                pool.block_shapes() for pool in self.pools
-            ]:
+            if [(t.shape, t.dtype) for t in tensors] != [(torch.Size(s), d) for s, d in shapes]:
                 raise BadBlockFile("its tensors' shapes are not this pool's")
         except BadBlockFile as why:
             log.warning("prompt cache: ignoring %s: %s", path, why)
-            self.known.discard(digest)
+            known.discard(digest)
             path.unlink(missing_ok=True)
             return None
         try:  # least recently used last (a time of ns, not the file system's coarse clock)
             os.utime(path, ns=(time.time_ns(), time.time_ns()))
         except OSError:
             pass
-        self.known.add(digest)
-        return parts
+        known.add(digest)
+        return tensors
 
     # -- writing ----------------------------------------------------------------------
 
@@ -195,6 +250,18 @@ class DiskCache:
         ]
         if writes:
             self.known.update(w.digest for w in writes)
+            self._jobs.put(writes)
+
+    def save_states(self, states: list[tuple[str, bytes, int]]) -> None:
+        """Queue states (digest, key of the block they follow, snapshot row) for the writer,
+        each with its row's reservation count; those known on disk are skipped."""
+        writes = [
+            _StateWrite(digest, key, row, self.snapshots.generation[row])
+            for digest, key, row in states
+            if digest not in self.known_states
+        ]
+        if writes:
+            self.known_states.update(w.digest for w in writes)
             self._jobs.put(writes)
 
     def _generations(self, block_ids: list[int]) -> list[int]:
@@ -213,13 +280,14 @@ class DiskCache:
         self.flush()
         removed = 0
         for entry in os.scandir(self.folder):
-            if entry.name.endswith(SUFFIX):
+            if entry.name.endswith((SUFFIX, STATE_SUFFIX)):
                 try:
                     os.unlink(entry.path)
                 except OSError:  # removed meanwhile by another process
                     continue
                 removed += 1
         self.known.clear()
+        self.known_states.clear()
         self._total = sum(size for _, _, size in self._files())
         return removed
 
@@ -242,27 +310,37 @@ class DiskCache:
             finally:
                 self._jobs.task_done()
 
-    def _write(self, write: _Write) -> None:
-        path = self._path(write.digest)
+    def _write(self, write: _Write | _StateWrite) -> None:
+        block = isinstance(write, _Write)
+        known = self.known if block else self.known_states
+        path = self._path(write.digest, SUFFIX if block else STATE_SUFFIX)
         if path.exists():  # another process wrote it
             return
-        parts = [pool.read_block(b) for pool, b in zip(self.pools, write.block_ids, strict=True)]
-        if (
-            self._generations(write.block_ids) != write.generations
-        ):  # reallocated while queued: its K/V are another's
-            self.known.discard(write.digest)
+        if block:
+            parts = [
+                pool.read_block(b) for pool, b in zip(self.pools, write.block_ids, strict=True)
+            ]
+            tensors, key = sum(parts, []), write.key
+            # reallocated while queued: its K/V are another's
+            reused = self._generations(write.block_ids) != write.generations
+        else:
+            tensors, key = self.states.read_row(write.row), STATE_KEY + write.key
+            # taken for another prefix while queued: the state is another's
+            reused = self.snapshots.generation[write.row] != write.generation
+        if reused:
+            known.discard(write.digest)
             return
-        data = encode(self.fingerprint, write.digest, write.key, sum(parts, []))
+        data = encode(self.fingerprint, write.digest, key, tensors)
         if len(data) > self.max_bytes:
             return
-        temporary = path.with_name(f".{write.digest}.{os.getpid()}.{threading.get_ident()}")
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
             temporary.write_bytes(data)
             os.utime(temporary, ns=(time.time_ns(), time.time_ns()))  # the order of writes
             os.replace(temporary, path)
         except OSError as error:
             temporary.unlink(missing_ok=True)
-            self.known.discard(write.digest)
+            known.discard(write.digest)
             if not self._warned_write:
                 self._warned_write = True
                 log.warning(
@@ -275,13 +353,13 @@ class DiskCache:
         self._total += len(data)
 
     def _files(self) -> list[tuple[int, Path, int]]:
-        """Every model's block files under DIR: (mtime ns, path, bytes)."""
+        """Every model's block and state files under DIR: (mtime ns, path, bytes)."""
         found = []
         for folder in self.root.iterdir():
             if not folder.is_dir():
                 continue
             for entry in os.scandir(folder):
-                if entry.name.endswith(SUFFIX):
+                if entry.name.endswith((SUFFIX, STATE_SUFFIX)):
                     try:
                         stat = entry.stat()
                     except OSError:  # removed meanwhile
@@ -298,6 +376,6 @@ class DiskCache:
             if total <= self.max_bytes * EVICT_TO:
                 break
             path.unlink(missing_ok=True)
-            self.known.discard(path.stem)
+            (self.known if path.suffix == SUFFIX else self.known_states).discard(path.stem)
             total -= size
         self._total = total

@@ -23,7 +23,6 @@ import torch
 
 from qinfer.attention.block_spaces import window_space_blocks
 from qinfer.core.errors import AdapterError, AdapterSlotsBusyError, QinferError, RequestError
-from qinfer.core.model_config import LINEAR_ATTENTION
 from qinfer.engine.block_manager import BlockManager
 from qinfer.engine.config import EngineConfig
 from qinfer.engine.disk_cache import DiskCache, model_fingerprint
@@ -133,9 +132,7 @@ class Engine:
         if config.prompt_cache_dir is None:
             return None
         why = None
-        if LINEAR_ATTENTION in self.model.config.layer_types:
-            why = "linear-attention layers (their state snapshots are kept in memory only)"
-        elif not config.enable_prefix_caching:
+        if not config.enable_prefix_caching:
             why = "prefix caching is off"
         elif executor.parallel.tensor > 1:
             why = "tensor parallelism (each rank holds part of every block)"
@@ -147,8 +144,13 @@ class Engine:
             log.warning("prompt cache on disk is off for this engine: %s", why)
             return None
         fingerprint = model_fingerprint(self.model, config.block_size)
+        runner = executor.runner
         return DiskCache(
-            config.prompt_cache_dir, config.prompt_cache_size, fingerprint, executor.runner.pools
+            config.prompt_cache_dir,
+            config.prompt_cache_size,
+            fingerprint,
+            runner.pools,
+            runner.states,
         )
 
     # -- requests -------------------------------------------------------------------------

@@ -17,6 +17,9 @@ out a system prompt's state.
 A row moves through three states: free, reserved for a step that ends a sequence at a
 snapshot point (`reserve`: the runner copies the state in after that step), then holding
 that prefix's state (`bind`). A reserved row is nobody else's until bound or released.
+`generation` counts a row's reservations, so that the disk tier's writer thread, which
+copies a held row out while steps run, can tell that the row was taken for another prefix
+meanwhile (`qinfer.engine.disk_cache`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class StateSnapshots:
         # content id of a prefix's last block -> its row, least recently used first
         self._tentative: OrderedDict[int, int] = OrderedDict()
         self._shared: OrderedDict[int, int] = OrderedDict()
+        self.generation = dict.fromkeys(rows, 0)  # row -> how often it was reserved
 
     def __len__(self) -> int:
         """Prefixes whose state a row holds."""
@@ -39,6 +43,10 @@ class StateSnapshots:
 
     def holds(self, content_id: int) -> bool:
         return content_id in self._tentative or content_id in self._shared
+
+    def row_of(self, content_id: int) -> int | None:
+        """The row holding this prefix's state, or None; its use not counted (not a hit)."""
+        return self._tentative.get(content_id, self._shared.get(content_id))
 
     def find(self, content_id: int) -> int:
         """The row holding this prefix's state (a hit: now shared, the most recently used)."""
@@ -51,12 +59,17 @@ class StateSnapshots:
         """A row for a state about to be saved: a free one, else the least recently used
         tentative prefix's, else (for a shared one) the least recently used shared
         prefix's, forgotten; None when there is none to take."""
+        row = None
         if self._free:
-            return self._free.pop()
-        for held in (self._tentative, self._shared) if shared else (self._tentative,):
-            if held:
-                return held.popitem(last=False)[1]
-        return None
+            row = self._free.pop()
+        else:
+            for held in (self._tentative, self._shared) if shared else (self._tentative,):
+                if held:
+                    row = held.popitem(last=False)[1]
+                    break
+        if row is not None:
+            self.generation[row] += 1
+        return row
 
     def bind(self, row: int, content_id: int, shared: bool) -> None:
         """A reserved row now holds this prefix's state (its step ran); given back if a

@@ -1,5 +1,6 @@
 """Time to first token of a long system prompt: cold, from the prefix cache in memory, and
-from the prompt cache on disk after a restart (a new engine on the same --prompt-cache-dir).
+from the prompt cache on disk after a restart (a new engine on the same --prompt-cache-dir);
+for a hybrid model (Qwen3.5) the disk holds the state after the prompt's blocks too.
 
     python bench/make_qwen3_0p6b_gguf.py /tmp/qwen3-0.6b-q4_0.gguf
     python bench/prompt_cache_disk.py --model /tmp/qwen3-0.6b-q4_0.gguf --tokens 2000
@@ -59,6 +60,7 @@ def main() -> None:
     llm.close()  # the writes queued still go to disk
     flushed = time.perf_counter() - start
     files = list(directory.rglob("*.kvb"))
+    states = list(directory.rglob("*.kvs"))  # a hybrid model's states after blocks
     del llm  # the restart: the model loads again, its time not counted
     restarted = LLM(args.model, prompt_cache_dir=directory)
     if args.warm_up:
@@ -70,7 +72,8 @@ def main() -> None:
     assert first == again == read, (first, again, read)
     print(
         f"prompt {args.tokens} tokens; {len(files)} block files, "
-        f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB; close waited {flushed:.2f} s"
+        f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB; {len(states)} state files, "
+        f"{sum(f.stat().st_size for f in states) / 1e6:.1f} MB; close waited {flushed:.2f} s"
     )
     print(f"cold    {cold:8.3f} s")
     print(f"memory  {memory:8.3f} s  ({cold / memory:.1f}x)")

@@ -113,6 +113,16 @@ def truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+def run_warned_once(llm: LLM, caplog, bad, why: str):
+    """run(llm), which must log one warning: that `bad` is ignored, and why."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qinfer.engine.disk_cache"):
+        output = run(llm)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and why in warnings[0], warnings
+    return output
+
+
 @pytest.mark.parametrize(
     ("damage", "why"),
     [(flip_a_byte, "checksum"), (truncate, "payload has"), (None, "another model")],
@@ -128,11 +138,7 @@ def test_a_bad_block_file_is_ignored_with_one_warning(model, tmp_path, caplog, d
         shutil.copyfile(block_files(other)[3], bad)
     else:
         damage(bad)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="qinfer.engine.disk_cache"):
-        output = run(llm)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(bad) in warnings[0] and why in warnings[0], warnings
+    output = run_warned_once(llm, caplog, bad, why)
     assert llm.engine.stats().prompt_tokens_from_disk_total == 3 * BLOCK  # blocks 0..2
     assert output.token_ids == cold.token_ids
     llm.close()
@@ -255,10 +261,8 @@ def test_a_restarted_hybrid_engine_reads_the_prompt_and_its_state_from_disk(hybr
     llm.close()
 
 
-@pytest.mark.parametrize(("state", "why"), [(True, "checksum"), (False, "checksum")])
-def test_a_hybrid_hit_without_its_state_or_blocks_reads_nothing(
-    hybrid, tmp_path, caplog, state, why
-):
+@pytest.mark.parametrize("state", [True, False], ids=["state", "block"])
+def test_a_hybrid_hit_without_its_state_or_blocks_reads_nothing(hybrid, tmp_path, caplog, state):
     """A bad state file, or a bad block before it: one warning naming the file, nothing
     read (a hybrid hit needs the state at its end, after every block), the cold tokens;
     the run writes the file again."""
@@ -266,11 +270,7 @@ def test_a_hybrid_hit_without_its_state_or_blocks_reads_nothing(
     llm = make_llm(hybrid, tmp_path)
     bad = state_file(llm, 7) if state else block_files(llm)[3]
     flip_a_byte(bad)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="qinfer.engine.disk_cache"):
-        output = run(llm)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and str(bad) in warnings[0] and why in warnings[0], warnings
+    output = run_warned_once(llm, caplog, bad, "checksum")
     stats = llm.engine.stats()
     assert stats.prompt_tokens_from_disk_total == 0 and output.num_cached_tokens == 0
     assert output.token_ids == cold.token_ids

@@ -6,7 +6,8 @@ The header names the model fingerprint, the block's chained digest and its key (
 prefix cache's `Sequence.block_key`: token ids, then image digests, as bytes), the shape and
 dtype of each tensor, the payload's length and its crc32. The payload is the block's
 tensors, raw, one after the other: keys and values (and their scales when the KV cache is
-quantized), (layers, block_size, Hkv, X) each, as `KVPool.read_block` gives them.
+quantized), (layers, block_size, Hkv, X) each, as `KVPool.read_block` gives them. A hybrid
+model's state after a block is kept in the same format (its key tagged: `disk_cache`).
 
 `decode` refuses a file that is not exactly what was asked for (`BadBlockFile`, saying
 why): another magic, a short or long payload, a crc mismatch, another model's fingerprint

@@ -91,8 +91,7 @@ class StatePool:
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds, every slot and snapshot row of every layer."""
-        tensors = [*self.conv.values(), *self.recurrent.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     @property
     def free_slots(self) -> int:
@@ -122,17 +121,20 @@ class StatePool:
     def read_row(self, row: int) -> list[torch.Tensor]:
         """Copies of `row`'s state on the CPU: every layer's conv window, then every layer's
         matrix (a snapshot as the disk tier stores it)."""
-        tensors = [*self.conv.values(), *self.recurrent.values()]
-        return [t[row].to("cpu", copy=True) for t in tensors]
+        return [t[row].to("cpu", copy=True) for t in self._tensors()]
 
     def row_shapes(self) -> list[tuple[torch.Size, torch.dtype]]:
         """Shape and dtype of each of `read_row`'s tensors."""
-        return [(t.shape[1:], t.dtype) for t in (*self.conv.values(), *self.recurrent.values())]
+        return [(t.shape[1:], t.dtype) for t in self._tensors()]
 
     def write_row(self, row: int, tensors: list[torch.Tensor]) -> None:
         """Set `row`'s state to `tensors`, as `read_row` gives them."""
-        for t, value in zip((*self.conv.values(), *self.recurrent.values()), tensors, strict=True):
+        for t, value in zip(self._tensors(), tensors, strict=True):
             t[row].copy_(value)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every layer's conv windows, then every layer's matrices (rows x ...)."""
+        return [*self.conv.values(), *self.recurrent.values()]
 
     def checkpoint_row(self, slot: int) -> int:
         """The row where `slot`'s state before a step's proposed tokens is kept."""

@@ -417,7 +417,7 @@ class BlockManager:
             state = self.disk.read_state(*names[last - 1])
             if state is None:
                 return
-        before = seq.num_computed_tokens, seq.last_block_key
+        computed, last_key = seq.num_computed_tokens, seq.last_block_key  # the hit before
         for i in range(first, last):
             # this block and one for the tokens left to compute
             if any(pool.num_free_blocks < 2 for pool in self.pools):
@@ -431,7 +431,7 @@ class BlockManager:
                 kv.write_block(table[-1], part)
             seq.num_computed_tokens += size
             self._register(seq)
-        read = seq.num_computed_tokens - before[0]
+        read = seq.num_computed_tokens - computed
         if state is None:
             self.disk.tokens_read += read
         elif read == (last - first) * size:
@@ -442,7 +442,7 @@ class BlockManager:
             for pool, table in zip(self.pools, self._tables(seq), strict=True):
                 for _ in range(read // size):
                     pool.release(table.pop())
-            seq.num_computed_tokens, seq.last_block_key = before
+            seq.num_computed_tokens, seq.last_block_key = computed, last_key
             seq.num_hashed_blocks = first
 
     def save_to_disk(self, seq: Sequence) -> None:
@@ -455,9 +455,10 @@ class BlockManager:
         self.disk.save([(*name, [table[i] for table in tables]) for i, name in enumerate(names)])
         if self.snapshots is not None:  # the states held after its blocks
             blocks = self.pools[0].blocks
-            rows = [self.snapshots.row_of(blocks[block].content_id) for block in tables[0]]
+            held = tables[0][: len(names)]
+            rows = [self.snapshots.row_of(blocks[block].content_id) for block in held]
             self.disk.save_states(
-                [(*name, row) for name, row in zip(names, rows, strict=False) if row is not None]
+                [(*name, row) for name, row in zip(names, rows, strict=True) if row is not None]
             )
 
     def _longest_hit(self, held: list[list[Block | None]]) -> int:

@@ -10,8 +10,9 @@ which takes the fp32 input and writes fp32, `QuantizedLinear.logits`) and then r
 the highest of each row exactly (`EXACT_TOP` after bf16, `EXACT_TOP_INT8` after int8
 activations): the fp32 input against the weight's rows as `dequantize` holds them, summed
 in fp64 and rounded to fp32 (`exact_from_rows`), or for int8 blocks by the exact fp32 head
-kernel on those rows alone, the bits of its whole product (`Int8BlockLinear.exact_logits`). The greedy pick, the top logprobs and what a sampler keeps at any usual
-temperature, top-k or top-p are fp32's; the rest keep the kernel's precision.
+kernel on those rows alone, the bits of its whole product (`Int8BlockLinear.exact_logits`).
+The greedy pick, the top logprobs and what a sampler keeps at any usual temperature, top-k
+or top-p are fp32's; the rest keep the kernel's precision.
 
 Every step is one row's own (a kernel that computes each row alike at any row count, a
 top-k, a dot product per logit), so a row's logits do not depend on the other rows of its
@@ -34,6 +35,8 @@ class Head(Protocol):
     def same_at_any_rows(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def has_rows(self) -> bool: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor: ...
 
     def exact_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor: ...
 

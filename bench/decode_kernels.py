@@ -43,7 +43,7 @@ def time_int4(layers: int, shapes: list[tuple[int, int]], rows: int, rounds: int
         packed = kernels.pack_int4(quantize_int4(torch.randn(N, K), 32))
         nbytes = packed.nbytes
         copies = [
-            kernels.PackedInt4(packed.qs.clone(), packed.d.clone(), packed.m.clone())
+            kernels.PackedInt4(packed.qs.clone(), packed.d.clone(), packed.m.clone(), packed.n)
             for _ in range(max(2, int(COLD_BYTES // nbytes)))
         ]
         x = torch.randn(rows, K)

@@ -75,7 +75,7 @@ class Ours:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        return Ours.op(x, p.qs, p.d, p.m, "auto")
+        return Ours.op(x, p.qs, p.d, p.m, p.n, "auto")
 
 
 def cycling(weights: list) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,9 +1,9 @@
-"""int4_mm's paths against each other on one CPU (e.g. VNNI's tiles against AMX's), the same
+"""int4_mm's paths against each other on one CPU (e.g. VNNI's tiles against AVX2's), the same
 weights and activations, the paths alternating round by round (bench/int4_dot_kernel.py's
 timing) so that a burst of load on a shared machine hits both.
 
-    python bench/int4_paths.py                                 # vnni vs amx, Qwen3-0.6B, M 16 512
-    python bench/int4_paths.py --paths vnni amx --rows 8 16 32 --threads 1 2
+    python bench/int4_paths.py                               # the CPU's paths, Qwen3-0.6B, M 16 512
+    python bench/int4_paths.py --paths vnni avx2 --rows 1 8 16 32 --threads 1 2
 
 A figure is the median over rounds of the mean ms per call; "x" is the first path's time over
 each other's (> 1: the other is faster). The weights are cycled through as in
@@ -24,7 +24,7 @@ from qinfer.linear.compute import cpu_flags
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", default=["vnni", "amx"])
+    parser.add_argument("--paths", nargs="+", help="default: the CPU's, fastest first")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 512])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=5)
@@ -38,6 +38,7 @@ def main() -> None:
     reason = kernels.available()
     if reason is not None:
         raise SystemExit(f"int4 dot kernel unavailable: {reason}")
+    args.paths = args.paths or list(reversed(kernels.paths()))
     missing = [p for p in args.paths if p not in kernels.paths()]
     if missing:
         raise SystemExit(
@@ -67,7 +68,7 @@ def main() -> None:
             for m in args.rows:
                 x = torch.randn(m, k)
                 fns = {
-                    p: cycling([lambda x, w=w, p=p: op(x, w.qs, w.d, w.m, p) for w in packed])
+                    p: cycling([lambda x, w=w, p=p: op(x, w.qs, w.d, w.m, w.n, p) for w in packed])
                     for p in args.paths
                 }
                 t = {p: median for p, (median, _) in time_pair(fns, x, args.rounds).items()}

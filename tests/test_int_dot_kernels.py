@@ -17,7 +17,7 @@ from threads import torch_threads
 from qinfer import kernels
 from qinfer.linear import Int4Groups, quantize_int4
 
-ALL_PATHS = ("scalar", "avx2", "vnni", "amx")
+ALL_PATHS = ("scalar", "avx2", "vnni")
 # (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
 # a multiple of 16 (the kernel's column tiles of 16, 4 and 2 all get a tail)
 SHAPES = [(40, 32), (77, 576), (33, 96), (50, 1536), (19, 288)]
@@ -56,7 +56,7 @@ def activations(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tens
 
 def kernel_weight(packed: kernels.PackedInt4, q: torch.Tensor) -> torch.Tensor:
     """(N, K) float64: d * q + m, the weight the kernel multiplies by."""
-    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.d, packed.offsets()))
+    d, m = (t.double().repeat_interleave(32, 1) for t in (packed.scales(), packed.offsets()))
     return d * q.double() + m
 
 
@@ -72,21 +72,30 @@ def held_m(groups: Int4Groups) -> kernels.PackedInt4:
     """The weight as pack_int4 packed it before symmetric weights dropped m: d and m = zero -
     8 scale, both fp16 where both are exact (a d past 8188: both fp32)."""
     qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
-    return kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m))
+    return kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m), groups.q.shape[0])
 
 
 def test_pack_layout(built) -> None:
+    """24 columns in 2 tiles of 16 (8 of padding), 3 blocks each: per tile and block 4
+    registers of 64 bytes, register r's dword l holding bytes 4r..4r+3 of column 16 g + l's
+    block, byte j its element j (low nibble) and j + 16 (high); d and m 16 a block, a lane a
+    column."""
     groups = weight(24, 96)
     packed = kernels.pack_int4(groups)
     assert packed.shape == (24, 96)
-    blocks = packed.qs.view(24, 3, 16)
+    assert packed.qs.shape == (2, 3 * 256) and packed.d.shape == packed.m.shape == (2, 3 * 16)
+    registers = packed.qs.view(2, 3, 4, 16, 4)  # (tile, block, register, lane, byte)
     q = groups.q.view(24, 3, 32)
-    assert torch.equal(blocks & 15, q[..., :16])  # byte j: element j low, j + 16 high
-    assert torch.equal(blocks >> 4, q[..., 16:])
+    for n, b, j in ((0, 0, 0), (5, 1, 7), (17, 2, 13), (23, 0, 15)):
+        byte = registers[n // 16, b, j // 4, n % 16, j % 4]
+        assert byte & 15 == q[n, b, j] and byte >> 4 == q[n, b, j + 16]
+    assert not registers[1, :, :, 8:].any() and not packed.d.view(2, 3, 16)[1, :, 8:].any()
+    assert torch.equal(packed.values(), groups.q)
     # quantize_int4's scales and mins are fp16 values: packed as fp16, the same numbers
     assert packed.d.dtype == packed.m.dtype == torch.float16
-    assert torch.equal(packed.d.float(), groups.scales)
-    assert torch.equal(packed.m.float(), groups.zeros - 8 * groups.scales)
+    assert torch.equal(packed.d.view(2, 3, 16)[0, 1, 5].float(), groups.scales[5, 1])
+    assert torch.equal(packed.scales().float(), groups.scales)
+    assert torch.equal(packed.offsets(), groups.zeros - 8 * groups.scales)
 
 
 def test_pack_keeps_fp32_where_fp16_would_round(built) -> None:
@@ -95,8 +104,8 @@ def test_pack_keeps_fp32_where_fp16_would_round(built) -> None:
     groups.scales[5, 1] *= 1 + 2.0**-20
     packed = kernels.pack_int4(groups)
     assert packed.d.dtype == packed.m.dtype == torch.float32
-    assert torch.equal(packed.d, groups.scales)
-    assert torch.equal(packed.m, groups.zeros - 8 * groups.scales)
+    assert torch.equal(packed.scales(), groups.scales)
+    assert torch.equal(packed.offsets(), groups.zeros - 8 * groups.scales)
 
 
 def test_pack_holds_no_m_for_a_symmetric_weight(built) -> None:
@@ -105,11 +114,12 @@ def test_pack_holds_no_m_for_a_symmetric_weight(built) -> None:
     groups = symmetric_weight(24, 96)
     packed = kernels.pack_int4(groups)
     assert packed.m is None and packed.d.dtype == torch.float16
-    assert torch.equal(packed.d.float(), groups.scales)
-    assert packed.nbytes == 24 * 3 * (16 + 2)  # a block: 16 bytes of nibbles, an fp16 d
-    assert held_m(groups).nbytes == 24 * 3 * (16 + 4 + 4)
+    assert torch.equal(packed.scales().float(), groups.scales)
+    # a block: 16 bytes of nibbles, an fp16 d (32 columns in 2 tiles of 16: 8 of padding)
+    assert packed.nbytes == 32 * 3 * (16 + 2)
+    assert held_m(groups).nbytes == 32 * 3 * (16 + 4 + 4)
     offsets = packed.offsets()
-    assert torch.equal(offsets.view(torch.int32), held_m(groups).m.view(torch.int32))
+    assert torch.equal(offsets.view(torch.int32), held_m(groups).offsets().view(torch.int32))
     assert not torch.signbit(offsets[-1, -1])  # d = -0: m = +0, as held
     groups.zeros[0, 0] = -0.0  # on d = +0: m = -0, not 0 - 8 d's +0
     assert kernels.pack_int4(groups).m is not None
@@ -126,7 +136,7 @@ def test_fp16_scales_give_the_bits_of_fp32_ones(path, n, k) -> None:
     bits on every op and path, at 1 row and at 9: only the bytes read differ."""
     groups = weight(n, k)
     half = kernels.pack_int4(groups)
-    wide = kernels.PackedInt4(half.qs, half.d.float(), half.m.float())
+    wide = kernels.PackedInt4(half.qs, half.d.float(), half.m.float(), half.n)
     q, scales, _ = int8_weight(n, k, 32)
     q16, scales16, _ = int8_weight(n, k, 16)
     for rows in (1, 9):
@@ -171,7 +181,7 @@ def test_exact_from_the_same_quantized_activations(path, dtype, n, k) -> None:
     w = kernel_weight(packed, groups.q)
     reference = xq @ w.T
     # every term of the kernel's sum, in magnitude: dx |qx| (d q + |m|)
-    magnitude = xq.abs() @ (w.abs() + packed.m.double().abs().repeat_interleave(32, 1)).T
+    magnitude = xq.abs() @ (w.abs() + packed.offsets().double().abs().repeat_interleave(32, 1)).T
     y = kernels.int4_mm(x, packed, path)
     assert y.dtype == torch.float32 and y.shape == (6, n)
     bound = (k // 32 + 8) * 2 * FP32_UNIT * magnitude
@@ -198,15 +208,19 @@ def test_within_int8_rounding_of_float_linear(path, dtype, n, k) -> None:
     assert error.max() > 0  # the int8 activations do round (a vacuous bound would pass too)
 
 
-def test_paths_agree_to_rounding(built) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paths_give_the_same_bits(built, dtype) -> None:
+    """A tile's lane is a column, each output the same chain of fused multiply-adds on every
+    path: scalar, AVX2 and VNNI agree bit for bit, both ops (so a model's text does not
+    depend on the CPU the kernels run on)."""
     groups = weight(77, 1536)
     packed = kernels.pack_int4(groups)
-    x = activations(9, 1536, torch.float32)
-    results = [kernels.int4_mm(x, packed, name) for name in kernels.paths()]
-    scale = results[0].abs().max()
-    for other in results[1:]:
-        assert (other - results[0]).abs().max() <= 1e-5 * scale
-    assert torch.equal(kernels.int4_mm(x, packed), results[-1])  # auto: the last path
+    x = activations(9, 1536, dtype)
+    for op in (kernels.int4_mm, kernels.int4_groups_mm):
+        results = [op(x, packed, name) for name in kernels.paths()]
+        for name, other in zip(kernels.paths()[1:], results[1:], strict=True):
+            assert torch.equal(other, results[0]), (op.__name__, name)
+        assert torch.equal(op(x, packed), results[-1])  # auto: the last path
 
 
 @pytest.mark.parametrize(
@@ -281,7 +295,10 @@ def test_bad_inputs_name_the_tensor(built) -> None:
     groups = weight(16, 64)
     packed = kernels.pack_int4(groups)
     qs, d, m = packed.qs, packed.d, packed.m
-    op = torch.ops.qinfer.int4_mm
+
+    def op(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qinfer.int4_mm(*tensors, 16)
+
     x = torch.randn(2, 64)
     assert "x must be torch.float32 or torch.bfloat16, got torch.float64" in _error(
         lambda: kernels.int4_mm(x.double(), packed)
@@ -290,16 +307,23 @@ def test_bad_inputs_name_the_tensor(built) -> None:
         lambda: kernels.int4_mm(torch.randn(2, 40), packed)
     )
     assert "x must be 2-D" in _error(lambda: kernels.int4_mm(torch.randn(64), packed))
-    assert "qs must have shape (16, 48)" in _error(
+    tiles = "(G, K/32 * 256) for x's K = 96 and n = 16 columns in tiles of 16, G = 1"
+    assert f"qs must have shape (1, 768), {tiles}, got (1, 512)" in _error(
         lambda: kernels.int4_mm(torch.randn(2, 96), packed)
     )
     assert "qs must be torch.uint8, got torch.int32" in _error(lambda: op(x, qs.int(), d, m))
-    assert "d must have shape (16, 2)" in _error(lambda: op(x, qs, d[:, :1], m))
+    assert "d must have shape (1, 32)" in _error(lambda: op(x, qs, d[:, :16], m))
+    assert "n (the weight's columns) must be >= 0, got -1" in _error(
+        lambda: torch.ops.qinfer.int4_mm(x, qs, d, m, -1)
+    )
+    assert "qs must have shape (2, 512)" in _error(
+        lambda: torch.ops.qinfer.int4_mm(x, qs, d, m, 17)
+    )
     assert "d must be torch.float16 or torch.float32, got torch.bfloat16" in _error(
         lambda: op(x, qs, d.bfloat16(), m)
     )
     assert "m must be torch.float16, got torch.float32" in _error(lambda: op(x, qs, d, m.float()))
-    assert "path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
+    assert "path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
         lambda: kernels.int4_mm(x, packed, "fast")
     )
     pack = torch.ops.qinfer.pack_int4
@@ -415,6 +439,6 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
     assert f"int8_mm: scales must be {kinds}, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )
-    assert "int8_mm: path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
+    assert "int8_mm: path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
         lambda: kernels.int8_mm(x, q, scales, "fast")
     )

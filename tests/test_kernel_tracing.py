@@ -34,7 +34,7 @@ def samples() -> dict[str, tuple]:
         group_size=32,
     )
     packed = kernels.pack_int4(groups)
-    int4 = (packed.qs, packed.d, packed.m)
+    int4 = (packed.qs, packed.d, packed.m, packed.n)
     x = torch.randn(3, 64, generator=gen)
     q8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=gen)
     heads = torch.randn(3, 4, 64, generator=gen)
@@ -79,9 +79,9 @@ def test_each_op_traces_as_it_runs(name):
 def test_int4_ops_trace_without_m(name):
     """A symmetric weight's m left out (None: Q4_0's, m = -8 d in the kernels) traces as it
     runs too."""
-    x, qs, d, _, path = samples()[name]
+    x, qs, d, _, n, path = samples()[name]
     op = getattr(torch.ops.qinfer, name).default
-    results = torch.library.opcheck(op, (x, qs, d, None, path))
+    results = torch.library.opcheck(op, (x, qs, d, None, n, path))
     assert set(results.values()) == {"SUCCESS"}, results
 
 

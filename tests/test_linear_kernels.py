@@ -147,7 +147,7 @@ def test_int4_blocks_kernel_multiplies_the_exact_weight(int8_dot_built, dtype, k
     the layer's tiles, rows and int8_dot path read the same packed weight."""
     groups = quantize_int4(weight(201, k), 32)  # odd: a last column of its own in 2-col tiles
     w = Int4BlockLinear(groups, None, dtype)
-    assert w.d.dtype == torch.float16 and torch.equal(w.d.float(), groups.scales)
+    assert w.d.dtype == torch.float16 and torch.equal(w.packed.scales().float(), groups.scales)
     assert w.m is not None  # quantize_int4's min/max groups are not symmetric: m held
     exact = (groups.q.double() - 8) * groups.scales.double().repeat_interleave(
         32, 1
@@ -176,7 +176,7 @@ def test_a_q4_0_layer_holds_no_m_and_keeps_every_bit(int8_dot_built, monkeypatch
     data = synthetic_tensor(gguf.GGMLQuantizationType.Q4_0, rows=67, columns=288)
     groups = int4_groups(data, gguf.GGMLQuantizationType.Q4_0)
     qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
-    held = kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m))
+    held = kernels.PackedInt4(qs, *kernels.fp16_if_exact(d, m), groups.q.shape[0])
     layers = {}
     for dtype in (torch.float32, torch.bfloat16):
         w = Int4BlockLinear(groups, None, dtype)
@@ -185,7 +185,8 @@ def test_a_q4_0_layer_holds_no_m_and_keeps_every_bit(int8_dot_built, monkeypatch
             layers[dtype] = w, Int4BlockLinear(groups, None, dtype)
     w, old = layers[torch.float32]
     assert w.m is None and old.m.dtype == torch.float16
-    assert (w.nbytes, old.nbytes) == (67 * 9 * 18, 67 * 9 * 20)
+    # 67 columns in 5 tiles of 16: 80 columns' blocks (13 of them padding)
+    assert (w.nbytes, old.nbytes) == (80 * 9 * 18, 80 * 9 * 20)
     reference = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_0))
     assert torch.equal(w.dequantize(), reference) and torch.equal(old.dequantize(), reference)
     ids = torch.tensor([[0, 66], [31, 5]])

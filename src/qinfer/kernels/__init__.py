@@ -64,6 +64,10 @@ from qinfer.kernels.registry import BLOCK, CONSTANT_MARK, REFUSED_DEVICES, ops, 
 #: (`deltanet.CHUNK_SIZE`), its matmuls being cheaper per element the longer the chunk.
 GATED_DELTA_CHUNK = 16
 
+#: An int4 weight's columns per tile (`PackedInt4`), and the bytes of one block of a tile.
+TILE_COLUMNS = 16
+TILE_BYTES = TILE_COLUMNS * BLOCK // 2
+
 __all__ = [
     "ACTIVATION_DTYPES",
     "BLOCK",
@@ -134,27 +138,54 @@ def fp16_if_exact(*scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @dataclass(frozen=True)
 class PackedInt4:
-    """A weight for `int4_mm`: qs (N, K/2) uint8, d and m (N, K/32) both fp16 or both fp32
-    (w = d q + m); m None for a symmetric weight, m = 0 - 8 d (computed in fp32 by the
-    kernels, the value it would hold)."""
+    """A weight of n columns (N, K) for `int4_mm`, in column tiles of 16 (the last padded
+    with zero columns; docs/KERNELS.md): qs (G, K/32 * 256) uint8, d and m (G, K/32 * 16) both
+    fp16 or both fp32, lane l of block b at [g, 16 b + l] (w = d q + m); m None for a
+    symmetric weight, m = 0 - 8 d (computed in fp32 by the kernels, the value it would
+    hold). `values`, `scales` and `offsets` give the columns in order."""
 
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    n: int
 
     @property
     def nbytes(self) -> int:
         """Bytes a multiply reads of the weight: qs, d and m where held."""
         return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
 
-    def offsets(self) -> torch.Tensor:
-        """m (N, K/32) in fp32, as the kernels read it (0 - 8 d where it is not held)."""
-        return symmetric_offsets(self.d) if self.m is None else self.m.float()
-
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K), as the weight's."""
-        return (self.qs.shape[0], 2 * self.qs.shape[1])
+        return (self.n, self.qs.shape[1] // TILE_BYTES * BLOCK)
+
+    def values(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """The nibbles q (0..15) of columns `rows` in order, (..., K) uint8."""
+        G, blocks = self.qs.shape[0], self.qs.shape[1] // TILE_BYTES
+        # byte 4 r + t of column 16 g + l's block b is register r's dword l, byte t
+        tiles = self.qs.view(G, blocks, 4, TILE_COLUMNS, 4).permute(0, 3, 1, 2, 4)
+        g, lane = self._tile_lanes(rows)
+        pairs = tiles[g, lane].flatten(-2)  # (..., K / 32, 16)
+        return torch.cat([pairs & 15, pairs >> 4], dim=-1).flatten(-2)
+
+    def scales(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """d of columns `rows` in order, (..., K / 32) in d's dtype."""
+        return self._columns(self.d, rows)
+
+    def offsets(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """m of columns `rows` in order, (..., K / 32) fp32, as the kernels read it (0 - 8 d
+        where it is not held)."""
+        if self.m is None:
+            return symmetric_offsets(self.scales(rows))
+        return self._columns(self.m, rows).float()
+
+    def _tile_lanes(self, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = torch.arange(self.n, device=self.qs.device)[rows]
+        return columns // TILE_COLUMNS, columns % TILE_COLUMNS
+
+    def _columns(self, held: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+        g, lane = self._tile_lanes(rows)
+        return held.view(held.shape[0], -1, TILE_COLUMNS).transpose(1, 2)[g, lane]
 
 
 def symmetric_offsets(d: torch.Tensor) -> torch.Tensor:
@@ -174,9 +205,10 @@ def pack_int4(groups: Int4Groups) -> PackedInt4:
             f"pack_int4: the kernel takes int4 groups of {BLOCK}, got groups of {groups.group_size}"
         )
     qs, d, m = torch.ops.qinfer.pack_int4(groups.q, groups.scales, groups.zeros)
+    n = groups.q.shape[0]
     if torch.equal(m.view(torch.int32), symmetric_offsets(d).view(torch.int32)):
-        return PackedInt4(qs, *fp16_if_exact(d), None)
-    return PackedInt4(qs, *fp16_if_exact(d, m))
+        return PackedInt4(qs, *fp16_if_exact(d), None, n)
+    return PackedInt4(qs, *fp16_if_exact(d, m), n)
 
 
 #: Q6_K's values a chunk of `pack_q6`, and the chunk's bytes.
@@ -229,7 +261,9 @@ def int4_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> torch.Te
     """(M, K) fp32 or bf16 times the packed (N, K) weight, transposed -> (M, N) fp32."""
     if ops.int4_mm is None:
         require()
-    return ops.int4_mm(x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path)
+    return ops.int4_mm(
+        x, packed.qs, packed.d, packed.m, packed.n, auto_path() if path == "auto" else path
+    )
 
 
 def int8_mm(
@@ -288,7 +322,7 @@ def int4_groups_mm(x: torch.Tensor, packed: PackedInt4, path: str = "auto") -> t
     if ops.int4_groups_mm is None:
         require()
     return ops.int4_groups_mm(
-        x, packed.qs, packed.d, packed.m, auto_path() if path == "auto" else path
+        x, packed.qs, packed.d, packed.m, packed.n, auto_path() if path == "auto" else path
     )
 
 

@@ -16,7 +16,7 @@ from qinfer.kernels import build, registry
 
 #: The dot products' paths (int4_mm, int8_mm, int8_blocks_mm, int4_groups_mm,
 #: quantize_q8_1), slowest first.
-DOT_PATHS = ("scalar", "avx2", "vnni", "amx")
+DOT_PATHS = ("scalar", "avx2", "vnni")
 #: add_rms_norm's, heads_rms_norm's and lora_add's paths, slowest first.
 NORM_PATHS = ("scalar", "avx2", "avx512")
 
@@ -26,7 +26,7 @@ NORM_PATHS = ("scalar", "avx2", "avx512")
 SWITCH = "QINFER_CPU_KERNELS"
 
 #: ATEN_CPU_CAPABILITY (torch's cap on its own CPU kernels, which emulates a smaller CPU) ->
-#: the fastest path it allows ("avx512": VNNI without AMX's tiles, the same bits).
+#: the fastest path it allows.
 _CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "vnni"}
 
 
@@ -37,8 +37,7 @@ def _isas() -> frozenset[str]:
 
 
 def paths() -> tuple[str, ...]:
-    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni", "amx": VNNI's
-    bits, on AMX-INT8 tiles where a kernel has them)."""
+    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni")."""
     return tuple(p for p in DOT_PATHS if p in _isas())
 
 

@@ -28,7 +28,7 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // int8 weights (N, K) as stored (Q6_K's packed: q6.h), with one scale per output row (B = 0:
 // `Int8Linear`) or one per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's
-// Q8_0, Q5_0, Q6_K), times the activations in the row's own order (`qx_pos<true>`):
+// Q8_0, Q5_0, Q6_K), times the activations in the row's own order (`qx_pos`):
 //   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
 //   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
 // The signed x signed products go through unsigned x signed instructions. VNNI's dpbusd:
@@ -217,7 +217,7 @@ void Int8Q8<B, S, Packed>::dot_scalar(const Weights8<S>& w, int64_t n, const Act
       for (int64_t j = part * E; j < (part + 1) * E; ++j) {
         const int64_t k = b * kBlock + j;
         const int8_t v = Packed ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
-        dot += v * qx[qx_pos<true>(b, j)];
+        dot += v * qx[qx_pos(b, j)];
       }
       acc += static_cast<float>(dot) * (L > 0 ? dx * block_scale(d, b * L + part) : dx);
     }
@@ -301,13 +301,13 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               ", got ", shape_str(scales_in));
   const at::Tensor d_super = checked_super_scales("int8_mm", scales_in, d_super_in, N, K);
   const at::Tensor q = checked_values("int8_mm", q_in, scales_in, N, K);
-  const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
+  const Isa path = resolve_path("int8_mm", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   static thread_local ActStorage storage;
   Act a = storage.make(M, K);
-  quantize<true>(x, a, path);
+  quantize(x, a, path);
   with_block_scales(sc, [&](auto tag) {
     using S = decltype(tag);
     const BlockScales<S> scales{sc.data_ptr<S>(), super_data(d_super)};

@@ -1,6 +1,6 @@
 // The int8 block kernels' scales (int8_q8.cpp, int8_blocks.cpp): one per block of B input
-// columns, held as S = at::Half or float (each block's scale as it is, matmul.h's
-// `Int4Packed` says why either), or S = int8_t: GGUF's Q6_K as the file holds it, an int8
+// columns, held as S = at::Half or float (each block's scale as it is; matmul.h's `kHalf`
+// says why either), or S = int8_t: GGUF's Q6_K as the file holds it, an int8
 // sub-scale sc per block of 16 and an fp16 super-scale d per 16 of them (256 columns), with
 // its 6-bit values packed as q6.h says (`checked_values`). The
 // kernels form d * sc in fp32 as they read a block: exact (an 11-bit significand times a

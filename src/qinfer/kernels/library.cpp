@@ -15,11 +15,11 @@ namespace {
 
 using namespace qinfer_kernels;
 
-// The ISAs this CPU runs, by isa.h's names, e.g. "scalar,avx2,avx512,vnni,amx": what
+// The ISAs this CPU runs, by isa.h's names, e.g. "scalar,avx2,avx512,vnni": what
 // qinfer/kernels/cpu.py makes each op's paths of.
 std::string cpu_isas() {
   std::string s = isa_name(Isa::Scalar);
-  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Vnni, Isa::Amx})
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Vnni})
     if (supports(isa)) s += std::string(",") + isa_name(isa);
   return s;
 }
@@ -31,13 +31,14 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("pack_int4(Tensor q, Tensor scales, Tensor zeros) -> (Tensor, Tensor, Tensor)",
           &pack_int4);
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");
-  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
+  lib.def("int4_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, int n, str path='auto') -> Tensor");
   lib.def("int8_mm(Tensor x, Tensor q, Tensor scales, str path='auto', Tensor? d_super=None) "
           "-> Tensor");
   lib.def("int8_blocks_mm(Tensor x, Tensor q, Tensor d, str path='auto', "
           "Tensor? d_super=None, Tensor? ids=None) -> Tensor");
   lib.def("top_k_ids(Tensor logits, int k) -> Tensor");
-  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, str path='auto') -> Tensor");
+  lib.def("int4_groups_mm(Tensor x, Tensor qs, Tensor d, Tensor? m, int n, str path='auto') "
+          "-> Tensor");
   lib.def("add_rms_norm(Tensor(a!) h, Tensor? x, Tensor w, float eps, ScalarType dtype, "
           "str path='auto') -> Tensor");
   lib.def("heads_rms_norm(Tensor h, Tensor w_first, Tensor w_rest, int first, float eps, "

@@ -1,8 +1,8 @@
-// What the four matmul kernels share (int4_q8.cpp, int8_q8.cpp, int8_blocks.cpp,
-// int4_groups.cpp): the block of 32 input columns, the packed int4 weight, the fp32
-// activations, the argument checks and the driver that splits an (M, N) output into tiles
-// between threads. What each computes, and in which order: docs/KERNELS.md and the comment
-// above each kernel.
+// What the matmul kernels share (int4_q8.cpp, int8_q8.cpp, int8_blocks.cpp,
+// int4_groups.cpp): the block of 32 input columns, the scales, the fp32 activations, the
+// argument checks, and the driver that splits an (M, N) output into tiles between threads
+// (the int8 kernels'; the int4 ones have their own column tiles, int4_tiles.h). What each
+// computes, and in which order: docs/KERNELS.md and the comment above each kernel.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -117,20 +117,6 @@ QINFER_VNNI QINFER_INLINE __m512 scales16(const S* p, int64_t n) {
   else return _mm512_maskz_loadu_ps(k, p);
 }
 
-// An int4 weight as pack_int4 lays it out (int4_q8.cpp): per block of 32 input columns of
-// output row n, 16 bytes; byte j holds element j in its low nibble and element j + 16 in
-// its high one (llama.cpp's Q4 layout). w = d * q + m, d and m fp16 or fp32 (S, above).
-// m null: a symmetric weight (Q4_0's: zero 0), m = 0 - 8 d computed in fp32 (`offset`), so a
-// decode step reads Q4_0's 18 bytes a block, not 20.
-template <typename S>
-struct Int4Packed {
-  const uint8_t* qs;  // (N, K/2)
-  const S* d;         // (N, nb)
-  const S* m;         // (N, nb), or null
-  int64_t nb;
-  const S* m_of(int64_t n) const { return m ? m + n * nb : nullptr; }  // column n's (or null)
-};
-
 // Block b's offset of a column (m, d: the column's; m null: symmetric) in fp32: m widened, or
 // 0 - 8 d, what pack_int4 computes for a zero of +0 (8 d is exact; 0 - keeps m +0 where d is
 // ±0), so a symmetric weight gives the bits of the same weight with its m held.
@@ -150,23 +136,6 @@ QINFER_VNNI QINFER_INLINE __m512 offsets16(const S* m, const S* d, int64_t b, in
   if (m) return scales16(m + b, n);
   return _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scales16(d + b, n), _mm512_setzero_ps());
 }
-
-// A tile's C columns of an int4 weight (from column n0): their nibbles and scales, for the
-// tile to copy into locals (`const auto [qs, d, m] = Int4Columns<C, S>(w, n0)`, see below).
-template <int C, typename S>
-struct Int4Columns {
-  const uint8_t* qs[C];
-  const S* d[C];
-  const S* m[C];  // null: symmetric
-  QINFER_INLINE Int4Columns(const Int4Packed<S>& w, int64_t n0) {
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      qs[c] = w.qs + (n0 + c) * w.nb * 16;
-      d[c] = w.d + (n0 + c) * w.nb;
-      m[c] = w.m_of(n0 + c);
-    }
-  }
-};
 
 // fp32 activations as the int8 blocks' and int4 groups' kernels read them.
 struct ActF {
@@ -265,7 +234,7 @@ inline void check_x(const char* op, const at::Tensor& x) {
               ": x's K must be a positive multiple of 32, got shape ", shape_str(x));
 }
 
-// A weight's scales (`Int4Packed` says why either): torch.float16 or torch.float32, (rows, cols).
+// A weight's scales (`kHalf` says why either): torch.float16 or torch.float32, (rows, cols).
 template <typename L>
 void check_scales(const char* op, const char* name, const at::Tensor& t, int64_t rows,
                   int64_t cols, const L& layout) {
@@ -284,29 +253,6 @@ void with_scales(const at::Tensor& scales, F&& f) {
   } else {
     f(float{});
   }
-}
-
-// qs, d and m (none: symmetric) of an int4 weight in `Int4Packed`'s layout, checked against
-// x (M, K) for `op`; returns the weight's N.
-inline int64_t check_int4(const char* op, const at::Tensor& x, const at::Tensor& qs,
-                   const at::Tensor& d, const c10::optional<at::Tensor>& m) {
-  const int64_t K = x.size(1), nb = K / kBlock;
-  TORCH_CHECK(qs.dim() == 2, op, ": qs must be 2-D (N, K/2), got shape ", shape_str(qs));
-  const int64_t N = qs.size(0);
-  const auto k = [K] { return "x's K = " + std::to_string(K); };
-  check_tensor(op, "qs", qs, at::kByte, N, K / 2, [&] { return "(N, K/2) for " + k(); });
-  check_scales(op, "d", d, N, nb, [&] { return "(N, K/32) for " + k() + " and qs's N"; });
-  if (m)
-    check_tensor(op, "m", *m, d.scalar_type(), N, nb,
-                 [&] { return "(N, K/32) for " + k() + " and qs's N, as d"; });
-  return N;
-}
-
-// An int4 weight's tensors (checked by check_int4, contiguous) as the kernels read them.
-template <typename S>
-Int4Packed<S> int4_packed(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  return {qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.defined() ? m.data_ptr<S>() : nullptr,
-          d.size(1)};
 }
 
 // x (M, K) as the fp32 kernels read it, held in `holder`: fp32 as it is (contiguous), bf16
@@ -371,8 +317,7 @@ void columns(Isa path, const typename Kernel::Weights& w, int64_t n0, int64_t n1
 }
 
 // out (M, N) = the kernel's weights w (N, K) times its activations a (M, K), transposed:
-// Kernel is one of int4_q8.cpp's, int8_q8.cpp's, int8_blocks.cpp's, int4_groups.cpp's
-// (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N: a slice of a wider
+// Kernel is one of int8_q8.cpp's or int8_blocks.cpp's (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N: a slice of a wider
 // output's columns takes that output's width).
 template <typename Kernel>
 void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,

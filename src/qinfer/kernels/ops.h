@@ -17,7 +17,7 @@ Tensors3 quantize_q8_1(const at::Tensor& x, const std::string& path);
 // int4_q8.cpp
 Tensors3 pack_int4(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros);
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                   const c10::optional<at::Tensor>& m, const std::string& path);
+                   const c10::optional<at::Tensor>& m, int64_t n, const std::string& path);
 // int8_q8.cpp
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const std::string& path, const c10::optional<at::Tensor>& d_super);
@@ -29,7 +29,7 @@ at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
 at::Tensor top_k_ids(const at::Tensor& logits, int64_t k);
 // int4_groups.cpp
 at::Tensor int4_groups_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                          const c10::optional<at::Tensor>& m, const std::string& path);
+                          const c10::optional<at::Tensor>& m, int64_t n, const std::string& path);
 // rms_norm.cpp
 at::Tensor add_rms_norm(const at::Tensor& h, const c10::optional<at::Tensor>& x,
                         const at::Tensor& w, double eps, at::ScalarType dtype,

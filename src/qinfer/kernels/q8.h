@@ -24,13 +24,8 @@ struct Act {
   float* row_s(int64_t r) const { return s + r * nbs; }
 };
 
-// Where element j (0..31) of block b lands in a row's qx: the int4 weight pair's unpacked
-// order, or (Natural, for int8 weights, read as they are stored) the row's own order.
-template <bool Natural = false>
-inline int64_t qx_pos(int64_t b, int64_t j) {
-  if constexpr (Natural) return b * kBlock + j;
-  return (b >> 1) * 64 + (j >= 16 ? 32 : 0) + (b & 1) * 16 + (j & 15);
-}
+// Where element j (0..31) of block b lands in a row's qx: the row's own order.
+inline int64_t qx_pos(int64_t b, int64_t j) { return b * kBlock + j; }
 
 // A tile's R rows of the activations (from row r0), for the tile to copy into locals
 // (`const auto [qx, dx8, s] = Q8Rows<R>(a, r0)`; matmul.h says why).
@@ -69,10 +64,8 @@ struct ActStorage {
   }
 };
 
-// x (M, K) contiguous fp32 or bf16 into `a` with the path's own ISA, in parallel over rows,
-// qx in the int4 pair order or (Natural) the row's. dx_out / sum_out (M, K/32), natural
-// order, are optional (quantize_q8_1, the tests' reference, reads them).
-template <bool Natural = false>
+// x (M, K) contiguous fp32 or bf16 into `a` with the path's own ISA, in parallel over rows.
+// dx_out / sum_out (M, K/32) are optional (quantize_q8_1, the tests' reference, reads them).
 void quantize(const at::Tensor& x, const Act& a, Isa path, float* dx_out = nullptr,
               int32_t* sum_out = nullptr);
 

@@ -49,16 +49,9 @@ inline void store_block(const Act& a, int64_t r, int64_t b, float dx, int32_t su
 
 // Zeros what a row holds beyond its nb blocks: the second block of an odd last pair (a
 // kernel reads the whole pair) and s up to nbs. The buffers are reused between calls.
-template <bool Natural>
 inline void pad_row(const Act& a, int64_t r) {
   if (a.nb & 1) {
-    int8_t* q = a.row_qx(r) + (a.np - 1) * 64;
-    if constexpr (Natural) {
-      std::memset(q + 32, 0, 32);
-    } else {
-      std::memset(q + 16, 0, 16);
-      std::memset(q + 48, 0, 16);
-    }
+    std::memset(a.row_qx(r) + (a.np - 1) * 64 + 32, 0, 32);
     float* dx8 = a.row_dx8(r) + (a.np - 1) * 8 + 4;
     for (int i = 0; i < 4; ++i) dx8[i] = 0.0f;
   }
@@ -74,7 +67,7 @@ inline float load_scalar(const T* x, int64_t i) {
   }
 }
 
-template <bool Natural, typename T>
+template <typename T>
 void quantize_row_scalar(const T* x, const Act& a, int64_t r, float* dx_out, int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -88,15 +81,15 @@ void quantize_row_scalar(const T* x, const Act& a, int64_t r, float* dx_out, int
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       int32_t q = round_ss(load_scalar(x, b * kBlock + j) * id);
-      qx[qx_pos<Natural>(b, j)] = static_cast<int8_t>(q);
+      qx[qx_pos(b, j)] = static_cast<int8_t>(q);
       sum += static_cast<int8_t>(q);
     }
     store_block(a, r, b, dx, sum, dx_out, sum_out);
   }
-  pad_row<Natural>(a, r);
+  pad_row(a, r);
 }
 
-template <bool Natural, typename T>
+template <typename T>
 QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* dx_out,
                                    int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
@@ -126,16 +119,16 @@ QINFER_AVX2 void quantize_row_avx2(const T* x, const Act& a, int64_t r, float* d
     __m256i p23 = _mm256_packs_epi32(q[2], q[3]);
     __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 0)),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 0)),
                      _mm256_castsi256_si128(bytes));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 16)),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 16)),
                      _mm256_extracti128_si256(bytes, 1));
     store_block(a, r, b, dx, _mm_cvtsi128_si32(t), dx_out, sum_out);
   }
-  pad_row<Natural>(a, r);
+  pad_row(a, r);
 }
 
-template <bool Natural, typename T>
+template <typename T>
 QINFER_VNNI void quantize_row_avx512(const T* x, const Act& a, int64_t r, float* dx_out,
                                      int32_t* sum_out) {
   int8_t* qx = a.row_qx(r);
@@ -148,17 +141,17 @@ QINFER_VNNI void quantize_row_avx512(const T* x, const Act& a, int64_t r, float*
     const __m512 vid = _mm512_set1_ps(id);
     __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid));
     __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 0)),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 0)),
                      _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos<Natural>(b, 16)),
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + qx_pos(b, 16)),
                      _mm512_cvtepi32_epi8(qhi));
     int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     store_block(a, r, b, dx, sum, dx_out, sum_out);
   }
-  pad_row<Natural>(a, r);
+  pad_row(a, r);
 }
 
-template <bool Natural, typename T>
+template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Isa path, float* dx_out,
                    int32_t* sum_out) {
   const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -168,11 +161,11 @@ void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Isa path, flo
       float* dxr = dx_out ? dx_out + r * a.nb : nullptr;
       int32_t* sr = sum_out ? sum_out + r * a.nb : nullptr;
       if (path == Isa::Vnni) {
-        quantize_row_avx512<Natural>(xr, a, r, dxr, sr);
+        quantize_row_avx512(xr, a, r, dxr, sr);
       } else if (path == Isa::Avx2) {
-        quantize_row_avx2<Natural>(xr, a, r, dxr, sr);
+        quantize_row_avx2(xr, a, r, dxr, sr);
       } else {
-        quantize_row_scalar<Natural>(xr, a, r, dxr, sr);
+        quantize_row_scalar(xr, a, r, dxr, sr);
       }
     }
   });
@@ -180,25 +173,21 @@ void quantize_rows(const T* x, int64_t M, int64_t K, const Act& a, Isa path, flo
 
 }  // namespace
 
-template <bool Natural>
 void quantize(const at::Tensor& x, const Act& a, Isa path, float* dx_out,
               int32_t* sum_out) {
   const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() == at::kFloat) {
-    quantize_rows<Natural>(x.data_ptr<float>(), M, K, a, path, dx_out, sum_out);
+    quantize_rows(x.data_ptr<float>(), M, K, a, path, dx_out, sum_out);
   } else {
-    quantize_rows<Natural>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a,
+    quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a,
                            path, dx_out, sum_out);
   }
 }
 
-template void quantize<false>(const at::Tensor&, const Act&, Isa, float*, int32_t*);
-template void quantize<true>(const at::Tensor&, const Act&, Isa, float*, int32_t*);
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_1(const at::Tensor& x_in,
                                                              const std::string& path_name_in) {
   check_x("quantize_q8_1", x_in);
-  const Isa path = vector_isa(resolve_path("quantize_q8_1", path_name_in, kDotPaths));
+  const Isa path = resolve_path("quantize_q8_1", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   ActStorage storage;

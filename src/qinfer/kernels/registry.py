@@ -48,6 +48,10 @@ def _rows_by_columns(x: torch.Tensor, columns: torch.Tensor, *_: object) -> torc
     return x.new_empty((x.shape[0], columns.shape[0]), dtype=torch.float32)  # (M, N)
 
 
+def _rows_by_n(x, qs, d, m, n: int, *_: object) -> torch.Tensor:  # noqa: ANN001
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)  # (M, N): the int4 column tiles'
+
+
 def _blocks_by_columns(x, q, d, path="auto", d_super=None, ids=None) -> torch.Tensor:  # noqa: ANN001
     columns = q.shape[0] if ids is None else ids.shape[1]
     return x.new_empty((x.shape[0], columns), dtype=torch.float32)  # (M, N) or (M, k)
@@ -93,11 +97,11 @@ def _in_place(*_: object) -> None:  # lora_add: y updated, nothing returned
 
 #: Each op that takes tensors -> its fake kernel.
 FAKE_KERNELS = {
-    "int4_mm": _rows_by_columns,
+    "int4_mm": _rows_by_n,
     "int8_mm": _rows_by_columns,
     "int8_blocks_mm": _blocks_by_columns,
     "top_k_ids": _top_k,
-    "int4_groups_mm": _rows_by_columns,
+    "int4_groups_mm": _rows_by_n,
     "quantize_q8_1": _quantized,
     "add_rms_norm": _add_normed,
     "heads_rms_norm": _heads_normed,

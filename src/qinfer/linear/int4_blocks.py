@@ -1,9 +1,9 @@
 """int4 groups of 32 in qinfer's own layout, multiplied by qinfer's compiled kernel in fp32.
 
 The weight is `Int4Linear`'s, W = (q - 8) * scale + zero per group of 32 input columns
-(GGUF's Q4_0, Q4_1 and Q4_K exactly), held as `kernels.pack_int4` packs it: the nibbles
-(N, K / 2) and, per group, d = scale and m = zero - 8 * scale (w = d q + m), in fp16 where
-that is exact (Q4_0's and Q4_1's: the file's own bytes) and fp32 otherwise (Q4_K's). A
+(GGUF's Q4_0, Q4_1 and Q4_K exactly), held as `kernels.pack_int4` packs it (columns in tiles
+of 16): the nibbles and, per group, d = scale and m = zero - 8 * scale (w = d q + m), in fp16
+where that is exact (Q4_0's and Q4_1's: the file's own bytes) and fp32 otherwise (Q4_K's). A
 symmetric weight (Q4_0's, zero 0) holds no m: m = 0 - 8 d is computed where it is used
 (the kernels, `_offsets`), so it is held in the file's 18 bytes a block, not 20.
 
@@ -44,9 +44,9 @@ class Int4BlockLinear(QuantizedLinear):
     def __init__(self, stored: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         packed = kernels.pack_int4(stored)
-        self.register_buffer("qs", packed.qs)  # (N, K / 2) uint8
-        self.register_buffer("d", packed.d)  # (N, K / 32) fp16 or fp32
-        self.register_buffer("m", packed.m)  # (N, K / 32), d's dtype; None: symmetric
+        self.register_buffer("qs", packed.qs)  # (G, K / 32 * 256) uint8, G = ceil(N / 16)
+        self.register_buffer("d", packed.d)  # (G, K / 32 * 16) fp16 or fp32
+        self.register_buffer("m", packed.m)  # (G, K / 32 * 16), d's dtype; None: symmetric
         self.register_buffer("bias", bias)
         self.packed = packed  # the same tensors, as the kernels take them (CPU only: never moved)
         self.out_features, self.in_features = packed.shape
@@ -88,41 +88,30 @@ class Int4BlockLinear(QuantizedLinear):
     def _tiles_supported(self) -> bool:
         return True
 
-    def _q(self, qs: torch.Tensor) -> torch.Tensor:
-        """qs (..., K / 2) -> q (..., K / 32, 32) uint8: a group's 16 bytes hold its elements
-        j in the low nibbles and j + 16 in the high ones."""
-        pairs = qs.unflatten(-1, (-1, 16))  # (..., K / 32, 16)
-        return torch.cat([pairs & 15, pairs >> 4], dim=-1)
-
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """d q + m in fp32 (two roundings, within an ulp of `_exact`'s one; then rounded
         once to bf16), into the shared buffer."""
-        rows, k = stop - start, self.in_features
+        rows, k, columns = stop - start, self.in_features, slice(start, stop)
         w = scratch(rows * k, torch.float32, self.device).view(rows, -1, self.group_size)
+        q = self.packed.values(columns).view(rows, -1, self.group_size)
         # fp32 scales: q * an fp16 d in fp16 would round the product
-        torch.mul(self._q(self.qs[start:stop]), self.d[start:stop, :, None].float(), out=w)
-        w.add_(self._offsets(slice(start, stop))[..., None])
+        torch.mul(q, self.packed.scales(columns)[..., None].float(), out=w)
+        w.add_(self.packed.offsets(columns)[..., None])
         if dtype != torch.float32:
             return scratch(rows * k, dtype, self.device).view(rows, k).copy_(w.view(rows, k))
         return w.view(rows, k)
 
     def groups(self) -> Int4Groups:
         """The weight as `Int4Groups` (zero = m + 8 d, rounded once to fp32)."""
-        q = self._q(self.qs).flatten(-2)
-        d = self.d.float()
-        return Int4Groups(q, d, (self._offsets(slice(None)).double() + 8 * d.double()).float())
-
-    def _offsets(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        """m of `rows` in fp32 (..., K / 32): held, or 0 - 8 d, as the kernels compute it."""
-        if self.m is None:
-            return kernels.symmetric_offsets(self.d[rows])
-        return self.m[rows].float()
+        d = self.packed.scales().float()
+        zeros = (self.packed.offsets().double() + 8 * d.double()).float()
+        return Int4Groups(self.packed.values(), d, zeros)
 
     def _exact(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """(..., K) fp32: `rows`' d q + m rounded once, each weight's fp32 value."""
-        d, m = self.d[rows].double(), self._offsets(rows).double()
-        w = self._q(self.qs[rows]).double() * d[..., None] + m[..., None]
-        return w.float().flatten(-2)
+        d, m = self.packed.scales(rows).double(), self.packed.offsets(rows).double()
+        q = self.packed.values(rows).unflatten(-1, (-1, self.group_size))
+        return (q.double() * d[..., None] + m[..., None]).float().flatten(-2)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) fp32, the weights' fp32 values (d q + m rounded once)."""

@@ -1,0 +1,140 @@
+// The int4 weight's column tiles: the layout pack_int4 writes (int4_q8.cpp), which both int4
+// ops read (int4_mm there, int4_groups_mm in int4_groups.cpp), and the driver that splits an
+// output's tiles between threads. docs/KERNELS.md says why this layout.
+//
+// Layout: the N output columns in tiles of 16 (the last padded with zero columns), G of them;
+// per tile and block b of 32 input columns, 256 bytes: 4 registers of 64 bytes, register r's
+// dword lane l holding bytes 4r..4r+3 of column 16g + l's block, where byte j of a block holds
+// its element j in the low nibble and j + 16 in the high one (llama.cpp's Q4 layout). So one
+// 64-byte load gives 4 elements of 16 columns at once, its low nibbles elements 4r..4r+3 and
+// its high ones 16 + 4r..: each lane is a column, and a block's dot product stays in its lane
+// (no transposes, no horizontal sums); AVX2 reads a tile as two halves of 8 columns (bytes
+// 32h..32h+31 of each register). The scales d (and offsets m, none for a symmetric weight) of
+// block b are 16 in a row, one a lane: (G, nb * 16), fp16 or fp32 (matmul.h's S).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "matmul.h"
+
+namespace qinfer_kernels {
+
+constexpr int64_t kTileCols = 16;                // columns per tile: a 512-bit register's dwords
+constexpr int64_t kTileBytes = kTileCols * 16;  // one block of a tile: 256 bytes
+
+template <typename S>
+struct Int4Tiles {
+  const uint8_t* qs;  // (G, nb * 256)
+  const S* d;         // (G, nb * 16)
+  const S* m;         // (G, nb * 16), or null: symmetric (m = 0 - 8 d, `offset`)
+  int64_t nb;         // blocks per column (K / 32)
+  int64_t N;          // columns (the last tile's lanes past N are padding)
+  int64_t G;          // tiles
+  const uint8_t* block(int64_t g, int64_t b) const { return qs + (g * nb + b) * kTileBytes; }
+  const S* d_of(int64_t g, int64_t b) const { return d + (g * nb + b) * kTileCols; }
+  // m of block b from lane `lane` on, or null (symmetric)
+  const S* m_of(int64_t g, int64_t b, int64_t lane = 0) const {
+    return m ? m + (g * nb + b) * kTileCols + lane : nullptr;
+  }
+  // byte j (0..15) of column n's block b, for the scalar paths
+  uint8_t byte(int64_t n, int64_t b, int64_t j) const {
+    return block(n / kTileCols, b)[(j >> 2) * 64 + (n % kTileCols) * 4 + (j & 3)];
+  }
+  // the output lanes of tile g that are real columns (16, or fewer in the last tile)
+  int64_t lanes(int64_t g) const { return std::min(kTileCols, N - g * kTileCols); }
+};
+
+// qs, d and m (none: symmetric) of an int4 weight of n columns in the tiles' layout, checked
+// against x (M, K) for `op`.
+void check_int4_tiles(const char* op, const at::Tensor& x, const at::Tensor& qs,
+                      const at::Tensor& d, const c10::optional<at::Tensor>& m, int64_t n);
+
+template <typename S>
+Int4Tiles<S> int4_tiles(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        int64_t n) {
+  return {qs.data_ptr<uint8_t>(), d.data_ptr<S>(), m.defined() ? m.data_ptr<S>() : nullptr,
+          d.size(1) / kTileCols, n, qs.size(0)};
+}
+
+// f(std::integral_constant<int, r>) for r = min(rows, R): a tile of that many rows.
+template <int R, typename F>
+QINFER_INLINE void with_rows(int64_t rows, F&& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// out (M, N) = the kernel's weight w (N, K) times its activations a (M, K), transposed. A
+// Kernel (int4_q8.cpp's, int4_groups.cpp's) has a tile of up to kRowsVnni rows by a whole tile
+// of columns on VNNI (`tile_vnni<R>(w, g, a, r0, out)`), of up to kRowsAvx2 rows by half a
+// tile on AVX2 (`tile_avx2<R>(w, g, h, a, r0, out)`), and one output at a time
+// (`dot_scalar(w, n, a, r, out)`). Threads take whole column tiles, each tile all the rows
+// while its weights stay in cache. Every output takes the same steps whichever tile, thread
+// or row count computes it.
+template <typename Kernel, typename W, typename A>
+void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
+  const int64_t K = w.nb * kBlock;
+  // enough tiles per task that the pool's wake-up is paid for
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * K * kTileCols));
+  at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (path == Isa::Scalar) {
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t n = g * kTileCols; n < g * kTileCols + w.lanes(g); ++n)
+            Kernel::dot_scalar(w, n, a, r, out);
+      } else if (path == Isa::Vnni) {
+        for (int64_t r0 = 0; r0 < M; r0 += Kernel::kRowsVnni)
+          with_rows<Kernel::kRowsVnni>(M - r0, [&](auto rows) {
+            Kernel::template tile_vnni<decltype(rows)::value>(w, g, a, r0, out);
+          });
+      } else {
+        for (int64_t h = 0; h < 2 && 8 * h < w.lanes(g); ++h)
+          for (int64_t r0 = 0; r0 < M; r0 += Kernel::kRowsAvx2)
+            with_rows<Kernel::kRowsAvx2>(M - r0, [&](auto rows) {
+              Kernel::template tile_avx2<decltype(rows)::value>(w, g, h, a, r0, out);
+            });
+      }
+    }
+  });
+}
+
+// A tile's 4 registers of block b unpacked: wk[k] for k < 4 the low nibbles of register k
+// (elements 4k..4k+3 of each lane's column), for k >= 4 the high ones of register k - 4
+// (elements 16 + 4(k - 4)..): the u8 operand of the activations' dword k of the block.
+QINFER_VNNI QINFER_INLINE void unpack_block_vnni(const uint8_t* src, __m512i (&wk)[8]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  #pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m512i p = _mm512_loadu_si512(src + 64 * r);
+    wk[r] = _mm512_and_si512(p, low4);
+    wk[4 + r] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+  }
+}
+// The same for half h of a tile (8 columns), AVX2.
+QINFER_AVX2 QINFER_INLINE void unpack_block_avx2(const uint8_t* src, int64_t h, __m256i (&wk)[8]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  #pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * r + 32 * h));
+    wk[r] = _mm256_and_si256(p, low4);
+    wk[4 + r] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+  }
+}
+
+// Stores a tile's row: its real lanes of out (16 on VNNI, 8 on AVX2).
+QINFER_VNNI QINFER_INLINE void store_lanes(float* out, int64_t lanes, __m512 v) {
+  _mm512_mask_storeu_ps(out, lanes >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << lanes) - 1), v);
+}
+QINFER_AVX2 QINFER_INLINE void store_lanes(float* out, int64_t lanes, __m256 v) {
+  if (lanes >= 8) _mm256_storeu_ps(out, v);
+  else _mm256_maskstore_ps(out, first_dwords(lanes), v);
+}
+
+}  // namespace qinfer_kernels

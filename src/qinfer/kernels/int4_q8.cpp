@@ -78,9 +78,7 @@ struct Int4Q8 {
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(src + 64 * r + kPrefetchFor<R>), _MM_HINT_T0);
+      prefetch_block<R>(src);
       __m512i wk[8];
       unpack_block_vnni(src, wk);
       const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
@@ -114,9 +112,7 @@ struct Int4Q8 {
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(src + 64 * r + kPrefetchFor<R>), _MM_HINT_T0);
+      prefetch_block<R>(src);
       __m256i wk[8];
       unpack_block_avx2(src, h, wk);
       const __m256 d8 = scales8(w.d_of(g, b) + 8 * h, 8);
@@ -166,15 +162,16 @@ void check_int4_tiles(const char* op, const at::Tensor& x, const at::Tensor& qs,
                       const at::Tensor& d, const c10::optional<at::Tensor>& m, int64_t n) {
   TORCH_CHECK(n >= 0, op, ": n (the weight's columns) must be >= 0, got ", n);
   const int64_t K = x.size(1), nb = K / kBlock, G = (n + kTileCols - 1) / kTileCols;
-  const auto layout = [&] {
-    return "(G, K/32 * 16) for x's K = " + std::to_string(K) + " and n = " + std::to_string(n) +
-           " columns in tiles of 16, G = " + std::to_string(G);
+  // "(G, K/32 * 256) for x's K = 96 and n = 16 columns in tiles of 16, G = 1"
+  const auto layout = [&](int64_t per_block) {
+    return [=] {
+      return "(G, K/32 * " + std::to_string(per_block) + ") for x's K = " + std::to_string(K) +
+             " and n = " + std::to_string(n) + " columns in tiles of 16, G = " + std::to_string(G);
+    };
   };
-  check_tensor(op, "qs", qs, at::kByte, G, nb * kTileBytes,
-               [&] { return "(G, K/32 * 256) for x's K = " + std::to_string(K) + " and n = " +
-                            std::to_string(n) + " columns in tiles of 16, G = " + std::to_string(G); });
-  check_scales(op, "d", d, G, nb * kTileCols, layout);
-  if (m) check_tensor(op, "m", *m, d.scalar_type(), G, nb * kTileCols, [&] { return layout() + ", as d"; });
+  check_tensor(op, "qs", qs, at::kByte, G, nb * kTileBytes, layout(kTileBytes));
+  check_scales(op, "d", d, G, nb * kTileCols, layout(kTileCols));
+  if (m) check_tensor(op, "m", *m, d.scalar_type(), G, nb * kTileCols, layout(kTileCols));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_int4(const at::Tensor& q_in,

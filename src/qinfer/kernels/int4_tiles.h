@@ -105,6 +105,15 @@ void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   });
 }
 
+// Fetches the tile's block kPrefetchFor<R> bytes ahead of src (its 4 lines; the tiles' blocks
+// follow each other, so it is the one stream a tile reads).
+template <int R>
+QINFER_INLINE void prefetch_block(const uint8_t* src) {
+  #pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(src + 64 * r + kPrefetchFor<R>), _MM_HINT_T0);
+}
+
 // A tile's 4 registers of block b unpacked: wk[k] for k < 4 the low nibbles of register k
 // (elements 4k..4k+3 of each lane's column), for k >= 4 the high ones of register k - 4
 // (elements 16 + 4(k - 4)..): the u8 operand of the activations' dword k of the block.

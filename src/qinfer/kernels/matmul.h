@@ -213,7 +213,7 @@ std::string describe(const L& layout) {
   else return std::string(layout);
 }
 
-// `layout` says what the expected shape is made of, e.g. "(N, K/2) for x's K = 576".
+// `layout` says what the expected shape is made of, e.g. "(N, K) for x's K = 576".
 template <typename L>
 void check_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
                   int64_t rows, int64_t cols, const L& layout) {
@@ -278,15 +278,15 @@ inline ActF fp32_activations(const at::Tensor& x, at::Tensor& holder) {
                                     float* out, int64_t ldo);                             \
   static void dot_scalar(const W& w, int64_t n, const A& a, int64_t r, float* out, int64_t ldo);
 
-// Rows per tile: one unpacked weight pair serves up to this many rows.
+// Rows per tile: one weight chunk serves up to this many rows.
 constexpr int kRows = 4;
-// Columns per task step: their weights (cols * K/2 bytes + scales) stay in L1/L2 while
+// Columns per task step: their weights (cols * K bytes + scales) stay in L1/L2 while
 // every row tile of the call passes over them.
 constexpr int64_t kCols = 16;
 
 // Columns per tile by rows. One row (decode): one column, the weight rows read one after
 // the other; 4 interleaved columns ran twice as fast with the weights in cache but half as
-// fast from memory (4 rows read K/2 bytes apart), and a decode step's weights come from
+// fast from memory (measured on int4 rows K/2 bytes apart), and a decode step's weights come from
 // memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in VNNI's 32
 // registers); AVX2's 16 registers take one column.
 template <int R, typename Kernel>

@@ -122,13 +122,15 @@ struct Int4GroupsF32 {
       const __m512 m16 = offsets16(w.m_of(g, b), w.d_of(g, b), 0, kTileCols);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[i][0], p[i][1]), _mm512_add_ps(p[i][2], p[i][3]));
+        const __m512 sum =
+            _mm512_add_ps(_mm512_add_ps(p[i][0], p[i][1]), _mm512_add_ps(p[i][2], p[i][3]));
         tot[i] = _mm512_fmadd_ps(sum, d16, tot[i]);
         tot[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(sx[i][b]), tot[i]);
       }
     }
     #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), tot[i]);
+    for (int i = 0; i < R; ++i)
+      store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), tot[i]);
   }
 
   template <int R>
@@ -163,7 +165,8 @@ struct Int4GroupsF32 {
       tot = _mm256_fmadd_ps(sum, d8, tot);
       tot = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[b]), tot);
     }
-    store_lanes(out + r0 * w.N + g * kTileCols + 8 * h, std::min<int64_t>(8, w.lanes(g) - 8 * h), tot);
+    const int64_t lanes = std::min<int64_t>(8, w.lanes(g) - 8 * h);
+    store_lanes(out + r0 * w.N + g * kTileCols + 8 * h, lanes, tot);
   }
 
   static void dot_scalar(const Int4Tiles<S>& w, int64_t n, const ActF4& a, int64_t r, float* out) {

@@ -82,7 +82,8 @@ template <typename Kernel, typename W, typename A>
 void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
   // enough tiles per task that the pool's wake-up is paid for
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * K * kTileCols));
+  const int64_t work = std::max<int64_t>(1, M * K * kTileCols);  // a tile's multiply-adds
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
   at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (path == Isa::Scalar) {

@@ -286,9 +286,9 @@ constexpr int64_t kCols = 16;
 
 // Columns per tile by rows. One row (decode): one column, the weight rows read one after
 // the other; 4 interleaved columns ran twice as fast with the weights in cache but half as
-// fast from memory (measured on int4 rows K/2 bytes apart), and a decode step's weights come from
-// memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in VNNI's 32
-// registers); AVX2's 16 registers take one column.
+// fast from memory (measured on int4 rows K/2 bytes apart), and a decode step's weights
+// come from memory. More rows: 2 columns (R * C accumulators and R activation pairs fit in
+// VNNI's 32 registers); AVX2's 16 registers take one column.
 template <int R, typename Kernel>
 QINFER_VNNI void columns_vnni(const typename Kernel::Weights& w, int64_t n0, int64_t n1,
                               const typename Kernel::Acts& a, int64_t r0, float* out, int64_t ldo) {

@@ -2,7 +2,7 @@
 weights and activations, the paths alternating round by round (bench/int4_dot_kernel.py's
 timing) so that a burst of load on a shared machine hits both.
 
-    python bench/int4_paths.py                               # the CPU's paths, Qwen3-0.6B, M 16 512
+    python bench/int4_paths.py                         # the CPU's vector paths, Qwen3-0.6B, M 16 512
     python bench/int4_paths.py --paths vnni avx2 --rows 1 8 16 32 --threads 1 2
 
 A figure is the median over rounds of the mean ms per call; "x" is the first path's time over
@@ -24,7 +24,7 @@ from qinfer.linear.compute import cpu_flags
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", help="default: the CPU's, fastest first")
+    parser.add_argument("--paths", nargs="+", help="default: the CPU's vector paths, fastest first")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 512])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=5)
@@ -38,7 +38,7 @@ def main() -> None:
     reason = kernels.available()
     if reason is not None:
         raise SystemExit(f"int4 dot kernel unavailable: {reason}")
-    args.paths = args.paths or list(reversed(kernels.paths()))
+    args.paths = args.paths or [p for p in reversed(kernels.paths()) if p != "scalar"]
     missing = [p for p in args.paths if p not in kernels.paths()]
     if missing:
         raise SystemExit(

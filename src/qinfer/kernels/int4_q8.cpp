@@ -42,23 +42,12 @@
 namespace qinfer_kernels {
 namespace {
 
-// A tile's R rows of the activations (from row r0): qx as dwords (a block's 8), dx and s.
-template <int R>
-struct Q8Dwords {
-  const int32_t* x[R];
-  const float* dx8[R];  // q8.h's dx8: block b's scale at (b >> 1) * 8 + (b & 1) * 4
-  const float* s[R];
-  QINFER_INLINE Q8Dwords(const Act& a, int64_t r0) {
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      x[i] = reinterpret_cast<const int32_t*>(a.row_qx(r0 + i));
-      dx8[i] = a.row_dx8(r0 + i);
-      s[i] = a.row_s(r0 + i);
-    }
-  }
-};
-
-QINFER_INLINE int64_t dx_at(int64_t b) { return (b >> 1) * 8 + (b & 1) * 4; }
+// Dword k of a row's block, its elements 4k..4k+3 (a copy: the int8 buffer read as int32).
+QINFER_INLINE int32_t dword(const int8_t* qx, int64_t b, int k) {
+  int32_t v;
+  std::memcpy(&v, qx + qx_pos(b, 4 * k), sizeof v);
+  return v;
+}
 
 template <typename S>
 struct Int4Q8 {
@@ -72,7 +61,7 @@ struct Int4Q8 {
   QINFER_VNNI static void tile_vnni(const Int4Tiles<S>& w, int64_t g, const Act& a, int64_t r0,
                                     float* out) {
     const int64_t nb = w.nb;
-    const auto [x, dx8, s] = Q8Dwords<R>(a, r0);
+    const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
     __m512 acc[R];
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -87,13 +76,15 @@ struct Int4Q8 {
       for (int i = 0; i < R; ++i) {
         // two chains of 4 dpbusd, added: a chain of 8 held a one-row tile on their latency
         // (the integer sums are exact, so the split changes no bit)
-        const int32_t* xb = x[i] + b * 8;
         __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k)
-          dot[k & 1] = _mm512_dpbusd_epi32(dot[k & 1], wk[k], _mm512_set1_epi32(xb[k]));
-        const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx8[i][dx_at(b)]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), scale, acc[i]);
+        for (int k = 0; k < 8; ++k) {
+          const __m512i xk = _mm512_set1_epi32(dword(qx[i], b, k));
+          dot[k & 1] = _mm512_dpbusd_epi32(dot[k & 1], wk[k], xk);
+        }
+        const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx8[i][dx8_pos(b)]));
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1]));
+        acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i][b]), acc[i]);
       }
     }
@@ -110,7 +101,7 @@ struct Int4Q8 {
                                     int64_t r0, float* out) {
     const int64_t nb = w.nb;
     const __m256i ones = _mm256_set1_epi16(1);
-    const auto [x, dx8, s] = Q8Dwords<R>(a, r0);
+    const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
     __m256 acc[R];
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -123,13 +114,14 @@ struct Int4Q8 {
       const __m256 m8 = offsets8(w.m_of(g, b, 8 * h), w.d_of(g, b) + 8 * h, 0, 8);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
-        const int32_t* xb = x[i] + b * 8;
-        __m256i pairs = _mm256_maddubs_epi16(wk[0], _mm256_set1_epi32(xb[0]));
+        __m256i pairs = _mm256_maddubs_epi16(wk[0], _mm256_set1_epi32(dword(qx[i], b, 0)));
         #pragma GCC unroll 8
-        for (int k = 1; k < 8; ++k)
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wk[k], _mm256_set1_epi32(xb[k])));
+        for (int k = 1; k < 8; ++k) {
+          const __m256i xk = _mm256_set1_epi32(dword(qx[i], b, k));
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wk[k], xk));
+        }
         const __m256i dot = _mm256_madd_epi16(pairs, ones);
-        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx_at(b)]));
+        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx8_pos(b)]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
         acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(s[i][b]), acc[i]);
       }
@@ -153,7 +145,7 @@ struct Int4Q8 {
         const uint8_t byte = w.byte(n, b, j);
         dot += (byte & 15) * qx[qx_pos(b, j)] + (byte >> 4) * qx[qx_pos(b, j + 16)];
       }
-      acc = std::fma(static_cast<float>(dot), widen(w.d_of(g, b)[l]) * dx8[dx_at(b)], acc);
+      acc = std::fma(static_cast<float>(dot), widen(w.d_of(g, b)[l]) * dx8[dx8_pos(b)], acc);
       acc = std::fma(offset(w.m_of(g, b), w.d_of(g, b), l), s[b], acc);
     }
     out[r * w.N + n] = acc;

@@ -211,7 +211,7 @@ void Int8Q8<B, S, Packed>::dot_scalar(const Weights8<S>& w, int64_t n, const Act
   const float* dx8 = a.row_dx8(r);
   float acc = 0.0f;
   for (int64_t b = 0; b < w.nb; ++b) {
-    const float dx = dx8[(b >> 1) * 8 + (b & 1) * 4];
+    const float dx = dx8[dx8_pos(b)];
     for (int64_t part = 0; part < kBlock / E; ++part) {
       int32_t dot = 0;
       for (int64_t j = part * E; j < (part + 1) * E; ++j) {

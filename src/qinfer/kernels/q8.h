@@ -27,6 +27,10 @@ struct Act {
 // Where element j (0..31) of block b lands in a row's qx: the row's own order.
 inline int64_t qx_pos(int64_t b, int64_t j) { return b * kBlock + j; }
 
+// Where block b's scale dx lies in a row's dx8 (the first of its 4 copies: a pair's 8 lanes
+// hold block 2p's dx four times, then 2p + 1's).
+inline int64_t dx8_pos(int64_t b) { return (b >> 1) * 8 + (b & 1) * 4; }
+
 // A tile's R rows of the activations (from row r0), for the tile to copy into locals
 // (`const auto [qx, dx8, s] = Q8Rows<R>(a, r0)`; matmul.h says why).
 template <int R>

@@ -40,7 +40,7 @@ inline int32_t round_ss(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
 // Writes a block's scale into dx8 and s, and the optional natural-order outputs.
 inline void store_block(const Act& a, int64_t r, int64_t b, float dx, int32_t sum, float* dx_out,
                         int32_t* sum_out) {
-  float* dx8 = a.row_dx8(r) + (b >> 1) * 8 + (b & 1) * 4;
+  float* dx8 = a.row_dx8(r) + dx8_pos(b);
   for (int i = 0; i < 4; ++i) dx8[i] = dx;
   a.row_s(r)[b] = dx * static_cast<float>(sum);
   if (dx_out) dx_out[b] = dx;

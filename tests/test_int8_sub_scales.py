@@ -92,17 +92,19 @@ def test_gathered_rows_of_a_q6_k_weight_give_the_whole_products_bits(int8_dot_bu
         assert torch.equal(got, whole.gather(1, ids)), path
 
 
-def test_int8_mm_unpacks_slices_of_a_long_weight_alike(int8_dot_built):
-    """Past a tile's rows int8_mm unpacks Q6_K's values a slice of columns at a time (~1 MB:
-    several slices at K = 4096 and 300 columns), writing each slice's outputs among the
-    others': the bits of int8 values with fp32 scales, and of the packed tiles at few rows."""
+def test_int8_mm_stages_a_long_weight_alike(int8_dot_built):
+    """int8_mm stages 16 columns at a time, Q6_K's unpacked as they are staged (K = 4096, 300
+    columns: a last tile of 12): the bits of int8 values with fp32 scales at every row count,
+    and each row's bits alone."""
     blocks = q6_k(rows=300, columns=4096)
     packed, wide = kernels.pack_q6(blocks.q), blocks.flattened().scales
-    x = activations(9, 4096, torch.float32)
+    x = activations(17, 4096, torch.float32)
     for path in kernels.paths():
-        for m in (3, 5, 9):
+        alone = kernels.int8_mm(x[:1], packed, blocks.scales, path, d_super=blocks.super_scales)
+        for m in (1, 9, 17):
             got = kernels.int8_mm(x[:m], packed, blocks.scales, path, d_super=blocks.super_scales)
             assert torch.equal(got, kernels.int8_mm(x[:m], blocks.q, wide, path)), (path, m)
+            assert torch.equal(got[:1], alone), (path, m)
 
 
 def test_rows_and_dequantized_tiles_are_exact():

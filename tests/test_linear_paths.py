@@ -202,7 +202,8 @@ def test_the_default_rule_takes_int8_dot_wherever_a_layer_has_it(
 ):
     """Not `exact`: int8 rows, int8 blocks and int4 groups of 32 take int8_dot for both
     buckets on any CPU class, batch-invariant too (a row alike at any row count); int4 groups
-    of 128 (no int8_dot) the exact rule's paths; the head keeps its kernel."""
+    of 128 (no int8_dot) the exact rule's paths; the head takes int8_dot where the layer has
+    it, else its kernel."""
     monkeypatch.delenv(choose.ENV, raising=False)
     monkeypatch.setattr(choose, "bf16_matmul_is_fast", lambda device: bf16_fast)
     monkeypatch.setattr(kernels, "buildable", lambda: True)
@@ -215,7 +216,7 @@ def test_the_default_rule_takes_int8_dot_wherever_a_layer_has_it(
     if same_at_any_rows:
         wide = {"decode": "kernel", "prefill": "kernel"}
     assert [layer.chosen for layer in layers] == [dot] * 4 + [wide]
-    assert {layer.head_path for layer in layers} == {"kernel"}
+    assert [layer.head_path for layer in layers] == ["int8_dot"] * 4 + ["kernel"]
 
 
 AMX_XEON = ["avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"]
@@ -365,22 +366,28 @@ def test_an_int8_dot_head_gives_each_row_its_top_logits_as_fp32_computes_them(in
     assert (got != exact).sum() > 5 * 500  # the rest: the int8 pass's
 
 
-def test_a_quantized_head_keeps_its_kernel_unless_int8_dot_is_forced(monkeypatch):
-    """int8_dot moves the logits below the recomputed top (rule_head_path): the rule keeps the
-    kind's kernel, int8 blocks' too; QINFER_LINEAR_PATH=head=int8_dot (or int8_dot for all)
-    takes it."""
+def test_a_quantized_head_takes_int8_dot_unless_exact(monkeypatch):
+    """The rule's head (rule_head_path): int8_dot by default wherever the layer has it (its
+    top logits recomputed exactly), the kind's kernel with `exact`;
+    QINFER_LINEAR_PATH=head=kernel forces the kernel, head=int8_dot (or int8_dot for all)
+    int8_dot."""
     monkeypatch.setattr(kernels, "buildable", lambda: True)
     layers = torch.nn.ModuleList([*three_layers(), quantized("int8/32", 96, torch.bfloat16)])
     monkeypatch.delenv(choose.ENV, raising=False)
     choose_paths(layers)
+    assert [layer.head_path for layer in layers] == ["int8_dot"] * 4
+    choose_paths(layers, exact=True)
+    assert [layer.head_path for layer in layers] == ["kernel"] * 4
+    monkeypatch.setenv(choose.ENV, "head=kernel")
+    choose_paths(layers)
     assert [layer.head_path for layer in layers] == ["kernel"] * 4
     for forced in ("head=int8_dot", "int8_dot"):
         monkeypatch.setenv(choose.ENV, forced)
-        choose_paths(layers)
+        choose_paths(layers, exact=True)
         assert [layer.head_path for layer in layers] == ["int8_dot"] * 4
     monkeypatch.setenv(choose.ENV, "bf16_tiles")  # a tile path is no head path: the rule's
     choose_paths(layers)
-    assert [layer.head_path for layer in layers] == ["kernel"] * 4
+    assert [layer.head_path for layer in layers] == ["int8_dot"] * 4
     monkeypatch.setenv(choose.ENV, "head=bf16_tiles")
     with pytest.raises(ConfigError, match="head: kernel or int8_dot"):
         choose_paths(layers)

@@ -42,17 +42,13 @@
 namespace qinfer_kernels {
 namespace {
 
-// Dword k of a row's block, its elements 4k..4k+3 (a copy: the int8 buffer read as int32).
-QINFER_INLINE int32_t dword(const int8_t* qx, int64_t b, int k) {
-  int32_t v;
-  std::memcpy(&v, qx + qx_pos(b, 4 * k), sizeof v);
-  return v;
-}
-
 template <typename S>
 struct Int4Q8 {
   static constexpr int kRowsVnni = 8;  // 8 weight registers + 8 accumulators of 32
   static constexpr int kRowsAvx2 = 4;
+  static constexpr int64_t kActivationBytes = 1;
+
+  static const Int4Tiles<S>& tile(const Int4Tiles<S>& w, int64_t, Isa, int64_t) { return w; }
 
   // R rows by the 16 columns of tile g: per block, its 4 registers unpacked once for the R
   // rows, each row's 8 activation dwords broadcast into 8 dpbusd (lane l: column 16g + l's

@@ -72,38 +72,52 @@ QINFER_INLINE void with_rows(int64_t rows, F&& f) {
 }
 
 // out (M, N) = the kernel's weight w (N, K) times its activations a (M, K), transposed. A
-// Kernel (int4_q8.cpp's, int4_groups.cpp's) has a tile of up to kRowsVnni rows by a whole tile
-// of columns on VNNI (`tile_vnni<R>(w, g, a, r0, out)`), of up to kRowsAvx2 rows by half a
-// tile on AVX2 (`tile_avx2<R>(w, g, h, a, r0, out)`), and one output at a time
-// (`dot_scalar(w, n, a, r, out)`). Threads take whole column tiles, each tile all the rows
-// while its weights stay in cache. Every output takes the same steps whichever tile, thread
+// Kernel (int4_q8.cpp's, int4_groups.cpp's, int8_q8.cpp's) has the weights its tiles read
+// for column tile g (`tile(w, g, path, M)`: the int4 tiles as they are, int8 rows staged into
+// tiles), a tile of up to kRowsVnni rows by a whole tile of columns on VNNI (`tile_vnni<R>(t,
+// g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
+// r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), and its
+// activations' bytes an element (kActivationBytes: 1 for int8, 4 for fp32). Threads take whole
+// column tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes the same steps whichever tile, thread
 // or row count computes it.
 template <typename Kernel, typename W, typename A>
 void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
-  // enough tiles per task that the pool's wake-up is paid for
-  const int64_t work = std::max<int64_t>(1, M * K * kTileCols);  // a tile's multiply-adds
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
-  at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (path == Isa::Scalar) {
-        for (int64_t r = 0; r < M; ++r)
-          for (int64_t n = g * kTileCols; n < g * kTileCols + w.lanes(g); ++n)
-            Kernel::dot_scalar(w, n, a, r, out);
-      } else if (path == Isa::Vnni) {
-        for (int64_t r0 = 0; r0 < M; r0 += Kernel::kRowsVnni)
-          with_rows<Kernel::kRowsVnni>(M - r0, [&](auto rows) {
-            Kernel::template tile_vnni<decltype(rows)::value>(w, g, a, r0, out);
-          });
-      } else {
-        for (int64_t h = 0; h < 2 && 8 * h < w.lanes(g); ++h)
-          for (int64_t r0 = 0; r0 < M; r0 += Kernel::kRowsAvx2)
-            with_rows<Kernel::kRowsAvx2>(M - r0, [&](auto rows) {
-              Kernel::template tile_avx2<decltype(rows)::value>(w, g, h, a, r0, out);
+  // Rows a pass: their activations (~256 KB) stay in L2 while every column tile passes over
+  // them. One pass over all of a long prompt's rows read them again for each column tile,
+  // from memory: 2,048 rows ran at half the rate of 256.
+  const int64_t chunk = std::max<int64_t>(Kernel::kRowsVnni,
+                                          (int64_t{1} << 18) / (K * Kernel::kActivationBytes) /
+                                              Kernel::kRowsVnni * Kernel::kRowsVnni);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m1 = std::min(M, m0 + chunk);
+    // enough tiles per task that the pool's wake-up is paid for
+    const int64_t work = std::max<int64_t>(1, (m1 - m0) * K * kTileCols);  // a tile's multiply-adds
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+    at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        if (path == Isa::Scalar) {
+          for (int64_t r = m0; r < m1; ++r)
+            for (int64_t n = g * kTileCols; n < g * kTileCols + w.lanes(g); ++n)
+              Kernel::dot_scalar(w, n, a, r, out);
+          continue;
+        }
+        const auto& t = Kernel::tile(w, g, path, m1 - m0);
+        if (path == Isa::Vnni) {
+          for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsVnni)
+            with_rows<Kernel::kRowsVnni>(m1 - r0, [&](auto rows) {
+              Kernel::template tile_vnni<decltype(rows)::value>(t, g, a, r0, out);
             });
+        } else {
+          for (int64_t h = 0; h < 2 && 8 * h < w.lanes(g); ++h)
+            for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsAvx2)
+              with_rows<Kernel::kRowsAvx2>(m1 - r0, [&](auto rows) {
+                Kernel::template tile_avx2<decltype(rows)::value>(t, g, h, a, r0, out);
+              });
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 // Fetches the tile's block kPrefetchFor<R> bytes ahead of src (its 4 lines; the tiles' blocks

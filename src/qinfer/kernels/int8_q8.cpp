@@ -1,6 +1,34 @@
 // int8 weights (N, K) with one scale per output row or per block of 32 or 16 x int8
 // activations on integer dot products, as llama.cpp's q8_0 dot: the op int8_mm.
 // docs/KERNELS.md says what it computes.
+//
+// The weight stays as the layer holds it: rows of int8 values (or Q6_K's packed 6-bit ones,
+// q6.h). A thread takes 16 columns at a time and first stages them in a small buffer of its
+// own, in the column tiles of the int4 weights (int4_tiles.h): per block of 32, 8 registers
+// of 64 bytes, register k's dword lane l holding elements 4k..4k+3 of column l's block. Each
+// row of activations then multiplies all 16 columns with one dpbusd per dword (a lane is a
+// column: no horizontal sums), and every row tile of the call reuses the staged columns. The
+// staging is a transpose of 8 x 8 dwords per half tile and block, paid once a call for every
+// row (at 32 rows a few percent of the products; at one row under the weights' read).
+//
+// Per output (r, n), on every path, in this order (fp32, no contraction):
+//     acc = 0
+//     for each block b of 32:
+//         lo = q[n, b, 0:16] . qx[r, b, 0:16],  hi = q[n, b, 16:32] . qx[r, b, 16:32]   (exact)
+//         blocks of 32: acc = fma(float(lo + hi), d[n, b] * dx[r, b], acc)
+//         blocks of 16: acc = fma(float(lo), d[n, 2b] * dx[r, b], acc)
+//                       acc = fma(float(hi), d[n, 2b + 1] * dx[r, b], acc)
+//         rows:         acc = fma(float(lo + hi), dx[r, b], acc)
+//     out = acc, times scale[n] for rows
+// So the VNNI tile (16 columns), the AVX2 tile (8) and the scalar path give the same bits at
+// any row count, thread count and split of the columns.
+//
+// The signed x signed products go through unsigned x signed instructions. VNNI's dpbusd: the
+// staged weights made unsigned (q + 128: the top bit flipped as they are staged), each row's
+// half-block dot started from -128 sum(qx) over its 16 elements (`ActQ8::corr`, once a call
+// per row), so (q + 128) . qx - 128 sum(qx) is q . qx exactly. AVX2's maddubs: llama.cpp's
+// q8_0 trick, |q| (unsigned; -128's is 128) times qx with q's sign (128 * 127 * 2 < 2^15: no
+// saturation), then madd's pairs into dwords.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int4_tiles.h"
 #include "int8_scales.h"
 #include "matmul.h"
 #include "ops.h"
@@ -25,257 +54,469 @@
 namespace qinfer_kernels {
 namespace {
 
-// ---------------------------------------------------------------------------------------
-// int8 weights (N, K) as stored (Q6_K's packed: q6.h), with one scale per output row (B = 0:
-// `Int8Linear`) or one per block of B = 32 or 16 input columns (`Int8BlockLinear`: GGUF's
-// Q8_0, Q5_0, Q6_K), times the activations in the row's own order (`qx_pos`):
-//   rows:   y[r, n] = scale[n] * sum_b dx[r, b] * (q[n, b, :] . qx[r, b, :])
-//   blocks: y[r, n] = sum_b (dx[r, b32] * d[n, b]) * (q[n, b, :] . qx[r, b, :])
-// The signed x signed products go through unsigned x signed instructions. VNNI's dpbusd:
-// (x + 128) . w, the activations made unsigned once for all the tile's columns (x ^ 0x80),
-// from -128 sum(w) (a dpbusd per weight pair, once for all its rows) as the accumulator, so a
-// row and column take one dpbusd a pair; (x + 128) w sums at most 255 * 128 * 4 a lane. AVX2's
-// maddubs: llama.cpp's q8_0 trick, |w| (unsigned; -128's is 128) times x with w's sign
-// (128 * 127 * 2 < 2^15: no saturation). Either is the exact integer dot. Per output: acc (lanes) += float(dot lanes) * scale lanes,
-// pair by pair, where a lane's scale is dx (rows) or dx * d of the weight block its 4 bytes
-// lie in (blocks); out = horizontal sum of acc (a fixed tree), times the row's scale (rows).
-// The integer dots are exact and every output takes the same steps at any row count. Q6_K's
-// q are its 6-bit values as packed (q6.h): up to a tile's rows each pair's 64 are unpacked in
-// registers as read, past them a slice of columns into int8 first (`unpacked_q6_mm`).
-// ---------------------------------------------------------------------------------------
+constexpr int64_t kStagedBlock = 8 * 64;  // a staged tile's bytes per block: 8 registers
 
-// scales S: fp16 or fp32, or for blocks Q6_K's int8 sub-scales (int8_scales.h)
-template <typename S>
-struct Weights8 {
-  const int8_t* q;        // (N, K), or with Q6_K's sub-scales its packed bytes (N, 3K/4)
-  BlockScales<S> scale;   // (N,) rows, or (N, K/B) blocks
-  int64_t nb;
-};
-
-// Packed: q holds Q6_K's packed values (with its sub-scales), else int8 values (any scales).
-template <int B, typename S, bool Packed = kSub<S>>
-struct Int8Q8 {
+// The weight as the layer holds it. B = 0: one scale per row (scale.d (N,)); B = 32 or 16:
+// per block of B (d (N, K/B)); S = int8_t: Q6_K's sub-scales (B = 16) with q its packed
+// 6-bit values (q6.h).
+template <int B, typename S>
+struct Int8Rows {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
-  static_assert(!kSub<S> || B == kSubBlock, "int8 sub-scales are per block of 16");
-  static_assert(!Packed || kSub<S>, "packed values go with Q6_K's sub-scales");
-  static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // weight scales per block of 32
-  // a pair's weight bytes: Q6_K's 64 values packed, else 64 int8
-  static constexpr int64_t kPairBytes = Packed ? kQ6Bytes : 64;
-  QINFER_MATMUL_KERNEL(Weights8<S>, Act)
+  static_assert(!kSub<S> || B == 16, "int8 sub-scales are per block of 16");
+  static constexpr int kB = B;
+  static constexpr int64_t kScales = B == 0 ? 0 : kBlock / B;  // scales per block of 32
+  const int8_t* q;       // (N, K), or Q6_K's packed bytes (N, 3K/4)
+  BlockScales<S> scale;  // (N,) rows, or (N, K/B) blocks
+  int64_t nb;            // blocks of 32 per column
+  int64_t N;
+  int64_t G;             // column tiles of 16
+  int64_t lanes(int64_t g) const { return std::min(kTileCols, N - g * kTileCols); }
+  // value k of column n (the scalar path)
+  int8_t value(int64_t n, int64_t k) const {
+    if constexpr (kSub<S>) return q6_value(reinterpret_cast<const uint8_t*>(q) + n * q6_row_bytes(nb * kBlock), k);
+    else return q[n * nb * kBlock + k];
+  }
+  // scale i of column n (block scale i, or the row's for B = 0), exactly in fp32
+  float scale_of(int64_t n, int64_t i) const {
+    if constexpr (B == 0) return block_scale(scale, n);
+    else return block_scale(scale.column(n, nb * kScales), i);
+  }
 };
 
-template <int B, typename S, bool Packed>
-template <int R, int C>
-QINFER_VNNI void Int8Q8<B, S, Packed>::tile_vnni(const Weights8<S>& w, int64_t n0, const Act& a,
-                                         int64_t r0, float* out, int64_t ldo) {
-  constexpr int64_t L = kScales;
-  const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
-  // a pair's 64 bytes are block 2p (lanes 0-7) then 2p + 1 (lanes 8-15); dx8 holds their
-  // scales four times each
-  const __m512i pair_lanes = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-  // the pair's 2 L weight scales to the lanes of their 32 / L bytes
-  const __m512i scale_lanes = L == 2
-      ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));  // +128 as u8; x ^ it
-  const int8_t* q[C];
-  BlockScales<S> d[C];
+// Column tile g as its tiles read it (`Int8Q8::tile`): the values staged in this thread's
+// buffer (per block 512 bytes, register k's lane l = dword k of column l's block), or null
+// where the VNNI tile transposes them from w as it goes (one row tile a call: a store and a
+// reload of each block would cost more than the products); d the lanes' scales as fp32 (nb,
+// kScales, 16) or, for rows, (16,).
+template <int B, typename S>
+struct Staged {
+  const Int8Rows<B, S>& w;
+  const uint8_t* values;
+  const float* d;
+  int64_t nb, N;
+  int64_t lanes(int64_t g) const { return std::min(kTileCols, N - g * kTileCols); }
+  const uint8_t* block(int64_t b) const { return values + b * kStagedBlock; }
+};
+
+// A row's activations with the corrections the VNNI tile starts from: corr[r, 2b + h] = -128
+// times the sum of qx over half h of block b.
+struct ActQ8 {
+  Act a;
+  const int32_t* corr;  // (M, 2 nb)
+  const int32_t* row_corr(int64_t r) const { return corr + r * 2 * a.nb; }
+};
+
+// Rows 0..7 of 8 dwords each -> rows[k] = dword k of every row (an 8 x 8 transpose).
+QINFER_AVX2 QINFER_INLINE void transpose8x8(__m256i (&rows)[8]) {
+  __m256i t[8], u[8];
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+  }
+  #pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  #pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    rows[k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+    rows[4 + k] = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+  }
+}
+
+// Rows 0..15 of 16 dwords each -> rows[j] = dword j of every row (a 16 x 16 transpose: the
+// dwords in pairs, then quads, then 128-bit lanes twice).
+QINFER_VNNI QINFER_INLINE void transpose16x16(__m512i (&rows)[16]) {
+  __m512i t[16], u[16];
   #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * (Packed ? q6_row_bytes(K) : K);
-    d[c] = w.scale.column(n0 + c, w.nb * L);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
   }
-  if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
-  [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
-  __m512 acc[C][R];
-  clear(acc);
-  for (int64_t p = 0; p < np; ++p) {
-    __m512i x[R];  // x + 128, unsigned
-    __m512 dx[R];
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      x[i] = _mm512_xor_si512(_mm512_loadu_si512(qx[i] + p * 64), bias);
-      dx[i] = _mm512_permutexvar_ps(pair_lanes,
-                                    _mm512_castps256_ps512(_mm256_loadu_ps(dx8[i] + p * 8)));
-    }
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const int8_t* pair = q[c] + p * kPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchFor<R>), _MM_HINT_T0);
-      // an odd last block: read only its own 32 bytes (the next row may not exist); Q6_K's
-      // K is a multiple of 256
-      __m512i wq;
-      if constexpr (Packed) wq = q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(pair)));
-      else wq = p < full ? _mm512_loadu_si512(pair) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, pair);
-      // -128 sum(w) per dword: (x + 128) . w plus it is x . w
-      const __m512i offset =
-          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq));
-      [[maybe_unused]] __m512 ws;  // the weight scale of each lane's bytes (blocks)
-      if constexpr (L > 0) {
-        ws = _mm512_permutexvar_ps(
-            scale_lanes, _mm512_castps128_ps512(scales4(d[c], p * 2 * L, p < full ? 2 * L : L)));
-      }
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(offset, x[i], wq);
-        const __m512 scale = L > 0 ? _mm512_mul_ps(dx[i], ws) : dx[i];
-        acc[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][i]);
-      }
-    }
+  // u[4i + e], lane q: rows 4i..4i + 3's dword 4q + e
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const float sum = _mm512_reduce_add_ps(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * block_scale_f16c(w.scale, n0 + c);
-    }
-}
-
-template <int B, typename S, bool Packed>
-template <int R, int C>
-QINFER_AVX2 void Int8Q8<B, S, Packed>::tile_avx2(const Weights8<S>& w, int64_t n0, const Act& a,
-                                         int64_t r0, float* out, int64_t ldo) {
-  constexpr int64_t L = kScales;
-  const int64_t K = w.nb * kBlock, np = a.np, full = w.nb / 2;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* q[C];
-  BlockScales<S> d[C];
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    q[c] = w.q + (n0 + c) * (Packed ? q6_row_bytes(K) : K);
-    d[c] = w.scale.column(n0 + c, w.nb * L);
-  }
-  if constexpr (L > 0) prefetch_scales<C, S>(d, w.nb * L);
-  [[maybe_unused]] const auto [qx, dx8, s] = Q8Rows<R>(a, r0);  // s unread (no offsets)
-  __m256 acc[C][R];
-  clear(acc);
-  for (int64_t p = 0; p < np; ++p) {
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const int8_t* pair = q[c] + p * kPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchFor<R>), _MM_HINT_T0);
-      __m256i wq[2];  // blocks 2p and 2p + 1 (zero past an odd last block)
-      [[maybe_unused]] __m256 ws[2];  // their weight scales by lane (blocks; zero past it)
-      if constexpr (Packed) {
-        q6_unpack64(reinterpret_cast<const uint8_t*>(pair), wq);
-        q6_in_order(wq);
-      } else {
-        wq[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-        wq[1] = p < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32))
-                         : _mm256_setzero_si256();
-      }
-      if constexpr (L > 0) {
-        #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const int64_t b = (2 * p + h) * L;  // the first of the block's L scales
-          const bool mine = h == 0 || p < full;
-          const float lo = mine ? block_scale_f16c(d[c], b) : 0.0f,
-                      hi = mine ? block_scale_f16c(d[c], b + L - 1) : 0.0f;
-          ws[h] = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
-        }
-      }
-      #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m256i x =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[i] + p * 64 + 32 * h));
-          const __m256i s16 =
-              _mm256_maddubs_epi16(_mm256_abs_epi8(wq[h]), _mm256_sign_epi8(x, wq[h]));
-          const __m256i dot = _mm256_madd_epi16(s16, ones);
-          const __m256 dxh = _mm256_broadcast_ss(dx8[i] + p * 8 + 4 * h);
-          const __m256 scale = L > 0 ? _mm256_mul_ps(dxh, ws[h]) : dxh;
-          acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][i]);
-        }
-      }
-    }
-  }
-  #pragma GCC unroll 8
-  for (int c = 0; c < C; ++c)
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const float sum = hsum_avx2(acc[c][i]);
-      out[(r0 + i) * ldo + n0 + c] = L > 0 ? sum : sum * block_scale_f16c(w.scale, n0 + c);
-    }
-}
-
-template <int B, typename S, bool Packed>
-void Int8Q8<B, S, Packed>::dot_scalar(const Weights8<S>& w, int64_t n, const Act& a, int64_t r,
-                              float* out, int64_t ldo) {
-  constexpr int64_t L = kScales, E = B == 0 ? kBlock : B;  // elements per weight scale
-  const int64_t K = w.nb * kBlock;
-  const int8_t* q = w.q + n * (Packed ? q6_row_bytes(K) : K);
-  const BlockScales<S> d = w.scale.column(n, w.nb * L);
-  const int8_t* qx = a.row_qx(r);
-  const float* dx8 = a.row_dx8(r);
-  float acc = 0.0f;
-  for (int64_t b = 0; b < w.nb; ++b) {
-    const float dx = dx8[dx8_pos(b)];
-    for (int64_t part = 0; part < kBlock / E; ++part) {
-      int32_t dot = 0;
-      for (int64_t j = part * E; j < (part + 1) * E; ++j) {
-        const int64_t k = b * kBlock + j;
-        const int8_t v = Packed ? q6_value(reinterpret_cast<const uint8_t*>(q), k) : q[k];
-        dot += v * qx[qx_pos(b, j)];
-      }
-      acc += static_cast<float>(dot) * (L > 0 ? dx * block_scale(d, b * L + part) : dx);
-    }
-  }
-  out[r * ldo + n] = L > 0 ? acc : acc * block_scale(w.scale, n);
-}
-
-// Rows of a packed Q6_K weight (q6.h; rows follow one another, so their chunks do) as int8
-// values in order, (rows, K) at dst.
-QINFER_VNNI void q6_rows_vnni(const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
-  for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c)
-    _mm512_storeu_si512(dst + c * kQ6Chunk, q6_in_order(q6_unpack64(src + c * kQ6Bytes)));
-}
-
-QINFER_AVX2 void q6_rows_avx2(const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
-  for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c) {
-    __m256i half[2];
-    q6_unpack64(src + c * kQ6Bytes, half);
-    q6_in_order(half);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * kQ6Chunk), half[0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * kQ6Chunk + 32), half[1]);
+  // lane q of the four groups' u[. + e] -> dword 4q + e
+  #pragma GCC unroll 4
+  for (int e = 0; e < 4; ++e) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+    rows[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    rows[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    rows[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    rows[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
   }
 }
 
-void q6_rows(Isa path, const uint8_t* src, int64_t rows, int64_t K, int8_t* dst) {
-  if (path == Isa::Vnni) {
-    q6_rows_vnni(src, rows, K, dst);
-  } else if (path == Isa::Avx2) {
-    q6_rows_avx2(src, rows, K, dst);
+// Column n's blocks 2p and 2p + 1 in order (int8 values; zero past the column's blocks).
+template <int B, typename S>
+QINFER_VNNI QINFER_INLINE __m512i column_pair_vnni(const Int8Rows<B, S>& w, int64_t n, int64_t p) {
+  if constexpr (kSub<S>) {
+    return q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(w.q) +
+                                   n * q6_row_bytes(w.nb * kBlock) + p * kQ6Bytes));
   } else {
-    for (int64_t c = 0; c < rows * K / kQ6Chunk; ++c)
-      for (int64_t i = 0; i < kQ6Chunk; ++i) dst[c * kQ6Chunk + i] = q6_value(src + c * kQ6Bytes, i);
+    const int8_t* src = w.q + n * w.nb * kBlock + p * 64;
+    return 2 * p + 1 < w.nb ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, src);
+  }
+}
+template <int B, typename S>
+QINFER_AVX2 QINFER_INLINE void column_pair_avx2(const Int8Rows<B, S>& w, int64_t n, int64_t p,
+                                                __m256i (&pair)[2]) {
+  if constexpr (kSub<S>) {
+    q6_unpack64(reinterpret_cast<const uint8_t*>(w.q) + n * q6_row_bytes(w.nb * kBlock) +
+                    p * kQ6Bytes,
+                pair);
+    q6_in_order(pair);
+  } else {
+    const int8_t* src = w.q + n * w.nb * kBlock + p * 64;
+    pair[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    pair[1] = 2 * p + 1 < w.nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))
+                               : _mm256_setzero_si256();
   }
 }
 
-// Q6_K times more rows than a tile holds: a slice of the weight's columns (~1 MB of values)
-// unpacked to int8 at a time, then the int8 tiles over it for every row tile, so that a
-// column's chunk is unpacked once a call, not once a row tile (which cost 8 or more rows a
-// third of their time). The same integers in the same order: the packed tiles' bits.
-template <typename S>
-void unpacked_q6_mm(Isa path, const Weights8<S>& w, int64_t N, int64_t M, const Act& a,
-                    float* out) {
-  const int64_t K = w.nb * kBlock, row_bytes = q6_row_bytes(K);
-  // ~1 MB of values, and at least 4 column tasks a thread (a long K would leave threads idle)
-  const int64_t wide = std::max<int64_t>(4 * kCols * at::get_num_threads(), (int64_t{1} << 20) / K);
-  const int64_t slice = std::min(N, wide);
-  static thread_local std::vector<int8_t> values;
-  values.resize(static_cast<size_t>(slice * K));
-  int8_t* buffer = values.data();  // this thread's: the workers below write into it
-  for (int64_t c0 = 0; c0 < N; c0 += slice) {
-    const int64_t n = std::min(slice, N - c0);
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(w.q) + c0 * row_bytes;
-    at::parallel_for(0, n, kCols, [&](int64_t r0, int64_t r1) {
-      q6_rows(path, src + r0 * row_bytes, r1 - r0, K, buffer + r0 * K);
-    });
-    const Weights8<S> part{buffer, w.scale.column(c0, w.nb * Int8Q8<16, S>::kScales), w.nb};
-    matmul<Int8Q8<16, S, false>>(path, part, n, M, a, out + c0, N);
+// Fetches the next column tile's share of pair p: a tile's columns are one contiguous run of
+// rows, 16 pairs of bytes a pair of blocks, so while tile g's pairs are staged the next
+// tile's arrive line by line (short rows left the first pairs of every column cold where
+// each column fetched only its own bytes ahead). Addresses as integers: past the last tile
+// they lie outside the weight, where a prefetch never faults.
+template <int B, typename S>
+QINFER_INLINE void prefetch_next_tile(const Int8Rows<B, S>& w, int64_t g, int64_t p) {
+  const int64_t pair = kSub<S> ? kQ6Bytes : 64;
+  const int64_t row = kSub<S> ? q6_row_bytes(w.nb * kBlock) : w.nb * kBlock;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(w.q) +
+                          static_cast<uintptr_t>((g + 1) * kTileCols * row + p * kTileCols * pair);
+  for (int64_t at = 0; at < kTileCols * pair; at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(start + at), _MM_HINT_T0);
+}
+
+// Pair p of column tile g as the VNNI tile reads it: rows[k] for k < 8 register k of block 2p
+// (lane l = dword k of column l's block), rows[8 + k] block 2p + 1's, a 16 x 16 transpose of
+// the columns' 64 bytes, the top bit flipped (dpbusd's unsigned operand); the last tile's
+// missing columns are zero. stage_values_vnni stores them for every pair at q.
+template <int B, typename S>
+QINFER_VNNI QINFER_INLINE void pair_vnni(const Int8Rows<B, S>& w, int64_t g, int64_t p,
+                                         __m512i (&rows)[16]) {
+  const int64_t lanes = w.lanes(g), n0 = g * kTileCols;
+  prefetch_next_tile(w, g, p);
+  #pragma GCC unroll 16
+  for (int c = 0; c < 16; ++c) rows[c] = c < lanes ? column_pair_vnni(w, n0 + c, p) : _mm512_setzero_si512();
+  transpose16x16(rows);
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+  #pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) rows[k] = _mm512_xor_si512(rows[k], top);
+}
+
+template <int B, typename S>
+QINFER_VNNI void stage_values_vnni(const Int8Rows<B, S>& w, int64_t g, uint8_t* q) {
+  for (int64_t p = 0; p < (w.nb + 1) / 2; ++p) {
+    __m512i rows[16];
+    pair_vnni(w, g, p, rows);
+    uint8_t* dst = q + 2 * p * kStagedBlock;  // blocks 2p (dwords 0..7), 2p + 1 (8..15)
+    #pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) _mm512_storeu_si512(dst + 64 * k, rows[k]);
   }
+}
+
+// The same for AVX2, the values as they are (signed): an 8 x 8 transpose per half tile and
+// block.
+template <int B, typename S>
+QINFER_AVX2 void stage_values_avx2(const Int8Rows<B, S>& w, int64_t g, uint8_t* q) {
+  const int64_t np = (w.nb + 1) / 2, lanes = w.lanes(g), n0 = g * kTileCols;
+  for (int64_t p = 0; p < np; ++p) {
+    prefetch_next_tile(w, g, p);
+    #pragma GCC unroll 2
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256i pair[8][2];  // columns 8h..8h + 7's blocks 2p, 2p + 1
+      #pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        if (8 * h + c < lanes) {
+          column_pair_avx2(w, n0 + 8 * h + c, p, pair[c]);
+        } else {
+          pair[c][0] = pair[c][1] = _mm256_setzero_si256();
+        }
+      }
+      #pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        __m256i rows[8];
+        #pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) rows[c] = pair[c][j];
+        transpose8x8(rows);
+        uint8_t* dst = q + (2 * p + j) * kStagedBlock + 32 * h;
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * k), rows[k]);
+      }
+    }
+  }
+}
+
+// The lanes' scales of column tile g as fp32 at d: (nb, kScales, 16), or the rows' (16,); zero
+// for the last tile's missing columns. 8 scales of 8 columns at a time, transposed as the
+// values are.
+template <int B, typename S>
+QINFER_AVX2 void stage_scales(const Int8Rows<B, S>& w, int64_t g, float* d) {
+  const int64_t lanes = w.lanes(g), n0 = g * kTileCols, count = w.nb * Int8Rows<B, S>::kScales;
+  if constexpr (B == 0) {
+    for (int64_t l = 0; l < kTileCols; ++l) d[l] = l < lanes ? w.scale_of(n0 + l, 0) : 0.0f;
+    return;
+  }
+  for (int64_t i = 0; i < count; i += 8) {
+    #pragma GCC unroll 2
+    for (int64_t h = 0; h < 2; ++h) {
+      __m256i rows[8];
+      #pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const int64_t l = 8 * h + c;
+        rows[c] = l < lanes
+            ? _mm256_castps_si256(scales8(w.scale.column(n0 + l, count), i, count - i))
+            : _mm256_setzero_si256();
+      }
+      transpose8x8(rows);
+      #pragma GCC unroll 8
+      for (int j = 0; j < 8 && i + j < count; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + (i + j) * kTileCols + 8 * h), rows[j]);
+    }
+  }
+}
+
+template <int B, typename S>
+struct Int8Q8 {
+  static constexpr int64_t L = Int8Rows<B, S>::kScales;
+  static constexpr int kRowsVnni = 8;  // 8 weight registers, 8 accumulators, the dots
+  static constexpr int kRowsAvx2 = 2;  // AVX2's 16 registers: the 8 weights and their |q|
+  static constexpr int64_t kActivationBytes = 1;
+
+  // Column tile g for the path's tiles of M rows in all, staged in this thread's buffers.
+  static Staged<B, S> tile(const Int8Rows<B, S>& w, int64_t g, Isa path, int64_t M) {
+    static thread_local std::vector<uint8_t> values;
+    static thread_local std::vector<float> scales;
+    scales.resize(static_cast<size_t>(L == 0 ? kTileCols : w.nb * L * kTileCols));
+    stage_scales(w, g, scales.data());
+    if (path == Isa::Vnni && M <= kRowsVnni) return {w, nullptr, scales.data(), w.nb, w.N};
+    values.resize(static_cast<size_t>((w.nb + 1) / 2 * 2 * kStagedBlock));
+    if (path == Isa::Vnni) stage_values_vnni(w, g, values.data());
+    else stage_values_avx2(w, g, values.data());
+    return {w, values.data(), scales.data(), w.nb, w.N};
+  }
+
+  // acc += block b's exact half-block dots (16 columns a lane) times their scales: d16's
+  // lanes (the tile's staged scales) times the row's dx.
+  QINFER_VNNI QINFER_INLINE static void scaled_vnni(const __m512i (&dot)[2], const float* d16,
+                                                    int64_t b, float dx, __m512& acc) {
+    const __m512 x = _mm512_set1_ps(dx);
+    if constexpr (L == 2) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(d16 + 2 * b * kTileCols), x);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(d16 + (2 * b + 1) * kTileCols), x);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[0]), lo, acc);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1]), hi, acc);
+    } else {
+      const __m512 scale = L == 1 ? _mm512_mul_ps(_mm512_loadu_ps(d16 + b * kTileCols), x) : x;
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1])), scale, acc);
+    }
+  }
+
+  // Block b of R rows: wk its 8 registers (as staged); each row's 8 activation dwords
+  // broadcast into two chains of 4 dpbusd (the block's halves) started from the row's
+  // corrections.
+  template <int R>
+  QINFER_VNNI QINFER_INLINE static void block_vnni(const __m512i* wk, const float* d16, int64_t b,
+                                                   const Q8Rows<R>& x, const int32_t* const (&corr)[R],
+                                                   __m512 (&acc)[R]) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      __m512i dot[2] = {_mm512_set1_epi32(corr[i][2 * b]), _mm512_set1_epi32(corr[i][2 * b + 1])};
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const __m512i xk = _mm512_set1_epi32(dword(x.qx[i], b, k));
+        dot[k / 4] = _mm512_dpbusd_epi32(dot[k / 4], wk[k], xk);
+      }
+      scaled_vnni(dot, d16, b, x.dx8[i][dx8_pos(b)], acc[i]);
+    }
+  }
+
+  // One row by tile g's 16 columns as the weight holds them, pair p of blocks: each column's
+  // 64 bytes (top bit flipped: dpbusd's unsigned operand) against the row's in one dpbusd,
+  // then the 16 columns' dword sums added within each half block in a transposing tree (a
+  // quarter of the shuffles of transposing the weights, which one row does not repay); the
+  // corrections make each sum the exact q . qx of its half block.
+  QINFER_VNNI QINFER_INLINE static void row_pair_vnni(const Int8Rows<B, S>& w, int64_t g,
+                                                      int64_t p, const int8_t* qx,
+                                                      const int32_t* corr, __m512i (&half)[4]) {
+    const int64_t lanes = w.lanes(g), n0 = g * kTileCols;
+    const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i xp = _mm512_loadu_si512(qx + p * 64);
+    prefetch_next_tile(w, g, p);
+    __m512i v[16];
+    #pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      v[c] = c < lanes ? _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                             _mm512_xor_si512(column_pair_vnni(w, n0 + c, p), top), xp)
+                       : _mm512_setzero_si512();
+    }
+    // a[i], per 128-bit lane: columns 2i, 2i + 1's dwords added in pairs
+    __m512i a[8];
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    // q[j], lane t: dword c = the sum of column 4j + c's lane t (half block t: block 2p + t / 2)
+    __m512i q[4];
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      q[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * j], a[2 * j + 1]),
+                              _mm512_unpackhi_epi64(a[2 * j], a[2 * j + 1]));
+    const __m512i e0 = _mm512_shuffle_i32x4(q[0], q[1], 0x88), e1 = _mm512_shuffle_i32x4(q[0], q[1], 0xDD);
+    const __m512i e2 = _mm512_shuffle_i32x4(q[2], q[3], 0x88), e3 = _mm512_shuffle_i32x4(q[2], q[3], 0xDD);
+    // half[t]: half block t's sums of the 16 columns, in column order
+    half[0] = _mm512_shuffle_i32x4(e0, e2, 0x88);
+    half[2] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
+    half[1] = _mm512_shuffle_i32x4(e1, e3, 0x88);
+    half[3] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
+    #pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) half[t] = _mm512_add_epi32(half[t], _mm512_set1_epi32(corr[4 * p + t]));
+  }
+
+  // R rows by the 16 columns of tile g, block by block: from the staged values, or each pair
+  // of blocks transposed from the weight as it is read.
+  template <int R>
+  QINFER_VNNI static void tile_vnni(const Staged<B, S>& t, int64_t g, const ActQ8& a, int64_t r0,
+                                    float* out) {
+    const int64_t nb = t.nb;
+    const Q8Rows<R> x(a.a, r0);
+    const int32_t* corr[R];
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      corr[i] = a.row_corr(r0 + i);
+      acc[i] = _mm512_setzero_ps();
+    }
+    if (t.values != nullptr) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* src = t.block(b);
+        __m512i wk[8];
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) wk[k] = _mm512_loadu_si512(src + 64 * k);
+        block_vnni<R>(wk, t.d, b, x, corr, acc);
+      }
+    } else if constexpr (R == 1) {
+      for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
+        __m512i half[4];
+        row_pair_vnni(t.w, g, p, x.qx[0], corr[0], half);
+        const __m512i first[2] = {half[0], half[1]}, second[2] = {half[2], half[3]};
+        scaled_vnni(first, t.d, 2 * p, x.dx8[0][dx8_pos(2 * p)], acc[0]);
+        if (2 * p + 1 < nb) scaled_vnni(second, t.d, 2 * p + 1, x.dx8[0][dx8_pos(2 * p + 1)], acc[0]);
+      }
+    } else {
+      for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
+        __m512i rows[16];
+        pair_vnni(t.w, g, p, rows);
+        block_vnni<R>(rows, t.d, 2 * p, x, corr, acc);
+        if (2 * p + 1 < nb) block_vnni<R>(rows + 8, t.d, 2 * p + 1, x, corr, acc);
+      }
+    }
+    const __m512 rows = L == 0 ? _mm512_loadu_ps(t.d) : _mm512_setzero_ps();
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+      store_lanes(out + (r0 + i) * t.N + g * kTileCols, t.lanes(g),
+                  L == 0 ? _mm512_mul_ps(acc[i], rows) : acc[i]);
+  }
+
+  // R rows by half h of tile g (8 columns): per dword k, maddubs of |q| and the row's
+  // broadcast qx with q's sign, madd'ed into the dword's exact int32 sum of 4 products.
+  template <int R>
+  QINFER_AVX2 static void tile_avx2(const Staged<B, S>& w, int64_t g, int64_t h, const ActQ8& a,
+                                    int64_t r0, float* out) {
+    const int64_t nb = w.nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const auto [qx, dx8, s] = Q8Rows<R>(a.a, r0);
+    __m256 acc[R];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = w.block(b) + 32 * h;
+      __m256i wk[8], magnitude[8];
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        wk[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k));
+        magnitude[k] = _mm256_abs_epi8(wk[k]);
+      }
+      __m256 d[2];
+      #pragma GCC unroll 2
+      for (int j = 0; j < L; ++j) d[j] = _mm256_loadu_ps(w.d + (b * L + j) * kTileCols + 8 * h);
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m256i xk = _mm256_sign_epi8(_mm256_set1_epi32(dword(qx[i], b, k)), wk[k]);
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude[k], xk);
+          dot[k / 4] = _mm256_add_epi32(dot[k / 4], _mm256_madd_epi16(pairs, ones));
+        }
+        const __m256 dx = _mm256_set1_ps(dx8[i][dx8_pos(b)]);
+        if constexpr (L == 2) {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[0]), _mm256_mul_ps(d[0], dx), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[1]), _mm256_mul_ps(d[1], dx), acc[i]);
+        } else {
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1]));
+          acc[i] = _mm256_fmadd_ps(sum, L == 1 ? _mm256_mul_ps(d[0], dx) : dx, acc[i]);
+        }
+      }
+    }
+    const int64_t lanes = std::min<int64_t>(8, w.lanes(g) - 8 * h);
+    const __m256 rows = L == 0 ? _mm256_loadu_ps(w.d + 8 * h) : _mm256_setzero_ps();
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+      store_lanes(out + (r0 + i) * w.N + g * kTileCols + 8 * h, lanes,
+                  L == 0 ? _mm256_mul_ps(acc[i], rows) : acc[i]);
+  }
+
+  // The reference path: one output at a time, block by block, from the weight as held.
+  static void dot_scalar(const Int8Rows<B, S>& w, int64_t n, const ActQ8& a, int64_t r,
+                         float* out) {
+    const int8_t* qx = a.a.row_qx(r);
+    const float* dx8 = a.a.row_dx8(r);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < w.nb; ++b) {
+      int32_t dot[2] = {0, 0};
+      for (int64_t j = 0; j < kBlock; ++j)
+        dot[j / 16] += w.value(n, b * kBlock + j) * qx[qx_pos(b, j)];
+      const float dx = dx8[dx8_pos(b)];
+      if constexpr (L == 2) {
+        acc = std::fma(static_cast<float>(dot[0]), w.scale_of(n, 2 * b) * dx, acc);
+        acc = std::fma(static_cast<float>(dot[1]), w.scale_of(n, 2 * b + 1) * dx, acc);
+      } else {
+        const float sum = static_cast<float>(dot[0] + dot[1]);
+        acc = std::fma(sum, L == 1 ? w.scale_of(n, b) * dx : dx, acc);
+      }
+    }
+    out[r * w.N + n] = L == 0 ? acc * w.scale_of(n, 0) : acc;
+  }
+};
+
+// corr (M, 2 nb) for the activations a (see ActQ8), and two zeros after it: a one-row tile
+// reads a pair's four at once, past an odd last block too.
+void corrections(const Act& a, int64_t M, std::vector<int32_t>& corr) {
+  corr.assign(static_cast<size_t>(M * 2 * a.nb + 2), 0);
+  int32_t* out = corr.data();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < 2 * a.nb; ++h) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < 16; ++j) sum += a.row_qx(r)[qx_pos(h / 2, 16 * (h % 2) + j)];
+        out[r * 2 * a.nb + h] = -128 * sum;
+      }
+  });
 }
 
 }  // namespace
@@ -306,24 +547,28 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   static thread_local ActStorage storage;
-  Act a = storage.make(M, K);
+  static thread_local std::vector<int32_t> corr;
+  const Act a = storage.make(M, K);
   quantize(x, a, path);
+  corrections(a, M, corr);
+  const ActQ8 act{a, corr.data()};
   with_block_scales(sc, [&](auto tag) {
     using S = decltype(tag);
     const BlockScales<S> scales{sc.data_ptr<S>(), super_data(d_super)};
-    const Weights8<S> w{values_data(q), scales, K / kBlock};
-    if constexpr (kSub<S>) {  // B = 16: checked_super_scales
-      if (M <= kRows) {
-        matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
-      } else {
-        unpacked_q6_mm(path, w, N, M, a, out.data_ptr<float>());
-      }
+    const int64_t G = (N + kTileCols - 1) / kTileCols;
+    const auto run = [&](auto rows) {
+      using W = decltype(rows);
+      tiles_matmul<Int8Q8<W::kB, S>>(path, W{values_data(q), scales, K / kBlock, N, G}, M, act,
+                                     out.data_ptr<float>());
+    };
+    if constexpr (kSub<S>) {  // blocks of 16: checked_super_scales
+      run(Int8Rows<16, S>{});
     } else if (B == 32) {
-      matmul<Int8Q8<32, S>>(path, w, N, M, a, out.data_ptr<float>());
+      run(Int8Rows<32, S>{});
     } else if (B == 16) {
-      matmul<Int8Q8<16, S>>(path, w, N, M, a, out.data_ptr<float>());
+      run(Int8Rows<16, S>{});
     } else {
-      matmul<Int8Q8<0, S>>(path, w, N, M, a, out.data_ptr<float>());
+      run(Int8Rows<0, S>{});
     }
   });
   return out;

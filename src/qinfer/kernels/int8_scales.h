@@ -78,6 +78,20 @@ QINFER_AVX2 QINFER_INLINE __m128 scales4(const BlockScales<S>& s, int64_t b, int
   }
 }
 
+// Blocks b.. b + n - 1's scales (n <= 8, reading exactly n) into 8 lanes, the rest zero. For
+// int8 sub-scales b is a multiple of 8, so the n share one super-scale.
+template <typename S>
+QINFER_AVX2 QINFER_INLINE __m256 scales8(const BlockScales<S>& s, int64_t b, int64_t n) {
+  if constexpr (kSub<S>) {
+    int64_t bytes = 0;
+    std::memcpy(&bytes, s.d + b, static_cast<size_t>(std::clamp<int64_t>(n, 0, 8)));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+    return _mm256_mul_ps(sc, _mm256_set1_ps(_cvtsh_ss(s.super[b / kSubScales].x)));
+  } else {
+    return scales8(s.d + b, n);
+  }
+}
+
 // The 16 block scales of the super-block that starts at block b (a multiple of 16; K is a
 // multiple of 256, so all 16 exist).
 QINFER_VNNI QINFER_INLINE __m512 sub_scales16(const BlockScales<int8_t>& s, int64_t b) {

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "isa.h"
@@ -26,6 +27,13 @@ struct Act {
 
 // Where element j (0..31) of block b lands in a row's qx: the row's own order.
 inline int64_t qx_pos(int64_t b, int64_t j) { return b * kBlock + j; }
+
+// Dword k of a row's block b, its elements 4k..4k+3 (a copy: the int8 buffer read as int32).
+QINFER_INLINE int32_t dword(const int8_t* qx, int64_t b, int k) {
+  int32_t v;
+  std::memcpy(&v, qx + qx_pos(b, 4 * k), sizeof v);
+  return v;
+}
 
 // Where block b's scale dx lies in a row's dx8 (the first of its 4 copies: a pair's 8 lanes
 // hold block 2p's dx four times, then 2p + 1's).

@@ -19,8 +19,9 @@ The rule (`rule_paths`), for quantized Linears on CPU:
     elsewhere. int8 rows and int8 blocks there take `bf16_tiles` (up to `INT8_TILED_MAX`
     elements): the int8 kernels do not block like a GEMM, and a bf16 GEMM on the widened
     weight catches them up from a few dozen rows.
-- the lm_head's call (`rule_head_path`; every row alike at any row count): the kernel, in
-  either mode.
+- the lm_head's call (`rule_head_path`; every row alike at any row count): int8_dot by
+  default where the layer has it (each row's top 256 logits recomputed exactly), the kernel
+  with `exact` and elsewhere.
 
 (The figures behind each bucket: docs/BENCHMARKS.md, "Paths of quantized Linears".)
 An earlier version timed every path of every (kind, shape) at load instead. That cost
@@ -92,14 +93,17 @@ def forced_paths() -> dict[str, str]:
     return forced
 
 
-def rule_head_path(layer: QuantizedLinear) -> str:
-    """The lm_head's path: the kind's kernel (torch's; int8 blocks: qinfer's exact one).
-    int8_dot (`QINFER_LINEAR_PATH=head=int8_dot`, each row's top EXACT_TOP_INT8 (256)
-    recomputed exactly) holds the KL bound but spends most of its margin for little speed:
-    SmolLM2 Q4_1's KL to fp32 on real text 0.00220 -> 0.00250 (the bound 0.00269), the
-    32-request engine rows 3-4% faster on Qwen3-0.6B (Q8_0 head) and Qwen3.5-0.8B (Q6_K), the
-    same at one and eight rows: `int8_mm` multiplies int8 blocks at 250-400 GOP/s against
-    the exact kernel's 240-280 GFLOP/s (docs/BENCHMARKS.md)."""
+def rule_head_path(layer: QuantizedLinear, exact: bool = False) -> str:
+    """The lm_head's path: by default int8_dot where the layer has it and the kernels load
+    (each row's top EXACT_TOP_INT8 (256) logits recomputed exactly, so the greedy pick and
+    what a sampler keeps are the exact weight's), else the kind's kernel (torch's; int8
+    blocks: qinfer's exact one, which `exact` keeps). int8_dot stages the head's int8
+    columns in tiles of 16 for integer dot products: Qwen3-0.6B's Q8_0 head at 32 rows 38 ->
+    14 ms, Qwen3.5-0.8B's Q6_K at 8 rows 21 -> 10, at one row within 1 ms of the exact
+    kernel either way; its KL to fp32 stays within the default path's bound
+    (tests/test_quantize.py, tests/test_gemma3_gguf.py; docs/BENCHMARKS.md)."""
+    if not exact and INT8_DOT in layer.paths() and kernels.available() is None:
+        return INT8_DOT
     return KERNEL
 
 
@@ -137,7 +141,7 @@ def choose_paths(module: nn.Module, same_at_any_rows: bool = False, exact: bool 
         if same_at_any_rows:
             paths = {b: p if p in ROW_INVARIANT else KERNEL for b, p in paths.items()}
         layer.use_paths(paths["decode"], paths["prefill"])
-        layer.use_head_path(ours.get(HEAD) or rule_head_path(layer))
+        layer.use_head_path(ours.get(HEAD) or rule_head_path(layer, exact))
     for layer in module.modules():
         if isinstance(layer, (DenseLinear, StackedDenseLinear)):
             layer.fixed_rows = same_at_any_rows

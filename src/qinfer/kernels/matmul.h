@@ -1,8 +1,9 @@
 // What the matmul kernels share (int4_q8.cpp, int8_q8.cpp, int8_blocks.cpp,
 // int4_groups.cpp): the block of 32 input columns, the scales, the fp32 activations, the
 // argument checks, and the driver that splits an (M, N) output into tiles between threads
-// (the int8 kernels'; the int4 ones have their own column tiles, int4_tiles.h). What each
-// computes, and in which order: docs/KERNELS.md and the comment above each kernel.
+// (int8_blocks.cpp's; int4_q8.cpp, int4_groups.cpp and int8_q8.cpp run on column tiles,
+// int4_tiles.h). What each computes, and in which order: docs/KERNELS.md and the comment
+// above each kernel.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -317,7 +318,8 @@ void columns(Isa path, const typename Kernel::Weights& w, int64_t n0, int64_t n1
 }
 
 // out (M, N) = the kernel's weights w (N, K) times its activations a (M, K), transposed:
-// Kernel is one of int8_q8.cpp's or int8_blocks.cpp's (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N: a slice of a wider
+// Kernel is int8_blocks.cpp's (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N:
+// a slice of a wider
 // output's columns takes that output's width).
 template <typename Kernel>
 void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,

@@ -319,8 +319,7 @@ void columns(Isa path, const typename Kernel::Weights& w, int64_t n0, int64_t n1
 
 // out (M, N) = the kernel's weights w (N, K) times its activations a (M, K), transposed:
 // Kernel is int8_blocks.cpp's (`QINFER_MATMUL_KERNEL`). out's rows are ldo apart (default N:
-// a slice of a wider
-// output's columns takes that output's width).
+// a slice of a wider output's columns takes that output's width).
 template <typename Kernel>
 void matmul(Isa path, const typename Kernel::Weights& w, int64_t N, int64_t M,
             const typename Kernel::Acts& a, float* out, int64_t ldo = -1) {

@@ -100,7 +100,7 @@ struct Int4GroupsF32 {
     for (int i = 0; i < R; ++i) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      prefetch_block<R>(src);
+      prefetch_block(src);
       __m512i reg[4];
       #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) reg[r] = _mm512_loadu_si512(src + 64 * r);
@@ -147,7 +147,7 @@ struct Int4GroupsF32 {
     __m256 tot = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      prefetch_block<R>(src);
+      prefetch_block(src);
       __m256i wk[8];
       unpack_block_avx2(src, h, wk);
       __m256 p[4];

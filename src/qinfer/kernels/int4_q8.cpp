@@ -63,7 +63,7 @@ struct Int4Q8 {
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      prefetch_block<R>(src);
+      prefetch_block(src);
       __m512i wk[8];
       unpack_block_vnni(src, wk);
       const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
@@ -103,7 +103,7 @@ struct Int4Q8 {
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = w.block(g, b);
-      prefetch_block<R>(src);
+      prefetch_block(src);
       __m256i wk[8];
       unpack_block_avx2(src, h, wk);
       const __m256 d8 = scales8(w.d_of(g, b) + 8 * h, 8);

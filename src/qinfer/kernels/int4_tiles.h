@@ -78,8 +78,8 @@ QINFER_INLINE void with_rows(int64_t rows, F&& f) {
 // g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
 // r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), and its
 // activations' bytes an element (kActivationBytes: 1 for int8, 4 for fp32). Threads take whole
-// column tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes the same steps whichever tile, thread
-// or row count computes it.
+// column tiles, each tile all the rows of a pass while its weights stay in cache. Every
+// output takes the same steps whichever tile, thread or row count computes it.
 template <typename Kernel, typename W, typename A>
 void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;

@@ -60,7 +60,7 @@ constexpr int64_t kStagedBlock = 8 * 64;  // a staged tile's bytes per block: 8 
 // per block of B (d (N, K/B)); S = int8_t: Q6_K's sub-scales (B = 16) with q its packed
 // 6-bit values (q6.h).
 template <int B, typename S>
-struct Int8Rows {
+struct Int8Weight {
   static_assert(B == 0 || B == 16 || B == 32, "int8 rows (B = 0) or blocks of 16 or 32");
   static_assert(!kSub<S> || B == 16, "int8 sub-scales are per block of 16");
   static constexpr int kB = B;
@@ -73,8 +73,10 @@ struct Int8Rows {
   int64_t lanes(int64_t g) const { return std::min(kTileCols, N - g * kTileCols); }
   // value k of column n (the scalar path)
   int8_t value(int64_t n, int64_t k) const {
-    if constexpr (kSub<S>) return q6_value(reinterpret_cast<const uint8_t*>(q) + n * q6_row_bytes(nb * kBlock), k);
-    else return q[n * nb * kBlock + k];
+    const int64_t K = nb * kBlock;
+    if constexpr (kSub<S>)
+      return q6_value(reinterpret_cast<const uint8_t*>(q) + n * q6_row_bytes(K), k);
+    else return q[n * K + k];
   }
   // scale i of column n (block scale i, or the row's for B = 0), exactly in fp32
   float scale_of(int64_t n, int64_t i) const {
@@ -85,12 +87,12 @@ struct Int8Rows {
 
 // Column tile g as its tiles read it (`Int8Q8::tile`): the values staged in this thread's
 // buffer (per block 512 bytes, register k's lane l = dword k of column l's block), or null
-// where the VNNI tile transposes them from w as it goes (one row tile a call: a store and a
-// reload of each block would cost more than the products); d the lanes' scales as fp32 (nb,
-// kScales, 16) or, for rows, (16,).
+// where the VNNI tile transposes them from w as it goes (calls of one row tile, up to 8 rows:
+// a store and a reload of each block would cost more than their products); d the lanes'
+// scales as fp32 (nb, kScales, 16) or, for rows, (16,).
 template <int B, typename S>
 struct Staged {
-  const Int8Rows<B, S>& w;
+  const Int8Weight<B, S>& w;
   const uint8_t* values;
   const float* d;
   int64_t nb, N;
@@ -161,7 +163,8 @@ QINFER_VNNI QINFER_INLINE void transpose16x16(__m512i (&rows)[16]) {
 
 // Column n's blocks 2p and 2p + 1 in order (int8 values; zero past the column's blocks).
 template <int B, typename S>
-QINFER_VNNI QINFER_INLINE __m512i column_pair_vnni(const Int8Rows<B, S>& w, int64_t n, int64_t p) {
+QINFER_VNNI QINFER_INLINE __m512i column_pair_vnni(const Int8Weight<B, S>& w, int64_t n,
+                                                   int64_t p) {
   if constexpr (kSub<S>) {
     return q6_in_order(q6_unpack64(reinterpret_cast<const uint8_t*>(w.q) +
                                    n * q6_row_bytes(w.nb * kBlock) + p * kQ6Bytes));
@@ -171,7 +174,7 @@ QINFER_VNNI QINFER_INLINE __m512i column_pair_vnni(const Int8Rows<B, S>& w, int6
   }
 }
 template <int B, typename S>
-QINFER_AVX2 QINFER_INLINE void column_pair_avx2(const Int8Rows<B, S>& w, int64_t n, int64_t p,
+QINFER_AVX2 QINFER_INLINE void column_pair_avx2(const Int8Weight<B, S>& w, int64_t n, int64_t p,
                                                 __m256i (&pair)[2]) {
   if constexpr (kSub<S>) {
     q6_unpack64(reinterpret_cast<const uint8_t*>(w.q) + n * q6_row_bytes(w.nb * kBlock) +
@@ -192,7 +195,7 @@ QINFER_AVX2 QINFER_INLINE void column_pair_avx2(const Int8Rows<B, S>& w, int64_t
 // each column fetched only its own bytes ahead). Addresses as integers: past the last tile
 // they lie outside the weight, where a prefetch never faults.
 template <int B, typename S>
-QINFER_INLINE void prefetch_next_tile(const Int8Rows<B, S>& w, int64_t g, int64_t p) {
+QINFER_INLINE void prefetch_next_tile(const Int8Weight<B, S>& w, int64_t g, int64_t p) {
   const int64_t pair = kSub<S> ? kQ6Bytes : 64;
   const int64_t row = kSub<S> ? q6_row_bytes(w.nb * kBlock) : w.nb * kBlock;
   const uintptr_t start = reinterpret_cast<uintptr_t>(w.q) +
@@ -206,12 +209,13 @@ QINFER_INLINE void prefetch_next_tile(const Int8Rows<B, S>& w, int64_t g, int64_
 // the columns' 64 bytes, the top bit flipped (dpbusd's unsigned operand); the last tile's
 // missing columns are zero. stage_values_vnni stores them for every pair at q.
 template <int B, typename S>
-QINFER_VNNI QINFER_INLINE void pair_vnni(const Int8Rows<B, S>& w, int64_t g, int64_t p,
+QINFER_VNNI QINFER_INLINE void pair_vnni(const Int8Weight<B, S>& w, int64_t g, int64_t p,
                                          __m512i (&rows)[16]) {
   const int64_t lanes = w.lanes(g), n0 = g * kTileCols;
   prefetch_next_tile(w, g, p);
   #pragma GCC unroll 16
-  for (int c = 0; c < 16; ++c) rows[c] = c < lanes ? column_pair_vnni(w, n0 + c, p) : _mm512_setzero_si512();
+  for (int c = 0; c < 16; ++c)
+    rows[c] = c < lanes ? column_pair_vnni(w, n0 + c, p) : _mm512_setzero_si512();
   transpose16x16(rows);
   const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
   #pragma GCC unroll 16
@@ -219,7 +223,7 @@ QINFER_VNNI QINFER_INLINE void pair_vnni(const Int8Rows<B, S>& w, int64_t g, int
 }
 
 template <int B, typename S>
-QINFER_VNNI void stage_values_vnni(const Int8Rows<B, S>& w, int64_t g, uint8_t* q) {
+QINFER_VNNI void stage_values_vnni(const Int8Weight<B, S>& w, int64_t g, uint8_t* q) {
   for (int64_t p = 0; p < (w.nb + 1) / 2; ++p) {
     __m512i rows[16];
     pair_vnni(w, g, p, rows);
@@ -232,7 +236,7 @@ QINFER_VNNI void stage_values_vnni(const Int8Rows<B, S>& w, int64_t g, uint8_t* 
 // The same for AVX2, the values as they are (signed): an 8 x 8 transpose per half tile and
 // block.
 template <int B, typename S>
-QINFER_AVX2 void stage_values_avx2(const Int8Rows<B, S>& w, int64_t g, uint8_t* q) {
+QINFER_AVX2 void stage_values_avx2(const Int8Weight<B, S>& w, int64_t g, uint8_t* q) {
   const int64_t np = (w.nb + 1) / 2, lanes = w.lanes(g), n0 = g * kTileCols;
   for (int64_t p = 0; p < np; ++p) {
     prefetch_next_tile(w, g, p);
@@ -255,7 +259,8 @@ QINFER_AVX2 void stage_values_avx2(const Int8Rows<B, S>& w, int64_t g, uint8_t* 
         transpose8x8(rows);
         uint8_t* dst = q + (2 * p + j) * kStagedBlock + 32 * h;
         #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * k), rows[k]);
+        for (int k = 0; k < 8; ++k)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * k), rows[k]);
       }
     }
   }
@@ -265,8 +270,8 @@ QINFER_AVX2 void stage_values_avx2(const Int8Rows<B, S>& w, int64_t g, uint8_t* 
 // for the last tile's missing columns. 8 scales of 8 columns at a time, transposed as the
 // values are.
 template <int B, typename S>
-QINFER_AVX2 void stage_scales(const Int8Rows<B, S>& w, int64_t g, float* d) {
-  const int64_t lanes = w.lanes(g), n0 = g * kTileCols, count = w.nb * Int8Rows<B, S>::kScales;
+QINFER_AVX2 void stage_scales(const Int8Weight<B, S>& w, int64_t g, float* d) {
+  const int64_t lanes = w.lanes(g), n0 = g * kTileCols, count = w.nb * Int8Weight<B, S>::kScales;
   if constexpr (B == 0) {
     for (int64_t l = 0; l < kTileCols; ++l) d[l] = l < lanes ? w.scale_of(n0 + l, 0) : 0.0f;
     return;
@@ -292,13 +297,13 @@ QINFER_AVX2 void stage_scales(const Int8Rows<B, S>& w, int64_t g, float* d) {
 
 template <int B, typename S>
 struct Int8Q8 {
-  static constexpr int64_t L = Int8Rows<B, S>::kScales;
+  static constexpr int64_t L = Int8Weight<B, S>::kScales;
   static constexpr int kRowsVnni = 8;  // 8 weight registers, 8 accumulators, the dots
   static constexpr int kRowsAvx2 = 2;  // AVX2's 16 registers: the 8 weights and their |q|
   static constexpr int64_t kActivationBytes = 1;
 
   // Column tile g for the path's tiles of M rows in all, staged in this thread's buffers.
-  static Staged<B, S> tile(const Int8Rows<B, S>& w, int64_t g, Isa path, int64_t M) {
+  static Staged<B, S> tile(const Int8Weight<B, S>& w, int64_t g, Isa path, int64_t M) {
     static thread_local std::vector<uint8_t> values;
     static thread_local std::vector<float> scales;
     scales.resize(static_cast<size_t>(L == 0 ? kTileCols : w.nb * L * kTileCols));
@@ -331,7 +336,8 @@ struct Int8Q8 {
   // corrections.
   template <int R>
   QINFER_VNNI QINFER_INLINE static void block_vnni(const __m512i* wk, const float* d16, int64_t b,
-                                                   const Q8Rows<R>& x, const int32_t* const (&corr)[R],
+                                                   const Q8Rows<R>& x,
+                                                   const int32_t* const (&corr)[R],
                                                    __m512 (&acc)[R]) {
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -350,7 +356,7 @@ struct Int8Q8 {
   // then the 16 columns' dword sums added within each half block in a transposing tree (a
   // quarter of the shuffles of transposing the weights, which one row does not repay); the
   // corrections make each sum the exact q . qx of its half block.
-  QINFER_VNNI QINFER_INLINE static void row_pair_vnni(const Int8Rows<B, S>& w, int64_t g,
+  QINFER_VNNI QINFER_INLINE static void row_pair_vnni(const Int8Weight<B, S>& w, int64_t g,
                                                       int64_t p, const int8_t* qx,
                                                       const int32_t* corr, __m512i (&half)[4]) {
     const int64_t lanes = w.lanes(g), n0 = g * kTileCols;
@@ -360,9 +366,9 @@ struct Int8Q8 {
     __m512i v[16];
     #pragma GCC unroll 16
     for (int c = 0; c < 16; ++c) {
-      v[c] = c < lanes ? _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                             _mm512_xor_si512(column_pair_vnni(w, n0 + c, p), top), xp)
-                       : _mm512_setzero_si512();
+      v[c] = _mm512_setzero_si512();  // a column past the weight's last: no read
+      if (c < lanes)
+        v[c] = _mm512_dpbusd_epi32(v[c], _mm512_xor_si512(column_pair_vnni(w, n0 + c, p), top), xp);
     }
     // a[i], per 128-bit lane: columns 2i, 2i + 1's dwords added in pairs
     __m512i a[8];
@@ -376,15 +382,18 @@ struct Int8Q8 {
     for (int j = 0; j < 4; ++j)
       q[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * j], a[2 * j + 1]),
                               _mm512_unpackhi_epi64(a[2 * j], a[2 * j + 1]));
-    const __m512i e0 = _mm512_shuffle_i32x4(q[0], q[1], 0x88), e1 = _mm512_shuffle_i32x4(q[0], q[1], 0xDD);
-    const __m512i e2 = _mm512_shuffle_i32x4(q[2], q[3], 0x88), e3 = _mm512_shuffle_i32x4(q[2], q[3], 0xDD);
+    const __m512i e0 = _mm512_shuffle_i32x4(q[0], q[1], 0x88);
+    const __m512i e1 = _mm512_shuffle_i32x4(q[0], q[1], 0xDD);
+    const __m512i e2 = _mm512_shuffle_i32x4(q[2], q[3], 0x88);
+    const __m512i e3 = _mm512_shuffle_i32x4(q[2], q[3], 0xDD);
     // half[t]: half block t's sums of the 16 columns, in column order
     half[0] = _mm512_shuffle_i32x4(e0, e2, 0x88);
     half[2] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
     half[1] = _mm512_shuffle_i32x4(e1, e3, 0x88);
     half[3] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
     #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) half[t] = _mm512_add_epi32(half[t], _mm512_set1_epi32(corr[4 * p + t]));
+    for (int t = 0; t < 4; ++t)
+      half[t] = _mm512_add_epi32(half[t], _mm512_set1_epi32(corr[4 * p + t]));
   }
 
   // R rows by the 16 columns of tile g, block by block: from the staged values, or each pair
@@ -415,7 +424,8 @@ struct Int8Q8 {
         row_pair_vnni(t.w, g, p, x.qx[0], corr[0], half);
         const __m512i first[2] = {half[0], half[1]}, second[2] = {half[2], half[3]};
         scaled_vnni(first, t.d, 2 * p, x.dx8[0][dx8_pos(2 * p)], acc[0]);
-        if (2 * p + 1 < nb) scaled_vnni(second, t.d, 2 * p + 1, x.dx8[0][dx8_pos(2 * p + 1)], acc[0]);
+        if (2 * p + 1 < nb)
+          scaled_vnni(second, t.d, 2 * p + 1, x.dx8[0][dx8_pos(2 * p + 1)], acc[0]);
       }
     } else {
       for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
@@ -482,7 +492,7 @@ struct Int8Q8 {
   }
 
   // The reference path: one output at a time, block by block, from the weight as held.
-  static void dot_scalar(const Int8Rows<B, S>& w, int64_t n, const ActQ8& a, int64_t r,
+  static void dot_scalar(const Int8Weight<B, S>& w, int64_t n, const ActQ8& a, int64_t r,
                          float* out) {
     const int8_t* qx = a.a.row_qx(r);
     const float* dx8 = a.a.row_dx8(r);
@@ -562,13 +572,13 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
                                      out.data_ptr<float>());
     };
     if constexpr (kSub<S>) {  // blocks of 16: checked_super_scales
-      run(Int8Rows<16, S>{});
+      run(Int8Weight<16, S>{});
     } else if (B == 32) {
-      run(Int8Rows<32, S>{});
+      run(Int8Weight<32, S>{});
     } else if (B == 16) {
-      run(Int8Rows<16, S>{});
+      run(Int8Weight<16, S>{});
     } else {
-      run(Int8Rows<0, S>{});
+      run(Int8Weight<0, S>{});
     }
   });
   return out;

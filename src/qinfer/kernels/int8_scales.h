@@ -63,21 +63,6 @@ QINFER_AVX2 QINFER_INLINE __m256 splat8(const BlockScales<S>& s, int64_t b) {
   else return splat8(s.d + b);
 }
 
-// Blocks b.. b + n - 1's scales (n <= 4, reading exactly n: the last may end the tensor)
-// into 4 lanes, the rest zero. For int8 sub-scales b is a multiple of 4, so the n share
-// one super-scale (16 = 4 x 4).
-template <typename S>
-QINFER_AVX2 QINFER_INLINE __m128 scales4(const BlockScales<S>& s, int64_t b, int64_t n) {
-  if constexpr (kSub<S>) {
-    int32_t bytes = 0;
-    std::memcpy(&bytes, s.d + b, static_cast<size_t>(std::clamp<int64_t>(n, 0, 4)));
-    const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bytes)));
-    return _mm_mul_ps(sc, _mm_set1_ps(_cvtsh_ss(s.super[b / kSubScales].x)));
-  } else {
-    return scales4(s.d + b, n);
-  }
-}
-
 // Blocks b.. b + n - 1's scales (n <= 8, reading exactly n) into 8 lanes, the rest zero. For
 // int8 sub-scales b is a multiple of 8, so the n share one super-scale.
 template <typename S>

@@ -84,20 +84,6 @@ QINFER_AVX2 QINFER_INLINE __m256i first_dwords(int64_t count) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// n (..4) into 4 lanes
-template <typename S>
-QINFER_AVX2 QINFER_INLINE __m128 scales4(const S* p, int64_t n) {
-  const int64_t count = std::clamp<int64_t>(n, 0, 4);
-  if constexpr (kHalf<S>) {
-    return _mm_cvtph_ps(halves(p, count));
-  } else {
-    if (count == 4) return _mm_loadu_ps(p);
-    if (count == 2) return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
-    if (count == 1) return _mm_load_ss(p);
-    return _mm_maskload_ps(p, _mm256_castsi256_si128(first_dwords(count)));
-  }
-}
-
 // n (..8) into 8 lanes
 template <typename S>
 QINFER_AVX2 QINFER_INLINE __m256 scales8(const S* p, int64_t n) {

@@ -266,6 +266,15 @@ QINFER_AVX2 void stage_values_avx2(const Int8Weight<B, S>& w, int64_t g, uint8_t
   }
 }
 
+// Fetches the lines of n elements of T from the address `at` (an integer: past the weight's
+// end it points nowhere, where a prefetch never faults).
+template <typename T>
+QINFER_INLINE void prefetch_span(uintptr_t at, int64_t n) {
+  const uintptr_t end = at + static_cast<uintptr_t>(n) * sizeof(T);
+  for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // The lanes' scales of column tile g as fp32 at d: (nb, kScales, 16), or the rows' (16,); zero
 // for the last tile's missing columns. 8 scales of 8 columns at a time, transposed as the
 // values are.
@@ -275,6 +284,16 @@ QINFER_AVX2 void stage_scales(const Int8Weight<B, S>& w, int64_t g, float* d) {
   if constexpr (B == 0) {
     for (int64_t l = 0; l < kTileCols; ++l) d[l] = l < lanes ? w.scale_of(n0 + l, 0) : 0.0f;
     return;
+  }
+  // the next tile's scales (its columns' rows of d follow these), fetched while this tile
+  // runs: read at a tile's start, they stalled every tile on memory (the one-row Q8_0 head
+  // of Qwen3-0.6B: 4.4-4.8 -> 3.3-4.3 ms)
+  const uintptr_t next = static_cast<uintptr_t>((n0 + kTileCols) * count);
+  prefetch_span<S>(reinterpret_cast<uintptr_t>(w.scale.d) + next * sizeof(S), kTileCols * count);
+  if constexpr (kSub<S>) {
+    prefetch_span<at::Half>(reinterpret_cast<uintptr_t>(w.scale.super) +
+                                next / kSubScales * sizeof(at::Half),
+                            kTileCols * count / kSubScales);
   }
   for (int64_t i = 0; i < count; i += 8) {
     #pragma GCC unroll 2

@@ -99,8 +99,7 @@ def rule_head_path(layer: QuantizedLinear, exact: bool = False) -> str:
     what a sampler keeps are the exact weight's), else the kind's kernel (torch's; int8
     blocks: qinfer's exact one, which `exact` keeps). int8_dot stages the head's int8
     columns in tiles of 16 for integer dot products: Qwen3-0.6B's Q8_0 head at 32 rows 38 ->
-    14 ms, Qwen3.5-0.8B's Q6_K at 8 rows 21 -> 10, at one row within 1 ms of the exact
-    kernel either way; its KL to fp32 stays within the default path's bound
+    14 ms, Qwen3.5-0.8B's Q6_K at 8 rows 21 -> 10, at one row as fast as the exact kernel; its KL to fp32 stays within the default path's bound
     (tests/test_quantize.py, tests/test_gemma3_gguf.py; docs/BENCHMARKS.md)."""
     if not exact and INT8_DOT in layer.paths() and kernels.available() is None:
         return INT8_DOT

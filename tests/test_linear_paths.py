@@ -15,7 +15,7 @@ import torch
 from linear_layers import activations, assert_matches_dequantized, int8_blocks_of, weight
 
 from qinfer import kernels
-from qinfer.bench.linear_paths import path_table
+from qinfer.bench.linear_paths import format_path_table, path_table
 from qinfer.core.errors import ConfigError, WeightsError
 from qinfer.linear import (
     DenseLinear,
@@ -313,6 +313,24 @@ def test_bench_times_every_path_beside_the_one_taken(monkeypatch):
         list(layers[2].paths())
     ] * 2
     assert all(0 < ms < 1e3 for r in table for ms in r["ms"].values())
+
+
+def test_bench_times_the_lm_heads_own_path(monkeypatch):
+    """A model's quantized lm_head gets a row of its own for the head path it takes (the
+    rule's: int8_dot where the kernels load), timed on the paths that compute a row alike at
+    any row count."""
+    monkeypatch.delenv(choose.ENV, raising=False)
+    model = torch.nn.Module()
+    model.lm_head = quantized("int8/32", 96, torch.float32)
+    choose_paths(model)
+    table = path_table(model)
+    assert [r["bucket"] for r in table] == ["decode", "prefill", "head"]
+    head = table[-1]
+    assert head["path"] == ("int8_dot" if kernels.available() is None else "kernel")
+    assert head["path"] == model.lm_head.head_path
+    assert list(head["ms"]) == [p for p in model.lm_head.paths() if p in ("kernel", "int8_dot")]
+    assert all(0 < ms < 1e3 for ms in head["ms"].values())
+    assert f"head (1)      -> {head['path']}" in format_path_table(table)
 
 
 def head_kinds() -> dict[str, Linear]:

@@ -13,20 +13,24 @@ import time
 import torch
 from torch import nn
 
-from qinfer.linear.choose import cpu_quantized
-from qinfer.linear.paths import BUCKETS, QuantizedLinear
+from qinfer.linear.choose import HEAD, cpu_quantized
+from qinfer.linear.paths import BUCKETS, ROW_INVARIANT, QuantizedLinear
 
-#: Rows of the timed calls per bucket: a batch-1 decode step, and a prefill chunk.
-PROBE_ROWS = {"decode": 1, "prefill": 128}
+#: Rows of the timed calls per bucket: a batch-1 decode step, and a prefill chunk; the
+#: lm_head's call (`QuantizedLinear.use_head_path`) as at a batch-1 decode step.
+PROBE_ROWS = {"decode": 1, "prefill": 128, HEAD: 1}
 #: Timed calls per path and row count (after one warm-up call).
 CALLS = 2
 
 
 def path_table(module: nn.Module) -> list[dict]:
     """One row per (kind, shape key, bucket) of `module`'s quantized Linears on CPU: the
-    path taken and {path: ms} for every path the layers offer."""
+    path taken and {path: ms} for every path the layers offer; and, where `module` has a
+    quantized lm_head on CPU, a row for its head path (bucket "head": the paths that compute
+    a row alike at any row count, timed without the exact recompute of the top logits)."""
     groups: dict[tuple, list[QuantizedLinear]] = {}
-    for layer in cpu_quantized(module):
+    quantized = cpu_quantized(module)
+    for layer in quantized:
         groups.setdefault((type(layer).__name__, layer.shape_key()), []).append(layer)
     table = []
     for (kind, shape), layers in groups.items():
@@ -35,6 +39,14 @@ def path_table(module: nn.Module) -> list[dict]:
             ms = {path: path_ms(layers, path, rows) for path in layers[0].paths()}
             path = layers[0].chosen[bucket]
             table.append({"kind": kind, "shape": shape, "bucket": bucket, "path": path, "ms": ms})
+    head = getattr(module, "lm_head", None)
+    if any(layer is head for layer in quantized):
+        paths = [path for path in head.paths() if path in ROW_INVARIANT]
+        ms = {path: path_ms([head], path, PROBE_ROWS[HEAD]) for path in paths}
+        kind, shape = type(head).__name__, head.shape_key()
+        table.append(
+            {"kind": kind, "shape": shape, "bucket": HEAD, "path": head.head_path, "ms": ms}
+        )
     return table
 
 

@@ -76,12 +76,10 @@ struct ActF4Storage {
 constexpr int element(int k, int t) { return (k < 4 ? 4 * k : 16 + 4 * (k - 4)) + t; }
 
 template <typename S>
-struct Int4GroupsF32 {
+struct Int4GroupsF32 : OnInt4Tiles<S> {
   static constexpr int kRowsVnni = 4;  // 4 x 4 partial sums, the rows' totals, 4 registers
   static constexpr int kRowsAvx2 = 1;  // AVX2's 16 registers: 4 partial sums and 8 nibble rows
   static constexpr int64_t kActivationBytes = 4;
-
-  static const Int4Tiles<S>& tile(const Int4Tiles<S>& w, int64_t, Isa, int64_t) { return w; }
 
   template <int R>
   QINFER_VNNI static void tile_vnni(const Int4Tiles<S>& w, int64_t g, const ActF4& a, int64_t r0,

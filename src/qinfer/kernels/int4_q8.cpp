@@ -43,12 +43,10 @@ namespace qinfer_kernels {
 namespace {
 
 template <typename S>
-struct Int4Q8 {
+struct Int4Q8 : OnInt4Tiles<S> {
   static constexpr int kRowsVnni = 8;  // 8 weight registers + 8 accumulators of 32
   static constexpr int kRowsAvx2 = 4;
   static constexpr int64_t kActivationBytes = 1;
-
-  static const Int4Tiles<S>& tile(const Int4Tiles<S>& w, int64_t, Isa, int64_t) { return w; }
 
   // R rows by the 16 columns of tile g: per block, its 4 registers unpacked once for the R
   // rows, each row's 8 activation dwords broadcast into 8 dpbusd (lane l: column 16g + l's

@@ -62,6 +62,13 @@ Int4Tiles<S> int4_tiles(const at::Tensor& qs, const at::Tensor& d, const at::Ten
           d.size(1) / kTileCols, n, qs.size(0)};
 }
 
+// What an int4 kernel's tiles read of tile g (`tile` in `tiles_matmul`): the weight's own
+// column tiles, as they are. The int4 kernels derive from it.
+template <typename S>
+struct OnInt4Tiles {
+  static const Int4Tiles<S>& tile(const Int4Tiles<S>& w, int64_t, Isa, int64_t) { return w; }
+};
+
 // f(std::integral_constant<int, r>) for r = min(rows, R): a tile of that many rows.
 template <int R, typename F>
 QINFER_INLINE void with_rows(int64_t rows, F&& f) {

@@ -95,8 +95,6 @@ struct Staged {
   const Int8Weight<B, S>& w;
   const uint8_t* values;
   const float* d;
-  int64_t nb, N;
-  int64_t lanes(int64_t g) const { return std::min(kTileCols, N - g * kTileCols); }
   const uint8_t* block(int64_t b) const { return values + b * kStagedBlock; }
 };
 
@@ -198,10 +196,9 @@ template <int B, typename S>
 QINFER_INLINE void prefetch_next_tile(const Int8Weight<B, S>& w, int64_t g, int64_t p) {
   const int64_t pair = kSub<S> ? kQ6Bytes : 64;
   const int64_t row = kSub<S> ? q6_row_bytes(w.nb * kBlock) : w.nb * kBlock;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(w.q) +
-                          static_cast<uintptr_t>((g + 1) * kTileCols * row + p * kTileCols * pair);
-  for (int64_t at = 0; at < kTileCols * pair; at += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(start + at), _MM_HINT_T0);
+  prefetch_span(reinterpret_cast<uintptr_t>(w.q) +
+                    static_cast<uintptr_t>((g + 1) * kTileCols * row + p * kTileCols * pair),
+                kTileCols * pair);
 }
 
 // Pair p of column tile g as the VNNI tile reads it: rows[k] for k < 8 register k of block 2p
@@ -266,15 +263,6 @@ QINFER_AVX2 void stage_values_avx2(const Int8Weight<B, S>& w, int64_t g, uint8_t
   }
 }
 
-// Fetches the lines of n elements of T from the address `at` (an integer: past the weight's
-// end it points nowhere, where a prefetch never faults).
-template <typename T>
-QINFER_INLINE void prefetch_span(uintptr_t at, int64_t n) {
-  const uintptr_t end = at + static_cast<uintptr_t>(n) * sizeof(T);
-  for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
-}
-
 // The lanes' scales of column tile g as fp32 at d: (nb, kScales, 16), or the rows' (16,); zero
 // for the last tile's missing columns. 8 scales of 8 columns at a time, transposed as the
 // values are.
@@ -289,11 +277,12 @@ QINFER_AVX2 void stage_scales(const Int8Weight<B, S>& w, int64_t g, float* d) {
   // runs: read at a tile's start, they stalled every tile on memory (the one-row Q8_0 head
   // of Qwen3-0.6B: 4.4-4.8 -> 3.3-4.3 ms)
   const uintptr_t next = static_cast<uintptr_t>((n0 + kTileCols) * count);
-  prefetch_span<S>(reinterpret_cast<uintptr_t>(w.scale.d) + next * sizeof(S), kTileCols * count);
+  prefetch_span(reinterpret_cast<uintptr_t>(w.scale.d) + next * sizeof(S),
+                kTileCols * count * static_cast<int64_t>(sizeof(S)));
   if constexpr (kSub<S>) {
-    prefetch_span<at::Half>(reinterpret_cast<uintptr_t>(w.scale.super) +
-                                next / kSubScales * sizeof(at::Half),
-                            kTileCols * count / kSubScales);
+    prefetch_span(reinterpret_cast<uintptr_t>(w.scale.super) +
+                      next / kSubScales * sizeof(at::Half),
+                  kTileCols * count / kSubScales * static_cast<int64_t>(sizeof(at::Half)));
   }
   for (int64_t i = 0; i < count; i += 8) {
     #pragma GCC unroll 2
@@ -327,11 +316,11 @@ struct Int8Q8 {
     static thread_local std::vector<float> scales;
     scales.resize(static_cast<size_t>(L == 0 ? kTileCols : w.nb * L * kTileCols));
     stage_scales(w, g, scales.data());
-    if (path == Isa::Vnni && M <= kRowsVnni) return {w, nullptr, scales.data(), w.nb, w.N};
+    if (path == Isa::Vnni && M <= kRowsVnni) return {w, nullptr, scales.data()};
     values.resize(static_cast<size_t>((w.nb + 1) / 2 * 2 * kStagedBlock));
     if (path == Isa::Vnni) stage_values_vnni(w, g, values.data());
     else stage_values_avx2(w, g, values.data());
-    return {w, values.data(), scales.data(), w.nb, w.N};
+    return {w, values.data(), scales.data()};
   }
 
   // acc += block b's exact half-block dots (16 columns a lane) times their scales: d16's
@@ -420,7 +409,7 @@ struct Int8Q8 {
   template <int R>
   QINFER_VNNI static void tile_vnni(const Staged<B, S>& t, int64_t g, const ActQ8& a, int64_t r0,
                                     float* out) {
-    const int64_t nb = t.nb;
+    const int64_t nb = t.w.nb;
     const Q8Rows<R> x(a.a, r0);
     const int32_t* corr[R];
     __m512 acc[R];
@@ -457,23 +446,23 @@ struct Int8Q8 {
     const __m512 rows = L == 0 ? _mm512_loadu_ps(t.d) : _mm512_setzero_ps();
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
-      store_lanes(out + (r0 + i) * t.N + g * kTileCols, t.lanes(g),
+      store_lanes(out + (r0 + i) * t.w.N + g * kTileCols, t.w.lanes(g),
                   L == 0 ? _mm512_mul_ps(acc[i], rows) : acc[i]);
   }
 
   // R rows by half h of tile g (8 columns): per dword k, maddubs of |q| and the row's
   // broadcast qx with q's sign, madd'ed into the dword's exact int32 sum of 4 products.
   template <int R>
-  QINFER_AVX2 static void tile_avx2(const Staged<B, S>& w, int64_t g, int64_t h, const ActQ8& a,
+  QINFER_AVX2 static void tile_avx2(const Staged<B, S>& t, int64_t g, int64_t h, const ActQ8& a,
                                     int64_t r0, float* out) {
-    const int64_t nb = w.nb;
+    const int64_t nb = t.w.nb;
     const __m256i ones = _mm256_set1_epi16(1);
     const auto [qx, dx8, s] = Q8Rows<R>(a.a, r0);
     __m256 acc[R];
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* src = w.block(b) + 32 * h;
+      const uint8_t* src = t.block(b) + 32 * h;
       __m256i wk[8], magnitude[8];
       #pragma GCC unroll 8
       for (int k = 0; k < 8; ++k) {
@@ -482,7 +471,7 @@ struct Int8Q8 {
       }
       __m256 d[2];
       #pragma GCC unroll 2
-      for (int j = 0; j < L; ++j) d[j] = _mm256_loadu_ps(w.d + (b * L + j) * kTileCols + 8 * h);
+      for (int j = 0; j < L; ++j) d[j] = _mm256_loadu_ps(t.d + (b * L + j) * kTileCols + 8 * h);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
         __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -502,11 +491,11 @@ struct Int8Q8 {
         }
       }
     }
-    const int64_t lanes = std::min<int64_t>(8, w.lanes(g) - 8 * h);
-    const __m256 rows = L == 0 ? _mm256_loadu_ps(w.d + 8 * h) : _mm256_setzero_ps();
+    const int64_t lanes = std::min<int64_t>(8, t.w.lanes(g) - 8 * h);
+    const __m256 rows = L == 0 ? _mm256_loadu_ps(t.d + 8 * h) : _mm256_setzero_ps();
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
-      store_lanes(out + (r0 + i) * w.N + g * kTileCols + 8 * h, lanes,
+      store_lanes(out + (r0 + i) * t.w.N + g * kTileCols + 8 * h, lanes,
                   L == 0 ? _mm256_mul_ps(acc[i], rows) : acc[i]);
   }
 

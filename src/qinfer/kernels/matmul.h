@@ -150,6 +150,14 @@ constexpr int64_t kPrefetch = 512;
 template <int R>
 constexpr int64_t kPrefetchFor = R == 1 ? 2048 : kPrefetch;
 
+// Fetches the lines of the `bytes` bytes from the address `at`, an integer: the span may lie
+// past a weight's end (a prefetch of it never faults, but a pointer there would be undefined).
+inline void prefetch_span(uintptr_t at, int64_t bytes) {
+  const uintptr_t end = at + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // A column's scales (d, and the int4 groups' m) are a short row of their own, read at the
 // column's blocks or after them: the hardware's prefetcher missed them often enough that
 // the AVX2 int4 tile ran 20% slower from memory than from cache. So each tile fetches the
@@ -162,13 +170,9 @@ constexpr int64_t kPrefetchFor = R == 1 ? 2048 : kPrefetch;
 template <int C, typename S>
 inline void prefetch_scales(const S* const* scales, int64_t count) {
   const int64_t ahead = std::max<int64_t>(2, (64 + count - 1) / count);  // columns
-  // addresses as integers: the column may lie past the weight's end (a prefetch of it
-  // never faults, but a pointer there would be undefined)
-  const uintptr_t start = reinterpret_cast<uintptr_t>(scales[C - 1]) +
-                          static_cast<uintptr_t>(ahead * count) * sizeof(S);
-  const uintptr_t end = start + static_cast<uintptr_t>(count) * sizeof(S);
-  for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  prefetch_span(reinterpret_cast<uintptr_t>(scales[C - 1]) +
+                    static_cast<uintptr_t>(ahead * count) * sizeof(S),
+                count * static_cast<int64_t>(sizeof(S)));
 }
 
 // The tiles copy every pointer and count they loop over into locals first: the intrinsics'

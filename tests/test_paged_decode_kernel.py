@@ -188,11 +188,12 @@ def test_bad_tensors_are_refused_by_name():
         run({**c, "q": c["q"][:, :5]}, None)
 
 
+@pytest.mark.parametrize("tokens", [5, 700])  # 700 x 6 heads of 64: split between threads
 @pytest.mark.parametrize("rotary", [64, 24])
-def test_rope_is_torchs_rotation_bit_for_bit(rotary):
+def test_rope_is_torchs_rotation_bit_for_bit(rotary, tokens):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 9, 64, generator=gen)[:, 1:7]  # heads of a wider projection: strided
-    cos, sin = (torch.randn(5, 1, rotary // 2, generator=gen) for _ in range(2))
+    x = torch.randn(tokens, 9, 64, generator=gen)[:, 1:7]  # a wider projection's heads: strided
+    cos, sin = (torch.randn(tokens, 1, rotary // 2, generator=gen) for _ in range(2))
     got = kernels.rope(x, cos[:, 0], sin[:, 0])
     assert torch.equal(got, RoPE.apply(x, cos, sin))
     with pytest.raises(RuntimeError, match="rope: x must be"):

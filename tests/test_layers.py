@@ -7,7 +7,6 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from qinfer import kernels
-from qinfer.attention import sdpa
 from qinfer.attention.sdpa import (
     causal_blocks,
     causal_mask,
@@ -114,21 +113,6 @@ def test_causal_blocks_equal_the_reference(L, S):
     got = causal_blocks(q, k, v, 0.35)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, per_head_attention(q, k, v, 0.35, causal_mask(L, S)))
-
-
-def test_a_whole_fp32_prompt_in_range_takes_causal_blocks(monkeypatch):
-    """torch_sdpa_grouped's rule: L == S within CAUSAL_BLOCKS_RANGE, fp32 on the CPU."""
-    calls = []
-    monkeypatch.setattr(sdpa, "causal_blocks", lambda *args: calls.append(args) or args[0])
-    for L, S, dtype in (
-        (128, 128, torch.float32),
-        (127, 127, torch.float32),
-        (130, 160, torch.float32),
-        (130, 130, torch.bfloat16),
-    ):
-        q, k, v = (t.to(dtype) for t in qkv(L=L, S=S))
-        sdpa.torch_sdpa_grouped(q, k, v, 0.35, "causal")
-    assert [args[0].shape[2] for args in calls] == [128]
 
 
 @pytest.mark.parametrize("L, mask", [(1, None), (1, "bool"), (4, "causal"), (9, "causal")])

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.core.features import Features
 
 Mask = torch.Tensor | str | None
@@ -147,14 +148,18 @@ def torch_sdpa_grouped(
     Those kernels accumulate the softmax in fp32 whatever the input dtype, so q, k, v may
     stay in the model's dtype. A single query (decoding) folds its n_rep query heads into
     the query axis, (B, Hq, 1, D) -> (B, Hkv, n_rep, D), so that no kernel repeats K/V per
-    query head; longer queries use `enable_gqa`. A whole fp32 prompt on the CPU within
-    CAUSAL_BLOCKS_RANGE takes `causal_blocks` instead of torch's flash attention.
+    query head; longer queries use `enable_gqa`. Causal fp32 queries on the CPU take the
+    compiled op (`kernels.causal_attention`: K/V fp32 or bf16, each query's bits its own);
+    without it, a whole fp32 prompt within CAUSAL_BLOCKS_RANGE takes `causal_blocks` instead
+    of torch's flash attention.
     """
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}; use 'causal', a tensor or None")
+        if _causal_op_takes(q, k, v):
+            return kernels.causal_attention(q, k, v, scale)
         if L == S and L in CAUSAL_BLOCKS_RANGE and _fp32_on_cpu(q, k, v):
             return causal_blocks(q, k, v, scale)
         if L == S:  # torch's is_causal is top-left aligned: equal to ours only when L == S
@@ -171,6 +176,18 @@ def torch_sdpa_grouped(
         )
         return out.reshape(B, Hq, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _causal_op_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `kernels.causal_attention` runs this attention: fp32 queries on the CPU, K/V
+    of one dtype, fp32 or bf16, where the compiled ops are in use."""
+    return (
+        q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and k.dtype == v.dtype
+        and k.dtype in (torch.float32, torch.bfloat16)
+        and kernels.in_use()
+    )
 
 
 def _fp32_on_cpu(*tensors: torch.Tensor) -> bool:

@@ -27,6 +27,8 @@ and why: docs/KERNELS.md.
                                    # one new token per sequence: k, v stored in the pool,
                                    #   q (G, Hq, D) attends its sequence's keys -> (G, Hq, D)
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
+    o = causal_attention(q, k, v, scale)  # a prompt's queries (B, Hq, L, D) fp32 over their
+                                   #   histories k, v (B, Hkv, S, D), bottom-right causal
     lora_add(y, x, rows, slots, a, column_slots, b_t, parts)  # LoRA: each adapter row's
                                    #   (x A_slot^T) B_slot^T added to y in place, per part
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
@@ -78,6 +80,7 @@ __all__ = [
     "Int4Groups",
     "PackedInt4",
     "add_rms_norm",
+    "causal_attention",
     "auto_path",
     "available",
     "build_directory",
@@ -414,6 +417,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if ops.rope is None:
         require()
     return ops.rope(x, cos, sin)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale + causal) v for q (B, Hq, L, D) fp32 and grouped k, v (B, Hkv,
+    S, D) fp32 or bf16, bottom-right causal (the L queries the last L of the S keys) ->
+    (B, Hq, L, D) fp32, laid out (B, L, Hq, D): flash attention in fp32, each query's bits its
+    own whatever the others (docs/KERNELS.md)."""
+    if ops.causal_attention is None:
+        require()
+    return ops.causal_attention(q, k, v, scale)
 
 
 def lora_add(

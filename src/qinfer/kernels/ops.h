@@ -46,6 +46,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
                                   int64_t block_size, int64_t window, double scale);
+// causal_attention.cpp
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale);
 // causal_conv.cpp
 at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& taps, const at::Tensor& windows,
                          const at::Tensor& slots);

@@ -107,6 +107,7 @@ FAKE_KERNELS = {
     "heads_rms_norm": _heads_normed,
     "paged_decode_attention": _like,
     "rope": _like,
+    "causal_attention": _like,
     "lora_add": _in_place,
     "gated_delta_recurrent": _delta_out,
     "gated_delta_chunked": _delta_out,

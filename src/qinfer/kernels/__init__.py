@@ -29,6 +29,7 @@ and why: docs/KERNELS.md.
     y = rope(x, cos, sin)          # x (T, H, D) fp32 rotated (rotate-half), torch's bits
     o = causal_attention(q, k, v, scale)  # a prompt's queries (B, Hq, L, D) fp32 over their
                                    #   histories k, v (B, Hkv, S, D), bottom-right causal
+    y = silu_mul(x)                # the FFN's gate and up (T, 2W) fp32 -> silu(gate) * up
     lora_add(y, x, rows, slots, a, column_slots, b_t, parts)  # LoRA: each adapter row's
                                    #   (x A_slot^T) B_slot^T added to y in place, per part
     o = gated_delta_recurrent(q, k, v, g, beta, state)  # the gated delta rule token by
@@ -108,6 +109,7 @@ __all__ = [
     "quantize_q8_1",
     "refusal",
     "rope",
+    "silu_mul",
     "symmetric_offsets",
     "unpack_q6",
 ]
@@ -429,6 +431,14 @@ def causal_attention(
     if ops.causal_attention is None:
         require()
     return ops.causal_attention(q, k, v, scale)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2W) fp32, gate then up (its last dimension contiguous) -> silu(gate) * up (T, W)
+    fp32 in one pass: (g / (1 + exp(-g))) * u, exp within 2 ulp (docs/KERNELS.md)."""
+    if ops.silu_mul is None:
+        require()
+    return ops.silu_mul(x)
 
 
 def lora_add(

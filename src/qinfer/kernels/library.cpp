@@ -49,6 +49,7 @@ TORCH_LIBRARY(qinfer, lib) {
   lib.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor slots, Tensor a, "
           "Tensor column_slots, Tensor?[] b_t, int[] parts, str path='auto') -> ()");
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  lib.def("silu_mul(Tensor x) -> Tensor");
   lib.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   lib.def("gated_delta_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
           "Tensor(a!) state, Tensor? slots=None) -> Tensor");
@@ -72,6 +73,7 @@ TORCH_LIBRARY_IMPL(qinfer, CPU, lib) {
   lib.impl("paged_decode_attention", &paged_decode_attention);
   lib.impl("lora_add", &lora_add);
   lib.impl("rope", &rope);
+  lib.impl("silu_mul", &silu_mul);
   lib.impl("causal_attention", &causal_attention);
   lib.impl("gated_delta_recurrent", &gated_delta_recurrent);
   lib.impl("causal_conv1d", &causal_conv1d);

@@ -72,6 +72,8 @@ void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
               const at::Tensor& slots, const at::Tensor& a, const at::Tensor& column_slots,
               const std::vector<c10::optional<at::Tensor>>& b_t, at::IntArrayRef parts,
               const std::string& path);
+// silu_mul.cpp
+at::Tensor silu_mul(const at::Tensor& x);
 // rope.cpp
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

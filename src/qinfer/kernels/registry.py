@@ -83,6 +83,10 @@ def _like(x: torch.Tensor, *_: object) -> torch.Tensor:  # attention's q, RoPE's
     return x.new_empty(x.shape)
 
 
+def _halved(x: torch.Tensor) -> torch.Tensor:  # silu_mul's (T, 2W) -> (T, W)
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
 def _delta_out(q, k, v: torch.Tensor, *_: object) -> torch.Tensor:  # noqa: ANN001
     return v.new_empty(v.shape, dtype=torch.float32)  # (B, L, H, Dv)
 
@@ -108,6 +112,7 @@ FAKE_KERNELS = {
     "paged_decode_attention": _like,
     "rope": _like,
     "causal_attention": _like,
+    "silu_mul": _halved,
     "lora_add": _in_place,
     "gated_delta_recurrent": _delta_out,
     "gated_delta_chunked": _delta_out,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from qinfer import kernels
 from qinfer.core.forward_batch import AdapterRows
 from qinfer.core.model_config import ModelConfig
 from qinfer.core.module import Module
@@ -88,6 +89,18 @@ def _down_shard(width: int, what: str, parallel: Parallel) -> Shard | None:
 def gate_times_up(
     gate_up: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
-    """gate_up (..., 2 * width), gate then up -> activation(gate) * up (..., width)."""
+    """gate_up (..., 2 * width), gate then up -> activation(gate) * up (..., width). SiLU on
+    flat fp32 rows on the CPU runs as one compiled op (`kernels.silu_mul`: one pass, where
+    torch's two ops write and read the gate's activations in between)."""
+    if activation is F.silu and _compiled(gate_up):
+        return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return activation(gate) * up
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether `gate_times_up` runs as the compiled op: (T, 2 * width) fp32 on the CPU, its
+    last dimension contiguous, no autograd, and the kernels in use here."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
+        return False
+    return x.stride(-1) == 1 and kernels.in_use()

@@ -4,6 +4,10 @@ and the one-line refusals; and torch_sdpa_grouped's rule for taking it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,21 +85,49 @@ def test_bad_inputs_are_refused_in_one_line():
 
 def test_causal_fp32_queries_take_the_op_and_without_it_causal_blocks(monkeypatch, torch_ops_only):
     """torch_sdpa_grouped's rule: causal fp32 queries on the CPU, K/V fp32 or bf16 alike,
-    take the op; with the kernels off, a whole fp32 prompt within CAUSAL_BLOCKS_RANGE takes
-    causal_blocks."""
+    take the op where its AVX-512 path runs; elsewhere (the kernels off, an AVX2 CPU) a whole
+    fp32 prompt within CAUSAL_BLOCKS_RANGE takes causal_blocks."""
     calls, blocks = [], []
     monkeypatch.setattr(kernels, "causal_attention", lambda *a: calls.append(a) or a[0])
     monkeypatch.setattr(sdpa, "causal_blocks", lambda *a: blocks.append(a) or a[0])
-    cases = [
+    for L, S, q_dtype, kv_dtype in (
         (128, 128, torch.float32, torch.float32),
         (130, 160, torch.float32, torch.bfloat16),
         (5, 9, torch.bfloat16, torch.bfloat16),  # bf16 queries: torch's kernels
-    ]
-    for L, S, q_dtype, kv_dtype in cases:
+    ):
         q, k, v = qkv(1, 4, 2, L, S, 16)
+        if kernels.norm_auto_path() != "avx512" and q_dtype != kv_dtype:
+            continue  # torch's kernels take one dtype
         sdpa.torch_sdpa_grouped(q.to(q_dtype), k.to(kv_dtype), v.to(kv_dtype), 0.35, "causal")
-    assert [a[0].shape[2] for a in calls] == [128, 130] and not blocks
+    if kernels.norm_auto_path() == "avx512":
+        assert [a[0].shape[2] for a in calls] == [128, 130] and not blocks
+    else:
+        assert not calls and [a[0].shape[2] for a in blocks] == [128]
+    taken = len(calls)
+    blocks.clear()
     with torch_ops_only():
         for L, S in ((128, 128), (127, 127), (130, 160)):
             sdpa.torch_sdpa_grouped(*qkv(1, 4, 2, L, S, 16), 0.35, "causal")
-    assert [a[0].shape[2] for a in blocks] == [128] and len(calls) == 2
+    assert [a[0].shape[2] for a in blocks] == [128] and len(calls) == taken
+
+
+def test_the_scalar_path_gives_the_avx512_bits(tmp_path):
+    """The op's two paths round alike: run capped at the scalar one (torch's
+    ATEN_CPU_CAPABILITY=default, which caps the ops' automatic paths too) in a fresh process,
+    its output is this process's bit for bit."""
+    if kernels.norm_auto_path() != "avx512":
+        pytest.skip("this CPU runs no AVX-512 path to compare with")
+    q, k, v = qkv(2, 9, 3, 40, 70, 64, torch.bfloat16)
+    torch.save((q, k, v), tmp_path / "in.pt")
+    script = (
+        "import sys, torch; from qinfer import kernels; "
+        "q, k, v = torch.load(sys.argv[1]); "
+        "torch.save(kernels.causal_attention(q, k, v, 0.125), sys.argv[2])"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+    )
+    assert torch.equal(torch.load(tmp_path / "out.pt"), kernels.causal_attention(q, k, v, 0.125))

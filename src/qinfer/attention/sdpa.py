@@ -148,8 +148,8 @@ def torch_sdpa_grouped(
     Those kernels accumulate the softmax in fp32 whatever the input dtype, so q, k, v may
     stay in the model's dtype. A single query (decoding) folds its n_rep query heads into
     the query axis, (B, Hq, 1, D) -> (B, Hkv, n_rep, D), so that no kernel repeats K/V per
-    query head; longer queries use `enable_gqa`. Causal fp32 queries on the CPU take the
-    compiled op (`kernels.causal_attention`: K/V fp32 or bf16, each query's bits its own);
+    query head; longer queries use `enable_gqa`. Causal fp32 queries on an AVX-512 CPU take
+    the compiled op (`kernels.causal_attention`: K/V fp32 or bf16, each query's bits its own);
     without it, a whole fp32 prompt within CAUSAL_BLOCKS_RANGE takes `causal_blocks` instead
     of torch's flash attention.
     """
@@ -180,13 +180,15 @@ def torch_sdpa_grouped(
 
 def _causal_op_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `kernels.causal_attention` runs this attention: fp32 queries on the CPU, K/V
-    of one dtype, fp32 or bf16, where the compiled ops are in use."""
+    of one dtype, fp32 or bf16, where the compiled ops are in use on an AVX-512 path (the
+    op's fast one; its other is scalar)."""
     return (
         q.dtype == torch.float32
         and q.device.type == "cpu"
         and k.dtype == v.dtype
         and k.dtype in (torch.float32, torch.bfloat16)
         and kernels.in_use()
+        and kernels.norm_auto_path() == "avx512"
     )
 
 

@@ -41,31 +41,50 @@
 
 #include "common.h"
 #include "isa.h"
-#include "lanes.h"
 #include "ops.h"
 
 namespace qinfer_kernels {
 namespace {
 
+constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 2 * kLanes;  // keys a block: two vectors of scores a row
 constexpr int64_t kRows = 64;          // rows (query heads x queries) a task, at most
 constexpr float kNoScore = -std::numeric_limits<float>::infinity();
 
-// Rows a pass of each path's loops: scores of kScoreRows rows x 32 keys, values' sums of 2
-// rows x kValueVectors vectors of 16 elements (AVX-512: 16 of 32 registers; AVX2: 8 of 16).
-template <typename Fma>
-struct Pass;
-template <>
-struct Pass<FmaScalar> {
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+
+QINFER_INLINE F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+QINFER_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Each path's broadcast, and its a * b + c lane by lane, rounded once: the same bits on both
+// paths. (GCC lowers a vector built from a scalar in code of no target lane by lane.) Two
+// paths: AVX-512, and the scalar one, which gives its bits anywhere (slowly); an AVX2 machine
+// takes torch's `causal_blocks` instead (`qinfer.attention.sdpa`): fused multiply-adds on
+// halves of these 16 lanes went through memory there.
+struct FmaScalar {
   static constexpr int kScoreRows = 2, kValueVectors = 1;
+  static QINFER_INLINE F16 splat(float x) {
+    F16 v;
+    for (int i = 0; i < kLanes; ++i) v[i] = x;
+    return v;
+  }
+  static QINFER_INLINE F16 fma(F16 a, F16 b, F16 c) {
+    for (int i = 0; i < kLanes; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+    return c;
+  }
 };
-template <>
-struct Pass<FmaAvx2> {
-  static constexpr int kScoreRows = 2, kValueVectors = 2;
-};
-template <>
-struct Pass<FmaAvx512> {
+struct FmaAvx512 {
+  // scores of 8 rows x 32 keys, values' sums of 2 rows x 128 elements: 16 of the 32 registers
   static constexpr int kScoreRows = 8, kValueVectors = 8;
+  QINFER_AVX512 static inline F16 splat(float x) { return (F16)_mm512_set1_ps(x); }
+  QINFER_AVX512 static inline F16 fma(F16 a, F16 b, F16 c) {
+    return (F16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+  }
 };
 
 template <typename T>
@@ -176,7 +195,7 @@ QINFER_INLINE void weigh_vectors(const Rows& w, int64_t r0, int64_t n, int64_t D
 // order, however many vectors a pass holds).
 template <typename P, int RT>
 QINFER_INLINE void weigh(const Rows& w, int64_t r0, int64_t n, int64_t Dp) {
-  constexpr int U = Pass<P>::kValueVectors;
+  constexpr int U = P::kValueVectors;
   int64_t i = 0;
   for (; i + U * kLanes <= Dp; i += U * kLanes) weigh_vectors<P, RT, U>(w, r0, n, Dp, i);
   for (; i < Dp; i += kLanes) weigh_vectors<P, RT, 1>(w, r0, n, Dp, i);
@@ -208,8 +227,7 @@ QINFER_INLINE void attend_task(const Problem<T>& pr, const Packed& packed, Rows&
     const int64_t first_query = std::max<int64_t>(0, j0 - offset - q0);
     const int64_t r_first = first_query * rep;
     int64_t r = r_first;
-    for (; r + Pass<P>::kScoreRows <= R; r += Pass<P>::kScoreRows)
-      scores<P, Pass<P>::kScoreRows>(w, r, D, Dp);
+    for (; r + P::kScoreRows <= R; r += P::kScoreRows) scores<P, P::kScoreRows>(w, r, D, Dp);
     for (; r < R; ++r) scores<P, 1>(w, r, D, Dp);
     // each row's softmax update over the keys it sees (seen of the block's): 16 lanes, the
     // keys past them -inf for the maximum and 0 for the sum, which adds lanes l and l + 16,
@@ -286,7 +304,6 @@ QINFER_INLINE void pack_block(const Problem<T>& pr, const Packed& packed, int64_
     }                                                                                           \
   };
 QINFER_CAUSAL_LOOPS(LoopsScalar, , FmaScalar)
-QINFER_CAUSAL_LOOPS(LoopsAvx2, QINFER_AVX2, FmaAvx2)
 QINFER_CAUSAL_LOOPS(LoopsAvx512, QINFER_AVX512, FmaAvx512)
 
 template <typename Loops, typename T>
@@ -319,10 +336,10 @@ void attend(const Problem<T>& pr, int64_t B) {
 
 template <typename T>
 void attend_best(const Problem<T>& pr, int64_t B) {
-  switch (best(kVectorPaths)) {
-    case Isa::Avx512: attend<LoopsAvx512>(pr, B); break;
-    case Isa::Avx2: attend<LoopsAvx2>(pr, B); break;
-    default: attend<LoopsScalar>(pr, B);
+  if (best(kVectorPaths) == Isa::Avx512) {
+    attend<LoopsAvx512>(pr, B);
+  } else {
+    attend<LoopsScalar>(pr, B);
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -61,11 +62,26 @@ inline const char* isa_needs(Isa isa) {
 constexpr std::initializer_list<Isa> kDotPaths = {Isa::Scalar, Isa::Avx2, Isa::Vnni};
 constexpr std::initializer_list<Isa> kVectorPaths = {Isa::Scalar, Isa::Avx2, Isa::Avx512};
 
-// The fastest path of `ladder` this CPU runs.
+// The widest path "auto" may take: torch's ATEN_CPU_CAPABILITY caps its own kernels to
+// emulate a smaller CPU ("default", "avx2", "avx512"), and the ops' automatic choices are
+// capped alike (the dot products' by qinfer/kernels/cpu.py, which names their path), so that
+// an emulated AVX2 machine runs and rounds as a real one. Read once.
+inline Isa capability_cap() {
+  static const Isa cap = [] {
+    const char* env = std::getenv("ATEN_CPU_CAPABILITY");
+    const std::string name = env ? env : "";
+    if (name == "default") return Isa::Scalar;
+    if (name == "avx2") return Isa::Avx2;
+    return Isa::Vnni;
+  }();
+  return cap;
+}
+
+// The fastest path of `ladder` this CPU runs, within `capability_cap`.
 inline Isa best(std::initializer_list<Isa> ladder) {
   Isa found = Isa::Scalar;
   for (Isa isa : ladder)
-    if (supports(isa)) found = isa;
+    if (supports(isa) && static_cast<int>(isa) <= static_cast<int>(capability_cap())) found = isa;
   return found;
 }
 

@@ -18,19 +18,18 @@
 //   [max(key_start, p - window + 1), min(total, p + 1)), read from the table's blocks, in
 //   chunks of kChunk keys from the first (flash decoding: a long sequence's chunks are
 //   tasks of their own, on every thread);
-//   per chunk c: s_j = q' . k_j in 16 lanes (lane l sums elements l, l + 16, ... by fused
-//   multiply-adds) then a fixed tree; m_c = max s_j; e_j = exp(s_j - m_c) (`exp_minus`,
-//   within 2 ulp); l_c = e_0 + e_1 + ...; acc_c = sum_j e_j v_j by fused multiply-adds in
-//   key order, in fp32;
+//   per chunk c: s_j = q' . k_j in 16 lanes (lane l sums elements l, l + 16, ...) then a
+//   fixed tree; m_c = max s_j; e_j = exp(s_j - m_c) (`exp_minus`, within 2 ulp);
+//   l_c = e_0 + e_1 + ...; acc_c = sum_j e_j v_j, in fp32;
 //   then in chunk order: M = max m_c, f_c = exp(m_c - M), out = (sum_c f_c acc_c) *
 //   (1 / sum_c f_c l_c), rounded once to q's dtype (one chunk: f = 1, out = acc * (1 / l)).
 // A query's output depends only on its own q, its history and D: never on which sequences
 // share the call, on their histories, on which query heads share a task or on the thread
 // count (qinfer's batch invariance): the chunks are cut by the sequence's own keys alone,
 // and the tasks (some query heads of one KV head over one chunk) are split between threads
-// whole. Every sum is written as lanes of scalar fp32 operations, fused multiply-adds where
-// written and no contraction elsewhere (-ffp-contract=off), so the loops compiled for AVX-512
-// and AVX2 (`QINFER_DECODE_LOOPS`) round exactly as the scalar ones.
+// whole. Every sum is written as lanes of scalar fp32 operations (no contraction:
+// -ffp-contract=off), so the loops compiled for AVX-512 and AVX2 (`QINFER_DECODE_LOOPS`)
+// round exactly as the scalar ones.
 //
 // Why: torch runs this as ~20 ops a layer (the KV copy and its conversion, the keys'
 // gather, the scaled bmm, the mask, the softmax, the values' embedding_bag), each a dispatch
@@ -49,11 +48,13 @@
 
 #include "common.h"
 #include "isa.h"
-#include "lanes.h"
 #include "ops.h"
 
 namespace qinfer_kernels {
 namespace {
+
+
+constexpr int64_t kLanes = 16;
 
 QINFER_INLINE float widen(float x) { return x; }
 
@@ -62,10 +63,19 @@ QINFER_INLINE float widen(uint16_t b) { return widen_bf16(b); }
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
 
-// A bf16 pool's 16 elements widened (lanes.h's F16), beside lanes.h's fp32 load
-using qinfer_kernels::load16;
+// 16 fp32 lanes as GCC's vector extension: each operation is the scalar one lane by lane,
+// whatever registers a path keeps them in (one AVX-512, two AVX2, four SSE)
+typedef float F16 __attribute__((vector_size(64)));
 typedef uint32_t U16 __attribute__((vector_size(64)));
 typedef uint16_t B16 __attribute__((vector_size(32)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+
+QINFER_INLINE F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 QINFER_INLINE F16 load16(const uint16_t* p) {
   B16 b;
@@ -101,9 +111,9 @@ QINFER_INLINE void prefetch(const P* p, int64_t bytes) {
 constexpr int kMaxHeads = 4;
 
 // scores[r][j0 + j] = q[r] . keys[j] for the n consecutive key rows of one block and R
-// queries: lane l sums q[i] * k[i] for i = l mod 16 by fused multiply-adds (the D % 16 tail
-// into lanes 0.. in order), then `tree`; each query's sums alone, as if it were the only one.
-template <typename Fma, int R, typename K>
+// queries: lane l sums q[i] * k[i] for i = l mod 16 (the D % 16 tail into lanes 0.. in
+// order), then `tree`; each query's sums alone, as if it were the only one.
+template <int R, typename K>
 QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n, int64_t D,
                                 float* const* scores, int64_t j0, const K* next_keys,
                                 const K* next_values) {
@@ -117,19 +127,19 @@ QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n,
     F16 lanes[R] = {};
     for (int64_t i = 0; i < body; i += kLanes) {
       const F16 kv = load16(k + i);
-      for (int r = 0; r < R; ++r) lanes[r] = Fma::fma(load16(q[r] + i), kv, lanes[r]);
+      for (int r = 0; r < R; ++r) lanes[r] += load16(q[r] + i) * kv;
     }
     for (int64_t i = body; i < D; ++i) {
       const float kw = widen(k[i]);
-      for (int r = 0; r < R; ++r) lanes[r][i - body] = std::fma(q[r][i], kw, lanes[r][i - body]);
+      for (int r = 0; r < R; ++r) lanes[r][i - body] += q[r][i] * kw;
     }
     for (int r = 0; r < R; ++r) scores[r][j0 + j] = tree(lanes[r]);
   }
 }
 
 // acc[r][i + e] += w[r][j0 + j] * values[j][i + e] for the U * 16 elements e from i, j in
-// order (fused multiply-adds), the sums held in registers over the block's rows.
-template <typename Fma, int R, int U, typename K>
+// order, the sums held in registers over the block's rows.
+template <int R, int U, typename K>
 QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values, int64_t n,
                               int64_t D, float* const* acc, int64_t i) {
   F16 a[R][U];
@@ -138,7 +148,7 @@ QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values
   for (int64_t j = 0; j < n; ++j) {
     for (int u = 0; u < U; ++u) {
       const F16 vv = load16(values + j * D + i + u * kLanes);
-      for (int r = 0; r < R; ++r) a[r][u] = Fma::fma(Fma::splat(w[r][j0 + j]), vv, a[r][u]);
+      for (int r = 0; r < R; ++r) a[r][u] += w[r][j0 + j] * vv;
     }
   }
   for (int r = 0; r < R; ++r)
@@ -147,7 +157,7 @@ QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values
 
 // acc[r][i] += w[r][j0 + j] * values[j][i] for the n consecutive value rows of one block, j
 // in order (16 * U elements of each acc at a time, held in registers over the block's rows)
-template <typename Fma, int R, typename K>
+template <int R, typename K>
 QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values, int64_t n,
                              int64_t D, float* const* acc) {
   const int64_t body = D - D % kLanes;
@@ -157,13 +167,12 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
   // chunk). Each element is still summed alone in key order: the same bits for any U.
   constexpr int U = (4 + R - 1) / R;
   int64_t i = 0;
-  for (; i + U * kLanes <= body; i += U * kLanes)
-    sum_chunks<Fma, R, U>(w, j0, values, n, D, acc, i);
-  for (; i < body; i += kLanes) sum_chunks<Fma, R, 1>(w, j0, values, n, D, acc, i);
+  for (; i + U * kLanes <= body; i += U * kLanes) sum_chunks<R, U>(w, j0, values, n, D, acc, i);
+  for (; i < body; i += kLanes) sum_chunks<R, 1>(w, j0, values, n, D, acc, i);
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t i = body; i < D; ++i) {
       const float vw = widen(values[j * D + i]);
-      for (int r = 0; r < R; ++r) acc[r][i] = std::fma(w[r][j0 + j], vw, acc[r][i]);
+      for (int r = 0; r < R; ++r) acc[r][i] += w[r][j0 + j] * vw;
     }
   }
 }
@@ -176,51 +185,48 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
 
 // The scores and the weighted sum of one block's keys for 1 to kMaxHeads query heads, K the
 // pool's element (fp32 or bf16).
-template <typename Fma, typename K>
+template <typename K>
 QINFER_INLINE void scores_for_heads(int heads, const float* const* q, const K* k, int64_t n,
                                     int64_t D, float* const* s, int64_t j0, const K* nk,
                                     const K* nv) {
   switch (heads) {
-    case 4: block_scores<Fma, 4>(q, k, n, D, s, j0, nk, nv); break;
-    case 3: block_scores<Fma, 3>(q, k, n, D, s, j0, nk, nv); break;
-    case 2: block_scores<Fma, 2>(q, k, n, D, s, j0, nk, nv); break;
-    default: block_scores<Fma, 1>(q, k, n, D, s, j0, nk, nv); break;
+    case 4: block_scores<4>(q, k, n, D, s, j0, nk, nv); break;
+    case 3: block_scores<3>(q, k, n, D, s, j0, nk, nv); break;
+    case 2: block_scores<2>(q, k, n, D, s, j0, nk, nv); break;
+    default: block_scores<1>(q, k, n, D, s, j0, nk, nv); break;
   }
 }
-template <typename Fma, typename K>
+template <typename K>
 QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, const K* v,
                                  int64_t n, int64_t D, float* const* acc) {
   switch (heads) {
-    case 4: block_sum<Fma, 4>(w, j0, v, n, D, acc); break;
-    case 3: block_sum<Fma, 3>(w, j0, v, n, D, acc); break;
-    case 2: block_sum<Fma, 2>(w, j0, v, n, D, acc); break;
-    default: block_sum<Fma, 1>(w, j0, v, n, D, acc); break;
+    case 4: block_sum<4>(w, j0, v, n, D, acc); break;
+    case 3: block_sum<3>(w, j0, v, n, D, acc); break;
+    case 2: block_sum<2>(w, j0, v, n, D, acc); break;
+    default: block_sum<1>(w, j0, v, n, D, acc); break;
   }
 }
 // The inner loops, compiled once for each path of isa.h's vector ladder (scalar, AVX2,
-// AVX-512) from the one source above with the path's fused multiply-add (lanes.h; flatten:
-// inlined into the loops): every ISA computes the same bits. `attend` takes one, picked once
-// per call.
-#define QINFER_DECODE_LOOPS(NAME, TARGET, FMA)                                           \
-  struct NAME {                                                                          \
-    template <typename K>                                                                \
-    TARGET __attribute__((flatten)) static void scores(int heads, const float* const* q, \
-                                                       const K* k, int64_t n, int64_t D, \
-                                                       float* const* s, int64_t j0,      \
-                                                       const K* nk, const K* nv) {       \
-      scores_for_heads<FMA>(heads, q, k, n, D, s, j0, nk, nv);                           \
-    }                                                                                    \
-    template <typename K>                                                                \
-    TARGET __attribute__((flatten)) static void sum(int heads, const float* const* w,    \
-                                                    int64_t j0, const K* v, int64_t n,   \
-                                                    int64_t D, float* const* acc) {      \
-      sum_for_heads<FMA>(heads, w, j0, v, n, D, acc);                                    \
-    }                                                                                    \
-    TARGET static void exp(float* s, int64_t n, float m) { exp_minus(s, n, m); }          \
+// AVX-512) from the one source above: every ISA computes the same bits (lanes of scalar fp32
+// operations, no contraction). `attend` takes one, picked once per call.
+#define QINFER_DECODE_LOOPS(NAME, TARGET)                                               \
+  struct NAME {                                                                         \
+    template <typename K>                                                               \
+    TARGET static void scores(int heads, const float* const* q, const K* k, int64_t n, \
+                              int64_t D, float* const* s, int64_t j0, const K* nk,      \
+                              const K* nv) {                                            \
+      scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);                               \
+    }                                                                                   \
+    template <typename K>                                                               \
+    TARGET static void sum(int heads, const float* const* w, int64_t j0, const K* v,    \
+                           int64_t n, int64_t D, float* const* acc) {                   \
+      sum_for_heads(heads, w, j0, v, n, D, acc);                                        \
+    }                                                                                   \
+    TARGET static void exp(float* s, int64_t n, float m) { exp_minus(s, n, m); }         \
   };
-QINFER_DECODE_LOOPS(LoopsScalar, , FmaScalar)
-QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2, FmaAvx2)
-QINFER_DECODE_LOOPS(LoopsAvx512, QINFER_AVX512, FmaAvx512)
+QINFER_DECODE_LOOPS(LoopsScalar, )
+QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2)
+QINFER_DECODE_LOOPS(LoopsAvx512, QINFER_AVX512)
 
 // The raw elements of an fp32 or bf16 tensor.
 template <typename T>

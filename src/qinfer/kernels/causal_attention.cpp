@@ -41,25 +41,16 @@
 
 #include "common.h"
 #include "isa.h"
+#include "lanes.h"
 #include "ops.h"
 
 namespace qinfer_kernels {
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 2 * kLanes;  // keys a block: two vectors of scores a row
 constexpr int64_t kRows = 64;          // rows (query heads x queries) a task, at most
 constexpr float kNoScore = -std::numeric_limits<float>::infinity();
 
-typedef float F16 __attribute__((vector_size(64)));
-typedef float F8 __attribute__((vector_size(32)));
-
-QINFER_INLINE F16 load16(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-QINFER_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Each path's broadcast, and its a * b + c lane by lane, rounded once: the same bits on both
 // paths. (GCC lowers a vector built from a scalar in code of no target lane by lane.) Two

@@ -48,13 +48,12 @@
 
 #include "common.h"
 #include "isa.h"
+#include "lanes.h"
 #include "ops.h"
 
 namespace qinfer_kernels {
 namespace {
 
-
-constexpr int64_t kLanes = 16;
 
 QINFER_INLINE float widen(float x) { return x; }
 
@@ -63,19 +62,10 @@ QINFER_INLINE float widen(uint16_t b) { return widen_bf16(b); }
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
 
-// 16 fp32 lanes as GCC's vector extension: each operation is the scalar one lane by lane,
-// whatever registers a path keeps them in (one AVX-512, two AVX2, four SSE)
-typedef float F16 __attribute__((vector_size(64)));
+// A bf16 pool's 16 elements widened into lanes.h's F16, beside its fp32 load16
+using qinfer_kernels::load16;
 typedef uint32_t U16 __attribute__((vector_size(64)));
 typedef uint16_t B16 __attribute__((vector_size(32)));
-typedef float F8 __attribute__((vector_size(32)));
-typedef float F4 __attribute__((vector_size(16)));
-
-QINFER_INLINE F16 load16(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 QINFER_INLINE F16 load16(const uint16_t* p) {
   B16 b;

@@ -21,10 +21,11 @@
 // fused multiply-adds where written, no contraction elsewhere): a prompt gets the same bits
 // whole, in chunks of any length, and after a prefix hit.
 //
-// Why: torch's bmm over blocks of queries (`causal_blocks`) ran a 512-token prompt's attention
-// at ~75 GFLOP/s on 2 threads, a fifth of a prefill; here the keys' block is transposed once
-// per task and each of its 32 scores a row is two 16-lane fused multiply-add chains, 8 rows
-// sharing each load, the values' block summed into 2 rows at a time.
+// Why: torch's bmm over blocks of queries (`causal_blocks`) used a fraction of the machine's
+// fused multiply-adds on a prompt's small matrices (docs/BENCHMARKS.md); here each (sequence,
+// KV head)'s keys are transposed once for all its tasks, each row's 32 scores a block are two
+// 16-lane fused multiply-add chains with 8 rows sharing each load, and the values' block is
+// summed into 2 rows at a time.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -50,7 +51,6 @@ namespace {
 constexpr int64_t kKeys = 2 * kLanes;  // keys a block: two vectors of scores a row
 constexpr int64_t kRows = 64;          // rows (query heads x queries) a task, at most
 constexpr float kNoScore = -std::numeric_limits<float>::infinity();
-
 
 // Each path's broadcast, and its a * b + c lane by lane, rounded once: the same bits on both
 // paths. (GCC lowers a vector built from a scalar in code of no target lane by lane.) Two

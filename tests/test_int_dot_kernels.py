@@ -9,6 +9,10 @@ loader's reason where it cannot (no compiler, not x86-64, the build failed).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,6 +225,31 @@ def test_paths_give_the_same_bits(built, dtype) -> None:
         for name, other in zip(kernels.paths()[1:], results[1:], strict=True):
             assert torch.equal(other, results[0]), (op.__name__, name)
         assert torch.equal(op(x, packed), results[-1])  # auto: the last path
+
+
+def test_the_avx2_path_gives_its_bits_with_and_without_avx_vnni(built, tmp_path) -> None:
+    """int4_mm's "avx2" path takes AVX-VNNI's vpdpbusd where the CPU has it, and vpmaddubsw
+    where not (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2 emulating one): the same bits.
+    Run capped in a fresh process (the cap is read once), against this process's."""
+    if "avx2" not in kernels.paths():
+        pytest.skip(f"this CPU has no avx2 path (it has {', '.join(kernels.paths())})")
+    packed = kernels.pack_int4(weight(77, 1536))
+    x = activations(9, 1536, torch.float32)
+    torch.save((x, packed.qs, packed.d, packed.m, packed.n), tmp_path / "in.pt")
+    script = (
+        "import sys, torch; from qinfer import kernels; "
+        "x, qs, d, m, n = torch.load(sys.argv[1]); "
+        "packed = kernels.PackedInt4(qs, d, m, n); "
+        "torch.save(kernels.int4_mm(x, packed, 'avx2'), sys.argv[2])"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+    )
+    capped = torch.load(tmp_path / "out.pt")
+    assert torch.equal(capped, kernels.int4_mm(x, packed, "avx2"))
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@
 //         acc = fma(m[n, b], s[r, b], acc)                  (m = 0 - 8 d where not held)
 //     out = acc
 // A lane of a tile is a column, so each output is its lane's own chain of fused multiply-adds:
-// the VNNI tile (16 columns, dpbusd), the AVX2 tile (8 columns, maddubs then madd) and the
-// scalar path give the same bits, at any row count, thread count and split of the columns.
+// the VNNI tile (16 columns, dpbusd), the AVX2 tile (8 columns, maddubs then madd; AVX-VNNI's
+// 256-bit dpbusd where the CPU has it) and the scalar path give the same bits, at any row count, thread count and split of the columns.
 // That is the batch invariance qinfer requires (a row's result must not change with the batch
 // it is in), and a model's text is the same on every CPU the kernels run on.
 
@@ -93,6 +93,7 @@ struct Int4Q8 : OnInt4Tiles<S> {
   template <int R>
   QINFER_AVX2 static void tile_avx2(const Int4Tiles<S>& w, int64_t g, int64_t h, const Act& a,
                                     int64_t r0, float* out) {
+    if (avx_vnni_usable()) return tile_avx_vnni<R>(w, g, h, a, r0, out);
     const int64_t nb = w.nb;
     const __m256i ones = _mm256_set1_epi16(1);
     const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
@@ -117,6 +118,44 @@ struct Int4Q8 : OnInt4Tiles<S> {
         const __m256i dot = _mm256_madd_epi16(pairs, ones);
         const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx8_pos(b)]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
+        acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(s[i][b]), acc[i]);
+      }
+    }
+    const int64_t lanes = std::min<int64_t>(8, w.lanes(g) - 8 * h);
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+      store_lanes(out + (r0 + i) * w.N + g * kTileCols + 8 * h, lanes, acc[i]);
+  }
+
+  // `tile_avx2` on a CPU with AVX-VNNI: per dword k, one vpdpbusd of the u8 nibbles and the
+  // row's broadcast int8 into the block's exact int32 dot per lane (two chains of 4, added:
+  // exact), then the same scaling, so the same bits.
+  template <int R>
+  QINFER_AVXVNNI static void tile_avx_vnni(const Int4Tiles<S>& w, int64_t g, int64_t h,
+                                           const Act& a, int64_t r0, float* out) {
+    const int64_t nb = w.nb;
+    const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
+    __m256 acc[R];
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = w.block(g, b);
+      prefetch_block(src);
+      __m256i wk[8];
+      unpack_block_avx2(src, h, wk);
+      const __m256 d8 = scales8(w.d_of(g, b) + 8 * h, 8);
+      const __m256 m8 = offsets8(w.m_of(g, b, 8 * h), w.d_of(g, b) + 8 * h, 0, 8);
+      #pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m256i xk = _mm256_set1_epi32(dword(qx[i], b, k));
+          dot[k & 1] = _mm256_dpbusd_avx_epi32(dot[k & 1], wk[k], xk);
+        }
+        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx8_pos(b)]));
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1]));
+        acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
         acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(s[i][b]), acc[i]);
       }
     }

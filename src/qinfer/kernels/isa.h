@@ -20,6 +20,9 @@ namespace qinfer_kernels {
 enum class Isa { Scalar, Avx2, Avx512, Vnni };
 
 #define QINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX2 with AVX-VNNI's 256-bit vpdpbusd (CPUs with AVX2 and no AVX-512: Intel's client cores
+// since Alder Lake; AMD's Zen 5): a variant inside a dot product's "avx2" path, the same bits.
+#define QINFER_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QINFER_AVX512 __attribute__((target("avx512f,fma")))
 #define QINFER_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
@@ -75,6 +78,15 @@ inline Isa capability_cap() {
     return Isa::Vnni;
   }();
   return cap;
+}
+
+// Whether an "avx2" dot product may use AVX-VNNI: the CPU has it, and no ATEN_CPU_CAPABILITY
+// of "avx2" emulates a CPU without it.
+inline bool avx_vnni_usable() {
+  static const bool usable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c") &&
+                             __builtin_cpu_supports("avxvnni") && capability_cap() != Isa::Avx2;
+  return usable;
 }
 
 // The fastest path of `ladder` this CPU runs, within `capability_cap`.

@@ -4,12 +4,9 @@ and the one-line refusals; and torch_sdpa_grouped's rule for taking it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from capped import in_capped_process
 
 from qinfer import kernels
 from qinfer.attention import sdpa
@@ -118,16 +115,7 @@ def test_the_scalar_path_gives_the_avx512_bits(tmp_path):
     if kernels.norm_auto_path() != "avx512":
         pytest.skip("this CPU runs no AVX-512 path to compare with")
     q, k, v = qkv(2, 9, 3, 40, 70, 64, torch.bfloat16)
-    torch.save((q, k, v), tmp_path / "in.pt")
-    script = (
-        "import sys, torch; from qinfer import kernels; "
-        "q, k, v = torch.load(sys.argv[1]); "
-        "torch.save(kernels.causal_attention(q, k, v, 0.125), sys.argv[2])"
+    capped = in_capped_process(
+        "default", tmp_path, "kernels.causal_attention(*inputs, 0.125)", q, k, v
     )
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
-    subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env=env,
-        check=True,
-    )
-    assert torch.equal(torch.load(tmp_path / "out.pt"), kernels.causal_attention(q, k, v, 0.125))
+    assert torch.equal(capped, kernels.causal_attention(q, k, v, 0.125))

@@ -9,13 +9,10 @@ loader's reason where it cannot (no compiler, not x86-64, the build failed).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from capped import in_capped_process
 from threads import torch_threads
 
 from qinfer import kernels
@@ -235,20 +232,8 @@ def test_the_avx2_path_gives_its_bits_with_and_without_avx_vnni(built, tmp_path)
         pytest.skip(f"this CPU has no avx2 path (it has {', '.join(kernels.paths())})")
     packed = kernels.pack_int4(weight(77, 1536))
     x = activations(9, 1536, torch.float32)
-    torch.save((x, packed.qs, packed.d, packed.m, packed.n), tmp_path / "in.pt")
-    script = (
-        "import sys, torch; from qinfer import kernels; "
-        "x, qs, d, m, n = torch.load(sys.argv[1]); "
-        "packed = kernels.PackedInt4(qs, d, m, n); "
-        "torch.save(kernels.int4_mm(x, packed, 'avx2'), sys.argv[2])"
-    )
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env=env,
-        check=True,
-    )
-    capped = torch.load(tmp_path / "out.pt")
+    call = "kernels.int4_mm(inputs[0], kernels.PackedInt4(*inputs[1:]), 'avx2')"
+    capped = in_capped_process("avx2", tmp_path, call, x, packed.qs, packed.d, packed.m, packed.n)
     assert torch.equal(capped, kernels.int4_mm(x, packed, "avx2"))
 
 

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -304,8 +305,9 @@ void attend(const Problem<T>& pr, int64_t B) {
   // ...: a causal prompt's later blocks see more keys, and threads take runs of tasks, which
   // this order evens out.
   const int64_t heads = B * pr.Hkv, key_blocks = (pr.S + kKeys - 1) / kKeys;
-  std::vector<float> storage(heads * key_blocks * kKeys * (pr.D + pr.Dp));
-  const Packed packed{storage.data(), storage.data() + heads * key_blocks * kKeys * pr.D,
+  // uninitialised: `pack_block` writes every element of every block, its padding included
+  const std::unique_ptr<float[]> storage(new float[heads * key_blocks * kKeys * (pr.D + pr.Dp)]);
+  const Packed packed{storage.get(), storage.get() + heads * key_blocks * kKeys * pr.D,
                       key_blocks, pr.D, pr.Dp};
   at::parallel_for(0, heads * key_blocks, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) Loops::pack(pr, packed, i / key_blocks, i % key_blocks);

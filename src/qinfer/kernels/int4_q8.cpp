@@ -87,15 +87,38 @@ struct Int4Q8 : OnInt4Tiles<S> {
       store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), acc[i]);
   }
 
-  // R rows by half h of tile g (8 columns): per dword k, maddubs of the u8 nibbles and the
-  // row's broadcast int8 into int16 pairs; the 8 are summed in int16 (each at most 2 * 15 *
-  // 128, all 8 under 2^15: exact) and madd'ed into the block's exact int32 dot per lane.
-  template <int R>
-  QINFER_AVX2 static void tile_avx2(const Int4Tiles<S>& w, int64_t g, int64_t h, const Act& a,
-                                    int64_t r0, float* out) {
-    if (avx_vnni_usable()) return tile_avx_vnni<R>(w, g, h, a, r0, out);
+  // A block's exact int32 dot per lane for half a tile (8 columns): the unpacked nibbles wk
+  // (u8) by the row's 8 activation dwords, broadcast. vpmaddubsw into int16 pairs, the 8
+  // summed in int16 (each at most 2 * 15 * 128, all 8 under 2^15: exact), then vpmaddwd;
+  struct DotMaddubs {
+    QINFER_AVX2 static QINFER_INLINE __m256i dot(const __m256i (&wk)[8], const int8_t* qx,
+                                                 int64_t b) {
+      __m256i pairs = _mm256_maddubs_epi16(wk[0], _mm256_set1_epi32(dword(qx, b, 0)));
+      #pragma GCC unroll 8
+      for (int k = 1; k < 8; ++k)
+        pairs = _mm256_add_epi16(pairs,
+                                 _mm256_maddubs_epi16(wk[k], _mm256_set1_epi32(dword(qx, b, k))));
+      return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    }
+  };
+  // or, on a CPU with AVX-VNNI, vpdpbusd in two chains of 4, added: the same exact dot.
+  struct DotVnni256 {
+    QINFER_AVXVNNI static inline __m256i dot(const __m256i (&wk)[8], const int8_t* qx,
+                                             int64_t b) {
+      __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k)
+        dot[k & 1] = _mm256_dpbusd_avx_epi32(dot[k & 1], wk[k], _mm256_set1_epi32(dword(qx, b, k)));
+      return _mm256_add_epi32(dot[0], dot[1]);
+    }
+  };
+
+  // R rows by half h of tile g (8 columns): per block, its 4 registers unpacked once for the
+  // R rows, each row's exact dot per lane (Dot), scaled into the row's accumulator.
+  template <int R, typename Dot>
+  QINFER_AVX2 QINFER_INLINE static void tile_half(const Int4Tiles<S>& w, int64_t g, int64_t h,
+                                                  const Act& a, int64_t r0, float* out) {
     const int64_t nb = w.nb;
-    const __m256i ones = _mm256_set1_epi16(1);
     const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
     __m256 acc[R];
     #pragma GCC unroll 8
@@ -109,13 +132,7 @@ struct Int4Q8 : OnInt4Tiles<S> {
       const __m256 m8 = offsets8(w.m_of(g, b, 8 * h), w.d_of(g, b) + 8 * h, 0, 8);
       #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
-        __m256i pairs = _mm256_maddubs_epi16(wk[0], _mm256_set1_epi32(dword(qx[i], b, 0)));
-        #pragma GCC unroll 8
-        for (int k = 1; k < 8; ++k) {
-          const __m256i xk = _mm256_set1_epi32(dword(qx[i], b, k));
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wk[k], xk));
-        }
-        const __m256i dot = _mm256_madd_epi16(pairs, ones);
+        const __m256i dot = Dot::dot(wk, qx[i], b);
         const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx8_pos(b)]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
         acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(s[i][b]), acc[i]);
@@ -127,42 +144,19 @@ struct Int4Q8 : OnInt4Tiles<S> {
       store_lanes(out + (r0 + i) * w.N + g * kTileCols + 8 * h, lanes, acc[i]);
   }
 
-  // `tile_avx2` on a CPU with AVX-VNNI: per dword k, one vpdpbusd of the u8 nibbles and the
-  // row's broadcast int8 into the block's exact int32 dot per lane (two chains of 4, added:
-  // exact), then the same scaling, so the same bits.
+  // The AVX2 tile: vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd where the CPU has it (the same
+  // bits; `avx_vnni_usable`).
   template <int R>
-  QINFER_AVXVNNI static void tile_avx_vnni(const Int4Tiles<S>& w, int64_t g, int64_t h,
-                                           const Act& a, int64_t r0, float* out) {
-    const int64_t nb = w.nb;
-    const auto [qx, dx8, s] = Q8Rows<R>(a, r0);
-    __m256 acc[R];
-    #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* src = w.block(g, b);
-      prefetch_block(src);
-      __m256i wk[8];
-      unpack_block_avx2(src, h, wk);
-      const __m256 d8 = scales8(w.d_of(g, b) + 8 * h, 8);
-      const __m256 m8 = offsets8(w.m_of(g, b, 8 * h), w.d_of(g, b) + 8 * h, 0, 8);
-      #pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-          const __m256i xk = _mm256_set1_epi32(dword(qx[i], b, k));
-          dot[k & 1] = _mm256_dpbusd_avx_epi32(dot[k & 1], wk[k], xk);
-        }
-        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(dx8[i][dx8_pos(b)]));
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[0], dot[1]));
-        acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
-        acc[i] = _mm256_fmadd_ps(m8, _mm256_set1_ps(s[i][b]), acc[i]);
-      }
-    }
-    const int64_t lanes = std::min<int64_t>(8, w.lanes(g) - 8 * h);
-    #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i)
-      store_lanes(out + (r0 + i) * w.N + g * kTileCols + 8 * h, lanes, acc[i]);
+  QINFER_AVX2 static void tile_avx2(const Int4Tiles<S>& w, int64_t g, int64_t h, const Act& a,
+                                    int64_t r0, float* out) {
+    if (avx_vnni_usable()) return tile_avx_vnni<R>(w, g, h, a, r0, out);
+    tile_half<R, DotMaddubs>(w, g, h, a, r0, out);
+  }
+  // (flatten: DotVnni256's dot inlined into the tile, which takes its target)
+  template <int R>
+  QINFER_AVXVNNI __attribute__((flatten)) static void tile_avx_vnni(
+      const Int4Tiles<S>& w, int64_t g, int64_t h, const Act& a, int64_t r0, float* out) {
+    tile_half<R, DotVnni256>(w, g, h, a, r0, out);
   }
 
   // The reference path: one output at a time, block by block.

@@ -83,9 +83,8 @@ inline Isa capability_cap() {
 // Whether an "avx2" dot product may use AVX-VNNI: the CPU has it, and no ATEN_CPU_CAPABILITY
 // of "avx2" emulates a CPU without it.
 inline bool avx_vnni_usable() {
-  static const bool usable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                             __builtin_cpu_supports("f16c") &&
-                             __builtin_cpu_supports("avxvnni") && capability_cap() != Isa::Avx2;
+  static const bool usable = supports(Isa::Avx2) && __builtin_cpu_supports("avxvnni") &&
+                             capability_cap() != Isa::Avx2;
   return usable;
 }
 

@@ -190,15 +190,19 @@ QINFER_AVX2 QINFER_INLINE void column_pair_avx2(const Int8Weight<B, S>& w, int64
 // Fetches the next column tile's share of pair p: a tile's columns are one contiguous run of
 // rows, 16 pairs of bytes a pair of blocks, so while tile g's pairs are staged the next
 // tile's arrive line by line (short rows left the first pairs of every column cold where
-// each column fetched only its own bytes ahead). Addresses as integers: past the last tile
-// they lie outside the weight, where a prefetch never faults.
+// each column fetched only its own bytes ahead). Into L2, not L1: a tile of 16 rows of K
+// bytes (16 KB at K = 1,024) fetched into L1 beside the tile being read evicts the lines
+// it has still to read (docs/BENCHMARKS.md: the one-row Q8_0 head ran ~1.4x faster from
+// memory). Addresses as integers: past the last tile they lie outside the weight, where a
+// prefetch never faults.
 template <int B, typename S>
 QINFER_INLINE void prefetch_next_tile(const Int8Weight<B, S>& w, int64_t g, int64_t p) {
   const int64_t pair = kSub<S> ? kQ6Bytes : 64;
   const int64_t row = kSub<S> ? q6_row_bytes(w.nb * kBlock) : w.nb * kBlock;
-  prefetch_span(reinterpret_cast<uintptr_t>(w.q) +
-                    static_cast<uintptr_t>((g + 1) * kTileCols * row + p * kTileCols * pair),
-                kTileCols * pair);
+  prefetch_span<_MM_HINT_T1>(
+      reinterpret_cast<uintptr_t>(w.q) +
+          static_cast<uintptr_t>((g + 1) * kTileCols * row + p * kTileCols * pair),
+      kTileCols * pair);
 }
 
 // Pair p of column tile g as the VNNI tile reads it: rows[k] for k < 8 register k of block 2p

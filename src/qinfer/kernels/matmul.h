@@ -152,10 +152,11 @@ constexpr int64_t kPrefetchFor = R == 1 ? 2048 : kPrefetch;
 
 // Fetches the lines of the `bytes` bytes from the address `at`, an integer: the span may lie
 // past a weight's end (a prefetch of it never faults, but a pointer there would be undefined).
+template <_mm_hint Hint = _MM_HINT_T0>
 inline void prefetch_span(uintptr_t at, int64_t bytes) {
   const uintptr_t end = at + static_cast<uintptr_t>(bytes);
   for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(line), Hint);
 }
 
 // A column's scales (d, and the int4 groups' m) are a short row of their own, read at the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capped import in_capped_process
 
 from qinfer import kernels
 from qinfer.layers.rope import RoPE
@@ -226,3 +227,28 @@ def test_k_v_stored_already_give_the_same_output():
     assert torch.equal(again, stored)
     with pytest.raises(RuntimeError, match="k, v and slots are given together"):
         run({**c, "k": None}, 20)
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_dtype):
+    """The op's loops, compiled for each path (each with its own widening of a bf16 pool),
+    round alike: capped at AVX2 and at the scalar path (ATEN_CPU_CAPABILITY caps the ops'
+    automatic paths) in fresh processes, the outputs and the stored pools are this
+    process's bit for bit, over several chunks of keys and 3 query heads a KV head."""
+    if kernels.norm_auto_path() == "scalar":
+        pytest.skip("this CPU runs no vector path to compare with")
+    c = case(torch.float32, pool_dtype, sliding=False, D=72, heads=(6, 2), totals=LONG)
+    names = list(c)
+    call = (
+        "(lambda c: (kernels.paged_decode_attention(**c, block_size=16, window=None, "
+        "scale=0.125), c['keys'], c['values']))(dict(zip(inputs[0], inputs[1:])))"
+    )
+    here = run(c, None)
+    for capability in ("avx2", "default"):
+        # the pools as they were before this process's call stored the step's k and v
+        fresh = case(torch.float32, pool_dtype, sliding=False, D=72, heads=(6, 2), totals=LONG)
+        out, keys, values = in_capped_process(
+            capability, tmp_path, call, names, *(fresh[n] for n in names)
+        )
+        assert torch.equal(out, here), capability
+        assert torch.equal(keys, c["keys"]) and torch.equal(values, c["values"]), capability

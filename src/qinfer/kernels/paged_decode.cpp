@@ -46,6 +46,8 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "common.h"
 #include "isa.h"
 #include "lanes.h"
@@ -62,19 +64,47 @@ QINFER_INLINE float widen(uint16_t b) { return widen_bf16(b); }
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
 
-// A bf16 pool's 16 elements widened into lanes.h's F16, beside its fp32 load16
-using qinfer_kernels::load16;
+// A pool's 16 elements as lanes.h's F16 (`Widen::load`): fp32 as they are, bf16 shifted into
+// the top half of each lane, exact. GCC's generic conversion of 16 x u16 to u32 cuts the
+// vector in halves (5 instructions where AVX-512 needs 2), so the AVX-512 and AVX2 loops
+// take intrinsics; the portable one serves the scalar loops. The same values on every path.
 typedef uint32_t U16 __attribute__((vector_size(64)));
 typedef uint16_t B16 __attribute__((vector_size(32)));
 
-QINFER_INLINE F16 load16(const uint16_t* p) {
-  B16 b;
-  std::memcpy(&b, p, sizeof b);
-  const U16 u = __builtin_convertvector(b, U16) << 16;
-  F16 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+struct WidenPortable {
+  static QINFER_INLINE F16 load(const float* p) { return load16(p); }
+  static QINFER_INLINE F16 load(const uint16_t* p) {
+    B16 b;
+    std::memcpy(&b, p, sizeof b);
+    const U16 u = __builtin_convertvector(b, U16) << 16;
+    F16 v;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+};
+struct WidenAvx2 : WidenPortable {
+  using WidenPortable::load;
+  QINFER_AVX2 static inline F16 load(const uint16_t* p) {
+    const __m256i lo = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+    const __m256i hi = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+    F16 v;
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+    return v;
+  }
+};
+struct WidenAvx512 : WidenPortable {
+  using WidenPortable::load;
+  QINFER_AVX512 static inline F16 load(const uint16_t* p) {
+    const __m512i u = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    F16 v;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+  }
+};
 
 // lanes 16 -> 8 -> 4 -> 2 -> 1, lane l plus lane l + width at each width
 QINFER_INLINE float tree(F16 v) {
@@ -103,7 +133,7 @@ constexpr int kMaxHeads = 4;
 // scores[r][j0 + j] = q[r] . keys[j] for the n consecutive key rows of one block and R
 // queries: lane l sums q[i] * k[i] for i = l mod 16 (the D % 16 tail into lanes 0.. in
 // order), then `tree`; each query's sums alone, as if it were the only one.
-template <int R, typename K>
+template <int R, typename W, typename K>
 QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n, int64_t D,
                                 float* const* scores, int64_t j0, const K* next_keys,
                                 const K* next_values) {
@@ -116,7 +146,7 @@ QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n,
     }
     F16 lanes[R] = {};
     for (int64_t i = 0; i < body; i += kLanes) {
-      const F16 kv = load16(k + i);
+      const F16 kv = W::load(k + i);
       for (int r = 0; r < R; ++r) lanes[r] += load16(q[r] + i) * kv;
     }
     for (int64_t i = body; i < D; ++i) {
@@ -129,7 +159,7 @@ QINFER_INLINE void block_scores(const float* const* q, const K* keys, int64_t n,
 
 // acc[r][i + e] += w[r][j0 + j] * values[j][i + e] for the U * 16 elements e from i, j in
 // order, the sums held in registers over the block's rows.
-template <int R, int U, typename K>
+template <int R, int U, typename W, typename K>
 QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values, int64_t n,
                               int64_t D, float* const* acc, int64_t i) {
   F16 a[R][U];
@@ -137,7 +167,7 @@ QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values
     for (int u = 0; u < U; ++u) a[r][u] = load16(acc[r] + i + u * kLanes);
   for (int64_t j = 0; j < n; ++j) {
     for (int u = 0; u < U; ++u) {
-      const F16 vv = load16(values + j * D + i + u * kLanes);
+      const F16 vv = W::load(values + j * D + i + u * kLanes);
       for (int r = 0; r < R; ++r) a[r][u] += w[r][j0 + j] * vv;
     }
   }
@@ -147,7 +177,7 @@ QINFER_INLINE void sum_chunks(const float* const* w, int64_t j0, const K* values
 
 // acc[r][i] += w[r][j0 + j] * values[j][i] for the n consecutive value rows of one block, j
 // in order (16 * U elements of each acc at a time, held in registers over the block's rows)
-template <int R, typename K>
+template <int R, typename W, typename K>
 QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values, int64_t n,
                              int64_t D, float* const* acc) {
   const int64_t body = D - D % kLanes;
@@ -157,8 +187,8 @@ QINFER_INLINE void block_sum(const float* const* w, int64_t j0, const K* values,
   // chunk). Each element is still summed alone in key order: the same bits for any U.
   constexpr int U = (4 + R - 1) / R;
   int64_t i = 0;
-  for (; i + U * kLanes <= body; i += U * kLanes) sum_chunks<R, U>(w, j0, values, n, D, acc, i);
-  for (; i < body; i += kLanes) sum_chunks<R, 1>(w, j0, values, n, D, acc, i);
+  for (; i + U * kLanes <= body; i += U * kLanes) sum_chunks<R, U, W>(w, j0, values, n, D, acc, i);
+  for (; i < body; i += kLanes) sum_chunks<R, 1, W>(w, j0, values, n, D, acc, i);
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t i = body; i < D; ++i) {
       const float vw = widen(values[j * D + i]);
@@ -175,48 +205,48 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
 
 // The scores and the weighted sum of one block's keys for 1 to kMaxHeads query heads, K the
 // pool's element (fp32 or bf16).
-template <typename K>
+template <typename W, typename K>
 QINFER_INLINE void scores_for_heads(int heads, const float* const* q, const K* k, int64_t n,
                                     int64_t D, float* const* s, int64_t j0, const K* nk,
                                     const K* nv) {
   switch (heads) {
-    case 4: block_scores<4>(q, k, n, D, s, j0, nk, nv); break;
-    case 3: block_scores<3>(q, k, n, D, s, j0, nk, nv); break;
-    case 2: block_scores<2>(q, k, n, D, s, j0, nk, nv); break;
-    default: block_scores<1>(q, k, n, D, s, j0, nk, nv); break;
+    case 4: block_scores<4, W>(q, k, n, D, s, j0, nk, nv); break;
+    case 3: block_scores<3, W>(q, k, n, D, s, j0, nk, nv); break;
+    case 2: block_scores<2, W>(q, k, n, D, s, j0, nk, nv); break;
+    default: block_scores<1, W>(q, k, n, D, s, j0, nk, nv); break;
   }
 }
-template <typename K>
+template <typename W, typename K>
 QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, const K* v,
                                  int64_t n, int64_t D, float* const* acc) {
   switch (heads) {
-    case 4: block_sum<4>(w, j0, v, n, D, acc); break;
-    case 3: block_sum<3>(w, j0, v, n, D, acc); break;
-    case 2: block_sum<2>(w, j0, v, n, D, acc); break;
-    default: block_sum<1>(w, j0, v, n, D, acc); break;
+    case 4: block_sum<4, W>(w, j0, v, n, D, acc); break;
+    case 3: block_sum<3, W>(w, j0, v, n, D, acc); break;
+    case 2: block_sum<2, W>(w, j0, v, n, D, acc); break;
+    default: block_sum<1, W>(w, j0, v, n, D, acc); break;
   }
 }
 // The inner loops, compiled once for each path of isa.h's vector ladder (scalar, AVX2,
 // AVX-512) from the one source above: every ISA computes the same bits (lanes of scalar fp32
 // operations, no contraction). `attend` takes one, picked once per call.
-#define QINFER_DECODE_LOOPS(NAME, TARGET)                                               \
+#define QINFER_DECODE_LOOPS(NAME, TARGET, WIDEN)                                         \
   struct NAME {                                                                         \
     template <typename K>                                                               \
     TARGET static void scores(int heads, const float* const* q, const K* k, int64_t n, \
                               int64_t D, float* const* s, int64_t j0, const K* nk,      \
                               const K* nv) {                                            \
-      scores_for_heads(heads, q, k, n, D, s, j0, nk, nv);                               \
+      scores_for_heads<WIDEN>(heads, q, k, n, D, s, j0, nk, nv);                        \
     }                                                                                   \
     template <typename K>                                                               \
     TARGET static void sum(int heads, const float* const* w, int64_t j0, const K* v,    \
                            int64_t n, int64_t D, float* const* acc) {                   \
-      sum_for_heads(heads, w, j0, v, n, D, acc);                                        \
+      sum_for_heads<WIDEN>(heads, w, j0, v, n, D, acc);                                 \
     }                                                                                   \
     TARGET static void exp(float* s, int64_t n, float m) { exp_minus(s, n, m); }         \
   };
-QINFER_DECODE_LOOPS(LoopsScalar, )
-QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2)
-QINFER_DECODE_LOOPS(LoopsAvx512, QINFER_AVX512)
+QINFER_DECODE_LOOPS(LoopsScalar, , WidenPortable)
+QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2, WidenAvx2)
+QINFER_DECODE_LOOPS(LoopsAvx512, QINFER_AVX512, WidenAvx512)
 
 // The raw elements of an fp32 or bf16 tensor.
 template <typename T>

@@ -39,14 +39,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#include <immintrin.h>
 
 #include "common.h"
 #include "isa.h"
@@ -64,10 +64,12 @@ QINFER_INLINE float widen(uint16_t b) { return widen_bf16(b); }
 inline void narrow(float x, float* out) { *out = x; }
 inline void narrow(float x, uint16_t* out) { *out = round_bf16(x); }
 
-// A pool's 16 elements as lanes.h's F16 (`Widen::load`): fp32 as they are, bf16 shifted into
-// the top half of each lane, exact. GCC's generic conversion of 16 x u16 to u32 cuts the
-// vector in halves (5 instructions where AVX-512 needs 2), so the AVX-512 and AVX2 loops
-// take intrinsics; the portable one serves the scalar loops. The same values on every path.
+// A pool's 16 elements as lanes.h's F16 (the loops' `W::load`): fp32 as they are, bf16
+// shifted into the top half of each lane, exact. GCC's generic conversion of 16 x u16 to u32
+// cuts the vector in halves (5 instructions where AVX-512 needs 2), so the AVX-512 and AVX2
+// loops take intrinsics; the portable one serves the scalar loops. The same values on every
+// path. (Plain `inline`: GCC inlines a function of one target into that target's loops once
+// the templates between are, where always_inline refuses at the target-neutral templates.)
 typedef uint32_t U16 __attribute__((vector_size(64)));
 typedef uint16_t B16 __attribute__((vector_size(32)));
 

@@ -42,6 +42,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -465,8 +466,14 @@ void attend(const Layer& L, const at::Tensor& q, const at::Tensor* k, const at::
     }
   }
   Partials partials(offsets, chunks, total, L.Hq, L.D);
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  // Each thread claims the next task as it finishes one: tasks differ in length (a
+  // sequence's last chunk is short), and a static split of a few of them (one sequence: a
+  // KV head's chunks) left one thread with most of the keys. Each task writes its own
+  // partials, so who runs it changes no bit.
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < count; t = next++) {
       const Task& task = tasks[t];
       attend_chunk<Q, P, Loops>(L, task.g, task.h0, task.heads, task.chunk, qp, q.stride(0),
                          q.stride(1), kp, vp, keys.stride(0), partials);

@@ -46,17 +46,30 @@ def serving(
         with _in_process(app) as url:
             yield Served(url)
         return
-    port = port or free_port()
-    command = [sys.executable, "-m", "qinfer.cli", "serve", *args, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_for_health(process, url, timeout)
-        yield Served(url, process)
-    finally:
-        if process.poll() is None:
-            process.terminate()
-        process.wait(timeout=30)
+    # a free port picked here can be taken (an outgoing connection's) before the server
+    # binds it: then the server exits saying so, and another port is tried
+    for attempt in range(3):
+        chosen = port or free_port()
+        command = [sys.executable, "-m", "qinfer.cli", "serve", *args, "--port", str(chosen)]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{chosen}"
+            try:
+                _wait_for_health(process, url, timeout)
+            except PortTaken:
+                if port is not None or attempt == 2:
+                    raise
+                continue
+            yield Served(url, process)
+            return
+        finally:
+            if process.poll() is None:
+                process.terminate()
+            process.wait(timeout=30)
+
+
+class PortTaken(AssertionError):
+    """The server exited because its port was in use."""
 
 
 def free_port() -> int:
@@ -69,7 +82,9 @@ def free_port() -> int:
 def _wait_for_health(process: subprocess.Popen, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        assert process.poll() is None, process.stderr.read().decode()
+        if process.poll() is not None:
+            printed = process.stderr.read().decode()
+            raise (PortTaken if "Address already in use" in printed else AssertionError)(printed)
         assert time.monotonic() < deadline, "qinfer serve did not start"
         try:
             if httpx.get(f"{url}/health").status_code == 200:

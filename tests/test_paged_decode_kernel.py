@@ -238,17 +238,14 @@ def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_
     if kernels.norm_auto_path() == "scalar":
         pytest.skip("this CPU runs no vector path to compare with")
     c = case(torch.float32, pool_dtype, sliding=False, D=72, heads=(6, 2), totals=LONG)
-    names = list(c)
     call = (
-        "(lambda c: (kernels.paged_decode_attention(**c, block_size=16, window=None, "
+        f"(lambda c: (kernels.paged_decode_attention(**c, block_size={BLOCK}, window=None, "
         "scale=0.125), c['keys'], c['values']))(dict(zip(inputs[0], inputs[1:])))"
     )
+    # the pools as they are before this process's call stores the step's k and v
+    inputs = [list(c), *(v.clone() if isinstance(v, torch.Tensor) else v for v in c.values())]
     here = run(c, None)
     for capability in ("avx2", "default"):
-        # the pools as they were before this process's call stored the step's k and v
-        fresh = case(torch.float32, pool_dtype, sliding=False, D=72, heads=(6, 2), totals=LONG)
-        out, keys, values = in_capped_process(
-            capability, tmp_path, call, names, *(fresh[n] for n in names)
-        )
+        out, keys, values = in_capped_process(capability, tmp_path, call, *inputs)
         assert torch.equal(out, here), capability
         assert torch.equal(keys, c["keys"]) and torch.equal(values, c["values"]), capability

@@ -15,7 +15,8 @@
 //     out = acc
 // A lane of a tile is a column, so each output is its lane's own chain of fused multiply-adds:
 // the VNNI tile (16 columns, dpbusd), the AVX2 tile (8 columns, maddubs then madd; AVX-VNNI's
-// 256-bit dpbusd where the CPU has it) and the scalar path give the same bits, at any row count, thread count and split of the columns.
+// 256-bit dpbusd where the CPU has it) and the scalar path give the same bits, at any row
+// count, thread count and split of the columns.
 // That is the batch invariance qinfer requires (a row's result must not change with the batch
 // it is in), and a model's text is the same on every CPU the kernels run on.
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from capped import in_capped_process
+from capped import in_capped_process, in_fresh_process
 from threads import torch_threads
 
 from qinfer import kernels
 from qinfer.linear import Int4Groups, quantize_int4
 
-ALL_PATHS = ("scalar", "avx2", "vnni")
+ALL_PATHS = ("scalar", "avx2", "vnni")  # "amx": its own tests below (VNNI's bits)
 # (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
 # a multiple of 16 (the kernel's column tiles of 16, 4 and 2 all get a tail)
 SHAPES = [(40, 32), (77, 576), (33, 96), (50, 1536), (19, 288)]
@@ -297,6 +297,111 @@ def test_non_contiguous_activations(built) -> None:
     assert torch.equal(kernels.int4_mm(x, packed), kernels.int4_mm(x.contiguous(), packed))
 
 
+#: Row counts the AMX tiles are checked at: fewer than the 32 they take (VNNI's tiles), whole
+#: groups of 16 and a group's tails, two passes of rows (K = 1536: 160 rows a pass) and a
+#: prompt's 512.
+AMX_ROWS = (1, 9, 31, 32, 33, 47, 48, 64, 100, 161, 512)
+AMX_SHAPES = [(77, 1536), (19, 32), (40, 96)]
+
+
+def amx_weights(n: int, k: int) -> list[kernels.PackedInt4]:
+    """An asymmetric weight (fp16 d and m), a symmetric one (no m; d = 10000 among them) and
+    the same with m held (fp32: 8 d past fp16), each also with its scales widened to fp32."""
+    packed = [
+        kernels.pack_int4(weight(n, k)),
+        kernels.pack_int4(symmetric_weight(n, k)),
+        held_m(symmetric_weight(n, k)),
+    ]
+    widened = [
+        kernels.PackedInt4(p.qs, p.d.float(), None if p.m is None else p.m.float(), p.n)
+        for p in packed
+    ]
+    return packed + widened
+
+
+#: The call that multiplies every weight of `amx_weights` at every row count of AMX_ROWS with
+#: 1 thread and 2, on the path "amx", in a process given (x, rows, *every weight's fields).
+AMX_CALL = (
+    "[(torch.set_num_threads(t), [[kernels.int4_mm(inputs[0][:m], kernels.PackedInt4("
+    "*inputs[2 + 4 * i : 6 + 4 * i]), 'amx') for m in inputs[1]] "
+    "for i in range((len(inputs) - 2) // 4)])[1] for t in (1, 2)]"
+)
+
+
+def amx_inputs(n: int, k: int) -> tuple[list[object], list[kernels.PackedInt4]]:
+    weights = amx_weights(n, k)
+    fields = [f for p in weights for f in (p.qs, p.d, p.m, p.n)]
+    return [activations(AMX_ROWS[-1], k, torch.float32), AMX_ROWS, *fields], weights
+
+
+def assert_amx_gives_vnni_bits(results: list, x: torch.Tensor, weights: list) -> None:
+    for threads in results:
+        for got, packed in zip(threads, weights, strict=True):
+            for rows, out in zip(AMX_ROWS, got, strict=True):
+                want = kernels.int4_mm(x[:rows], packed, "vnni")
+                assert torch.equal(out, want), (packed.d.dtype, packed.m is None, rows)
+
+
+@pytest.mark.parametrize(("n", "k"), AMX_SHAPES)
+def test_the_amx_tiles_model_gives_the_vnni_bits(built, tmp_path, n, k) -> None:
+    """int4_mm's "amx" path on the kernels' software model of the tile unit (QINFER_AMX=
+    emulate, in a fresh process; amx.h): the tiles' layout, strides, padding rows, sets and
+    block order give the VNNI tiles' bits at every row count, 1 thread or 2, fp16 and fp32
+    scales, m held or not. (A model with TDPBUUD's unsigned A fails it.)"""
+    if "vnni" not in kernels.paths():
+        pytest.skip(f"the tiles' fp32 steps need the vnni path (this CPU has {kernels.paths()})")
+    inputs, weights = amx_inputs(n, k)
+    results = in_fresh_process({"QINFER_AMX": "emulate"}, tmp_path, AMX_CALL, *inputs)
+    assert_amx_gives_vnni_bits(results, inputs[0], weights)
+
+
+@pytest.mark.parametrize(("n", "k"), AMX_SHAPES)
+def test_the_amx_tiles_give_the_vnni_bits(built, n, k) -> None:
+    """The same on this CPU's tile unit (AMX-INT8 and Linux's leave to use it)."""
+    if "amx" not in kernels.paths():
+        pytest.skip(f"this CPU has no amx path (it has {', '.join(kernels.paths())})")
+    inputs, weights = amx_inputs(n, k)
+    results = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            results.append(
+                [[kernels.int4_mm(inputs[0][:m], p, "amx") for m in AMX_ROWS] for p in weights]
+            )
+    assert_amx_gives_vnni_bits(results, inputs[0], weights)
+
+
+def test_amx_is_a_path_where_the_tiles_run_and_else_refused(built, tmp_path) -> None:
+    """With the model, "amx" is a path and the automatic one, and every dot product takes it
+    (the ops without tiles on VNNI's vectors, the same bits); QINFER_AMX=off removes it; where
+    it is missing, asking for it is refused in one line naming what it needs."""
+    if "vnni" not in kernels.paths():
+        pytest.skip(f"the amx path needs the vnni path (this CPU has {kernels.paths()})")
+    packed = kernels.pack_int4(weight(40, 96))
+    q, scales = torch.randint(-128, 128, (40, 96), dtype=torch.int8), torch.rand(40, 3)
+    x = activations(64, 96, torch.float32)
+    call = (
+        "(kernels.paths(), kernels.auto_path(), "
+        "torch.ops.qinfer.int4_groups_mm(inputs[0], *inputs[1:4], 40, 'amx'), "
+        "torch.ops.qinfer.int8_mm(inputs[0], inputs[4], inputs[5], 'amx'), "
+        "torch.ops.qinfer.quantize_q8_1(inputs[0], 'amx'))"
+    )
+    fields = (x, packed.qs, packed.d, packed.m, q, scales)
+    paths, auto, groups, int8, quantized = in_fresh_process(
+        {"QINFER_AMX": "emulate"}, tmp_path, call, *fields
+    )
+    assert paths[-2:] == ("vnni", "amx") and auto == "amx"
+    assert torch.equal(groups, kernels.int4_groups_mm(x, packed, "vnni"))
+    assert torch.equal(int8, kernels.int8_mm(x, q, scales, "vnni"))
+    for got, want in zip(quantized, torch.ops.qinfer.quantize_q8_1(x, "vnni"), strict=True):
+        assert torch.equal(got, want)
+    assert "amx" not in in_fresh_process({"QINFER_AMX": "off"}, tmp_path, "kernels.paths()")
+    if "amx" not in kernels.paths():
+        assert (
+            "int4_mm: path 'amx' needs VNNI's and AMX-TILE/AMX-INT8 with Linux's leave to use "
+            "the tiles, which this CPU lacks"
+        ) in _error(lambda: kernels.int4_mm(x, packed, "amx"))
+
+
 def _error(call) -> str:
     with pytest.raises(RuntimeError) as info:
         call()
@@ -337,7 +442,7 @@ def test_bad_inputs_name_the_tensor(built) -> None:
         lambda: op(x, qs, d.bfloat16(), m)
     )
     assert "m must be torch.float16, got torch.float32" in _error(lambda: op(x, qs, d, m.float()))
-    assert "path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
+    assert "path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
         lambda: kernels.int4_mm(x, packed, "fast")
     )
     pack = torch.ops.qinfer.pack_int4
@@ -456,6 +561,6 @@ def test_int8_bad_inputs_name_the_tensor(built) -> None:
     assert f"int8_mm: scales must be {kinds}, got torch.bfloat16" in _error(
         lambda: kernels.int8_mm(x, q, scales.bfloat16())
     )
-    assert "int8_mm: path must be auto, scalar, avx2 or vnni, got 'fast'" in _error(
+    assert "int8_mm: path must be auto, scalar, avx2, vnni or amx, got 'fast'" in _error(
         lambda: kernels.int8_mm(x, q, scales, "fast")
     )

@@ -15,8 +15,10 @@ import torch
 from qinfer.kernels import build, registry
 
 #: The dot products' paths (int4_mm, int8_mm, int8_blocks_mm, int4_groups_mm,
-#: quantize_q8_1), slowest first.
-DOT_PATHS = ("scalar", "avx2", "vnni")
+#: quantize_q8_1), slowest first. "amx": VNNI's bits, int4_mm's products of 32 rows or more
+#: on AMX-INT8's tiles (where the CPU has them and Linux lets the process use them, or on the
+#: kernels' software model of them under QINFER_AMX=emulate; QINFER_AMX=off: no "amx").
+DOT_PATHS = ("scalar", "avx2", "vnni", "amx")
 #: add_rms_norm's, heads_rms_norm's and lora_add's paths, slowest first.
 NORM_PATHS = ("scalar", "avx2", "avx512")
 
@@ -26,7 +28,7 @@ NORM_PATHS = ("scalar", "avx2", "avx512")
 SWITCH = "QINFER_CPU_KERNELS"
 
 #: ATEN_CPU_CAPABILITY (torch's cap on its own CPU kernels, which emulates a smaller CPU) ->
-#: the fastest path it allows.
+#: the fastest path it allows ("avx512": VNNI, without AMX's tiles).
 _CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "vnni"}
 
 
@@ -37,7 +39,8 @@ def _isas() -> frozenset[str]:
 
 
 def paths() -> tuple[str, ...]:
-    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni")."""
+    """The dot-product paths this CPU can run, slowest first ("scalar", "avx2", "vnni",
+    "amx")."""
     return tuple(p for p in DOT_PATHS if p in _isas())
 
 

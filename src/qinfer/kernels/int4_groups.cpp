@@ -199,7 +199,7 @@ at::Tensor int4_groups_mm(const at::Tensor& x_in, const at::Tensor& qs_in,
   check_x("int4_groups_mm", x_in);
   check_int4_tiles("int4_groups_mm", x_in, qs_in, d_in, m_in, n);
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  const Isa path = resolve_path("int4_groups_mm", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("int4_groups_mm", path_name_in, kDotPaths));
   const at::Tensor qs = qs_in.contiguous(), d = d_in.contiguous(),
                    m = m_in ? m_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, n}, x_in.options().dtype(at::kFloat));

@@ -35,6 +35,7 @@
 #include <tuple>
 #include <vector>
 
+#include "amx.h"
 #include "int4_tiles.h"
 #include "matmul.h"
 #include "ops.h"
@@ -48,6 +49,7 @@ struct Int4Q8 : OnInt4Tiles<S> {
   static constexpr int kRowsVnni = 8;  // 8 weight registers + 8 accumulators of 32
   static constexpr int kRowsAvx2 = 4;
   static constexpr int64_t kActivationBytes = 1;
+  static constexpr bool kAmx = true;
 
   // R rows by the 16 columns of tile g: per block, its 4 registers unpacked once for the R
   // rows, each row's 8 activation dwords broadcast into 8 dpbusd (lane l: column 16g + l's
@@ -86,6 +88,68 @@ struct Int4Q8 : OnInt4Tiles<S> {
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
       store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), acc[i]);
+  }
+
+  // Block b's products for group `group` of rows into dots[b % 2], on set b % 2 of the tiles.
+  template <typename Unit>
+  QINFER_AMX QINFER_INLINE static void products(const AmxActs& a, int64_t group, int64_t b,
+                                                const uint8_t* unpacked, int32_t* dots) {
+    const int8_t* qa = a.tile(group, b);
+    const uint8_t* qw = unpacked + b * 8 * 64;
+    if (b & 1) Unit::template product<1>(qa, qw, dots + kAmxRows * kTileCols);
+    else Unit::template product<0>(qa, qw, dots);
+  }
+
+  // Column tiles g0..g1 by rows m0..m1 on AMX tiles (Unit: amx.h's tile unit or its model).
+  // Per tile, its blocks unpacked once for all the rows into B tiles (the VNNI tile's 8
+  // registers as they are); per group of 16 rows and block, one TDPBSUD leaves each row's exact
+  // dot per lane, stored, then scaled into the row's accumulator by the VNNI tile's steps.
+  // Block b + 1's products are issued before block b's fp32 steps, on the other set of tiles.
+  template <typename Unit>
+  QINFER_AMX static void tiles_amx(const Int4Tiles<S>& w, int64_t g0, int64_t g1,
+                                   const AmxActs& a, int64_t m0, int64_t m1, float* out) {
+    const int64_t nb = w.nb;
+    static thread_local std::vector<uint8_t> buffer;  // (nb, 8, 64): a tile's B tiles
+    buffer.resize(static_cast<size_t>(nb * 8 * 64));
+    uint8_t* unpacked = buffer.data();
+    alignas(64) int32_t dots[2 * kAmxRows * kTileCols];  // (2, 16, 16): each set's C
+    Unit::configure(TileConfig{});
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* src = w.block(g, b);
+        prefetch_block(src);
+        __m512i wk[8];
+        unpack_block_vnni(src, wk);
+        #pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) _mm512_storeu_si512(unpacked + (b * 8 + k) * 64, wk[k]);
+      }
+      for (int64_t group = 0; group * kAmxRows < m1 - m0; ++group) {
+        __m512 acc[kAmxRows];
+        #pragma GCC unroll 16
+        for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
+        products<Unit>(a, group, 0, unpacked, dots);
+        for (int64_t b = 0; b < nb; ++b) {
+          if (b + 1 < nb) products<Unit>(a, group, b + 1, unpacked, dots);
+          const int32_t* dot = dots + (b & 1) * kAmxRows * kTileCols;
+          const float* dx = a.dx_of(group, b);
+          const float* s = a.s_of(group, b);
+          const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
+          const __m512 m16 = offsets16(w.m_of(g, b), w.d_of(g, b), 0, kTileCols);
+          #pragma GCC unroll 16
+          for (int i = 0; i < kAmxRows; ++i) {
+            const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx[i]));
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(dot + i * kTileCols));
+            acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
+            acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i]), acc[i]);
+          }
+        }
+        const int64_t r0 = m0 + group * kAmxRows, rows = std::min(kAmxRows, m1 - r0);
+        #pragma GCC unroll 16
+        for (int i = 0; i < kAmxRows; ++i)
+          if (i < rows) store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), acc[i]);
+      }
+    }
+    Unit::release();
   }
 
   // A block's exact int32 dot per lane for half a tile (8 columns): the unpacked nibbles wk
@@ -255,7 +319,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Te
   if (M == 0 || n == 0) return out;
   static thread_local ActStorage storage;
   const Act act = storage.make(M, K);
-  quantize(x, act, path);
+  quantize(x, act, vector_isa(path));
   with_scales(d, [&](auto tag) {
     using S = decltype(tag);
     tiles_matmul<Int4Q8<S>>(path, int4_tiles<S>(qs, d, m, n), M, act, out.data_ptr<float>());

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "amx.h"
 #include "matmul.h"
 
 namespace qinfer_kernels {
@@ -66,6 +67,7 @@ Int4Tiles<S> int4_tiles(const at::Tensor& qs, const at::Tensor& d, const at::Ten
 // column tiles, as they are. The int4 kernels derive from it.
 template <typename S>
 struct OnInt4Tiles {
+  static constexpr bool kAmx = false;  // no AMX tiles (int4_q8.cpp's kernel has them)
   static const Int4Tiles<S>& tile(const Int4Tiles<S>& w, int64_t, Isa, int64_t) { return w; }
 };
 
@@ -83,24 +85,41 @@ QINFER_INLINE void with_rows(int64_t rows, F&& f) {
 // for column tile g (`tile(w, g, path, M)`: the int4 tiles as they are, int8 rows staged into
 // tiles), a tile of up to kRowsVnni rows by a whole tile of columns on VNNI (`tile_vnni<R>(t,
 // g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
-// r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), and its
-// activations' bytes an element (kActivationBytes: 1 for int8, 4 for fp32). Threads take whole
-// column tiles, each tile all the rows of a pass while its weights stay in cache. Every
-// output takes the same steps whichever tile, thread or row count computes it.
+// r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), its activations'
+// bytes an element (kActivationBytes: 1 for int8, 4 for fp32), and, where kAmx, AMX tiles for
+// column tiles g0..g1 by a pass's rows (`tiles_amx<Unit>(w, g0, g1, acts, m0, m1, out)`, amx.h),
+// which the path "amx" takes for calls of kAmxFromRows rows or more. Threads take whole column
+// tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes
+// the same steps whichever tile, thread or row count computes it.
 template <typename Kernel, typename W, typename A>
 void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;
+  const bool amx = Kernel::kAmx && path == Isa::Amx && M >= kAmxFromRows;
+  path = vector_isa(path);
+  const int64_t step = amx ? kAmxRows : Kernel::kRowsVnni;
   // Rows a pass: their activations (~256 KB) stay in L2 while every column tile passes over
   // them. One pass over all of a long prompt's rows read them again for each column tile,
   // from memory: 2,048 rows ran at half the rate of 256.
-  const int64_t chunk = std::max<int64_t>(Kernel::kRowsVnni,
-                                          (int64_t{1} << 18) / (K * Kernel::kActivationBytes) /
-                                              Kernel::kRowsVnni * Kernel::kRowsVnni);
+  const int64_t chunk =
+      std::max<int64_t>(step, (int64_t{1} << 18) / (K * Kernel::kActivationBytes) / step * step);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
     // enough tiles per task that the pool's wake-up is paid for
     const int64_t work = std::max<int64_t>(1, (m1 - m0) * K * kTileCols);  // a tile's multiply-adds
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+    if constexpr (Kernel::kAmx) {
+      if (amx && m1 - m0 >= kAmxFromRows) {
+        static thread_local AmxActs storage;
+        storage.make(a, m0, m1);
+        const AmxActs& acts = storage;  // the caller's (a thread_local's name is each thread's)
+        at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
+          if (amx_unit() == AmxUnit::Hardware)
+            Kernel::template tiles_amx<AmxHardware>(w, g0, g1, acts, m0, m1, out);
+          else Kernel::template tiles_amx<AmxModel>(w, g0, g1, acts, m0, m1, out);
+        });
+        continue;
+      }
+    }
     at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         if (path == Isa::Scalar) {

@@ -310,7 +310,7 @@ at::Tensor int8_blocks_mm(const at::Tensor& x_in, const at::Tensor& q_in, const 
   }
   const at::Tensor d_super = checked_super_scales("int8_blocks_mm", d_in, d_super_in, N, K);
   const at::Tensor q = checked_values("int8_blocks_mm", q_in, d_in, N, K);
-  const Isa path = resolve_path("int8_blocks_mm", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("int8_blocks_mm", path_name_in, kDotPaths));
   const at::Tensor d = d_in.contiguous();
   const at::Tensor ids = ids_in ? checked_ids(*ids_in, M, N) : at::Tensor();
   const int64_t columns = ids.defined() ? ids.size(1) : N;

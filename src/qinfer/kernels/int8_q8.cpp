@@ -311,6 +311,7 @@ template <int B, typename S>
 struct Int8Q8 {
   static constexpr int64_t L = Int8Weight<B, S>::kScales;
   static constexpr int kRowsVnni = 8;  // 8 weight registers, 8 accumulators, the dots
+  static constexpr bool kAmx = false;
   static constexpr int kRowsAvx2 = 2;  // AVX2's 16 registers: the 8 weights and their |q|
   static constexpr int64_t kActivationBytes = 1;
 
@@ -564,7 +565,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               ", got ", shape_str(scales_in));
   const at::Tensor d_super = checked_super_scales("int8_mm", scales_in, d_super_in, N, K);
   const at::Tensor q = checked_values("int8_mm", q_in, scales_in, N, K);
-  const Isa path = resolve_path("int8_mm", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
   const at::Tensor x = x_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;

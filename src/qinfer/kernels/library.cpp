@@ -15,11 +15,11 @@ namespace {
 
 using namespace qinfer_kernels;
 
-// The ISAs this CPU runs, by isa.h's names, e.g. "scalar,avx2,avx512,vnni": what
+// The ISAs this CPU runs, by isa.h's names, e.g. "scalar,avx2,avx512,vnni,amx": what
 // qinfer/kernels/cpu.py makes each op's paths of.
 std::string cpu_isas() {
   std::string s = isa_name(Isa::Scalar);
-  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Vnni})
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Vnni, Isa::Amx})
     if (supports(isa)) s += std::string(",") + isa_name(isa);
   return s;
 }

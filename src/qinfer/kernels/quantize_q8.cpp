@@ -187,7 +187,7 @@ void quantize(const at::Tensor& x, const Act& a, Isa path, float* dx_out,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8_1(const at::Tensor& x_in,
                                                              const std::string& path_name_in) {
   check_x("quantize_q8_1", x_in);
-  const Isa path = resolve_path("quantize_q8_1", path_name_in, kDotPaths);
+  const Isa path = vector_isa(resolve_path("quantize_q8_1", path_name_in, kDotPaths));
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   ActStorage storage;

@@ -1,0 +1,162 @@
+// AMX-INT8's tiles for the int4 products of enough rows (int4_q8.cpp's `tile_amx`), and a
+// software model of the tile unit that the tests run them on where the CPU has none.
+//
+// A tile product here is one block of 32 for 16 rows by one column tile of 16 (int4_tiles.h):
+// C (16 rows x 16 int32) = A (16 rows x 32 signed bytes: the rows' activations of the block)
+// times B (8 rows x 64 bytes, VNNI-4: row k, dword n = elements 4k..4k+3 of column n's block,
+// unsigned: the tile's 8 unpacked registers as they are). TDPBSUD leaves in C row i, lane n,
+// the same exact int32 dot product that the VNNI tile's 8 vpdpbusd leave in its lane n for row
+// i, so the fp32 steps after it (the same in the same order) give the same bits.
+//
+// The model (QINFER_AMX=emulate) computes the same four instructions on arrays, per the
+// instructions' definitions: TILELOADD / TILESTORED copy the configured rows x bytes from or to
+// memory rows `stride` apart, TILEZERO clears, TDPBSUD adds per (m, n) the 4 x K/4 products of
+// A's signed bytes by B's unsigned ones. Integer sums are exact, so it gives the hardware's
+// bits; it lets a CPU without AMX check the tiles' layout, strides, padding and order.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "matmul.h"
+#include "q8.h"
+
+namespace qinfer_kernels {
+
+constexpr int64_t kAmxRows = 16;  // rows of a tile product (A's rows)
+// Rows from which int4_mm's "amx" path multiplies on tiles; fewer take the VNNI tiles (the
+// same bits). The tiles pay a store and a reload of each product before its fp32 steps, which
+// the VNNI tile's registers do not. On an AMX Xeon (bench/int4_paths.py, 1 thread, the old
+// layout's tiles of 32 rows) AMX / VNNI time was 1.9x at 16 rows, 1.0x at 32, 0.65-0.83x at
+// 64 and 512.
+constexpr int64_t kAmxFromRows = 32;
+
+// The tile configuration (LDTILECFG's 64 bytes, palette 1): two sets of C (tmm 0 / 3: 16 rows
+// x 64 bytes), A (tmm 1 / 4: 16 x 32) and B (tmm 2 / 5: 8 x 64), so that a block's products
+// run on one set while the fp32 steps read the other's.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
+  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
+};
+
+// What a tile kernel asks of the unit: the configuration, and one block's product on set
+// `Set` of the tiles (tmm 3 Set + 0, 1, 2: C, A, B): C = 0, A from a (16 rows 32 bytes apart),
+// B from b (8 rows 64 bytes apart), C += A . B (TDPBSUD), C stored to c (16 rows 64 bytes
+// apart).
+
+// The tile unit of the CPU. (GCC's tile intrinsics take the register's number as a literal.)
+struct AmxHardware {
+  QINFER_AMX static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
+  QINFER_AMX static void release() { _tile_release(); }
+  template <int Set>
+  QINFER_AMX QINFER_INLINE static void product(const int8_t* a, const uint8_t* b, int32_t* c) {
+    if constexpr (Set == 0) {
+      _tile_zero(0);
+      _tile_loadd(1, a, 32);
+      _tile_loadd(2, b, 64);
+      _tile_dpbsud(0, 1, 2);
+      _tile_stored(0, c, 64);
+    } else {
+      _tile_zero(3);
+      _tile_loadd(4, a, 32);
+      _tile_loadd(5, b, 64);
+      _tile_dpbsud(3, 4, 5);
+      _tile_stored(3, c, 64);
+    }
+  }
+};
+
+// The software model (see above): this thread's 8 tiles of at most 16 rows x 64 bytes, each
+// instruction on the configured rows and bytes of its tiles.
+struct AmxModel {
+  struct State {
+    TileConfig config;
+    alignas(64) uint8_t tiles[8][16][64];
+  };
+  static State& state() {
+    static thread_local State s;
+    return s;
+  }
+  static void configure(const TileConfig& config) { state().config = config; }
+  static void release() { state().config = TileConfig{}; }
+  static void zero(int t) { std::memset(state().tiles[t], 0, sizeof state().tiles[t]); }
+  static void load(int t, const void* src, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(s.tiles[t][r], static_cast<const uint8_t*>(src) + r * stride, s.config.colsb[t]);
+  }
+  static void store(int t, void* dst, int64_t stride) {
+    State& s = state();
+    for (int r = 0; r < s.config.rows[t]; ++r)
+      std::memcpy(static_cast<uint8_t*>(dst) + r * stride, s.tiles[t][r], s.config.colsb[t]);
+  }
+  // TDPBSUD: C[m][n] += sum over k < A's bytes / 4, i < 4 of A[m][4k + i] (signed) times
+  // B[k][4n + i] (unsigned), for C's configured rows and dwords
+  static void dpbsud(int c, int a, int b) {
+    State& s = state();
+    for (int m = 0; m < s.config.rows[c]; ++m)
+      for (int n = 0; n < s.config.colsb[c] / 4; ++n) {
+        int32_t sum;
+        std::memcpy(&sum, s.tiles[c][m] + 4 * n, sizeof sum);
+        for (int k = 0; k < s.config.colsb[a] / 4; ++k)
+          for (int i = 0; i < 4; ++i)
+            sum += static_cast<int8_t>(s.tiles[a][m][4 * k + i]) *
+                   static_cast<int32_t>(s.tiles[b][k][4 * n + i]);
+        std::memcpy(s.tiles[c][m] + 4 * n, &sum, sizeof sum);
+      }
+  }
+  template <int Set>
+  static void product(const int8_t* a, const uint8_t* b, int32_t* c) {
+    zero(3 * Set);
+    load(3 * Set + 1, a, 32);
+    load(3 * Set + 2, b, 64);
+    dpbsud(3 * Set, 3 * Set + 1, 3 * Set + 2);
+    store(3 * Set, c, 64);
+  }
+};
+
+// Rows m0..m1 of the activations laid out for A tiles: per group of 16 rows and block, the
+// 16 rows' 32 bytes side by side (one 512-byte tile: rows K bytes apart load a line each, and
+// an AMX Xeon's tile loads stalled on them), with their dx and s; rows past m1 zero (their
+// products are computed, never stored).
+struct AmxActs {
+  std::vector<int8_t> qa;    // (groups, nb, 16, 32)
+  std::vector<float> dx, s;  // (groups, nb, 16)
+  int64_t nb = 0;
+  const int8_t* tile(int64_t group, int64_t b) const {
+    return qa.data() + (group * nb + b) * kAmxRows * kBlock;
+  }
+  const float* dx_of(int64_t group, int64_t b) const {
+    return dx.data() + (group * nb + b) * kAmxRows;
+  }
+  const float* s_of(int64_t group, int64_t b) const {
+    return s.data() + (group * nb + b) * kAmxRows;
+  }
+
+  void make(const Act& a, int64_t m0, int64_t m1) {
+    nb = a.nb;
+    const int64_t groups = (m1 - m0 + kAmxRows - 1) / kAmxRows, rows = groups * kAmxRows;
+    qa.assign(static_cast<size_t>(rows * nb * kBlock), 0);
+    dx.assign(static_cast<size_t>(rows * nb), 0.0f);
+    s.assign(static_cast<size_t>(rows * nb), 0.0f);
+    for (int64_t r = 0; r < m1 - m0; ++r) {
+      const int64_t group = r / kAmxRows, i = r % kAmxRows;
+      for (int64_t b = 0; b < nb; ++b) {
+        std::memcpy(qa.data() + ((group * nb + b) * kAmxRows + i) * kBlock,
+                    a.row_qx(m0 + r) + qx_pos(b, 0), kBlock);
+        dx[(group * nb + b) * kAmxRows + i] = a.row_dx8(m0 + r)[dx8_pos(b)];
+        s[(group * nb + b) * kAmxRows + i] = a.row_s(m0 + r)[b];
+      }
+    }
+  }
+};
+
+}  // namespace qinfer_kernels

@@ -9,14 +9,23 @@ loader's reason where it cannot (no compiler, not x86-64, the build failed).
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 from capped import in_capped_process, in_fresh_process
+from gguf_files import synthetic_tensor
 from threads import torch_threads
 
 from qinfer import kernels
 from qinfer.linear import Int4Groups, quantize_int4
+from qinfer.weights.gguf_quants import int8_blocks
+
+Q6_K = gguf.GGMLQuantizationType.Q6_K
 
 ALL_PATHS = ("scalar", "avx2", "vnni")  # "amx": its own tests below (VNNI's bits)
 # (N, K): K one block, an even and an odd number of block pairs' worth, and 48 blocks; no N
@@ -301,79 +310,72 @@ def test_non_contiguous_activations(built) -> None:
 #: groups of 16 and a group's tails, two passes of rows (K = 1536: 160 rows a pass) and a
 #: prompt's 512.
 AMX_ROWS = (1, 9, 31, 32, 33, 47, 48, 64, 100, 161, 512)
-AMX_SHAPES = [(77, 1536), (19, 32), (40, 96)]
 
 
-def amx_weights(n: int, k: int) -> list[kernels.PackedInt4]:
-    """An asymmetric weight (fp16 d and m), a symmetric one (no m; d = 10000 among them) and
-    the same with m held (fp32: 8 d past fp16), each also with its scales widened to fp32."""
-    packed = [
-        kernels.pack_int4(weight(n, k)),
-        kernels.pack_int4(symmetric_weight(n, k)),
-        held_m(symmetric_weight(n, k)),
-    ]
-    widened = [
-        kernels.PackedInt4(p.qs, p.d.float(), None if p.m is None else p.m.float(), p.n)
-        for p in packed
-    ]
-    return packed + widened
+def amx_outputs(path: str) -> list[torch.Tensor]:
+    """The products the AMX tiles take, on `path`, at every row count of AMX_ROWS with 1
+    thread and 2: int4_mm on three shapes (a tail tile, one block, an odd block count) of an
+    asymmetric weight (fp16 d and m), a symmetric one (no m; d = 10000 among them) and the
+    same with m held (fp32: 8 d past fp16), each also with fp32 scales; int8_mm with a scale
+    per row, per 32 and per 16 (half blocks), fp32 and fp16 scales, and Q6_K's sub-scales."""
+    cases = []
+    for n, k in [(77, 1536), (19, 32), (40, 96)]:
+        x = activations(AMX_ROWS[-1], k, torch.float32)
+        weights = [
+            kernels.pack_int4(weight(n, k)),
+            kernels.pack_int4(symmetric_weight(n, k)),
+            held_m(symmetric_weight(n, k)),
+        ]
+        weights += [
+            kernels.PackedInt4(p.qs, p.d.float(), None if p.m is None else p.m.float(), p.n)
+            for p in weights
+        ]
+        cases += [(kernels.int4_mm, x, (p,), {}) for p in weights]
+    x = activations(AMX_ROWS[-1], 1536, torch.float32)
+    for block in SCALE_BLOCKS:
+        q, scales, _ = int8_weight(77, 1536, block)
+        cases += [(kernels.int8_mm, x, (q, s), {}) for s in (scales, scales.half())]
+    q6 = int8_blocks(synthetic_tensor(Q6_K, 37, 768), Q6_K)
+    x6 = activations(AMX_ROWS[-1], 768, torch.float32)
+    extra = {"d_super": q6.super_scales}
+    cases.append((kernels.int8_mm, x6, (kernels.pack_q6(q6.q), q6.scales), extra))
+    outputs = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for op, x, weights, extra in cases:
+                outputs += [op(x[:m], *weights, path, **extra) for m in AMX_ROWS]
+    return outputs
 
 
-#: The call that multiplies every weight of `amx_weights` at every row count of AMX_ROWS with
-#: 1 thread and 2, on the path "amx", in a process given (x, rows, *every weight's fields).
-AMX_CALL = (
-    "[(torch.set_num_threads(t), [[kernels.int4_mm(inputs[0][:m], kernels.PackedInt4("
-    "*inputs[2 + 4 * i : 6 + 4 * i]), 'amx') for m in inputs[1]] "
-    "for i in range((len(inputs) - 2) // 4)])[1] for t in (1, 2)]"
-)
-
-
-def amx_inputs(n: int, k: int) -> tuple[list[object], list[kernels.PackedInt4]]:
-    weights = amx_weights(n, k)
-    fields = [f for p in weights for f in (p.qs, p.d, p.m, p.n)]
-    return [activations(AMX_ROWS[-1], k, torch.float32), AMX_ROWS, *fields], weights
-
-
-def assert_amx_gives_vnni_bits(results: list, x: torch.Tensor, weights: list) -> None:
-    for threads in results:
-        for got, packed in zip(threads, weights, strict=True):
-            for rows, out in zip(AMX_ROWS, got, strict=True):
-                want = kernels.int4_mm(x[:rows], packed, "vnni")
-                assert torch.equal(out, want), (packed.d.dtype, packed.m is None, rows)
-
-
-@pytest.mark.parametrize(("n", "k"), AMX_SHAPES)
-def test_the_amx_tiles_model_gives_the_vnni_bits(built, tmp_path, n, k) -> None:
-    """int4_mm's "amx" path on the kernels' software model of the tile unit (QINFER_AMX=
-    emulate, in a fresh process; amx.h): the tiles' layout, strides, padding rows, sets and
-    block order give the VNNI tiles' bits at every row count, 1 thread or 2, fp16 and fp32
-    scales, m held or not. (A model with TDPBUUD's unsigned A fails it.)"""
+def test_the_amx_tiles_model_gives_the_vnni_bits(built, tmp_path) -> None:
+    """int4_mm's and int8_mm's "amx" path on the kernels' software model of the tile unit
+    (QINFER_AMX=emulate, in a fresh process; amx.h): the tiles' layout, strides, padding rows,
+    sets, half blocks and block order give the VNNI tiles' bits on every case of
+    `amx_outputs`. (A model with TDPBUUD's unsigned A fails it.)"""
     if "vnni" not in kernels.paths():
         pytest.skip(f"the tiles' fp32 steps need the vnni path (this CPU has {kernels.paths()})")
-    inputs, weights = amx_inputs(n, k)
-    results = in_fresh_process({"QINFER_AMX": "emulate"}, tmp_path, AMX_CALL, *inputs)
-    assert_amx_gives_vnni_bits(results, inputs[0], weights)
+    tests = str(Path(__file__).parent)
+    env = {"QINFER_AMX": "emulate", "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    call = "__import__('test_int_dot_kernels').amx_outputs('amx')"
+    got = in_fresh_process(env, tmp_path, call)
+    want = amx_outputs("vnni")
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"case {i // len(AMX_ROWS)}, {AMX_ROWS[i % len(AMX_ROWS)]} rows"
 
 
-@pytest.mark.parametrize(("n", "k"), AMX_SHAPES)
-def test_the_amx_tiles_give_the_vnni_bits(built, n, k) -> None:
+def test_the_amx_tiles_give_the_vnni_bits(built) -> None:
     """The same on this CPU's tile unit (AMX-INT8 and Linux's leave to use it)."""
     if "amx" not in kernels.paths():
         pytest.skip(f"this CPU has no amx path (it has {', '.join(kernels.paths())})")
-    inputs, weights = amx_inputs(n, k)
-    results = []
-    for threads in (1, 2):
-        with torch_threads(threads):
-            results.append(
-                [[kernels.int4_mm(inputs[0][:m], p, "amx") for m in AMX_ROWS] for p in weights]
-            )
-    assert_amx_gives_vnni_bits(results, inputs[0], weights)
+    for i, (a, b) in enumerate(zip(amx_outputs("amx"), amx_outputs("vnni"), strict=True)):
+        assert torch.equal(a, b), f"case {i // len(AMX_ROWS)}, {AMX_ROWS[i % len(AMX_ROWS)]} rows"
 
 
 def test_amx_is_a_path_where_the_tiles_run_and_else_refused(built, tmp_path) -> None:
     """With the model, "amx" is a path and the automatic one, and every dot product takes it
-    (the ops without tiles on VNNI's vectors, the same bits); QINFER_AMX=off removes it; where
-    it is missing, asking for it is refused in one line naming what it needs."""
+    (the ops without tiles on VNNI's code, the same bits); QINFER_AMX=off removes it; where it
+    is missing, asking for it is refused in one line naming what it needs."""
     if "vnni" not in kernels.paths():
         pytest.skip(f"the amx path needs the vnni path (this CPU has {kernels.paths()})")
     packed = kernels.pack_int4(weight(40, 96))
@@ -382,16 +384,16 @@ def test_amx_is_a_path_where_the_tiles_run_and_else_refused(built, tmp_path) -> 
     call = (
         "(kernels.paths(), kernels.auto_path(), "
         "torch.ops.qinfer.int4_groups_mm(inputs[0], *inputs[1:4], 40, 'amx'), "
-        "torch.ops.qinfer.int8_mm(inputs[0], inputs[4], inputs[5], 'amx'), "
+        "torch.ops.qinfer.int8_blocks_mm(inputs[0], inputs[4], inputs[5], 'amx'), "
         "torch.ops.qinfer.quantize_q8_1(inputs[0], 'amx'))"
     )
     fields = (x, packed.qs, packed.d, packed.m, q, scales)
-    paths, auto, groups, int8, quantized = in_fresh_process(
+    paths, auto, groups, blocks, quantized = in_fresh_process(
         {"QINFER_AMX": "emulate"}, tmp_path, call, *fields
     )
     assert paths[-2:] == ("vnni", "amx") and auto == "amx"
     assert torch.equal(groups, kernels.int4_groups_mm(x, packed, "vnni"))
-    assert torch.equal(int8, kernels.int8_mm(x, q, scales, "vnni"))
+    assert torch.equal(blocks, kernels.int8_blocks_mm(x, q, scales, "vnni"))
     for got, want in zip(quantized, torch.ops.qinfer.quantize_q8_1(x, "vnni"), strict=True):
         assert torch.equal(got, want)
     assert "amx" not in in_fresh_process({"QINFER_AMX": "off"}, tmp_path, "kernels.paths()")

@@ -1,12 +1,14 @@
-// AMX-INT8's tiles for the int4 products of enough rows (int4_q8.cpp's `tile_amx`), and a
-// software model of the tile unit that the tests run them on where the CPU has none.
+// AMX-INT8's tiles for the int4 and int8 products of enough rows (int4_tiles.h's `tiles_amx`
+// drives them), and a software model of the tile unit that the tests run them on where the
+// CPU has none.
 //
-// A tile product here is one block of 32 for 16 rows by one column tile of 16 (int4_tiles.h):
-// C (16 rows x 16 int32) = A (16 rows x 32 signed bytes: the rows' activations of the block)
-// times B (8 rows x 64 bytes, VNNI-4: row k, dword n = elements 4k..4k+3 of column n's block,
-// unsigned: the tile's 8 unpacked registers as they are). TDPBSUD leaves in C row i, lane n,
-// the same exact int32 dot product that the VNNI tile's 8 vpdpbusd leave in its lane n for row
-// i, so the fp32 steps after it (the same in the same order) give the same bits.
+// A tile product here is one block of 32 (or half of one) for 16 rows by one column tile of
+// 16 (int4_tiles.h): C (16 rows x 16 int32) = A (16 rows x 32 signed bytes: the rows'
+// activations of the block) times B (8 rows x 64 bytes, VNNI-4: row k, dword n = elements
+// 4k..4k+3 of column n's block, unsigned: the VNNI tile's 8 registers as they are, int4's
+// nibbles or int8's staged values). TDPBSUD leaves in C row i, lane n the same exact int32
+// dot product that the VNNI tile's 8 vpdpbusd leave in its lane n for row i, so the fp32 steps
+// after it (the same in the same order) give the same bits.
 //
 // The model (QINFER_AMX=emulate) computes the same four instructions on arrays, per the
 // instructions' definitions: TILELOADD / TILESTORED copy the configured rows x bytes from or to
@@ -29,28 +31,35 @@
 namespace qinfer_kernels {
 
 constexpr int64_t kAmxRows = 16;  // rows of a tile product (A's rows)
-// Rows from which int4_mm's "amx" path multiplies on tiles; fewer take the VNNI tiles (the
+// Rows from which the "amx" path multiplies on tiles; fewer take the VNNI tiles (the
 // same bits). The tiles pay a store and a reload of each product before its fp32 steps, which
 // the VNNI tile's registers do not. On an AMX Xeon (bench/int4_paths.py, 1 thread, the old
 // layout's tiles of 32 rows) AMX / VNNI time was 1.9x at 16 rows, 1.0x at 32, 0.65-0.83x at
 // 64 and 512.
 constexpr int64_t kAmxFromRows = 32;
 
-// The tile configuration (LDTILECFG's 64 bytes, palette 1): two sets of C (tmm 0 / 3: 16 rows
-// x 64 bytes), A (tmm 1 / 4: 16 x 32) and B (tmm 2 / 5: 8 x 64), so that a block's products
-// run on one set while the fp32 steps read the other's.
+// The tile configuration (LDTILECFG's 64 bytes, palette 1) for products of k bytes of the
+// rows (32: a whole block; 16: half a block, for weights with a scale per 16): two sets of C
+// (tmm 0 / 3: 16 rows x 64 bytes), A (tmm 1 / 4: 16 rows x k bytes) and B (tmm 2 / 5: k / 4
+// rows x 64 bytes), so that one product runs on a set while the fp32 steps read the other's.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
-  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileConfig(int k = 32) {
+    for (int set = 0; set < 2; ++set) {
+      colsb[3 * set] = 64, rows[3 * set] = 16;
+      colsb[3 * set + 1] = static_cast<uint16_t>(k), rows[3 * set + 1] = 16;
+      colsb[3 * set + 2] = 64, rows[3 * set + 2] = static_cast<uint8_t>(k / 4);
+    }
+  }
 };
 
-// What a tile kernel asks of the unit: the configuration, and one block's product on set
-// `Set` of the tiles (tmm 3 Set + 0, 1, 2: C, A, B): C = 0, A from a (16 rows 32 bytes apart),
-// B from b (8 rows 64 bytes apart), C += A . B (TDPBSUD), C stored to c (16 rows 64 bytes
-// apart).
+// What a tile kernel asks of the unit: the configuration, and one product on set `Set` of the
+// tiles (tmm 3 Set + 0, 1, 2: C, A, B): C = 0, A from a (16 rows 32 bytes apart: `AmxActs`),
+// B from b (rows 64 bytes apart), C += A . B (TDPBSUD), C stored to c (16 rows 64 bytes apart).
 
 // The tile unit of the CPU. (GCC's tile intrinsics take the register's number as a literal.)
 struct AmxHardware {
@@ -86,7 +95,7 @@ struct AmxModel {
     return s;
   }
   static void configure(const TileConfig& config) { state().config = config; }
-  static void release() { state().config = TileConfig{}; }
+  static void release() { std::memset(&state().config, 0, sizeof(TileConfig)); }
   static void zero(int t) { std::memset(state().tiles[t], 0, sizeof state().tiles[t]); }
   static void load(int t, const void* src, int64_t stride) {
     State& s = state();

@@ -90,67 +90,45 @@ struct Int4Q8 : OnInt4Tiles<S> {
       store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), acc[i]);
   }
 
-  // Block b's products for group `group` of rows into dots[b % 2], on set b % 2 of the tiles.
-  template <typename Unit>
-  QINFER_AMX QINFER_INLINE static void products(const AmxActs& a, int64_t group, int64_t b,
-                                                const uint8_t* unpacked, int32_t* dots) {
-    const int8_t* qa = a.tile(group, b);
-    const uint8_t* qw = unpacked + b * 8 * 64;
-    if (b & 1) Unit::template product<1>(qa, qw, dots + kAmxRows * kTileCols);
-    else Unit::template product<0>(qa, qw, dots);
-  }
-
-  // Column tiles g0..g1 by rows m0..m1 on AMX tiles (Unit: amx.h's tile unit or its model).
-  // Per tile, its blocks unpacked once for all the rows into B tiles (the VNNI tile's 8
-  // registers as they are); per group of 16 rows and block, one TDPBSUD leaves each row's exact
-  // dot per lane, stored, then scaled into the row's accumulator by the VNNI tile's steps.
-  // Block b + 1's products are issued before block b's fp32 steps, on the other set of tiles.
-  template <typename Unit>
-  QINFER_AMX static void tiles_amx(const Int4Tiles<S>& w, int64_t g0, int64_t g1,
-                                   const AmxActs& a, int64_t m0, int64_t m1, float* out) {
-    const int64_t nb = w.nb;
-    static thread_local std::vector<uint8_t> buffer;  // (nb, 8, 64): a tile's B tiles
-    buffer.resize(static_cast<size_t>(nb * 8 * 64));
-    uint8_t* unpacked = buffer.data();
-    alignas(64) int32_t dots[2 * kAmxRows * kTileCols];  // (2, 16, 16): each set's C
-    Unit::configure(TileConfig{});
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* src = w.block(g, b);
-        prefetch_block(src);
-        __m512i wk[8];
-        unpack_block_vnni(src, wk);
-        #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) _mm512_storeu_si512(unpacked + (b * 8 + k) * 64, wk[k]);
-      }
-      for (int64_t group = 0; group * kAmxRows < m1 - m0; ++group) {
-        __m512 acc[kAmxRows];
-        #pragma GCC unroll 16
-        for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
-        products<Unit>(a, group, 0, unpacked, dots);
-        for (int64_t b = 0; b < nb; ++b) {
-          if (b + 1 < nb) products<Unit>(a, group, b + 1, unpacked, dots);
-          const int32_t* dot = dots + (b & 1) * kAmxRows * kTileCols;
-          const float* dx = a.dx_of(group, b);
-          const float* s = a.s_of(group, b);
-          const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
-          const __m512 m16 = offsets16(w.m_of(g, b), w.d_of(g, b), 0, kTileCols);
-          #pragma GCC unroll 16
-          for (int i = 0; i < kAmxRows; ++i) {
-            const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx[i]));
-            const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(dot + i * kTileCols));
-            acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
-            acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i]), acc[i]);
-          }
-        }
-        const int64_t r0 = m0 + group * kAmxRows, rows = std::min(kAmxRows, m1 - r0);
-        #pragma GCC unroll 16
-        for (int i = 0; i < kAmxRows; ++i)
-          if (i < rows) store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), acc[i]);
-      }
+  // What int4_tiles.h's `tiles_amx` asks of the kernel: whole blocks; the activations' int8;
+  // a column tile's blocks unpacked once for all the rows into B tiles (the VNNI tile's 8
+  // registers as they are) in this thread's buffer; and block b's fp32 steps, the VNNI tile's,
+  // on each row's stored dots.
+  static constexpr bool kAmxHalves = false;
+  static const Act& act_of(const Act& a) { return a; }
+  struct Unpacked {
+    const uint8_t* values;  // (nb, 8, 64)
+    const uint8_t* block(int64_t b) const { return values + b * 8 * 64; }
+  };
+  QINFER_VNNI static Unpacked amx_tile(const Int4Tiles<S>& w, int64_t g) {
+    static thread_local std::vector<uint8_t> buffer;
+    buffer.resize(static_cast<size_t>(w.nb * 8 * 64));
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* src = w.block(g, b);
+      prefetch_block(src);
+      __m512i wk[8];
+      unpack_block_vnni(src, wk);
+      #pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) _mm512_storeu_si512(buffer.data() + (b * 8 + k) * 64, wk[k]);
     }
-    Unit::release();
+    return {buffer.data()};
   }
+  QINFER_VNNI QINFER_INLINE static void amx_steps(const Int4Tiles<S>& w, const Unpacked&,
+                                                  int64_t g, int64_t b, const int32_t* dot,
+                                                  const int32_t*, const float* dx, const float* s,
+                                                  const Act&, int64_t, int64_t,
+                                                  __m512 (&acc)[kAmxRows]) {
+    const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
+    const __m512 m16 = offsets16(w.m_of(g, b), w.d_of(g, b), 0, kTileCols);
+    #pragma GCC unroll 16
+    for (int i = 0; i < kAmxRows; ++i) {
+      const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx[i]));
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(dot + i * kTileCols));
+      acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i]), acc[i]);
+    }
+  }
+  QINFER_VNNI QINFER_INLINE static __m512 amx_out(const Unpacked&, __m512 acc) { return acc; }
 
   // A block's exact int32 dot per lane for half a tile (8 columns): the unpacked nibbles wk
   // (u8) by the row's 8 activation dwords, broadcast. vpmaddubsw into int16 pairs, the 8

@@ -80,72 +80,6 @@ QINFER_INLINE void with_rows(int64_t rows, F&& f) {
   f(std::integral_constant<int, R>{});
 }
 
-// out (M, N) = the kernel's weight w (N, K) times its activations a (M, K), transposed. A
-// Kernel (int4_q8.cpp's, int4_groups.cpp's, int8_q8.cpp's) has the weights its tiles read
-// for column tile g (`tile(w, g, path, M)`: the int4 tiles as they are, int8 rows staged into
-// tiles), a tile of up to kRowsVnni rows by a whole tile of columns on VNNI (`tile_vnni<R>(t,
-// g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
-// r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), its activations'
-// bytes an element (kActivationBytes: 1 for int8, 4 for fp32), and, where kAmx, AMX tiles for
-// column tiles g0..g1 by a pass's rows (`tiles_amx<Unit>(w, g0, g1, acts, m0, m1, out)`, amx.h),
-// which the path "amx" takes for calls of kAmxFromRows rows or more. Threads take whole column
-// tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes
-// the same steps whichever tile, thread or row count computes it.
-template <typename Kernel, typename W, typename A>
-void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
-  const int64_t K = w.nb * kBlock;
-  const bool amx = Kernel::kAmx && path == Isa::Amx && M >= kAmxFromRows;
-  path = vector_isa(path);
-  const int64_t step = amx ? kAmxRows : Kernel::kRowsVnni;
-  // Rows a pass: their activations (~256 KB) stay in L2 while every column tile passes over
-  // them. One pass over all of a long prompt's rows read them again for each column tile,
-  // from memory: 2,048 rows ran at half the rate of 256.
-  const int64_t chunk =
-      std::max<int64_t>(step, (int64_t{1} << 18) / (K * Kernel::kActivationBytes) / step * step);
-  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-    const int64_t m1 = std::min(M, m0 + chunk);
-    // enough tiles per task that the pool's wake-up is paid for
-    const int64_t work = std::max<int64_t>(1, (m1 - m0) * K * kTileCols);  // a tile's multiply-adds
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
-    if constexpr (Kernel::kAmx) {
-      if (amx && m1 - m0 >= kAmxFromRows) {
-        static thread_local AmxActs storage;
-        storage.make(a, m0, m1);
-        const AmxActs& acts = storage;  // the caller's (a thread_local's name is each thread's)
-        at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
-          if (amx_unit() == AmxUnit::Hardware)
-            Kernel::template tiles_amx<AmxHardware>(w, g0, g1, acts, m0, m1, out);
-          else Kernel::template tiles_amx<AmxModel>(w, g0, g1, acts, m0, m1, out);
-        });
-        continue;
-      }
-    }
-    at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        if (path == Isa::Scalar) {
-          for (int64_t r = m0; r < m1; ++r)
-            for (int64_t n = g * kTileCols; n < g * kTileCols + w.lanes(g); ++n)
-              Kernel::dot_scalar(w, n, a, r, out);
-          continue;
-        }
-        const auto& t = Kernel::tile(w, g, path, m1 - m0);
-        if (path == Isa::Vnni) {
-          for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsVnni)
-            with_rows<Kernel::kRowsVnni>(m1 - r0, [&](auto rows) {
-              Kernel::template tile_vnni<decltype(rows)::value>(t, g, a, r0, out);
-            });
-        } else {
-          for (int64_t h = 0; h < 2 && 8 * h < w.lanes(g); ++h)
-            for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsAvx2)
-              with_rows<Kernel::kRowsAvx2>(m1 - r0, [&](auto rows) {
-                Kernel::template tile_avx2<decltype(rows)::value>(t, g, h, a, r0, out);
-              });
-        }
-      }
-    });
-  }
-}
-
 // How far ahead of its reads a tile fetches the weight: 16 blocks (their compute outlasts a
 // read from memory even for one row; past the tile's end it fetches the next tile, which
 // follows it). At 512 bytes, tiles of 8 rows read their weights from memory at 18-19 GB/s
@@ -190,6 +124,126 @@ QINFER_VNNI QINFER_INLINE void store_lanes(float* out, int64_t lanes, __m512 v) 
 QINFER_AVX2 QINFER_INLINE void store_lanes(float* out, int64_t lanes, __m256 v) {
   if (lanes >= 8) _mm256_storeu_ps(out, v);
   else _mm256_maskstore_ps(out, first_dwords(lanes), v);
+}
+
+// Block b's product(s) for group `group` of rows into dots: its halves on sets 0 and 1, or the
+// whole block on set b % 2.
+template <bool Halves, typename Unit, typename T>
+QINFER_AMX QINFER_INLINE void amx_products(const T& t, const AmxActs& acts, int64_t group,
+                                           int64_t b, int32_t (&dots)[2][kAmxRows * kTileCols]) {
+  const int8_t* qa = acts.tile(group, b);
+  const uint8_t* qw = t.block(b);
+  if constexpr (Halves) {
+    Unit::template product<0>(qa, qw, dots[0]);
+    Unit::template product<1>(qa + kBlock / 2, qw + 4 * 64, dots[1]);
+  } else if (b & 1) {
+    Unit::template product<1>(qa, qw, dots[1]);
+  } else {
+    Unit::template product<0>(qa, qw, dots[0]);
+  }
+}
+
+// Column tiles g0..g1 by rows m0..m1 on AMX tiles (Unit: amx.h's tile unit or its model), to
+// the bits of the kernel's VNNI tile: per column tile, its B tiles (`amx_tile(w, g)`: each
+// block 8 rows of 64 bytes, the VNNI tile's 8 registers), then per group of 16 rows each
+// block's exact int32 dots from TDPBSUD (one product of the block, or with kAmxHalves one per
+// half block on the two sets), stored and taken through the VNNI tile's fp32 steps
+// (`amx_steps`) into the rows' accumulators, and the rows' outputs (`amx_out`) stored. Whole
+// blocks issue block b + 1's product before block b's steps, on the other set of tiles.
+template <typename Kernel, typename Unit, typename W, typename A>
+QINFER_AMX void tiles_amx(const W& w, int64_t g0, int64_t g1, const AmxActs& acts, const A& a,
+                          int64_t m0, int64_t m1, float* out) {
+  constexpr bool halves = Kernel::kAmxHalves;
+  alignas(64) int32_t dots[2][kAmxRows * kTileCols];  // each set's C (16 rows x 16 int32)
+  Unit::configure(TileConfig(halves ? 16 : 32));
+  for (int64_t g = g0; g < g1; ++g) {
+    const auto t = Kernel::amx_tile(w, g);
+    for (int64_t group = 0; group * kAmxRows < m1 - m0; ++group) {
+      const int64_t r0 = m0 + group * kAmxRows, rows = std::min(kAmxRows, m1 - r0);
+      __m512 acc[kAmxRows];
+      #pragma GCC unroll 16
+      for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
+      if constexpr (!halves) amx_products<halves, Unit>(t, acts, group, 0, dots);
+      for (int64_t b = 0; b < w.nb; ++b) {
+        if constexpr (halves) amx_products<halves, Unit>(t, acts, group, b, dots);
+        else if (b + 1 < w.nb) amx_products<halves, Unit>(t, acts, group, b + 1, dots);
+        const int32_t* whole = dots[b & 1];
+        Kernel::amx_steps(w, t, g, b, halves ? dots[0] : whole, halves ? dots[1] : nullptr,
+                          acts.dx_of(group, b), acts.s_of(group, b), a, r0, rows, acc);
+      }
+      #pragma GCC unroll 16
+      for (int i = 0; i < kAmxRows; ++i)
+        if (i < rows)
+          store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), Kernel::amx_out(t, acc[i]));
+    }
+  }
+  Unit::release();
+}
+
+// out (M, N) = the kernel's weight w (N, K) times its activations a (M, K), transposed. A
+// Kernel (int4_q8.cpp's, int4_groups.cpp's, int8_q8.cpp's) has the weights its tiles read
+// for column tile g (`tile(w, g, path, M)`: the int4 tiles as they are, int8 rows staged into
+// tiles), a tile of up to kRowsVnni rows by a whole tile of columns on VNNI (`tile_vnni<R>(t,
+// g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
+// r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), its activations'
+// bytes an element (kActivationBytes: 1 for int8, 4 for fp32), and, where kAmx, what
+// `tiles_amx` asks of it (above), which the path "amx" takes for calls of kAmxFromRows rows or
+// more (their activations as int8 in `act_of(a)`). Threads take whole column
+// tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes
+// the same steps whichever tile, thread or row count computes it.
+template <typename Kernel, typename W, typename A>
+void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
+  const int64_t K = w.nb * kBlock;
+  const bool amx = Kernel::kAmx && path == Isa::Amx && M >= kAmxFromRows;
+  path = vector_isa(path);
+  const int64_t step = amx ? kAmxRows : Kernel::kRowsVnni;
+  // Rows a pass: their activations (~256 KB) stay in L2 while every column tile passes over
+  // them. One pass over all of a long prompt's rows read them again for each column tile,
+  // from memory: 2,048 rows ran at half the rate of 256.
+  const int64_t chunk =
+      std::max<int64_t>(step, (int64_t{1} << 18) / (K * Kernel::kActivationBytes) / step * step);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t m1 = std::min(M, m0 + chunk);
+    // enough tiles per task that the pool's wake-up is paid for
+    const int64_t work = std::max<int64_t>(1, (m1 - m0) * K * kTileCols);  // a tile's multiply-adds
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+    if constexpr (Kernel::kAmx) {
+      if (amx && m1 - m0 >= kAmxFromRows) {
+        static thread_local AmxActs storage;
+        storage.make(Kernel::act_of(a), m0, m1);
+        const AmxActs& acts = storage;  // the caller's (a thread_local's name is each thread's)
+        at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
+          if (amx_unit() == AmxUnit::Hardware)
+            tiles_amx<Kernel, AmxHardware>(w, g0, g1, acts, a, m0, m1, out);
+          else tiles_amx<Kernel, AmxModel>(w, g0, g1, acts, a, m0, m1, out);
+        });
+        continue;
+      }
+    }
+    at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        if (path == Isa::Scalar) {
+          for (int64_t r = m0; r < m1; ++r)
+            for (int64_t n = g * kTileCols; n < g * kTileCols + w.lanes(g); ++n)
+              Kernel::dot_scalar(w, n, a, r, out);
+          continue;
+        }
+        const auto& t = Kernel::tile(w, g, path, m1 - m0);
+        if (path == Isa::Vnni) {
+          for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsVnni)
+            with_rows<Kernel::kRowsVnni>(m1 - r0, [&](auto rows) {
+              Kernel::template tile_vnni<decltype(rows)::value>(t, g, a, r0, out);
+            });
+        } else {
+          for (int64_t h = 0; h < 2 && 8 * h < w.lanes(g); ++h)
+            for (int64_t r0 = m0; r0 < m1; r0 += Kernel::kRowsAvx2)
+              with_rows<Kernel::kRowsAvx2>(m1 - r0, [&](auto rows) {
+                Kernel::template tile_avx2<decltype(rows)::value>(t, g, h, a, r0, out);
+              });
+        }
+      }
+    });
+  }
 }
 
 }  // namespace qinfer_kernels

@@ -311,7 +311,7 @@ template <int B, typename S>
 struct Int8Q8 {
   static constexpr int64_t L = Int8Weight<B, S>::kScales;
   static constexpr int kRowsVnni = 8;  // 8 weight registers, 8 accumulators, the dots
-  static constexpr bool kAmx = false;
+  static constexpr bool kAmx = true;
   static constexpr int kRowsAvx2 = 2;  // AVX2's 16 registers: the 8 weights and their |q|
   static constexpr int64_t kActivationBytes = 1;
 
@@ -455,6 +455,36 @@ struct Int8Q8 {
                   L == 0 ? _mm512_mul_ps(acc[i], rows) : acc[i]);
   }
 
+  // What int4_tiles.h's `tiles_amx` asks of the kernel: half blocks where a block has two
+  // scales (L = 2); the activations' int8; the VNNI tile's staged values (top bit flipped, so
+  // TDPBSUD's unsigned B) as B tiles; and block b's fp32 steps, the VNNI tile's, on each row's
+  // stored dots plus its corrections (rows past the call's: none). For whole blocks the two
+  // corrections are added to the one product: the same exact int32 as the VNNI tile's halves.
+  static constexpr bool kAmxHalves = L == 2;
+  static const Act& act_of(const ActQ8& a) { return a.a; }
+  static Staged<B, S> amx_tile(const Int8Weight<B, S>& w, int64_t g) {
+    return tile(w, g, Isa::Vnni, kAmxFromRows);
+  }
+  QINFER_VNNI QINFER_INLINE static void amx_steps(const Int8Weight<B, S>&, const Staged<B, S>& t,
+                                                  int64_t, int64_t b, const int32_t* lo,
+                                                  const int32_t* hi, const float* dx,
+                                                  const float*, const ActQ8& a, int64_t r0,
+                                                  int64_t rows, __m512 (&acc)[kAmxRows]) {
+    #pragma GCC unroll 16
+    for (int i = 0; i < kAmxRows; ++i) {
+      const int32_t* corr = i < rows ? a.row_corr(r0 + i) + 2 * b : nullptr;
+      const __m512i first = _mm512_set1_epi32(corr ? corr[0] : 0);
+      const __m512i second = _mm512_set1_epi32(corr ? corr[1] : 0);
+      const __m512i dot[2] = {
+          _mm512_add_epi32(_mm512_load_si512(lo + i * kTileCols), first),
+          L == 2 ? _mm512_add_epi32(_mm512_load_si512(hi + i * kTileCols), second) : second};
+      scaled_vnni(dot, t.d, b, dx[i], acc[i]);
+    }
+  }
+  QINFER_VNNI QINFER_INLINE static __m512 amx_out(const Staged<B, S>& t, __m512 acc) {
+    return L == 0 ? _mm512_mul_ps(acc, _mm512_loadu_ps(t.d)) : acc;
+  }
+
   // R rows by half h of tile g (8 columns): per dword k, maddubs of |q| and the row's
   // broadcast qx with q's sign, madd'ed into the dword's exact int32 sum of 4 products.
   template <int R>
@@ -565,14 +595,14 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& q_in, const at::Ten
               ", got ", shape_str(scales_in));
   const at::Tensor d_super = checked_super_scales("int8_mm", scales_in, d_super_in, N, K);
   const at::Tensor q = checked_values("int8_mm", q_in, scales_in, N, K);
-  const Isa path = vector_isa(resolve_path("int8_mm", path_name_in, kDotPaths));
+  const Isa path = resolve_path("int8_mm", path_name_in, kDotPaths);
   const at::Tensor x = x_in.contiguous(), sc = scales_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   static thread_local ActStorage storage;
   static thread_local std::vector<int32_t> corr;
   const Act a = storage.make(M, K);
-  quantize(x, a, path);
+  quantize(x, a, vector_isa(path));
   corrections(a, M, corr);
   const ActQ8 act{a, corr.data()};
   with_block_scales(sc, [&](auto tag) {

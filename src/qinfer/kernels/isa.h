@@ -20,8 +20,8 @@
 
 namespace qinfer_kernels {
 
-// Amx: VNNI's instructions and, for the int4 products of enough rows, AMX-INT8's tiles, which
-// compute the same bits (amx.h); the other dot products take VNNI's.
+// Amx: VNNI's instructions and, for int4_mm's and int8_mm's products of enough rows, AMX-INT8's
+// tiles, which compute the same bits (amx.h); the other dot products take VNNI's.
 enum class Isa { Scalar, Avx2, Avx512, Vnni, Amx };
 
 #define QINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -54,7 +54,7 @@ inline AmxUnit amx_unit() {
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0) {
       TORCH_WARN("qinfer kernels: the CPU has AMX-INT8 but Linux refused this process its tile "
-                 "state (arch_prctl ARCH_REQ_XCOMP_PERM); the int4 products run on VNNI");
+                 "state (arch_prctl ARCH_REQ_XCOMP_PERM); the int8 products run on VNNI");
       return AmxUnit::None;
     }
     return AmxUnit::Hardware;
@@ -105,8 +105,8 @@ inline const char* isa_needs(Isa isa) {
 constexpr std::initializer_list<Isa> kDotPaths = {Isa::Scalar, Isa::Avx2, Isa::Vnni, Isa::Amx};
 constexpr std::initializer_list<Isa> kVectorPaths = {Isa::Scalar, Isa::Avx2, Isa::Avx512};
 
-// What a dot-product path's vector code runs: VNNI's for "amx" (whose tiles only the int4
-// products of enough rows take).
+// What a dot-product path's vector code runs: VNNI's for "amx" (whose tiles only int4_mm's
+// and int8_mm's products of enough rows take).
 inline Isa vector_isa(Isa path) { return path == Isa::Amx ? Isa::Vnni : path; }
 
 // The widest path "auto" may take: torch's ATEN_CPU_CAPABILITY caps its own kernels to

@@ -187,10 +187,10 @@ QINFER_AMX void tiles_amx(const W& w, int64_t g0, int64_t g1, const AmxActs& act
 // g, a, r0, out)`), of up to kRowsAvx2 rows by half a tile on AVX2 (`tile_avx2<R>(t, g, h, a,
 // r0, out)`), one output at a time from w (`dot_scalar(w, n, a, r, out)`), its activations'
 // bytes an element (kActivationBytes: 1 for int8, 4 for fp32), and, where kAmx, what
-// `tiles_amx` asks of it (above), which the path "amx" takes for calls of kAmxFromRows rows or
-// more (their activations as int8 in `act_of(a)`). Threads take whole column
-// tiles, each tile all the rows of a pass while its weights stay in cache. Every output takes
-// the same steps whichever tile, thread or row count computes it.
+// `tiles_amx` asks of it (above), which the path "amx" takes for passes of kAmxFromRows rows
+// or more (their int8 activations: `act_of(a)`; a shorter last pass takes the VNNI tiles).
+// Threads take whole column tiles, each tile all the rows of a pass while its weights stay in
+// cache. Every output takes the same steps whichever tile, thread or row count computes it.
 template <typename Kernel, typename W, typename A>
 void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t K = w.nb * kBlock;

@@ -17,6 +17,8 @@
 // bits; it lets a CPU without AMX check the tiles' layout, strides, padding and order.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -61,12 +63,19 @@ struct alignas(64) TileConfig {
 // tiles (tmm 3 Set + 0, 1, 2: C, A, B): C = 0, A from a (16 rows 32 bytes apart: `AmxActs`),
 // B from b (rows 64 bytes apart), C += A . B (TDPBSUD), C stored to c (16 rows 64 bytes apart).
 
-// The tile unit of the CPU. (GCC's tile intrinsics take the register's number as a literal.)
+// The tile unit of the CPU. (GCC's tile intrinsics take the register's number as a literal.
+// GCC 12's declare no read of the memory a tile load reads, and only 8 of LDTILECFG's 64
+// bytes: the empty asm with a "memory" clobber keeps every store before them, the B tiles' and
+// the configuration's, from moving past them.)
 struct AmxHardware {
-  QINFER_AMX static void configure(const TileConfig& config) { _tile_loadconfig(&config); }
+  QINFER_AMX static void configure(const TileConfig& config) {
+    asm volatile("" ::: "memory");
+    _tile_loadconfig(&config);
+  }
   QINFER_AMX static void release() { _tile_release(); }
   template <int Set>
   QINFER_AMX QINFER_INLINE static void product(const int8_t* a, const uint8_t* b, int32_t* c) {
+    asm volatile("" ::: "memory");
     if constexpr (Set == 0) {
       _tile_zero(0);
       _tile_loadd(1, a, 32);
@@ -80,11 +89,15 @@ struct AmxHardware {
       _tile_dpbsud(3, 4, 5);
       _tile_stored(3, c, 64);
     }
+    asm volatile("" ::: "memory");
   }
 };
 
 // The software model (see above): this thread's 8 tiles of at most 16 rows x 64 bytes, each
-// instruction on the configured rows and bytes of its tiles.
+// instruction on the configured rows and bytes of its tiles. What the hardware refuses (a
+// fault there) is refused here too, in one line: a configuration other than palette 1 with
+// reserved bytes zero and tiles of at most 16 rows x 64 bytes, a tile used unconfigured, and a
+// TDPBSUD whose shapes disagree.
 struct AmxModel {
   struct State {
     TileConfig config;
@@ -94,15 +107,35 @@ struct AmxModel {
     static thread_local State s;
     return s;
   }
-  static void configure(const TileConfig& config) { state().config = config; }
+  static void configure(const TileConfig& config) {
+    bool reserved_zero = config.start_row == 0;
+    for (uint8_t byte : config.reserved) reserved_zero = reserved_zero && byte == 0;
+    TORCH_CHECK(config.palette == 1 && reserved_zero, "AMX model: LDTILECFG of a palette ",
+                int(config.palette), " or with reserved bytes set");
+    for (int t = 0; t < 16; ++t)
+      TORCH_CHECK(config.rows[t] <= 16 && config.colsb[t] <= 64 && (t < 8 || config.rows[t] == 0),
+                  "AMX model: tile ", t, " configured ", int(config.rows[t]), " rows x ",
+                  config.colsb[t], " bytes");
+    state().config = config;
+  }
   static void release() { std::memset(&state().config, 0, sizeof(TileConfig)); }
-  static void zero(int t) { std::memset(state().tiles[t], 0, sizeof state().tiles[t]); }
+  static void configured(int t) {
+    const TileConfig& c = state().config;
+    TORCH_CHECK(c.palette == 1 && c.rows[t] > 0 && c.colsb[t] > 0, "AMX model: tile ", t,
+                " used unconfigured");
+  }
+  static void zero(int t) {
+    configured(t);
+    std::memset(state().tiles[t], 0, sizeof state().tiles[t]);
+  }
   static void load(int t, const void* src, int64_t stride) {
+    configured(t);
     State& s = state();
     for (int r = 0; r < s.config.rows[t]; ++r)
       std::memcpy(s.tiles[t][r], static_cast<const uint8_t*>(src) + r * stride, s.config.colsb[t]);
   }
   static void store(int t, void* dst, int64_t stride) {
+    configured(t);
     State& s = state();
     for (int r = 0; r < s.config.rows[t]; ++r)
       std::memcpy(static_cast<uint8_t*>(dst) + r * stride, s.tiles[t][r], s.config.colsb[t]);
@@ -110,12 +143,18 @@ struct AmxModel {
   // TDPBSUD: C[m][n] += sum over k < A's bytes / 4, i < 4 of A[m][4k + i] (signed) times
   // B[k][4n + i] (unsigned), for C's configured rows and dwords
   static void dpbsud(int c, int a, int b) {
+    configured(c), configured(a), configured(b);
     State& s = state();
-    for (int m = 0; m < s.config.rows[c]; ++m)
-      for (int n = 0; n < s.config.colsb[c] / 4; ++n) {
+    const TileConfig& f = s.config;
+    TORCH_CHECK(f.rows[c] == f.rows[a] && f.colsb[c] == f.colsb[b] &&
+                    f.colsb[a] == 4 * f.rows[b] && f.colsb[a] % 4 == 0 && f.colsb[c] % 4 == 0,
+                "AMX model: TDPBSUD of C ", int(f.rows[c]), " x ", f.colsb[c], ", A ",
+                int(f.rows[a]), " x ", f.colsb[a], ", B ", int(f.rows[b]), " x ", f.colsb[b]);
+    for (int m = 0; m < f.rows[c]; ++m)
+      for (int n = 0; n < f.colsb[c] / 4; ++n) {
         int32_t sum;
         std::memcpy(&sum, s.tiles[c][m] + 4 * n, sizeof sum);
-        for (int k = 0; k < s.config.colsb[a] / 4; ++k)
+        for (int k = 0; k < f.colsb[a] / 4; ++k)
           for (int i = 0; i < 4; ++i)
             sum += static_cast<int8_t>(s.tiles[a][m][4 * k + i]) *
                    static_cast<int32_t>(s.tiles[b][k][4 * n + i]);

@@ -155,9 +155,11 @@ QINFER_AMX void tiles_amx(const W& w, int64_t g0, int64_t g1, const AmxActs& act
                           int64_t m0, int64_t m1, float* out) {
   constexpr bool halves = Kernel::kAmxHalves;
   alignas(64) int32_t dots[2][kAmxRows * kTileCols];  // each set's C (16 rows x 16 int32)
-  Unit::configure(TileConfig(halves ? 16 : 32));
   for (int64_t g = g0; g < g1; ++g) {
     const auto t = Kernel::amx_tile(w, g);
+    // configured after amx_tile's calls and released at the tile's end: the ABI keeps no
+    // tile state across a call
+    Unit::configure(TileConfig(halves ? 16 : 32));
     for (int64_t group = 0; group * kAmxRows < m1 - m0; ++group) {
       const int64_t r0 = m0 + group * kAmxRows, rows = std::min(kAmxRows, m1 - r0);
       __m512 acc[kAmxRows];
@@ -176,8 +178,8 @@ QINFER_AMX void tiles_amx(const W& w, int64_t g0, int64_t g1, const AmxActs& act
         if (i < rows)
           store_lanes(out + (r0 + i) * w.N + g * kTileCols, w.lanes(g), Kernel::amx_out(t, acc[i]));
     }
+    Unit::release();
   }
-  Unit::release();
 }
 
 // out (M, N) = the kernel's weight w (N, K) times its activations a (M, K), transposed. A
@@ -199,9 +201,10 @@ void tiles_matmul(Isa path, const W& w, int64_t M, const A& a, float* out) {
   const int64_t step = amx ? kAmxRows : Kernel::kRowsVnni;
   // Rows a pass: their activations (~256 KB) stay in L2 while every column tile passes over
   // them. One pass over all of a long prompt's rows read them again for each column tile,
-  // from memory: 2,048 rows ran at half the rate of 256.
-  const int64_t chunk =
-      std::max<int64_t>(step, (int64_t{1} << 18) / (K * Kernel::kActivationBytes) / step * step);
+  // from memory: 2,048 rows ran at half the rate of 256. (At least the rows AMX's tiles take,
+  // on their path: past K = 8,192 a pass of 256 KB is shorter.)
+  const int64_t chunk = std::max<int64_t>(
+      amx ? kAmxFromRows : step, (int64_t{1} << 18) / (K * Kernel::kActivationBytes) / step * step);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = std::min(M, m0 + chunk);
     // enough tiles per task that the pool's wake-up is paid for

@@ -357,18 +357,19 @@ def test_the_amx_tiles_model_gives_the_vnni_bits(built, tmp_path) -> None:
     tests = str(Path(__file__).parent)
     env = {"QINFER_AMX": "emulate", "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
     call = "__import__('test_int_dot_kernels').amx_outputs('amx')"
-    got = in_fresh_process(env, tmp_path, call)
-    want = amx_outputs("vnni")
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a, b), f"case {i // len(AMX_ROWS)}, {AMX_ROWS[i % len(AMX_ROWS)]} rows"
+    assert_vnni_bits(in_fresh_process(env, tmp_path, call))
 
 
 def test_the_amx_tiles_give_the_vnni_bits(built) -> None:
     """The same on this CPU's tile unit (AMX-INT8 and Linux's leave to use it)."""
     if "amx" not in kernels.paths():
         pytest.skip(f"this CPU has no amx path (it has {', '.join(kernels.paths())})")
-    for i, (a, b) in enumerate(zip(amx_outputs("amx"), amx_outputs("vnni"), strict=True)):
+    assert_vnni_bits(amx_outputs("amx"))
+
+
+def assert_vnni_bits(outputs: list[torch.Tensor]) -> None:
+    """`outputs` (`amx_outputs` on "amx") are the VNNI path's, case by case, bit for bit."""
+    for i, (a, b) in enumerate(zip(outputs, amx_outputs("vnni"), strict=True)):
         assert torch.equal(a, b), f"case {i // len(AMX_ROWS)}, {AMX_ROWS[i % len(AMX_ROWS)]} rows"
 
 

@@ -16,9 +16,9 @@ from qinfer.kernels import build, registry
 
 #: The dot products' paths (int4_mm, int8_mm, int8_blocks_mm, int4_groups_mm,
 #: quantize_q8_1), slowest first. "amx": VNNI's bits, int4_mm's and int8_mm's products of
-#: 32 rows or more
-#: on AMX-INT8's tiles (where the CPU has them and Linux lets the process use them, or on the
-#: kernels' software model of them under QINFER_AMX=emulate; QINFER_AMX=off: no "amx").
+#: 32 rows or more on AMX-INT8's tiles (where the CPU has them and Linux lets the process use
+#: them, or on the kernels' software model of them under QINFER_AMX=emulate; QINFER_AMX=off:
+#: no "amx").
 DOT_PATHS = ("scalar", "avx2", "vnni", "amx")
 #: add_rms_norm's, heads_rms_norm's and lora_add's paths, slowest first.
 NORM_PATHS = ("scalar", "avx2", "avx512")

@@ -169,8 +169,7 @@ QINFER_AMX void tiles_amx(const W& w, int64_t g0, int64_t g1, const AmxActs& act
       for (int64_t b = 0; b < w.nb; ++b) {
         if constexpr (halves) amx_products<halves, Unit>(t, acts, group, b, dots);
         else if (b + 1 < w.nb) amx_products<halves, Unit>(t, acts, group, b + 1, dots);
-        const int32_t* whole = dots[b & 1];
-        Kernel::amx_steps(w, t, g, b, halves ? dots[0] : whole, halves ? dots[1] : nullptr,
+        Kernel::amx_steps(w, t, g, b, dots[halves ? 0 : b & 1], halves ? dots[1] : nullptr,
                           acts.dx_of(group, b), acts.s_of(group, b), a, r0, rows, acc);
       }
       #pragma GCC unroll 16

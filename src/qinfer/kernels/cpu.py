@@ -1,7 +1,8 @@
 """What this CPU runs of the kernels: the paths each op can take, the one `path="auto"`
 takes (`auto_path`, `norm_auto_path`), and whether the layers take the kernels at all
 (`in_use`). The library detects the CPU's instruction sets once, for every source (isa.h,
-`torch.ops.qinfer.cpu_isas`); each op's paths are the ISAs of its ladder the CPU runs.
+`torch.ops.qinfer.cpu_isas`); each op's paths are the ISAs of its ladder the CPU runs, and
+"auto" is the library's own choice (`torch.ops.qinfer.auto_path`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ NORM_PATHS = ("scalar", "avx2", "avx512")
 #: The linear layers' paths have their own switch (`QINFER_LINEAR_PATH`).
 SWITCH = "QINFER_CPU_KERNELS"
 
-#: ATEN_CPU_CAPABILITY (torch's cap on its own CPU kernels, which emulates a smaller CPU) ->
-#: the fastest path it allows ("avx512": VNNI, without AMX's tiles).
-_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "vnni"}
-
 
 @functools.cache
 def _isas() -> frozenset[str]:
@@ -55,20 +52,18 @@ def norm_paths() -> tuple[str, ...]:
 @functools.cache
 def auto_path() -> str:
     """The path `path="auto"` takes: the fastest this CPU runs, capped as torch caps its own
-    kernels by ATEN_CPU_CAPABILITY (so an emulated AVX2 machine rounds as a real one)."""
-    return _capped(paths())
+    kernels by ATEN_CPU_CAPABILITY (so an emulated AVX2 machine rounds as a real one; the
+    library's answer, isa.h's `best`, which the ops' "auto" takes)."""
+    build.require()
+    return torch.ops.qinfer.auto_path("dot")
 
 
 @registry.constant_in_graphs
 @functools.cache
 def norm_auto_path() -> str:
     """The path `add_rms_norm(path="auto")` takes: the fastest, capped as `auto_path`."""
-    return _capped(norm_paths())
-
-
-def _capped(here: tuple[str, ...]) -> str:
-    cap = _CAPS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
-    return cap if cap in here else here[-1]
+    build.require()
+    return torch.ops.qinfer.auto_path("vector")
 
 
 @registry.constant_in_graphs

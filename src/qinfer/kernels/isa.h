@@ -6,7 +6,8 @@
 // ISAs, slowest first, as its "paths" (dot products: scalar, avx2, vnni, amx; the norms and
 // the attention: scalar, avx2, avx512); "auto" is the fastest of the ladder this CPU runs, the
 // same for every call whatever the batch, so that the rounding (which may differ between
-// paths) never depends on it. The Python side (qinfer/kernels/cpu.py) asks `cpu_isas` once.
+// paths) never depends on it. The Python side (qinfer/kernels/cpu.py) asks `cpu_isas` and
+// `auto_path` once.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -111,8 +112,8 @@ inline Isa vector_isa(Isa path) { return path == Isa::Amx ? Isa::Vnni : path; }
 
 // The widest path "auto" may take: torch's ATEN_CPU_CAPABILITY caps its own kernels to
 // emulate a smaller CPU ("default", "avx2", "avx512": VNNI, no AMX tiles), and the ops'
-// automatic choices are capped alike (the dot products' by qinfer/kernels/cpu.py, which names
-// their path), so that an emulated AVX2 machine runs and rounds as a real one. Read once.
+// automatic choices are capped alike (the one mapping: qinfer/kernels/cpu.py asks the library's
+// `auto_path`), so that an emulated AVX2 machine runs and rounds as a real one. Read once.
 inline Isa capability_cap() {
   static const Isa cap = [] {
     const char* env = std::getenv("ATEN_CPU_CAPABILITY");

@@ -24,10 +24,20 @@ std::string cpu_isas() {
   return s;
 }
 
+// The path "auto" takes on `ladder` ("dot": the dot products', "vector": the other ops'), by
+// isa.h's name: the fastest the CPU runs within ATEN_CPU_CAPABILITY's cap (`best`), which
+// qinfer/kernels/cpu.py reports as the ops' automatic path.
+std::string auto_path(const std::string& ladder) {
+  TORCH_CHECK(ladder == "dot" || ladder == "vector",
+              "auto_path: ladder must be \"dot\" or \"vector\", got \"", ladder, "\"");
+  return isa_name(best(ladder == "dot" ? kDotPaths : kVectorPaths));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qinfer, lib) {
   lib.def("cpu_isas() -> str", &cpu_isas);
+  lib.def("auto_path(str ladder) -> str", &auto_path);
   lib.def("pack_int4(Tensor q, Tensor scales, Tensor zeros) -> (Tensor, Tensor, Tensor)",
           &pack_int4);
   lib.def("quantize_q8_1(Tensor x, str path='auto') -> (Tensor, Tensor, Tensor)");

@@ -16,6 +16,8 @@ import torch
 from capped import in_capped_process
 
 from qinfer import kernels
+from qinfer.attention.kv_pool import LayerKV, store_kv
+from qinfer.attention.kv_quant import kv_format
 from qinfer.layers.rope import RoPE
 
 BLOCK = 16
@@ -85,13 +87,14 @@ def case(
 def run(c: dict, window: int | None, scale: float = 0.125, rows=slice(None)) -> torch.Tensor:
     """The op on sequences `rows` of case c."""
     pick = {
-        name: value if name in ("keys", "values") or value is None else value[rows]
-        for name, value in c.items()
+        name: value if name in POOL or value is None else value[rows] for name, value in c.items()
     }
     return kernels.paged_decode_attention(**pick, block_size=BLOCK, window=window, scale=scale)
 
 
 DTYPES = [torch.float32, torch.bfloat16]
+#: A case's pool tensors: whole in every call (its other tensors are per sequence).
+POOL = ("keys", "values", "key_scales", "value_scales")
 WINDOWS = [(None, False, SHORT), (7, False, SHORT), (20, True, SHORT)]
 # several chunks: from the first key, from a window's first (mid-block), and from a window's
 # first in a table that starts past position 0
@@ -249,3 +252,66 @@ def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_
         out, keys, values = in_capped_process(capability, tmp_path, call, *inputs)
         assert torch.equal(out, here), capability
         assert torch.equal(keys, c["keys"]) and torch.equal(values, c["values"]), capability
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize(("window", "sliding", "totals"), [(None, False, LONG), (20, True, SHORT)])
+@pytest.mark.parametrize(("D", "N"), [(64, 2), (72, 1)])  # N scales a row: per 32, or per row
+def test_an_int8_pool_attends_as_the_fp32_pool_of_its_dequantized_values(
+    q_dtype, window, sliding, totals, D, N
+):
+    """An int8 pool (kv_quant's "int8": fp16 scales per 32 elements, or one a row where 32
+    does not divide D) gives, bit for bit, the output of an fp32 pool holding its values
+    dequantized (exact in fp32), over several chunks of keys and within windows."""
+    c = case(q_dtype, torch.float32, sliding, seed=3, D=D, totals=totals)
+    fmt = kv_format("int8", torch.float32)
+    assert fmt.scales_per_vector(D) == N
+    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
+    dequantized = {
+        "keys": fmt.dequantize(keys, key_scales, torch.float32),
+        "values": fmt.dequantize(values, value_scales, torch.float32),
+    }
+    stored = {"k": None, "v": None, "slots": None}
+    expected = run({**c, **stored, **dequantized}, window)
+    int8 = {**c, **stored, "keys": keys, "values": values}
+    int8 |= {"key_scales": key_scales, "value_scales": value_scales}
+    assert torch.equal(run(int8, window), expected)
+
+
+def test_an_int8_pool_is_refused_without_its_scales_and_scales_without_one():
+    """An int8 pool without its scales, scales beside an fp32 pool, and scales of the wrong
+    dtype: each refused in one line."""
+    c = case(torch.float32, torch.float32, False)
+    fmt = kv_format("int8", torch.float32)
+    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
+    int8 = {**c, "keys": keys, "values": values, "k": None, "v": None, "slots": None}
+    scales = {"key_scales": key_scales, "value_scales": value_scales}
+    with pytest.raises(RuntimeError, match="key_scales and value_scales are given with an int8"):
+        run(int8, None)
+    with pytest.raises(RuntimeError, match="key_scales and value_scales are given with an int8"):
+        run(c | scales, None)
+    with pytest.raises(RuntimeError, match=r"must be contiguous \(2, \d+, N\) fp16"):
+        run(int8 | scales | {"key_scales": key_scales.float()}, None)
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+def test_an_int8_pool_stores_k_and_v_as_kv_quant_quantizes_them(q_dtype):
+    """k and v stored by the op into an int8 pool: the values and scales `store_kv` writes
+    (`KVFormat.quantize`), bit for bit, for blocks of zeros, of tiny values (a subnormal fp16
+    scale) and of large ones; and the output that pool gives once torch stored them."""
+    c = case(q_dtype, torch.float32, False, seed=4)
+    c["k"][0, 0, :32] = 0
+    c["k"][1, 1, 32:] *= 1e-6
+    c["v"][2, 0, :32] *= 1e4
+    fmt = kv_format("int8", torch.float32)
+    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
+    pool = {"keys": keys, "values": values, "key_scales": key_scales, "value_scales": value_scales}
+    by_op = {name: t.clone() for name, t in pool.items()}
+    out = run(c | by_op, None)
+    by_torch = {name: t.clone() for name, t in pool.items()}
+    store_kv(LayerKV(*(by_torch[name] for name in POOL), fmt), c["slots"], c["k"], c["v"])
+    for name in POOL:
+        assert torch.equal(by_op[name], by_torch[name]), name
+    assert not torch.equal(by_op["key_scales"], pool["key_scales"])  # the op wrote some
+    stored = {"k": None, "v": None, "slots": None}
+    assert torch.equal(out, run(c | by_torch | stored, None))

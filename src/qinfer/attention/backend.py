@@ -77,13 +77,14 @@ def choose_backend(
     """The backend `name` asks for, set up for `features`, a model computing in `dtype` and
     storing K/V as `kv_dtype`. auto: paged on every device (the one measured; a GPU has not
     run either yet), and for static decode steps where it plans them (its CPU decode op:
-    kernels built, fp32 or bf16 queries and K/V), else gathered. Batch invariance is the
-    paged backend's alone."""
+    kernels built, fp32 or bf16 queries, fp32, bf16 or int8 K/V), else gathered. Batch
+    invariance is the paged backend's alone."""
     check_attention_backend(name)
     sdpa = sdpa_for(features)
     decode_kernel = (
         device.type == "cpu"
-        and {dtype, kv_dtype} <= set(kernels.ACTIVATION_DTYPES)
+        and dtype in kernels.ACTIVATION_DTYPES
+        and kv_dtype in (*kernels.ACTIVATION_DTYPES, torch.int8)
         and kernels.in_use()
     )
     paged = PagedBackend(sdpa, features.batch_invariant, decode_kernel)

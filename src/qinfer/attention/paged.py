@@ -15,10 +15,11 @@ their own histories:
   longest adds keys of weight exactly 0, so a row's attention is the same whatever else
   runs beside it (a lone sequence used to take torch's fused sdpa, whose other reduction
   order made its tokens differ from the same sequence's in a batch);
-- a decode step on a CPU (`PagedBackend.decode_kernel`, unquantized pools): one compiled
-  op a layer (`kernels.paged_decode_attention`) stores the step's K/V and attends each
-  query over its own table, its history alone, in fp32 with sums in key order: no group,
-  no padding, no copy, and the same output for a sequence alone and in any step;
+- a decode step on a CPU (`PagedBackend.decode_kernel`; fp32, bf16 or int8 pools): one
+  compiled op a layer (`kernels.paged_decode_attention`) stores the step's K/V (an int8
+  pool's quantized as `store_kv` quantizes them) and attends each query over its own table,
+  its history alone, in fp32 with sums in key order: no group, no padding, no copy, and the same
+  output for a sequence alone and in any step;
 - chunks (several new tokens each): keys and values copied as whole blocks, then the
   step's sdpa; or, batch-invariant (`Features.batch_invariant`), the decode arithmetic
   for every query, with fp64 scores, so that a token's output is the same in a chunk of
@@ -27,8 +28,9 @@ their own histories:
 A quantized pool (int8 or fp8, `qinfer.attention.kv_quant`) takes the step's K/V quantized per block
 of each token's head vector, one op chain per layer for all its tokens, and gives back only
 what attention reads: the gathered histories, dequantized in the copy that converts them
-(decode values too: torch's embedding_bag reads no int8 or fp8). An unquantized pool takes
-none of these steps.
+(decode values too: torch's embedding_bag reads no int8 or fp8), where the decode op (which
+dequantizes an int8 pool's blocks as it reads them) does not attend. An unquantized pool
+takes none of these steps.
 
 A group's histories are padded to its longest (in whole blocks) and masked by position.
 
@@ -347,12 +349,14 @@ class PagedAttention:
         into the layer's pool, then attends each group of sequences to its own histories."""
         kv, space, window = self.layers[layer]
         step = self.steps[space]
-        if self.decode_kernel and step.decode_only and kv.key_scales is None:
-            # one new token per sequence: stored and attended in one compiled op
-            # (`kernels.paged_decode_attention`), the step's views as they are
+        if self.decode_kernel and step.decode_only and _op_reads(kv):
+            # one new token per sequence: stored (an int8 pool's quantized as `store_kv`
+            # does) and attended in one compiled op (`kernels.paged_decode_attention`), the
+            # step's views as they are
             return kernels.paged_decode_attention(
                 *(q, k, v, kv.keys, kv.values, step.slots, step.positions, step.tables),
                 *(step.totals, step.key_starts, step.block_size, window, scale),
+                *(kv.key_scales, kv.value_scales),
             )
         store_kv(kv, step.slots, k, v)
         if step.in_order:  # one group holding the tokens in order: no gather, no scatter
@@ -371,17 +375,24 @@ class PagedAttention:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
         place (`_decode`), chunks go through sdpa on copied histories, or through `_decode`
         too where the step is to be batch-invariant."""
-        if group.num_new == 1 and self.decode_kernel and kv.key_scales is None:
+        if group.num_new == 1 and self.decode_kernel and _op_reads(kv):
             # decode tokens beside prompt chunks: the same op as a decode step's, their K/V
             # stored already
             out = kernels.paged_decode_attention(
                 *(q[:, 0], None, None, kv.keys, kv.values, None, group.query_positions[:, 0]),
                 *(group.tables, group.totals, group.key_starts, group.block_size, window, scale),
+                *(kv.key_scales, kv.value_scales),
             )
             return out[:, None]  # (G, 1, Hq, D)
         if group.num_new == 1 or self.invariant:
             return _decode(q, kv, group, window, scale, self.invariant)
         return _chunk(q, kv, group, window, scale, self.sdpa)
+
+
+def _op_reads(kv: LayerKV) -> bool:
+    """Whether the CPU's decode op reads this layer's pool: fp32 or bf16, or int8 with its
+    scales (an fp8 pool's decode tokens take torch's ops)."""
+    return kv.key_scales is None or kv.keys.dtype == torch.int8
 
 
 def _history(

@@ -386,6 +386,8 @@ def paged_decode_attention(
     block_size: int,
     window: int | None,
     scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q (G, Hq, D), k and v (G, Hkv, D) fp32 or bf16 -> (G, Hq, D)
     in q's dtype. Stores k, v into one layer's pool keys, values (Hkv, slots, D) fp32 or bf16
@@ -393,7 +395,10 @@ def paged_decode_attention(
     `positions` (G,) to its sequence's keys:
     those of its table (G, W) of blocks of `block_size` slots, from position key_starts[g]
     (None: 0) up to totals[g] (G,), within `window` (None: all). docs/KERNELS.md says
-    the arithmetic (fp32, every sum in key order)."""
+    the arithmetic (fp32, every sum in key order). An int8 pool (kv_quant's "int8") comes
+    with its fp16 key_scales and value_scales (Hkv, slots, N), N dividing D: k and v are
+    stored as `KVFormat.quantize` stores them (the same bits), and it attends as an fp32
+    pool of its dequantized values would, bit for bit."""
     if ops.paged_decode_attention is None:
         require()
     return ops.paged_decode_attention(
@@ -410,6 +415,8 @@ def paged_decode_attention(
         block_size,
         0 if window is None else window,
         scale,
+        key_scales,
+        value_scales,
     )
 
 

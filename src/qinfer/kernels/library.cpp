@@ -55,7 +55,8 @@ TORCH_LIBRARY(qinfer, lib) {
           "ScalarType dtype, str path='auto') -> Tensor");
   lib.def("paged_decode_attention(Tensor q, Tensor? k, Tensor? v, Tensor(a!) keys, "
           "Tensor(b!) values, Tensor? slots, Tensor positions, Tensor tables, Tensor totals, "
-          "Tensor? key_starts, int block_size, int window, float scale) -> Tensor");
+          "Tensor? key_starts, int block_size, int window, float scale, "
+          "Tensor(c!)? key_scales=None, Tensor(d!)? value_scales=None) -> Tensor");
   lib.def("lora_add(Tensor(a!) y, Tensor x, Tensor rows, Tensor slots, Tensor a, "
           "Tensor column_slots, Tensor?[] b_t, int[] parts, str path='auto') -> ()");
   lib.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");

@@ -45,7 +45,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& positions, const at::Tensor& tables,
                                   const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
-                                  int64_t block_size, int64_t window, double scale);
+                                  int64_t block_size, int64_t window, double scale,
+                                  const c10::optional<at::Tensor>& key_scales,
+                                  const c10::optional<at::Tensor>& value_scales);
 // causal_attention.cpp
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale);

@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -206,6 +207,22 @@ QINFER_INLINE void exp_minus(float* s, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) s[j] = exp_fp32(s[j] - m);
 }
 
+// out[r * D + i] = q[r * D + i] * scales[r * N + i / (D / N)] for `count` rows of an int8 pool
+// (N fp16 scales a row): exact in fp32 (8 bits by 11), so the loops read the values an fp32
+// pool of the dequantized rows holds.
+QINFER_INLINE void dequantize_rows(const int8_t* q, const at::Half* scales, int64_t count,
+                                   int64_t D, int64_t N, float* out) {
+  const int64_t per = D / N;
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t n = 0; n < N; ++n) {
+      const float scale = static_cast<float>(scales[r * N + n]);
+      const int8_t* from = q + r * D + n * per;
+      float* to = out + r * D + n * per;
+      for (int64_t i = 0; i < per; ++i) to[i] = static_cast<float>(from[i]) * scale;
+    }
+  }
+}
+
 // The scores and the weighted sum of one block's keys for 1 to kMaxHeads query heads, K the
 // pool's element (fp32 or bf16).
 template <typename W, typename K>
@@ -246,6 +263,10 @@ QINFER_INLINE void sum_for_heads(int heads, const float* const* w, int64_t j0, c
       sum_for_heads<WIDEN>(heads, w, j0, v, n, D, acc);                                 \
     }                                                                                   \
     TARGET static void exp(float* s, int64_t n, float m) { exp_minus(s, n, m); }         \
+    TARGET static void dequantize(const int8_t* q, const at::Half* scales, int64_t count, \
+                                  int64_t D, int64_t N, float* out) {                   \
+      dequantize_rows(q, scales, count, D, N, out);                                     \
+    }                                                                                   \
   };
 QINFER_DECODE_LOOPS(LoopsScalar, , WidenPortable)
 QINFER_DECODE_LOOPS(LoopsAvx2, QINFER_AVX2, WidenAvx2)
@@ -261,6 +282,9 @@ uint16_t* raw<uint16_t>(const at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
+template <>
+int8_t* raw<int8_t>(const at::Tensor& t) { return t.data_ptr<int8_t>(); }
+
 bool float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
@@ -275,9 +299,44 @@ struct Layer {
   const int64_t* key_starts;  // or null: every table starts at position 0
   int64_t window;             // <= 0: none
   float scale;
+  // an int8 pool's fp16 scales, (Hkv, slots, N) each (null for fp32 and bf16 pools)
+  at::Half* key_scales;
+  at::Half* value_scales;
+  int64_t N;
 };
 
-// k, v (G, Hkv, D) -> the pool's rows at their slots.
+// One (token, head) row x of D elements into the pool at `to`: rounded to an fp32 or bf16
+// pool's dtype (round half to even); for an int8 pool, quantized as kv_quant's "int8" does
+// (`KVFormat.quantize`, the same bits): per block of D / N elements, scale = fp16(absmax / 127)
+// (round to nearest even) into `scales`, and each element round-half-to-even of x / scale
+// clamped to [-127, 127] (the scale taken at least FLT_MIN: an all-zero block stores zeros).
+template <typename Q>
+void put_row(const Q* x, float* to, at::Half*, int64_t D, int64_t) {
+  for (int64_t i = 0; i < D; ++i) narrow(widen(x[i]), to + i);
+}
+template <typename Q>
+void put_row(const Q* x, uint16_t* to, at::Half*, int64_t D, int64_t) {
+  for (int64_t i = 0; i < D; ++i) narrow(widen(x[i]), to + i);
+}
+template <typename Q>
+void put_row(const Q* x, int8_t* to, at::Half* scales, int64_t D, int64_t N) {
+  const int64_t per = D / N;
+  for (int64_t n = 0; n < N; ++n) {
+    float absmax = 0.0f;
+    for (int64_t i = n * per; i < (n + 1) * per; ++i)
+      absmax = std::max(absmax, std::fabs(widen(x[i])));
+    scales[n] = at::Half(absmax / 127.0f);
+    const float tiny = std::numeric_limits<float>::min();
+    const float divisor = std::max(static_cast<float>(scales[n]), tiny);
+    for (int64_t i = n * per; i < (n + 1) * per; ++i) {
+      const float y = std::min(std::max(widen(x[i]) / divisor, -127.0f), 127.0f);
+      to[i] = static_cast<int8_t>(std::nearbyint(y));
+    }
+  }
+}
+
+// k, v (G, Hkv, D) -> the pool's rows at their slots (`put_row`), an int8 pool's scales
+// (Hkv, slots, N) beside.
 template <typename Q, typename P>
 void store(const Layer& L, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keys,
            const at::Tensor& values) {
@@ -285,16 +344,16 @@ void store(const Layer& L, const at::Tensor& k, const at::Tensor& v, const at::T
   const Q* vp = raw<Q>(v);
   P* keys_p = raw<P>(keys);
   P* values_p = raw<P>(values);
+  const int64_t num_slots = keys.size(1);
   for (int64_t g = 0; g < L.G; ++g) {
     for (int64_t h = 0; h < L.Hkv; ++h) {
-      const Q* ks = kp + g * k.stride(0) + h * k.stride(1);
-      const Q* vs = vp + g * v.stride(0) + h * v.stride(1);
-      P* kd = keys_p + h * keys.stride(0) + L.slots[g] * keys.stride(1);
-      P* vd = values_p + h * values.stride(0) + L.slots[g] * values.stride(1);
-      for (int64_t i = 0; i < L.D; ++i) {
-        narrow(widen(ks[i]), kd + i);
-        narrow(widen(vs[i]), vd + i);
-      }
+      const int64_t scales_at = (h * num_slots + L.slots[g]) * L.N;
+      put_row(kp + g * k.stride(0) + h * k.stride(1),
+              keys_p + h * keys.stride(0) + L.slots[g] * keys.stride(1),
+              L.key_scales ? L.key_scales + scales_at : nullptr, L.D, L.N);
+      put_row(vp + g * v.stride(0) + h * v.stride(1),
+              values_p + h * values.stride(0) + L.slots[g] * values.stride(1),
+              L.value_scales ? L.value_scales + scales_at : nullptr, L.D, L.N);
     }
   }
 }
@@ -382,9 +441,44 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
       j += count;
     }
   };
+  // An int8 pool's block is dequantized into a buffer that the loops read as an fp32 pool's
+  // rows; the next block's rows and scales are fetched into L2 before it.
+  constexpr bool quantized = std::is_same_v<P, int8_t>;
+  static thread_local std::vector<float> buffer;
+  if constexpr (quantized) buffer.resize(static_cast<size_t>(B * D));
+  const int64_t scales_offset = kv_head * (pool_stride0 / D) * L.N;
+  const auto dequantized = [&](const auto* rows, const at::Half* scales, int64_t row,
+                               int64_t count) {
+    Loops::dequantize(rows + row, scales + scales_offset + row / D * L.N, count, D, L.N,
+                      buffer.data());
+    return static_cast<const float*>(buffer.data());
+  };
+  const auto fetch = [&](const auto* rows, const at::Half* scales, int64_t next, int locality) {
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(P));
+    const int64_t scale_bytes = L.N * static_cast<int64_t>(sizeof(at::Half));
+    const at::Half* next_scales = scales + scales_offset + next / D * L.N;
+    if (locality == 3) {
+      prefetch<3>(rows + next, B * row_bytes);
+      prefetch<3>(next_scales, B * scale_bytes);
+    } else {
+      prefetch<2>(rows + next, B * row_bytes);
+      prefetch<2>(next_scales, B * scale_bytes);
+    }
+  };
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
-    Loops::scores(heads, qs, head_keys + row, count, D, s, j,
-                    next < 0 ? nullptr : head_keys + next, next < 0 ? nullptr : head_values + next);
+    if constexpr (quantized) {
+      if (next >= 0) {
+        fetch(head_keys, L.key_scales, next, 2);
+        fetch(head_values, L.value_scales, next, 2);
+      }
+      const float* none = nullptr;
+      Loops::scores(heads, qs, dequantized(head_keys, L.key_scales, row, count), count, D, s, j,
+                    none, none);
+    } else {
+      Loops::scores(heads, qs, head_keys + row, count, D, s, j,
+                    next < 0 ? nullptr : head_keys + next,
+                    next < 0 ? nullptr : head_values + next);
+    }
   });
   for (int r = 0; r < heads; ++r) {
     float m = -std::numeric_limits<float>::infinity();
@@ -402,8 +496,13 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
   }
   const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
-    if (next >= 0) prefetch<3>(head_values + next, block_bytes);
-    Loops::sum(heads, s, j, head_values + row, count, D, acc);
+    if constexpr (quantized) {
+      if (next >= 0) fetch(head_values, L.value_scales, next, 3);
+      Loops::sum(heads, s, j, dequantized(head_values, L.value_scales, row, count), count, D, acc);
+    } else {
+      if (next >= 0) prefetch<3>(head_values + next, block_bytes);
+      Loops::sum(heads, s, j, head_values + row, count, D, acc);
+    }
   });
 }
 
@@ -523,15 +622,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                                   const at::Tensor& positions,
                                   const at::Tensor& tables, const at::Tensor& totals,
                                   const c10::optional<at::Tensor>& key_starts,
-                                  int64_t block_size, int64_t window, double scale) {
+                                  int64_t block_size, int64_t window, double scale,
+                                  const c10::optional<at::Tensor>& key_scales,
+                                  const c10::optional<at::Tensor>& value_scales) {
   TORCH_CHECK(q.dim() == 3 && q.size(1) > 0 && q.size(2) > 0 && float_or_bf16(q) && q.is_cpu() &&
                   q.stride(2) == 1,
               "paged_decode_attention: q must be (G, Hq, D) fp32 or bf16 on the CPU with Hq, D > "
               "0 and its last dimension contiguous, got ", shape_str(q), " ", q.scalar_type());
   const int64_t G = q.size(0), Hq = q.size(1), D = q.size(2);
-  TORCH_CHECK(keys.dim() == 3 && keys.size(2) == D && keys.is_contiguous() && float_or_bf16(keys),
+  const bool int8_pool = keys.scalar_type() == at::kChar;
+  TORCH_CHECK(keys.dim() == 3 && keys.size(2) == D && keys.is_contiguous() &&
+                  (float_or_bf16(keys) || int8_pool),
               "paged_decode_attention: keys must be a contiguous (Hkv, slots, ", D,
-              ") fp32 or bf16 pool, got ", shape_str(keys), " ", keys.scalar_type());
+              ") fp32, bf16 or int8 pool, got ", shape_str(keys), " ", keys.scalar_type());
   const int64_t Hkv = keys.size(0), num_slots = keys.size(1);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "paged_decode_attention: ", Hq,
               " query heads do not share ", Hkv, " KV heads evenly");
@@ -544,6 +647,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
   const bool stores = k.has_value();
   TORCH_CHECK(v.has_value() == stores && slots.has_value() == stores,
               "paged_decode_attention: k, v and slots are given together or not at all");
+  // An int8 pool: fp16 scales (Hkv, slots, N), N dividing D, one per D / N elements of a row
+  // (kv_quant's layout), written for the k and v it stores.
+  TORCH_CHECK(key_scales.has_value() == int8_pool && value_scales.has_value() == int8_pool,
+              "paged_decode_attention: key_scales and value_scales are given with an int8 pool "
+              "and only then, got a ", keys.scalar_type(), " pool ",
+              key_scales.has_value() ? "with" : "without", " key_scales");
+  int64_t N = 0;
+  if (int8_pool) {
+    N = key_scales->dim() == 3 ? key_scales->size(2) : 0;
+    for (const auto* t : {&*key_scales, &*value_scales})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(1) == num_slots && N > 0 &&
+                      t->size(2) == N && D % N == 0 && t->is_contiguous() &&
+                      t->scalar_type() == at::kHalf,
+                  "paged_decode_attention: key_scales and value_scales must be contiguous (",
+                  Hkv, ", ", num_slots, ", N) fp16 with N dividing ", D, ", got ", shape_str(*t),
+                  " ", t->scalar_type());
+  }
   if (stores) {
     check_heads(*k, "k", G, Hkv, D, q.scalar_type());
     check_heads(*v, "v", G, Hkv, D, q.scalar_type());
@@ -568,7 +688,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
                 totals.data_ptr<int64_t>(),
                 key_starts.has_value() ? key_starts->data_ptr<int64_t>() : nullptr,
                 window,
-                static_cast<float>(scale)};
+                static_cast<float>(scale),
+                int8_pool ? key_scales->data_ptr<at::Half>() : nullptr,
+                int8_pool ? value_scales->data_ptr<at::Half>() : nullptr,
+                N};
   // Every slot the call writes or reads is in the pool: a wrong table is an error here, not
   // a read past the pool's end.
   const int64_t W = tables.size(1), num_blocks = num_slots / block_size;
@@ -592,6 +715,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
   const at::Tensor* kp = stores ? &*k : nullptr;
   const at::Tensor* vp = stores ? &*v : nullptr;
   const bool q32 = q.scalar_type() == at::kFloat, p32 = keys.scalar_type() == at::kFloat;
+  if (int8_pool) {
+    if (q32) attend_best<float, int8_t>(L, q, kp, vp, keys, values, out);
+    else attend_best<uint16_t, int8_t>(L, q, kp, vp, keys, values, out);
+    return out;
+  }
   if (q32 && p32) attend_best<float, float>(L, q, kp, vp, keys, values, out);
   if (q32 && !p32) attend_best<float, uint16_t>(L, q, kp, vp, keys, values, out);
   if (!q32 && p32) attend_best<uint16_t, float>(L, q, kp, vp, keys, values, out);

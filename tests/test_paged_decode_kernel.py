@@ -232,26 +232,42 @@ def test_k_v_stored_already_give_the_same_output():
         run({**c, "k": None}, 20)
 
 
-@pytest.mark.parametrize("pool_dtype", DTYPES)
-def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_dtype):
-    """The op's loops, compiled for each path (each with its own widening of a bf16 pool),
-    round alike: capped at AVX2 and at the scalar path (ATEN_CPU_CAPABILITY caps the ops'
-    automatic paths) in fresh processes, the outputs and the stored pools are this
-    process's bit for bit, over several chunks of keys and 3 query heads a KV head."""
+@pytest.mark.parametrize("pool_dtype", [*DTYPES, torch.int8])
+@pytest.mark.parametrize("D", [72, 64])
+def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_dtype, D):
+    """The op's loops, compiled for each path (each with its own widening of a bf16 pool,
+    its own dequantizing of an int8 one), round alike: capped at AVX2 and at the scalar path
+    (ATEN_CPU_CAPABILITY caps the ops' automatic paths) in fresh processes, the outputs and
+    the stored pools (an int8 pool's scales too) are this process's bit for bit, over several
+    chunks of keys and 3 query heads a KV head."""
     if kernels.norm_auto_path() == "scalar":
         pytest.skip("this CPU runs no vector path to compare with")
-    c = case(torch.float32, pool_dtype, sliding=False, D=72, heads=(6, 2), totals=LONG)
+    int8 = pool_dtype == torch.int8
+    c = case(torch.float32, torch.float32 if int8 else pool_dtype, False, D=D, totals=LONG)
+    if int8:
+        fmt = kv_format("int8", torch.float32)
+        (keys, key_scales), (values, value_scales) = (
+            fmt.quantize(c[n]) for n in ("keys", "values")
+        )
+        c |= {
+            "keys": keys,
+            "values": values,
+            "key_scales": key_scales,
+            "value_scales": value_scales,
+        }
+    pool = [name for name in POOL if name in c]
     call = (
         f"(lambda c: (kernels.paged_decode_attention(**c, block_size={BLOCK}, window=None, "
-        "scale=0.125), c['keys'], c['values']))(dict(zip(inputs[0], inputs[1:])))"
+        f"scale=0.125), *(c[n] for n in {pool})))(dict(zip(inputs[0], inputs[1:])))"
     )
     # the pools as they are before this process's call stores the step's k and v
     inputs = [list(c), *(v.clone() if isinstance(v, torch.Tensor) else v for v in c.values())]
     here = run(c, None)
     for capability in ("avx2", "default"):
-        out, keys, values = in_capped_process(capability, tmp_path, call, *inputs)
+        out, *stored = in_capped_process(capability, tmp_path, call, *inputs)
         assert torch.equal(out, here), capability
-        assert torch.equal(keys, c["keys"]) and torch.equal(values, c["values"]), capability
+        for name, tensor in zip(pool, stored, strict=True):
+            assert torch.equal(tensor, c[name]), (capability, name)
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)

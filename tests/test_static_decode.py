@@ -146,11 +146,14 @@ def test_buckets_are_powers_of_two_up_to_the_capacity():
 
 
 def test_static_decode_needs_a_backend_that_plans_it(torch_ops_only):
-    """The paged backend plans static decode steps through the CPU's decode op alone: not
-    over an int8 KV cache, nor for fp16 queries or K/V (the op takes fp32 and bf16), nor on
-    torch's ops; auto then takes the gathered backend."""
+    """The paged backend plans static decode steps through the CPU's decode op alone: over
+    fp32, bf16 and int8 K/V, not over an fp8 KV cache, nor for fp16 queries or K/V (the op
+    takes fp32 and bf16 queries), nor on torch's ops; auto then takes the gathered
+    backend."""
     cpu, plain = torch.device("cpu"), Features()
-    for dtypes in [(torch.float32, torch.int8), (torch.float16, torch.float16)]:
+    if kernels.in_use():
+        assert choose_backend("paged", cpu, plain, True, torch.float32, torch.int8).decode_kernel
+    for dtypes in [(torch.float32, torch.float8_e4m3fn), (torch.float16, torch.float16)]:
         with pytest.raises(QinferError, match="'paged' plans static decode steps only"):
             choose_backend("paged", cpu, plain, True, *dtypes)
         assert isinstance(choose_backend("auto", cpu, plain, True, *dtypes), GatheredBackend)

@@ -310,12 +310,8 @@ struct Layer {
 // (`KVFormat.quantize`, the same bits): per block of D / N elements, scale = fp16(absmax / 127)
 // (round to nearest even) into `scales`, and each element round-half-to-even of x / scale
 // clamped to [-127, 127] (the scale taken at least FLT_MIN: an all-zero block stores zeros).
-template <typename Q>
-void put_row(const Q* x, float* to, at::Half*, int64_t D, int64_t) {
-  for (int64_t i = 0; i < D; ++i) narrow(widen(x[i]), to + i);
-}
-template <typename Q>
-void put_row(const Q* x, uint16_t* to, at::Half*, int64_t D, int64_t) {
+template <typename Q, typename P>
+void put_row(const Q* x, P* to, at::Half*, int64_t D, int64_t) {
   for (int64_t i = 0; i < D; ++i) narrow(widen(x[i]), to + i);
 }
 template <typename Q>

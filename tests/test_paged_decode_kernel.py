@@ -302,12 +302,14 @@ def test_an_int8_pool_is_refused_without_its_scales_and_scales_without_one():
     (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
     int8 = {**c, "keys": keys, "values": values, "k": None, "v": None, "slots": None}
     scales = {"key_scales": key_scales, "value_scales": value_scales}
-    with pytest.raises(RuntimeError, match="key_scales and value_scales are given with an int8"):
+    with pytest.raises(RuntimeError, match="key_scales is given with an int8 pool"):
         run(int8, None)
-    with pytest.raises(RuntimeError, match="key_scales and value_scales are given with an int8"):
+    with pytest.raises(RuntimeError, match="value_scales is given with an int8 pool"):
+        run(int8 | {"key_scales": key_scales}, None)
+    with pytest.raises(RuntimeError, match="key_scales is given with an int8 pool"):
         run(c | scales, None)
-    with pytest.raises(RuntimeError, match=r"must be contiguous \(2, \d+, N\) fp16"):
-        run(int8 | scales | {"key_scales": key_scales.float()}, None)
+    with pytest.raises(RuntimeError, match=r"value_scales must be contiguous \(2, \d+, N\) fp16"):
+        run(int8 | scales | {"value_scales": value_scales.float()}, None)
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
@@ -317,13 +319,15 @@ def test_an_int8_pool_stores_k_and_v_as_kv_quant_quantizes_them(q_dtype):
     scale) and of large ones; and the output that pool gives once torch stored them."""
     c = case(q_dtype, torch.float32, False, seed=4)
     c["k"][0, 0, :32] = 0
-    c["k"][1, 1, 32:] *= 1e-6
+    c["k"][1, 1, 32:] *= 1e-5
     c["v"][2, 0, :32] *= 1e4
     fmt = kv_format("int8", torch.float32)
     (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
     pool = {"keys": keys, "values": values, "key_scales": key_scales, "value_scales": value_scales}
     by_op = {name: t.clone() for name, t in pool.items()}
     out = run(c | by_op, None)
+    tiny = by_op["key_scales"][1, c["slots"][1], 1]  # the scaled-down block's: a subnormal
+    assert 0 < tiny < torch.finfo(torch.float16).smallest_normal
     by_torch = {name: t.clone() for name, t in pool.items()}
     store_kv(LayerKV(*(by_torch[name] for name in POOL), fmt), c["slots"], c["k"], c["v"])
     for name in POOL:

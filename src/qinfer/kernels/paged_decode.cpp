@@ -48,6 +48,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -310,6 +311,8 @@ struct Layer {
 // (`KVFormat.quantize`, the same bits): per block of D / N elements, scale = fp16(absmax / 127)
 // (round to nearest even) into `scales`, and each element round-half-to-even of x / scale
 // clamped to [-127, 127] (the scale taken at least FLT_MIN: an all-zero block stores zeros).
+// A block holding a NaN stores a NaN scale and zeros, as torch's amax and int8 cast leave it
+// (and no NaN is cast to int8 here, which C++ leaves undefined).
 template <typename Q, typename P>
 void put_row(const Q* x, P* to, at::Half*, int64_t D, int64_t) {
   for (int64_t i = 0; i < D; ++i) narrow(widen(x[i]), to + i);
@@ -319,14 +322,17 @@ void put_row(const Q* x, int8_t* to, at::Half* scales, int64_t D, int64_t N) {
   const int64_t per = D / N;
   for (int64_t n = 0; n < N; ++n) {
     float absmax = 0.0f;
-    for (int64_t i = n * per; i < (n + 1) * per; ++i)
-      absmax = std::max(absmax, std::fabs(widen(x[i])));
+    for (int64_t i = n * per; i < (n + 1) * per; ++i) {
+      const float a = std::fabs(widen(x[i]));
+      absmax = std::isnan(a) || std::isnan(absmax) ? std::numeric_limits<float>::quiet_NaN()
+                                                   : std::max(absmax, a);
+    }
     scales[n] = at::Half(absmax / 127.0f);
     const float tiny = std::numeric_limits<float>::min();
     const float divisor = std::max(static_cast<float>(scales[n]), tiny);
     for (int64_t i = n * per; i < (n + 1) * per; ++i) {
       const float y = std::min(std::max(widen(x[i]) / divisor, -127.0f), 127.0f);
-      to[i] = static_cast<int8_t>(std::nearbyint(y));
+      to[i] = std::isnan(absmax) ? 0 : static_cast<int8_t>(std::nearbyint(y));
     }
   }
 }
@@ -645,20 +651,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
               "paged_decode_attention: k, v and slots are given together or not at all");
   // An int8 pool: fp16 scales (Hkv, slots, N), N dividing D, one per D / N elements of a row
   // (kv_quant's layout), written for the k and v it stores.
-  TORCH_CHECK(key_scales.has_value() == int8_pool && value_scales.has_value() == int8_pool,
-              "paged_decode_attention: key_scales and value_scales are given with an int8 pool "
-              "and only then, got a ", keys.scalar_type(), " pool ",
-              key_scales.has_value() ? "with" : "without", " key_scales");
+  const std::pair<const char*, const c10::optional<at::Tensor>*> given[] = {
+      {"key_scales", &key_scales}, {"value_scales", &value_scales}};
+  for (const auto& [name, t] : given)
+    TORCH_CHECK(t->has_value() == int8_pool, "paged_decode_attention: ", name,
+                " is given with an int8 pool and only then, got a ", keys.scalar_type(), " pool ",
+                t->has_value() ? "with" : "without", " it");
   int64_t N = 0;
   if (int8_pool) {
     N = key_scales->dim() == 3 ? key_scales->size(2) : 0;
-    for (const auto* t : {&*key_scales, &*value_scales})
+    for (const auto& [name, optional] : given) {
+      const at::Tensor* t = &**optional;
       TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(1) == num_slots && N > 0 &&
                       t->size(2) == N && D % N == 0 && t->is_contiguous() &&
                       t->scalar_type() == at::kHalf,
-                  "paged_decode_attention: key_scales and value_scales must be contiguous (",
-                  Hkv, ", ", num_slots, ", N) fp16 with N dividing ", D, ", got ", shape_str(*t),
-                  " ", t->scalar_type());
+                  "paged_decode_attention: ", name, " must be contiguous (", Hkv, ", ",
+                  num_slots, ", N) fp16 with N dividing ", D, " (key_scales' N), got ",
+                  shape_str(*t), " ", t->scalar_type());
+    }
   }
   if (stores) {
     check_heads(*k, "k", G, Hkv, D, q.scalar_type());

@@ -300,8 +300,9 @@ class PagedBackend:
 
     sdpa: the attention function of prompt chunks; invariant: every query through the
     decode arithmetic (`Features.batch_invariant`); decode_kernel: decode steps through the
-    compiled op (`kernels.paged_decode_attention`: CPU pools of fp32 or bf16 K/V, queries
-    of either, not with invariant, whose fp64 arithmetic a chunk must share)."""
+    compiled op (`kernels.paged_decode_attention`: CPU pools of fp32, bf16 or int8 K/V, as
+    `choose_backend` decides by the pool's format, queries of fp32 or bf16; not with
+    invariant, whose fp64 arithmetic a chunk must share)."""
 
     layout = KVLayout.HEADS_FIRST
 
@@ -328,7 +329,7 @@ class PagedAttention:
     answer `scaled_dot_product_attention_grouped`'s contract. invariant: every query,
     decode or chunk, through `_decode`'s invariant arithmetic (`Features.batch_invariant`).
     decode_kernel: every decode token (a step's, or beside prompt chunks) through the
-    compiled op, where the layer's pool is unquantized (`PagedBackend`).
+    compiled op (`PagedBackend`).
     """
 
     def __init__(
@@ -349,7 +350,7 @@ class PagedAttention:
         into the layer's pool, then attends each group of sequences to its own histories."""
         kv, space, window = self.layers[layer]
         step = self.steps[space]
-        if self.decode_kernel and step.decode_only and _op_reads(kv):
+        if self.decode_kernel and step.decode_only:
             # one new token per sequence: stored (an int8 pool's quantized as `store_kv`
             # does) and attended in one compiled op (`kernels.paged_decode_attention`), the
             # step's views as they are
@@ -375,7 +376,7 @@ class PagedAttention:
         """q (G, L, Hq, D) of one group -> (G, L, Hq, D). Decode queries read the values in
         place (`_decode`), chunks go through sdpa on copied histories, or through `_decode`
         too where the step is to be batch-invariant."""
-        if group.num_new == 1 and self.decode_kernel and _op_reads(kv):
+        if group.num_new == 1 and self.decode_kernel:
             # decode tokens beside prompt chunks: the same op as a decode step's, their K/V
             # stored already
             out = kernels.paged_decode_attention(
@@ -387,12 +388,6 @@ class PagedAttention:
         if group.num_new == 1 or self.invariant:
             return _decode(q, kv, group, window, scale, self.invariant)
         return _chunk(q, kv, group, window, scale, self.sdpa)
-
-
-def _op_reads(kv: LayerKV) -> bool:
-    """Whether the CPU's decode op reads this layer's pool: fp32 or bf16, or int8 with its
-    scales (an fp8 pool's decode tokens take torch's ops)."""
-    return kv.key_scales is None or kv.keys.dtype == torch.int8
 
 
 def _history(

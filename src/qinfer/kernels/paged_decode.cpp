@@ -443,40 +443,41 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
       j += count;
     }
   };
-  // An int8 pool's block is dequantized into a buffer that the loops read as an fp32 pool's
-  // rows; the next block's rows and scales are fetched into L2 before it.
+  // A block's rows as the loops read them: an fp32 or bf16 pool's where they lie, an int8
+  // pool's dequantized into a buffer (read as an fp32 pool's rows).
   constexpr bool quantized = std::is_same_v<P, int8_t>;
   static thread_local std::vector<float> buffer;
   if constexpr (quantized) buffer.resize(static_cast<size_t>(B * D));
   const int64_t scales_offset = kv_head * (pool_stride0 / D) * L.N;
-  const auto dequantized = [&](const auto* rows, const at::Half* scales, int64_t row,
-                               int64_t count) {
-    Loops::dequantize(rows + row, scales + scales_offset + row / D * L.N, count, D, L.N,
-                      buffer.data());
-    return static_cast<const float*>(buffer.data());
-  };
-  const auto fetch = [&](const auto* rows, const at::Half* scales, int64_t next, int locality) {
-    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(P));
-    const int64_t scale_bytes = L.N * static_cast<int64_t>(sizeof(at::Half));
-    const at::Half* next_scales = scales + scales_offset + next / D * L.N;
-    if (locality == 3) {
-      prefetch<3>(rows + next, B * row_bytes);
-      prefetch<3>(next_scales, B * scale_bytes);
+  const auto read = [&](const P* rows, const at::Half* scales, int64_t row, int64_t count) {
+    if constexpr (quantized) {
+      Loops::dequantize(rows + row, scales + scales_offset + row / D * L.N, count, D, L.N,
+                        buffer.data());
+      return static_cast<const float*>(buffer.data());
     } else {
-      prefetch<2>(rows + next, B * row_bytes);
-      prefetch<2>(next_scales, B * scale_bytes);
+      return rows + row;
     }
   };
+  // The next block's rows, and an int8 pool's scales, fetched into L1 (Locality 3) or L2 (2).
+  const auto fetch = [&](auto locality, const P* rows, const at::Half* scales, int64_t next) {
+    constexpr int kLocality = decltype(locality)::value;
+    prefetch<kLocality>(rows + next, B * D * static_cast<int64_t>(sizeof(P)));
+    if constexpr (quantized)
+      prefetch<kLocality>(scales + scales_offset + next / D * L.N,
+                          B * L.N * static_cast<int64_t>(sizeof(at::Half)));
+  };
+  using IntoL1 = std::integral_constant<int, 3>;
+  using IntoL2 = std::integral_constant<int, 2>;
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
-    if constexpr (quantized) {
+    if constexpr (quantized) {  // whole blocks fetched ahead (the rows are read once, widened)
       if (next >= 0) {
-        fetch(head_keys, L.key_scales, next, 2);
-        fetch(head_values, L.value_scales, next, 2);
+        fetch(IntoL2{}, head_keys, L.key_scales, next);
+        fetch(IntoL2{}, head_values, L.value_scales, next);
       }
       const float* none = nullptr;
-      Loops::scores(heads, qs, dequantized(head_keys, L.key_scales, row, count), count, D, s, j,
-                    none, none);
-    } else {
+      Loops::scores(heads, qs, read(head_keys, L.key_scales, row, count), count, D, s, j, none,
+                    none);
+    } else {  // the next block's rows fetched as each key of this one is scored
       Loops::scores(heads, qs, head_keys + row, count, D, s, j,
                     next < 0 ? nullptr : head_keys + next,
                     next < 0 ? nullptr : head_values + next);
@@ -496,15 +497,9 @@ void attend_chunk(const Layer& L, int64_t g, int64_t h0, int heads, int64_t c, c
     acc[r][D + 1] = l;
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
-  const int64_t block_bytes = B * D * static_cast<int64_t>(sizeof(P));
   blocks([&](int64_t j, int64_t count, int64_t row, int64_t next) {
-    if constexpr (quantized) {
-      if (next >= 0) fetch(head_values, L.value_scales, next, 3);
-      Loops::sum(heads, s, j, dequantized(head_values, L.value_scales, row, count), count, D, acc);
-    } else {
-      if (next >= 0) prefetch<3>(head_values + next, block_bytes);
-      Loops::sum(heads, s, j, head_values + row, count, D, acc);
-    }
+    if (next >= 0) fetch(IntoL1{}, head_values, L.value_scales, next);
+    Loops::sum(heads, s, j, read(head_values, L.value_scales, row, count), count, D, acc);
   });
 }
 

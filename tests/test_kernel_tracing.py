@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from qinfer import kernels
-from qinfer.attention.kv_quant import kv_format
-from tests.test_paged_decode_kernel import BLOCK, case
+from tests.test_paged_decode_kernel import BLOCK, case, int8_pool
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,11 +78,11 @@ def test_each_op_traces_as_it_runs(name):
 def test_the_decode_op_traces_over_an_int8_pool():
     """Over an int8 pool the decode op also writes the pool's scales: traced as it runs."""
     c = case(torch.float32, torch.float32, sliding=True)
-    fmt = kv_format("int8", torch.float32)
-    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
+    pool = int8_pool(c)
     args = (
-        *(c["q"], c["k"], c["v"], keys, values, c["slots"], c["positions"], c["tables"]),
-        *(c["totals"], c["key_starts"], BLOCK, 20, 0.125, key_scales, value_scales),
+        *(c["q"], c["k"], c["v"], pool["keys"], pool["values"], c["slots"], c["positions"]),
+        *(c["tables"], c["totals"], c["key_starts"], BLOCK, 20, 0.125),
+        *(pool["key_scales"], pool["value_scales"]),
     )
     results = torch.library.opcheck(torch.ops.qinfer.paged_decode_attention.default, args)
     assert set(results.values()) == {"SUCCESS"}, results

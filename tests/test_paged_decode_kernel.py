@@ -95,6 +95,16 @@ def run(c: dict, window: int | None, scale: float = 0.125, rows=slice(None)) -> 
 DTYPES = [torch.float32, torch.bfloat16]
 #: A case's pool tensors: whole in every call (its other tensors are per sequence).
 POOL = ("keys", "values", "key_scales", "value_scales")
+#: kv_quant's int8 storage (fp16 scales per 32 elements of a row, or one a row)
+INT8 = kv_format("int8", torch.float32)
+
+
+def int8_pool(c: dict) -> dict:
+    """Case c's pool quantized as kv_quant's int8: keys, values and their scales."""
+    (keys, key_scales), (values, value_scales) = (INT8.quantize(c[n]) for n in ("keys", "values"))
+    return {"keys": keys, "values": values, "key_scales": key_scales, "value_scales": value_scales}
+
+
 WINDOWS = [(None, False, SHORT), (7, False, SHORT), (20, True, SHORT)]
 # several chunks: from the first key, from a window's first (mid-block), and from a window's
 # first in a table that starts past position 0
@@ -245,16 +255,7 @@ def test_the_avx2_and_scalar_paths_give_the_automatic_paths_bits(tmp_path, pool_
     int8 = pool_dtype == torch.int8
     c = case(torch.float32, torch.float32 if int8 else pool_dtype, False, D=D, totals=LONG)
     if int8:
-        fmt = kv_format("int8", torch.float32)
-        (keys, key_scales), (values, value_scales) = (
-            fmt.quantize(c[n]) for n in ("keys", "values")
-        )
-        c |= {
-            "keys": keys,
-            "values": values,
-            "key_scales": key_scales,
-            "value_scales": value_scales,
-        }
+        c |= int8_pool(c)
     pool = [name for name in POOL if name in c]
     call = (
         f"(lambda c: (kernels.paged_decode_attention(**c, block_size={BLOCK}, window=None, "
@@ -280,36 +281,33 @@ def test_an_int8_pool_attends_as_the_fp32_pool_of_its_dequantized_values(
     does not divide D) gives, bit for bit, the output of an fp32 pool holding its values
     dequantized (exact in fp32), over several chunks of keys and within windows."""
     c = case(q_dtype, torch.float32, sliding, seed=3, D=D, totals=totals)
-    fmt = kv_format("int8", torch.float32)
-    assert fmt.scales_per_vector(D) == N
-    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
+    assert INT8.scales_per_vector(D) == N
+    pool = int8_pool(c)
     dequantized = {
-        "keys": fmt.dequantize(keys, key_scales, torch.float32),
-        "values": fmt.dequantize(values, value_scales, torch.float32),
+        "keys": INT8.dequantize(pool["keys"], pool["key_scales"], torch.float32),
+        "values": INT8.dequantize(pool["values"], pool["value_scales"], torch.float32),
     }
     stored = {"k": None, "v": None, "slots": None}
     expected = run({**c, **stored, **dequantized}, window)
-    int8 = {**c, **stored, "keys": keys, "values": values}
-    int8 |= {"key_scales": key_scales, "value_scales": value_scales}
-    assert torch.equal(run(int8, window), expected)
+    assert torch.equal(run(c | stored | pool, window), expected)
 
 
 def test_an_int8_pool_is_refused_without_its_scales_and_scales_without_one():
     """An int8 pool without its scales, scales beside an fp32 pool, and scales of the wrong
     dtype: each refused in one line."""
     c = case(torch.float32, torch.float32, False)
-    fmt = kv_format("int8", torch.float32)
-    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
-    int8 = {**c, "keys": keys, "values": values, "k": None, "v": None, "slots": None}
-    scales = {"key_scales": key_scales, "value_scales": value_scales}
+    pool = int8_pool(c)
+    int8 = {**c, "keys": pool["keys"], "values": pool["values"], "k": None, "v": None}
+    int8["slots"] = None
+    scales = {"key_scales": pool["key_scales"], "value_scales": pool["value_scales"]}
     with pytest.raises(RuntimeError, match="key_scales is given with an int8 pool"):
         run(int8, None)
     with pytest.raises(RuntimeError, match="value_scales is given with an int8 pool"):
-        run(int8 | {"key_scales": key_scales}, None)
+        run(int8 | {"key_scales": pool["key_scales"]}, None)
     with pytest.raises(RuntimeError, match="key_scales is given with an int8 pool"):
         run(c | scales, None)
     with pytest.raises(RuntimeError, match=r"value_scales must be contiguous \(2, \d+, N\) fp16"):
-        run(int8 | scales | {"value_scales": value_scales.float()}, None)
+        run(int8 | scales | {"value_scales": pool["value_scales"].float()}, None)
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
@@ -321,15 +319,13 @@ def test_an_int8_pool_stores_k_and_v_as_kv_quant_quantizes_them(q_dtype):
     c["k"][0, 0, :32] = 0
     c["k"][1, 1, 32:] *= 1e-5
     c["v"][2, 0, :32] *= 1e4
-    fmt = kv_format("int8", torch.float32)
-    (keys, key_scales), (values, value_scales) = (fmt.quantize(c[n]) for n in ("keys", "values"))
-    pool = {"keys": keys, "values": values, "key_scales": key_scales, "value_scales": value_scales}
+    pool = int8_pool(c)
     by_op = {name: t.clone() for name, t in pool.items()}
     out = run(c | by_op, None)
     tiny = by_op["key_scales"][1, c["slots"][1], 1]  # the scaled-down block's: a subnormal
     assert 0 < tiny < torch.finfo(torch.float16).smallest_normal
     by_torch = {name: t.clone() for name, t in pool.items()}
-    store_kv(LayerKV(*(by_torch[name] for name in POOL), fmt), c["slots"], c["k"], c["v"])
+    store_kv(LayerKV(*(by_torch[name] for name in POOL), INT8), c["slots"], c["k"], c["v"])
     for name in POOL:
         assert torch.equal(by_op[name], by_torch[name]), name
     assert not torch.equal(by_op["key_scales"], pool["key_scales"])  # the op wrote some

@@ -51,6 +51,15 @@ struct Int4Q8 : OnInt4Tiles<S> {
   static constexpr int64_t kActivationBytes = 1;
   static constexpr bool kAmx = true;
 
+  // One row's fp32 steps for a block on the VNNI tile's 16 columns, its exact dots given:
+  // acc = fma(float(dot), d * dx, acc), then fma(m, s, acc) (the AMX tiles' dots take the same).
+  QINFER_VNNI QINFER_INLINE static void scaled_vnni(__m512i dot, __m512 d16, __m512 m16, float dx,
+                                                    float s, __m512& acc) {
+    const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+    acc = _mm512_fmadd_ps(m16, _mm512_set1_ps(s), acc);
+  }
+
   // R rows by the 16 columns of tile g: per block, its 4 registers unpacked once for the R
   // rows, each row's 8 activation dwords broadcast into 8 dpbusd (lane l: column 16g + l's
   // exact dot product of the block), then scaled into the row's accumulator.
@@ -79,10 +88,8 @@ struct Int4Q8 : OnInt4Tiles<S> {
           const __m512i xk = _mm512_set1_epi32(dword(qx[i], b, k));
           dot[k & 1] = _mm512_dpbusd_epi32(dot[k & 1], wk[k], xk);
         }
-        const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx8[i][dx8_pos(b)]));
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0], dot[1]));
-        acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
-        acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i][b]), acc[i]);
+        scaled_vnni(_mm512_add_epi32(dot[0], dot[1]), d16, m16, dx8[i][dx8_pos(b)], s[i][b],
+                    acc[i]);
       }
     }
     #pragma GCC unroll 8
@@ -121,12 +128,8 @@ struct Int4Q8 : OnInt4Tiles<S> {
     const __m512 d16 = scales16(w.d_of(g, b), kTileCols);
     const __m512 m16 = offsets16(w.m_of(g, b), w.d_of(g, b), 0, kTileCols);
     #pragma GCC unroll 16
-    for (int i = 0; i < kAmxRows; ++i) {
-      const __m512 scale = _mm512_mul_ps(d16, _mm512_set1_ps(dx[i]));
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(dot + i * kTileCols));
-      acc[i] = _mm512_fmadd_ps(sum, scale, acc[i]);
-      acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(s[i]), acc[i]);
-    }
+    for (int i = 0; i < kAmxRows; ++i)
+      scaled_vnni(_mm512_load_si512(dot + i * kTileCols), d16, m16, dx[i], s[i], acc[i]);
   }
   QINFER_VNNI QINFER_INLINE static __m512 amx_out(const Unpacked&, __m512 acc) { return acc; }
 
